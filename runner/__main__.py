@@ -1,0 +1,28 @@
+"""``python -m runner [overrides]``: compose the config with Hydra and train. Nothing else lives here."""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from runner.config import register_configs
+from runner.errors import ConfigError
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from runner.train import train  # imported here so `--help` and compose errors stay fast
+
+    try:
+        return train(cfg)["samples_per_sec"]
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Measurement: step time and data wait without per-step syncs, FLOPs, MFU, peak memory.
+
+Rules (DESIGN.md): on CUDA each step records device events and they are read only at log intervals;
+on CPU ``time.perf_counter`` is exact. Data wait is the time blocked getting the next batch, host->device
+copy included; step time is the rest of the iteration. Warm-up steps are left out of every figure.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+# Dense (no sparsity) peak TFLOP/s by compute dtype, from the vendors' data sheets. Keys are matched as
+# substrings of torch.cuda.get_device_name(), most specific first. "tf32" is used for fp32 matmuls when
+# TF32 is allowed. Override with trainer.peak_tflops.
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),
+    ("T4", {"fp16": 65.0, "fp32": 8.1}),
+]
+_DTYPE_KEY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def peak_flops(device: torch.device, compute_dtype: torch.dtype, override_tflops: float | None) -> float | None:
+    """The device's dense peak in FLOP/s for ``compute_dtype``; None where unknown (CPUs, unlisted GPUs)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = _DTYPE_KEY.get(compute_dtype, "fp32")
+    if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        key = "tf32"
+    for pattern, peaks in PEAK_TFLOPS:
+        if pattern in name and key in peaks:
+            return peaks[key] * 1e12
+    return None
+
+
+def flops_per_sample(model: nn.Module, sample_shape: tuple[int, ...], device: torch.device,
+                     loss_fn: Callable = nn.functional.cross_entropy, num_classes: int = 10,
+                     memory_format: torch.memory_format = torch.contiguous_format) -> float | None:
+    """FLOPs of one forward + backward pass per sample, counted once by ``FlopCounterMode``.
+
+    A copy of the model runs one batch of 2 samples of shape ``sample_shape`` (C, H, W) on ``device``;
+    the model itself is untouched (BatchNorm statistics, gradients). Counts matmuls and convolutions,
+    as the MFU convention does (PaLM, appendix B). Returns None when the model cannot be counted.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        clone = copy.deepcopy(model).to(device)
+        x = torch.randn(2, *sample_shape, device=device).contiguous(memory_format=memory_format)
+        y = torch.randint(0, num_classes, (2,), device=device)
+        with FlopCounterMode(display=False) as counter:
+            loss_fn(clone(x), y).backward()
+        return counter.get_total_flops() / 2
+    except Exception:  # noqa: BLE001 - FLOPs are a figure, never a reason to fail the run
+        return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory in MiB: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class _CpuClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed_ms(a: float, b: float) -> float:
+        return (b - a) * 1e3
+
+
+class _CudaClock:
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed_ms(a: torch.cuda.Event, b: torch.cuda.Event) -> float:
+        return a.elapsed_time(b)  # waits for b only; called at log intervals
+
+
+class Meter:
+    """Times every optimizer step: each micro-batch fetch (start, ready) and the step's end.
+
+    Usage in the loop::
+
+        for each micro-batch: meter.start_fetch(); x, y = next(it); meter.batch_ready(); ...
+        meter.end_step()
+        if log step: row = meter.flush()           # the one host-device sync of the interval
+
+    A step's data wait is the sum of its fetches (ready - start); its step time is the rest of the
+    iteration (end - first start - data wait). ``flush`` turns pending marks into milliseconds and
+    returns the interval's figures; steps with index < ``warmup_steps`` are dropped. Evaluation must run
+    between ``end_step`` and the next ``start_fetch`` so it is never timed. Figures are per rank; the
+    engine reduces them across ranks.
+
+    Args:
+        device: the run's device (CUDA events there, perf_counter elsewhere).
+        warmup_steps: optimizer steps left out of every figure (compile, cuDNN autotune, allocator growth).
+        samples_per_step: global samples per optimizer step (global batch size).
+    """
+
+    def __init__(self, device: torch.device, warmup_steps: int, samples_per_step: int):
+        self.clock = _CudaClock() if device.type == "cuda" else _CpuClock()
+        self.warmup_steps = warmup_steps
+        self.samples_per_step = samples_per_step
+        self.step = 0
+        self._pending: list[list] = []
+        self._marks: list = []
+        self.data_wait_ms: list[float] = []
+        self.step_time_ms: list[float] = []
+
+    def start_fetch(self) -> None:
+        self._marks.append(self.clock.mark())
+
+    def batch_ready(self) -> None:
+        self._marks.append(self.clock.mark())
+
+    def end_step(self) -> None:
+        self._marks.append(self.clock.mark())
+        if self.step >= self.warmup_steps:
+            self._pending.append(self._marks)
+        self._marks = []
+        self.step += 1
+
+    def _resolve(self, marks: list) -> tuple[float, float]:
+        ms = self.clock.elapsed_ms
+        wait = sum(ms(marks[i], marks[i + 1]) for i in range(0, len(marks) - 1, 2))
+        return wait, ms(marks[0], marks[-1]) - wait
+
+    def flush(self) -> dict[str, float | None]:
+        """Resolve pending marks; return this interval's ``samples_per_sec``, ``step_time_ms`` (median),
+        ``data_wait_ms`` (mean), all None while the interval is inside the warm-up."""
+        resolved = [self._resolve(m) for m in self._pending]
+        self._pending = []
+        waits, steps = [w for w, _ in resolved], [s for _, s in resolved]
+        self.data_wait_ms += waits
+        self.step_time_ms += steps
+        if not steps:
+            return {"samples_per_sec": None, "step_time_ms": None, "data_wait_ms": None}
+        total_s = (sum(waits) + sum(steps)) / 1e3
+        return {
+            "samples_per_sec": self.samples_per_step * len(steps) / total_s,
+            "step_time_ms": statistics.median(steps),
+            "data_wait_ms": statistics.fmean(waits),
+        }
+
+    def totals(self) -> dict[str, float | int | None]:
+        """Whole-run figures over all measured (post-warm-up) iterations; call after a final ``flush``."""
+        n = len(self.step_time_ms)
+        if n == 0:
+            return {"samples_per_sec": None, "step_time_ms_median": None, "step_time_ms_p90": None,
+                    "data_wait_fraction": None, "measured_steps": 0, "measured_time_s": 0.0}
+        wait, step = sum(self.data_wait_ms), sum(self.step_time_ms)
+        ordered = sorted(self.step_time_ms)
+        return {
+            "samples_per_sec": self.samples_per_step * n / ((wait + step) / 1e3),
+            "step_time_ms_median": statistics.median(ordered),
+            "step_time_ms_p90": ordered[min(n - 1, int(round(0.9 * (n - 1))))],
+            "data_wait_fraction": wait / (wait + step),
+            "measured_steps": n,
+            "measured_time_s": (wait + step) / 1e3,
+        }

@@ -1,0 +1,83 @@
+"""Optimizers: ``_target_`` from the config, the LR scaled to the global batch, the kernel chosen."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import ConfigError
+
+#: Optimizer-group keys that are runner switches, not constructor arguments.
+RUNNER_KEYS = ("lr_scaling", "base_batch_size", "impl", "set_to_none", "clip_grad_norm")
+_IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
+
+
+def scaled_lr(cfg: DictConfig, global_batch_size: int) -> float:
+    """Technique 3: scale the LR with the global batch (Goyal et al. 2017, https://arxiv.org/abs/1706.02677).
+
+    ``linear``: lr x B / B0 (the paper's rule for SGD); ``sqrt``: lr x sqrt(B / B0) (Krizhevsky 2014,
+    common for Adam-type optimizers); ``none``: lr unchanged. B0 = ``optimizer.base_batch_size``.
+
+    Raises:
+        ConfigError: an unknown ``lr_scaling`` or a non-positive ``base_batch_size``.
+    """
+    if cfg.base_batch_size <= 0:
+        raise ConfigError(f"optimizer.base_batch_size={cfg.base_batch_size} must be > 0")
+    ratio = global_batch_size / cfg.base_batch_size
+    rules = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}
+    if cfg.lr_scaling not in rules:
+        raise ConfigError(f"optimizer.lr_scaling={cfg.lr_scaling!r} is not one of {list(rules)}")
+    return cfg.lr * rules[cfg.lr_scaling]
+
+
+def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, device: torch.device):
+    """Return ``(optimizer, techniques)`` for the model's trainable parameters.
+
+    ``impl`` picks the kernel (PyTorch docs, "torch.optim" -> Algorithms/implementations,
+    https://pytorch.org/docs/stable/optim.html): ``fused`` (one kernel for all parameters), ``foreach``
+    (multi-tensor ops), ``loop`` (one op per parameter); null keeps torch's default (foreach on CUDA).
+    An optimizer class without that argument (timm's LAMB/LARS) records the switch as skipped.
+
+    Raises:
+        ConfigError: an unknown ``impl`` or ``_target_``, or a fused kernel the device lacks.
+    """
+    techniques: dict[str, str] = {}
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in RUNNER_KEYS}
+    kwargs["lr"] = scaled_lr(cfg, global_batch_size)
+    if cfg.lr_scaling != "none":
+        techniques["lr_scaling"] = "applied"
+    if isinstance(kwargs.get("betas"), list):
+        kwargs["betas"] = tuple(kwargs["betas"])
+    if cfg.impl is not None:
+        if cfg.impl not in _IMPLS:
+            raise ConfigError(f"optimizer.impl={cfg.impl!r} is not one of {list(_IMPLS)} (or null)")
+        target = cfg._target_
+        try:
+            cls = hydra_locate(target)
+        except ImportError as e:
+            raise ConfigError(f"optimizer._target_={target!r} cannot be imported: {e}") from e
+        accepted = inspect.signature(cls.__init__).parameters
+        if all(k in accepted for k in _IMPLS[cfg.impl]):
+            kwargs.update(_IMPLS[cfg.impl])
+            techniques[f"optimizer_{cfg.impl}"] = "applied"
+        else:
+            techniques[f"optimizer_{cfg.impl}"] = f"skipped: {target} has no {cfg.impl} implementation"
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        optimizer = instantiate(kwargs, params)
+    except Exception as e:
+        raise ConfigError(f"optimizer {cfg._target_} could not be built with {kwargs}: {e}") from e
+    return optimizer, techniques
+
+
+def hydra_locate(path: str):
+    from hydra.utils import get_class
+
+    try:
+        return get_class(path)
+    except Exception as e:
+        raise ImportError(str(e)) from e
