@@ -1,0 +1,162 @@
+"""Engine overhead: the runner's loop vs a hand-written minimal PyTorch loop, interleaved A/B in one process.
+
+Both loops train the same model (same initial weights) with the same optimizer on the same in-memory
+batches for the same number of steps; each reports its per-iteration time (data fetch + step, ms) after
+the same warm-up. Rounds alternate raw/runner so machine noise hits both alike; the figure is the
+ratio of the medians, with the spread of the per-round ratios. The engine runs with everything off
+(fp32, no W&B, progress off), so what is measured is its bookkeeping: the meter's marks, the do-nothing
+autocast/GradScaler, the scheduler, the loss accumulation and the log-step syncs.
+
+    python scripts/bench_overhead.py                       # writes docs/overhead.md
+    python scripts/bench_overhead.py --rounds 3 --steps 20 --out /tmp/overhead.md
+
+Target: runner / raw <= 1.01 (PyTorch Lightning's parity test allows 1% + 0.1 s/step for Fabric).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+from runner import REPO_ROOT, data as data_mod, measure, models, train as engine
+from runner.config import register_configs
+
+CASES = {
+    # name: (overrides, sample shape, batch size)
+    "mnist_cnn": (["model=mnist_cnn"], (1, 28, 28), 64),
+    "resnet18": (["model=resnet18", "model.cifar_stem=true"], (3, 32, 32), 32),
+}
+
+
+def make_batches(shape, batch_size: int, n: int, device: torch.device):
+    """``n`` in-memory batches: float ``(batch_size, *shape)`` inputs and int64 ``(batch_size,)`` labels."""
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(batch_size, *shape, generator=g).to(device), torch.randint(0, 10, (batch_size,), generator=g)
+             .to(device)) for _ in range(n)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def raw_loop(model, batches, lr: float, warmup: int, device) -> list[float]:
+    """The minimal loop a user would write; returns per-iteration times in ms after ``warmup``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    model.train()
+    times = []
+    for i, (x, y) in enumerate(batches):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+class _RecordingMeter(measure.Meter):
+    last: "_RecordingMeter | None" = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _RecordingMeter.last = self
+
+
+def runner_loop(cfg, model, batches, device) -> list[float]:
+    """The runner's engine on the same model and batches; returns its per-iteration times (wait + step)."""
+    in_memory = data_mod.Data(
+        train=data_mod.DeviceIterable(batches, device, False, torch.contiguous_format),
+        eval=data_mod.DeviceIterable(batches[:1], device, False, torch.contiguous_format),
+        num_classes=10, in_channels=batches[0][0].shape[1], sample_shape=tuple(batches[0][0].shape[1:]),
+        train_samples=len(batches) * len(batches[0][1]), techniques={})
+    originals = data_mod.build, models.build, measure.Meter
+    data_mod.build = lambda *a, **k: in_memory
+    models.build = lambda *a, **k: model
+    measure.Meter = _RecordingMeter
+    try:
+        with tempfile.TemporaryDirectory() as job_dir:
+            engine.train(cfg, job_dir=Path(job_dir))
+    finally:
+        data_mod.build, models.build, measure.Meter = originals
+    m = _RecordingMeter.last
+    return [w + s for w, s in zip(m.data_wait_ms, m.step_time_ms)]
+
+
+def bench(case: str, rounds: int, steps: int, warmup: int, device: torch.device) -> dict:
+    overrides, shape, batch = CASES[case]
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            *overrides, "data=synthetic", f"data.shape=[{','.join(map(str, shape))}]", "logger=none",
+            f"dataloader.batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.warmup_steps={warmup}",
+            f"trainer.log_every={steps}", "trainer.eval_max_batches=1", "trainer.progress=off",
+            f"trainer.device={device.type}"])
+    torch.manual_seed(0)
+    template = models.build(cfg.model, 10, shape[0]).to(device)
+    batches = make_batches(shape, batch, steps, device)
+    raw, ours, ratios = [], [], []
+    for _ in range(rounds):
+        r = statistics.median(raw_loop(copy.deepcopy(template), batches, cfg.optimizer.lr, warmup, device))
+        o = statistics.median(runner_loop(cfg, copy.deepcopy(template), batches, device))
+        raw.append(r)
+        ours.append(o)
+        ratios.append(o / r)
+        print(f"{case}: raw {r:.2f} ms  runner {o:.2f} ms  ratio {o / r:.4f}", flush=True)
+    return {"case": case, "batch": batch, "raw_ms": statistics.median(raw), "runner_ms": statistics.median(ours),
+            "ratio": statistics.median(ours) / statistics.median(raw), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="steps per loop run, warm-up included")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "overhead.md")
+    args = p.parse_args()
+    register_configs()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    results = [bench(c, args.rounds, args.steps, args.warmup, device) for c in args.cases]
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    lines = [
+        "# Engine overhead: runner vs a minimal PyTorch loop",
+        "",
+        f"Machine: {machine}; torch {torch.__version__}; Python {platform.python_version()}.",
+        "",
+        f"Command: `python scripts/{Path(__file__).name} {' '.join(sys.argv[1:])}`".rstrip() + "",
+        "",
+        f"Each round runs the same model, SGD optimizer and {args.steps} in-memory batches through a hand-written "
+        f"loop, then through the runner's engine; {args.warmup} warm-up steps are dropped, the per-iteration "
+        f"median is taken, and rounds alternate ({args.rounds} rounds). Ratio = median runner ÷ median raw; "
+        "min–max = spread of the per-round ratios. Target ≤ 1.01.",
+        "",
+        "| model | batch | raw ms/step | runner ms/step | runner ÷ raw | per-round min–max |",
+        "|---|---|---|---|---|---|",
+        *[f"| {r['case']} | {r['batch']} | {r['raw_ms']:.2f} | {r['runner_ms']:.2f} | {r['ratio']:.3f} | "
+          f"{r['ratio_min']:.3f}–{r['ratio_max']:.3f} |" for r in results],
+        "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
