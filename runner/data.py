@@ -197,10 +197,17 @@ def _transforms(name: str, data_cfg: DictConfig, train: bool, mean, std):
 
 
 def _mnist(cfg: DictConfig, mean, std):
+    """MNIST from ``<root>/MNIST/raw``: each ``.gz`` is md5-checked and extracted next to itself, once.
+
+    Raises:
+        ConfigError: a ``.gz`` is missing (names it, ``data.root`` and ``data.download=true``), corrupt
+            (md5 mismatch), cannot be extracted, the download failed, or an extracted file is unreadable.
+    """
     from torchvision.datasets import MNIST
     from torchvision.datasets.utils import check_integrity, extract_archive
 
     raw = Path(cfg.root) / "MNIST" / "raw"
+    downloading = False
     for url_name, md5 in MNIST.resources:
         gz = raw / url_name
         extracted = raw / url_name.removesuffix(".gz")
@@ -208,6 +215,7 @@ def _mnist(cfg: DictConfig, mean, std):
             continue
         if not gz.exists():
             if cfg.download:
+                downloading = True
                 break  # torchvision fetches and extracts everything below
             raise ConfigError(
                 f"MNIST not found: {gz} does not exist. Set data.root to a folder holding MNIST/raw/*.gz "
@@ -226,39 +234,80 @@ def _mnist(cfg: DictConfig, mean, std):
                                  transform=_transforms("mnist", cfg, train, mean, std))
         train_ds, eval_ds = mk(True), mk(False)
     except (RuntimeError, AssertionError, ValueError) as e:
+        if downloading:
+            raise ConfigError(f"MNIST not found under {raw} and downloading it failed ({e}). Set data.root to a "
+                              f"folder holding MNIST/raw/*.gz (or RUNNER_DATA_ROOT), or retry data.download=true "
+                              f"with network access.") from e
         raise ConfigError(f"cannot read MNIST under {raw} ({e}); delete the extracted *-ubyte files there and "
                           f"run again") from e
     return train_ds, eval_ds, lambda: ((images_as_tensor(train_ds.data), train_ds.targets),
                                        (images_as_tensor(eval_ds.data), eval_ds.targets))
 
 
+def _cifar_batch_problem(path: Path) -> str | None:
+    """Why ``path`` is not a readable CIFAR-10 batch (a pickled dict with ``data`` (N, 3072) uint8 and
+    ``labels``/``label_names``), or None when it is."""
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is corrupt
+        return f"cannot unpickle it ({e!r})"
+    if not isinstance(entry, dict):
+        return f"it holds a {type(entry).__name__}, not a dict"
+    if "label_names" in entry:
+        return None
+    if "data" not in entry or "labels" not in entry:
+        return f"it has no 'data'/'labels' entries (keys: {sorted(entry)[:5]})"
+    if np.asarray(entry["data"]).size % 3072:
+        return "its 'data' is not a whole number of 3x32x32 images"
+    return None
+
+
 def _cifar10(cfg: DictConfig, mean, std):
+    """CIFAR-10 from ``<root>/cifar-10-batches-py`` (torchvision's layout, python pickles).
+
+    Raises:
+        ConfigError: the folder or one of its batch files is missing (names the path, ``data.root`` and
+            ``data.download=true``), or a batch file is corrupt (names the file).
+    """
     from torchvision.datasets import CIFAR10
 
+    folder = Path(cfg.root) / CIFAR10.base_folder
+
     class _CIFAR10(CIFAR10):
-        # torchvision checks every file's md5 against the official archive; we check presence here and
-        # let the unpickling below catch a corrupt file, so tiny CIFAR-format sets (tests) load too.
+        # torchvision checks every file's md5 against the official archive (batches.meta too, in
+        # _load_meta); we check presence only and name a corrupt file ourselves, so CIFAR-format sets
+        # other than the official one (the tests' tiny ones) load too.
         def _check_integrity(self) -> bool:
-            folder = Path(self.root) / self.base_folder
             return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
 
-    folder = Path(cfg.root) / CIFAR10.base_folder
-    if not folder.is_dir() and not cfg.download:
+        def _load_meta(self) -> None:
+            with open(folder / self.meta["filename"], "rb") as f:
+                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    names = [name for name, _ in CIFAR10.train_list + CIFAR10.test_list] + [CIFAR10.meta["filename"]]
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing and not cfg.download:
+        what = f"{folder} does not exist" if not folder.is_dir() else f"{folder} lacks {', '.join(missing)}"
         raise ConfigError(
-            f"CIFAR-10 not found: {folder} does not exist. Set data.root to the folder that holds "
-            f"cifar-10-batches-py (or the environment variable RUNNER_DATA_ROOT), or pass data.download=true "
-            f"to download it there."
+            f"CIFAR-10 not found: {what}. Set data.root to the folder that holds cifar-10-batches-py (or the "
+            f"environment variable RUNNER_DATA_ROOT), or pass data.download=true to download it there."
         )
     datasets = []
     for train in (True, False):
         try:
             datasets.append(_CIFAR10(cfg.root, train=train, download=cfg.download,
                                      transform=_transforms("cifar10", cfg, train, mean, std)))
-        except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"corrupt dataset file under {folder}: cannot unpickle a CIFAR-10 batch ({e!r}). "
-                              f"Replace the folder with a fresh copy (or delete it and pass data.download=true).") from e
-        except RuntimeError as e:
-            raise ConfigError(f"CIFAR-10 under {folder} is incomplete ({e}); restore the missing batch files") from e
+        except Exception as e:  # noqa: BLE001 - unpickling garbage can raise almost anything
+            if missing:  # data.download=true was asked to fetch the missing files and could not
+                raise ConfigError(f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} and downloading it "
+                                  f"failed ({e!r}). Set data.root to the folder that holds cifar-10-batches-py "
+                                  f"(or RUNNER_DATA_ROOT), or retry data.download=true with network access.") from e
+            bad = next(((folder / n, why) for n in names if (why := _cifar_batch_problem(folder / n))), None)
+            path, why = bad if bad else (folder, repr(e))
+            raise ConfigError(f"corrupt dataset file {path}: {why}. Replace it with a fresh copy of "
+                              f"cifar-10-batches-py (or delete {folder} and pass data.download=true).") from e
     train_ds, eval_ds = datasets
     return train_ds, eval_ds, lambda: ((images_as_tensor(train_ds.data), torch.as_tensor(train_ds.targets)),
                                        (images_as_tensor(eval_ds.data), torch.as_tensor(eval_ds.targets)))
