@@ -1,0 +1,153 @@
+"""Config groups: every option of every group composes against its schema and its components build.
+
+Typos and wrong types, on the command line or inside a YAML option, fail at compose time with Hydra's
+own message (the dataclass schemas in ``runner/config.py``); cross-key rules fail in ``validate``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import compose_cfg, make_tiny_cifar, make_tiny_imagefolder
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from runner import REPO_ROOT, distributed, models, prepare
+from runner.config import _GROUPS
+from runner.errors import ConfigError
+from runner.train import train, validate
+
+CONF = REPO_ROOT / "conf"
+GROUPS = sorted(d.name for d in CONF.iterdir() if d.is_dir() and d.name != "hydra")
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+def override(group: str, option: str) -> str:
+    return f"+{group}={option}" if group == "experiment" else f"{group}={option}"
+
+
+def test_every_group_is_found():
+    assert set(_GROUPS) <= set(GROUPS), "a schema group has no conf/ folder"
+    assert {"model", "data", "optimizer", "scheduler", "precision", "dataloader", "distributed", "memory",
+            "logger"} <= {g for g, _ in OPTIONS}
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes_against_its_schema(group, option):
+    cfg = compose_cfg(override(group, option), tiny=False)
+    assert OmegaConf.missing_keys(cfg) == set()
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    if group in _GROUPS:
+        # the option extends base_<group>: typed, so a typo or a wrong type cannot slip through
+        assert issubclass(OmegaConf.get_type(cfg[group]), _GROUPS[group]), OmegaConf.get_type(cfg[group])
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory) -> dict[str, Path]:
+    """Tiny CIFAR-format and ImageFolder sets, and a copy of the embedded MNIST archives."""
+    base = tmp_path_factory.mktemp("data")
+    raw = base / "mnist" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for gz in (REPO_ROOT / "data" / "MNIST" / "raw").glob("*.gz"):
+        shutil.copy(gz, raw)
+    return {"cifar10": make_tiny_cifar(base / "cifar"), "imagefolder": make_tiny_imagefolder(base / "images"),
+            "mnist": base / "mnist"}
+
+
+DATA_OVERRIDES = {
+    "cifar10": lambda r: [f"data.root={r['cifar10']}"],
+    "imagefolder": lambda r: [f"data.root={r['imagefolder']}", "data.image_size=16"],
+    "mnist": lambda r: [f"data.root={r['mnist']}"],
+}
+# Built by a one-step job below, except: compile (torch.compile would compile for minutes on a CPU;
+# the wrapper is built instead) and logger=wandb (a run of its own in test_wandb.py).
+BUILD = [(g, o) for g, o in OPTIONS if g not in ("compile", "experiment") and (g, o) != ("logger", "wandb")]
+
+
+@pytest.mark.parametrize("group,option", BUILD, ids=[f"{g}={o}" for g, o in BUILD])
+def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
+    extra = DATA_OVERRIDES.get(option, lambda r: [])(roots) if group == "data" else []
+    steps = 12 if group == "scheduler" else 1  # cosine's warm-up (10 steps) must fit in the run
+    cfg = compose_cfg(override(group, option), *extra, f"trainer.max_steps={steps}", "trainer.warmup_steps=0",
+                      "trainer.log_every=1", "trainer.eval_max_batches=1")
+    summary = train(cfg, job_dir=tmp_path)
+    assert summary["steps"] == steps and summary["train_loss"] == summary["train_loss"]  # not NaN
+    assert all(v == "applied" or v.startswith("skipped: ") for v in summary["techniques"].values())
+    assert summary["config"][group] == OmegaConf.to_container(cfg[group], resolve=True)
+
+
+@pytest.mark.parametrize("option", [p.stem for p in sorted((CONF / "compile").glob("*.yaml"))])
+def test_compile_option_builds(option):
+    cfg = compose_cfg(f"compile={option}")
+    env = distributed.setup(cfg.distributed, cfg.trainer.device)
+    model, techniques, _ = prepare.prepare(models.build(cfg.model, 10, 3), cfg, env)
+    assert all(v == "applied" or v.startswith("skipped: ") for v in techniques.values())
+    assert (cfg.compile.mode is None) == ("compile" not in techniques)
+
+
+def test_amp_and_pinned_run_here_with_cuda_parts_skipped(tmp_path):
+    """Done-when: ``precision=amp dataloader=pinned`` runs on a CPU; CUDA-only parts say why they were skipped."""
+    summary = train(compose_cfg("precision=amp", "dataloader=pinned", "dataloader.num_workers=1"),
+                    job_dir=tmp_path)
+    t = summary["techniques"]
+    assert summary["steps"] == 4
+    assert t["pin_memory"].startswith("skipped: ") and t["non_blocking"].startswith("skipped: ")
+    assert t["amp"] == "applied" or "bf16" in t["amp"]
+
+
+# -------------------------------------------------------------------------------- compose-time errors
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("trainer.max_step=3", "Could not override 'trainer.max_step'"),
+    ("optimizer.lrr=0.1", "Could not override 'optimizer.lrr'"),
+    ("dataloader.batch_size=abc", "Error merging override dataloader.batch_size=abc"),
+    ("trainer.target_accuracy=high", "Error merging override trainer.target_accuracy=high"),
+    ("model=foo", "Could not find 'model/foo'"),
+])
+def test_bad_override_fails_at_compose(bad, message):
+    with pytest.raises(ConfigCompositionException, match=message) as info:
+        compose_cfg(bad)
+    if "Error merging" in message:  # the cause names the key and the expected type
+        assert "could not be converted" in str(info.value.__cause__)
+
+
+@pytest.fixture
+def conf_copy(tmp_path) -> Path:
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    return conf
+
+
+@pytest.mark.parametrize("body,message", [
+    ("lrr: 0.1\n", "Key 'lrr' not in 'SGDConfig'"),
+    ("lr: fast\n", "Value 'fast' of type 'str' could not be converted to Float"),
+])
+def test_bad_yaml_option_fails_at_compose(conf_copy, body, message):
+    (conf_copy / "optimizer" / "typo.yaml").write_text("defaults: [base_sgd, _self_]\n" + body)
+    with initialize_config_dir(config_dir=str(conf_copy), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as info:
+            compose(config_name="config", overrides=["optimizer=typo"])
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__
+    assert message in "\n".join(chain)
+
+
+@pytest.mark.parametrize("bad", [
+    "dataloader.batch_size=0", "memory.accumulate_steps=0", "trainer.max_epochs=0", "trainer.max_steps=0",
+    "trainer.warmup_steps=-1", "trainer.log_every=0", "trainer.eval_every=0", "trainer.target_accuracy=0",
+    "trainer.target_accuracy=1.5", "trainer.progress=fancy", "optimizer.clip_grad_norm=0",
+])
+def test_validate_names_the_key(bad):
+    key, value = bad.split("=")
+    with pytest.raises(ConfigError, match=f"^{key}={value}"):
+        validate(compose_cfg(bad))
+
+
+def test_validate_accepts_the_defaults():
+    validate(compose_cfg(tiny=False))
