@@ -136,15 +136,26 @@ def _has_wandb_key() -> bool:
         return False
 
 
+_offline_notice_shown = False  # the no-API-key notice is printed once per process (once per sweep)
+
+
 def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None):
-    """Start a W&B run in ``<job_dir>/wandb``. Mode: ``WANDB_MODE``; with no API key, offline (said once)."""
+    """Start a W&B run in ``<job_dir>/wandb``, grouped by ``group`` (the sweep, in multirun).
+
+    Mode: ``WANDB_MODE`` (online | offline | disabled) when set; with no API key (``WANDB_API_KEY`` or a
+    ``~/.netrc`` entry from ``wandb login``) ``offline``, said once per process with the ``wandb sync``
+    command that uploads the run(s) later.
+    """
+    global _offline_notice_shown
     import wandb
 
-    mode = os.environ.get("WANDB_MODE")
+    mode = os.environ.get("WANDB_MODE") or None
     if mode is None and not _has_wandb_key():
         mode = "offline"
-        print(f"W&B: no API key found, logging offline; upload later with `wandb sync {job_dir}/wandb/offline-run-*`",
-              flush=True)
+        if not _offline_notice_shown:
+            runs = (job_dir.parent / "*" if group else job_dir) / "wandb" / "offline-run-*"
+            print(f"W&B: no API key found, logging offline; upload later with `wandb sync {runs}`", flush=True)
+            _offline_notice_shown = True
     run = wandb.init(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
                      config=resolved, mode=mode, name=f"{group}/{job_dir.name}" if group else None,
                      settings=wandb.Settings(quiet=True, console="off", x_disable_stats=True))

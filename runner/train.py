@@ -92,12 +92,13 @@ def job_folder() -> Path:
 
 
 def sweep_group() -> str | None:
-    """The W&B group of a multirun job: its sweep folder; None for a single run."""
+    """The W&B group of a multirun job: its sweep folder's last two parts (``<date>_<time>`` by default,
+    so sweeps started at the same time on different days stay apart); None for a single run."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    return Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
+    return "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None
 
 
 @torch.inference_mode()
