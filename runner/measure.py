@@ -97,7 +97,8 @@ class _CudaClock:
 
     @staticmethod
     def elapsed_ms(a: torch.cuda.Event, b: torch.cuda.Event) -> float:
-        return a.elapsed_time(b)  # waits for b only; called at log intervals
+        b.synchronize()  # elapsed_time raises until both events completed; called at log intervals only
+        return a.elapsed_time(b)
 
 
 class Meter:
@@ -114,6 +115,10 @@ class Meter:
     returns the interval's figures; steps with index < ``warmup_steps`` are dropped. Evaluation must run
     between ``end_step`` and the next ``start_fetch`` so it is never timed. Figures are per rank; the
     engine reduces them across ranks.
+
+    The engine calls ``flush`` before the logging step's ``end_step`` (so the log's own sync is timed as
+    part of that step): a ``metrics.jsonl`` row at step s covers the measured steps that ended before s,
+    and the final ``flush`` after the loop picks up the last one. ``totals`` covers every measured step.
 
     Args:
         device: the run's device (CUDA events there, perf_counter elsewhere).

@@ -50,6 +50,7 @@ class Tracker:
 
     def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None):
         self.job_dir = job_dir
+        job_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it already; a direct train() call may not
         self.total_steps = total_steps
         self.metrics_path = job_dir / "metrics.jsonl"
         self._metrics = self.metrics_path.open("a")

@@ -1,0 +1,238 @@
+"""Measurement: the Meter's arithmetic on a scripted clock, then the engine's figures on real runs where
+warm-up, data wait and evaluation are made deliberately slow, so a figure that counted them would fail."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import pytest
+import torch
+from conftest import compose_cfg
+from torch import nn
+
+import runner.train as train_mod
+from runner import data as data_mod
+from runner import measure
+from runner.train import train
+
+ROW_KEYS = {"step", "epoch", "loss", "lr", "samples_per_sec", "step_time_ms", "data_wait_ms", "peak_memory_mb"}
+
+
+class ScriptedClock:
+    """A Meter clock that returns the given times (seconds) in order."""
+
+    def __init__(self, times):
+        self.times = iter(times)
+
+    def mark(self) -> float:
+        return next(self.times)
+
+    @staticmethod
+    def elapsed_ms(a: float, b: float) -> float:
+        return (b - a) * 1e3
+
+
+def test_meter_arithmetic_on_a_scripted_clock():
+    meter = measure.Meter(torch.device("cpu"), warmup_steps=1, samples_per_step=10)
+    meter.clock = ScriptedClock([
+        0.0, 5.0, 10.0,               # step 0, warm-up: a 5 s fetch that must not count anywhere
+        10.0, 10.1, 10.5,             # step 1: wait 100 ms, compute 400 ms
+        10.5, 10.6, 10.8, 10.9, 11.5,  # step 2, two micro-batches: wait 100 + 100 ms, compute 800 ms
+        20.0, 20.0, 20.2,             # step 3 after an 8.5 s gap (evaluation): wait 0, compute 200 ms
+    ])
+    for fetches in (1, 1, 2, 1):
+        for _ in range(fetches):
+            meter.start_fetch()
+            meter.batch_ready()
+        meter.end_step()
+    row = meter.flush()
+    assert row["samples_per_sec"] == pytest.approx(30 / 1.7)  # 3 steps x 10 samples in 1.7 s
+    assert row["step_time_ms"] == pytest.approx(400)
+    assert row["data_wait_ms"] == pytest.approx(100)
+    totals = meter.totals()
+    assert totals["measured_steps"] == 3 and totals["measured_time_s"] == pytest.approx(1.7)
+    assert totals["data_wait_fraction"] == pytest.approx(0.3 / 1.7)
+    assert totals["step_time_ms_median"] == pytest.approx(400) and totals["step_time_ms_p90"] == pytest.approx(800)
+    assert meter.flush() == {"samples_per_sec": None, "step_time_ms": None, "data_wait_ms": None}
+
+
+def test_meter_all_warmup_gives_nulls():
+    meter = measure.Meter(torch.device("cpu"), warmup_steps=5, samples_per_step=10)
+    for _ in range(3):
+        meter.start_fetch()
+        meter.batch_ready()
+        meter.end_step()
+    assert meter.flush()["samples_per_sec"] is None
+    assert meter.totals()["samples_per_sec"] is None and meter.totals()["measured_steps"] == 0
+
+
+def test_flops_per_sample_counts_forward_and_backward():
+    # Linear 8 -> 4 without bias: forward 2*8*4 = 64 FLOPs per sample, weight gradient 64 more (the input
+    # needs no gradient). The model itself is left untouched.
+    model = nn.Linear(8, 4, bias=False)
+    assert measure.flops_per_sample(model, (8,), torch.device("cpu"), num_classes=4) == 128
+    assert model.weight.grad is None
+
+
+def test_peak_flops_known_only_where_given():
+    cpu = torch.device("cpu")
+    assert measure.peak_flops(cpu, torch.float32, None) is None
+    assert measure.peak_flops(cpu, torch.float32, 2.5) == 2.5e12
+
+
+# ------------------------------------------------------------------------------------ real runs
+
+
+class SlowFirstBatches:
+    """Wrap the training iterable so its first ``n`` batches take ``seconds`` longer to arrive."""
+
+    def __init__(self, inner, n: int, seconds: float):
+        self.inner, self.n, self.seconds, self.served = inner, n, seconds, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        for batch in self.inner:
+            if self.served < self.n:
+                time.sleep(self.seconds)
+            self.served += 1
+            yield batch
+
+
+def slow_start(monkeypatch, n: int, seconds: float) -> None:
+    build = data_mod.build
+
+    def slowed(*args, **kwargs):
+        data = build(*args, **kwargs)
+        data.train = SlowFirstBatches(data.train, n, seconds)
+        return data
+
+    monkeypatch.setattr(data_mod, "build", slowed)
+
+
+def rows(job_dir) -> list[dict]:
+    return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_summary_figures_are_consistent(tmp_path):
+    s = train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.peak_tflops=1.0"),
+              job_dir=tmp_path)
+    assert (s["steps"], s["warmup_steps"], s["measured_steps"]) == (6, 2, 4)
+    assert s["samples_per_sec"] == pytest.approx(s["global_batch_size"] * 4 / s["measured_time_s"], rel=1e-9)
+    assert 0 <= s["data_wait_fraction"] <= 1
+    assert 0 < s["step_time_ms_median"] <= s["step_time_ms_p90"]
+    assert s["measured_time_s"] <= s["train_time_s"]  # the measured steps are a part of the training time
+    assert s["peak_memory_mb"] > 0 and s["flops_per_sample"] > 0
+    assert s["mfu"] == pytest.approx(s["flops_per_sample"] * s["samples_per_sec"] / 1e12)
+    assert s["achieved_tflops"] == pytest.approx(s["mfu"])  # peak given as 1 TFLOP/s
+    assert json.loads((tmp_path / "summary.json").read_text())["samples_per_sec"] == s["samples_per_sec"]
+
+
+def test_metrics_rows_have_the_issue_keys(tmp_path):
+    train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.log_every=2",
+                      "trainer.eval_every=3"), job_dir=tmp_path)
+    all_rows = rows(tmp_path)
+    train_rows = [r for r in all_rows if "loss" in r]
+    eval_rows = [r for r in all_rows if "eval_accuracy" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6] and [r["step"] for r in eval_rows] == [3, 6]
+    for r in train_rows:
+        assert set(r) == ROW_KEYS and math.isfinite(r["loss"]) and r["lr"] > 0 and r["peak_memory_mb"] > 0
+    assert train_rows[0]["samples_per_sec"] is None  # step 2's row covers only the warm-up step
+    for r in train_rows[1:]:
+        assert r["samples_per_sec"] > 0 and r["step_time_ms"] > 0 and r["data_wait_ms"] >= 0
+    for r in eval_rows:
+        assert set(r) == {"step", "epoch", "eval_accuracy", "eval_loss"} and 0 <= r["eval_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_warmup_steps_are_left_out(monkeypatch, tmp_path, warmup):
+    slow_start(monkeypatch, n=2, seconds=0.3)  # the first two fetches take 0.3 s each
+    s = train(compose_cfg("trainer.max_steps=5", f"trainer.warmup_steps={warmup}"), job_dir=tmp_path)
+    waited_s = s["data_wait_fraction"] * s["measured_time_s"]
+    assert s["measured_steps"] == 5 - warmup
+    if warmup == 2:
+        assert waited_s < 0.3 and s["step_time_ms_p90"] < 300
+    else:
+        assert waited_s >= 0.6
+    assert s["samples_per_sec"] == pytest.approx(16 * (5 - warmup) / s["measured_time_s"])
+
+
+def scripted_evaluate(monkeypatch, accuracies, seconds=0.3) -> list[tuple[float, float]]:
+    """Replace the engine's evaluation by one that takes ``seconds`` and returns the given accuracies;
+    returns the list its calls' (start, end) ``perf_counter`` times are appended to."""
+    results, calls = iter(accuracies), []
+
+    def evaluate(*args, **kwargs):
+        start = time.perf_counter()
+        time.sleep(seconds)
+        calls.append((start, time.perf_counter()))
+        return next(results), 1.0
+
+    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    return calls
+
+
+def expected_time_to_target(summary, calls, k: int) -> float:
+    """Training time until evaluation ``k`` (0-based) began, evaluations before it left out. The loop
+    ends right after the last evaluation, which dates the training start from the summary's times."""
+    train_start = calls[-1][1] - summary["train_time_s"] - summary["eval_time_s"]
+    return calls[k][0] - train_start - sum(end - start for start, end in calls[:k])
+
+
+def test_time_to_target_excludes_evaluation(monkeypatch, tmp_path):
+    calls = scripted_evaluate(monkeypatch, [0.1, 0.2, 0.9])
+    s = train(compose_cfg("trainer.max_steps=3", "trainer.eval_every=1", "trainer.warmup_steps=0",
+                          "trainer.target_accuracy=0.5"), job_dir=tmp_path)
+    assert s["eval_accuracy"] == 0.9 and s["eval_time_s"] >= 0.9
+    # reached at the last evaluation: counting the two evaluations before it would add >= 0.6 s
+    assert s["time_to_target_s"] == pytest.approx(expected_time_to_target(s, calls, 2), abs=0.05)
+    assert s["time_to_target_s"] <= s["train_time_s"]
+    assert s["measured_time_s"] <= s["train_time_s"] + 1e-6  # evaluation is outside every step's timing
+
+
+def test_time_to_target_at_the_first_evaluation_that_reaches_it(monkeypatch, tmp_path):
+    calls = scripted_evaluate(monkeypatch, [0.3, 0.6, 0.9, 0.99])
+    s = train(compose_cfg("trainer.max_steps=4", "trainer.eval_every=1", "trainer.target_accuracy=0.5"),
+              job_dir=tmp_path)
+    assert s["time_to_target_s"] == pytest.approx(expected_time_to_target(s, calls, 1), abs=0.05)
+    assert s["time_to_target_s"] < expected_time_to_target(s, calls, 2)
+
+
+def test_time_to_target_null_when_not_reached(monkeypatch, tmp_path):
+    scripted_evaluate(monkeypatch, [0.1, 0.2], seconds=0)
+    s = train(compose_cfg("trainer.max_steps=2", "trainer.eval_every=1", "trainer.target_accuracy=0.95"),
+              job_dir=tmp_path)
+    assert s["time_to_target_s"] is None
+    monkeypatch.undo()  # the real evaluation; no trainer.target_accuracy at all
+    assert train(compose_cfg(), job_dir=tmp_path / "no-target")["time_to_target_s"] is None
+
+
+# ------------------------------------------------------------------------------------------ console
+
+
+def test_console_prints_plain_lines_off_a_terminal_and_a_summary_table(tmp_path, capsys):
+    assert not sys.stdout.isatty()
+    train(compose_cfg("trainer.progress=auto", "trainer.max_steps=6", "trainer.log_every=2"), job_dir=tmp_path)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("step ") and "| loss " in line]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/6", "step 4/6", "step 6/6"]
+    assert "samples_per_sec" in lines[-1] and "step_time_ms" in lines[-1]
+    assert f"summary ({tmp_path / 'summary.json'})" in out
+    table = out[out.index("summary ("):]
+    for key in ("samples_per_sec", "data_wait_fraction", "flops_per_sample", "eval_accuracy", "steps"):
+        assert f"  {key} " in table
+
+
+def test_console_uses_a_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    train(compose_cfg("trainer.progress=auto", "trainer.max_steps=4", "trainer.log_every=2"), job_dir=tmp_path)
+    captured = capsys.readouterr()
+    assert "step 2/4 |" not in captured.out  # no plain lines
+    assert "samples/s" in captured.err and "4/4" in captured.err  # tqdm draws on stderr
