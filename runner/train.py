@@ -153,10 +153,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
     job_dir = distributed.shared_job_dir(job_dir or job_folder(), env)
     seed_everything(cfg.trainer.seed)
     techniques: dict[str, str] = {}
-    if cfg.cudnn_benchmark:
-        techniques["cudnn_benchmark"] = ("applied" if env.device.type == "cuda"
-                                         else "skipped: cuDNN autotuning only exists on CUDA")
-        torch.backends.cudnn.benchmark = env.device.type == "cuda"
+    techniques |= prepare.apply_cudnn_benchmark(cfg.cudnn_benchmark, env.device)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
 
     data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed, memory_format=memory_format)
@@ -182,12 +179,8 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
     techniques |= status
     amp = precision.build(cfg.precision, env.device)
     techniques |= amp.techniques
-    clip = cfg.optimizer.clip_grad_norm
-    if clip is not None:
-        techniques["clip_grad_norm"] = "applied"
+    clip = cfg.optimizer.clip_grad_norm  # recorded in techniques by optim.build, like set_to_none
     set_to_none = cfg.optimizer.set_to_none
-    if not set_to_none:
-        techniques["zero_grad_set_to_none"] = "skipped: optimizer.set_to_none=false writes zeros instead"
     meter = measure.Meter(env.device, cfg.trainer.warmup_steps, global_batch)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(job_dir, cfg, resolved, total_steps, sweep_group_or_none()) if env.is_main else NullTracker()

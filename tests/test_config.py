@@ -21,16 +21,20 @@ from runner.errors import ConfigError
 from runner.train import train, validate
 
 CONF = REPO_ROOT / "conf"
-GROUPS = sorted(d.name for d in CONF.iterdir() if d.is_dir() and d.name != "hydra")
-OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+# every option file of every group, nested groups too (ablation/variant); hydra/ holds Hydra's own groups
+OPTIONS = sorted((p.parent.relative_to(CONF).as_posix(), p.stem) for p in CONF.rglob("*.yaml")
+                 if p.parent != CONF and p.relative_to(CONF).parts[0] != "hydra")
+GROUPS = sorted({g for g, _ in OPTIONS})
+# presets that set several groups at once; not in config.yaml's defaults list, so they are added with "+"
+PRESETS = ("experiment", "ablation/variant")
 
 
 def override(group: str, option: str) -> str:
-    return f"+{group}={option}" if group == "experiment" else f"{group}={option}"
+    return f"+{group}={option}" if group in PRESETS else f"{group}={option}"
 
 
 def test_every_group_is_found():
-    assert set(_GROUPS) <= set(GROUPS), "a schema group has no conf/ folder"
+    assert set(_GROUPS) <= set(GROUPS), "a schema group has no option in conf/"
     assert {"model", "data", "optimizer", "scheduler", "precision", "dataloader", "distributed", "memory",
             "logger"} <= {g for g, _ in OPTIONS}
 
@@ -63,8 +67,9 @@ DATA_OVERRIDES = {
     "mnist": lambda r: [f"data.root={r['mnist']}"],
 }
 # Built by a one-step job below, except: compile (torch.compile would compile for minutes on a CPU;
-# the wrapper is built instead) and logger=wandb (a run of its own in test_wandb.py).
-BUILD = [(g, o) for g, o in OPTIONS if g not in ("compile", "experiment") and (g, o) != ("logger", "wandb")]
+# the wrapper is built instead), logger=wandb (a run of its own in test_wandb.py) and the presets
+# (combinations of the options built here, trained by their own tests).
+BUILD = [(g, o) for g, o in OPTIONS if g not in ("compile", *PRESETS) and (g, o) != ("logger", "wandb")]
 
 
 @pytest.mark.parametrize("group,option", BUILD, ids=[f"{g}={o}" for g, o in BUILD])
