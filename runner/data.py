@@ -26,7 +26,7 @@ STATS = {
     "mnist": ((0.1307,), (0.3081,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # imagefolder default
-    "synthetic": ((0.5,), (0.25,)),
+    "synthetic": ((0.5,), (0.2898,)),  # uniform bytes 0..255 / 255: mean 0.5, std sqrt((256**2-1)/12)/255
 }
 
 
@@ -399,6 +399,10 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
         extra = {}
         if workers > 0:
             extra = dict(persistent_workers=loader_cfg.persistent_workers, prefetch_factor=loader_cfg.prefetch_factor)
+            if loader_cfg.persistent_workers:
+                techniques["persistent_workers"] = "applied"
+            if loader_cfg.prefetch_factor:
+                techniques["prefetch_factor"] = "applied"
         elif loader_cfg.persistent_workers or loader_cfg.prefetch_factor:
             techniques["persistent_workers"] = "skipped: needs dataloader.num_workers > 0"
 

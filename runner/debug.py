@@ -1,4 +1,5 @@
-"""Debug tools, off by default (technique 13: "turn off debugging APIs" once the model works)."""
+"""Debug tools, off by default (technique 13: "turn off debugging APIs" once the model works; PyTorch
+Performance Tuning Guide, https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#disable-debugging-apis)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ def build(cfg: DictConfig, job_dir: Path, device: torch.device):
     - ``off``: a profiler whose ``step`` does nothing.
     - ``anomaly``: ``torch.autograd.set_detect_anomaly(True)`` for the whole run: every backward op checks
       for NaN and keeps forward tracebacks (slow; https://pytorch.org/docs/stable/autograd.html#anomaly-detection).
-    - ``profile``: ``torch.profiler`` over ``schedule(wait, warmup, active)`` steps, traces written to
-      ``<job_dir>/profile/`` for TensorBoard or Perfetto
-      (https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html).
+    - ``profile``: ``torch.profiler`` over one window, ``schedule(wait, warmup, active, repeat=1)``
+      optimizer steps (skip ``wait``, record but discard ``warmup``, keep ``active``), CPU and CUDA
+      activities with input shapes; the trace (``*.pt.trace.json``) is written to ``<job_dir>/profile/``
+      for TensorBoard or Perfetto (https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html).
+      A run shorter than the window writes what it recorded when it ends. Profiling slows the recorded
+      steps: do not read speed figures from a profiled run.
 
     Raises:
         ConfigError: an unknown ``debug.name`` or a non-positive ``profile_active``.
@@ -43,7 +47,8 @@ def build(cfg: DictConfig, job_dir: Path, device: torch.device):
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         trace_dir = job_dir / "profile"
         with profile(activities=activities,
-                     schedule=schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active),
+                     schedule=schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active,
+                                       repeat=1),
                      on_trace_ready=tensorboard_trace_handler(str(trace_dir)), record_shapes=True) as prof:
             yield prof, {"profiler": "applied"}
     else:

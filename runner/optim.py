@@ -1,4 +1,19 @@
-"""Optimizers: ``_target_`` from the config, the LR scaled to the global batch, the kernel chosen."""
+"""Optimizers: ``_target_`` from the config, the LR scaled to the global batch, the kernel chosen.
+
+Techniques recorded here (their switches live in the ``optimizer`` group):
+
+- 3, LR scaling: ``optimizer.lr_scaling`` (``scaled_lr``).
+- 5, the optimizer and its kernel: ``optimizer=sgd|adamw|lamb|lars``, ``optimizer.impl``.
+- 11, ``zero_grad(set_to_none=True)``: ``optimizer.set_to_none``; the engine calls
+  ``optimizer.zero_grad(set_to_none=cfg.set_to_none)`` after each step. ``True`` frees the ``.grad``
+  tensors instead of writing zeros into them: one memset per parameter less, and the next backward
+  assigns its gradient instead of adding to zeros (PyTorch Performance Tuning Guide,
+  https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#use-parameter-grad-none-instead-of-model-zero-grad-or-optimizer-zero-grad).
+- 14, gradient clipping: ``optimizer.clip_grad_norm`` = max global L2 norm; the engine calls
+  ``GradScaler.unscale_`` first so the true gradients are clipped (PyTorch AMP examples, "Gradient
+  clipping", https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping; Pascanu et al.
+  2013, https://arxiv.org/abs/1211.5063).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +28,7 @@ from runner.errors import ConfigError
 
 #: Optimizer-group keys that are runner switches, not constructor arguments.
 RUNNER_KEYS = ("lr_scaling", "base_batch_size", "impl", "set_to_none", "clip_grad_norm")
+#: ``optimizer.impl`` -> constructor arguments. ``loop`` = the single-tensor for-loop implementation.
 _IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 
 
@@ -20,13 +36,15 @@ def scaled_lr(cfg: DictConfig, global_batch_size: int) -> float:
     """Technique 3: scale the LR with the global batch (Goyal et al. 2017, https://arxiv.org/abs/1706.02677).
 
     ``linear``: lr x B / B0 (the paper's rule for SGD); ``sqrt``: lr x sqrt(B / B0) (Krizhevsky 2014,
-    common for Adam-type optimizers); ``none``: lr unchanged. B0 = ``optimizer.base_batch_size``.
+    https://arxiv.org/abs/1404.5997, common for Adam-type optimizers); ``none``: lr unchanged.
+    B = ``global_batch_size`` (micro-batch x accumulate_steps x world size, in samples),
+    B0 = ``optimizer.base_batch_size`` (the batch ``optimizer.lr`` was tuned for).
 
     Raises:
         ConfigError: an unknown ``lr_scaling`` or a non-positive ``base_batch_size``.
     """
     if cfg.base_batch_size <= 0:
-        raise ConfigError(f"optimizer.base_batch_size={cfg.base_batch_size} must be > 0")
+        raise ConfigError(f"optimizer.base_batch_size={cfg.base_batch_size} must be > 0 (samples)")
     ratio = global_batch_size / cfg.base_batch_size
     rules = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}
     if cfg.lr_scaling not in rules:
@@ -37,13 +55,21 @@ def scaled_lr(cfg: DictConfig, global_batch_size: int) -> float:
 def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, device: torch.device):
     """Return ``(optimizer, techniques)`` for the model's trainable parameters.
 
+    ``_target_`` is any optimizer class: ``torch.optim.SGD``/``AdamW`` (Loshchilov & Hutter 2019,
+    https://arxiv.org/abs/1711.05101), and LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962) and
+    LARS (You et al. 2017, https://arxiv.org/abs/1708.03888) from ``timm.optim``
+    (https://huggingface.co/docs/timm/reference/optimizers). Note timm's ``Lamb`` clips the global grad
+    norm to ``max_grad_norm=1.0`` by default.
+
     ``impl`` picks the kernel (PyTorch docs, "torch.optim" -> Algorithms/implementations,
-    https://pytorch.org/docs/stable/optim.html): ``fused`` (one kernel for all parameters), ``foreach``
-    (multi-tensor ops), ``loop`` (one op per parameter); null keeps torch's default (foreach on CUDA).
-    An optimizer class without that argument (timm's LAMB/LARS) records the switch as skipped.
+    https://pytorch.org/docs/stable/optim.html#algorithms): ``fused`` (one kernel for all parameters),
+    ``foreach`` (multi-tensor ops), ``loop`` (one op per parameter); null keeps torch's default (foreach
+    on CUDA). An optimizer class without that argument (timm's LAMB/LARS have no ``fused``) records the
+    switch as skipped with the reason.
 
     Raises:
-        ConfigError: an unknown ``impl`` or ``_target_``, or a fused kernel the device lacks.
+        ConfigError: an unknown ``impl`` or ``_target_``, or an optimizer torch refuses to build (e.g. a
+            fused kernel the device lacks).
     """
     techniques: dict[str, str] = {}
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in RUNNER_KEYS}
@@ -65,7 +91,15 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
             kwargs.update(_IMPLS[cfg.impl])
             techniques[f"optimizer_{cfg.impl}"] = "applied"
         else:
-            techniques[f"optimizer_{cfg.impl}"] = f"skipped: {target} has no {cfg.impl} implementation"
+            missing = [k for k in _IMPLS[cfg.impl] if k not in accepted]
+            techniques[f"optimizer_{cfg.impl}"] = (f"skipped: {target} has no {cfg.impl} implementation "
+                                                   f"(no {'/'.join(missing)} argument)")
+    if cfg.set_to_none:
+        techniques["zero_grad_set_to_none"] = "applied"
+    if cfg.clip_grad_norm is not None:
+        if cfg.clip_grad_norm <= 0:
+            raise ConfigError(f"optimizer.clip_grad_norm={cfg.clip_grad_norm} must be > 0 or null (off)")
+        techniques["clip_grad_norm"] = "applied"
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         optimizer = instantiate(kwargs, params)

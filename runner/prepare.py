@@ -10,6 +10,9 @@ compile -> data-parallel wrapper.
    ``nn.Module.compile`` keeps the module and its ``state_dict`` keys unchanged.
 5. the data-parallel wrapper last: it registers gradient hooks on the final parameters.
 
+``apply_cudnn_benchmark`` is a process-wide backend flag rather than a model transform; the engine calls
+it before building anything, so cuDNN autotunes from the first step (which the warm-up excludes).
+
 Each function returns a status for ``summary.json`` ``techniques``: ``"applied"`` or ``"skipped: <why>"``.
 """
 
@@ -28,12 +31,34 @@ _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
+def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]:
+    """Technique 6: let cuDNN time its convolution algorithms on the first batch of each input shape and
+    keep the fastest (``torch.backends.cudnn.benchmark``; PyTorch "Performance Tuning Guide",
+    https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#enable-cudnn-auto-tuner).
+
+    Sets the flag explicitly either way, so a previous job in the same process cannot leak it. Helps
+    convolutional nets with fixed input shapes; the autotuning cost lands in the warm-up steps.
+
+    Returns:
+        ``{}`` when off; ``{"cudnn_benchmark": "applied" | "skipped: <why>"}`` when on (skipped off CUDA).
+    """
+    on_cuda = device.type == "cuda"
+    torch.backends.cudnn.benchmark = bool(enabled and on_cuda)
+    if not enabled:
+        return {}
+    return {"cudnn_benchmark": "applied" if on_cuda else "skipped: cuDNN autotuning only exists on CUDA"}
+
+
 def apply_channels_last(model: nn.Module) -> str:
     """Technique 19: store 4-D weights NHWC (``torch.channels_last``); inputs are converted by the loader.
 
     Tensor cores read NHWC natively, so convolutions skip layout transposes (PyTorch tutorial "Channels
-    Last Memory Format", https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html).
+    Last Memory Format", https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html; timm and
+    Composer switch it on for convnets). A weight ``(C_out, C_in, kH, kW)`` keeps its shape, only its
+    strides change. Skipped for a model with no 4-D parameter (nothing to convert).
     """
+    if not any(p.dim() == 4 for p in model.parameters()):
+        return "skipped: the model has no 4-D (convolution) weights to store channels_last"
     model.to(memory_format=torch.channels_last)
     return "applied"
 
@@ -41,9 +66,16 @@ def apply_channels_last(model: nn.Module) -> str:
 def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
     """Technique 15: remove the bias of every Conv/Linear whose only consumer is a BatchNorm.
 
-    BatchNorm subtracts the per-channel mean, which cancels any constant bias, so the bias is dead weight
-    (Ioffe & Szegedy 2015, section 3.2). The graph comes from ``torch.fx.symbolic_trace``; a model that
-    cannot be traced is left alone and the switch is recorded as skipped.
+    BatchNorm subtracts the per-channel batch mean, which cancels any constant per-channel bias, so the
+    bias is dead weight that still costs memory traffic and an optimizer update (Ioffe & Szegedy 2015,
+    https://arxiv.org/abs/1502.03167, section 3.2). In train mode the outputs are unchanged (up to
+    rounding); eval-mode running statistics computed with the bias would be off, so apply this before
+    training, as ``prepare`` does.
+
+    The graph comes from ``torch.fx.symbolic_trace`` (https://pytorch.org/docs/stable/fx.html). A layer is
+    changed only if *every* call of it feeds a BatchNorm directly (a layer reused elsewhere keeps its
+    bias). A model that cannot be traced (data-dependent control flow, ...) is left alone and the switch
+    is recorded as skipped with the tracer's error.
 
     Returns:
         ``(status, number of biases removed)``.
@@ -51,16 +83,24 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
     try:
         graph = torch.fx.symbolic_trace(model).graph
     except Exception as e:  # noqa: BLE001 - any tracing failure means "cannot tell"
-        return f"skipped: torch.fx cannot trace {type(model).__name__} ({type(e).__name__})", 0
-    removed = 0
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        return (f"skipped: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {reason}); "
+                f"its biases were left in place", 0)
+    calls: Counter[str] = Counter()  # layer name -> how many times the graph calls it
+    feeds_norm: Counter[str] = Counter()  # layer name -> calls whose only consumer is a norm layer
     for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(model.get_submodule(node.target), _NORMS):
+        if node.op != "call_module":
             continue
-        producer = node.args[0]
-        if not isinstance(producer, torch.fx.Node) or producer.op != "call_module" or len(producer.users) != 1:
-            continue
-        layer = model.get_submodule(producer.target)
-        if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and layer.bias is not None:
+        calls[node.target] += 1
+        users = list(node.users)
+        if len(users) == 1 and users[0].op == "call_module" and users[0].args and users[0].args[0] is node \
+                and isinstance(model.get_submodule(users[0].target), _NORMS):
+            feeds_norm[node.target] += 1
+    removed = 0
+    for name, n in feeds_norm.items():
+        layer = model.get_submodule(name)
+        if n == calls[name] and isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) \
+                and layer.bias is not None:
             layer.register_parameter("bias", None)
             removed += 1
     if not removed:
@@ -81,19 +121,26 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     return sorted(candidates - nested)
 
 
-def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None) -> str:
+def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None) -> tuple[str, list[str], int]:
     """Technique 8: recompute the activations of each block in backward instead of storing them.
 
-    Wraps every module whose class name is in ``block_names`` (default: ``repeated_blocks``) with
-    ``checkpoint_wrapper`` using the non-reentrant implementation (``use_reentrant=False``, which PyTorch
-    recommends: https://pytorch.org/docs/stable/checkpoint.html). Trades ~1 extra forward for memory
-    (Chen et al. 2016, https://arxiv.org/abs/1604.06174).
+    Wraps every module whose class name is in ``block_names`` (default: ``repeated_blocks``) in a
+    ``CheckpointWrapper`` running ``torch.utils.checkpoint`` with ``use_reentrant=False``, the
+    implementation PyTorch recommends (https://pytorch.org/docs/stable/checkpoint.html): it works when the
+    block's input does not require grad, with ``torch.compile`` and with keyword arguments. Only the
+    blocks' inputs are saved in forward; everything inside is recomputed in backward. Gradients are the
+    same; memory drops, at the cost of about one extra forward pass (Chen et al. 2016,
+    https://arxiv.org/abs/1604.06174). Helps when activations, not weights, limit the batch size.
+
+    Returns:
+        ``(status, the class names used, number of modules wrapped)``.
 
     Raises:
         ConfigError: ``memory.checkpoint_modules`` names a class the model does not contain.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
+        CheckpointWrapper,
         apply_activation_checkpointing as wrap_blocks,
         checkpoint_wrapper,
     )
@@ -103,30 +150,42 @@ def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | No
     missing = [n for n in names if n not in present]
     if missing:
         raise ConfigError(f"memory.checkpoint_modules={missing} are not module classes of this model; "
-                          f"its repeated blocks are {repeated_blocks(model)}")
+                          f"use class names such as its repeated blocks {repeated_blocks(model)}, or null for those")
     if not names:
-        return "skipped: the model has no repeated blocks to checkpoint; set memory.checkpoint_modules"
+        return "skipped: the model has no repeated blocks to checkpoint; set memory.checkpoint_modules", names, 0
     wrap_blocks(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
                                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT),
                 check_fn=lambda m: type(m).__name__ in names)
-    return "applied"
+    return "applied", names, sum(isinstance(m, CheckpointWrapper) for m in model.modules())
 
 
 def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> dict[str, str]:
     """Technique 18: ``torch.compile`` (TorchInductor fuses pointwise ops into generated kernels).
 
-    ``reduce-overhead`` also captures CUDA graphs, which removes per-kernel launch cost; on a CPU it falls
-    back to the default mode and records CUDA graphs as skipped. Docs:
-    https://pytorch.org/docs/stable/generated/torch.compile.html
+    Uses ``nn.Module.compile`` (in place: the module object and its ``state_dict`` keys stay the same);
+    compilation happens on the first forward, so its cost lands in the warm-up steps and a recompile
+    happens when evaluation switches the model to eval mode. ``reduce-overhead`` also captures CUDA
+    graphs, which removes per-kernel launch cost (helps small models whose steps are launch-bound); on a
+    CPU it falls back to the default mode and records CUDA graphs as skipped. ``max-autotune`` also
+    benchmarks matmul/conv kernels (long compile). Docs: https://pytorch.org/docs/stable/generated/torch.compile.html
+
+    Returns:
+        ``{"compile": "applied"}`` plus ``"cuda_graphs"`` for ``reduce-overhead``.
+
+    Raises:
+        ConfigError: ``compile.mode`` is not default, reduce-overhead or max-autotune.
     """
     modes = ("default", "reduce-overhead", "max-autotune")
     if cfg.mode not in modes:
         raise ConfigError(f"compile.mode={cfg.mode!r} is not one of {modes} (or compile=off)")
     status = {"compile": "applied"}
     mode = cfg.mode
-    if mode == "reduce-overhead" and device.type != "cuda":
-        status["cuda_graphs"] = "skipped: CUDA graphs need a CUDA device; compiled with mode=default"
-        mode = "default"
+    if mode == "reduce-overhead":
+        if device.type == "cuda":
+            status["cuda_graphs"] = "applied"
+        else:
+            status["cuda_graphs"] = "skipped: CUDA graphs need a CUDA device; compiled with mode=default"
+            mode = "default"
     model.compile(mode=mode, fullgraph=cfg.fullgraph, dynamic=cfg.dynamic)
     return status
 
@@ -135,19 +194,28 @@ def prepare(model: nn.Module, cfg: DictConfig, env) -> tuple[nn.Module, dict[str
     """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
 
     Returns the (possibly wrapped) model, the techniques' statuses and their details (counts, names).
+
+    Raises:
+        ConfigError: ``memory.checkpoint_modules`` set while ``memory.checkpointing`` is off, or naming a
+            class the model lacks; a bad ``compile.mode``.
     """
     from runner import distributed
 
     techniques: dict[str, str] = {}
     details: dict[str, object] = {}
+    if cfg.memory.checkpoint_modules and not cfg.memory.checkpointing:
+        raise ConfigError(f"memory.checkpoint_modules={list(cfg.memory.checkpoint_modules)} has no effect while "
+                          f"memory.checkpointing=false; add memory=checkpointing (or memory.checkpointing=true)")
     if cfg.channels_last:
         techniques["channels_last"] = apply_channels_last(model)
     if cfg.model.drop_bias_before_bn:
         techniques["drop_bias_before_bn"], details["biases_removed"] = apply_drop_bias_before_bn(model)
     if cfg.memory.checkpointing:
-        blocks = list(cfg.memory.checkpoint_modules or repeated_blocks(model))
-        techniques["activation_checkpointing"] = apply_activation_checkpointing(model, blocks)
-        details["checkpointed_blocks"] = blocks
+        blocks = list(cfg.memory.checkpoint_modules) if cfg.memory.checkpoint_modules else None
+        status, names, wrapped = apply_activation_checkpointing(model, blocks)
+        techniques["activation_checkpointing"] = status
+        details["checkpointed_blocks"] = names
+        details["checkpointed_modules"] = wrapped
     if cfg.compile.mode is not None:
         techniques |= apply_compile(model, cfg.compile, env.device)
     model, status = distributed.wrap(model, cfg.distributed, env, cfg.precision)

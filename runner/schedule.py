@@ -1,4 +1,9 @@
-"""Learning-rate schedules from ``torch.optim.lr_scheduler``, stepped once per optimizer step."""
+"""Learning-rate schedules (technique 1) from ``torch.optim.lr_scheduler``, stepped once per optimizer
+step (not per micro-batch), so gradient accumulation does not speed the schedule up.
+
+Every schedule is relative to the optimizer's LR after batch scaling (``optim.scaled_lr``): factors in
+the config multiply it. ``constant`` is the baseline and records nothing.
+"""
 
 from __future__ import annotations
 
@@ -15,15 +20,17 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
     """Return ``(scheduler, techniques)`` for ``total_steps`` optimizer steps.
 
     - ``constant``: the optimizer's LR throughout.
-    - ``onecycle``: 1Cycle (Smith & Topin 2018, https://arxiv.org/abs/1708.07120), ``OneCycleLR`` up to
-      ``max_lr_factor`` x LR over ``pct_start`` of the steps, then annealed down.
+    - ``onecycle``: 1Cycle (Smith & Topin 2018, https://arxiv.org/abs/1708.07120), ``OneCycleLR``: from
+      peak / 25 up to the peak ``max_lr_factor`` x LR over the first ``pct_start`` of the steps (cosine),
+      then annealed down to peak / 25e4 at the last step.
     - ``cosine``: linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_factor`` x LR
       (Loshchilov & Hutter 2017, https://arxiv.org/abs/1608.03983; warm-up: Goyal et al. 2017).
     - ``cyclic``: triangular cyclical LR (Smith 2017, https://arxiv.org/abs/1506.01186) between
       ``base_lr_factor`` and ``max_lr_factor`` x LR, ``cycle_steps`` per cycle.
 
     Raises:
-        ConfigError: an unknown ``scheduler.name`` or a warm-up longer than the run.
+        ConfigError: an unknown ``scheduler.name``, a warm-up as long as the run, ``pct_start`` outside
+            (0, 1), ``cycle_steps`` < 2 or factors that are not positive / not base < max.
     """
     lr = optimizer.param_groups[0]["lr"]
     total_steps = max(total_steps, 1)
@@ -31,11 +38,15 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
     if name == "constant":
         return LambdaLR(optimizer, lambda step: 1.0), {}
     if name == "onecycle":
+        if cfg.max_lr_factor <= 0:
+            raise ConfigError(f"scheduler.max_lr_factor={cfg.max_lr_factor} must be > 0")
         if not 0 < cfg.pct_start < 1:
             raise ConfigError(f"scheduler.pct_start={cfg.pct_start} must be in (0, 1)")
-        # OneCycleLR divides by each phase's length: keep both phases >= 2 steps on very short runs
+        # Step i (0-based) uses the schedule's value i, so the last step uses the annealed minimum; the
+        # scheduler.step() after it reaches last_epoch == total_steps, which OneCycleLR still allows.
+        # OneCycleLR divides by each phase's length: keep both phases >= 2 steps on very short runs.
         phases_min = math.ceil(2 / min(cfg.pct_start, 1 - cfg.pct_start)) + 1
-        sched = OneCycleLR(optimizer, max_lr=lr * cfg.max_lr_factor, total_steps=max(total_steps + 1, phases_min),
+        sched = OneCycleLR(optimizer, max_lr=lr * cfg.max_lr_factor, total_steps=max(total_steps, phases_min),
                            pct_start=cfg.pct_start, cycle_momentum=False)
     elif name == "cosine":
         warm = cfg.warmup_steps
@@ -43,6 +54,8 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
             raise ConfigError(f"scheduler.warmup_steps={warm} must be in [0, {total_steps}) for this run's "
                               f"{total_steps} optimizer steps; lower it")
         floor = cfg.min_lr_factor
+        if not 0 <= floor <= 1:
+            raise ConfigError(f"scheduler.min_lr_factor={floor} must be in [0, 1] (final LR = optimizer LR x this)")
 
         def factor(step: int) -> float:
             if step < warm:
@@ -52,6 +65,11 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
 
         sched = LambdaLR(optimizer, factor)
     elif name == "cyclic":
+        if cfg.cycle_steps < 2:
+            raise ConfigError(f"scheduler.cycle_steps={cfg.cycle_steps} must be >= 2 (one step up, one down)")
+        if not 0 < cfg.base_lr_factor < cfg.max_lr_factor:
+            raise ConfigError(f"scheduler.base_lr_factor={cfg.base_lr_factor} must be > 0 and below "
+                              f"scheduler.max_lr_factor={cfg.max_lr_factor}")
         sched = CyclicLR(optimizer, base_lr=lr * cfg.base_lr_factor, max_lr=lr * cfg.max_lr_factor,
                          step_size_up=max(cfg.cycle_steps // 2, 1), cycle_momentum=False)
     else:
