@@ -504,3 +504,22 @@ def test_compile_reduce_overhead_uses_cuda_graphs_on_cuda(tmp_path):
     assert summary["techniques"]["cuda_graphs"] == "applied"
     assert counters["inductor"]["cudagraph_skips"] == 0
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------- all together
+
+
+def test_switches_combine(tmp_path, spy, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    summary = run(tmp_path, "scheduler=onecycle", "dataloader=device", "data.augment=true", "data.normalize=true",
+                  "optimizer=adamw", "optimizer.impl=foreach", "optimizer.lr_scaling=sqrt", "optimizer.set_to_none=true",
+                  "optimizer.clip_grad_norm=1.0", "precision=amp", "memory=checkpointing", "memory.accumulate_steps=2",
+                  "model.drop_bias_before_bn=true", "channels_last=true", "debug=anomaly", "trainer.max_steps=3")
+    applied = {k for k, v in summary["techniques"].items() if v == "applied"}
+    assert applied == {"scheduler_onecycle", "on_device_data", "normalize", "optimizer_foreach", "lr_scaling",
+                       "zero_grad_set_to_none", "clip_grad_norm", "amp", "activation_checkpointing",
+                       "gradient_accumulation", "drop_bias_before_bn", "channels_last", "anomaly_detection"}
+    assert len(spy.steps) == 3 and math.isfinite(summary["train_loss"])
+    assert all(c.out_dtype == torch.bfloat16 and c.x_channels_last for c in spy.calls)
+    assert summary["technique_details"] == {"biases_removed": 2, "checkpointed_blocks": ["ConvBlock"],
+                                            "checkpointed_modules": 2}
