@@ -1,0 +1,209 @@
+"""Who am I, before Hydra and torch start: the process layout from torchrun or ``srun``.
+
+``python -m runner`` is the same command on one process, under ``torchrun`` and under ``srun``; this
+module reads the launcher's environment so that
+
+- ``runner.distributed.setup`` knows rank, world size and where the rendezvous is, and
+- ``runner.__main__`` can keep every rank but 0 out of the job folder *before* Hydra makes one
+  (Hydra issue #2070: each rank would otherwise create ``outputs/<date>/<time>/.hydra`` of its own).
+
+It imports neither torch nor Hydra, so ``python -m runner --help`` stays fast.
+
+Sources: torchrun's worker environment (https://pytorch.org/docs/stable/elastic/run.html#environment-variables),
+SLURM's task environment (https://slurm.schedmd.com/srun.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES).
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from runner.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The process layout of this job as the launcher describes it.
+
+    ``rank`` is global (0 .. world_size-1), ``local_rank`` the index among this node's processes (the GPU
+    index), ``nodes`` the number of machines (torchrun agents, or SLURM nodes of the step). ``launcher`` is
+    ``"single"``, ``"torchrun"`` or ``"srun"``. ``master_addr``/``master_port``: where rank 0 listens
+    (srun only; torchrun workers get them from their agent).
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    nodes: int = 1
+    launcher: str = "single"
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError as e:
+        raise ConfigError(f"environment variable {key}={env[key]!r} is not an integer") from e
+
+
+def discover(env: Mapping[str, str] | None = None) -> Layout:
+    """Read the layout from the environment (``os.environ`` by default).
+
+    - torchrun (or any ``env://`` launcher): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; nodes =
+      ``GROUP_WORLD_SIZE`` (the number of agents), else ``WORLD_SIZE // LOCAL_WORLD_SIZE``.
+    - ``srun python -m runner`` (one task per process): ``SLURM_PROCID``, ``SLURM_LOCALID``,
+      ``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_NUM_NODES``; rank 0 is on the first host of the step's node
+      list (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``); the port is ``MASTER_PORT`` when set,
+      else derived from ``SLURM_JOB_ID`` (``master_port_for_job``).
+    - anything else is one process. In particular the *batch script* of an sbatch job, which has
+      ``SLURM_PROCID=0`` and ``SLURM_NTASKS=<all tasks>`` but is a single process (no ``SLURM_STEP_*``),
+      is not mistaken for rank 0 of a group that would never form.
+
+    Raises:
+        ConfigError: a launcher variable that is not an integer, or a rank outside the world.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        if "GROUP_WORLD_SIZE" in env:
+            nodes = _int(env, "GROUP_WORLD_SIZE")
+        elif "LOCAL_WORLD_SIZE" in env:
+            nodes = max(1, world // max(1, _int(env, "LOCAL_WORLD_SIZE")))
+        else:
+            nodes = 1
+        layout = Layout(rank=_int(env, "RANK"), local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+                        world_size=world, nodes=nodes, launcher="torchrun")
+    elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env and _int(env, "SLURM_STEP_NUM_TASKS") > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else master_port_for_job(env.get("SLURM_JOB_ID", "0"))
+        layout = Layout(rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+                        world_size=_int(env, "SLURM_STEP_NUM_TASKS"),
+                        nodes=_int(env, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in env else 1,
+                        launcher="srun", master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+                        master_port=port)
+    else:
+        return Layout()
+    if not 0 <= layout.rank < layout.world_size:
+        raise ConfigError(f"rank {layout.rank} is outside the world of {layout.world_size} processes "
+                          f"({layout.launcher} environment); check the launcher's variables")
+    return layout
+
+
+def master_port_for_job(job_id: str) -> int:
+    """A rendezvous port every task of a SLURM job derives alike: 20000 + job id mod 20000.
+
+    Deterministic, so no task has to tell the others; set ``MASTER_PORT`` in the batch script to choose it.
+    """
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return 20000 + int(digits) % 20000
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list -> host names: ``"n[1-3,7],gpu-a[08-09]"`` -> ``n1 n2 n3 n7 gpu-a08 gpu-a09``.
+
+    A pure-Python reading of the syntax ``scontrol show hostnames`` expands (one bracket group per name,
+    ranges keep their zero padding); used where ``scontrol`` is not on PATH.
+
+    Raises:
+        ConfigError: unbalanced brackets or a malformed range.
+    """
+    names: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\]([^\[\]]*)", part)
+        if m is None:
+            if "[" in part or "]" in part:
+                raise ConfigError(f"cannot read the SLURM node list {nodelist!r} (at {part!r})")
+            names.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ConfigError(f"cannot read the SLURM node list {nodelist!r} (range {item!r})")
+            width = len(lo)
+            names += [f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi or lo) + 1)]
+    return names
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``scontrol show hostnames`` when available, else ``expand_nodelist``."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=10)
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    hosts = expand_nodelist(nodelist)
+    if not hosts:
+        raise ConfigError(f"the SLURM node list {nodelist!r} names no host")
+    return hosts[0]
+
+
+def hydra_overrides(layout: Layout) -> list[str]:
+    """Overrides that keep a rank other than 0 out of ``outputs/`` (Hydra issue #2070).
+
+    Every rank runs ``@hydra.main``, and Hydra creates the job folder (and ``.hydra/``) before the task
+    starts. Rank 0's folder is the job's; ranks > 0 get a private scratch folder under the system temp
+    directory, removed when the process exits, and no ``.hydra/`` copy. They learn rank 0's folder later
+    over the process group (``runner.distributed.shared_job_dir``). Returns ``[]`` on rank 0.
+    """
+    if layout.rank == 0:
+        return []
+    scratch = tempfile.mkdtemp(prefix=f"runner-rank{layout.rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
+
+
+def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> Layout:
+    """Get this process ready before Hydra starts; called by ``python -m runner`` only.
+
+    In a job of more than one process:
+
+    - ``HYDRA_FULL_ERROR=1`` (unless set), so Hydra re-raises a failure with its full traceback instead
+      of printing a trimmed one; torchelastic's ``@record`` (``record_if_elastic``) then also writes it to
+      the agent's error file, and torchrun's failure summary shows it.
+    - ``faulthandler`` dumps the Python stack of a rank that crashes (SIGSEGV, SIGABRT, ...) or is
+      terminated (SIGTERM: the agent stopping the survivors, SLURM's time limit), and of any rank on
+      ``kill -USR1 <pid>`` without stopping it (to see where a hung job waits).
+      Docs: https://docs.python.org/3/library/faulthandler.html
+    - ranks > 0 get ``hydra_overrides`` appended to ``argv``.
+
+    Always: silence Hydra's deprecation note about ``conf/hydra/launcher/submitit_slurm.yaml`` being
+    validated against the plugin's schema of the same name -- that validation is what the file wants, and
+    the name is the one the plugin documents (``hydra/launcher=submitit_slurm``).
+    """
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore")
+    layout = discover(env)
+    if layout.world_size > 1:
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+        faulthandler.enable(all_threads=True)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+        argv += hydra_overrides(layout)
+    return layout
+
+
+def record_if_elastic(fn: Callable) -> Callable:
+    """``torch.distributed.elastic.multiprocessing.errors.record`` when running under torchrun, else ``fn``.
+
+    ``@record`` writes an uncaught exception's traceback to ``TORCHELASTIC_ERROR_FILE``, which torchrun
+    prints in its failure summary as the root cause (https://pytorch.org/docs/stable/elastic/errors.html).
+    Importing it pulls in torch, so it is only done under torchrun.
+    """
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return fn
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
