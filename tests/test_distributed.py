@@ -1,0 +1,359 @@
+"""Data parallelism with real processes on this CPU (gloo): torchrun, two agents as two nodes, FSDP2, failures.
+
+Every multi-process test starts real ``torchrun`` workers running ``python -m runner`` and reads back what
+rank 0 wrote. What "the same training" means here: a job of 2 ranks x micro-batch 16 x 2 accumulation
+steps must follow the loss curve of 1 process x micro-batch 32 x 2 steps (global batch 64 either way).
+The training set is exactly one global batch (64 samples), so every optimizer step sees all of it,
+whatever order the samplers draw it in; the model (``TinyMLP`` below) has no BatchNorm and no dropout,
+whose statistics and masks would legitimately differ per rank. What remains is float summation order:
+TOLERANCE bounds it.
+
+Helpers (``launch``, ``distributed``) get fast in-process tests at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, compose_cfg, job_dirs, read_summary, run_cli
+
+from runner import REPO_ROOT, distributed, launch
+from runner.errors import ConfigError
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun` of this interpreter
+#: per-step loss and final parameter norm, 2 ranks vs 1 process on the same global batch: relative difference
+TOLERANCE = 1e-5  # observed: 2.4e-7 (float32 summation order); a wrong gradient scale shows at 1e-2
+
+TINY_MLP = '''
+import torch
+from torch import nn
+
+
+class TinyMLP(nn.Sequential):
+    """3x16x16 -> 32 -> classes; no BatchNorm, no dropout: its gradient is the same however the batch is split."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.ReLU(), nn.Linear(32, num_classes))
+'''
+
+#: the equivalence runs: TINY's data (3x16x16 synthetic), one global batch of 64 samples, 20 steps
+SAME_DATA = ["data.train_size=64", "trainer.max_steps=20", "trainer.log_every=1", "trainer.eval_every=20",
+             "model._target_=tiny_mlp.TinyMLP", "memory.accumulate_steps=2", "optimizer.lr=0.05"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(root: Path, **extra: str) -> dict[str, str]:
+    """Subprocess environment: one OpenMP thread per process (2 cores), the tiny model importable, a
+    private TMPDIR (so leftovers of ranks > 0 can be checked), torchrun/venv scripts on PATH."""
+    tmp = root / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+            "HYDRA_FULL_ERROR": "1", "TMPDIR": str(tmp), "PYTHONPATH": str(root / "pymod"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
+
+
+def make_root(path: Path) -> Path:
+    (path / "pymod").mkdir(parents=True, exist_ok=True)
+    (path / "pymod" / "tiny_mlp.py").write_text(TINY_MLP)
+    return path
+
+
+def torchrun(*args: str, cwd: Path, launcher: list[str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [*(launcher or [*TORCHRUN, "--standalone", "--nproc-per-node=2"]), "-m", "runner", *args]
+    return subprocess.run(cmd, cwd=cwd, env=child_env(cwd), capture_output=True, text=True, timeout=timeout)
+
+
+def only_job(root: Path, proc: subprocess.CompletedProcess) -> dict:
+    """The one job folder under ``root/outputs`` (fails listing them all otherwise) and its summary."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    dirs = job_dirs(root)
+    assert len(dirs) == 1, f"expected one job folder, found {dirs}"
+    assert not list((root / "tmp").glob("runner-rank*")), "a rank > 0 left its scratch folder behind"
+    return read_summary(dirs[0])
+
+
+def losses(job_dir: Path) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """One process (batch 32) vs DDP and FSDP on 2 processes (batch 16 each); 20 steps each, real CLI."""
+    out = {}
+    single = make_root(tmp_path_factory.mktemp("single"))
+    proc = subprocess.run([sys.executable, "-m", "runner", *TINY, *SAME_DATA, "dataloader.batch_size=32"],
+                          cwd=single, env=child_env(single), capture_output=True, text=True, timeout=240)
+    out["single"] = (single / "outputs", only_job(single, proc))
+
+    ddp = make_root(tmp_path_factory.mktemp("ddp"))
+    proc = torchrun("distributed=ddp", *TINY, *SAME_DATA, "dataloader.batch_size=16", cwd=ddp)
+    out["ddp"] = (ddp / "outputs", only_job(ddp, proc))
+
+    fsdp = make_root(tmp_path_factory.mktemp("fsdp"))  # through scripts/torchrun.sh: N first, overrides after
+    proc = subprocess.run([str(REPO_ROOT / "scripts" / "torchrun.sh"), "2", "distributed=fsdp", *TINY, *SAME_DATA,
+                           "dataloader.batch_size=16"], cwd=fsdp, env=child_env(fsdp), capture_output=True, text=True,
+                          timeout=240)
+    out["fsdp"] = (fsdp / "outputs", only_job(fsdp, proc))
+    return {name: (job_dirs(outputs.parent)[0], summary) for name, (outputs, summary) in out.items()}
+
+
+def assert_same_losses(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b) == 20
+    worst = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
+    assert worst <= TOLERANCE, f"per-step losses differ by up to {worst:.2e} (> {TOLERANCE}):\n{a}\n{b}"
+    assert a[-1] < a[0] * 0.9, f"the loss did not go down: {a}"  # it trained, so the match is not trivial
+
+
+def test_ddp_two_processes_one_job_folder_identical_replicas(runs):
+    _, s = runs["ddp"]
+    assert s["world_size"] == 2 and s["nodes"] == 1 and s["steps"] == 20
+    assert s["global_batch_size"] == 64 and s["micro_batch_size"] == 16 and s["accumulate_steps"] == 2
+    assert s["techniques"]["ddp"] == "applied"
+    p = s["parameters"]
+    assert len(p["sha256_by_rank"]) == 2 and p["identical_across_ranks"] is True, p
+    assert p["dtensor_count"] == 0
+
+
+def test_ddp_loss_matches_one_process_with_the_same_global_batch(runs):
+    (single_dir, single), (ddp_dir, ddp) = runs["single"], runs["ddp"]
+    assert single["global_batch_size"] == ddp["global_batch_size"] == 64
+    assert_same_losses(losses(ddp_dir), losses(single_dir))
+    assert ddp["parameters"]["l2_norm"] == pytest.approx(single["parameters"]["l2_norm"], rel=TOLERANCE)
+
+
+def test_fsdp_parameters_are_sharded_dtensors_and_consistent(runs):
+    (single_dir, single), (fsdp_dir, fsdp) = runs["single"], runs["fsdp"]
+    assert fsdp["world_size"] == 2 and fsdp["techniques"]["fsdp"] == "applied"
+    p = fsdp["parameters"]
+    assert p["dtensor_count"] == p["count"] == 4  # two Linear layers: weight + bias each
+    assert p["numel"] / 2 <= p["local_numel"] < p["numel"], p  # rank 0 stores its shard only
+    assert p["identical_across_ranks"] is True  # the all-gathered full parameters agree on both ranks
+    assert p["l2_norm"] == pytest.approx(single["parameters"]["l2_norm"], rel=TOLERANCE)
+    assert_same_losses(losses(fsdp_dir), losses(single_dir))
+
+
+def test_two_agents_as_two_nodes_train_together(tmp_path):
+    """Two torchrun agents on this machine, c10d rendezvous on 127.0.0.1 at a free port, join timeout 60 s."""
+    root = make_root(tmp_path)
+    port = free_port()
+    agent = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             f"--rdzv-id=test-{port}", "--rdzv-conf=join_timeout=60", "--max-restarts=0", "-m", "runner",
+             "distributed=ddp", *TINY, "trainer.max_steps=20"]
+    procs = [subprocess.Popen(agent, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-4000:] for o in outputs)
+    s = only_job(root, subprocess.CompletedProcess([], 0, "", ""))
+    assert s["world_size"] == 2 and s["nodes"] == 2 and s["steps"] == 20
+    assert s["parameters"]["identical_across_ranks"] is True
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker processes through /proc")
+def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
+    """SIGTERM rank 1 mid-run: torchrun stops rank 0 and exits non-zero within seconds (not after the
+    300 s collective timeout); rank 1's Python stack at the moment it died is in its log; no summary."""
+    root = make_root(tmp_path)
+    logs = tmp_path / "logs"
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--redirects=3", f"--log-dir={logs}", "-m", "runner",
+           "distributed=ddp", *TINY, "trainer.max_steps=1000000", "trainer.log_every=1", "trainer.eval_every=1000000"]
+    proc = subprocess.Popen(cmd, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 180
+        victim = None
+        while time.monotonic() < deadline and proc.poll() is None:  # training is under way: rank 0 logs rows
+            metrics = list((root / "outputs").rglob("metrics.jsonl")) if (root / "outputs").exists() else []
+            if metrics and len(metrics[0].read_text().splitlines()) >= 3:
+                victim = next((pid for pid in _children(proc.pid) if _rank_of(pid) == 1), None)
+                break
+            time.sleep(0.2)
+        assert victim is not None, f"training never got under way (rc={proc.poll()})"
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            for pid in _children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert took < 60, f"the job took {took:.0f} s to fail after rank 1 died"
+    assert "rank      : 1" in output and "SIGTERM" in output and f"PID {victim}" in output, output[-4000:]
+    rank1 = next(logs.rglob("attempt_0/1/stderr.log")).read_text()
+    assert "(most recent call first)" in rank1 and "runner/train.py" in rank1, rank1[-4000:]
+    assert not list((root / "outputs").rglob("summary.json"))
+
+
+@pytest.mark.slow
+def test_a_failing_rank_s_traceback_reaches_torchrun_s_summary(tmp_path):
+    """An exception in the ranks (a 2x2 input is too small for mnist_cnn's two poolings) is printed in full
+    (HYDRA_FULL_ERROR) and recorded by @record, so torchrun's "Root Cause" shows the traceback."""
+    root = make_root(tmp_path)
+    proc = torchrun("distributed=ddp", *TINY, "data.shape=[3,2,2]", cwd=root)
+    assert proc.returncode != 0
+    root_cause = proc.stderr.split("Root Cause", 1)
+    assert len(root_cause) == 2, proc.stderr[-4000:]
+    assert "RuntimeError" in root_cause[1] and "runner/train.py" in root_cause[1], root_cause[1][-3000:]
+    assert "error_file: <N/A>" not in root_cause[1]
+    assert not list((root / "outputs").rglob("summary.json"))
+
+
+def test_distributed_none_under_torchrun_is_refused(tmp_path):
+    root = make_root(tmp_path)
+    proc = torchrun(*TINY, cwd=root)  # distributed=none by default
+    assert proc.returncode != 0
+    assert "launched as 2 processes (torchrun) but distributed=none" in proc.stderr, proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- fast, in process
+
+
+def test_discover_reads_torchrun_and_srun_and_ignores_the_batch_script():
+    torchrun_env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2", "SLURM_PROCID": "0"}
+    assert launch.discover(torchrun_env) == launch.Layout(rank=3, local_rank=1, world_size=4, nodes=2,
+                                                          launcher="torchrun")
+    srun_env = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
+                "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234"}
+    layout = launch.discover(srun_env)
+    assert (layout.rank, layout.world_size, layout.nodes, layout.launcher) == (1, 2, 2, "srun")
+    assert layout.master_addr == "gpu07" and layout.master_port == 20000 + 1234
+    assert launch.discover({**srun_env, "MASTER_PORT": "29500"}).master_port == 29500
+    batch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert launch.discover(batch_script) == launch.Layout()
+    with pytest.raises(ConfigError, match="outside the world"):
+        launch.discover({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_expand_nodelist():
+    assert launch.expand_nodelist("n[1-3,7],gpu-a[08-10],login") == [
+        "n1", "n2", "n3", "n7", "gpu-a08", "gpu-a09", "gpu-a10", "login"]
+    assert launch.expand_nodelist("node-[01-02]-ib") == ["node-01-ib", "node-02-ib"]
+    with pytest.raises(ConfigError):
+        launch.expand_nodelist("n[1-x]")
+
+
+def test_ranks_above_zero_get_a_scratch_folder_and_no_hydra_copy():
+    assert launch.hydra_overrides(launch.Layout()) == []
+    overrides = launch.hydra_overrides(launch.Layout(rank=1, world_size=2))
+    scratch = Path(overrides[0].split("=", 1)[1])
+    assert scratch.is_dir() and "hydra.output_subdir=null" in overrides
+    assert f"hydra.sweep.dir={scratch}" in overrides
+
+
+@pytest.mark.parametrize("overrides,env,message", [
+    (["distributed=none"], {"RANK": "0", "WORLD_SIZE": "2"}, "distributed=none"),
+    (["distributed=dp"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot run as 2 processes"),
+    (["distributed=fsdp", "distributed.sync_batchnorm=true"], {}, "works with distributed=ddp only"),
+    (["distributed=ddp", "distributed.backend=nccl"], {}, "needs CUDA"),
+    (["distributed=ddp", "distributed.backend=tcp"], {}, "is not one of"),
+    (["distributed=ddp", "distributed.timeout_s=0"], {}, "must be > 0"),
+])
+def test_impossible_combinations_are_config_errors(overrides, env, message, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError, match=message):
+        distributed.setup(cfg.distributed, cfg.trainer.device)
+    assert not torch.distributed.is_initialized()
+
+
+def test_sync_batchnorm_on_cpu_is_skipped_with_the_reason(tmp_path):
+    from runner.train import train
+
+    summary = train(compose_cfg("distributed=ddp", "distributed.sync_batchnorm=true"), job_dir=tmp_path)
+    assert summary["techniques"]["sync_batchnorm"].startswith("skipped: SyncBatchNorm only runs on CUDA")
+    assert summary["techniques"]["ddp"] == "applied"
+
+
+def test_dp_warns_that_ddp_is_faster(tmp_path):
+    from runner.train import train
+
+    with pytest.warns(UserWarning, match="slower than DistributedDataParallel"):
+        summary = train(compose_cfg("distributed=dp"), job_dir=tmp_path)
+    assert summary["techniques"]["dp"].startswith("skipped: ")  # no CUDA here
+
+
+def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
+    """The engine's pattern (forward inside ``no_sync``, backward after it) reduces once per step.
+
+    A one-rank DDP counts its bucket reductions through a communication hook.
+    """
+    cfg = compose_cfg("distributed=ddp")
+    env = distributed.setup(cfg.distributed, "cpu")
+    try:
+        torch.manual_seed(0)
+        model, _ = distributed.wrap(torch.nn.Linear(4, 2), cfg.distributed, env, cfg.precision)
+        calls = []
+
+        def count(state, bucket):
+            calls.append(1)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        model.register_comm_hook(None, count)
+        for use_no_sync, expected in ((True, 1), (False, 2)):
+            calls.clear()
+            for micro in range(2):
+                last = micro == 1 or not use_no_sync
+                with distributed.no_sync(model, last=last):
+                    loss = model(torch.randn(3, 4)).sum()
+                loss.backward()
+            assert len(calls) == expected, (use_no_sync, calls)
+    finally:
+        distributed.teardown()
+
+
+def test_reduce_figures_single_process_passes_through():
+    env = distributed.Env(rank=0, local_rank=0, world_size=1, nodes=1, device=torch.device("cpu"))
+    totals = {"samples_per_sec": 10.0, "step_time_ms_median": 1.0, "step_time_ms_p90": 2.0, "measured_steps": 3,
+              "measured_time_s": 0.3, "data_wait_fraction": 0.1}
+    assert distributed.reduce_figures(totals, 5.0, env) == {**totals, "peak_memory_mb": 5.0}
