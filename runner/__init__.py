@@ -13,3 +13,29 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 if not OmegaConf.has_resolver("runner_root"):
     OmegaConf.register_new_resolver("runner_root", lambda: str(REPO_ROOT))
+
+
+def uses_cuda(device: str) -> bool:
+    """True when a job with ``trainer.device=<device>`` will run on CUDA (``auto``: CUDA when available)."""
+    if device == "cuda":
+        return True
+    if device != "auto":
+        return False
+    import torch  # imported on first use only: composing a config must stay fast
+
+    return torch.cuda.is_available()
+
+
+# Hardware-aware presets (conf/experiment/fast.yaml): a YAML file cannot see the hardware, these can.
+#   ${runner_if_cuda:${trainer.device},A,B}  A when the job will run on CUDA, else B
+#   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
+#   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
+#                                            dataloader.on_device works (all but imagefolder)
+_RESOLVERS = {
+    "runner_if_cuda": lambda device, then, otherwise: then if uses_cuda(str(device)) else otherwise,
+    "runner_mul": lambda a, b: a * b,
+    "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic"),
+}
+for _name, _fn in _RESOLVERS.items():
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, _fn)
