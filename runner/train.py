@@ -142,6 +142,11 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
     result file is written.
     """
     validate(cfg)
+    from runner import ablation  # an ablation job trains in a fresh process, or not at all off CUDA
+
+    delegated = ablation.run_job(cfg, job_dir)
+    if delegated is not None:
+        return delegated
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
     try:
         return _train(cfg, env, job_dir)

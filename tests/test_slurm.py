@@ -1,0 +1,96 @@
+"""SLURM end to end on a real cluster: ``sbatch scripts/multinode.sh``, ``srun python -m runner``, submitit sweeps.
+
+Needs a SLURM cluster with at least two idle nodes answering ``sinfo`` (CI: ``../shared/tools/local-slurm.sh
+up``, two slurmd daemons on this machine, brought up by ``.ci/run``); skipped otherwise. Every job gets a
+unique name and is cancelled if the test runs out of time, so a pending job never outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import TINY, job_dirs, read_summary
+
+from runner import REPO_ROOT
+
+
+def _idle_nodes() -> int:
+    if shutil.which("sinfo") is None:
+        return -1
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(state.strip().rstrip("*") in ("idle", "mixed") for state in out.stdout.split()) if out.returncode == 0 else 0
+
+
+_NODES = _idle_nodes()
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(_NODES < 0, reason="no SLURM here (sinfo is not on PATH)"),
+    pytest.mark.skipif(0 <= _NODES < 2, reason="the SLURM cluster does not answer or has fewer than 2 idle nodes"),
+]
+
+
+def slurm_env(root: Path) -> dict[str, str]:
+    """What sbatch/srun pass on to the job: this interpreter's scripts (torchrun, python) first on PATH."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+            "HYDRA_FULL_ERROR": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def run_job(cmd: list[str], root: Path, name: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in ``root``; on timeout cancel every job called ``name`` and fail with the logs."""
+    try:
+        return subprocess.run(cmd, cwd=root, env=slurm_env(root), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", name], timeout=30)
+        logs = "\n".join(p.read_text()[-3000:] for p in root.glob("slurm-*.out"))
+        pytest.fail(f"{' '.join(cmd[:3])} ... did not finish within {timeout:.0f} s (jobs cancelled)\n{logs}")
+
+
+def test_sbatch_multinode_two_nodes_one_job_folder(tmp_path):
+    name = f"runner-test-{uuid.uuid4().hex[:8]}"
+    proc = run_job(["sbatch", "--wait", f"--job-name={name}", str(REPO_ROOT / "scripts" / "multinode.sh"),
+                    *TINY, "trainer.max_steps=20"], tmp_path, name, timeout=240)
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert proc.returncode == 0, proc.stderr + logs[-5000:]
+    dirs = job_dirs(tmp_path)
+    assert len(dirs) == 1, dirs
+    summary = read_summary(dirs[0])
+    assert summary["world_size"] == 2 and summary["nodes"] == 2 and summary["steps"] == 20
+    assert summary["parameters"]["identical_across_ranks"] is True
+    assert "2 node(s) x 1 process(es)" in logs
+
+
+def test_srun_python_finds_its_rank_from_slurm(tmp_path):
+    """No torchrun: ``srun -N2 -n2 python -m runner`` ranks come from SLURM_PROCID, the master from the node list."""
+    name = f"runner-test-{uuid.uuid4().hex[:8]}"
+    proc = run_job(["srun", "--nodes=2", "--ntasks=2", f"--job-name={name}", "--kill-on-bad-exit=1", sys.executable,
+                    "-m", "runner", "distributed=ddp", *TINY, "trainer.max_steps=20"], tmp_path, name, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    dirs = job_dirs(tmp_path)
+    assert len(dirs) == 1, dirs
+    summary = read_summary(dirs[0])
+    assert summary["world_size"] == 2 and summary["nodes"] == 2
+    assert summary["parameters"]["identical_across_ranks"] is True
+
+
+def test_submitit_sweep_of_two_jobs(tmp_path):
+    name = f"runner-test-{uuid.uuid4().hex[:8]}"
+    proc = run_job([sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_slurm",
+                    f"hydra.launcher.name={name}", "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1",
+                    *TINY, "trainer.seed=0,1"], tmp_path, name, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    dirs = job_dirs(tmp_path)
+    assert len(dirs) == 2, dirs
+    summaries = [read_summary(d) for d in dirs]
+    assert sorted(s["config"]["trainer"]["seed"] for s in summaries) == [0, 1]
+    assert all(s["steps"] == 4 for s in summaries)
+    assert len(list(tmp_path.rglob(".submitit/*/*_result.pkl"))) == 2  # submitit ran them, not a local launcher
