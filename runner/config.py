@@ -170,7 +170,15 @@ class TrainerConfig:
 
 @dataclass
 class AblationConfig:
-    repeats: int = 3
+    """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/); see runner/ablation.py."""
+
+    repeats: int = 3  # times each configuration runs (the sweep's outer loop)
+    repeat: int = 0  # this job's repeat index, 0 .. repeats-1 (swept)
+    variant: Optional[str] = None  # this job's configuration, e.g. baseline, baseline+amp, fast-amp
+    kind: Optional[str] = None  # baseline | leave-one-in | fast | leave-one-out
+    technique: Optional[str] = None  # the technique the variant switches on (leave-one-in) or off (leave-one-out)
+    requires: Optional[str] = None  # cuda: the variant is not run (recorded as not run) on other devices
+    isolate: bool = True  # inside a multirun, train each job in a fresh process (clean memory/compile state)
 
 
 @dataclass
