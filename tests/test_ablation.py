@@ -1,0 +1,354 @@
+"""The presets, the ablation sweep and its report.
+
+- The variants (conf/ablation/variant/) are checked by composing them: each leave-one-in variant changes
+  exactly the keys its leave-one-out twin changes back, and every difference between the baseline and
+  the fast preset belongs to a technique of the ablation.
+- The report's rule ("no measurable effect" inside the reference's repeat spread, ranking, skipped and
+  not-run rows) is unit-tested on synthetic summaries.
+- One end-to-end sweep runs through the real CLI on a tiny model and checks the report it writes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY, compose_cfg, run_cli
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner import REPO_ROOT
+from runner.report import CSV_COLUMNS, Job, ReportError, build_rows, compare, load_jobs, verdict, write_report
+
+VARIANTS = REPO_ROOT / "conf" / "ablation" / "variant"
+NAMES = sorted(p.stem for p in VARIANTS.glob("*.yaml"))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def flat(cfg) -> dict[str, object]:
+    """The resolved config as ``{"a.b.c": value}`` (the ablation's own bookkeeping left out)."""
+    out: dict[str, object] = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("ablation", None)
+    walk(container, "")
+    return out
+
+
+def variant(name: str, *overrides: str) -> dict[str, object]:
+    # trainer.device=cuda resolves the hardware-aware values to their CUDA branch without a GPU
+    return flat(compose_cfg("+experiment=ablation", f"ablation/variant={name}", "trainer.device=cuda", *overrides,
+                            tiny=False))
+
+
+def diff(a: dict, b: dict) -> set[str]:
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+# ------------------------------------------------------------------------------------------- configs
+def test_sweep_lists_every_variant_and_repeat_is_the_outer_loop():
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=ablation", "ablation.repeats=2"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert list(params)[0] == "ablation.repeat"
+    swept = [v.strip() for v in params["ablation/variant"].split(",")]
+    assert sorted(swept) == NAMES and len(swept) == len(set(swept))
+    overrides = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    jobs = BasicSweeper.split_arguments(overrides, None)[0]
+    assert len(jobs) == 2 * len(NAMES)
+    assert [j[0] for j in jobs] == ["ablation.repeat=0"] * len(NAMES) + ["ablation.repeat=1"] * len(NAMES)
+    assert cfg.ablation.repeats == 2 and cfg.trainer.warmup_steps < cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_composes_and_names_itself(name):
+    cfg = compose_cfg("+experiment=ablation", f"ablation/variant={name}", tiny=False)
+    OmegaConf.to_container(cfg, resolve=True)
+    a = cfg.ablation
+    assert a.variant == name
+    if name in ("baseline", "fast"):
+        assert a.kind == name and a.technique is None
+    else:
+        prefix, tech = ("baseline+", "leave-one-in") if name.startswith("baseline+") else ("fast-", "leave-one-out")
+        assert a.kind == tech and name == prefix + a.technique
+
+
+LEAVE_OUT = [n[len("fast-"):] for n in NAMES if n.startswith("fast-")]
+LEAVE_IN = [n[len("baseline+"):] for n in NAMES if n.startswith("baseline+")]
+
+
+@pytest.mark.parametrize("tech", sorted(set(LEAVE_OUT) & set(LEAVE_IN)))
+def test_leave_one_in_and_out_are_mirror_images(tech):
+    """baseline+X sets X's keys to fast's values; fast-X sets the same keys back to the baseline's."""
+    base, fast = variant("baseline"), variant("fast")
+    on, off = variant(f"baseline+{tech}"), variant(f"fast-{tech}")
+    keys = diff(base, on)
+    assert keys, f"baseline+{tech} changes nothing"
+    assert keys == diff(fast, off)
+    assert {k: on[k] for k in keys} == {k: fast[k] for k in keys}
+    assert {k: off[k] for k in keys} == {k: base[k] for k in keys}
+
+
+def test_every_difference_between_the_presets_is_a_technique_of_the_ablation():
+    base, fast = variant("baseline"), variant("fast")
+    explained = set().union(*(diff(fast, variant(f"fast-{t}")) for t in LEAVE_OUT))
+    assert diff(base, fast) - explained == set()
+    # the data-loading leave-one-out undoes exactly what the two data-loading leave-one-ins switch on
+    loading = diff(fast, variant("fast-data_loading"))
+    assert loading <= diff(base, variant("baseline+pinned_workers")) | diff(base, variant("baseline+on_device_data"))
+
+
+@pytest.mark.parametrize("device,batch,scaling", [("cuda", 256, "linear"), ("cpu", 64, "none")])
+def test_fast_preset_picks_the_batch_for_the_hardware(device, batch, scaling):
+    cfg = compose_cfg("+experiment=fast", f"trainer.device={device}", tiny=False)
+    assert cfg.dataloader.batch_size == batch and cfg.optimizer.lr_scaling == scaling
+    assert compose_cfg("+experiment=baseline", f"trainer.device={device}", tiny=False).dataloader.batch_size == 64
+
+
+def test_fast_preset_keeps_image_files_off_the_device():
+    assert compose_cfg("+experiment=fast", "data=synthetic", tiny=False).dataloader.on_device is True
+    assert compose_cfg("+experiment=fast", "data=imagefolder", "data.root=x", tiny=False).dataloader.on_device is False
+
+
+def test_baseline_preset_is_the_naive_job():
+    cfg = compose_cfg("+experiment=baseline", "precision=amp", tiny=False)  # the command line still wins
+    assert cfg.precision.name == "amp"
+    cfg = compose_cfg("+experiment=baseline", tiny=False)
+    assert (cfg.precision.name, cfg.scheduler.name, cfg.dataloader.num_workers, cfg.dataloader.pin_memory,
+            cfg.compile.mode, cfg.channels_last, cfg.cudnn_benchmark, cfg.optimizer.set_to_none,
+            cfg.trainer.log_every) == ("fp32", "constant", 0, False, None, False, False, False, 1)
+
+
+# ------------------------------------------------------------------------------------------- the rule
+def test_compare_uses_the_reference_spread_with_inclusive_bounds():
+    runs = [95.0, 100.0, 105.0]
+    assert compare(1.0, runs) == "inside"
+    assert compare(1.05, runs) == "inside" and compare(0.95, runs) == "inside"
+    assert compare(1.051, runs) == "above" and compare(0.949, runs) == "below"
+    assert compare(1.0, [100.0]) == "inside" and compare(1.001, [100.0]) == "above"  # one repeat: no spread
+
+
+def test_verdicts_per_kind():
+    base, fast = [95.0, 100.0, 105.0], [190.0, 200.0, 220.0]
+    assert verdict("baseline", 100, base, fast) == "reference"
+    assert verdict("leave-one-in", 104, base, fast) == "no measurable effect"
+    assert verdict("leave-one-in", 120, base, fast) == "helps"
+    assert verdict("leave-one-in", 80, base, fast) == "hurts"
+    assert verdict("fast", 200, base, fast) == "faster"
+    # leave-one-out compares with fast's own spread [0.95, 1.10]: removing a helper slows fast down
+    assert verdict("leave-one-out", 150, base, fast) == "helps"
+    assert verdict("leave-one-out", 215, base, fast) == "no measurable effect"
+    assert verdict("leave-one-out", 240, base, fast) == "hurts"
+    assert verdict("leave-one-out", 150, base, None) == "no fast reference"
+
+
+def summary(variant: str, repeat: int, sps: float, techniques: dict | None = None, **extra) -> dict:
+    kind = "baseline" if variant == "baseline" else "fast" if variant == "fast" else (
+        "leave-one-in" if variant.startswith("baseline+") else "leave-one-out")
+    tech = None if kind in ("baseline", "fast") else variant.split("+" if "+" in variant else "-", 1)[1]
+    return {"samples_per_sec": sps, "step_time_ms_median": 1000 * 64 / sps, "data_wait_fraction": 0.1,
+            "peak_memory_mb": extra.pop("peak", 1000.0), "train_loss": 2.0, "eval_loss": 2.1,
+            "warmup_steps": 3, "measured_steps": 8, "global_batch_size": 64, "device": "cpu",
+            "device_name": "x86_64", "techniques": techniques or {},
+            "config": {"ablation": {"variant": variant, "repeat": repeat, "kind": kind, "technique": tech},
+                       "model": {"_target_": "tiny"}, "data": {"name": "synthetic"}, "logger": {"name": "none"},
+                       "optimizer": {"_target_": "torch.optim.SGD"}}, **extra}
+
+
+SYNTHETIC = {  # configuration -> (samples/s of 3 repeats, techniques)
+    "baseline": ([95.0, 100.0, 105.0], {}),
+    "baseline+amp": ([190.0, 200.0, 210.0], {"amp": "applied"}),
+    "baseline+set_to_none": ([101.0, 103.0, 99.0], {}),  # inside the baseline's spread
+    "baseline+checkpointing": ([70.0, 72.0, 71.0], {"activation_checkpointing": "applied"}),
+    "baseline+cudnn_benchmark": ([150.0, 150.0, 150.0], {"cudnn_benchmark": "skipped: CUDA only"}),
+    "fast": ([290.0, 300.0, 310.0], {"amp": "applied", "compile": "applied"}),
+    "fast-amp": ([140.0, 150.0, 160.0], {"compile": "applied"}),
+    "fast-compile": ([296.0, 300.0, 305.0], {"amp": "applied"}),
+}
+
+
+def synthetic_jobs(configs=SYNTHETIC) -> list[Job]:
+    return [Job(name, i, Path(f"/sweep/{name}/r{i}"), summary(name, i, sps)["config"]["ablation"]["kind"],
+                summary(name, i, sps)["config"]["ablation"]["technique"], summary(name, i, sps, techniques))
+            for name, (runs, techniques) in configs.items() for i, sps in enumerate(runs)]
+
+
+def test_rows_are_ranked_by_speedup_and_noise_is_not_a_win():
+    rows = build_rows(synthetic_jobs())
+    by = {r.configuration: r for r in rows}
+    speedups = [r.speedup for r in rows]
+    assert speedups == sorted(speedups, reverse=True)
+    assert by["baseline+amp"].speedup == pytest.approx(2.0)
+    assert (by["baseline+amp"].speedup_min, by["baseline+amp"].speedup_max) == (pytest.approx(1.9), pytest.approx(2.1))
+    assert by["baseline+set_to_none"].verdict == "no measurable effect" and by["baseline+set_to_none"].rank is None
+    assert by["baseline+checkpointing"].verdict == "hurts" and by["baseline+checkpointing"].rank is None
+    # faster than the baseline, but its only technique was skipped: not a finding, not ranked
+    assert by["baseline+cudnn_benchmark"].verdict == "skipped here" and by["baseline+cudnn_benchmark"].rank is None
+    assert by["fast-amp"].verdict == "helps" and by["fast-amp"].effect == pytest.approx(2.0)
+    assert by["fast-amp"].status == "amp: applied"  # what fast had and this configuration lacks
+    assert by["fast-compile"].verdict == "no measurable effect"
+    ranked = [r.configuration for r in rows if r.rank]
+    assert ranked == ["fast", "fast-compile", "baseline+amp", "fast-amp"]
+    assert [r.rank for r in rows if r.rank] == [1, 2, 3, 4]
+    assert by["baseline"].verdict == "reference" and by["baseline"].rank is None
+
+
+def test_missing_baseline_is_one_clear_error():
+    jobs = [j for j in synthetic_jobs() if j.variant != "baseline"]
+    with pytest.raises(ReportError, match="no baseline"):
+        build_rows(jobs)
+
+
+def write_sweep(root: Path, configs=SYNTHETIC) -> Path:
+    for name, (runs, techniques) in configs.items():
+        for i, sps in enumerate(runs):
+            d = root / name / f"r{i}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps(summary(name, i, sps, techniques, peak=1000.0 + 10 * i)))
+    (root / "ablation.json").write_text(json.dumps({"command": "python -m runner -m +experiment=ablation model=tiny",
+                                                    "machine": {"cpu": "Test CPU", "cpu_cores": 2, "gpus": []}}))
+    return root
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_report_files_from_synthetic_summaries(tmp_path):
+    sweep = write_sweep(tmp_path / "sweep")
+    nr = sweep / "fast-cudnn_benchmark" / "r0"
+    nr.mkdir(parents=True)
+    (nr / "not_run.json").write_text(json.dumps({"variant": "fast-cudnn_benchmark", "repeat": 0, "reason": "needs CUDA"}))
+    doc = tmp_path / "docs" / "ablation-test.md"
+    written = write_report(sweep, doc=doc)
+    assert {p.name for p in written} == {"report.md", "report.csv", "speedup.png", "ablation-test.md",
+                                         "ablation-test.png"}
+    rows = read_csv(sweep / "report.csv")
+    assert list(rows[0]) == CSV_COLUMNS
+    assert rows[0]["configuration"] == "fast" and rows[0]["rank"] == "1"
+    by = {r["configuration"]: r for r in rows}
+    assert by["baseline+set_to_none"]["verdict"] == "no measurable effect" and by["baseline+set_to_none"]["rank"] == ""
+    assert by["fast-cudnn_benchmark"]["verdict"] == "not run: needs CUDA"
+    assert float(by["baseline+amp"]["peak_memory_change_pct"]) == pytest.approx(0.0)
+    md = (sweep / "report.md").read_text()
+    assert "python -m runner -m +experiment=ablation model=tiny" in md and "Test CPU, 2 cores" in md
+    assert "3 warm-up + 8 measured steps" in md and "3 repeat(s)" in md
+    assert "| – | baseline+set_to_none |" in md and "no measurable effect" in md
+    assert (sweep / "speedup.png").read_bytes()[:8] == PNG_MAGIC
+    text = doc.read_text()
+    assert "## Reading" in text and "amp (on alone, ×2.00)" in text and "](ablation-test.png)" in text
+
+
+def test_report_cli_bad_input_exits_nonzero_with_one_message(tmp_path):
+    def report(folder: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "runner.report", str(folder)], capture_output=True, text=True,
+                              timeout=120)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_base = write_sweep(tmp_path / "nobase", {k: v for k, v in SYNTHETIC.items() if k != "baseline"})
+    for folder, message in ((tmp_path / "absent", "is not a folder"), (empty, "holds no summary.json"),
+                            (no_base, "no baseline")):
+        proc = report(folder)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and message in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_duplicate_jobs_from_two_sweeps_are_refused(tmp_path):
+    write_sweep(tmp_path / "a")
+    write_sweep(tmp_path / "b")
+    with pytest.raises(ReportError, match="appears twice"):
+        load_jobs(tmp_path)
+
+
+def test_wandb_table_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    configs = {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")}
+    sweep = write_sweep(tmp_path / "sweep", configs)
+    for p in sweep.rglob("summary.json"):  # jobs that logged to W&B
+        s = json.loads(p.read_text())
+        s["config"]["logger"] = {"name": "wandb", "project": "runner-test"}
+        p.write_text(json.dumps(s))
+    written = write_report(sweep)
+    runs = list((sweep / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+    assert len(written) == 4
+    assert write_report(sweep, use_wandb=False) == written[:3]
+
+
+# ------------------------------------------------------------------------------------------- end to end
+E2E_VARIANTS = ["baseline", "baseline+amp", "baseline+channels_last", "baseline+cudnn_benchmark",
+                "baseline+big_batch", "fast", "fast-channels_last"]
+
+
+@pytest.mark.slow
+def test_ablation_sweep_and_report_through_the_cli(tmp_path):
+    # the presets set the batch and log_every themselves: keep TINY's out of their way
+    tiny = [o for o in TINY if not o.startswith(("trainer.log_every", "trainer.max_steps", "trainer.warmup_steps",
+                                                 "dataloader.batch_size", "data.train_size"))]
+    proc = run_cli("-m", "+experiment=ablation", *tiny, "trainer.max_steps=5", "trainer.warmup_steps=2",
+                   "ablation.repeats=1", "compile=off",  # torch.compile would take minutes on a CPU
+                   # batch 16; baseline+big_batch's 4 x 16 exceeds the 48 training samples and fails: the sweep goes on
+                   "optimizer.base_batch_size=16", "data.train_size=48",
+                   "ablation/variant=" + ",".join(E2E_VARIANTS), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweeps = list((tmp_path / "outputs" / "ablation").glob("*/*"))
+    assert len(sweeps) == 1
+    sweep = sweeps[0]
+    for name in ("report.md", "report.csv", "speedup.png", "ablation.json"):
+        assert (sweep / name).is_file(), name
+    assert (sweep / "speedup.png").read_bytes()[:8] == PNG_MAGIC
+
+    measured = sorted(p.parent.relative_to(sweep).as_posix() for p in sweep.rglob("summary.json"))
+    assert measured == sorted(f"{v}/r0" for v in E2E_VARIANTS if v not in ("baseline+cudnn_benchmark",
+                                                                           "baseline+big_batch"))
+    s = json.loads((sweep / "baseline+amp" / "r0" / "summary.json").read_text())
+    assert s["config"]["ablation"]["variant"] == "baseline+amp" and s["config"]["ablation"]["repeat"] == 0
+    assert s["warmup_steps"] == 2 and s["measured_steps"] == 3 and s["global_batch_size"] == 16
+    assert (sweep / "baseline+big_batch" / "r0" / "failed.json").is_file()
+
+    rows = read_csv(sweep / "report.csv")
+    by = {r["configuration"]: r for r in rows}
+    assert set(by) == set(E2E_VARIANTS)
+    speedups = [float(r["speedup"]) for r in rows if r["speedup"]]
+    assert speedups == sorted(speedups, reverse=True) and len(speedups) == 5
+    assert by["baseline"]["verdict"] == "reference" and float(by["baseline"]["speedup"]) == 1.0
+    assert by["baseline+cudnn_benchmark"]["verdict"].startswith("not run: needs CUDA")
+    assert by["baseline+big_batch"]["verdict"].startswith("failed (exit status 2)")
+    assert by["baseline+channels_last"]["techniques"] == "channels_last: applied"
+    assert by["fast-channels_last"]["techniques"] == "channels_last: applied"
+    # amp is bf16 on a CPU with native bf16 and skipped on other CPUs: either way the row says which
+    amp = by["baseline+amp"]
+    assert amp["techniques"] == "amp: applied" or (amp["techniques"].startswith("amp: skipped")
+                                                   and amp["verdict"] == "skipped here")
+    # one repeat: no spread, so exactly the configurations faster than the baseline are ranked, in order
+    faster = [r for r in rows if r["speedup"] and float(r["speedup"]) > 1 and r["verdict"] != "skipped here"]
+    assert [r["rank"] for r in faster] == [str(i) for i in range(1, len(faster) + 1)]
+    md = (sweep / "report.md").read_text()
+    record = json.loads((sweep / "ablation.json").read_text())
+    assert record["command"].startswith("python -m runner -m ") and "+experiment=ablation" in record["command"]
+    assert record["command"] in md and record["machine"]["cpu"] in md
+    assert "2 warm-up + 3 measured steps" in md and "a configuration ran once" in md
+
+    again = subprocess.run([sys.executable, "-m", "runner.report", str(sweep)], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert read_csv(sweep / "report.csv") == rows
