@@ -225,7 +225,9 @@ def apply_fsdp(model: torch.nn.Module, env: Env, precision_cfg: DictConfig) -> t
     (``reshard_after_forward=True``); the root call covers what is left (stem, head). Parameters become
     DTensors sharded on dim 0 over a 1-D device mesh of all ranks. Rank 0's values are broadcast first:
     ``fully_shard`` keeps each rank's slice of its *own* tensor, so ranks must agree before sharding.
-    The mixed-precision policy comes from ``fsdp_mixed_precision``.
+    The mixed-precision policy comes from ``fsdp_mixed_precision``; under it, every BatchNorm layer is
+    sharded on its own with fp32 parameters (its running statistics are fp32 buffers, and ``batch_norm``
+    wants weight and statistics in one dtype), its input cast to fp32 on the way in.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -238,6 +240,13 @@ def apply_fsdp(model: torch.nn.Module, env: Env, precision_cfg: DictConfig) -> t
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     policy = fsdp_mixed_precision(precision_cfg, env.device)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
+    if policy is not None:  # BatchNorm keeps fp32 parameters: its running statistics are fp32 buffers
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        fp32 = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
+        for module in list(model.modules()):
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module is not model:
+                fully_shard(module, **fp32)
     blocks = set(repeated_blocks(model))
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in blocks:

@@ -357,3 +357,22 @@ def test_reduce_figures_single_process_passes_through():
     totals = {"samples_per_sec": 10.0, "step_time_ms_median": 1.0, "step_time_ms_p90": 2.0, "measured_steps": 3,
               "measured_time_s": 0.3, "data_wait_fraction": 0.1}
     assert distributed.reduce_figures(totals, 5.0, env) == {**totals, "peak_memory_mb": 5.0}
+
+
+def test_fsdp_mixed_precision_follows_the_precision_group():
+    cpu = torch.device("cpu")
+    policy = distributed.fsdp_mixed_precision(compose_cfg("precision=bf16").precision, cpu)
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert distributed.fsdp_mixed_precision(compose_cfg("precision=fp32").precision, cpu) is None
+    assert distributed.fsdp_mixed_precision(compose_cfg("precision=tf32").precision, cpu) is None
+
+
+@pytest.mark.filterwarnings("ignore:precision=bf16")  # emulated bf16 on this CPU
+def test_fsdp_bf16_trains_a_batchnorm_model(tmp_path):
+    """bf16 all-gathers with BatchNorm layers kept in fp32 (their fp32 running statistics would clash)."""
+    from runner.train import train
+
+    summary = train(compose_cfg("distributed=fsdp", "precision=bf16", "trainer.max_steps=2"), job_dir=tmp_path)
+    assert summary["techniques"]["fsdp_mixed_precision"] == "applied"
+    assert summary["train_loss"] == summary["train_loss"]  # not NaN
+    assert summary["parameters"]["dtensor_count"] == summary["parameters"]["count"]
