@@ -444,6 +444,11 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
     if len(steps) > 1:
         lines += [f"**Warning:** the jobs measured different step counts ({step_text}); rerun with one "
                   f"trainer.max_steps / trainer.warmup_steps.", ""]
+    cores = machine.get("cpu_cores")
+    if load[0] is not None and cores and load[0] > cores / 2:
+        lines += [f"**Warning:** the machine was busy when the sweep started (load average {load[0]} on {cores} "
+                  f"cores): other processes share the cores, so figures are slower and noisier than on a quiet "
+                  f"machine. Rerun when it is quiet for figures to publish.", ""]
     if min(repeats) < 2:
         lines += ["**Warning:** a configuration ran once: a single repeat has no spread, so every difference counts "
                   "as an effect here. Use ablation.repeats=3 or more before reading verdicts.", ""]

@@ -352,3 +352,13 @@ def test_ablation_sweep_and_report_through_the_cli(tmp_path):
                            timeout=120)
     assert again.returncode == 0, again.stderr
     assert read_csv(sweep / "report.csv") == rows
+
+
+def test_report_warns_when_the_machine_was_busy(tmp_path):
+    sweep = write_sweep(tmp_path / "sweep", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
+    write_report(sweep)
+    assert "machine was busy" not in (sweep / "report.md").read_text()
+    (sweep / "ablation.json").write_text(json.dumps({"command": "c", "machine": {"cpu": "Test CPU", "cpu_cores": 2,
+                                                                                "load_average_1min": 3.2}}))
+    write_report(sweep)
+    assert "machine was busy when the sweep started (load average 3.2 on 2 cores)" in (sweep / "report.md").read_text()
