@@ -102,7 +102,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     out["single"] = (single / "outputs", only_job(single, proc))
 
     ddp = make_root(tmp_path_factory.mktemp("ddp"))
-    proc = torchrun("distributed=ddp", *TINY, *SAME_DATA, "dataloader.batch_size=16", cwd=ddp)
+    proc = torchrun("distributed=ddp", *TINY, *SAME_DATA, "dataloader.batch_size=16",
+                    "trainer.reference_samples_per_sec=1000", cwd=ddp)
     out["ddp"] = (ddp / "outputs", only_job(ddp, proc))
 
     fsdp = make_root(tmp_path_factory.mktemp("fsdp"))  # through scripts/torchrun.sh: N first, overrides after
@@ -125,6 +126,7 @@ def test_ddp_two_processes_one_job_folder_identical_replicas(runs):
     assert s["world_size"] == 2 and s["nodes"] == 1 and s["steps"] == 20
     assert s["global_batch_size"] == 64 and s["micro_batch_size"] == 16 and s["accumulate_steps"] == 2
     assert s["techniques"]["ddp"] == "applied"
+    assert s["scaling_efficiency"] == pytest.approx(s["samples_per_sec"] / (2 * 1000))
     p = s["parameters"]
     assert len(p["sha256_by_rank"]) == 2 and p["identical_across_ranks"] is True, p
     assert p["dtensor_count"] == 0
@@ -350,6 +352,34 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
             assert len(calls) == expected, (use_no_sync, calls)
     finally:
         distributed.teardown()
+
+
+def _reduce_on_rank(rank: int, store_path: str, results) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        env = distributed.Env(rank=rank, local_rank=rank, world_size=2, nodes=1, device=torch.device("cpu"))
+        # rank 1 is the slow one (2 s for the same 10 steps) and has the larger peak memory
+        totals = {"samples_per_sec": 64 * 10 / (1.0 + rank), "step_time_ms_median": 100.0 * (1 + rank),
+                  "step_time_ms_p90": 150.0 * (1 + rank), "measured_steps": 10, "measured_time_s": 1.0 + rank,
+                  "data_wait_fraction": 0.1}
+        results[rank] = distributed.reduce_figures(totals, peak_memory_mb=100.0 + 50 * rank, env=env)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_reduce_figures_are_global_over_two_processes(tmp_path):
+    """samples/s over the slowest rank's time, the slowest rank's step times, the largest peak memory."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_reduce_on_rank, args=(str(tmp_path / "store"), results), nprocs=2, start_method="spawn")
+        out = dict(results)
+    for rank in (0, 1):
+        r = out[rank]
+        assert r["samples_per_sec"] == pytest.approx(320.0)  # 640 samples in the slowest rank's 2 s
+        assert (r["step_time_ms_median"], r["step_time_ms_p90"], r["peak_memory_mb"]) == (200.0, 300.0, 150.0)
+        assert r["measured_time_s"] == 2.0
 
 
 def test_reduce_figures_single_process_passes_through():
