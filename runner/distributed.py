@@ -348,6 +348,8 @@ def shared_job_dir(job_dir: Path, env: Env) -> Path:
     if env.distributed:
         box = [str(job_dir)]
         dist.broadcast_object_list(box, src=0)
+        if env.rank != 0:
+            launch.drop_scratch(job_dir)
         return Path(box[0])
     return job_dir
 

@@ -151,6 +151,17 @@ def first_host(nodelist: str) -> str:
     return hosts[0]
 
 
+#: this process's scratch job folder (ranks > 0 under ``python -m runner``), removed once rank 0's is known
+SCRATCH: str | None = None
+
+
+def drop_scratch(job_dir: object) -> None:
+    """Remove ``job_dir`` if it is this rank's scratch folder: it has served its purpose (Hydra ran in it)
+    once rank 0's folder is known, and a rank killed later (SIGKILL skips ``atexit``) leaves nothing behind."""
+    if SCRATCH is not None and str(job_dir) == SCRATCH:
+        shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
 def hydra_overrides(layout: Layout) -> list[str]:
     """Overrides that keep a rank other than 0 out of ``outputs/`` (Hydra issue #2070).
 
@@ -159,10 +170,12 @@ def hydra_overrides(layout: Layout) -> list[str]:
     directory, removed when the process exits, and no ``.hydra/`` copy. They learn rank 0's folder later
     over the process group (``runner.distributed.shared_job_dir``). Returns ``[]`` on rank 0.
     """
+    global SCRATCH
     if layout.rank == 0:
         return []
     scratch = tempfile.mkdtemp(prefix=f"runner-rank{layout.rank}-")
-    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)  # if the rank fails before it learns rank 0's
+    SCRATCH = scratch
     return [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
 
 

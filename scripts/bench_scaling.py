@@ -45,7 +45,8 @@ def cpu_name() -> str:
 
 def run(procs: int, threads: int, overrides: list[str], job_dir: Path, timeout: float) -> dict:
     """One job; returns its summary. Raises RuntimeError with the job's output when it fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1",
+           "TMPDIR": str(job_dir.parent)}  # torchrun's own temp folders go away with ours
     args = [*overrides, f"hydra.run.dir={job_dir}"]
     if procs == 1:
         cmd = [sys.executable, "-m", "runner", *args]

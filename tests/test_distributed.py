@@ -230,6 +230,7 @@ def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
     rank1 = next(logs.rglob("attempt_0/1/stderr.log")).read_text()
     assert "(most recent call first)" in rank1 and "runner/train.py" in rank1, rank1[-4000:]
     assert not list((root / "outputs").rglob("summary.json"))
+    assert not list((root / "tmp").glob("runner-rank*")), "rank 1's scratch folder outlived it"
 
 
 @pytest.mark.slow

@@ -40,9 +40,12 @@ pytestmark = [
 
 
 def slurm_env(root: Path) -> dict[str, str]:
-    """What sbatch/srun pass on to the job: this interpreter's scripts (torchrun, python) first on PATH."""
+    """What sbatch/srun pass on to the job: this interpreter's scripts (torchrun, python) first on PATH, and a
+    TMPDIR of the test's own (Python falls back to /tmp on a node where it does not exist)."""
+    (root / "tmp").mkdir(exist_ok=True)
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-            "HYDRA_FULL_ERROR": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+            "HYDRA_FULL_ERROR": "1", "TMPDIR": str(root / "tmp"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def run_job(cmd: list[str], root: Path, name: str, timeout: float) -> subprocess.CompletedProcess:
