@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from runner.config import register_configs
 from runner.errors import ConfigError
+from runner.launch import prepare_process, record_if_elastic
 
 register_configs()
 
@@ -25,4 +26,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    prepare_process(sys.argv)  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
+    record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary

@@ -164,6 +164,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
     data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed, memory_format=memory_format)
     model = models.build(cfg.model, data.num_classes, data.in_channels).to(env.device)
     model, applied, details = prepare.prepare(model, cfg, env)
+    seed_everything(cfg.trainer.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
     flops = measure.flops_per_sample(distributed.unwrap(model), data.sample_shape, env.device,
                                      num_classes=data.num_classes, memory_format=memory_format)
@@ -224,6 +225,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
                 step += 1
                 interval_steps += 1
                 if step % t.log_every == 0 or step == total_steps:
+                    distributed.all_reduce_mean(loss_sum, env)  # the global batch's loss, not rank 0's share
                     row_loss = loss_sum.item() / interval_steps  # host-device sync, only at log steps
                     loss_sum.zero_()
                     interval_steps = 0
@@ -273,6 +275,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
         "accumulate_steps": accumulate,
         "world_size": env.world_size,
         "nodes": env.nodes,
+        "parameters": distributed.parameter_report(model, env),  # per-rank checksums: replicas must agree
         "scaling_efficiency": (figures["samples_per_sec"] / (t.reference_samples_per_sec * env.world_size)
                                if t.reference_samples_per_sec and figures["samples_per_sec"] else None),
         "device": env.device.type,
