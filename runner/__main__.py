@@ -16,10 +16,13 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    from runner import ablation
     from runner.train import train  # imported here so `--help` and compose errors stay fast
 
     try:
-        return train(cfg)["samples_per_sec"]
+        # an ablation job runs in a fresh process (or not at all off CUDA); anything else trains here
+        summary = ablation.run_job(cfg) or train(cfg)
+        return summary["samples_per_sec"]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -8,7 +8,6 @@ below has no feature branches.
 from __future__ import annotations
 
 import contextlib
-import platform
 import random
 import subprocess
 import time
@@ -142,11 +141,6 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
     result file is written.
     """
     validate(cfg)
-    from runner import ablation  # an ablation job trains in a fresh process, or not at all off CUDA
-
-    delegated = ablation.run_job(cfg, job_dir)
-    if delegated is not None:
-        return delegated
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
     try:
         return _train(cfg, env, job_dir)
@@ -163,11 +157,11 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
 
     data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed, memory_format=memory_format)
     model = models.build(cfg.model, data.num_classes, data.in_channels).to(env.device)
+    # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
+    flops = measure.flops_per_sample(model, data.sample_shape, env.device, num_classes=data.num_classes)
     model, applied, details = prepare.prepare(model, cfg, env)
     seed_everything(cfg.trainer.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
-    flops = measure.flops_per_sample(distributed.unwrap(model), data.sample_shape, env.device,
-                                     num_classes=data.num_classes, memory_format=memory_format)
 
     accumulate = cfg.memory.accumulate_steps
     if accumulate > 1:
@@ -220,6 +214,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
                 amp.scaler.step(optimizer)
                 amp.scaler.update()
                 optimizer.zero_grad(set_to_none=set_to_none)
+                lr = scheduler.get_last_lr()[0]  # the LR this step used (a Python float: no sync)
                 scheduler.step()
                 profiler.step()
                 step += 1
@@ -229,7 +224,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
                     row_loss = loss_sum.item() / interval_steps  # host-device sync, only at log steps
                     loss_sum.zero_()
                     interval_steps = 0
-                    row = {"step": step, "epoch": epoch, "loss": row_loss, "lr": scheduler.get_last_lr()[0],
+                    row = {"step": step, "epoch": epoch, "loss": row_loss, "lr": lr,
                            **meter.flush(), "peak_memory_mb": measure.peak_memory_mb(env.device)}
                     tracker.log(row)
                 meter.end_step()  # after logging, so the cost of the sync above is part of the step
@@ -279,8 +274,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
         "scaling_efficiency": (figures["samples_per_sec"] / (t.reference_samples_per_sec * env.world_size)
                                if t.reference_samples_per_sec and figures["samples_per_sec"] else None),
         "device": env.device.type,
-        "device_name": (torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
-                        else platform.processor() or platform.machine()),
+        "device_name": measure.device_name(env.device),
         "torch_version": torch.__version__,
         "git_sha": git_sha(),
         "techniques": techniques,
