@@ -60,7 +60,7 @@ class OptimizerConfig:
     lr_scaling: str = "none"  # none | linear | sqrt, relative to base_batch_size (Goyal et al. 2017)
     base_batch_size: int = 64
     impl: Optional[str] = None  # fused | foreach | loop | null (torch's default)
-    set_to_none: bool = False  # technique 11: zero_grad(set_to_none=True) frees .grad instead of writing zeros
+    set_to_none: bool = True  # technique 11: zero_grad(set_to_none=True) frees .grad instead of writing zeros
     clip_grad_norm: Optional[float] = None  # technique 14: max global L2 norm; null = off
 
 

@@ -22,8 +22,9 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 
 def run(job_dir, *overrides):
+    """Train a tiny job with ``optimizer.set_to_none=false``, so ``techniques`` lists precision's only."""
     job_dir.mkdir(parents=True, exist_ok=True)
-    return train(compose_cfg(*overrides), job_dir=job_dir)
+    return train(compose_cfg("optimizer.set_to_none=false", *overrides), job_dir=job_dir)
 
 
 def changed(spy) -> list[str]:
