@@ -117,14 +117,9 @@ def describe_machine() -> dict[str, Any]:
 
     from runner.precision import cpu_has_native_bf16
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from runner.measure import device_name
+
+    cpu = device_name(torch.device("cpu"))
     memory_gib = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -8,6 +8,7 @@ copy included; step time is the rest of the iteration. Warm-up steps are left ou
 from __future__ import annotations
 
 import copy
+import platform
 import resource
 import statistics
 import time
@@ -71,6 +72,19 @@ def flops_per_sample(model: nn.Module, sample_shape: tuple[int, ...], device: to
         return counter.get_total_flops() / 2
     except Exception:  # noqa: BLE001 - FLOPs are a figure, never a reason to fail the run
         return None
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name on CUDA; on a CPU its model name from /proc/cpuinfo (``platform.machine()`` elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -133,8 +133,7 @@ def main() -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     results = [bench(c, args.rounds, args.steps, args.warmup, device) for c in args.cases]
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    machine = measure.device_name(device) + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads")
     lines = [
         "# Engine overhead: runner vs a minimal PyTorch loop",
         "",

@@ -30,17 +30,13 @@ from pathlib import Path
 
 import torch
 
+from runner.measure import device_name
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return device_name(torch.device("cpu"))
 
 
 def run(procs: int, threads: int, overrides: list[str], job_dir: Path, timeout: float) -> dict:
