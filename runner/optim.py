@@ -21,7 +21,7 @@ import inspect
 import math
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
@@ -83,8 +83,8 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
             raise ConfigError(f"optimizer.impl={cfg.impl!r} is not one of {list(_IMPLS)} (or null)")
         target = cfg._target_
         try:
-            cls = hydra_locate(target)
-        except ImportError as e:
+            cls = get_class(target)
+        except Exception as e:  # noqa: BLE001 - hydra raises ImportError or ValueError
             raise ConfigError(f"optimizer._target_={target!r} cannot be imported: {e}") from e
         accepted = inspect.signature(cls.__init__).parameters
         if all(k in accepted for k in _IMPLS[cfg.impl]):
@@ -107,11 +107,3 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
         raise ConfigError(f"optimizer {cfg._target_} could not be built with {kwargs}: {e}") from e
     return optimizer, techniques
 
-
-def hydra_locate(path: str):
-    from hydra.utils import get_class
-
-    try:
-        return get_class(path)
-    except Exception as e:
-        raise ImportError(str(e)) from e
