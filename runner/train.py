@@ -185,7 +185,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(job_dir, cfg, resolved, total_steps, sweep_group_or_none()) if env.is_main else NullTracker()
     t = cfg.trainer
-    eval_every = t.eval_every or steps_per_epoch
+    log_every, eval_every = t.log_every, t.eval_every or steps_per_epoch  # plain ints: no config lookups per step
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
 
@@ -219,7 +219,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
                 profiler.step()
                 step += 1
                 interval_steps += 1
-                if step % t.log_every == 0 or step == total_steps:
+                if step % log_every == 0 or step == total_steps:
                     distributed.all_reduce_mean(loss_sum, env)  # the global batch's loss, not rank 0's share
                     row_loss = loss_sum.item() / interval_steps  # host-device sync, only at log steps
                     loss_sum.zero_()
@@ -229,9 +229,9 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
                     tracker.log(row)
                 meter.end_step()  # after logging, so the cost of the sync above is part of the step
                 if step % eval_every == 0 or step == total_steps:
-                    eval_started = time.perf_counter()
                     if env.device.type == "cuda":
-                        torch.cuda.synchronize(env.device)
+                        torch.cuda.synchronize(env.device)  # training's queued kernels count as training
+                    eval_started = time.perf_counter()
                     eval_acc, eval_loss = evaluate(model, data.eval, amp.autocast, t.eval_max_batches, env)
                     if time_to_target is None and t.target_accuracy is not None and eval_acc >= t.target_accuracy:
                         time_to_target = eval_started - train_start - eval_time
