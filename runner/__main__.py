@@ -16,6 +16,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    """Train the composed job; return its samples/s (what a Hydra sweeper optimizes). Bad input: exit 2."""
     from runner import ablation
     from runner.train import train  # imported here so `--help` and compose errors stay fast
 

@@ -20,6 +20,8 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
+    """``model`` group: ``_target_`` (a module class or factory taking ``num_classes``) + runner switches."""
+
     _target_: str = MISSING
     cifar_stem: bool = False  # resnets: 3x3 stride-1 stem, no max-pool (for 32x32 inputs)
     drop_bias_before_bn: bool = False  # technique 15: remove conv/linear bias that feeds a BatchNorm
@@ -27,6 +29,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """``data`` group: which dataset, where it lives, and how samples are normalized/augmented."""
+
     name: str = MISSING  # mnist | cifar10 | imagefolder | synthetic
     root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/data}"
     download: bool = False
@@ -42,6 +46,8 @@ class DataConfig:
 
 @dataclass
 class DataLoaderConfig:
+    """``dataloader`` group: per-rank micro-batch size (samples) and how batches reach the device."""
+
     batch_size: int = 64  # per-rank micro-batch x accumulate_steps = per-rank batch
     num_workers: int = 0
     pin_memory: bool = False
@@ -54,6 +60,8 @@ class DataLoaderConfig:
 
 @dataclass
 class OptimizerConfig:
+    """``optimizer`` group, common part: LR, weight decay, LR scaling, kernel, zero_grad, clipping."""
+
     _target_: str = MISSING
     lr: float = 0.01
     weight_decay: float = 0.0
@@ -66,6 +74,8 @@ class OptimizerConfig:
 
 @dataclass
 class SGDConfig(OptimizerConfig):
+    """``optimizer=sgd``: ``torch.optim.SGD`` with momentum."""
+
     _target_: str = "torch.optim.SGD"
     momentum: float = 0.9
     nesterov: bool = False
@@ -73,6 +83,8 @@ class SGDConfig(OptimizerConfig):
 
 @dataclass
 class AdamWConfig(OptimizerConfig):
+    """``optimizer=adamw``: ``torch.optim.AdamW`` (Loshchilov & Hutter 2019)."""
+
     _target_: str = "torch.optim.AdamW"
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -82,6 +94,8 @@ class AdamWConfig(OptimizerConfig):
 
 @dataclass
 class LambConfig(OptimizerConfig):
+    """``optimizer=lamb``: ``timm.optim.Lamb`` (You et al. 2019)."""
+
     _target_: str = "timm.optim.Lamb"
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -90,6 +104,8 @@ class LambConfig(OptimizerConfig):
 
 @dataclass
 class LarsConfig(OptimizerConfig):
+    """``optimizer=lars``: ``timm.optim.Lars`` (You et al. 2017)."""
+
     _target_: str = "timm.optim.Lars"
     lr: float = 0.1
     momentum: float = 0.9
@@ -98,6 +114,8 @@ class LarsConfig(OptimizerConfig):
 
 @dataclass
 class SchedulerConfig:
+    """``scheduler`` group: the LR schedule, stepped per optimizer step; factors multiply the optimizer LR."""
+
     name: str = MISSING  # constant | onecycle | cosine | cyclic
     warmup_steps: int = 0  # cosine: linear warm-up over this many optimizer steps
     max_lr_factor: float = 1.0  # onecycle/cyclic: peak LR = optimizer LR x this
@@ -109,6 +127,8 @@ class SchedulerConfig:
 
 @dataclass
 class PrecisionConfig:
+    """``precision`` group: autocast dtype and the fp16 loss scaler's settings."""
+
     name: str = MISSING  # fp32 | amp | bf16 | tf32
     init_scale: float = 65536.0  # amp: GradScaler's initial loss scale
     growth_interval: int = 2000  # amp: steps without inf/NaN before the scale doubles
@@ -116,6 +136,8 @@ class PrecisionConfig:
 
 @dataclass
 class DistributedConfig:
+    """``distributed`` group: data-parallel wrapper, process-group backend and timeout (s)."""
+
     name: str = "none"  # none | ddp | fsdp | dp
     backend: Optional[str] = None  # null = nccl on CUDA, gloo on CPU
     sync_batchnorm: bool = False
@@ -124,6 +146,8 @@ class DistributedConfig:
 
 @dataclass
 class MemoryConfig:
+    """``memory`` group: gradient accumulation and activation checkpointing."""
+
     accumulate_steps: int = 1  # technique 9: micro-batches per optimizer step
     checkpointing: bool = False  # technique 8: activation checkpointing
     checkpoint_modules: Optional[list[str]] = None  # class names; null = the model's repeated blocks
@@ -131,6 +155,8 @@ class MemoryConfig:
 
 @dataclass
 class LoggerConfig:
+    """``logger`` group: W&B project/entity/tags, or none."""
+
     name: str = MISSING  # wandb | none
     project: str = "runner"
     entity: Optional[str] = None
@@ -139,6 +165,8 @@ class LoggerConfig:
 
 @dataclass
 class CompileConfig:
+    """``compile`` group: ``torch.compile`` mode and options; mode null = eager."""
+
     mode: Optional[str] = None  # null = off | default | reduce-overhead | max-autotune
     fullgraph: bool = False
     dynamic: Optional[bool] = None
@@ -146,6 +174,8 @@ class CompileConfig:
 
 @dataclass
 class DebugConfig:
+    """``debug`` group: anomaly detection or a profiler window (in optimizer steps)."""
+
     name: str = "off"  # off | anomaly | profile
     profile_wait: int = 1  # profile: schedule(wait, warmup, active) in steps
     profile_warmup: int = 1
@@ -154,6 +184,8 @@ class DebugConfig:
 
 @dataclass
 class TrainerConfig:
+    """``trainer.*``: run length, warm-up, logging/evaluation cadence (optimizer steps), device, targets."""
+
     max_epochs: int = 1
     max_steps: Optional[int] = None  # optimizer steps; null = epochs decide
     warmup_steps: int = 5  # steps left out of every speed figure
@@ -183,6 +215,8 @@ class AblationConfig:
 
 @dataclass
 class RunnerConfig:
+    """The primary config: one node per group plus the top-level switches."""
+
     defaults: list[Any] = field(default_factory=lambda: ["_self_"])
     model: ModelConfig = MISSING
     data: DataConfig = MISSING

@@ -328,6 +328,7 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
+    """Write ``rows`` to ``path`` as CSV with the ``CSV_COLUMNS`` header (one row per configuration)."""
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
@@ -572,6 +573,7 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m runner.report SWEEP [--doc PATH] [--no-wandb]``; returns the exit status (2: bad sweep)."""
     parser = argparse.ArgumentParser(prog="python -m runner.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", type=Path, help="the sweep folder (outputs/ablation/<date>/<time>)")
     parser.add_argument("--doc", type=Path, help="also write the report as a document, e.g. docs/ablation-cpu.md")

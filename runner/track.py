@@ -118,6 +118,7 @@ class NullTracker:
 
 
 def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
+    """Print the run's headline figures and every technique's status as an aligned two-column table."""
     keys = ["samples_per_sec", "step_time_ms_median", "step_time_ms_p90", "data_wait_fraction", "peak_memory_mb",
             "flops_per_sample", "mfu", "train_loss", "eval_accuracy", "time_to_target_s", "steps", "warmup_steps",
             "global_batch_size", "world_size", "device_name"]

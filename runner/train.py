@@ -72,6 +72,7 @@ def seed_everything(seed: int) -> None:
 
 
 def git_sha() -> str | None:
+    """The repository's commit, with ``-dirty`` when tracked files changed; None outside a git checkout."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
@@ -92,10 +93,12 @@ def job_folder() -> Path:
 
 def sweep_group() -> str | None:
     """The W&B group of a multirun job: its sweep folder's last two parts (``<date>_<time>`` by default,
-    so sweeps started at the same time on different days stay apart); None for a single run."""
+    so sweeps started at the same time on different days stay apart); None for a single run or outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if not HydraConfig.initialized():  # train() called directly (tests, benchmarks)
+        return None
     hc = HydraConfig.get()
     return "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None
 
@@ -183,7 +186,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
     set_to_none = cfg.optimizer.set_to_none
     meter = measure.Meter(env.device, cfg.trainer.warmup_steps, global_batch)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    tracker = Tracker(job_dir, cfg, resolved, total_steps, sweep_group_or_none()) if env.is_main else NullTracker()
+    tracker = Tracker(job_dir, cfg, resolved, total_steps, sweep_group()) if env.is_main else NullTracker()
     t = cfg.trainer
     log_every, eval_every = t.log_every, t.eval_every or steps_per_epoch  # plain ints: no config lookups per step
     if env.device.type == "cuda":
@@ -284,9 +287,3 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
     tracker.finish(summary)
     return summary
 
-
-def sweep_group_or_none() -> str | None:
-    try:
-        return sweep_group()
-    except ValueError:  # not inside a Hydra job (tests, benchmarks)
-        return None

@@ -35,8 +35,6 @@ from runner.measure import device_name
 REPO = Path(__file__).resolve().parent.parent
 
 
-def cpu_name() -> str:
-    return device_name(torch.device("cpu"))
 
 
 def run(procs: int, threads: int, overrides: list[str], job_dir: Path, timeout: float) -> dict:
@@ -88,7 +86,8 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in results.items()}
     base = med["1x1"]
-    print(f"\nmachine: {cpu_name()}, {cores} cores, torch {torch.__version__}, Python {platform.python_version()}")
+    cpu = device_name(torch.device("cpu"))
+    print(f"\nmachine: {cpu}, {cores} cores, torch {torch.__version__}, Python {platform.python_version()}")
     print(f"load average (1 min) before/after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     print(f"job: {' '.join(job)}; {a.repeats} repeats each\n")
     print("| processes x threads | samples/s (median) | min - max | vs 1x1 | scaling efficiency |")
@@ -98,7 +97,7 @@ def main() -> None:
         print(f"| {p} x {t} | {med[k]:.0f} | {min(v):.0f} - {max(v):.0f} | {med[k] / base:.2f}x | "
               f"{'-' if eff is None else f'{eff:.2f}'} |")
     if a.out:
-        a.out.write_text(json.dumps({"machine": cpu_name(), "cores": cores, "torch": torch.__version__,
+        a.out.write_text(json.dumps({"machine": cpu, "cores": cores, "torch": torch.__version__,
                                      "load_before": load_before, "load_after": load_after, "job": job,
                                      "samples_per_sec": results}, indent=2) + "\n")
 
