@@ -523,14 +523,14 @@ def reading(rows: list[Row]) -> str:
 def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image: Path) -> str:
     """Log the rows as a W&B table (``ablation/report``) and the plot, in a run of the sweep's group.
 
-    Mode: ``WANDB_MODE`` if set, else online with an API key and offline without one. Returns the run's
+    Mode: ``WANDB_MODE`` if set, else online when an API key is found and the server answers, offline otherwise. Returns the run's
     folder or URL.
     """
     import wandb
 
-    from runner.track import _has_wandb_key
+    from runner.track import wandb_offline_reason
 
-    mode = os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")
+    mode = os.environ.get("WANDB_MODE") or ("offline" if wandb_offline_reason() else "online")
     run = wandb.init(project=logger_cfg.get("project", "runner"), entity=logger_cfg.get("entity"),
                      group=sweep.name, job_type="ablation-report", name=f"{sweep.name}/report", dir=str(sweep),
                      mode=mode, settings=wandb.Settings(quiet=True, console="off", x_disable_stats=True))

@@ -6,11 +6,15 @@ so a crash never leaves a half-written ``summary.json``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
-import netrc
 import os
+import socket
 import sys
+import urllib.parse
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -129,38 +133,85 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
         print(f"  {k:<{width}}  {v}")
 
 
-def _has_wandb_key() -> bool:
+def wandb_api_key() -> str | None:
+    """The API key W&B itself would use: ``WANDB_API_KEY``, or the one ``wandb login`` stored (``~/.netrc``,
+    ``$NETRC``, ``_netrc`` on Windows, for ``WANDB_BASE_URL``'s host), through wandb's own lookup."""
     if os.environ.get("WANDB_API_KEY"):
-        return True
+        return os.environ["WANDB_API_KEY"]
+    import wandb
+
     try:
-        return netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai").split("//")[-1]) is not None
-    except (OSError, netrc.NetrcParseError):
+        # wandb.api.api_key is wandb's own, instant lookup (wandb.login(prompt=False) takes seconds and
+        # prints); its deprecation notice goes to stderr, which is muted for this one call
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return wandb.api.api_key
+    except Exception:  # noqa: BLE001 - a broken settings file means "no key", never a failed run
+        return None
+
+
+def reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to ``url``'s host and port opens within ``timeout_s`` seconds."""
+    parsed = urllib.parse.urlsplit(url if "//" in url else f"https://{url}")
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
+            return True
+    except OSError:
         return False
 
 
-_offline_notice_shown = False  # the no-API-key notice is printed once per process (once per sweep)
+_offline_notice_shown = False  # the offline notice is printed once per process (once per sweep)
 
 
-def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None):
-    """Start a W&B run in ``<job_dir>/wandb``, grouped by ``group`` (the sweep, in multirun).
+def wandb_offline_reason() -> str | None:
+    """Why W&B cannot log online right now, or None when it can try: no API key (``WANDB_API_KEY`` or
+    ``wandb login``), or ``WANDB_BASE_URL`` (default https://api.wandb.ai) unreachable within 3 s."""
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if wandb_api_key() is None:
+        return "no API key found (WANDB_API_KEY or `wandb login`)"
+    if not reachable(base_url):
+        return f"{base_url} cannot be reached"
+    return None
 
-    Mode: ``WANDB_MODE`` (online | offline | disabled) when set; with no API key (``WANDB_API_KEY`` or a
-    ``~/.netrc`` entry from ``wandb login``) ``offline``, said once per process with the ``wandb sync``
-    command that uploads the run(s) later.
-    """
+
+def _wandb_mode(job_dir: Path, group: str | None) -> str | None:
+    """``WANDB_MODE`` when set; else ``offline`` when ``wandb_offline_reason`` gives one (said once per process,
+    with the ``wandb sync`` command that uploads the runs later); else None (online)."""
     global _offline_notice_shown
+    mode = os.environ.get("WANDB_MODE") or None
+    if mode is not None:
+        return mode
+    why = wandb_offline_reason()
+    if why is None:
+        return None
+    if not _offline_notice_shown:
+        runs = (job_dir.parent / "*" if group else job_dir) / "wandb" / "offline-run-*"
+        print(f"W&B: {why}, logging offline; upload later with `wandb sync {runs}`", flush=True)
+        _offline_notice_shown = True
+    return "offline"
+
+
+def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None, run_id: str | None = None):
+    """Start (or, with ``run_id``, continue: ``resume="allow"``) a W&B run in ``<job_dir>/wandb``, grouped by
+    ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway
+    (a rejected key, a server that stops answering) falls back to offline with one line saying why, so
+    tracking never costs the run."""
     import wandb
 
-    mode = os.environ.get("WANDB_MODE") or None
-    if mode is None and not _has_wandb_key():
-        mode = "offline"
-        if not _offline_notice_shown:
-            runs = (job_dir.parent / "*" if group else job_dir) / "wandb" / "offline-run-*"
-            print(f"W&B: no API key found, logging offline; upload later with `wandb sync {runs}`", flush=True)
-            _offline_notice_shown = True
-    run = wandb.init(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
-                     config=resolved, mode=mode, name=f"{group}/{job_dir.name}" if group else None,
-                     settings=wandb.Settings(quiet=True, console="off", x_disable_stats=True))
+    mode = _wandb_mode(job_dir, group)
+    kwargs = dict(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
+                  config=resolved, name=f"{group}/{job_dir.name}" if group else None, id=run_id,
+                  resume="allow" if run_id else None)
+    settings = dict(quiet=True, console="off", x_disable_stats=True)
+    try:
+        run = wandb.init(mode=mode, settings=wandb.Settings(**settings, init_timeout=30.0), **kwargs)
+    except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, AuthenticationError, ...
+        if mode == "offline":
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        print(f"W&B: online start failed ({first}); logging offline instead", flush=True)
+        run = wandb.init(mode="offline", settings=wandb.Settings(**settings), **kwargs)
     run.define_metric("trainer/step")
     run.define_metric("*", step_metric="trainer/step")
     return run

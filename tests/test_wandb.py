@@ -125,3 +125,35 @@ def test_no_api_key_goes_offline_and_says_so_once(tmp_path):
     assert output.count("wandb sync") == 1, output
     assert f"wandb sync {job}/wandb/offline-run-*" in proc.stdout
     assert read_run(path)["exit"] is not None
+
+
+def test_a_key_from_wandb_login_and_no_network_fall_back_to_offline_at_once(tmp_path):
+    """A key stored the way `wandb login` stores it (~/.netrc for the server's host) is found through wandb's
+    own lookup; the server does not answer (a closed local port), so the run logs offline and says why,
+    instead of stalling for wandb's 90 s init timeout and crashing."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".netrc").write_text(f"machine 127.0.0.1:9\n  login user\n  password {'k' * 40}\n")
+    (home / ".netrc").chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"HOME": str(home), "WANDB_BASE_URL": "http://127.0.0.1:9"}  # port 9 (discard): nothing listens
+    proc = subprocess.run([sys.executable, "-m", "runner", *TINY, "logger=wandb"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "W&B: http://127.0.0.1:9 cannot be reached, logging offline" in proc.stdout
+    assert "no API key" not in proc.stdout
+    (path,) = wandb_files(tmp_path)
+    assert path.parent.name.startswith("offline-run-")
+    assert read_run(path)["exit"].exit_code == 0
+
+
+def test_wandb_api_key_reads_the_login_file(tmp_path, monkeypatch):
+    from runner.track import wandb_api_key
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert wandb_api_key() is None
+    (tmp_path / "netrc").write_text(f"machine 127.0.0.1:9 login user password {'a' * 40}\n")
+    assert wandb_api_key() == "a" * 40
