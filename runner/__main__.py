@@ -30,5 +30,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    prepare_process(sys.argv)  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
+    try:
+        prepare_process(sys.argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
     record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary

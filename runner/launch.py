@@ -198,6 +198,7 @@ def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> La
     the name is the one the plugin documents (``hydra/launcher=submitit_slurm``).
     """
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore")
+    check_launcher(argv)
     layout = discover(env)
     if layout.world_size > 1:
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
@@ -206,6 +207,22 @@ def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> La
         faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
         argv += hydra_overrides(layout)
     return layout
+
+
+def check_launcher(argv: list[str]) -> None:
+    """Refuse ``hydra/launcher=submitit_slurm`` on a machine without SLURM's commands, before Hydra starts
+    (submitit would stop with a traceback from inside the launcher).
+
+    Raises:
+        ConfigError: naming the missing command and the fix.
+    """
+    if not any(a.split("=", 1) == ["hydra/launcher", "submitit_slurm"] for a in argv):
+        return
+    missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
+    if missing:
+        raise ConfigError(f"hydra/launcher=submitit_slurm submits the sweep's jobs to SLURM, but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not on PATH here; run it on a SLURM login node, or "
+                          f"drop hydra/launcher=submitit_slurm to run the sweep on this machine")
 
 
 def record_if_elastic(fn: Callable) -> Callable:

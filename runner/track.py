@@ -34,11 +34,32 @@ WANDB_KEYS = {
 }
 
 
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every NaN/inf float replaced by None (recursively through dicts, lists and tuples), so it
+    serializes as strict JSON: ``NaN`` is not JSON and most parsers reject it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def to_json(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON (RFC 8259): non-finite floats become null, anything else unknown its ``str``."""
+    return json.dumps(finite_or_none(obj), allow_nan=False, default=str, **kwargs)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX)."""
+    """Write ``obj`` as strict JSON to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX), so
+    a crash or a full disk never leaves a half-written file under the final name."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(to_json(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _fmt(value: Any) -> str:
@@ -71,7 +92,7 @@ class Tracker:
 
     def log(self, row: dict[str, Any]) -> None:
         """Record one log-interval row (step, loss, samples_per_sec, ...); the keys are metrics.jsonl's."""
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write(to_json(row) + "\n")
         self._metrics.flush()
         if self.bar is not None:
             self.bar.n = row["step"]

@@ -7,6 +7,7 @@ then checks stderr and that no ``summary.json`` exists anywhere under ``outputs/
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,12 @@ def test_batch_size_not_positive(tmp_path, size):
 def test_cuda_device_without_cuda(tmp_path):
     msg = config_error(run_bad(tmp_path, "trainer.device=cuda"))
     assert "trainer.device=cuda" in msg and "trainer.device=auto" in msg and "trainer.device=cpu" in msg
+
+
+def test_slurm_launcher_without_slurm(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"  # PATH with python only: no sbatch/srun, as on a laptop
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(Path(sys.executable))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    msg = config_error(run_bad(tmp_path, "-m", "hydra/launcher=submitit_slurm"))
+    assert "hydra/launcher=submitit_slurm" in msg and "sbatch" in msg and "drop hydra/launcher=submitit_slurm" in msg
