@@ -1,0 +1,277 @@
+"""Checkpoints: the whole training state through ``torch.distributed.checkpoint`` (DCP), atomic, optionally async.
+
+One code path for one process, DDP and FSDP2: ``get_state_dict``/``set_state_dict`` turn the model and
+optimizer into (possibly sharded) state dicts and back, and DCP writes every rank's shard in parallel
+(torchtitan's checkpointer does the same; https://pytorch.org/docs/stable/distributed.checkpoint.html).
+
+Layout in the job folder::
+
+    checkpoints/
+      step_00000200/          a complete checkpoint: DCP's .metadata + one __<rank>_0.distcp per rank,
+        runner.json           and runner's own facts (step, config, world size, W&B run id), readable without torch
+      .step_00000300.partial/ being written (or left by a kill): never chosen
+
+A checkpoint is written into ``.step_<N>.partial`` and renamed to ``step_<N>`` by rank 0 only after DCP has
+written its ``.metadata`` (the last file, written once every rank's data is down), so a kill at any
+moment leaves either the previous complete checkpoint or the new one, never a half-written one that
+``latest`` would pick. ``keep_last`` prunes older complete ones after each save.
+
+With ``async_save`` (``checkpoint.async=true``) the state is staged to CPU memory and written by a background
+thread (``dcp.async_save``); training continues, and the rename happens when the write has finished
+(checked at the next save and at the end). Only the staging blocks the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from runner.errors import ConfigError
+
+FOLDER = "checkpoints"
+META_FILE = "runner.json"
+_COMPLETE = re.compile(r"^step_(\d{8,})$")
+
+
+def step_name(step: int) -> str:
+    """The folder name of the checkpoint taken after optimizer step ``step``: ``step_00000200``."""
+    return f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """True for a finished checkpoint folder: named ``step_<N>``, holding DCP's ``.metadata`` and ``runner.json``."""
+    return bool(_COMPLETE.match(path.name)) and (path / ".metadata").is_file() and (path / META_FILE).is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root`` (a job's ``checkpoints/`` folder), oldest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(_COMPLETE.match(p.name).group(1)))
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None. Partial folders are never returned."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """runner's facts about checkpoint ``path`` (``runner.json``).
+
+    Raises:
+        ConfigError: ``path`` is not a checkpoint folder, or its ``runner.json`` is unreadable/corrupt.
+    """
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint.resume={path} does not exist; pass a checkpoint folder "
+                          f"(<job>/checkpoints/step_<N>), auto or never")
+    meta_file = path / META_FILE
+    if not (path / ".metadata").is_file() or not meta_file.is_file():
+        raise ConfigError(f"{path} is not a complete runner checkpoint (it needs .metadata and {META_FILE}); "
+                          f"point checkpoint.resume at a <job>/checkpoints/step_<N> folder, or use never")
+    try:
+        meta = json.loads(meta_file.read_text())
+        int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"corrupt checkpoint file {meta_file} ({e!r}); delete {path} to resume from the "
+                          f"previous checkpoint, or pass checkpoint.resume=never") from e
+    return meta
+
+
+# ------------------------------------------------------------------------------- what is saved
+
+
+class ModelAndOptimizer(Stateful):
+    """The model and optimizer as DCP sees them: ``get_state_dict``/``set_state_dict`` handle plain modules,
+    DDP (the ``module.`` prefix is dropped) and FSDP2 (DTensor shards, resharded on load), so the same
+    checkpoint loads under another wrapper (https://pytorch.org/docs/stable/distributed.checkpoint.html).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optimizer"])
+
+
+class RNGState(Stateful):
+    """This rank's random-number generators: Python's, NumPy's, torch's CPU generator and the current CUDA
+    device's. Stored per rank (``rank<r>`` keys), since ranks draw different augmentations and dropout."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(),
+                 "torch": torch.get_rng_state().numpy().tobytes()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+        return {f"rank{self.rank}": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict[f"rank{self.rank}"]
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+
+
+def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as plain, contiguous CPU tensors keyed without wrapper prefixes (``module.``,
+    ``_orig_mod.``, checkpoint wrappers): FSDP2 shards are gathered (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return {k: v.detach().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Path | None:
+    """Write the trained weights as a plain state dict in safetensors format (loadable without runner:
+    ``safetensors.torch.load_file(path)`` then ``model.load_state_dict``). Every rank must call it (FSDP
+    gathers); rank 0 writes, atomically. Tied weights (one tensor under two names) are stored once each
+    as a copy, since safetensors refuses shared storage. Returns the path on rank 0."""
+    from safetensors.torch import save_file
+
+    state = full_model_state_dict(model)
+    if not is_main:
+        return None
+    seen: set[int] = set()
+    plain = {}
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        plain[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    tmp = path.with_suffix(".partial")
+    save_file(plain, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------- the checkpointer
+
+
+@dataclass
+class Checkpointer:
+    """Saves and restores the training state under ``<job_dir>/checkpoints`` on a schedule.
+
+    Args:
+        root: the ``checkpoints/`` folder of the job.
+        every_steps: save after every this many optimizer steps (None: off).
+        every_minutes: save when this much wall time passed since the last save (None: off). Ranks agree
+            through the caller (``due`` is evaluated on rank 0's clock and broadcast by the engine).
+        keep_last: complete checkpoints kept (older ones are deleted after each save); >= 1.
+        async_save: write in a background thread after staging to CPU memory (``dcp.async_save``).
+        is_main: rank 0 renames and prunes.
+    """
+
+    root: Path
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    keep_last: int = 2
+    async_save: bool = False
+    is_main: bool = True
+    time_s: float = 0.0  # time the training loop was blocked by checkpointing (s), summed
+    saves: int = 0
+    _last_save: float = field(default_factory=time.monotonic)
+    _pending: tuple[Future, Path, Path] | None = None
+    _group: Any = None  # gloo group for async saves (NCCL stays free for training); None for one process
+
+    def due(self, step: int, now: float | None = None) -> bool:
+        """Whether a checkpoint is due after optimizer ``step`` (by steps or by minutes)."""
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        now = time.monotonic() if now is None else now
+        return bool(self.every_minutes) and now - self._last_save >= self.every_minutes * 60
+
+    def save(self, state: dict[str, Any], step: int, meta: dict[str, Any]) -> Path:
+        """Write ``state`` (a dict of Stateful objects and plain values) as the checkpoint of ``step``.
+
+        ``meta`` (JSON-serializable: config, world size, W&B run id, ...) goes to ``runner.json``. Returns
+        the final folder (which exists once the write completes: at once when synchronous). Collective:
+        every rank calls it with the same ``step``.
+        """
+        started = time.perf_counter()
+        self.finish()  # one write in flight at a time
+        final = self.root / step_name(step)
+        partial = self.root / f".{step_name(step)}.partial"
+        if self.is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # a leftover of a killed run
+            partial.mkdir(parents=True)
+            (partial / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2, default=str) + "\n")
+        _barrier()
+        if self.async_save:
+            if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+                self._group = dist.new_group(backend="gloo")  # the write's collectives run off the main thread
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group,
+                                    no_dist=not dist.is_initialized())
+            self._pending = (future, partial, final)
+        else:
+            dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+            self._publish(partial, final)
+        self.time_s += time.perf_counter() - started
+        self.saves += 1
+        self._last_save = time.monotonic()
+        return final
+
+    def finish(self) -> None:
+        """Wait for an asynchronous write in flight and publish it (rename, prune); a no-op otherwise."""
+        if self._pending is None:
+            return
+        started = time.perf_counter()
+        future, partial, final = self._pending
+        self._pending = None
+        future.result()
+        self._publish(partial, final)
+        self.time_s += time.perf_counter() - started
+
+    def _publish(self, partial: Path, final: Path) -> None:
+        if self.is_main:
+            if final.exists():  # the same step saved twice (e.g. the end-of-run save after a scheduled one)
+                shutil.rmtree(final)
+            partial.rename(final)
+            for old in complete_checkpoints(self.root)[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, state: dict[str, Any], path: Path) -> None:
+        """Restore ``state`` in place from checkpoint ``path`` (every rank; shards are resharded as needed).
+
+        Raises:
+            ConfigError: the checkpoint cannot be read or does not match this model/optimizer (names the
+                path and the likely cause).
+        """
+        try:
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+            why = lines[-1][:300] if lines else type(e).__name__  # DCP's exception ends with the rank's error
+            raise ConfigError(f"cannot resume from {path}: {why}. The checkpoint is corrupt or was written by "
+                              f"another model/optimizer/world size; pass checkpoint.resume=never to start fresh, "
+                              f"or delete {path} to fall back to the previous checkpoint") from e
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+

@@ -1,0 +1,110 @@
+"""The checkpoint store on its own (runner/checkpoint.py): what is saved comes back exactly, a partial write is
+never chosen, old checkpoints are pruned, async writes publish, corrupt or foreign checkpoints are refused.
+
+The engine-level behaviour (exact resume of a killed run, signals, SLURM) is tested in test_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from runner import checkpoint as ck
+from runner.errors import ConfigError
+
+
+def trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def state(model, opt, step=0):
+    return {"app": ck.ModelAndOptimizer(model, opt), "rng": ck.RNGState(0), "train": {"step": step, "epoch": 0}}
+
+
+def test_save_and_load_restore_model_optimizer_rng_and_plain_values(tmp_path):
+    model, opt = trained(0)
+    store = ck.Checkpointer(tmp_path / "checkpoints")
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    path = store.save(state(model, opt, step=3), step=3, meta={"config": {"a": 1}})
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+
+    other, other_opt = trained(1)
+    assert not torch.equal(other[0].weight, model[0].weight)
+    restored = state(other, other_opt)
+    store.load(restored, path)
+    assert restored["train"] == {"step": 3, "epoch": 0}
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    for (_, a), (_, b) in zip(opt.state_dict()["state"].items(), other_opt.state_dict()["state"].items()):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the RNG streams continue exactly
+    assert ck.read_meta(path) == {"config": {"a": 1}, "step": 3}
+
+
+def test_a_partial_checkpoint_is_never_chosen_and_keep_last_prunes(tmp_path):
+    model, opt = trained()
+    root = tmp_path / "checkpoints"
+    store = ck.Checkpointer(root, keep_last=2)
+    for step in (10, 20, 30):
+        store.save(state(model, opt, step), step, meta={})
+    assert [p.name for p in ck.complete_checkpoints(root)] == ["step_00000020", "step_00000030"]
+    # a write killed half-way: DCP's files without the rename (and a folder with data but no .metadata)
+    partial = root / ".step_00000040.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    fake = root / "step_00000050"
+    fake.mkdir()
+    (fake / ck.META_FILE).write_text(json.dumps({"step": 50}))  # no .metadata: DCP never finished
+    assert ck.latest(root).name == "step_00000030"
+    store.save(state(model, opt, 40), 40, meta={})  # the leftover partial folder of step 40 is replaced
+    assert ck.latest(root).name == "step_00000040" and not partial.exists()
+
+
+def test_async_save_publishes_when_finished(tmp_path):
+    model, opt = trained()
+    root = tmp_path / "checkpoints"
+    store = ck.Checkpointer(root, async_save=True)
+    final = store.save(state(model, opt, 5), 5, meta={})
+    store.finish()
+    assert ck.latest(root) == final and store.saves == 1 and store.time_s > 0
+    restored_model, restored_opt = trained(3)
+    store.load(state(restored_model, restored_opt), final)
+    assert torch.equal(restored_model[2].bias, model[2].bias)
+
+
+def test_corrupt_and_foreign_checkpoints_are_refused_with_the_path(tmp_path):
+    model, opt = trained()
+    store = ck.Checkpointer(tmp_path / "checkpoints")
+    path = store.save(state(model, opt, 1), 1, meta={})
+    wider = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(ConfigError, match=rf"cannot resume from {path}.*checkpoint.resume=never"):
+        store.load(state(wider, torch.optim.AdamW(wider.parameters())), path)
+    (path / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match=rf"cannot resume from {path}"):
+        store.load(state(model, opt), path)
+    (path / ck.META_FILE).write_text("{not json")
+    with pytest.raises(ConfigError, match=rf"corrupt checkpoint file {path / ck.META_FILE}"):
+        ck.read_meta(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ck.read_meta(tmp_path / "nowhere")
+
+
+def test_final_weights_are_a_plain_safetensors_state_dict(tmp_path):
+    from safetensors.torch import load_file
+
+    model, _ = trained()
+    path = ck.save_weights(model, tmp_path / "model.safetensors", is_main=True)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    fresh.load_state_dict(load_file(str(path)))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
