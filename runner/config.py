@@ -28,10 +28,41 @@ class ModelConfig:
 
 
 @dataclass
+class GPTConfig(ModelConfig):
+    """``model=gpt``: ``runner.gpt.GPT``, a nanoGPT-style decoder-only transformer (``vocab_size`` from the data)."""
+
+    _target_: str = "runner.gpt.GPT"
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block_size: int = 256  # longest context (tokens); gpt.yaml: ${data.block_size}
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear and LayerNorm layers
+
+
+@dataclass
+class TaskConfig:
+    """``task`` group: what is trained and measured (``runner.task``): loss, evaluation, throughput unit."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class LanguageModelTaskConfig(TaskConfig):
+    """``task=language_model``: next-token cross-entropy; eval loss, perplexity, bits per character; tokens/s."""
+
+    _target_: str = "runner.task.LanguageModel"
+    sample_tokens: int = 500  # characters generated into samples.txt after training (0 = none)
+    sample_prompt: str = "\n"  # what the generation starts from
+    temperature: float = 1.0  # sampling: logits / temperature
+    top_k: Optional[int] = None  # sampling: keep the k most likely tokens; null = all
+
+
+@dataclass
 class DataConfig:
     """``data`` group: which dataset, where it lives, and how samples are normalized/augmented."""
 
-    name: str = MISSING  # mnist | cifar10 | imagefolder | synthetic
+    name: str = MISSING  # mnist | cifar10 | imagefolder | synthetic | text
     root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/data}"
     download: bool = False
     normalize: bool = True  # technique 17: subtract the dataset mean, divide by its std
@@ -40,8 +71,11 @@ class DataConfig:
     # synthetic only: random inputs of this shape, made once
     shape: list[int] = field(default_factory=lambda: [3, 32, 32])
     num_classes: int = 10
-    train_size: int = 50000
+    train_size: Optional[int] = 50000  # synthetic: samples; text: windows per epoch (null: train tokens // block)
     eval_size: int = 10000
+    # text only: a UTF-8 file, tokenized by character; samples are windows of block_size tokens
+    path: Optional[str] = None
+    block_size: int = 256
 
 
 @dataclass
@@ -195,6 +229,7 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     target_accuracy: Optional[float] = None  # fraction in (0, 1]
+    target_loss: Optional[float] = None  # eval loss (nats); time to target = first evaluation at or below it
     peak_tflops: Optional[float] = None  # override the device's dense peak for MFU
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
     progress: str = "auto"  # auto | bar | lines | off
@@ -218,6 +253,7 @@ class RunnerConfig:
     """The primary config: one node per group plus the top-level switches."""
 
     defaults: list[Any] = field(default_factory=lambda: ["_self_"])
+    task: TaskConfig = MISSING
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     dataloader: DataLoaderConfig = MISSING
@@ -236,6 +272,7 @@ class RunnerConfig:
 
 
 _GROUPS = {
+    "task": TaskConfig,
     "model": ModelConfig,
     "data": DataConfig,
     "dataloader": DataLoaderConfig,
@@ -258,3 +295,5 @@ def register_configs() -> None:
         cs.store(group=group, name=f"base_{group}", node=schema)
     for name, schema in {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig}.items():
         cs.store(group="optimizer", name=f"base_{name}", node=schema)
+    cs.store(group="model", name="base_gpt", node=GPTConfig)
+    cs.store(group="task", name="base_language_model", node=LanguageModelTaskConfig)

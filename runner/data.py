@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from runner import text
 from runner.errors import ConfigError
 
 # Per-channel statistics of the training sets (the values torchvision's references use).
@@ -32,15 +33,26 @@ STATS = {
 
 @dataclass
 class Data:
-    """What the engine needs from the data: two iterables plus the shapes the model must fit."""
+    """What the engine needs from the data: two iterables plus what the model must fit.
+
+    ``example`` is one batch of 2 samples on the device (inputs, targets), the shape and dtype of real
+    batches, for counting FLOPs. ``vocab`` (token data only) maps token id -> text.
+    """
 
     train: "DeviceIterable"
     eval: "DeviceIterable"
-    num_classes: int
-    in_channels: int
-    sample_shape: tuple[int, ...]  # (C, H, W)
-    train_samples: int  # samples in the (per-rank) training set
+    num_classes: int | None  # images: classes; token data: None (see vocab)
+    in_channels: int | None  # images: C; token data: None
+    sample_shape: tuple[int, ...]  # images: (C, H, W); token data: (block_size,)
+    train_samples: int  # samples in the training set (token data: windows per epoch)
     techniques: dict[str, str]
+    example: tuple[torch.Tensor, torch.Tensor]
+    vocab: list[str] | None = None
+
+    @property
+    def model_kwargs(self) -> dict[str, int]:
+        """The constructor arguments the data dictates: ``vocab_size`` for token data, else ``num_classes``."""
+        return {"vocab_size": len(self.vocab)} if self.vocab is not None else {"num_classes": self.num_classes}
 
 
 class DeviceIterable:
@@ -345,9 +357,111 @@ def _synthetic(cfg: DictConfig, mean, std):
 _DATASETS = {"mnist": _mnist, "cifar10": _cifar10, "imagefolder": _imagefolder, "synthetic": _synthetic}
 
 
+@dataclass
+class HostLoading:
+    """How batches come from host memory: ``DataLoader`` arguments, copy mode and the techniques' statuses."""
+
+    kwargs: dict  # num_workers, pin_memory, persistent_workers, prefetch_factor
+    non_blocking: bool
+    techniques: dict[str, str]
+
+
+def host_loading(loader_cfg: DictConfig, device: torch.device) -> HostLoading:
+    """Techniques 2 and 7 for a ``DataLoader``: worker processes, page-locked batches, non_blocking copies.
+
+    Pinning and non_blocking only act with CUDA (PyTorch "pin_memory" tutorial,
+    https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html); elsewhere they are recorded as skipped.
+
+    Raises:
+        ConfigError: ``num_workers`` < 0.
+    """
+    techniques: dict[str, str] = {}
+    pin = bool(loader_cfg.pin_memory)
+    if pin and device.type != "cuda":
+        techniques["pin_memory"] = "skipped: page-locked memory only speeds up copies to a CUDA device"
+        pin = False
+    elif pin:
+        techniques["pin_memory"] = "applied"
+    workers = loader_cfg.num_workers
+    if workers < 0:
+        raise ConfigError(f"dataloader.num_workers={workers} must be >= 0")
+    kwargs = dict(num_workers=workers, pin_memory=pin)
+    if workers > 0:
+        techniques["num_workers"] = "applied"
+        kwargs |= dict(persistent_workers=loader_cfg.persistent_workers, prefetch_factor=loader_cfg.prefetch_factor)
+        if loader_cfg.persistent_workers:
+            techniques["persistent_workers"] = "applied"
+        if loader_cfg.prefetch_factor:
+            techniques["prefetch_factor"] = "applied"
+    elif loader_cfg.persistent_workers or loader_cfg.prefetch_factor:
+        techniques["persistent_workers"] = "skipped: needs dataloader.num_workers > 0"
+    non_blocking = bool(loader_cfg.non_blocking)
+    if non_blocking and not pin:
+        techniques["non_blocking"] = "skipped: a non_blocking copy is only asynchronous from pinned memory"
+        non_blocking = False
+    elif non_blocking:
+        techniques["non_blocking"] = "applied"
+    return HostLoading(kwargs, non_blocking, techniques)
+
+
+def host_loader(ds: Dataset, batch_size: int, train: bool, loading: HostLoading, env, seed: int, drop_last: bool,
+                sampler=None) -> DataLoader:
+    """A ``DataLoader`` for this rank: ``sampler`` if given, else a ``DistributedSampler`` share when there are
+    several ranks (shuffled for training), else plain (shuffled for training) with a seeded generator."""
+    if sampler is None and env.world_size > 1:
+        sampler = DistributedSampler(ds, num_replicas=env.world_size, rank=env.rank, shuffle=train, seed=seed,
+                                     drop_last=train)
+    g = torch.Generator().manual_seed(seed + env.rank)
+    return DataLoader(ds, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler,
+                      drop_last=train and drop_last, generator=g, **loading.kwargs)
+
+
+def _text(cfg: DictConfig, loader_cfg: DictConfig, env, seed: int) -> Data:
+    """``data=text``: character tokens of ``data.path`` (``runner.text``), windows of ``data.block_size``.
+
+    Training: ``data.train_size`` random windows per epoch (null: train tokens // block_size, so an epoch
+    sees about as many tokens as the split holds), each rank its own seeded draw. Evaluation: the
+    consecutive windows that tile the validation split, the same every time, strided over the ranks.
+    ``dataloader.on_device``: both splits on the device, one gather per batch (``text.OnDeviceWindows``);
+    otherwise a ``DataLoader`` over ``text.TokenWindows`` with the host-loading techniques.
+    ``data.normalize``/``augment`` are image techniques: the language-model task records them as skipped.
+    """
+    tokens, vocab = text.read_corpus(cfg.path)
+    train_tokens, val_tokens = text.split(tokens, cfg.block_size, cfg.path)
+    block, bs, device = cfg.block_size, loader_cfg.batch_size, env.device
+    windows = cfg.train_size or len(train_tokens) // block
+    per_rank = windows // env.world_size
+    eval_windows = text.TokenWindows(val_tokens, block, stride=block)
+    techniques: dict[str, str] = {}
+    if loader_cfg.on_device:
+        g = torch.Generator(device).manual_seed(seed + env.rank)
+        starts = (torch.arange(len(eval_windows), device=device) * block)[env.rank::env.world_size]
+        train = text.OnDeviceWindows(train_tokens.to(device), block, bs, num_batches=per_rank // bs, generator=g)
+        evaluation = text.OnDeviceWindows(val_tokens.to(device), block, bs, starts=starts)
+        techniques["on_device_data"] = "applied"
+        non_blocking = False
+    else:
+        loading = host_loading(loader_cfg, device)
+        techniques |= loading.techniques
+        train_windows = text.TokenWindows(train_tokens, block)
+        sampler = torch.utils.data.RandomSampler(train_windows, replacement=True, num_samples=per_rank,
+                                                 generator=torch.Generator().manual_seed(seed + env.rank))
+        train = host_loader(train_windows, bs, True, loading, env, seed, drop_last=True, sampler=sampler)
+        evaluation = host_loader(eval_windows, bs, False, loading, env, seed, drop_last=False)
+        non_blocking = loading.non_blocking
+    if len(train) == 0:
+        raise ConfigError(f"dataloader.batch_size={bs} is larger than this rank's {per_rank} training windows per "
+                          f"epoch; lower it or raise data.train_size")
+    example = tuple(torch.randint(0, len(vocab), (2, block), device=device) for _ in range(2))
+    return Data(train=DeviceIterable(train, device, non_blocking, torch.contiguous_format),
+                eval=DeviceIterable(evaluation, device, non_blocking, torch.contiguous_format),
+                num_classes=None, in_channels=None, sample_shape=(block,), train_samples=windows,
+                techniques=techniques, example=example, vocab=vocab)
+
+
 def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
           memory_format: torch.memory_format = torch.contiguous_format) -> Data:
-    """Build the train and eval iterables for this rank.
+    """Build the train and eval iterables for this rank (``data=text``: ``runner.text.build``).
 
     Raises:
         ConfigError: unknown ``data.name``, a missing or corrupt dataset, ``batch_size`` <= 0, a
@@ -355,10 +469,12 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
             in-memory form (imagefolder).
     """
     name = data_cfg.name
-    if name not in _DATASETS:
-        raise ConfigError(f"data.name={name!r} is not one of {sorted(_DATASETS)}")
     if loader_cfg.batch_size <= 0:
         raise ConfigError(f"dataloader.batch_size={loader_cfg.batch_size} must be a positive number of samples")
+    if name == "text":
+        return _text(data_cfg, loader_cfg, env, seed)
+    if name not in _DATASETS:
+        raise ConfigError(f"data.name={name!r} is not one of {sorted([*_DATASETS, 'text'])}")
     mean, std = STATS["imagenet" if name == "imagefolder" else name] if data_cfg.normalize else (None, None)
     techniques: dict[str, str] = {}
     if data_cfg.normalize:
@@ -385,48 +501,16 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
         techniques["on_device_data"] = "applied"
         non_blocking = False
     else:
-        pin = bool(loader_cfg.pin_memory)
-        if pin and device.type != "cuda":
-            techniques["pin_memory"] = "skipped: page-locked memory only speeds up copies to a CUDA device"
-            pin = False
-        elif pin:
-            techniques["pin_memory"] = "applied"
-        workers = loader_cfg.num_workers
-        if workers < 0:
-            raise ConfigError(f"dataloader.num_workers={workers} must be >= 0")
-        if workers > 0:
-            techniques["num_workers"] = f"applied"
-        extra = {}
-        if workers > 0:
-            extra = dict(persistent_workers=loader_cfg.persistent_workers, prefetch_factor=loader_cfg.prefetch_factor)
-            if loader_cfg.persistent_workers:
-                techniques["persistent_workers"] = "applied"
-            if loader_cfg.prefetch_factor:
-                techniques["prefetch_factor"] = "applied"
-        elif loader_cfg.persistent_workers or loader_cfg.prefetch_factor:
-            techniques["persistent_workers"] = "skipped: needs dataloader.num_workers > 0"
-
-        def loader(ds, train: bool):
-            sampler = None
-            if env.world_size > 1:
-                sampler = DistributedSampler(ds, num_replicas=env.world_size, rank=env.rank, shuffle=train,
-                                             seed=seed, drop_last=train)
-            g = torch.Generator().manual_seed(seed + env.rank)
-            return DataLoader(ds, batch_size=bs, shuffle=train and sampler is None, sampler=sampler,
-                              num_workers=workers, pin_memory=pin, drop_last=train and loader_cfg.drop_last,
-                              generator=g, **extra)
-
-        train, evaluation = loader(train_ds, True), loader(eval_ds, False)
-        non_blocking = bool(loader_cfg.non_blocking)
-        if non_blocking and not pin:
-            techniques["non_blocking"] = "skipped: a non_blocking copy is only asynchronous from pinned memory"
-            non_blocking = False
-        elif non_blocking:
-            techniques["non_blocking"] = "applied"
+        loading = host_loading(loader_cfg, device)
+        techniques |= loading.techniques
+        train = host_loader(train_ds, bs, True, loading, env, seed, loader_cfg.drop_last)
+        evaluation = host_loader(eval_ds, bs, False, loading, env, seed, loader_cfg.drop_last)
+        non_blocking = loading.non_blocking
 
     if len(train) == 0:
         raise ConfigError(f"dataloader.batch_size={bs} is larger than this rank's training set "
                           f"({len(train_ds) // env.world_size} samples); lower it")
+    example = (torch.randn(2, *sample_shape, device=device), torch.randint(0, num_classes, (2,), device=device))
     return Data(
         train=DeviceIterable(train, device, non_blocking, memory_format),
         eval=DeviceIterable(evaluation, device, non_blocking, memory_format),
@@ -435,4 +519,5 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
         sample_shape=sample_shape,
         train_samples=len(train_ds),
         techniques=techniques,
+        example=example,
     )

@@ -12,6 +12,7 @@ import platform
 import resource
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -52,24 +53,23 @@ def peak_flops(device: torch.device, compute_dtype: torch.dtype, override_tflops
     return None
 
 
-def flops_per_sample(model: nn.Module, sample_shape: tuple[int, ...], device: torch.device,
-                     loss_fn: Callable = nn.functional.cross_entropy, num_classes: int = 10,
-                     memory_format: torch.memory_format = torch.contiguous_format) -> float | None:
+def flops_per_sample(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor],
+                     loss: Callable[[nn.Module, tuple], torch.Tensor]) -> float | None:
     """FLOPs of one forward + backward pass per sample, counted once by ``FlopCounterMode``.
 
-    A copy of the model runs one batch of 2 samples of shape ``sample_shape`` (C, H, W) on ``device``;
-    the model itself is untouched (BatchNorm statistics, gradients). Counts matmuls and convolutions,
-    as the MFU convention does (PaLM, appendix B). Returns None when the model cannot be counted.
+    A copy of the model runs ``loss(copy, example)`` and its backward on ``example``, a batch ``(x, y)``
+    shaped like the real ones (the task's loss, so the head and the loss are counted as trained); the
+    model itself is untouched (BatchNorm statistics, gradients). Counts matmuls, convolutions and
+    attention, as the MFU convention does (PaLM, appendix B, https://arxiv.org/abs/2204.02311).
+    Returns None when the model cannot be counted.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     try:
-        clone = copy.deepcopy(model).to(device)
-        x = torch.randn(2, *sample_shape, device=device).contiguous(memory_format=memory_format)
-        y = torch.randint(0, num_classes, (2,), device=device)
+        clone = copy.deepcopy(model)
         with FlopCounterMode(display=False) as counter:
-            loss_fn(clone(x), y).backward()
-        return counter.get_total_flops() / 2
+            loss(clone, example).backward()
+        return counter.get_total_flops() / len(example[0])
     except Exception:  # noqa: BLE001 - FLOPs are a figure, never a reason to fail the run
         return None
 
@@ -85,6 +85,13 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def wall_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device has finished the work queued so far (a CUDA sync; exact on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -115,6 +122,14 @@ class _CudaClock:
         return a.elapsed_time(b)
 
 
+@dataclass
+class Timings:
+    """Milliseconds of every measured (post-warm-up) optimizer step: data wait and the rest of the step."""
+
+    data_wait_ms: list[float] = field(default_factory=list)
+    step_time_ms: list[float] = field(default_factory=list)
+
+
 class Meter:
     """Times every optimizer step: each micro-batch fetch (start, ready) and the step's end.
 
@@ -138,17 +153,30 @@ class Meter:
         device: the run's device (CUDA events there, perf_counter elsewhere).
         warmup_steps: optimizer steps left out of every figure (compile, cuDNN autotune, allocator growth).
         samples_per_step: global samples per optimizer step (global batch size).
+        tokens_per_sample: the task's tokens per sample (language models), or None: then ``flush`` and
+            ``totals`` also report ``tokens_per_sec``.
+        timings: where measured steps' milliseconds accumulate (the engine passes its ``TrainState``'s,
+            so the totals are part of the state a checkpoint saves); a fresh one by default.
     """
 
-    def __init__(self, device: torch.device, warmup_steps: int, samples_per_step: int):
+    def __init__(self, device: torch.device, warmup_steps: int, samples_per_step: int,
+                 tokens_per_sample: int | None = None, timings: "Timings | None" = None):
         self.clock = _CudaClock() if device.type == "cuda" else _CpuClock()
         self.warmup_steps = warmup_steps
         self.samples_per_step = samples_per_step
+        self.tokens_per_sample = tokens_per_sample
+        self.timings = timings if timings is not None else Timings()
         self.step = 0
         self._pending: list[list] = []
         self._marks: list = []
-        self.data_wait_ms: list[float] = []
-        self.step_time_ms: list[float] = []
+
+    @property
+    def data_wait_ms(self) -> list[float]:
+        return self.timings.data_wait_ms
+
+    @property
+    def step_time_ms(self) -> list[float]:
+        return self.timings.step_time_ms
 
     def start_fetch(self) -> None:
         self._marks.append(self.clock.mark())
@@ -168,22 +196,30 @@ class Meter:
         wait = sum(ms(marks[i], marks[i + 1]) for i in range(0, len(marks) - 1, 2))
         return wait, ms(marks[0], marks[-1]) - wait
 
+    def with_tokens(self, figures: dict) -> dict:
+        """``figures`` plus ``tokens_per_sec`` right after ``samples_per_sec`` when the task counts tokens."""
+        if self.tokens_per_sample is None:
+            return figures
+        sps = figures["samples_per_sec"]
+        out = {"samples_per_sec": sps, "tokens_per_sec": sps * self.tokens_per_sample if sps else None}
+        return out | figures
+
     def flush(self) -> dict[str, float | None]:
-        """Resolve pending marks; return this interval's ``samples_per_sec``, ``step_time_ms`` (median),
-        ``data_wait_ms`` (mean), all None while the interval is inside the warm-up."""
+        """Resolve pending marks; return this interval's ``samples_per_sec`` (and ``tokens_per_sec``),
+        ``step_time_ms`` (median), ``data_wait_ms`` (mean), all None while the interval is inside the warm-up."""
         resolved = [self._resolve(m) for m in self._pending]
         self._pending = []
         waits, steps = [w for w, _ in resolved], [s for _, s in resolved]
-        self.data_wait_ms += waits
-        self.step_time_ms += steps
+        self.data_wait_ms.extend(waits)
+        self.step_time_ms.extend(steps)
         if not steps:
-            return {"samples_per_sec": None, "step_time_ms": None, "data_wait_ms": None}
+            return self.with_tokens({"samples_per_sec": None, "step_time_ms": None, "data_wait_ms": None})
         total_s = (sum(waits) + sum(steps)) / 1e3
-        return {
+        return self.with_tokens({
             "samples_per_sec": self.samples_per_step * len(steps) / total_s,
             "step_time_ms": statistics.median(steps),
             "data_wait_ms": statistics.fmean(waits),
-        }
+        })
 
     def totals(self) -> dict[str, float | int | None]:
         """Whole-run figures over all measured (post-warm-up) iterations; call after a final ``flush``."""

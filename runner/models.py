@@ -50,10 +50,12 @@ def _first_conv(model: nn.Module) -> tuple[nn.Module, str, nn.Conv2d] | None:
     return None
 
 
-def build(cfg: DictConfig, num_classes: int, in_channels: int) -> nn.Module:
-    """Instantiate ``cfg._target_(num_classes=...)`` and fit its stem to the data.
+def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None = None) -> nn.Module:
+    """Instantiate ``cfg._target_(**data_kwargs)`` and fit its stem to the data.
 
-    The first ``Conv2d`` is rebuilt when the data has another channel count (e.g. ResNet on MNIST), and
+    ``data_kwargs`` are the sizes the data dictates (``Data.model_kwargs``: ``num_classes`` for images,
+    ``vocab_size`` for text, e.g. ``runner.gpt.GPT``). For image data (``in_channels`` given) the first
+    ``Conv2d`` is rebuilt when the data has another channel count (e.g. ResNet on MNIST), and
     ``cifar_stem`` turns a ResNet's 7x7/2 stem + max-pool into a 3x3/1 stem without pooling, the usual
     change for 32x32 inputs (He et al. 2016, section 4.2).
 
@@ -62,7 +64,7 @@ def build(cfg: DictConfig, num_classes: int, in_channels: int) -> nn.Module:
     """
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in RUNNER_KEYS}
     try:
-        model = instantiate(kwargs, num_classes=num_classes)
+        model = instantiate(kwargs, **data_kwargs)
     except Exception as e:  # hydra wraps import and call errors in InstantiationException
         raise ConfigError(f"model._target_={cfg._target_!r} could not be built: {e}") from e
     if cfg.cifar_stem:
@@ -70,7 +72,7 @@ def build(cfg: DictConfig, num_classes: int, in_channels: int) -> nn.Module:
             raise ConfigError(f"model.cifar_stem=true needs a torchvision ResNet; {cfg._target_} has no conv1/maxpool")
         model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
         model.maxpool = nn.Identity()
-    found = _first_conv(model)
+    found = _first_conv(model) if in_channels is not None else None
     if found is not None:
         parent, name, conv = found
         if conv.in_channels != in_channels:

@@ -107,3 +107,18 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
         raise ConfigError(f"optimizer {cfg._target_} could not be built with {kwargs}: {e}") from e
     return optimizer, techniques
 
+
+
+def gradient_clipping(max_norm: float | None, model: torch.nn.Module, scaler: torch.amp.GradScaler):
+    """Technique 14 as the callable the loop runs before each optimizer step: clip the global L2 norm of
+    the gradients to ``max_norm`` after ``scaler.unscale_`` (so the true gradients are clipped, not the
+    loss-scaled ones; PyTorch AMP examples, https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping).
+    ``max_norm`` None: a function that does nothing."""
+    if max_norm is None:
+        return lambda optimizer: None
+
+    def clip(optimizer: torch.optim.Optimizer) -> None:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    return clip

@@ -190,8 +190,11 @@ def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
     return status
 
 
-def prepare(model: nn.Module, cfg: DictConfig, env) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
+def prepare(model: nn.Module, cfg: DictConfig, env, skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
     """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
+
+    ``skip``: status keys of techniques the task rules out (``Task.skipped``: channels_last and
+    drop_bias_before_bn on a language model); the engine records them, they are not applied here.
 
     Returns the (possibly wrapped) model, the techniques' statuses and their details (counts, names).
 
@@ -206,9 +209,9 @@ def prepare(model: nn.Module, cfg: DictConfig, env) -> tuple[nn.Module, dict[str
     if cfg.memory.checkpoint_modules and not cfg.memory.checkpointing:
         raise ConfigError(f"memory.checkpoint_modules={list(cfg.memory.checkpoint_modules)} has no effect while "
                           f"memory.checkpointing=false; add memory=checkpointing (or memory.checkpointing=true)")
-    if cfg.channels_last:
+    if cfg.channels_last and "channels_last" not in skip:
         techniques["channels_last"] = apply_channels_last(model)
-    if cfg.model.drop_bias_before_bn:
+    if cfg.model.drop_bias_before_bn and "drop_bias_before_bn" not in skip:
         techniques["drop_bias_before_bn"], details["biases_removed"] = apply_drop_bias_before_bn(model)
     if cfg.memory.checkpointing:
         blocks = list(cfg.memory.checkpoint_modules) if cfg.memory.checkpoint_modules else None

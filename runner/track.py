@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 # metrics.jsonl key -> W&B key (panel prefix); rows are logged against the step metric "trainer/step".
 WANDB_KEYS = {
     "samples_per_sec": "perf/samples_per_sec",
+    "tokens_per_sec": "perf/tokens_per_sec",
     "step_time_ms": "perf/step_time_ms",
     "data_wait_ms": "perf/data_wait_ms",
     "peak_memory_mb": "perf/peak_memory_mb",
@@ -31,6 +32,8 @@ WANDB_KEYS = {
     "epoch": "train/epoch",
     "eval_accuracy": "eval/accuracy",
     "eval_loss": "eval/loss",
+    "eval_perplexity": "eval/perplexity",
+    "eval_bits_per_char": "eval/bits_per_char",
 }
 
 
@@ -96,12 +99,14 @@ class Tracker:
         self._metrics.flush()
         if self.bar is not None:
             self.bar.n = row["step"]
-            shown = {k: _fmt(row.get(k)) for k in ("loss", "samples_per_sec", "eval_accuracy") if row.get(k) is not None}
-            self.bar.set_postfix({k.replace("samples_per_sec", "samples/s"): v for k, v in shown.items()}, refresh=True)
+            shown = {k: _fmt(row.get(k)) for k in ("loss", "samples_per_sec", "tokens_per_sec", "eval_accuracy",
+                                                   "eval_loss") if row.get(k) is not None}
+            self.bar.set_postfix({k.replace("_per_sec", "/s"): v for k, v in shown.items()}, refresh=True)
         elif self.mode == "lines":
             parts = [f"step {row['step']}/{self.total_steps}"] + [
-                f"{k} {_fmt(row[k])}" for k in ("epoch", "loss", "lr", "samples_per_sec", "step_time_ms",
-                                                "data_wait_ms", "peak_memory_mb", "eval_accuracy")
+                f"{k} {_fmt(row[k])}" for k in ("epoch", "loss", "lr", "samples_per_sec", "tokens_per_sec",
+                                                "step_time_ms", "data_wait_ms", "peak_memory_mb", "eval_accuracy",
+                                                "eval_loss")
                 if row.get(k) is not None]
             print(" | ".join(parts), flush=True)
         if self.wandb is not None:
@@ -144,10 +149,11 @@ class NullTracker:
 
 def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     """Print the run's headline figures and every technique's status as an aligned two-column table."""
-    keys = ["samples_per_sec", "step_time_ms_median", "step_time_ms_p90", "data_wait_fraction", "peak_memory_mb",
-            "flops_per_sample", "mfu", "train_loss", "eval_accuracy", "time_to_target_s", "steps", "warmup_steps",
-            "global_batch_size", "world_size", "device_name"]
-    rows = [(k, _fmt(summary.get(k))) for k in keys] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
+    keys = ["samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90", "data_wait_fraction",
+            "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss", "eval_accuracy", "eval_loss",
+            "eval_bits_per_char", "time_to_target_s", "steps", "warmup_steps", "global_batch_size", "world_size",
+            "device_name"]
+    rows = [(k, _fmt(summary[k])) for k in keys if k in summary] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
     width = max(len(k) for k, _ in rows)
     print(f"\nsummary ({job_dir / 'summary.json'})")
     for k, v in rows:

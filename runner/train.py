@@ -1,25 +1,30 @@
-"""The engine: build every component in a fixed order, then run the one training loop.
+"""The engine: ``build`` every part in a fixed order, ``fit`` (the one training loop), ``summarize``.
 
-Each component comes from the module of its config group and sees only its own section; techniques
-that are off are do-nothing objects (``nullcontext``, ``GradScaler(enabled=False)``), so the loop
-below has no feature branches.
+    parts, state = build(cfg, env, job_dir)   # task, data, model + its techniques, optimizer, ... ; TrainState
+    fit(state, parts, profiler)               # the loop: changes nothing but ``state`` (and the model/optimizer)
+    summary = summarize(state, parts)         # summary.json
+
+Each part comes from the module of its config group and sees only its own section; techniques that are
+off are do-nothing objects (``nullcontext``, ``GradScaler(enabled=False)``, a clipper that does nothing),
+so the loop has no feature branches. The loop never names a loss or a metric: it asks the task.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 import random
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from runner import REPO_ROOT, data as data_mod, debug, distributed, measure, models, optim, precision, prepare, schedule
+from runner import task as task_mod, text
 from runner.errors import ConfigError
 from runner.track import NullTracker, Tracker
 
@@ -41,13 +46,14 @@ def validate(cfg: DictConfig) -> None:
         (t.eval_every is None or t.eval_every >= 1, "trainer.eval_every", t.eval_every, "must be >= 1 or null"),
         (t.target_accuracy is None or 0 < t.target_accuracy <= 1, "trainer.target_accuracy", t.target_accuracy,
          "must be a fraction in (0, 1] or null"),
+        (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
         (t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress,
          "must be one of auto, bar, lines, off"),
         (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
     ]
     choices = {
-        "data.name": (cfg.data.name, ("mnist", "cifar10", "imagefolder", "synthetic")),
+        "data.name": (cfg.data.name, ("mnist", "cifar10", "imagefolder", "synthetic", "text")),
         "scheduler.name": (cfg.scheduler.name, ("constant", "onecycle", "cosine", "cyclic")),
         "precision.name": (cfg.precision.name, ("fp32", "amp", "bf16", "tf32")),
         "distributed.name": (cfg.distributed.name, ("none", "ddp", "fsdp", "dp")),
@@ -103,38 +109,67 @@ def sweep_group() -> str | None:
     return "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None
 
 
-@torch.inference_mode()
-def evaluate(model: torch.nn.Module, batches, autocast, max_batches: int | None, env) -> tuple[float, float]:
-    """Top-1 accuracy (fraction) and mean cross-entropy over the evaluation set, all ranks together.
+@dataclass
+class Plan:
+    """The run's fixed numbers, read from the config once (plain ints: no config lookups per step)."""
 
-    Runs under ``torch.inference_mode()`` (technique 16: no autograd graph, no version counters;
-    https://pytorch.org/docs/stable/generated/torch.autograd.grad_mode.inference_mode.html); one
-    host-device sync at the end.
-    """
-    model.eval()
-    totals = torch.zeros(3, device=env.device, dtype=torch.float64)  # correct, loss sum, count
-    for i, (x, y) in enumerate(batches):
-        if max_batches is not None and i >= max_batches:
-            break
-        with autocast():
-            logits = model(x)
-        totals[0] += (logits.argmax(1) == y).sum()
-        totals[1] += F.cross_entropy(logits.float(), y, reduction="sum")
-        totals[2] += y.numel()
-    distributed.all_reduce_sum(totals, env)
-    correct, loss_sum, count = totals.tolist()  # host-device sync
-    model.train()
-    return correct / max(count, 1), loss_sum / max(count, 1)
+    total_steps: int  # optimizer steps
+    accumulate: int  # micro-batches per optimizer step
+    micro_batch: int  # samples per micro-batch and rank
+    global_batch: int  # samples per optimizer step, all ranks
+    log_every: int
+    eval_every: int
+    eval_max_batches: int | None
+    set_to_none: bool
+    target_accuracy: float | None
+    target_loss: float | None
+
+    def reached(self, metrics: dict[str, float]) -> bool:
+        """Whether ``metrics`` meet every target set (never, when none is)."""
+        if self.target_accuracy is None and self.target_loss is None:
+            return False
+        return ((self.target_accuracy is None or metrics["eval_accuracy"] >= self.target_accuracy)
+                and (self.target_loss is None or metrics["eval_loss"] <= self.target_loss))
 
 
-def _batches(loader):
-    """Yield ``(epoch, (x, y))`` forever, reshuffling at each epoch (``set_epoch``)."""
-    epoch = 0
-    while True:
-        loader.set_epoch(epoch)
-        for batch in loader:
-            yield epoch, batch
-        epoch += 1
+@dataclass
+class Parts:
+    """What ``build`` makes and ``fit``/``summarize`` use; none of it changes during the loop."""
+
+    cfg: DictConfig
+    env: distributed.Env
+    job_dir: Path
+    task: Any  # runner.task.Classification | LanguageModel | the user's
+    data: data_mod.Data
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    amp: precision.Precision
+    clip: Callable[[torch.optim.Optimizer], None]
+    meter: measure.Meter
+    tracker: Tracker | NullTracker
+    plan: Plan
+    flops_per_sample: float | None
+    techniques: dict[str, str]
+    details: dict[str, object]
+    resolved: dict  # the config with every interpolation resolved (summary.json, W&B)
+
+
+@dataclass
+class TrainState:
+    """Everything the loop changes: what a checkpoint saves and restores to continue a run exactly."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of this epoch consumed
+    train_time_s: float = 0.0  # s of training so far, evaluation excluded
+    eval_time_s: float = 0.0
+    time_to_target_s: float | None = None
+    train_loss: float = math.nan  # the last log interval's mean loss
+    eval: dict[str, float | None] = field(default_factory=dict)  # the last evaluation's metrics
+    timings: measure.Timings = field(default_factory=measure.Timings)  # every measured step's ms
+    loss_sum: torch.Tensor | None = None  # this log interval's loss, summed on the device (no sync)
+    interval_steps: int = 0
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
@@ -146,111 +181,174 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
     validate(cfg)
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
     try:
-        return _train(cfg, env, job_dir)
+        parts, state = build(cfg, env, job_dir or job_folder())
+        try:
+            with debug.build(cfg.debug, parts.job_dir, env.device) as (profiler, status):
+                parts.techniques |= status
+                fit(state, parts, profiler)
+            parts.task.finish(parts.model, parts.data, parts.job_dir, env, cfg.trainer.seed)
+        except BaseException:
+            parts.tracker.abort()
+            raise
+        return summarize(state, parts)
     finally:
         distributed.teardown()
 
 
-def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
-    job_dir = distributed.shared_job_dir(job_dir or job_folder(), env)
-    seed_everything(cfg.trainer.seed)
-    techniques: dict[str, str] = {}
-    techniques |= prepare.apply_cudnn_benchmark(cfg.cudnn_benchmark, env.device)
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, TrainState]:
+    """Build every part in order: task -> data -> model -> model techniques -> optimizer, schedule, precision
+    -> meter, tracker; and the initial ``TrainState``.
 
-    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed, memory_format=memory_format)
-    model = models.build(cfg.model, data.num_classes, data.in_channels).to(env.device)
+    Raises:
+        ConfigError: bad input found by any builder, before any result file is written.
+    """
+    job_dir = distributed.shared_job_dir(job_dir, env)
+    t = cfg.trainer
+    seed_everything(t.seed)
+    task = task_mod.build(cfg.task)
+    for key, metric in (("target_accuracy", "eval_accuracy"), ("target_loss", "eval_loss")):
+        if t[key] is not None and metric not in task.metrics:
+            raise ConfigError(f"trainer.{key}={t[key]} but {type(task).__name__} reports no {metric} "
+                              f"(it reports {', '.join(task.metrics)}); use a target of those")
+    skipped = task.skipped(cfg)  # switches that do not apply to this task: recorded, never applied
+    techniques = dict(skipped)
+    techniques |= prepare.apply_cudnn_benchmark(cfg.cudnn_benchmark and "cudnn_benchmark" not in skipped, env.device)
+    channels_last = cfg.channels_last and "channels_last" not in skipped
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=t.seed, memory_format=memory_format)
+    model = models.build(cfg.model, task.model_kwargs(data), data.in_channels).to(env.device)
+    task.check(model, data)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
-    flops = measure.flops_per_sample(model, data.sample_shape, env.device, num_classes=data.num_classes)
-    model, applied, details = prepare.prepare(model, cfg, env)
-    seed_everything(cfg.trainer.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
+    flops = measure.flops_per_sample(model, data.example, task.loss)
+    model, applied, details = prepare.prepare(model, cfg, env, skip=skipped)
+    seed_everything(t.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
 
     accumulate = cfg.memory.accumulate_steps
     if accumulate > 1:
         techniques["gradient_accumulation"] = "applied"
-    micro_batch = cfg.dataloader.batch_size
-    global_batch = micro_batch * accumulate * env.world_size
     steps_per_epoch = len(data.train) // accumulate
     if steps_per_epoch == 0:
         raise ConfigError(f"memory.accumulate_steps={accumulate} exceeds the {len(data.train)} micro-batches of an "
                           f"epoch; lower it or dataloader.batch_size")
-    total_steps = cfg.trainer.max_steps or cfg.trainer.max_epochs * steps_per_epoch
-    optimizer, status = optim.build(cfg.optimizer, model, global_batch, env.device)
+    plan = Plan(total_steps=t.max_steps or t.max_epochs * steps_per_epoch, accumulate=accumulate,
+                micro_batch=cfg.dataloader.batch_size,
+                global_batch=cfg.dataloader.batch_size * accumulate * env.world_size, log_every=t.log_every,
+                eval_every=t.eval_every or steps_per_epoch, eval_max_batches=t.eval_max_batches,
+                set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss)
+    optimizer, status = optim.build(cfg.optimizer, model, plan.global_batch, env.device)
     techniques |= status
-    scheduler, status = schedule.build(cfg.scheduler, optimizer, total_steps)
+    scheduler, status = schedule.build(cfg.scheduler, optimizer, plan.total_steps)
     techniques |= status
     amp = precision.build(cfg.precision, env.device)
     techniques |= amp.techniques
-    clip = cfg.optimizer.clip_grad_norm  # recorded in techniques by optim.build, like set_to_none
-    set_to_none = cfg.optimizer.set_to_none
-    meter = measure.Meter(env.device, cfg.trainer.warmup_steps, global_batch)
+    clip = optim.gradient_clipping(cfg.optimizer.clip_grad_norm, model, amp.scaler)  # recorded by optim.build
+
+    state = TrainState(eval=dict.fromkeys(task.metrics), loss_sum=torch.zeros((), device=env.device))
+    meter = measure.Meter(env.device, t.warmup_steps, plan.global_batch, task.tokens_per_sample(data), state.timings)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    tracker = Tracker(job_dir, cfg, resolved, total_steps, sweep_group()) if env.is_main else NullTracker()
-    t = cfg.trainer
-    log_every, eval_every = t.log_every, t.eval_every or steps_per_epoch  # plain ints: no config lookups per step
+    tracker = Tracker(job_dir, cfg, resolved, plan.total_steps, sweep_group()) if env.is_main else NullTracker()
+    if env.is_main and data.vocab is not None:
+        text.save_vocab(data.vocab, job_dir)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
+    parts = Parts(cfg=cfg, env=env, job_dir=job_dir, task=task, data=data, model=model, optimizer=optimizer,
+                  scheduler=scheduler, amp=amp, clip=clip, meter=meter, tracker=tracker, plan=plan,
+                  flops_per_sample=flops, techniques=techniques, details=details, resolved=resolved)
+    return parts, state
 
-    # ---------------------------------------------------------------- the loop
-    step, loss_sum, interval_steps, row_loss = 0, torch.zeros((), device=env.device), 0, float("nan")
-    eval_acc = eval_loss = time_to_target = None
-    eval_time = 0.0
-    batches = _batches(data.train)
-    epoch = 0
-    try:
-        with debug.build(cfg.debug, job_dir, env.device) as (profiler, status):
-            techniques |= status
-            train_start = time.perf_counter()
-            while step < total_steps:
-                for micro in range(accumulate):
-                    meter.start_fetch()
-                    epoch, (x, y) = next(batches)
-                    meter.batch_ready()
-                    with distributed.no_sync(model, last=micro == accumulate - 1), amp.autocast():
-                        loss = F.cross_entropy(model(x), y) / accumulate
-                    amp.scaler.scale(loss).backward()
-                    loss_sum += loss.detach()  # stays on the device: no sync
-                if clip is not None:
-                    amp.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                amp.scaler.step(optimizer)
-                amp.scaler.update()
-                optimizer.zero_grad(set_to_none=set_to_none)
-                lr = scheduler.get_last_lr()[0]  # the LR this step used (a Python float: no sync)
-                scheduler.step()
-                profiler.step()
-                step += 1
-                interval_steps += 1
-                if step % log_every == 0 or step == total_steps:
-                    distributed.all_reduce_mean(loss_sum, env)  # the global batch's loss, not rank 0's share
-                    row_loss = loss_sum.item() / interval_steps  # host-device sync, only at log steps
-                    loss_sum.zero_()
-                    interval_steps = 0
-                    row = {"step": step, "epoch": epoch, "loss": row_loss, "lr": lr,
-                           **meter.flush(), "peak_memory_mb": measure.peak_memory_mb(env.device)}
-                    tracker.log(row)
-                meter.end_step()  # after logging, so the cost of the sync above is part of the step
-                if step % eval_every == 0 or step == total_steps:
-                    if env.device.type == "cuda":
-                        torch.cuda.synchronize(env.device)  # training's queued kernels count as training
-                    eval_started = time.perf_counter()
-                    eval_acc, eval_loss = evaluate(model, data.eval, amp.autocast, t.eval_max_batches, env)
-                    if time_to_target is None and t.target_accuracy is not None and eval_acc >= t.target_accuracy:
-                        time_to_target = eval_started - train_start - eval_time
-                    eval_time += time.perf_counter() - eval_started
-                    tracker.log({"step": step, "epoch": epoch, "eval_accuracy": eval_acc, "eval_loss": eval_loss})
-            train_time = time.perf_counter() - train_start - eval_time
-    except BaseException:
-        tracker.abort()
-        raise
 
-    meter.flush()
-    figures = distributed.reduce_figures(meter.totals(), measure.peak_memory_mb(env.device), env)
-    peak = measure.peak_flops(env.device, amp.compute_dtype, t.peak_tflops)
-    achieved = flops * figures["samples_per_sec"] if flops and figures["samples_per_sec"] else None
+def fit(state: TrainState, parts: Parts, profiler) -> None:
+    """The training loop: from ``state.step`` to ``plan.total_steps`` optimizer steps.
+
+    One optimizer step = ``plan.accumulate`` micro-batches (forward under autocast, scaled backward;
+    DDP/FSDP reduce gradients on the last one only), clipping, the optimizer and LR-schedule steps. Every
+    ``log_every`` steps the loss is read (the interval's only host-device sync) and the meter flushed;
+    every ``eval_every`` steps (and at the last) the task evaluates, outside the timed steps.
+    """
+    p, plan = parts, parts.plan
+    batches = _batches(p.data.train, state)
+    segment_start = time.perf_counter()
+    while state.step < plan.total_steps:
+        for micro in range(plan.accumulate):
+            p.meter.start_fetch()
+            batch = next(batches)
+            p.meter.batch_ready()
+            with distributed.no_sync(p.model, last=micro == plan.accumulate - 1), p.amp.autocast():
+                loss = p.task.loss(p.model, batch) / plan.accumulate
+            p.amp.scaler.scale(loss).backward()
+            state.loss_sum += loss.detach()  # stays on the device: no sync
+        p.clip(p.optimizer)
+        p.amp.scaler.step(p.optimizer)
+        p.amp.scaler.update()
+        p.optimizer.zero_grad(set_to_none=plan.set_to_none)
+        lr = p.scheduler.get_last_lr()[0]  # the LR this step used (a Python float: no sync)
+        p.scheduler.step()
+        profiler.step()
+        state.step += 1
+        state.interval_steps += 1
+        last = state.step == plan.total_steps
+        if state.step % plan.log_every == 0 or last:
+            log(state, parts, lr)
+        p.meter.end_step()  # after logging, so the cost of the sync above is part of the step
+        if state.step % plan.eval_every == 0 or last:
+            state.train_time_s += measure.wall_clock(p.env.device) - segment_start  # queued kernels count as training
+            evaluate(state, parts)
+            segment_start = time.perf_counter()
+    state.train_time_s += time.perf_counter() - segment_start
+
+
+def _batches(loader, state: TrainState):
+    """Yield micro-batches forever, epoch after epoch (reshuffled by ``set_epoch``), keeping
+    ``state.epoch`` and ``state.batch_in_epoch`` current."""
+    while True:
+        loader.set_epoch(state.epoch)
+        for batch in loader:
+            state.batch_in_epoch += 1
+            yield batch
+        state.epoch += 1
+        state.batch_in_epoch = 0
+
+
+def log(state: TrainState, parts: Parts, lr: float) -> None:
+    """One ``metrics.jsonl`` row: the global batch's mean loss over the interval (one ``.item()``), the LR,
+    the meter's interval figures and peak memory."""
+    distributed.all_reduce_mean(state.loss_sum, parts.env)  # the global batch's loss, not rank 0's share
+    state.train_loss = state.loss_sum.item() / state.interval_steps  # host-device sync, only at log steps
+    state.loss_sum.zero_()
+    state.interval_steps = 0
+    parts.tracker.log({"step": state.step, "epoch": state.epoch, "loss": state.train_loss, "lr": lr,
+                       **parts.meter.flush(), "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
+
+
+def evaluate(state: TrainState, parts: Parts) -> None:
+    """Run the task's evaluation (outside the timed steps), log it, and date the first one meeting the
+    targets: ``time_to_target_s`` = training time until then, evaluations excluded."""
+    started = time.perf_counter()
+    p = parts
+    state.eval = p.task.evaluate(p.model, p.data.eval, p.amp.autocast, p.plan.eval_max_batches, p.env)
+    if state.time_to_target_s is None and p.plan.reached(state.eval):
+        state.time_to_target_s = state.train_time_s
+    p.tracker.log({"step": state.step, "epoch": state.epoch, **state.eval})
+    state.eval_time_s += time.perf_counter() - started
+
+
+def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
+    """The run's figures (``summary.json``), global over the ranks; written by rank 0's tracker."""
+    p, plan, env, t = parts, parts.plan, parts.env, parts.cfg.trainer
+    p.meter.flush()
+    figures = distributed.reduce_figures(p.meter.totals(), measure.peak_memory_mb(env.device), env)
+    peak = measure.peak_flops(env.device, p.amp.compute_dtype, t.peak_tflops)
+    flops, sps = p.flops_per_sample, figures["samples_per_sec"]
+    achieved = flops * sps if flops and sps else None
+    throughput: dict[str, Any] = {"samples_per_sec": sps}
+    tokens = p.task.tokens_per_sample(p.data)
+    if tokens is not None:  # the task counts tokens: throughput and FLOPs in its unit too
+        throughput |= {"tokens_per_sec": sps * tokens if sps else None, "tokens_per_sample": tokens,
+                       "flops_per_token": flops / tokens if flops else None}
     summary = {
-        "samples_per_sec": figures["samples_per_sec"],
+        **throughput,
         "step_time_ms_median": figures["step_time_ms_median"],
         "step_time_ms_p90": figures["step_time_ms_p90"],
         "data_wait_fraction": figures["data_wait_fraction"],
@@ -258,32 +356,30 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
         "flops_per_sample": flops,
         "achieved_tflops": achieved / 1e12 if achieved else None,
         "mfu": achieved / peak if achieved and peak else None,
-        "train_loss": row_loss,
-        "eval_accuracy": eval_acc,
-        "eval_loss": eval_loss,
-        "time_to_target_s": time_to_target,
-        "train_time_s": train_time,
-        "eval_time_s": eval_time,
-        "steps": step,
-        "warmup_steps": min(t.warmup_steps, step),
+        "train_loss": state.train_loss,
+        **state.eval,
+        "time_to_target_s": state.time_to_target_s,
+        "train_time_s": state.train_time_s,
+        "eval_time_s": state.eval_time_s,
+        "steps": state.step,
+        "warmup_steps": min(t.warmup_steps, state.step),
         "measured_steps": figures["measured_steps"],
         "measured_time_s": figures["measured_time_s"],  # samples_per_sec = global batch x measured_steps / this
-        "global_batch_size": global_batch,
-        "micro_batch_size": micro_batch,
-        "accumulate_steps": accumulate,
+        "global_batch_size": plan.global_batch,
+        "micro_batch_size": plan.micro_batch,
+        "accumulate_steps": plan.accumulate,
         "world_size": env.world_size,
         "nodes": env.nodes,
-        "parameters": distributed.parameter_report(model, env),  # per-rank checksums: replicas must agree
-        "scaling_efficiency": (figures["samples_per_sec"] / (t.reference_samples_per_sec * env.world_size)
-                               if t.reference_samples_per_sec and figures["samples_per_sec"] else None),
+        "parameters": distributed.parameter_report(p.model, env),  # per-rank checksums: replicas must agree
+        "scaling_efficiency": (sps / (t.reference_samples_per_sec * env.world_size)
+                               if t.reference_samples_per_sec and sps else None),
         "device": env.device.type,
         "device_name": measure.device_name(env.device),
         "torch_version": torch.__version__,
         "git_sha": git_sha(),
-        "techniques": techniques,
-        "technique_details": details,
-        "config": resolved,
+        "techniques": p.techniques,
+        "technique_details": p.details,
+        "config": p.resolved,
     }
-    tracker.finish(summary)
+    p.tracker.finish(summary)
     return summary
-

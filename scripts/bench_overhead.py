@@ -45,7 +45,7 @@ CASES = {
 def build_model(case: str, cfg, shape) -> torch.nn.Module:
     if case == "linear":
         return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(shape[0] * shape[1] * shape[2], 10))
-    return models.build(cfg.model, 10, shape[0])
+    return models.build(cfg.model, {"num_classes": 10}, shape[0])
 
 
 def make_batches(shape, batch_size: int, n: int, device: torch.device):
@@ -92,7 +92,7 @@ def runner_loop(cfg, model, batches, device) -> list[float]:
         train=data_mod.DeviceIterable(batches, device, False, torch.contiguous_format),
         eval=data_mod.DeviceIterable(batches[:1], device, False, torch.contiguous_format),
         num_classes=10, in_channels=batches[0][0].shape[1], sample_shape=tuple(batches[0][0].shape[1:]),
-        train_samples=len(batches) * len(batches[0][1]), techniques={})
+        train_samples=len(batches) * len(batches[0][1]), techniques={}, example=(batches[0][0][:2], batches[0][1][:2]))
     originals = data_mod.build, models.build, measure.Meter
     data_mod.build = lambda *a, **k: in_memory
     models.build = lambda *a, **k: model

@@ -23,6 +23,10 @@ from runner.config import register_configs
 
 register_configs()
 
+# Subprocesses (the CLI, torchrun workers) import the runner of this checkout, not whichever checkout an
+# editable install points at (a git worktree shares the virtualenv of the main one).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 #: Overrides that make any job tiny and quiet: synthetic 16x16 data, 4 steps, no W&B.
@@ -40,6 +44,49 @@ TINY = [
     "trainer.device=cpu",
     "logger=none",
 ]
+
+
+#: Overrides for a tiny language model (add ``data.path=<a text>``): a 2-layer, 2-head, 32-wide GPT on
+#: windows of 16 characters; with TINY's 16 windows per batch and 4 steps.
+TINY_GPT = [
+    "task=language_model",
+    "model=gpt",
+    "data=text",
+    "data.block_size=16",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "task.sample_tokens=20",
+]
+
+#: Real text for the tiny language model's tests (Shakespeare's first lines; ~30 distinct characters).
+TEXT = """First Citizen:
+Before we proceed any further, hear me speak.
+
+All:
+Speak, speak.
+
+First Citizen:
+You are all resolved rather to die than to famish?
+
+All:
+Resolved. resolved.
+
+First Citizen:
+First, you know Caius Marcius is chief enemy to the people.
+"""
+
+
+def make_tiny_text(path: Path, repeats: int = 20) -> Path:
+    """Write ``TEXT`` ``repeats`` times to ``path`` (UTF-8): ~5,000 characters, 10 % of them for validation."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(TEXT * repeats, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_text(tmp_path) -> Path:
+    return make_tiny_text(tmp_path / "text" / "input.txt")
 
 
 def compose_cfg(*overrides: str, tiny: bool = True) -> DictConfig:

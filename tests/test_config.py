@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg, make_tiny_cifar, make_tiny_imagefolder
+from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -58,7 +58,7 @@ def roots(tmp_path_factory) -> dict[str, Path]:
     for gz in (REPO_ROOT / "data" / "MNIST" / "raw").glob("*.gz"):
         shutil.copy(gz, raw)
     return {"cifar10": make_tiny_cifar(base / "cifar"), "imagefolder": make_tiny_imagefolder(base / "images"),
-            "mnist": base / "mnist"}
+            "mnist": base / "mnist", "text": make_tiny_text(base / "text.txt")}
 
 
 DATA_OVERRIDES = {
@@ -66,6 +66,8 @@ DATA_OVERRIDES = {
     "imagefolder": lambda r: [f"data.root={r['imagefolder']}", "data.image_size=16"],
     "mnist": lambda r: [f"data.root={r['mnist']}"],
 }
+# options that only work together (a language model needs token data and a model of tokens): a tiny GPT
+LANGUAGE_MODEL = {("task", "language_model"), ("model", "gpt"), ("data", "text")}
 # Built by a one-step job below, except: compile (torch.compile would compile for minutes on a CPU;
 # the wrapper is built instead), logger=wandb (a run of its own in test_wandb.py) and the presets
 # (combinations of the options built here, trained by their own tests).
@@ -75,6 +77,8 @@ BUILD = [(g, o) for g, o in OPTIONS if g not in ("compile", *PRESETS) and (g, o)
 @pytest.mark.parametrize("group,option", BUILD, ids=[f"{g}={o}" for g, o in BUILD])
 def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
     extra = DATA_OVERRIDES.get(option, lambda r: [])(roots) if group == "data" else []
+    if (group, option) in LANGUAGE_MODEL:
+        extra = [*TINY_GPT, f"data.path={roots['text']}"]
     steps = 12 if group == "scheduler" else 1  # cosine's warm-up (10 steps) must fit in the run
     cfg = compose_cfg(override(group, option), *extra, f"trainer.max_steps={steps}", "trainer.warmup_steps=0",
                       "trainer.log_every=1", "trainer.eval_max_batches=1")
@@ -88,7 +92,7 @@ def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
 def test_compile_option_builds(option):
     cfg = compose_cfg(f"compile={option}")
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
-    model, techniques, _ = prepare.prepare(models.build(cfg.model, 10, 3), cfg, env)
+    model, techniques, _ = prepare.prepare(models.build(cfg.model, {"num_classes": 10}, 3), cfg, env)
     assert all(v == "applied" or v.startswith("skipped: ") for v in techniques.values())
     assert (cfg.compile.mode is None) == ("compile" not in techniques)
 

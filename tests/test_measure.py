@@ -13,9 +13,9 @@ import torch
 from conftest import compose_cfg
 from torch import nn
 
-import runner.train as train_mod
 from runner import data as data_mod
 from runner import measure
+from runner import task as task_mod
 from runner.train import train
 
 ROW_KEYS = {"step", "epoch", "loss", "lr", "samples_per_sec", "step_time_ms", "data_wait_ms", "peak_memory_mb"}
@@ -73,7 +73,8 @@ def test_flops_per_sample_counts_forward_and_backward():
     # Linear 8 -> 4 without bias: forward 2*8*4 = 64 FLOPs per sample, weight gradient 64 more (the input
     # needs no gradient). The model itself is left untouched.
     model = nn.Linear(8, 4, bias=False)
-    assert measure.flops_per_sample(model, (8,), torch.device("cpu"), num_classes=4) == 128
+    batch = (torch.randn(2, 8), torch.randint(0, 4, (2,)))
+    assert measure.flops_per_sample(model, batch, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])) == 128
     assert model.weight.grad is None
 
 
@@ -165,17 +166,17 @@ def test_warmup_steps_are_left_out(monkeypatch, tmp_path, warmup):
 
 
 def scripted_evaluate(monkeypatch, accuracies, seconds=0.3) -> list[tuple[float, float]]:
-    """Replace the engine's evaluation by one that takes ``seconds`` and returns the given accuracies;
+    """Replace the classification task's evaluation by one that takes ``seconds`` and returns the given accuracies;
     returns the list its calls' (start, end) ``perf_counter`` times are appended to."""
     results, calls = iter(accuracies), []
 
-    def evaluate(*args, **kwargs):
+    def evaluate(self, *args, **kwargs):
         start = time.perf_counter()
         time.sleep(seconds)
         calls.append((start, time.perf_counter()))
-        return next(results), 1.0
+        return {"eval_accuracy": next(results), "eval_loss": 1.0}
 
-    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    monkeypatch.setattr(task_mod.Classification, "evaluate", evaluate)
     return calls
 
 

@@ -22,7 +22,8 @@ from conftest import compose_cfg
 from technique_helpers import SharedConv, TinyMLP, Untraceable, spy  # noqa: F401 - spy is a fixture
 from runner import data as data_mod, debug, models, optim, precision, prepare, schedule
 from runner.errors import ConfigError
-from runner.train import evaluate, train
+from runner.task import evaluation_sums
+from runner.train import train
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -84,7 +85,7 @@ def test_default_run_applies_only_set_to_none(tmp_path):
 DOCUMENTED = [
     prepare.apply_cudnn_benchmark, prepare.apply_channels_last, prepare.apply_drop_bias_before_bn,
     prepare.apply_activation_checkpointing, prepare.apply_compile, optim, optim.scaled_lr, optim.build,
-    precision.build, schedule.build, debug, debug.build, evaluate, data_mod.OnDeviceLoader,
+    precision.build, schedule.build, debug, debug.build, evaluation_sums, data_mod.OnDeviceLoader,
     data_mod.images_as_tensor, data_mod.DeviceIterable, data_mod.random_crop_flip,
 ]
 
@@ -268,12 +269,12 @@ def test_cudnn_benchmark_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("log_every, rows", [(1, 6), (3, 2), (4, 2)])
 def test_log_every_controls_the_host_device_syncs(tmp_path, monkeypatch, log_every, rows):
-    syncs = []  # .item() calls made by the engine's loop (not the DataLoader's host-only seed draw)
+    syncs = []  # .item() calls made by the engine (not the DataLoader's host-only seed draw)
     item = torch.Tensor.item
 
     def counting_item(self):
         caller = sys._getframe(1).f_code
-        if caller.co_name == "_train" and caller.co_filename.endswith("runner/train.py"):
+        if caller.co_filename.endswith("runner/train.py"):
             syncs.append(1)
         return item(self)
 
@@ -289,7 +290,7 @@ def test_log_every_controls_the_host_device_syncs(tmp_path, monkeypatch, log_eve
 
 def _mnist_cnn(seed=0):
     torch.manual_seed(seed)
-    return models.build(compose_cfg().model, 10, 3)
+    return models.build(compose_cfg().model, {"num_classes": 10}, 3)
 
 
 def _saved_tensors(model, x) -> tuple[int, dict[str, torch.Tensor]]:
@@ -339,7 +340,7 @@ def test_checkpointing_in_the_engine_uses_the_non_reentrant_wrapper(tmp_path, sp
 def test_checkpoint_modules_picks_block_types():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    resnet = models.build(compose_cfg("model=resnet18").model, 10, 3)
+    resnet = models.build(compose_cfg("model=resnet18").model, {"num_classes": 10}, 3)
     assert prepare.repeated_blocks(resnet) == ["BasicBlock"]
     assert prepare.apply_activation_checkpointing(resnet, None)[1:] == (["BasicBlock"], 8)
     cnn = _mnist_cnn()

@@ -1,0 +1,196 @@
+"""Tasks: what is trained and how it is judged (the ``task`` config group).
+
+The engine never names a loss or a metric; it asks the task (nanoGPT: ``logits, loss = model(X, Y)``;
+torchtitan: ``self.loss_fn``). A task is a small object built from ``cfg.task`` by ``_target_``:
+
+- ``loss(model, batch)``: the scalar training loss of one micro-batch ``(x, y)``;
+- ``evaluate(model, batches, autocast, max_batches, env)``: ``{metric: value}`` over the evaluation set;
+- ``metrics``: the names ``evaluate`` returns (``eval_loss`` always, the time-to-target key);
+- ``model_kwargs(data)``: the constructor sizes the data dictates (checks the data suits the task);
+- ``check(model, data)``: bad model/data combinations, before training;
+- ``tokens_per_sample(data)``: the throughput unit (None: samples only; an int: tokens/s too);
+- ``skipped(cfg)``: switches that do not apply to this task, as ``"skipped: <reason>"`` statuses;
+- ``finish(model, data, job_dir, env, seed)``: outputs after training (``samples.txt``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from runner import distributed, text
+from runner.errors import ConfigError
+
+#: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
+IMAGE_ONLY = {
+    "channels_last": "channels_last",
+    "cudnn_benchmark": "cudnn_benchmark",
+    "drop_bias_before_bn": "model.drop_bias_before_bn",
+    "normalize": "data.normalize",
+    "augment": "data.augment",
+}
+
+
+def build(cfg: DictConfig):
+    """The task of ``cfg.task`` (``_target_`` + its keys as constructor arguments).
+
+    Raises:
+        ConfigError: ``task._target_`` cannot be imported or called.
+    """
+    try:
+        return instantiate(cfg)
+    except Exception as e:  # hydra wraps import and call errors in InstantiationException
+        raise ConfigError(f"task._target_={cfg._target_!r} could not be built: {e}") from e
+
+
+@torch.inference_mode()
+def evaluation_sums(model: torch.nn.Module, batches, autocast, max_batches: int | None, env, size: int,
+                    sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[float]:
+    """Add up ``sums(logits, y)`` (a float64 vector of ``size``) over the evaluation batches and all ranks.
+
+    Runs under ``torch.inference_mode()`` (technique 16: no autograd graph, no version counters;
+    https://pytorch.org/docs/stable/generated/torch.autograd.grad_mode.inference_mode.html), in eval mode,
+    at most ``max_batches`` batches per rank (None: all); one host-device sync at the end.
+    """
+    model.eval()
+    totals = torch.zeros(size, device=env.device, dtype=torch.float64)
+    for i, (x, y) in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
+            break
+        with autocast():
+            logits = model(x)
+        totals += sums(logits.float(), y)
+    distributed.all_reduce_sum(totals, env)
+    model.train()
+    return totals.tolist()  # host-device sync
+
+
+class Classification:
+    """``task=classification``: ``model(x)`` -> logits ``(B, classes)``, ``y`` int64 ``(B,)`` class ids.
+
+    Loss: mean cross-entropy. Evaluation: top-1 accuracy (a fraction) and mean cross-entropy (nats).
+    Throughput: samples/s.
+    """
+
+    metrics = ("eval_accuracy", "eval_loss")
+
+    def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
+        def sums(logits, y):
+            return torch.stack([(logits.argmax(1) == y).sum().double(),
+                                F.cross_entropy(logits, y, reduction="sum").double(),
+                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+
+        correct, loss_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 3, sums)
+        return {"eval_accuracy": correct / max(count, 1), "eval_loss": loss_sum / max(count, 1)}
+
+    def model_kwargs(self, data) -> dict[str, int]:
+        if data.num_classes is None:
+            raise ConfigError("task=classification needs labelled samples, but this data yields token windows; "
+                              "add task=language_model model=gpt (or +experiment=shakespeare_char)")
+        return {"num_classes": data.num_classes}
+
+    def check(self, model, data) -> None:
+        pass
+
+    def tokens_per_sample(self, data) -> int | None:
+        return None
+
+    def skipped(self, cfg: DictConfig) -> dict[str, str]:
+        return {}
+
+    def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
+        pass
+
+
+class LanguageModel:
+    """``task=language_model``: next-token prediction on windows ``x``, ``y`` int64 ``(B, T)`` (``y`` = ``x``
+    shifted by one token); ``model(x)`` -> logits ``(B, T, vocab)``.
+
+    Loss: mean cross-entropy over all B x T positions (nats per token). Evaluation: ``eval_loss``,
+    ``eval_perplexity`` = exp(loss) and ``eval_bits_per_char`` = loss / ln 2 (bits per token; a token is a
+    character with ``data=text``). Throughput: tokens/s = samples/s x T; FLOPs per token likewise.
+    After training, ``sample_tokens`` tokens generated from ``sample_prompt`` (``temperature``, ``top_k``;
+    nanoGPT's ``sample.py``) are written to ``samples.txt``, decoded with the data's vocabulary.
+    """
+
+    metrics = ("eval_loss", "eval_perplexity", "eval_bits_per_char")
+
+    def __init__(self, sample_tokens: int = 500, sample_prompt: str = "\n", temperature: float = 1.0,
+                 top_k: int | None = None):
+        self.sample_tokens, self.sample_prompt = sample_tokens, sample_prompt
+        self.temperature, self.top_k = temperature, top_k
+
+    def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
+        def sums(logits, y):
+            return torch.stack([F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double(),
+                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+
+        loss_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, sums)
+        loss = loss_sum / max(count, 1)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+                "eval_bits_per_char": loss / math.log(2)}
+
+    def model_kwargs(self, data) -> dict[str, int]:
+        if data.vocab is None:
+            raise ConfigError("task=language_model needs token data (data=text data.path=<file>), but this data "
+                              "yields labelled samples; use data=text or task=classification")
+        return {"vocab_size": len(data.vocab)}
+
+    def check(self, model, data) -> None:
+        """Raises ConfigError: windows longer than the model's context, a vocabulary the model does not
+        share, a bad sampling setting, or a prompt with characters the text never uses."""
+        block, context = data.sample_shape[0], getattr(model, "block_size", None)
+        if context is not None and block > context:
+            raise ConfigError(f"data.block_size={block} is longer than the model's context model.block_size="
+                              f"{context}; lower data.block_size or raise model.block_size")
+        vocab_size = getattr(model, "vocab_size", len(data.vocab))
+        if vocab_size != len(data.vocab):
+            raise ConfigError(f"the model's vocab_size={vocab_size} differs from the {len(data.vocab)} tokens of "
+                              f"data.path; drop model.vocab_size (it follows the data)")
+        if self.sample_tokens < 0 or self.temperature <= 0 or (self.top_k is not None and self.top_k < 1):
+            raise ConfigError(f"task.sample_tokens={self.sample_tokens} must be >= 0, task.temperature="
+                              f"{self.temperature} > 0 and task.top_k={self.top_k} >= 1 or null")
+        if self.sample_tokens and not hasattr(model, "generate"):
+            raise ConfigError(f"task.sample_tokens={self.sample_tokens} needs a model with generate(); set "
+                              f"task.sample_tokens=0 for {type(model).__name__}")
+        unknown = sorted(set(self.sample_prompt) - set(data.vocab))
+        if self.sample_tokens and (not self.sample_prompt or unknown):
+            raise ConfigError(f"task.sample_prompt={self.sample_prompt!r} must be non-empty text made of characters "
+                              f"of data.path (these are not: {unknown!r})")
+
+    def tokens_per_sample(self, data) -> int:
+        return data.sample_shape[0]
+
+    def skipped(self, cfg: DictConfig) -> dict[str, str]:
+        return {status: f"skipped: {key} is an image technique; a language model's inputs are token ids"
+                for status, key in IMAGE_ONLY.items() if OmegaConf.select(cfg, key)}
+
+    def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
+        """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
+        an FSDP-sharded model all-gathers its parameters in each forward. Compiled modules run eagerly here
+        (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length."""
+        if not self.sample_tokens:
+            return
+        plain = distributed.unwrap(model)
+        prompt = torch.tensor([text.encode(self.sample_prompt, data.vocab)], device=env.device)
+        generator = torch.Generator(env.device).manual_seed(seed)
+        plain.eval()
+        with torch.compiler.set_stance("force_eager"):
+            out = plain.generate(prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator)
+        plain.train()
+        if env.is_main:
+            (job_dir / "samples.txt").write_text(text.decode(out[0].tolist(), data.vocab), encoding="utf-8")
