@@ -233,6 +233,7 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None  # override the device's dense peak for MFU
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
     progress: str = "auto"  # auto | bar | lines | off
+    on_nonfinite: str = "stop"  # stop | skip: a NaN/inf loss or gradient ends the run, or skips the step (counted)
 
 
 @dataclass
@@ -246,6 +247,19 @@ class AblationConfig:
     technique: Optional[str] = None  # the technique the variant switches on (leave-one-in) or off (leave-one-out)
     requires: Optional[str] = None  # cuda: the variant is not run (recorded as not run) on other devices
     isolate: bool = True  # inside a multirun, train each job in a fresh process (clean memory/compile state)
+
+
+#: ``checkpoint.*`` (runner/checkpoint.py). A plain node rather than a dataclass because ``async`` is a Python
+#: keyword; ``runner.checkpoint.settings`` checks every value's type and range with a message naming the key.
+CHECKPOINT_DEFAULTS: dict[str, Any] = {
+    "every_steps": None,  # save after every N optimizer steps; null = off
+    "every_minutes": None,  # save when this much wall time passed since the last save; null = off
+    "keep_last": 2,  # complete checkpoints kept; older ones are deleted
+    "at_end": True,  # save one after the last step (and model.safetensors)
+    "resume": "auto",  # auto (newest complete checkpoint in the job folder) | never | <checkpoint folder>
+    "async": False,  # dcp.async_save: stage to CPU memory, write in a background thread
+    "signals": ["SIGTERM", "SIGUSR1"],  # checkpoint at the next step boundary and stop (SLURM preemption)
+}
 
 
 @dataclass
@@ -267,6 +281,7 @@ class RunnerConfig:
     debug: DebugConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    checkpoint: Any = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
     cudnn_benchmark: bool = False  # technique 6: cuDNN autotuner
     channels_last: bool = False  # technique 19: NHWC weights and inputs
 

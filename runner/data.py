@@ -67,21 +67,78 @@ class DeviceIterable:
         self.device = device
         self.non_blocking = non_blocking
         self.memory_format = memory_format
+        self._skip = 0
+        # the random generators that order an epoch (the DataLoader's, its sampler's, an on-device loader's),
+        # with their first seeds: ``set_epoch`` reseeds them from these, so epoch e is the same sequence
+        # however the run got there (straight through, or resumed from a checkpoint)
+        self._generators = [(g, g.initial_seed()) for g in _generators_of(batches)]
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for ``epoch`` (DistributedSampler.set_epoch / the on-device permutation)."""
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Prepare ``epoch``: reshuffle (``DistributedSampler.set_epoch`` / the on-device permutation), reseed its
+        generators from (their first seed, ``epoch``), and start the next iteration after its first ``skip``
+        batches -- a run resumed mid-epoch continues with exactly the batches it had left. Batches are skipped
+        by index where the loader allows (samplers, on-device loaders: nothing is loaded), else by drawing
+        them."""
         sampler = getattr(self.batches, "sampler", None)
         target = sampler if hasattr(sampler, "set_epoch") else self.batches
         if hasattr(target, "set_epoch"):
             target.set_epoch(epoch)
+        for g, first_seed in self._generators:
+            g.manual_seed(first_seed + 1_000_003 * epoch)
+        self._skip = skip
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for x, y in self.batches:
+        skip, self._skip = self._skip, 0
+        batches = self.batches
+        if skip and isinstance(batches, DataLoader) and isinstance(batches.sampler, SkippableSampler):
+            batches.sampler.skip_next(skip * batches.batch_size)
+            skip = 0
+        elif skip and hasattr(batches, "skip_next"):
+            batches.skip_next(skip)
+            skip = 0
+        for i, (x, y) in enumerate(batches):
+            if i < skip:
+                continue  # a loader that cannot skip by index: draw and drop
             x = x.to(self.device, non_blocking=self.non_blocking, memory_format=self.memory_format)
             yield x, y.to(self.device, non_blocking=self.non_blocking)
+
+
+def _generators_of(batches) -> list[torch.Generator]:
+    found = []
+    for obj in (batches, getattr(batches, "sampler", None), getattr(getattr(batches, "sampler", None), "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+class SkippableSampler(torch.utils.data.Sampler):
+    """Wraps a sampler so that its next pass starts ``n`` indices in (``skip_next``); ``set_epoch`` and the
+    ``generator`` of the wrapped sampler stay reachable. What a resumed run's DataLoader uses to continue
+    mid-epoch without loading the batches it already trained on."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self._skip = 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def skip_next(self, n: int) -> None:
+        self._skip = n
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        for i, index in enumerate(self.sampler):
+            if i >= skip:
+                yield index
 
 
 class OnDeviceLoader:
@@ -108,6 +165,10 @@ class OnDeviceLoader:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def skip_next(self, batches: int) -> None:
+        """Start the next pass at batch ``batches`` of the epoch's order (a resumed run)."""
+        self._skip = batches
+
     def __len__(self) -> int:
         n = self.per_rank / self.batch_size
         return math.floor(n) if self.drop_last else math.ceil(n)
@@ -120,7 +181,8 @@ class OnDeviceLoader:
         else:
             order = torch.arange(n)
         order = order[self.rank : self.per_rank * self.world_size : self.world_size].to(self.images.device)
-        for i in range(len(self)):
+        skip, self._skip = getattr(self, "_skip", 0), 0
+        for i in range(skip, len(self)):
             idx = order[i * self.batch_size : (i + 1) * self.batch_size]
             x = self.images[idx].float()
             if self.augment:
@@ -407,12 +469,15 @@ def host_loading(loader_cfg: DictConfig, device: torch.device) -> HostLoading:
 def host_loader(ds: Dataset, batch_size: int, train: bool, loading: HostLoading, env, seed: int, drop_last: bool,
                 sampler=None) -> DataLoader:
     """A ``DataLoader`` for this rank: ``sampler`` if given, else a ``DistributedSampler`` share when there are
-    several ranks (shuffled for training), else plain (shuffled for training) with a seeded generator."""
+    several ranks (shuffled for training), else plain (shuffled for training) with a seeded generator.
+    A training loader's sampler is a ``SkippableSampler``, so a resumed run continues mid-epoch."""
     if sampler is None and env.world_size > 1:
         sampler = DistributedSampler(ds, num_replicas=env.world_size, rank=env.rank, shuffle=train, seed=seed,
                                      drop_last=train)
     g = torch.Generator().manual_seed(seed + env.rank)
-    return DataLoader(ds, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler,
+    if train:
+        sampler = SkippableSampler(sampler if sampler is not None else torch.utils.data.RandomSampler(ds, generator=g))
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler,
                       drop_last=train and drop_last, generator=g, **loading.kwargs)
 
 

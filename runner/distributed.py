@@ -340,6 +340,28 @@ def all_reduce_mean(tensor: torch.Tensor, env: Env) -> torch.Tensor:
     return tensor
 
 
+def sync_ddp_buffers(model: torch.nn.Module, env: Env) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP itself does before each forward.
+
+    Between forwards the ranks' buffers differ (each updated them with its own batch); a checkpoint keeps
+    one copy of a replicated tensor, so they are made equal first -- to rank 0's, the ones the next forward
+    would have used. A no-op for one process and for models that are not ``DistributedDataParallel``.
+    """
+    if env.distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with torch.no_grad():
+            for buffer in model.module.buffers():
+                dist.broadcast(buffer, src=0)
+
+
+def broadcast_object(obj, env: Env):
+    """Rank 0's ``obj`` on every rank (pickled over the process group); ``obj`` itself with one process."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def shared_job_dir(job_dir: Path, env: Env) -> Path:
     """The job folder every rank writes into: rank 0's (single process: ``job_dir`` itself).
 

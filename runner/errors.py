@@ -7,3 +7,14 @@ class ConfigError(ValueError):
     ``python -m runner`` prints ``error: <message>`` (no traceback) and exits with status 2, before any
     result file is written.
     """
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradients became NaN/inf (``trainer.on_nonfinite=stop``): the message names the step, the
+    last finite loss and the usual fixes. ``python -m runner`` prints it and exits with status 3; no summary
+    is written, so no figure of the diverged run is taken as a measurement."""
+
+
+class Preempted(Exception):
+    """The run stopped for a signal (SLURM preemption or time limit) after writing its checkpoint;
+    ``python -m runner`` exits with ``runner.preempt.EXIT_PREEMPTED`` (75)."""

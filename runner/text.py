@@ -127,9 +127,17 @@ class OnDeviceWindows:
     def __len__(self) -> int:
         return self.num_batches
 
+    def skip_next(self, batches: int) -> None:
+        """Start the next pass at batch ``batches`` (a resumed run): the random offsets of the skipped batches
+        are drawn and dropped, so the generator continues where an uninterrupted run's would be."""
+        self._skip = batches
+
     def __iter__(self):
         high = len(self.tokens) - self.block_size
-        for i in range(self.num_batches):
+        skip, self._skip = getattr(self, "_skip", 0), 0
+        for _ in range(skip if self.starts is None else 0):
+            torch.randint(high, (self.batch_size,), device=self.tokens.device, generator=self.generator)
+        for i in range(skip, self.num_batches):
             if self.starts is None:
                 s = torch.randint(high, (self.batch_size,), device=self.tokens.device, generator=self.generator)
             else:

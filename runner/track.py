@@ -65,6 +65,25 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the ``metrics.jsonl`` rows up to optimizer ``step`` (atomically): a run resumed from the
+    checkpoint of ``step`` logs the later steps again, and a row must not appear twice. Unreadable trailing
+    lines (a write cut by a kill) are dropped too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         if math.isnan(value):
@@ -76,11 +95,15 @@ def _fmt(value: Any) -> str:
 class Tracker:
     """Rank 0's outputs for one job: metrics rows, console progress, optional W&B run, the summary."""
 
-    def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None):
+    def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None,
+                 resume_step: int | None = None, wandb_run_id: str | None = None):
         self.job_dir = job_dir
         job_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it already; a direct train() call may not
         self.total_steps = total_steps
         self.metrics_path = job_dir / "metrics.jsonl"
+        if resume_step is not None:  # rows of the steps after the checkpoint are logged again; a finished
+            drop_rows_after(self.metrics_path, resume_step)  # run's summary is replaced by the resumed run's
+            (job_dir / "summary.json").unlink(missing_ok=True)
         self._metrics = self.metrics_path.open("a")
         mode = cfg.trainer.progress
         if mode == "auto":
@@ -91,7 +114,13 @@ class Tracker:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
-        self.wandb = _start_wandb(cfg.logger, job_dir, resolved, sweep_group) if cfg.logger.name == "wandb" else None
+        self.wandb = (_start_wandb(cfg.logger, job_dir, resolved, sweep_group, wandb_run_id)
+                      if cfg.logger.name == "wandb" else None)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (kept in checkpoints, so a resumed run continues the same W&B run)."""
+        return self.wandb.id if self.wandb is not None else None
 
     def log(self, row: dict[str, Any]) -> None:
         """Record one log-interval row (step, loss, samples_per_sec, ...); the keys are metrics.jsonl's."""
@@ -125,13 +154,13 @@ class Tracker:
             self.wandb.summary.update({k: v for k, v in summary.items() if k != "config"})
             self.wandb.finish()
 
-    def abort(self) -> None:
-        """Close files and the W&B run after a failure (no summary is written)."""
+    def abort(self, exit_code: int = 1) -> None:
+        """Close files and the W&B run after a failure or a preemption (no summary is written)."""
         if self.bar is not None:
             self.bar.close()
         self._metrics.close()
         if self.wandb is not None:
-            self.wandb.finish(exit_code=1)
+            self.wandb.finish(exit_code=exit_code)
 
 
 class NullTracker:
@@ -143,8 +172,10 @@ class NullTracker:
     def finish(self, summary):  # noqa: D102
         pass
 
-    def abort(self):  # noqa: D102
+    def abort(self, exit_code: int = 1):  # noqa: D102
         pass
+
+    wandb_run_id = None
 
 
 def print_summary(summary: dict[str, Any], job_dir: Path) -> None:

@@ -12,6 +12,8 @@ so the loop has no feature branches. The loop never names a loss or a metric: it
 from __future__ import annotations
 
 import math
+import os
+import pickle
 import random
 import subprocess
 import time
@@ -24,8 +26,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import REPO_ROOT, data as data_mod, debug, distributed, measure, models, optim, precision, prepare, schedule
-from runner import task as task_mod, text
-from runner.errors import ConfigError
+from runner import checkpoint, preempt, task as task_mod, text
+from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.track import NullTracker, Tracker
 
 
@@ -49,6 +51,7 @@ def validate(cfg: DictConfig) -> None:
         (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
         (t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress,
          "must be one of auto, bar, lines, off"),
+        (t.on_nonfinite in ("stop", "skip"), "trainer.on_nonfinite", t.on_nonfinite, "must be stop or skip"),
         (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
     ]
@@ -123,6 +126,7 @@ class Plan:
     set_to_none: bool
     target_accuracy: float | None
     target_loss: float | None
+    skip_nonfinite: bool  # trainer.on_nonfinite=skip: check every step's gradients (one sync per step)
 
     def reached(self, metrics: dict[str, float]) -> bool:
         """Whether ``metrics`` meet every target set (never, when none is)."""
@@ -153,6 +157,9 @@ class Parts:
     techniques: dict[str, str]
     details: dict[str, object]
     resolved: dict  # the config with every interpolation resolved (summary.json, W&B)
+    checkpointer: checkpoint.Checkpointer
+    preemption: preempt.Preemption
+    at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
 
 
 @dataclass
@@ -170,6 +177,57 @@ class TrainState:
     timings: measure.Timings = field(default_factory=measure.Timings)  # every measured step's ms
     loss_sum: torch.Tensor | None = None  # this log interval's loss, summed on the device (no sync)
     interval_steps: int = 0
+    last_finite: tuple[int, float] | None = None  # (step, loss) of the last log row with a finite loss
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (trainer.on_nonfinite=skip)
+    checkpoint_time_s: float = 0.0  # s the loop was blocked writing checkpoints (not in train_time_s)
+    restarts: int = 0  # times this run was resumed from a checkpoint
+    restart_lost_time_s: float = 0.0  # s from each resumed checkpoint's write to the resume (redone work, restart)
+
+    #: the fields that are the same on every rank; the rest (loss_sum, timings) is saved per rank
+    SHARED = ("step", "epoch", "batch_in_epoch", "train_time_s", "eval_time_s", "time_to_target_s", "train_loss",
+              "eval", "interval_steps", "last_finite", "skipped_steps", "checkpoint_time_s", "restarts",
+              "restart_lost_time_s")
+
+
+class _Shared:
+    """``TrainState``'s rank-independent fields for DCP, pickled into one item (DCP keeps rank 0's)."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fields": pickle.dumps({k: getattr(self.state, k) for k in TrainState.SHARED})}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k, v in pickle.loads(sd["fields"]).items():
+            setattr(self.state, k, v)
+
+
+class _PerRank:
+    """This rank's part of the state: its RNG streams, its share of the interval's loss and its step timings."""
+
+    def __init__(self, state: TrainState, rank: int):
+        self.state, self.rank, self.rng = state, rank, checkpoint.RNGState(rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        payload = {"rng": self.rng.state_dict()[f"rank{self.rank}"], "loss_sum": self.state.loss_sum.item(),
+                   "timings": (self.state.timings.data_wait_ms, self.state.timings.step_time_ms)}
+        return {f"rank{self.rank}": pickle.dumps(payload)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        payload = pickle.loads(sd[f"rank{self.rank}"])
+        self.rng.load_state_dict({f"rank{self.rank}": payload["rng"]})
+        self.state.loss_sum.fill_(payload["loss_sum"])
+        self.state.timings.data_wait_ms[:], self.state.timings.step_time_ms[:] = payload["timings"]
+
+
+def checkpoint_state(state: TrainState, parts: "Parts") -> dict[str, Any]:
+    """What a checkpoint holds, as DCP Stateful objects: model + optimizer (sharded under FSDP), LR schedule,
+    GradScaler, the shared ``TrainState`` (step, epoch, position in the epoch, measured time, ...) and each
+    rank's RNG, loss share and timings."""
+    return {"model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
+            "scheduler": parts.scheduler, "scaler": parts.amp.scaler, "train": _Shared(state),
+            "rank": _PerRank(state, parts.env.rank)}
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
@@ -183,10 +241,19 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
     try:
         parts, state = build(cfg, env, job_dir or job_folder())
         try:
-            with debug.build(cfg.debug, parts.job_dir, env.device) as (profiler, status):
+            with debug.build(cfg.debug, parts.job_dir, env.device) as (profiler, status), parts.preemption:
                 parts.techniques |= status
                 fit(state, parts, profiler)
+            if parts.at_end:
+                save_checkpoint(state, parts)
+            parts.checkpointer.finish()
+            if parts.at_end:
+                checkpoint.save_weights(parts.model, parts.job_dir / "model.safetensors", env.is_main)
             parts.task.finish(parts.model, parts.data, parts.job_dir, env, cfg.trainer.seed)
+        except Preempted:
+            parts.checkpointer.finish()
+            parts.tracker.abort(exit_code=preempt.EXIT_PREEMPTED)
+            raise
         except BaseException:
             parts.tracker.abort()
             raise
@@ -236,7 +303,8 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                 micro_batch=cfg.dataloader.batch_size,
                 global_batch=cfg.dataloader.batch_size * accumulate * env.world_size, log_every=t.log_every,
                 eval_every=t.eval_every or steps_per_epoch, eval_max_batches=t.eval_max_batches,
-                set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss)
+                set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss,
+                skip_nonfinite=t.on_nonfinite == "skip")
     optimizer, status = optim.build(cfg.optimizer, model, plan.global_batch, env.device)
     techniques |= status
     scheduler, status = schedule.build(cfg.scheduler, optimizer, plan.total_steps)
@@ -248,15 +316,60 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     state = TrainState(eval=dict.fromkeys(task.metrics), loss_sum=torch.zeros((), device=env.device))
     meter = measure.Meter(env.device, t.warmup_steps, plan.global_batch, task.tokens_per_sample(data), state.timings)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    tracker = Tracker(job_dir, cfg, resolved, plan.total_steps, sweep_group()) if env.is_main else NullTracker()
+    ck = checkpoint.settings(cfg.checkpoint)
+    point = _agree(lambda: checkpoint.find_resume_point(ck["resume"], job_dir, resolved, plan.total_steps), env)
+    if point.path is not None and point.meta.get("world_size", env.world_size) != env.world_size:
+        raise ConfigError(f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes and "
+                          f"this run has {env.world_size}; exact resume needs the same world size (same launch), or "
+                          f"start fresh with checkpoint.resume=never in a new folder")
+    tracker = (Tracker(job_dir, cfg, resolved, plan.total_steps, sweep_group(),
+                       resume_step=point.step if point.stale_rows else None,
+                       wandb_run_id=point.meta.get("wandb_run_id"))
+               if env.is_main else NullTracker())
     if env.is_main and data.vocab is not None:
         text.save_vocab(data.vocab, job_dir)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
+    checkpointer = checkpoint.Checkpointer(job_dir / checkpoint.FOLDER, every_steps=ck["every_steps"],
+                                           every_minutes=ck["every_minutes"], keep_last=ck["keep_last"],
+                                           async_save=ck["async"], is_main=env.is_main)
     parts = Parts(cfg=cfg, env=env, job_dir=job_dir, task=task, data=data, model=model, optimizer=optimizer,
                   scheduler=scheduler, amp=amp, clip=clip, meter=meter, tracker=tracker, plan=plan,
-                  flops_per_sample=flops, techniques=techniques, details=details, resolved=resolved)
+                  flops_per_sample=flops, techniques=techniques, details=details, resolved=resolved,
+                  checkpointer=checkpointer, preemption=preempt.Preemption(ck["signals"]), at_end=ck["at_end"])
+    if point.path is not None:
+        checkpointer.load(checkpoint_state(state, parts), point.path)
+        state.restarts += 1
+        state.restart_lost_time_s += max(0.0, time.time() - float(point.meta.get("time", time.time())))
+        if env.is_main:
+            print(f"resumed from {point.path} (step {state.step}, epoch {state.epoch}, restart {state.restarts})",
+                  flush=True)
     return parts, state
+
+
+def _agree(decide: Callable[[], Any], env: distributed.Env) -> Any:
+    """Rank 0 runs ``decide`` (file-system decisions: one answer for all); every rank gets its result, or
+    raises the ConfigError it raised (instead of waiting for an answer that never comes)."""
+    try:
+        result = decide() if env.is_main else None
+    except ConfigError as e:
+        result = e
+    result = distributed.broadcast_object(result, env)
+    if isinstance(result, ConfigError):
+        raise ConfigError(str(result))
+    return result
+
+
+def save_checkpoint(state: TrainState, parts: Parts) -> None:
+    """Write the checkpoint of ``state.step`` (every rank; outside the timed steps and ``train_time_s``)."""
+    p = parts
+    p.meter.flush()  # pending timing marks become figures of the state being saved
+    distributed.sync_ddp_buffers(p.model, p.env)  # one copy of a replicated buffer is kept: make it rank 0's
+    meta = {"config": p.resolved, "world_size": p.env.world_size, "wandb_run_id": p.tracker.wandb_run_id,
+            "time": time.time(), "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch}
+    before = p.checkpointer.time_s
+    p.checkpointer.save(checkpoint_state(state, parts), state.step, meta)
+    state.checkpoint_time_s += p.checkpointer.time_s - before
 
 
 def fit(state: TrainState, parts: Parts, profiler) -> None:
@@ -280,8 +393,11 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             p.amp.scaler.scale(loss).backward()
             state.loss_sum += loss.detach()  # stays on the device: no sync
         p.clip(p.optimizer)
-        p.amp.scaler.step(p.optimizer)
-        p.amp.scaler.update()
+        if plan.skip_nonfinite and not _finite_gradients(p.model):  # one sync per step, only when asked for
+            state.skipped_steps += 1
+        else:
+            p.amp.scaler.step(p.optimizer)
+            p.amp.scaler.update()
         p.optimizer.zero_grad(set_to_none=plan.set_to_none)
         lr = p.scheduler.get_last_lr()[0]  # the LR this step used (a Python float: no sync)
         p.scheduler.step()
@@ -292,18 +408,74 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
         if state.step % plan.log_every == 0 or last:
             log(state, parts, lr)
         p.meter.end_step()  # after logging, so the cost of the sync above is part of the step
-        if state.step % plan.eval_every == 0 or last:
+        evaluating = state.step % plan.eval_every == 0 or last
+        save, stop = _checkpoint_due(state, parts, logged=state.step % plan.log_every == 0 or last)
+        if evaluating or save or stop:
             state.train_time_s += measure.wall_clock(p.env.device) - segment_start  # queued kernels count as training
-            evaluate(state, parts)
+            if evaluating:
+                evaluate(state, parts)
+            if stop or (save and not (last and p.at_end)):  # the end-of-run checkpoint follows the loop
+                save_checkpoint(state, parts)
+            if stop:
+                _stop_for_signal(state, parts)
             segment_start = time.perf_counter()
     state.train_time_s += time.perf_counter() - segment_start
 
 
+def _finite_gradients(model: torch.nn.Module) -> bool:
+    """Whether every gradient is finite: one norm over all of them and one host-device sync. Under FSDP the
+    norm of the shards is a DTensor reduced over the ranks, so every rank gets the same answer."""
+    grads = [q.grad for q in model.parameters() if q.grad is not None]
+    if not grads:
+        return True
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return bool(torch.isfinite(norm).item())
+
+
+def _checkpoint_due(state: TrainState, parts: Parts, logged: bool) -> tuple[bool, bool]:
+    """``(save, stop)`` after this step: a scheduled checkpoint (by steps, or by minutes on rank 0's clock),
+    and a signal received (SIGTERM/SIGUSR1). One process decides every step at no cost; several agree at
+    log steps only, with one all-reduce, since a collective per step would be a host-device sync per step
+    (so a signal is acted on within ``trainer.log_every`` steps)."""
+    p = parts
+    by_steps = bool(p.checkpointer.every_steps) and state.step % p.checkpointer.every_steps == 0
+    if not p.env.distributed:
+        return by_steps or p.checkpointer.due(state.step), p.preemption.received is not None
+    if not logged:
+        return by_steps, False
+    flags = torch.tensor([p.checkpointer.due(state.step) and p.env.is_main, p.preemption.received is not None],
+                         dtype=torch.int32, device=p.env.device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    by_time, signalled = (bool(v) for v in flags.tolist())
+    if signalled and p.preemption.received is None:
+        p.preemption.received = "another rank's signal"
+    return by_steps or by_time, signalled
+
+
+def _stop_for_signal(state: TrainState, parts: Parts) -> None:
+    """After the checkpoint of a signalled step: under submitit hand the signal back to submitit (it requeues
+    the job its own way); under SLURM requeue the job; then stop with ``Preempted``."""
+    p = parts
+    p.checkpointer.finish()
+    message = (f"stopped at step {state.step} for {p.preemption.received}: checkpoint "
+               f"{p.checkpointer.root / checkpoint.step_name(state.step)} written")
+    if p.env.is_main:
+        done = None if os.environ.get("SUBMITIT_EXECUTOR") else preempt.requeue_slurm_job()
+        print(message + (f"; {done}" if done else ""), flush=True)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        p.tracker.abort(exit_code=preempt.EXIT_PREEMPTED)
+        p.preemption.resend()
+    raise Preempted(message)
+
+
 def _batches(loader, state: TrainState):
     """Yield micro-batches forever, epoch after epoch (reshuffled by ``set_epoch``), keeping
-    ``state.epoch`` and ``state.batch_in_epoch`` current."""
+    ``state.epoch`` and ``state.batch_in_epoch`` current. A resumed state starts ``batch_in_epoch`` batches
+    into its epoch, so it sees exactly the batches the interrupted run had left."""
     while True:
-        loader.set_epoch(state.epoch)
+        loader.set_epoch(state.epoch, skip=state.batch_in_epoch)
         for batch in loader:
             state.batch_in_epoch += 1
             yield batch
@@ -318,8 +490,26 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
     state.train_loss = state.loss_sum.item() / state.interval_steps  # host-device sync, only at log steps
     state.loss_sum.zero_()
     state.interval_steps = 0
+    if not math.isfinite(state.train_loss):
+        if not parts.plan.skip_nonfinite:
+            raise TrainingDiverged(_diverged_message(state, parts))
+    else:
+        state.last_finite = (state.step, state.train_loss)
     parts.tracker.log({"step": state.step, "epoch": state.epoch, "loss": state.train_loss, "lr": lr,
                        **parts.meter.flush(), "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
+
+
+def _diverged_message(state: TrainState, parts: Parts) -> str:
+    last = (f"the last finite loss was {state.last_finite[1]:.4g} at step {state.last_finite[0]}"
+            if state.last_finite else "no logged loss was finite")
+    opt = parts.cfg.optimizer
+    return (f"the training loss became {state.train_loss} by step {state.step} (trainer.log_every="
+            f"{parts.plan.log_every}); {last}. Usual fixes: a lower optimizer.lr (now {opt.lr}"
+            f"{', scaled by ' + opt.lr_scaling if opt.lr_scaling != 'none' else ''}), "
+            f"optimizer.clip_grad_norm=1.0, precision=bf16 instead of fp16 amp, a warm-up "
+            f"(scheduler=cosine scheduler.warmup_steps=100), or checking the data for NaN/inf. "
+            f"trainer.on_nonfinite=skip skips such steps instead. No summary was written; the last checkpoint "
+            f"(if any) is intact")
 
 
 def evaluate(state: TrainState, parts: Parts) -> None:
@@ -361,6 +551,10 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "time_to_target_s": state.time_to_target_s,
         "train_time_s": state.train_time_s,
         "eval_time_s": state.eval_time_s,
+        "checkpoint_time_s": state.checkpoint_time_s,
+        "restarts": state.restarts,
+        "restart_lost_time_s": state.restart_lost_time_s,
+        "skipped_steps": state.skipped_steps,
         "steps": state.step,
         "warmup_steps": min(t.warmup_steps, state.step),
         "measured_steps": figures["measured_steps"],

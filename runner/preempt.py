@@ -1,0 +1,110 @@
+"""Preemption: a signal only sets a flag; the loop checkpoints at the next step boundary and exits.
+
+SLURM sends ``SIGUSR1`` (``sbatch --signal=B:USR1@<seconds>``, forwarded to the training processes by
+``scripts/multinode.sh``) or ``SIGTERM`` (``scancel``, preemption, the time limit's grace period) before it
+kills a job. Writing a checkpoint *inside* the handler hangs or corrupts it (the handler interrupts a
+step half-way, possibly inside a collective: Lightning issue #21406), so the handler only records the
+signal. The engine asks ``stop_requested`` at step boundaries; with several processes the ranks agree
+with one all-reduce (any rank signalled -> all stop at the same step), so every rank writes the same
+checkpoint. The job then exits with ``EXIT_PREEMPTED`` and, under SLURM, requeues itself
+(``scontrol requeue``), so the same job id -- and the same job folder -- continues from the checkpoint.
+
+Sources: SLURM sbatch ``--signal`` and ``--requeue``; Lightning's ``SLURMEnvironment(auto_requeue=True)``;
+submitit's checkpoint/requeue protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from runner.errors import ConfigError
+
+#: exit status of a run that stopped for a signal after writing its checkpoint (``EX_TEMPFAIL``: try again)
+EXIT_PREEMPTED = 75
+
+
+class Preemption:
+    """Installs handlers for ``signals`` (names such as ``"SIGTERM"``, ``"SIGUSR1"``) that record the signal.
+
+    Use as a context manager: the previous handlers come back on exit. ``stop_requested(env)`` is the
+    step-boundary check (an all-reduce over the ranks when there are several: call it on every rank at the
+    same steps).
+
+    Raises:
+        ConfigError: a name that is not a catchable signal of this platform.
+    """
+
+    def __init__(self, signals: list[str]):
+        self.names = list(signals)
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+        self._signums = []
+        for name in self.names:
+            signum = getattr(signal, str(name).upper(), None)
+            if not isinstance(signum, signal.Signals) or signum in (signal.SIGKILL, signal.SIGSTOP):
+                raise ConfigError(f"checkpoint.signals: {name!r} is not a signal that can be caught here; use names "
+                                  f"such as SIGTERM, SIGUSR1 (or [] to ignore signals)")
+            self._signums.append(signum)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "Preemption":
+        for signum in self._signums:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
+        self._previous.clear()
+
+    def resend(self) -> None:
+        """Put the previous handlers back and deliver the received signal to them (submitit's own handler
+        requeues its job; a default SIGTERM ends the process)."""
+        received = self.received
+        self.__exit__()
+        signum = getattr(signal, received, None) if received else None
+        if isinstance(signum, signal.Signals):
+            os.kill(os.getpid(), signum)
+
+    def stop_requested(self, device: torch.device) -> bool:
+        """True when this or any other rank received one of the signals (collective with several ranks)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1 if self.received else 0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not self.received:
+                self.received = "another rank's signal"
+            return bool(flag.item())
+        return self.received is not None
+
+
+def requeue_slurm_job() -> str | None:
+    """Requeue this SLURM batch job (``scontrol requeue $SLURM_JOB_ID``) so it restarts with the same job id.
+
+    Not for submitit's jobs (``SUBMITIT_EXECUTOR`` set): submitit requeues its own jobs on the signal it
+    handles. Returns what was done, for the log; None outside SLURM.
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"could not requeue SLURM job {job}: {e}"
+    if done.returncode != 0:
+        return f"scontrol requeue {job} failed: {done.stderr.strip()}"
+    return f"requeued SLURM job {job}"
+
+
+def exit_preempted(message: str) -> None:
+    """Print ``message`` and exit with ``EXIT_PREEMPTED``."""
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(EXIT_PREEMPTED)
