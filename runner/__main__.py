@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from runner.config import register_configs
-from runner.errors import ConfigError
+from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.launch import prepare_process, record_if_elastic
 
 register_configs()
@@ -16,9 +16,14 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Train the composed job; return its samples/s (what a Hydra sweeper optimizes). Bad input: exit 2."""
+    """Train the composed job; return its samples/s (what a Hydra sweeper optimizes).
+
+    Exit status: 2 for bad input (``ConfigError``), 3 for a diverged run (``TrainingDiverged``; inside a
+    multirun the sweep goes on and the job returns None, not a figure), 75 after a preemption checkpoint.
+    """
     from runner import ablation
-    from runner.train import train  # imported here so `--help` and compose errors stay fast
+    from runner.preempt import EXIT_PREEMPTED
+    from runner.train import sweep_group, train  # imported here so `--help` and compose errors stay fast
 
     try:
         # an ablation job runs in a fresh process (or not at all off CUDA); anything else trains here
@@ -27,12 +32,20 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        if sweep_group() is not None:
+            return None
+        sys.exit(3)
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":
-    try:
+    try:  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
         prepare_process(sys.argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
+        sys.exit(2)
     record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary
