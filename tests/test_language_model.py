@@ -312,6 +312,14 @@ def test_schedulers_drive_the_gpt_s_lr(tiny_text, tmp_path, spy, name):
     assert len(lrs) == 6 and len(set(lrs)) > 3  # the LR moves every step
 
 
+def test_decay_all_false_spares_the_layernorm_gains(tiny_text, tmp_path, spy):
+    run_lm(tmp_path, tiny_text, "optimizer=adamw", "optimizer.weight_decay=0.1", "optimizer.decay_all=false")
+    decayed, spared = spy.optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and spared["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in spared["params"])
+    assert len(spared["params"]) == 2 * 2 + 1  # ln_1, ln_2 per block and ln_f (bias=False: no biases)
+
+
 def test_on_device_text_in_the_engine(tiny_text, tmp_path, spy):
     s = run_lm(tmp_path, tiny_text, "dataloader=device")
     assert s["techniques"]["on_device_data"] == "applied"
