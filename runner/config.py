@@ -104,6 +104,7 @@ class OptimizerConfig:
     impl: Optional[str] = None  # fused | foreach | loop | null (torch's default)
     set_to_none: bool = True  # technique 11: zero_grad(set_to_none=True) frees .grad instead of writing zeros
     clip_grad_norm: Optional[float] = None  # technique 14: max global L2 norm; null = off
+    decay_all: bool = True  # false: weight decay on >= 2-D tensors only, not on biases/norm gains (nanoGPT)
 
 
 @dataclass

@@ -82,6 +82,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT language model: token ids ``(B, T)`` int64 -> next-token logits ``(B, T, vocab_size)``, T <= block_size.
 
+    nanoGPT's ``GPT`` (https://github.com/karpathy/nanoGPT/blob/master/model.py) without its optimizer and
+    checkpoint helpers: the engine owns those.
+
     Args:
         vocab_size: number of token ids (from the data: ``data=text`` passes its character count).
         block_size: the longest context (positions with a learned embedding).

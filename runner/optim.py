@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 
 #: Optimizer-group keys that are runner switches, not constructor arguments.
-RUNNER_KEYS = ("lr_scaling", "base_batch_size", "impl", "set_to_none", "clip_grad_norm")
+RUNNER_KEYS = ("lr_scaling", "base_batch_size", "impl", "set_to_none", "clip_grad_norm", "decay_all")
 #: ``optimizer.impl`` -> constructor arguments. ``loop`` = the single-tensor for-loop implementation.
 _IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 
@@ -67,6 +67,9 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     on CUDA). An optimizer class without that argument (timm's LAMB/LARS have no ``fused``) records the
     switch as skipped with the reason.
 
+    ``decay_all=false`` puts the tensors with fewer than 2 dimensions (biases, LayerNorm/BatchNorm gains)
+    in a second parameter group without weight decay, as nanoGPT's ``configure_optimizers`` and GPT-2 do.
+
     Raises:
         ConfigError: an unknown ``impl`` or ``_target_``, or an optimizer torch refuses to build (e.g. a
             fused kernel the device lacks).
@@ -101,6 +104,9 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
             raise ConfigError(f"optimizer.clip_grad_norm={cfg.clip_grad_norm} must be > 0 or null (off)")
         techniques["clip_grad_norm"] = "applied"
     params = [p for p in model.parameters() if p.requires_grad]
+    if not cfg.decay_all:  # nanoGPT / GPT-2: decay matrices and embeddings; biases and norm gains keep their scale
+        params = [{"params": [p for p in params if p.dim() >= 2]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     try:
         optimizer = instantiate(kwargs, params)
     except Exception as e:

@@ -120,7 +120,9 @@ class LanguageModel:
     ``eval_perplexity`` = exp(loss) and ``eval_bits_per_char`` = loss / ln 2 (bits per token; a token is a
     character with ``data=text``). Throughput: tokens/s = samples/s x T; FLOPs per token likewise.
     After training, ``sample_tokens`` tokens generated from ``sample_prompt`` (``temperature``, ``top_k``;
-    nanoGPT's ``sample.py``) are written to ``samples.txt``, decoded with the data's vocabulary.
+    nanoGPT's ``sample.py``, https://github.com/karpathy/nanoGPT/blob/master/sample.py) are written to
+    ``samples.txt``, decoded with the data's vocabulary. Bits per character: the loss in base 2, the
+    figure character-level language models are compared by (e.g. Graves 2013, https://arxiv.org/abs/1308.0850).
     """
 
     metrics = ("eval_loss", "eval_perplexity", "eval_bits_per_char")

@@ -138,7 +138,8 @@ class Plan:
 
 @dataclass
 class Parts:
-    """What ``build`` makes and ``fit``/``summarize`` use; none of it changes during the loop."""
+    """What ``build`` makes and ``fit``/``summarize`` use; the loop updates the model and optimizer in
+    place but never replaces a part (its own changes go to ``TrainState``)."""
 
     cfg: DictConfig
     env: distributed.Env

@@ -16,7 +16,8 @@ import torch
 from conftest import TINY, TINY_GPT, compose_cfg, job_dirs, read_summary, run_cli
 from torch import nn
 
-from runner import REPO_ROOT, prepare, text
+from runner import REPO_ROOT, gpt, prepare, text
+from runner import task as task_mod
 from runner.errors import ConfigError
 from runner.gpt import GPT, Block
 from runner.train import train
@@ -83,6 +84,12 @@ def test_gpt_blocks_are_the_repeated_blocks():
     assert prepare.repeated_blocks(model) == ["Block"]
     status, names, wrapped = prepare.apply_activation_checkpointing(model, None)
     assert (status, names, wrapped) == ("applied", ["Block"], 2)
+
+
+@pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel],
+                         ids=lambda o: o.__name__)
+def test_docstrings_cite_their_sources(obj):
+    assert "https://" in (obj.__doc__ or ""), obj
 
 
 # ----------------------------------------------------------------------------------------------- text
@@ -224,8 +231,6 @@ def test_language_model_run_reports_tokens_and_writes_samples_and_vocab(tiny_tex
 
 
 def test_target_loss_dates_the_first_evaluation_at_or_below_it(tiny_text, tmp_path, monkeypatch):
-    from runner import task as task_mod
-
     losses = iter([3.0, 1.5, 1.4, 1.0])
     monkeypatch.setattr(task_mod.LanguageModel, "evaluate", lambda self, *a, **k: {
         "eval_loss": (v := next(losses)), "eval_perplexity": math.exp(v), "eval_bits_per_char": v / math.log(2)})
@@ -310,6 +315,14 @@ def test_schedulers_drive_the_gpt_s_lr(tiny_text, tmp_path, spy, name):
     assert s["techniques"][f"scheduler_{name}"] == "applied"
     lrs = [st.lr for st in spy.steps]
     assert len(lrs) == 6 and len(set(lrs)) > 3  # the LR moves every step
+
+
+def test_decay_all_false_spares_the_layernorm_gains(tiny_text, tmp_path, spy):
+    run_lm(tmp_path, tiny_text, "optimizer=adamw", "optimizer.weight_decay=0.1", "optimizer.decay_all=false")
+    decayed, spared = spy.optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and spared["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in spared["params"])
+    assert len(spared["params"]) == 2 * 2 + 1  # ln_1, ln_2 per block and ln_f (bias=False: no biases)
 
 
 def test_on_device_text_in_the_engine(tiny_text, tmp_path, spy):
@@ -403,7 +416,7 @@ def test_shakespeare_char_on_the_real_corpus_learns(tmp_path):
         pytest.skip(f"{corpus} is not present")
     proc = run_cli("+experiment=shakespeare_char", f"data.path={corpus}", "logger=none", "trainer.device=cpu",
                    "trainer.max_steps=50", "trainer.eval_every=50", "trainer.eval_max_batches=20",
-                   "trainer.progress=off", cwd=tmp_path, timeout=600)
+                   "scheduler.warmup_steps=10", "trainer.progress=off", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = read_summary(job_dirs(tmp_path)[0])
     assert len(json.loads((job_dirs(tmp_path)[0] / "vocab.json").read_text())) == 65
