@@ -3,7 +3,7 @@
 - The variants (conf/ablation/variant/) are checked by composing them: each leave-one-in variant changes
   exactly the keys its leave-one-out twin changes back, and every difference between the baseline and
   the fast preset belongs to a technique of the ablation.
-- The report's rule ("no measurable effect" inside the reference's repeat spread, ranking, skipped and
+- The report's rule (bootstrap intervals of the speed-ups, verdicts from them, ranking, skipped and
   not-run rows) is unit-tested on synthetic summaries.
 - One end-to-end sweep runs through the real CLI on a tiny model and checks the report it writes.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner import REPO_ROOT
-from runner.report import CSV_COLUMNS, Job, ReportError, build_rows, compare, load_jobs, verdict, write_report
+from runner.report import CSV_COLUMNS, JOB_COLUMNS, Job, ReportError, build_rows, load_jobs, pending, write_report
+from runner.stats import NO_INTERVAL
 
 VARIANTS = REPO_ROOT / "conf" / "ablation" / "variant"
 NAMES = sorted(p.stem for p in VARIANTS.glob("*.yaml"))
@@ -134,28 +137,6 @@ def test_baseline_preset_is_the_naive_job():
 
 
 # ------------------------------------------------------------------------------------------- the rule
-def test_compare_uses_the_reference_spread_with_inclusive_bounds():
-    runs = [95.0, 100.0, 105.0]
-    assert compare(1.0, runs) == "inside"
-    assert compare(1.05, runs) == "inside" and compare(0.95, runs) == "inside"
-    assert compare(1.051, runs) == "above" and compare(0.949, runs) == "below"
-    assert compare(1.0, [100.0]) == "inside" and compare(1.001, [100.0]) == "above"  # one repeat: no spread
-
-
-def test_verdicts_per_kind():
-    base, fast = [95.0, 100.0, 105.0], [190.0, 200.0, 220.0]
-    assert verdict("baseline", 100, base, fast) == "reference"
-    assert verdict("leave-one-in", 104, base, fast) == "no measurable effect"
-    assert verdict("leave-one-in", 120, base, fast) == "helps"
-    assert verdict("leave-one-in", 80, base, fast) == "hurts"
-    assert verdict("fast", 200, base, fast) == "faster"
-    # leave-one-out compares with fast's own spread [0.95, 1.10]: removing a helper slows fast down
-    assert verdict("leave-one-out", 150, base, fast) == "helps"
-    assert verdict("leave-one-out", 215, base, fast) == "no measurable effect"
-    assert verdict("leave-one-out", 240, base, fast) == "hurts"
-    assert verdict("leave-one-out", 150, base, None) == "no fast reference"
-
-
 def summary(variant: str, repeat: int, sps: float, techniques: dict | None = None, **extra) -> dict:
     kind = "baseline" if variant == "baseline" else "fast" if variant == "fast" else (
         "leave-one-in" if variant.startswith("baseline+") else "leave-one-out")
@@ -192,19 +173,71 @@ def test_rows_are_ranked_by_speedup_and_noise_is_not_a_win():
     by = {r.configuration: r for r in rows}
     speedups = [r.speedup for r in rows]
     assert speedups == sorted(speedups, reverse=True)
-    assert by["baseline+amp"].speedup == pytest.approx(2.0)
-    assert (by["baseline+amp"].speedup_min, by["baseline+amp"].speedup_max) == (pytest.approx(1.9), pytest.approx(2.1))
+    # 3 repeats each: the bootstrap interval is [min / max of the reference, max / min of the reference]
+    amp = by["baseline+amp"]
+    assert amp.speedup == pytest.approx(2.0) and amp.verdict == "helps"
+    assert (amp.speedup_ci.low, amp.speedup_ci.high) == (pytest.approx(190 / 105), pytest.approx(210 / 95))
+    assert amp.effect_ci == amp.speedup_ci
     assert by["baseline+set_to_none"].verdict == "no measurable effect" and by["baseline+set_to_none"].rank is None
+    assert by["baseline+set_to_none"].speedup_ci.low < 1 < by["baseline+set_to_none"].speedup_ci.high
     assert by["baseline+checkpointing"].verdict == "hurts" and by["baseline+checkpointing"].rank is None
     # faster than the baseline, but its only technique was skipped: not a finding, not ranked
     assert by["baseline+cudnn_benchmark"].verdict == "skipped here" and by["baseline+cudnn_benchmark"].rank is None
+    # leave-one-out: the effect is fast / this configuration, its interval against fast's repeats
     assert by["fast-amp"].verdict == "helps" and by["fast-amp"].effect == pytest.approx(2.0)
+    assert (by["fast-amp"].effect_ci.low, by["fast-amp"].effect_ci.high) == (pytest.approx(290 / 160),
+                                                                            pytest.approx(310 / 140))
     assert by["fast-amp"].status == "amp: applied"  # what fast had and this configuration lacks
     assert by["fast-compile"].verdict == "no measurable effect"
     ranked = [r.configuration for r in rows if r.rank]
     assert ranked == ["fast", "fast-compile", "baseline+amp", "fast-amp"]
     assert [r.rank for r in rows if r.rank] == [1, 2, 3, 4]
     assert by["baseline"].verdict == "reference" and by["baseline"].rank is None
+    assert by["fast"].verdict == "faster"
+    # the baseline against itself: the noise band, around 1
+    assert by["baseline"].speedup_ci.low < 1 < by["baseline"].speedup_ci.high
+
+
+def test_identical_configurations_have_no_measurable_effect_and_a_true_one_helps():
+    rng = __import__("numpy").random.default_rng(0)
+    configs = {"baseline": (list(100 * (1 + 0.03 * rng.standard_normal(6))), {}),
+               "baseline+set_to_none": (list(100 * (1 + 0.03 * rng.standard_normal(6))), {}),
+               "baseline+amp": (list(200 * (1 + 0.03 * rng.standard_normal(6))), {"amp": "applied"})}
+    by = {r.configuration: r for r in build_rows(synthetic_jobs(configs))}
+    assert by["baseline+set_to_none"].verdict == "no measurable effect"
+    assert by["baseline+amp"].verdict == "helps" and 1.85 < by["baseline+amp"].effect_ci.low
+    assert by["baseline+amp"].effect_ci.high < 2.15 and by["baseline+amp"].rank == 1
+
+
+def test_one_repeat_has_no_interval_no_verdict_and_no_rank():
+    configs = {k: ([v[0][0]], v[1]) for k, v in SYNTHETIC.items()}
+    rows = build_rows(synthetic_jobs(configs))
+    by = {r.configuration: r for r in rows}
+    assert by["baseline+amp"].speedup == pytest.approx(2.0) and by["baseline+amp"].speedup_ci is None
+    assert by["baseline+amp"].verdict == NO_INTERVAL and by["fast-amp"].verdict == NO_INTERVAL
+    assert all(r.rank is None for r in rows)
+    speedups = [r.speedup for r in rows]
+    assert speedups == sorted(speedups, reverse=True)  # still sorted by speed-up
+
+
+def test_the_report_is_reproducible_with_its_seed():
+    a = [(r.configuration, r.speedup_ci, r.effect_ci) for r in build_rows(synthetic_jobs())]
+    assert a == [(r.configuration, r.speedup_ci, r.effect_ci) for r in build_rows(synthetic_jobs())]
+    rng = __import__("numpy").random.default_rng(0)  # 10 repeats: enough distinct medians for the seed to show
+    noisy = {k: (list(v[0][0] * (1 + 0.05 * rng.standard_normal(10))), v[1]) for k, v in SYNTHETIC.items()}
+    first = [r.effect_ci for r in build_rows(synthetic_jobs(noisy), seed=1)]
+    assert first == [r.effect_ci for r in build_rows(synthetic_jobs(noisy), seed=1)]
+    assert first != [r.effect_ci for r in build_rows(synthetic_jobs(noisy), seed=2)]
+
+
+def test_pending_lists_the_configurations_whose_interval_is_too_wide():
+    rows = build_rows(synthetic_jobs())
+    half = {r.configuration: r.effect_ci.half_width for r in rows if r.effect_ci}
+    # every measured configuration but the baseline; the skipped one is not a finding
+    assert set(pending(rows, 1.0)) == set()
+    assert set(pending(rows, 1e-9)) == set(SYNTHETIC) - {"baseline", "baseline+cudnn_benchmark"}
+    cut = sorted(half.values())[2]
+    assert set(pending(rows, cut)) == {k for k, w in half.items() if w >= cut and k != "baseline+cudnn_benchmark"}
 
 
 def test_missing_baseline_is_one_clear_error():
@@ -236,7 +269,7 @@ def test_report_files_from_synthetic_summaries(tmp_path):
     (nr / "not_run.json").write_text(json.dumps({"variant": "fast-cudnn_benchmark", "repeat": 0, "reason": "needs CUDA"}))
     doc = tmp_path / "docs" / "ablation-test.md"
     written = write_report(sweep, doc=doc)
-    assert {p.name for p in written} == {"report.md", "report.csv", "speedup.png", "ablation-test.md",
+    assert {p.name for p in written} == {"report.md", "report.csv", "speedup.png", "jobs.csv", "ablation-test.md",
                                          "ablation-test.png"}
     rows = read_csv(sweep / "report.csv")
     assert list(rows[0]) == CSV_COLUMNS
@@ -249,9 +282,40 @@ def test_report_files_from_synthetic_summaries(tmp_path):
     assert "python -m runner -m +experiment=ablation model=tiny" in md and "Test CPU, 2 cores" in md
     assert "3 warm-up + 8 measured steps" in md and "3 repeat(s)" in md
     assert "| – | baseline+set_to_none |" in md and "no measurable effect" in md
+    assert "| 3 | baseline+amp | 2.00 | 1.81–2.21 | 2.00 | 1.81–2.21 | **helps** |" in md
+    assert "bootstrap percentile interval (Efron & Tibshirani 1993" in md and "10,000 times (seed 0)" in md
+    assert float(by["baseline+amp"]["speedup_ci_low"]) == pytest.approx(190 / 105, rel=1e-5)
+    assert float(by["fast-amp"]["effect_ci_high"]) == pytest.approx(310 / 140, rel=1e-5)
+    assert by["baseline"]["effect_ci_low"] == "" and by["fast-cudnn_benchmark"]["speedup_ci_low"] == ""
     assert (sweep / "speedup.png").read_bytes()[:8] == PNG_MAGIC
+    jobs = read_csv(sweep / "jobs.csv")
+    assert list(jobs[0]) == JOB_COLUMNS and len(jobs) == 3 * len(SYNTHETIC) + 1
     text = doc.read_text()
-    assert "## Reading" in text and "amp (on alone, ×2.00)" in text and "](ablation-test.png)" in text
+    assert "## Reading" in text and "amp (on alone, ×2.00 [1.81–2.21])" in text and "](ablation-test.png)" in text
+
+
+def test_report_shows_each_jobs_fixed_cost_and_the_sweeps_time(tmp_path):
+    sweep = write_sweep(tmp_path / "sweep", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
+    now = time.time()
+    for i, path in enumerate(sorted(sweep.rglob("summary.json"))):
+        s = json.loads(path.read_text())
+        s |= {"train_time_s": 5.0, "eval_time_s": 1.0, "measured_time_s": 4.0}
+        path.write_text(json.dumps(s))
+        os.utime(path, (now - 2, now - 2))  # the summary was written 2 s before the child exited
+        (path.parent / "job.json").write_text(json.dumps({"started": now - 2 - 6 - 3.5 - i, "finished": now}))
+    record = json.loads((sweep / "ablation.json").read_text())
+    (sweep / "ablation.json").write_text(json.dumps(record | {"started_s": now - 100, "finished_s": now}))
+    write_report(sweep)
+    jobs = read_csv(sweep / "jobs.csv")
+    setups = sorted(float(j["setup_s"]) for j in jobs)
+    assert setups == [pytest.approx(3.5 + i, abs=0.01) for i in range(6)]
+    assert all(float(j["teardown_s"]) == pytest.approx(2.0, abs=0.01) for j in jobs)
+    rows = {r["configuration"]: r for r in read_csv(sweep / "report.csv")}
+    assert float(rows["baseline+amp"]["setup_s_median"]) > 0
+    md = (sweep / "report.md").read_text()
+    assert "Sweep wall time: 100.0 s" in md and "(24% of it in measured steps)" in md
+    assert "| measured steps | 24.0 s | 24% |" in md and "| evaluation | 6.0 s | 6% |" in md
+    assert "Fixed cost per job (setup before the first step): median 6.0 s, 3.5–8.5 s over 6 jobs." in md
 
 
 def test_report_cli_bad_input_exits_nonzero_with_one_message(tmp_path):
@@ -262,7 +326,7 @@ def test_report_cli_bad_input_exits_nonzero_with_one_message(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     no_base = write_sweep(tmp_path / "nobase", {k: v for k, v in SYNTHETIC.items() if k != "baseline"})
-    for folder, message in ((tmp_path / "absent", "is not a folder"), (empty, "holds no summary.json"),
+    for folder, message in ((tmp_path / "absent", "is not a folder"), (empty, "holds no job folder"),
                             (no_base, "no baseline")):
         proc = report(folder)
         assert proc.returncode == 2, proc.stderr
@@ -290,8 +354,8 @@ def test_wandb_table_offline(tmp_path, monkeypatch):
     written = write_report(sweep)
     runs = list((sweep / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
-    assert len(written) == 4
-    assert write_report(sweep, use_wandb=False) == written[:3]
+    assert len(written) == 5
+    assert write_report(sweep, use_wandb=False) == written[:4]
 
 
 # ------------------------------------------------------------------------------------------- end to end
@@ -339,9 +403,9 @@ def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     amp = by["baseline+amp"]
     assert amp["techniques"] == "amp: applied" or (amp["techniques"].startswith("amp: skipped")
                                                    and amp["verdict"] == "skipped here")
-    # one repeat: no spread, so exactly the configurations faster than the baseline are ranked, in order
-    faster = [r for r in rows if r["speedup"] and float(r["speedup"]) > 1 and r["verdict"] != "skipped here"]
-    assert [r["rank"] for r in faster] == [str(i) for i in range(1, len(faster) + 1)]
+    # one repeat: no interval, so no verdict and no rank
+    assert all(r["rank"] == "" for r in rows)
+    assert {r["verdict"] for r in rows if r["speedup"] and r["kind"] != "baseline"} <= {NO_INTERVAL, "skipped here"}
     md = (sweep / "report.md").read_text()
     record = json.loads((sweep / "ablation.json").read_text())
     assert record["command"].startswith("python -m runner -m ") and "+experiment=ablation" in record["command"]
@@ -362,3 +426,4 @@ def test_report_warns_when_the_machine_was_busy(tmp_path):
                                                                                 "load_average_1min": 3.2}}))
     write_report(sweep)
     assert "machine was busy when the sweep started (load average 3.2 on 2 cores)" in (sweep / "report.md").read_text()
+
