@@ -4,8 +4,9 @@
   exactly the keys its leave-one-out twin changes back, and every difference between the baseline and
   the fast preset belongs to a technique of the ablation.
 - The report's rule (bootstrap intervals of the speed-ups, verdicts from them, ranking, skipped and
-  not-run rows) is unit-tested on synthetic summaries.
-- One end-to-end sweep runs through the real CLI on a tiny model and checks the report it writes.
+  not-run rows) and ``ablation.repeats=auto``'s rounds are unit-tested on synthetic summaries.
+- End-to-end sweeps run through the real CLI on a tiny model: ``repeats=auto`` with a real extra round
+  (not slow), and the full variant mix with a failing job (slow).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from conftest import TINY, compose_cfg, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner import REPO_ROOT
+from runner import REPO_ROOT, ablation_first_round
+from runner.ablation import auto_repeat, round_command
 from runner.report import CSV_COLUMNS, JOB_COLUMNS, Job, ReportError, build_rows, load_jobs, pending, write_report
 from runner.stats import NO_INTERVAL
 
@@ -75,6 +77,20 @@ def test_sweep_lists_every_variant_and_repeat_is_the_outer_loop():
     assert len(jobs) == 2 * len(NAMES)
     assert [j[0] for j in jobs] == ["ablation.repeat=0"] * len(NAMES) + ["ablation.repeat=1"] * len(NAMES)
     assert cfg.ablation.repeats == 2 and cfg.trainer.warmup_steps < cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("overrides,first", [([], 3), (["ablation.repeats=5"], 5), (["ablation.repeats=auto"], 3),
+                                             (["ablation.repeats=auto", "ablation.max_repeats=2"], 2)])
+def test_the_first_round_of_repeats(overrides, first):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=ablation", *overrides], return_hydra_config=True)
+    assert cfg.hydra.sweeper.params["ablation.repeat"] == f"range(0,{first})"
+
+
+@pytest.mark.parametrize("repeats,max_repeats", [("often", 10), (0, 10), (True, 10), ("auto", 1)])
+def test_bad_repeats_are_refused(repeats, max_repeats):
+    with pytest.raises(ValueError, match="ablation.(max_)?repeats"):
+        ablation_first_round(repeats, max_repeats)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -427,3 +443,110 @@ def test_report_warns_when_the_machine_was_busy(tmp_path):
     write_report(sweep)
     assert "machine was busy when the sweep started (load average 3.2 on 2 cores)" in (sweep / "report.md").read_text()
 
+
+# ------------------------------------------------------------------------------------------- repeats=auto
+def fake_round(sweep: Path, samples: dict[str, list[float]], calls: list):
+    """A ``launch`` for ``auto_repeat`` that 'runs' repeat n of each variant: the next value of its list."""
+    def launch(repeat: int, variants: list[str]) -> int:
+        calls.append((repeat, variants))
+        for name in variants:
+            d = sweep / name / f"r{repeat}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps(summary(name, repeat, samples[name][repeat], {})))
+        return 0
+    return launch
+
+
+def test_auto_repeat_stops_at_once_when_every_interval_is_tight_enough(tmp_path):
+    sweep = write_sweep(tmp_path / "s", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
+    calls = []
+    stopped, rounds = auto_repeat(sweep, 0.5, 10, 3, fake_round(sweep, {}, calls))
+    assert calls == [] and rounds == [] and "within ±50.0% after 3 repeat(s)" in stopped
+
+
+def test_auto_repeat_adds_rounds_until_the_criterion_holds(tmp_path):
+    """amp runs at exactly 200; the baseline has one slow... fast repeat (130) among 100s. Its median
+    resamples reach 130 with probability 6 % at 6 repeats (> 2.5 %), 1 % at 7: the interval of amp's
+    speed-up closes to [2, 2] at the 7th repeat."""
+    configs = {"baseline": ([100.0, 100.0, 130.0], {}), "baseline+amp": ([200.0, 200.0, 200.0], {"amp": "applied"}),
+               "baseline+set_to_none": ([100.0, 100.0, 100.0], {})}
+    sweep = write_sweep(tmp_path / "s", configs)
+    calls = []
+    samples = {"baseline": [100.0] * 10, "baseline+amp": [200.0] * 10, "baseline+set_to_none": [100.0] * 10}
+    stopped, rounds = auto_repeat(sweep, 0.05, 10, 3, fake_round(sweep, samples, calls))
+    assert [r for r, _ in calls] == [3, 4, 5, 6]
+    assert all(sorted(v) == ["baseline", "baseline+amp", "baseline+set_to_none"] for _, v in calls)
+    assert "within ±5.0% after 7 repeat(s)" in stopped and [r["repeat"] for r in rounds] == [3, 4, 5, 6]
+    assert rounds[0]["pending"]["baseline+amp"] > 0.05 and rounds[0]["returncode"] == 0
+    by = {r.configuration: r for r in build_rows(load_jobs(sweep))}
+    assert by["baseline+amp"].effect_ci.half_width == 0 and by["baseline+amp"].verdict == "helps"
+    assert len(by["baseline"].runs) == 7
+
+
+def test_auto_repeat_runs_only_what_is_pending_and_its_references(tmp_path):
+    configs = {"baseline": ([100.0, 100.0, 100.0], {}), "baseline+amp": ([200.0, 200.0, 200.0], {"amp": "applied"}),
+               "fast": ([300.0, 300.0, 300.0], {"amp": "applied"}), "fast-amp": ([150.0, 100.0, 190.0], {})}
+    sweep = write_sweep(tmp_path / "s", configs)
+    calls = []
+    samples = {"baseline": [100.0] * 5, "fast": [300.0] * 5, "fast-amp": [150.0, 100.0, 190.0, 120.0, 170.0]}
+    stopped, rounds = auto_repeat(sweep, 0.05, 5, 3, fake_round(sweep, samples, calls))
+    assert calls == [(3, ["fast", "fast-amp", "baseline"]), (4, ["fast", "fast-amp", "baseline"])]
+    assert stopped.startswith("ablation.max_repeats=5 reached; still wider than ±5.0%: fast-amp (±")
+
+
+def test_auto_repeat_stops_when_a_round_fails(tmp_path):
+    sweep = write_sweep(tmp_path / "s", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
+    stopped, rounds = auto_repeat(sweep, 0.01, 10, 3, lambda repeat, variants: 1)
+    assert "round of repeat 3 failed (exit status 1)" in stopped and rounds[0]["returncode"] == 1
+
+
+def test_round_command_keeps_the_sweep_and_replaces_the_repeats():
+    hydra = OmegaConf.create({"overrides": {
+        "hydra": ["hydra.mode=MULTIRUN", "hydra.sweep.dir=x", "hydra/launcher=basic"],
+        "task": ["+experiment=ablation", "model=resnet18", "ablation.repeats=auto", "ablation/variant=baseline,fast",
+                 "ablation.max_repeats=6"]}})
+    cmd = round_command(hydra, Path("/tmp/sweep"), 4, ["baseline", "baseline+amp"])
+    assert cmd[:4] == [sys.executable, "-m", "runner", "-m"]
+    assert cmd[4:] == ["hydra/launcher=basic", "+experiment=ablation", "model=resnet18", "ablation.max_repeats=6",
+                       "ablation.repeats=5", "ablation.repeat=4", "ablation/variant=baseline,baseline+amp",
+                       "hydra.sweep.dir='/tmp/sweep'"]
+
+
+def test_repeats_auto_through_the_cli_adds_a_round_and_stops_at_max_repeats(tmp_path):
+    """Two cheap variants, TINY jobs, an unreachable target: 3 repeats, one more round (repeat 3), stop."""
+    proc = run_cli("-m", "+experiment=ablation", *TINY, "compile=off", "ablation.repeats=auto",
+                   "ablation.max_repeats=4", "ablation.target_ci=1e-9", "ablation/variant=baseline,baseline+set_to_none",
+                   cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweeps = list((tmp_path / "outputs" / "ablation").glob("*/*"))
+    assert len(sweeps) == 1
+    sweep = sweeps[0]
+    measured = sorted(p.parent.relative_to(sweep).as_posix() for p in sweep.rglob("summary.json"))
+    assert measured == sorted(f"{v}/r{i}" for v in ("baseline", "baseline+set_to_none") for i in range(4))
+    record = json.loads((sweep / "ablation.json").read_text())
+    assert record["job_process"] == "forkserver" and record["job_server_start_s"] > 0
+    auto = record["auto"]
+    assert (auto["first_round"], auto["max_repeats"], auto["target_ci"]) == (3, 4, 1e-9)
+    assert [r["repeat"] for r in auto["rounds"]] == [3] and auto["rounds"][0]["returncode"] == 0
+    assert sorted(auto["rounds"][0]["variants"]) == ["baseline", "baseline+set_to_none"]
+    assert auto["stopped"].startswith("ablation.max_repeats=4 reached")
+    assert len(record["multiruns"]) == 1 and "ablation.repeat=3" in record["multiruns"][0]["command"]
+    job = json.loads((sweep / "baseline" / "r3" / "job.json").read_text())
+    assert job["process"] == "forkserver" and job["returncode"] == 0 and job["wall_s"] > 0
+    rows = {r["configuration"]: r for r in read_csv(sweep / "report.csv")}
+    assert rows["baseline+set_to_none"]["repeats"] == "4" and rows["baseline+set_to_none"]["effect_ci_low"]
+    assert float(rows["baseline"]["setup_s_median"]) > 0
+    md = (sweep / "report.md").read_text()
+    assert "ablation.repeats=auto: first round 3 repeat(s)" in md and "stopped: ablation.max_repeats=4 reached" in md
+    assert "forked from a job server" in md and "## Where the sweep's time went" in md
+    assert all(j["setup_s"] for j in read_csv(sweep / "jobs.csv"))
+
+
+@pytest.mark.parametrize("bad,message", [("ablation.repeats=often", "ablation.repeats='often'"),
+                                         ("ablation.target_ci=0", "ablation.target_ci=0.0")])
+def test_bad_repeats_on_the_command_line_stop_before_any_job(tmp_path, bad, message):
+    extra = ["ablation.repeats=auto"] if "target_ci" in bad else []
+    proc = run_cli("-m", "+experiment=ablation", *TINY, *extra, bad, cwd=tmp_path, env={"PYTHONPATH": str(REPO_ROOT)},
+                   timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("summary.json"))
