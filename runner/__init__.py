@@ -26,15 +26,37 @@ def uses_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
+#: First round of ``ablation.repeats=auto``: enough repeats for a first interval (runner/ablation.py adds rounds).
+AUTO_FIRST_ROUND = 3
+
+
+def ablation_first_round(repeats, max_repeats) -> int:
+    """Repeats of an ablation sweep's first multirun: ``repeats``, or for ``auto`` min(3, ``max_repeats``).
+
+    Raises:
+        ValueError: ``repeats`` is neither a whole number >= 1 nor ``auto``, or ``auto`` with
+            ``max_repeats`` < 2 (an interval needs two repeats).
+    """
+    if repeats == "auto":
+        if not isinstance(max_repeats, int) or max_repeats < 2:
+            raise ValueError(f"ablation.max_repeats={max_repeats!r}: ablation.repeats=auto needs at least 2")
+        return min(AUTO_FIRST_ROUND, max_repeats)
+    if isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1:
+        return repeats
+    raise ValueError(f"ablation.repeats={repeats!r}: give a number of repeats (>= 1) or auto")
+
+
 # Hardware-aware presets (conf/experiment/fast.yaml): a YAML file cannot see the hardware, these can.
 #   ${runner_if_cuda:${trainer.device},A,B}  A when the job will run on CUDA, else B
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
 #                                            dataloader.on_device works (all but imagefolder; text included)
+#   ${runner_first_round:${ablation.repeats},${ablation.max_repeats}}   ablation_first_round above
 _RESOLVERS = {
     "runner_if_cuda": lambda device, then, otherwise: then if uses_cuda(str(device)) else otherwise,
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic", "text"),
+    "runner_first_round": ablation_first_round,
 }
 for _name, _fn in _RESOLVERS.items():
     if not OmegaConf.has_resolver(_name):

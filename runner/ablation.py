@@ -1,25 +1,45 @@
-"""The ablation's job plumbing: one fresh process per job, CUDA-only variants, the machine and command.
+"""The ablation's job plumbing: one fresh process per job, CUDA-only variants, repeats until the
+intervals are tight, the machine and command.
 
 ``python -m runner -m +experiment=ablation model=... data=...`` is an ordinary Hydra multirun over
 ``ablation.repeat`` x ``ablation/variant`` (conf/experiment/ablation.yaml, conf/ablation/variant/).
-Three things make its figures comparable, and they live here:
+What makes its figures comparable and trustworthy lives here:
 
 - ``run_job``: Hydra's basic launcher runs every job in one Python process. Peak RSS (the CPU's peak
   memory figure) only ever grows in a process, ``torch.compile`` caches and recompile limits carry over,
-  and global flags (``cudnn.benchmark``, TF32) stay set. So, inside a multirun, each job re-runs itself
-  as ``python -m runner <the job's overrides> hydra.run.dir=<its folder> ablation.isolate=false``,
-  exactly the process a user would start, and returns that child's summary.
+  and global flags (``cudnn.benchmark``, TF32) stay set. So, inside a multirun, each job trains in a
+  fresh process of its own. With ``ablation.preload=true`` (default) that process is forked from a
+  *job server* (``multiprocessing``'s forkserver) that has imported torch, torchvision, Hydra and
+  runner once and done nothing else: no torch op has run in it (no thread pool, no compile cache, no
+  flag set) and no CUDA context exists, so each child starts as clean as ``python -m runner`` would,
+  without paying the ~4-5 s of interpreter start and imports per job (the fixed cost the report shows
+  as ``setup_s``). One difference: a forked child's peak RSS does not count the library pages the
+  server loaded until the child touches them, so a CPU job's peak memory reads a few hundred MiB lower
+  than in a standalone run (the same for every configuration of the sweep). ``ablation.preload=false``
+  starts ``python -m runner <the job's overrides> hydra.run.dir=<its folder> ablation.isolate=false``
+  instead, exactly the process a user would start. Either way the parent times the child and writes
+  ``<job>/job.json`` (start, end, exit status), from which the report derives each job's setup time.
 - ``ablation.requires=cuda``: a variant that can only differ from its reference on CUDA (the cuDNN
   autotuner; the leave-one-out of the CUDA-only bigger batch) is not run elsewhere; ``not_run.json`` in
   its folder says why, and the report lists it.
+- ``ablation.repeats=auto``: Hydra's sweeper enumerates its jobs up front, so a sweep cannot decide to
+  run more of them. Instead the first multirun runs min(3, ``ablation.max_repeats``) repeats, and
+  ``AblationCallback.on_multirun_end`` (``auto_repeat``) then launches further rounds, each an ordinary
+  multirun into the same sweep folder (``ablation.repeat=<n> ablation/variant=<the configurations still
+  too uncertain, with their references>``), until every effect's 95 % interval is within
+  ±``ablation.target_ci`` or ``ablation.max_repeats`` repeats have run. Each round's command, its
+  configurations and the reason the rounds stopped go into ``ablation.json`` and the report.
 - ``AblationCallback``: at the start of the sweep, ``ablation.json`` records the machine (CPU model,
-  cores, memory, GPUs, native bf16, load average) and the exact command; at the end it writes the
-  report (runner/report.py).
+  cores, memory, GPUs, native bf16, load average) and the exact command, and the job server is started
+  (its start-up time is recorded); at the end it adds rounds (``repeats=auto``) and writes the report
+  (runner/report.py).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import multiprocessing
 import os
 import platform
 import shlex
@@ -27,17 +47,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from runner import uses_cuda
+from runner import ablation_first_round, uses_cuda
 from runner.errors import ConfigError
 from runner.track import write_json_atomic
 
 #: What a job that did not train returns to Hydra (``__main__`` reads ``samples_per_sec``).
 _NO_FIGURES = {"samples_per_sec": None}
+#: What the job server imports once, before it forks any job (importing them runs no torch op and starts
+#: no thread). torch._dynamo is imported lazily by the FLOP count of every job: ~2.5 s each on 2 cores.
+SERVER_PRELOAD = ["torch._dynamo", "runner.train", "runner.ablation"]
 
 
 def run_job(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any] | None:
@@ -45,8 +68,9 @@ def run_job(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any] | No
 
     - A variant with ``ablation.requires=cuda`` on a job that will not use CUDA: writes
       ``<job_dir>/not_run.json`` (variant, repeat, reason) and returns ``{"samples_per_sec": None}``.
-    - Inside a Hydra multirun with ``ablation.isolate=true``: runs the job in a child process (see the
-      module docstring) and returns the child's ``summary.json``; when the child fails, writes
+    - Inside a Hydra multirun with ``ablation.isolate=true``: trains the job in a fresh process (see the
+      module docstring), writes ``<job_dir>/job.json`` (its start and end, ``time.time()`` s, and exit
+      status) and returns the child's ``summary.json``; when the child fails, writes
       ``<job_dir>/failed.json`` (exit status) and returns ``{"samples_per_sec": None}``, so one broken
       configuration does not stop a 30-minute sweep (the report lists it).
     - Otherwise (a single run, tests, the child itself): None.
@@ -70,8 +94,8 @@ def run_job(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any] | No
         return dict(_NO_FIGURES)
     if not a.isolate or hydra_cfg is None or job_dir is not None or not _is_multirun(hydra_cfg):
         return None
-    return _run_in_child(folder, list(hydra_cfg.overrides.task), Path(hydra_cfg.sweep.dir).name,
-                         f"{a.variant}/r{a.repeat}", a)
+    return _run_in_child(cfg, folder, list(hydra_cfg.overrides.task), Path(hydra_cfg.sweep.dir).name,
+                         f"{a.variant}/r{a.repeat}")
 
 
 def _hydra_config():
@@ -91,17 +115,67 @@ def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _run_in_child(job_dir: Path, overrides: list[str], group: str, name: str, a) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------- the job server
+def _job_server() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(SERVER_PRELOAD)  # only read when the server starts
+    return ctx
+
+
+def _ready() -> None:
+    """A child that does nothing: forking it waits until the server has imported ``SERVER_PRELOAD``."""
+
+
+def start_job_server() -> float:
+    """Start the job server (a no-op when it runs) and wait until it can fork; returns the seconds taken.
+
+    The server is ``multiprocessing``'s forkserver of this process: a fresh interpreter that imports
+    ``SERVER_PRELOAD`` and then only forks children on request; it exits with this process.
+    """
+    started = time.perf_counter()
+    child = _job_server().Process(target=_ready, name="ablation job server check")
+    child.start()
+    child.join()
+    return time.perf_counter() - started
+
+
+def _train_forked(cfg: DictConfig, job_dir: str, env: dict[str, str]) -> None:
+    """The body of a forked job: train ``cfg`` into ``job_dir``; bad input exits 2 like ``python -m runner``."""
+    os.environ.update(env)
+    from runner.train import train
+
+    try:
+        train(cfg, Path(job_dir))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _run_in_child(cfg: DictConfig, job_dir: Path, overrides: list[str], group: str, name: str) -> dict[str, Any]:
+    a = cfg.ablation
     cmd = [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={_quote(str(job_dir))}",
            "ablation.isolate=false"]
-    # The child is a single run, so train.sweep_group() is None there: W&B reads the group from the env.
-    env = {**os.environ, "WANDB_RUN_GROUP": group, "WANDB_NAME": f"{group}/{name}"}
-    started = time.perf_counter()
-    returncode = subprocess.run(cmd, env=env).returncode
+    # The child is not a Hydra multirun job, so train.sweep_group() is None there: W&B reads the group from the env.
+    env = {"WANDB_RUN_GROUP": group, "WANDB_NAME": f"{group}/{name}"}
+    started = time.time()
+    if a.preload:
+        job_cfg = copy.deepcopy(cfg)
+        OmegaConf.resolve(job_cfg)  # ${hydra:...} and ${now:...} mean what they mean in this job, not in the child
+        job_cfg.ablation.isolate = False
+        child = _job_server().Process(target=_train_forked, args=(job_cfg, str(job_dir), env), name=name)
+        child.start()
+        child.join()
+        returncode = child.exitcode
+    else:
+        returncode = subprocess.run(cmd, env={**os.environ, **env}).returncode
+    finished = time.time()
+    write_json_atomic(job_dir / "job.json", {
+        "variant": a.variant, "repeat": a.repeat, "process": "forkserver" if a.preload else "exec",
+        "started": started, "finished": finished, "wall_s": finished - started, "returncode": returncode})
     summary_path = job_dir / "summary.json"
     if returncode == 0 and summary_path.is_file():
         summary = json.loads(summary_path.read_text())
-        print(f"ablation: {name} done in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"ablation: {name} done in {finished - started:.1f} s", flush=True)
         return summary
     write_json_atomic(job_dir / "failed.json", {"variant": a.variant, "repeat": a.repeat, "returncode": returncode,
                                                  "command": shlex.join(cmd)})
@@ -138,7 +212,7 @@ def describe_machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "os": platform.platform(),
-        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "load_average_1min": _load(),
     }
 
 
@@ -148,33 +222,144 @@ def sweep_command(hydra_cfg: DictConfig) -> str:
     return shlex.join(["python", "-m", "runner", "-m", *[str(o) for o in overrides]])
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def round_command(hydra_cfg: DictConfig, sweep: Path, repeat: int, variants: list[str]) -> list[str]:
+    """The command of one further round of ``ablation.repeats=auto``: the sweep's own overrides, with
+    ``ablation.repeat=<repeat>`` (one repeat), ``ablation/variant=<variants>`` and the same sweep folder.
+
+    ``ablation.repeats=<repeat + 1>`` (a number) makes the round an ordinary multirun that adds no
+    rounds of its own.
+    """
+    drop = {"ablation.repeats", "ablation.repeat", "ablation/variant", "hydra.sweep.dir", "hydra.mode"}
+    keep = [str(o) for o in (*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task) if _key(str(o)) not in drop]
+    return [sys.executable, "-m", "runner", "-m", *keep, f"ablation.repeats={repeat + 1}", f"ablation.repeat={repeat}",
+            "ablation/variant=" + ",".join(variants), f"hydra.sweep.dir={_quote(str(sweep.resolve()))}"]
+
+
+def auto_repeat(sweep: Path, target_ci: float, max_repeats: int, done: int,
+                launch: Callable[[int, list[str]], int]) -> tuple[str, list[dict[str, Any]]]:
+    """Add rounds of repeats to the sweep in ``sweep`` until its intervals are tight enough.
+
+    After each round the report's rows are rebuilt (runner/report.py); the configurations whose effect
+    interval is missing or wider than ±``target_ci`` (relative half-width; ``report.pending``) run once
+    more, together with their references (the baseline always; the fast preset when a leave-one-out
+    row or the preset itself is pending), as repeat number ``done``, through ``launch(repeat,
+    variants)``, which returns an exit status. Stops when nothing is pending, when ``done`` reaches
+    ``max_repeats``, or when a round fails (non-zero status).
+
+    Returns:
+        Why it stopped (one line), and one record per round: repeat, configurations, the widest pending
+        half-width before it, wall time (s) and exit status.
+
+    Raises:
+        runner.report.ReportError: the sweep cannot be read (e.g. the baseline never measured).
+    """
+    from runner.report import build_rows, load_jobs, pending
+
+    rounds: list[dict[str, Any]] = []
+    while True:
+        rows = build_rows(load_jobs(sweep))
+        by = {r.configuration: r for r in rows}
+        waiting = pending(rows, target_ci)
+        if not waiting:
+            return f"every effect's 95 % interval within ±{target_ci:.1%} after {done} repeat(s)", rounds
+        widths = {v: by[v].effect_ci.half_width if by[v].effect_ci else None for v in waiting}
+        widest = ", ".join(f"{v} ({'no interval' if w is None else f'±{w:.1%}'})" for v, w in widths.items())
+        if done >= max_repeats:
+            return f"ablation.max_repeats={max_repeats} reached; still wider than ±{target_ci:.1%}: {widest}", rounds
+        refs = {"baseline"} | ({"fast"} if "fast" in by and any(
+            v == "fast" or by[v].kind == "leave-one-out" for v in waiting) else set())
+        variants = sorted(set(waiting) | refs, key=lambda v: [r.configuration for r in rows].index(v))
+        print(f"ablation: repeats=auto: round {done} for {len(variants)} configuration(s); still too wide: {widest}",
+              flush=True)
+        started = time.time()
+        status = launch(done, variants)
+        rounds.append({"repeat": done, "variants": variants, "pending": {v: w for v, w in widths.items()},
+                       "wall_s": time.time() - started, "returncode": status})
+        if status != 0:
+            return f"the round of repeat {done} failed (exit status {status}); see its output above", rounds
+        done += 1
+
+
 class AblationCallback(Callback):
     """Hydra callback of ``+experiment=ablation`` (``hydra.callbacks.ablation_report``).
 
-    ``on_multirun_start`` writes ``<sweep>/ablation.json`` (machine, command, start time);
-    ``on_multirun_end`` adds the end time and load average and writes the report. A report that cannot
-    be made (no summaries, no baseline) prints one ``error:`` line and exits with status 1.
+    ``on_multirun_start`` writes ``<sweep>/ablation.json`` (machine, command, start time, how jobs are
+    started) and starts the job server; a multirun into a sweep folder that already has an
+    ``ablation.json`` is a further round of that sweep and is only appended to its ``multiruns`` list.
+    ``on_multirun_end`` adds the end time and load average, adds rounds while ``ablation.repeats=auto``
+    asks for them (``auto_repeat``) and writes the report; a round launched by ``auto_repeat`` leaves
+    the report to the sweep that launched it. A report that cannot be made (no summaries, no baseline)
+    prints one ``error:`` line and exits with status 1. Bad ``ablation.repeats`` (neither a number nor
+    ``auto``), ``ablation.max_repeats`` or ``ablation.target_ci`` print one ``error:`` line and exit with
+    status 2 before any job runs (Hydra turns exceptions from callbacks into warnings).
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        a = config.ablation
+        try:
+            ablation_first_round(a.repeats, a.max_repeats)
+            if a.repeats == "auto" and not a.target_ci > 0:
+                raise ValueError(f"ablation.target_ci={a.target_ci}: give the relative half-width to reach, e.g. 0.05")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
         sweep = Path(config.hydra.sweep.dir)
         sweep.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(sweep / "ablation.json", {"command": sweep_command(config.hydra),
-                                                     "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                     "machine": describe_machine()})
+        path = sweep / "ablation.json"
+        entry: dict[str, Any] = {"command": sweep_command(config.hydra), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                 "started_s": time.time()}
+        if a.isolate and a.preload:
+            entry["job_server_start_s"] = round(start_job_server(), 2)
+        if path.is_file():  # a further round into this sweep
+            record = json.loads(path.read_text())
+            record.setdefault("multiruns", []).append(entry | {"load_average_1min": _load()})
+        else:
+            record = entry | {"machine": describe_machine(), "job_process": (
+                "forkserver" if a.preload else "exec") if a.isolate else "in-process"}
+        write_json_atomic(path, record)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from runner.report import ReportError, write_report
 
+        a = config.ablation
         sweep = Path(config.hydra.sweep.dir)
-        record_path = sweep / "ablation.json"
-        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-        record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        record["load_average_1min_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-        write_json_atomic(record_path, record)
+        path = sweep / "ablation.json"
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        if record.get("auto") is not None and record["auto"].get("stopped") is None:
+            return  # a round of repeats=auto: the sweep that launched it goes on and writes the report
         try:
+            if a.repeats == "auto":
+                first = ablation_first_round(a.repeats, a.max_repeats)
+                record["auto"] = {"target_ci": a.target_ci, "max_repeats": a.max_repeats, "first_round": first,
+                                  "rounds": [], "stopped": None}
+                write_json_atomic(path, record)
+
+                def launch(repeat: int, variants: list[str]) -> int:
+                    cmd = round_command(config.hydra, sweep, repeat, variants)
+                    print("ablation: " + shlex.join(cmd), flush=True)
+                    return subprocess.run(cmd).returncode
+
+                stopped, rounds = auto_repeat(sweep, a.target_ci, a.max_repeats, first, launch)
+                record = json.loads(path.read_text())
+                record["auto"] |= {"rounds": rounds, "stopped": stopped}
+                print(f"ablation: repeats=auto stopped: {stopped}", flush=True)
+            record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            record["finished_s"] = time.time()
+            record["load_average_1min_at_end"] = _load()
+            write_json_atomic(path, record)
             written = write_report(sweep)
         except ReportError as e:
+            if record.get("auto") is not None and record["auto"].get("stopped") is None:
+                record["auto"]["stopped"] = f"error: {e}"
+                write_json_atomic(path, record)
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
         print("ablation report: " + ", ".join(str(p) for p in written), flush=True)
+
+
+def _load() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

@@ -241,7 +241,10 @@ class TrainerConfig:
 class AblationConfig:
     """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/); see runner/ablation.py."""
 
-    repeats: int = 3  # times each configuration runs (the sweep's outer loop)
+    repeats: Any = 3  # times each configuration runs (the sweep's outer loop), or "auto": see target_ci
+    target_ci: float = 0.05  # repeats=auto: add rounds until every effect's 95 % CI is within +-this (relative)
+    max_repeats: int = 10  # repeats=auto: stop adding rounds at this many repeats
+    preload: bool = True  # isolate: fork each job from a server that imported torch/runner (false: exec python)
     repeat: int = 0  # this job's repeat index, 0 .. repeats-1 (swept)
     variant: Optional[str] = None  # this job's configuration, e.g. baseline, baseline+amp, fast-amp
     kind: Optional[str] = None  # baseline | leave-one-in | fast | leave-one-out

@@ -1,22 +1,31 @@
-"""``python -m runner.report <sweep folder>``: the ablation's report, ranked by speed-up.
+"""``python -m runner.report <multirun folder>``: the report of a sweep.
 
-Reads every job of an ablation sweep (``python -m runner -m +experiment=ablation``; one
-``summary.json`` per job, ``not_run.json``/``failed.json`` for jobs that did not measure) and writes
-into the sweep folder:
+An **ablation** sweep (``python -m runner -m +experiment=ablation``; one ``summary.json`` per job,
+``not_run.json``/``failed.json`` for jobs that did not measure, ``ablation.json`` for the machine and
+command) gets the ablation report, written into the sweep folder:
 
 - ``report.md`` and ``report.csv``: one row per configuration, ranked by speed-up: median samples/s,
-  speed-up over the baseline with its min-max across repeats, step time, data-wait fraction, peak
-  memory and its change, the final loss, and what was applied or skipped;
-- ``speedup.png``: horizontal bars of the speed-ups with their min-max spread (matplotlib, Agg);
-- a W&B table of the same rows (and the plot) when the jobs logged to W&B (offline without an API key).
+  speed-up over the baseline with its bootstrap 95 % confidence interval, what the technique buys
+  (its *effect*, with its interval) and the verdict that follows, step time, data-wait fraction, peak
+  memory and its change, the final loss, the fixed cost per job, and what was applied or skipped;
+- ``jobs.csv``: one row per job: samples/s and where its wall time went (``setup_s`` before the first
+  step, training, measured steps, evaluation);
+- ``speedup.png``: horizontal bars of the speed-ups with their confidence intervals (matplotlib, Agg);
+- a W&B table of the rows (and the plot) when the jobs logged to W&B (offline without an API key).
+
+Any other multirun folder (``python -m runner -m dataloader.batch_size=64,128 optimizer.lr=0.05,0.1``)
+gets one row per job, sorted by samples/s, with a plot over the swept keys (runner/sweep_report.py).
 
 Figures (units in the names): ``samples_per_sec`` is samples of the measured steps / their wall time
-(warm-up steps excluded, runner/measure.py); speed-up = a configuration's median samples/s / the
-baseline's median. The noise rule (issue 3): a technique whose ratio to its reference lies inside the
-reference's own repeat spread [min/median, max/median] has "no measurable effect" and is not ranked as
-a win. The reference is the baseline for a technique switched on alone (leave-one-in) and the fast
-preset for a technique switched off in it (leave-one-out). Only configurations measurably faster than
-the baseline get a rank.
+(warm-up steps excluded, runner/measure.py). Speed-up = a configuration's median samples/s / the
+baseline's median. *Effect* = what the row's technique buys, as a factor (>1: faster with it): the
+configuration ÷ the baseline when it is switched on alone (leave-one-in), the fast preset ÷ the
+configuration when it is switched off in the fast preset (leave-one-out). Each ratio of medians gets a
+bootstrap percentile interval (runner/stats.py; Efron & Tibshirani 1993): the repeats of both
+configurations are resampled with replacement 10,000 times, seeded, so the same sweep gives the same
+report. The verdict follows from the effect's interval: "helps" (above 1), "hurts" (below 1), "no
+measurable effect" (contains 1); with one repeat there is no interval and no verdict. Only
+configurations whose speed-up interval lies above 1 get a rank.
 
 ``--doc docs/ablation-cpu.md`` also writes the report as a document (plot copied next to it) with a
 generated reading of what helped and what hurt, to be completed with the why.
@@ -39,14 +48,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Columns of report.csv and of the W&B table, in order.
+from runner import stats
+from runner.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
+
+#: Columns of report.csv and of the W&B table, in order. Intervals are 95 % bootstrap percentile
+#: intervals; ``effect_ci_half_width`` is relative (0.05 = ±5 %).
 CSV_COLUMNS = [
     "rank", "configuration", "kind", "technique", "repeats", "batch_size", "samples_per_sec_median",
-    "samples_per_sec_min", "samples_per_sec_max", "speedup", "speedup_min", "speedup_max", "technique_effect",
-    "verdict", "step_time_ms_median", "data_wait_fraction", "peak_memory_mb", "peak_memory_change_pct",
-    "final_loss", "train_loss", "techniques",
+    "samples_per_sec_min", "samples_per_sec_max", "speedup", "speedup_ci_low", "speedup_ci_high",
+    "technique_effect", "effect_ci_low", "effect_ci_high", "effect_ci_half_width", "verdict",
+    "step_time_ms_median", "data_wait_fraction", "peak_memory_mb", "peak_memory_change_pct", "final_loss",
+    "train_loss", "setup_s_median", "job_wall_s_median", "techniques",
 ]
-HELPS, HURTS, NO_EFFECT = "helps", "hurts", "no measurable effect"
+#: Columns of jobs.csv (one row per job; times in s).
+JOB_COLUMNS = ["configuration", "repeat", "folder", "status", "samples_per_sec", "wall_s", "setup_s", "train_s",
+               "measured_s", "eval_s", "teardown_s"]
+__all__ = ["CSV_COLUMNS", "HELPS", "HURTS", "NO_EFFECT", "Job", "ReportError", "Row", "build_rows", "load_jobs",
+           "main", "write_report"]
 
 
 class ReportError(ValueError):
@@ -65,6 +83,12 @@ class Job:
     summary: dict[str, Any] | None = None
     not_run: str | None = None  # the reason, from not_run.json
     failed: int | None = None  # the exit status, from failed.json
+    times: dict[str, float | None] = field(default_factory=dict)  # sweep_report.job_times
+
+    @property
+    def samples_per_sec(self) -> float | None:
+        sps = (self.summary or {}).get("samples_per_sec")
+        return float(sps) if sps else None
 
 
 @dataclass
@@ -76,10 +100,10 @@ class Row:
     technique: str | None
     jobs: list[Job] = field(default_factory=list)
     runs: list[float] = field(default_factory=list)  # samples/s of each measured repeat
-    speedup: float | None = None
-    speedup_min: float | None = None
-    speedup_max: float | None = None
-    effect: float | None = None  # what the technique buys: x >1 helps (see technique_effect)
+    speedup: float | None = None  # median / the baseline's median
+    speedup_ci: Interval | None = None  # of the speed-up, against the baseline's repeats
+    effect: float | None = None  # what the technique buys: x >1 helps (see the module docstring)
+    effect_ci: Interval | None = None  # of the effect, against the reference's repeats
     verdict: str = ""
     rank: int | None = None
     status: str = ""  # applied/skipped of the techniques this row switches
@@ -93,13 +117,29 @@ class Row:
 
 
 # ------------------------------------------------------------------------------------------- loading
+def is_ablation(sweep: Path) -> bool:
+    """Whether ``sweep`` is an ablation sweep: it has ``ablation.json``, a job marker, or a summary of a
+    job with ``config.ablation.variant``."""
+    if (sweep / "ablation.json").is_file() or any(sweep.rglob("not_run.json")) or any(sweep.rglob("failed.json")):
+        return True
+    for path in sweep.rglob("summary.json"):
+        try:
+            return ((json.loads(path.read_text()).get("config") or {}).get("ablation") or {}).get("variant") is not None
+        except (OSError, json.JSONDecodeError):
+            continue
+    return False
+
+
 def load_jobs(sweep: Path) -> list[Job]:
-    """Every job under ``sweep``: ``summary.json`` (measured), ``not_run.json``, ``failed.json``.
+    """Every job under ``sweep``: ``summary.json`` (measured), ``not_run.json``, ``failed.json``, each with
+    its timing (``sweep_report.job_times``).
 
     Raises:
         ReportError: no such folder, nothing to report, a corrupt file, a summary that is not from an
             ablation job, or the same (configuration, repeat) twice (two sweeps in one folder).
     """
+    from runner.sweep_report import job_times
+
     if not sweep.is_dir():
         raise ReportError(f"{sweep} is not a folder; pass the sweep folder of `python -m runner -m "
                           f"+experiment=ablation` (outputs/ablation/<date>/<time>)")
@@ -132,6 +172,7 @@ def load_jobs(sweep: Path) -> list[Job]:
                 raise ReportError(f"{variant} repeat {repeat} appears twice ({sweep / jobs[key].folder} and "
                                   f"{path.parent}); "
                                   f"pass one sweep folder, not a folder holding several sweeps")
+            job.times = job_times(path.parent, job.summary)
             jobs[key] = job
     if not jobs:
         raise ReportError(f"{sweep} holds no summary.json; is it the sweep folder of `python -m runner -m "
@@ -150,58 +191,6 @@ def _technique_of(variant: str) -> str | None:
         if variant.startswith(prefix):
             return variant[len(prefix):]
     return None
-
-
-# ------------------------------------------------------------------------------------------- the rule
-def spread(runs: list[float]) -> tuple[float, float]:
-    """A reference's own repeat spread as ratios to its median: ``(min/median, max/median)``."""
-    med = statistics.median(runs)
-    return min(runs) / med, max(runs) / med
-
-
-def compare(ratio: float, reference_runs: list[float]) -> str:
-    """Where ``ratio`` (a configuration's median / the reference's median) lies relative to the
-    reference's own repeat spread: ``"above"``, ``"below"`` or ``"inside"`` (boundaries are inside)."""
-    lo, hi = spread(reference_runs)
-    if ratio > hi:
-        return "above"
-    if ratio < lo:
-        return "below"
-    return "inside"
-
-
-def technique_effect(kind: str | None, median: float, baseline_median: float, fast_median: float | None) -> float | None:
-    """What the row's technique buys, as a factor (>1 = faster with it).
-
-    leave-one-in: this configuration / the baseline; leave-one-out: the fast preset / this
-    configuration; fast: fast / baseline; baseline: 1.
-    """
-    if kind == "leave-one-out":
-        return fast_median / median if fast_median else None
-    if kind == "baseline":
-        return 1.0
-    return median / baseline_median
-
-
-def verdict(kind: str | None, median: float, baseline_runs: list[float], fast_runs: list[float] | None) -> str:
-    """The noise rule of issue 3 for one configuration; see the module docstring.
-
-    Returns ``"reference"`` (the baseline), ``"faster"``/``"slower"`` (the fast preset vs the baseline),
-    ``"helps"``/``"hurts"`` (the technique of a leave-one-in or leave-one-out row), or
-    ``"no measurable effect"`` when the ratio lies inside the reference's repeat spread.
-    """
-    base = statistics.median(baseline_runs)
-    if kind == "baseline":
-        return "reference"
-    if kind == "leave-one-out":
-        if not fast_runs:
-            return "no fast reference"
-        where = compare(median / statistics.median(fast_runs), fast_runs)
-        return {"below": HELPS, "above": HURTS}.get(where, NO_EFFECT)
-    where = compare(median / base, baseline_runs)
-    if kind == "fast":
-        return {"above": "faster", "below": "slower"}.get(where, NO_EFFECT)
-    return {"above": HELPS, "below": HURTS}.get(where, NO_EFFECT)
 
 
 def technique_status(kind: str | None, own: dict[str, str], baseline: dict[str, str],
@@ -233,8 +222,41 @@ def _median(values: list[Any]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def build_rows(jobs: list[Job]) -> list[Row]:
-    """Group jobs by configuration, compare each with its reference and rank them by speed-up.
+def compare_rows(row: Row, baseline: Row, fast: Row | None, seed: int = stats.SEED,
+                 resamples: int = stats.RESAMPLES) -> None:
+    """Fill ``row``'s speed-up, effect, their intervals and its verdict (the rule of the module docstring).
+
+    Verdicts: ``"reference"`` (the baseline); ``"faster"``/``"slower"``/``"no measurable effect"`` (the
+    fast preset against the baseline); ``"helps"``/``"hurts"``/``"no measurable effect"`` (the technique
+    of a leave-one-in or leave-one-out row); ``NO_INTERVAL`` with fewer than 2 repeats on a side; ``"no
+    fast reference"`` for a leave-one-out row of a sweep whose fast preset did not measure.
+    """
+    def interval(a: Row, b: Row) -> Interval | None:
+        return stats.ratio_interval(a.runs, b.runs, name=a.configuration, reference_name=b.configuration,
+                                    seed=seed, resamples=resamples)
+
+    row.speedup = row.median / baseline.median
+    row.speedup_ci = interval(row, baseline)
+    if row.kind == "baseline":
+        row.effect, row.verdict = 1.0, "reference"
+    elif row.kind == "leave-one-out":
+        if fast is None or not fast.runs:
+            row.verdict = "no fast reference"
+            return
+        row.effect, row.effect_ci = fast.median / row.median, interval(fast, row)
+        row.verdict = stats.verdict(row.effect_ci)
+    else:
+        row.effect, row.effect_ci = row.speedup, row.speedup_ci
+        row.verdict = stats.verdict(row.effect_ci, **({"above": "faster", "below": "slower"}
+                                                        if row.kind == "fast" else {}))
+
+
+def build_rows(jobs: list[Job], seed: int = stats.SEED, resamples: int = stats.RESAMPLES) -> list[Row]:
+    """Group jobs by configuration, compare each with its reference (``compare_rows``), rank them.
+
+    Rows are sorted by speed-up (fastest first; rows without figures last). A rank goes to the
+    configurations whose speed-up interval lies above 1 (measurably faster than the baseline), except
+    the baseline and rows whose every technique was skipped here.
 
     Raises:
         ReportError: no baseline, or a baseline without a measured repeat.
@@ -244,9 +266,8 @@ def build_rows(jobs: list[Job]) -> list[Row]:
         row = rows.setdefault(job.variant, Row(job.variant, job.kind or _kind_of(job.variant),
                                                job.technique if job.kind else _technique_of(job.variant)))
         row.jobs.append(job)
-        sps = (job.summary or {}).get("samples_per_sec")
-        if sps:
-            row.runs.append(float(sps))
+        if job.samples_per_sec:
+            row.runs.append(job.samples_per_sec)
     if "baseline" not in rows:
         raise ReportError(f"no baseline among the configurations {sorted(rows)}; every speed-up is measured "
                           f"against it: include `baseline` in ablation/variant=...")
@@ -254,8 +275,6 @@ def build_rows(jobs: list[Job]) -> list[Row]:
     if not baseline.runs:
         raise ReportError(f"the baseline has no measured repeat ({_job_problems(baseline)}); run it again")
     fast = rows.get("fast")
-    fast_runs = fast.runs if fast and fast.runs else None
-    base_med = baseline.median
     techniques = {name: _techniques(row) for name, row in rows.items()}
     base_peak = _median([(j.summary or {}).get("peak_memory_mb") for j in baseline.jobs])
     for row in rows.values():
@@ -268,6 +287,8 @@ def build_rows(jobs: list[Job]) -> list[Row]:
                                    for s in summaries]),
             "train_loss": _median([s.get("train_loss") for s in summaries]),
             "batch_size": _median([s.get("global_batch_size") for s in summaries]),
+            "setup_s": _median([j.times.get("setup_s") for j in row.jobs if j.summary]),
+            "wall_s": _median([j.times.get("wall_s") for j in row.jobs if j.summary]),
         }
         if row.figures["peak_memory_mb"] is not None and base_peak:
             row.peak_change_pct = 100 * (row.figures["peak_memory_mb"] - base_peak) / base_peak
@@ -276,20 +297,30 @@ def build_rows(jobs: list[Job]) -> list[Row]:
         if not row.runs:
             row.verdict, row.status = _job_problems(row), ""
             continue
-        row.speedup = row.median / base_med
-        row.speedup_min, row.speedup_max = min(row.runs) / base_med, max(row.runs) / base_med
-        row.effect = technique_effect(row.kind, row.median, base_med, statistics.median(fast_runs) if fast_runs else None)
-        row.verdict = verdict(row.kind, row.median, baseline.runs, fast_runs)
+        compare_rows(row, baseline, fast, seed, resamples)
         if row.all_skipped:
             row.verdict = "skipped here"
     ordered = sorted(rows.values(), key=lambda r: (r.speedup is None, -(r.speedup or 0), r.configuration))
-    _, hi = spread(baseline.runs)
     rank = 0
     for row in ordered:
-        if row.speedup is not None and row.speedup > hi and not row.all_skipped and row.kind != "baseline":
+        if row.speedup_ci and row.speedup_ci.low > 1 and not row.all_skipped and row.kind != "baseline":
             rank += 1
             row.rank = rank
     return ordered
+
+
+def pending(rows: list[Row], target_ci: float) -> list[str]:
+    """The configurations whose effect is not yet known to ``target_ci`` (relative half-width of the
+    interval, e.g. 0.05): measured rows (baseline excluded) without an interval or with a wider one. Rows
+    that did not measure at all (not run, failed) are not pending: more repeats would not help them; nor
+    are rows whose every technique was skipped here (no finding to sharpen)."""
+    out = []
+    for r in rows:
+        if r.kind == "baseline" or not r.runs or r.all_skipped or r.verdict == "no fast reference":
+            continue
+        if r.effect_ci is None or r.effect_ci.half_width >= target_ci:
+            out.append(r.configuration)
+    return out
 
 
 def _techniques(row: Row) -> dict[str, str]:
@@ -301,8 +332,8 @@ def _techniques(row: Row) -> dict[str, str]:
 
 def _job_problems(row: Row) -> str:
     reasons = sorted({f"not run: {j.not_run}" if j.not_run else f"failed (exit status {j.failed}), see {j.folder}/"
-                      if j.failed is not None else f"no figures in {j.folder}/" for j in row.jobs if not
-                      (j.summary and j.summary.get("samples_per_sec"))})
+                      if j.failed is not None else f"no figures in {j.folder}/" for j in row.jobs
+                      if not j.samples_per_sec})
     return "; ".join(reasons)
 
 
@@ -311,20 +342,29 @@ def _f(value: float | None, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def _ci_text(ci: Interval | None) -> str:
+    return "–" if ci is None else f"{ci.low:.2f}–{ci.high:.2f}"
+
+
 def csv_rows(rows: list[Row]) -> list[list[Any]]:
     """The rows as plain values, in ``CSV_COLUMNS`` order (for report.csv and the W&B table)."""
     out = []
     for r in rows:
-        fig = r.figures
+        fig, s, e = r.figures, r.speedup_ci, r.effect_ci
         out.append([
             r.rank, r.configuration, r.kind, r.technique, len(r.runs),
             int(fig["batch_size"]) if fig.get("batch_size") else None,
             r.median, min(r.runs) if r.runs else None, max(r.runs) if r.runs else None,
-            r.speedup, r.speedup_min, r.speedup_max, r.effect, r.verdict,
-            fig.get("step_time_ms_median"), fig.get("data_wait_fraction"), fig.get("peak_memory_mb"),
-            r.peak_change_pct, fig.get("final_loss"), fig.get("train_loss"), r.status,
+            r.speedup, s and s.low, s and s.high, r.effect, e and e.low, e and e.high, e and e.half_width,
+            r.verdict, fig.get("step_time_ms_median"), fig.get("data_wait_fraction"), fig.get("peak_memory_mb"),
+            r.peak_change_pct, fig.get("final_loss"), fig.get("train_loss"), fig.get("setup_s"), fig.get("wall_s"),
+            r.status,
         ])
     return out
+
+
+def _cell(v: Any) -> Any:
+    return "" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -333,13 +373,26 @@ def write_csv(rows: list[Row], path: Path) -> None:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for values in csv_rows(rows):
-            writer.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in values])
+            writer.writerow([_cell(v) for v in values])
 
 
-def plot(rows: list[Row], baseline_runs: list[float], path: Path) -> None:
+def write_jobs_csv(jobs: list[Job], path: Path) -> None:
+    """Write one row per job (``JOB_COLUMNS``): samples/s and where its wall time went (s)."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(JOB_COLUMNS)
+        for j in jobs:
+            status = "ok" if j.samples_per_sec else f"not run: {j.not_run}" if j.not_run else (
+                f"failed (exit status {j.failed})" if j.failed is not None else "no figures")
+            writer.writerow([_cell(v) for v in [j.variant, j.repeat, str(j.folder), status, j.samples_per_sec,
+                                                *(j.times.get(k) for k in JOB_COLUMNS[5:])]])
+
+
+def plot(rows: list[Row], path: Path) -> None:
     """``speedup.png``: one horizontal bar per measured configuration, from 1.0 (the baseline) to its
-    speed-up, a whisker for its min-max across repeats, the baseline's own spread as a grey band.
-    The x axis is logarithmic when the speed-ups span more than 8x, so 0.5x and 2x look alike."""
+    speed-up, a whisker for its 95 % bootstrap interval (none with one repeat), and the baseline's
+    interval against itself (what noise alone gives) as a grey band. The x axis is logarithmic when the
+    speed-ups span more than 8x, so 0.5x and 2x look alike."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,18 +404,26 @@ def plot(rows: list[Row], baseline_runs: list[float], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(shown) + 1.6))
     y = list(range(len(shown)))
     ax.barh(y, [r.speedup - 1 for r in shown], left=1.0, color=[colors.get(r.verdict, "0.65") for r in shown])
-    ax.errorbar([r.speedup for r in shown], y, fmt="none", ecolor="black", elinewidth=0.8, capsize=2,
-                xerr=[[r.speedup - r.speedup_min for r in shown], [r.speedup_max - r.speedup for r in shown]])
-    lo, hi = spread(baseline_runs)
-    ax.axvspan(lo, hi, color="0.85", zorder=0, label="baseline repeat spread")
+    with_ci = [(i, r) for i, r in zip(y, shown) if r.speedup_ci is not None]
+    if with_ci:
+        ax.errorbar([r.speedup for _, r in with_ci], [i for i, _ in with_ci], fmt="none", ecolor="black",
+                    elinewidth=0.8, capsize=2, xerr=[[r.speedup - r.speedup_ci.low for _, r in with_ci],
+                                                     [r.speedup_ci.high - r.speedup for _, r in with_ci]])
+    base = next((r for r in shown if r.kind == "baseline"), None)
+    if base is not None and base.speedup_ci is not None:
+        ax.axvspan(base.speedup_ci.low, base.speedup_ci.high, color="0.85", zorder=0,
+                   label="baseline against itself (95 % CI: noise alone)")
+        ax.legend(loc="best", fontsize=8)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    values = [v for r in shown for v in (r.speedup_min, r.speedup_max)] + [1.0]
-    if max(values) / min(values) > 8:
+    values = [v for r in shown for v in ((r.speedup_ci.low, r.speedup_ci.high) if r.speedup_ci else (r.speedup,))]
+    if max(values + [1.0]) / min(values + [1.0]) > 8:
+        from matplotlib.ticker import FormatStrFormatter
+
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.set_yticks(y, [r.configuration for r in shown], fontsize=8)
-    ax.set_xlabel("speed-up over the baseline (x, median samples/s; whiskers: min-max over repeats)")
-    ax.set_title("green: helps, red: hurts, grey: no measurable effect or skipped", fontsize=9)
-    ax.legend(loc="best", fontsize=8)
+    ax.set_xlabel("speed-up over the baseline (x, ratio of median samples/s; whiskers: bootstrap 95 % CI)")
+    ax.set_title("green: helps, red: hurts, grey: no measurable effect, no interval or skipped", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -402,11 +463,37 @@ def describe(machine: dict[str, Any]) -> str:
     return "; ".join(p for p in parts if p) or "(not recorded)"
 
 
+INTERVAL_TEXT = (
+    "How the intervals are computed: a speed-up is a ratio of medians over repeats (this configuration's "
+    "median samples/s ÷ its reference's). Its 95 % confidence interval is a bootstrap percentile interval "
+    "(Efron & Tibshirani 1993, ch. 13): the repeats of both configurations are resampled with replacement, "
+    "independently, {resamples:,} times (seed {seed}), the ratio of the resamples' medians is taken each "
+    "time, and the interval runs from its 2.5th to its 97.5th percentile. With 3 repeats this is in practice "
+    "[slowest ÷ fastest reference repeat, fastest ÷ slowest reference repeat]; more repeats narrow it. "
+    "*Effect* = what the technique buys (>1: faster with it): on alone, this ÷ the baseline; off in the "
+    "fast preset (leave-one-out), fast ÷ this. Verdict: **helps** when the effect's whole interval lies "
+    "above 1, **hurts** when it lies below 1, **no measurable effect** when it contains 1. Only "
+    "configurations whose speed-up interval lies above 1 are ranked.")
+
+
+def _auto_text(record: dict[str, Any]) -> str | None:
+    auto = record.get("auto")
+    if not auto:
+        return None
+    rounds = auto.get("rounds") or []
+    extra = "; ".join(f"repeat {r['repeat']}: {len(r['variants'])} configuration(s)" for r in rounds) or "none"
+    return (f"ablation.repeats=auto: first round {auto.get('first_round')} repeat(s), then further rounds until "
+            f"every effect's interval is within ±{auto.get('target_ci', 0):.1%} or {auto.get('max_repeats')} "
+            f"repeats; extra rounds: {extra}; stopped: {auto.get('stopped', '?')}")
+
+
 def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, Any], image: str,
-             title: str = "Ablation report: what each technique buys") -> str:
+             title: str = "Ablation report: what each technique buys", seed: int = stats.SEED,
+             resamples: int = stats.RESAMPLES) -> str:
     """report.md's text (also the body of ``--doc``)."""
+    from runner.sweep_report import budget_lines
+
     baseline = next(r for r in rows if r.configuration == "baseline")
-    fast = next((r for r in rows if r.configuration == "fast"), None)
     measured = [j.summary for j in jobs if j.summary and j.summary.get("samples_per_sec")]
     base_cfg = baseline.jobs[0].summary["config"] if baseline.jobs[0].summary else {}
     steps = sorted({(s.get("warmup_steps"), s.get("measured_steps")) for s in measured}, key=str)
@@ -431,16 +518,18 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                  f"`{base_cfg.get('optimizer', {}).get('_target_')}`, baseline batch "
                  f"{_f(baseline.figures.get('batch_size'), '.0f')}, device {dev} |")
     step_text = ", ".join(f"{w} warm-up + {m} measured steps" for w, m in steps)
+    process = {"forkserver": "forked from a job server that has imported torch and runner (no torch op run, "
+                             "no CUDA context)", "exec": "`python -m runner`"}.get(record.get("job_process"), "")
     lines.append(f"| measurement | {', '.join(map(str, repeats))} repeat(s) per configuration (the repeat is the "
                  f"sweep's outer loop); every job: {step_text}, warm-up excluded from every figure; one fresh "
-                 f"process per job |")
-    b_lo, b_hi = spread(baseline.runs)
-    noise = (f"baseline {min(baseline.runs):.4g}–{max(baseline.runs):.4g} samples/s "
-             f"({(b_lo - 1) * 100:+.1f}% … {(b_hi - 1) * 100:+.1f}% around its median)")
-    if fast and fast.runs:
-        f_lo, f_hi = spread(fast.runs)
-        noise += f"; fast {min(fast.runs):.4g}–{max(fast.runs):.4g} ({(f_lo - 1) * 100:+.1f}% … {(f_hi - 1) * 100:+.1f}%)"
-    lines.append(f"| repeat spread (noise) | {noise} |")
+                 f"process per job{': ' + process if process else ''} |")
+    auto = _auto_text(record)
+    if auto:
+        lines.append(f"| repeats | {auto} |")
+    if baseline.speedup_ci is not None:
+        lines.append(f"| noise | the baseline against itself: 95 % interval {_ci_text(baseline.speedup_ci)} "
+                     f"(±{baseline.speedup_ci.half_width:.0%}); baseline repeats {min(baseline.runs):.4g}–"
+                     f"{max(baseline.runs):.4g} samples/s |")
     lines.append("")
     if len(steps) > 1:
         lines += [f"**Warning:** the jobs measured different step counts ({step_text}); rerun with one "
@@ -451,43 +540,39 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                   f"cores): other processes share the cores, so figures are slower and noisier than on a quiet "
                   f"machine. Rerun when it is quiet for figures to publish.", ""]
     if min(repeats) < 2:
-        lines += ["**Warning:** a configuration ran once: a single repeat has no spread, so every difference counts "
-                  "as an effect here. Use ablation.repeats=3 or more before reading verdicts.", ""]
+        lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
+                  "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]
 
-    lines += ["## Configurations ranked by speed-up", "",
-              "Speed-up = median samples/s ÷ the baseline's (min–max over repeats). *Effect* = what the "
-              "technique buys: on alone, this ÷ baseline; off in fast (leave-one-out), fast ÷ this. A technique "
-              "whose ratio lies inside its reference's own repeat spread (the baseline's for leave-one-in, "
-              "fast's for leave-one-out) has **no measurable effect**; only configurations measurably faster "
-              "than the baseline are ranked.", "",
-              "| rank | configuration | speed-up × (min–max) | effect × | verdict | samples/s | step ms | data wait "
-              "| peak MiB (Δ) | final loss | techniques (applied / skipped) |",
-              "|---:|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines += ["## Configurations ranked by speed-up", "", INTERVAL_TEXT.format(resamples=resamples, seed=seed), "",
+              "| rank | configuration | speed-up × | 95 % CI | effect × | effect 95 % CI | verdict | samples/s | "
+              "step ms | data wait | peak MiB (Δ) | final loss | setup s | techniques (applied / skipped) |",
+              "|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         fig = r.figures
-        speed = (f"{r.speedup:.2f} ({r.speedup_min:.2f}–{r.speedup_max:.2f})" if r.speedup is not None else "–")
         peak = fig.get("peak_memory_mb")
         peak_text = "–" if peak is None else f"{peak:,.0f}" + (
             f" ({r.peak_change_pct:+.0f}%)" if r.peak_change_pct is not None and r.kind != "baseline" else "")
         verdict_text = f"**{r.verdict}**" if r.verdict in (HELPS, "faster") else r.verdict
         status = r.status.replace("|", "/") if r.runs else "–"
-        lines.append(f"| {r.rank or '–'} | {r.configuration} | {speed} | {_f(r.effect, '.2f')} | {verdict_text} | "
-                     f"{_f(r.median, ',.1f')} | {_f(fig.get('step_time_ms_median'), ',.1f')} | "
-                     f"{_f(fig.get('data_wait_fraction'), '.1%')} | {peak_text} | {_f(fig.get('final_loss'), '.3f')} | "
+        effect_ci = _ci_text(r.effect_ci) if r.kind != "baseline" else "–"
+        lines.append(f"| {r.rank or '–'} | {r.configuration} | {_f(r.speedup, '.2f')} | {_ci_text(r.speedup_ci)} | "
+                     f"{_f(r.effect, '.2f')} | {effect_ci} | {verdict_text} | {_f(r.median, ',.1f')} | "
+                     f"{_f(fig.get('step_time_ms_median'), ',.1f')} | {_f(fig.get('data_wait_fraction'), '.1%')} | "
+                     f"{peak_text} | {_f(fig.get('final_loss'), '.3f')} | {_f(fig.get('setup_s'), '.1f')} | "
                      f"{status} |")
     lines += ["", "## What each technique buys", "",
+              "Effect × (95 % interval), verdict.", "",
               "| technique | on alone (baseline + it) | off in fast (fast − it) |", "|---|---|---|"]
     by_technique: dict[str, dict[str, Row]] = {}
     for r in rows:
         if r.technique:
             by_technique.setdefault(r.technique, {})[r.kind] = r
-    for tech, pair in sorted(by_technique.items(), key=lambda kv: -max(
-            (r.effect or 0) for r in kv[1].values())):
+    for tech, pair in sorted(by_technique.items(), key=lambda kv: -max((r.effect or 0) for r in kv[1].values())):
         cells = []
         for kind in ("leave-one-in", "leave-one-out"):
             r = pair.get(kind)
             cells.append("(not in the sweep)" if r is None else (
-                f"×{r.effect:.2f}, {r.verdict}" if r.effect is not None else r.verdict))
+                f"×{r.effect:.2f} ({_ci_text(r.effect_ci)}), {r.verdict}" if r.effect is not None else r.verdict))
         lines.append(f"| {tech} | {cells[0]} | {cells[1]} |")
     skipped = sorted({(k, v) for j in jobs if j.summary for k, v in (j.summary.get("techniques") or {}).items()
                       if v.startswith("skipped")})
@@ -496,25 +581,42 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
     problems = [r for r in rows if not r.runs]
     if problems:
         lines += ["", "## Not measured", ""] + [f"- {r.configuration}: {r.verdict}" for r in problems]
+    lines += [""] + budget_lines([j.times for j in jobs], _sweep_wall_s(record), "ablation.json: start to end")
+    lines += ["Per job (jobs.csv has every figure): setup = process start, imports, dataset load, model build "
+              "and FLOP count, before the first step.", "",
+              "| configuration | repeat | samples/s | job s | setup s | training s | measured s | eval s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for j in sorted(jobs, key=lambda j: (j.variant, j.repeat)):
+        t = j.times
+        lines.append(f"| {j.variant} | {j.repeat} | {_f(j.samples_per_sec, ',.1f')} | {_f(t.get('wall_s'), '.1f')} | "
+                     f"{_f(t.get('setup_s'), '.1f')} | {_f(t.get('train_s'), '.1f')} | "
+                     f"{_f(t.get('measured_s'), '.1f')} | {_f(t.get('eval_s'), '.1f')} |")
     lines += ["", "## Plot", "", f"![speed-up over the baseline]({image})", ""]
     return "\n".join(lines)
 
 
+def _sweep_wall_s(record: dict[str, Any]) -> float | None:
+    start, end = record.get("started_s"), record.get("finished_s")
+    return end - start if isinstance(start, (int, float)) and isinstance(end, (int, float)) else None
+
+
 def reading(rows: list[Row]) -> str:
     """A generated first reading for ``--doc``: which techniques helped, hurt, did nothing, were skipped."""
-    groups: dict[str, list[str]] = {HELPS: [], HURTS: [], NO_EFFECT: [], "skipped here": []}
+    groups: dict[str, list[str]] = {HELPS: [], HURTS: [], NO_EFFECT: [], "skipped here": [], NO_INTERVAL: []}
     for r in rows:
         if r.technique and r.verdict in groups:
             where = "on alone" if r.kind == "leave-one-in" else "off in fast"
-            groups[r.verdict].append(f"{r.technique} ({where}, ×{r.effect:.2f})" if r.effect else
-                                     f"{r.technique} ({where})")
+            groups[r.verdict].append(f"{r.technique} ({where}, ×{r.effect:.2f} [{_ci_text(r.effect_ci)}])"
+                                     if r.effect else f"{r.technique} ({where})")
     fast = next((r for r in rows if r.configuration == "fast"), None)
     lines = ["## Reading", ""]
     if fast and fast.speedup:
-        lines.append(f"The fast preset ran at ×{fast.speedup:.2f} the baseline ({fast.verdict}).")
+        lines.append(f"The fast preset ran at ×{fast.speedup:.2f} the baseline (95 % interval "
+                     f"{_ci_text(fast.speedup_ci)}; {fast.verdict}).")
     for key, label in ((HELPS, "Helped"), (HURTS, "Hurt"), (NO_EFFECT, "No measurable effect"),
-                       ("skipped here", "Skipped here")):
-        lines.append(f"- **{label}:** " + (", ".join(groups[key]) or "none"))
+                       ("skipped here", "Skipped here"), (NO_INTERVAL, "No interval")):
+        if groups[key] or key != NO_INTERVAL:
+            lines.append(f"- **{label}:** " + (", ".join(groups[key]) or "none"))
     lines += ["", "<!-- Why: add one or two sentences per finding (hardware, model size, what the technique "
                   "changes). -->", ""]
     return "\n".join(lines)
@@ -541,28 +643,33 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
     return str(where)
 
 
-def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True) -> list[Path]:
-    """Write report.md, report.csv and speedup.png into ``sweep`` (and ``doc`` if given); log the W&B
-    table when the jobs' logger was W&B. Returns the written paths.
+def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, seed: int = stats.SEED,
+                 resamples: int = stats.RESAMPLES) -> list[Path]:
+    """Write report.md, report.csv, jobs.csv and speedup.png of an ablation sweep into ``sweep`` (and
+    ``doc`` if given); log the W&B table when the jobs' logger was W&B. Returns the written paths.
+
+    Args:
+        seed, resamples: of the bootstrap (runner/stats.py); the defaults make the report reproducible.
 
     Raises:
         ReportError: see ``load_jobs`` and ``build_rows``.
     """
     sweep = Path(sweep)
     jobs = load_jobs(sweep)
-    rows = build_rows(jobs)
+    rows = build_rows(jobs, seed, resamples)
     baseline = next(r for r in rows if r.configuration == "baseline")
     record = _record(sweep)
-    written = [sweep / "report.md", sweep / "report.csv", sweep / "speedup.png"]
-    plot(rows, baseline.runs, written[2])
-    written[0].write_text(markdown(rows, jobs, sweep, record, "speedup.png"))
+    written = [sweep / "report.md", sweep / "report.csv", sweep / "speedup.png", sweep / "jobs.csv"]
+    plot(rows, written[2])
+    written[0].write_text(markdown(rows, jobs, sweep, record, "speedup.png", seed=seed, resamples=resamples))
     write_csv(rows, written[1])
+    write_jobs_csv(jobs, written[3])
     if doc is not None:
         doc = Path(doc)
         doc.parent.mkdir(parents=True, exist_ok=True)
         image = doc.with_suffix(".png")
         shutil.copyfile(written[2], image)
-        text = markdown(rows, jobs, sweep, record, image.name,
+        text = markdown(rows, jobs, sweep, record, image.name, seed=seed, resamples=resamples,
                         title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
         doc.write_text(text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1))
         written += [doc, image]
@@ -573,15 +680,31 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runner.report SWEEP [--doc PATH] [--no-wandb]``; returns the exit status (2: bad sweep)."""
+    """``python -m runner.report SWEEP [--doc PATH] [--no-wandb] [--seed N] [--resamples N]``; returns the exit
+    status (2: a folder that cannot be reported)."""
+    from runner.sweep_report import SweepError, write_plain_report
+
     parser = argparse.ArgumentParser(prog="python -m runner.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweep", type=Path, help="the sweep folder (outputs/ablation/<date>/<time>)")
-    parser.add_argument("--doc", type=Path, help="also write the report as a document, e.g. docs/ablation-cpu.md")
+    parser.add_argument("sweep", type=Path, help="a multirun folder: an ablation (outputs/ablation/<date>/<time>) "
+                                                 "or any sweep (outputs/multirun/<date>/<time>)")
+    parser.add_argument("--doc", type=Path, help="ablation: also write the report as a document, e.g. "
+                                                 "docs/ablation-cpu.md")
     parser.add_argument("--no-wandb", action="store_true", help="do not log the W&B table even if the jobs used W&B")
+    parser.add_argument("--seed", type=int, default=stats.SEED, help="bootstrap seed (default %(default)s)")
+    parser.add_argument("--resamples", type=int, default=stats.RESAMPLES,
+                        help="bootstrap resamples (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.resamples < 100:
+        parser.error(f"--resamples {args.resamples}: use at least 100")
     try:
-        written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb)
-    except ReportError as e:
+        if args.sweep.is_dir() and not is_ablation(args.sweep):
+            if args.doc:
+                raise ReportError("--doc is for ablation sweeps; the report of this sweep is its report.md")
+            written = write_plain_report(args.sweep)
+        else:
+            written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb, seed=args.seed,
+                                   resamples=args.resamples)
+    except (ReportError, SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(f"wrote {p}" for p in written))

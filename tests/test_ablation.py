@@ -3,17 +3,20 @@
 - The variants (conf/ablation/variant/) are checked by composing them: each leave-one-in variant changes
   exactly the keys its leave-one-out twin changes back, and every difference between the baseline and
   the fast preset belongs to a technique of the ablation.
-- The report's rule ("no measurable effect" inside the reference's repeat spread, ranking, skipped and
-  not-run rows) is unit-tested on synthetic summaries.
-- One end-to-end sweep runs through the real CLI on a tiny model and checks the report it writes.
+- The report's rule (bootstrap intervals of the speed-ups, verdicts from them, ranking, skipped and
+  not-run rows) and ``ablation.repeats=auto``'s rounds are unit-tested on synthetic summaries.
+- End-to-end sweeps run through the real CLI on a tiny model: ``repeats=auto`` with a real extra round
+  (not slow), and the full variant mix with a failing job (slow).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,8 +24,10 @@ from conftest import TINY, compose_cfg, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner import REPO_ROOT
-from runner.report import CSV_COLUMNS, Job, ReportError, build_rows, compare, load_jobs, verdict, write_report
+from runner import REPO_ROOT, ablation_first_round
+from runner.ablation import auto_repeat, round_command
+from runner.report import CSV_COLUMNS, JOB_COLUMNS, Job, ReportError, build_rows, load_jobs, pending, write_report
+from runner.stats import NO_INTERVAL
 
 VARIANTS = REPO_ROOT / "conf" / "ablation" / "variant"
 NAMES = sorted(p.stem for p in VARIANTS.glob("*.yaml"))
@@ -72,6 +77,20 @@ def test_sweep_lists_every_variant_and_repeat_is_the_outer_loop():
     assert len(jobs) == 2 * len(NAMES)
     assert [j[0] for j in jobs] == ["ablation.repeat=0"] * len(NAMES) + ["ablation.repeat=1"] * len(NAMES)
     assert cfg.ablation.repeats == 2 and cfg.trainer.warmup_steps < cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("overrides,first", [([], 3), (["ablation.repeats=5"], 5), (["ablation.repeats=auto"], 3),
+                                             (["ablation.repeats=auto", "ablation.max_repeats=2"], 2)])
+def test_the_first_round_of_repeats(overrides, first):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=ablation", *overrides], return_hydra_config=True)
+    assert cfg.hydra.sweeper.params["ablation.repeat"] == f"range(0,{first})"
+
+
+@pytest.mark.parametrize("repeats,max_repeats", [("often", 10), (0, 10), (True, 10), ("auto", 1)])
+def test_bad_repeats_are_refused(repeats, max_repeats):
+    with pytest.raises(ValueError, match="ablation.(max_)?repeats"):
+        ablation_first_round(repeats, max_repeats)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -134,28 +153,6 @@ def test_baseline_preset_is_the_naive_job():
 
 
 # ------------------------------------------------------------------------------------------- the rule
-def test_compare_uses_the_reference_spread_with_inclusive_bounds():
-    runs = [95.0, 100.0, 105.0]
-    assert compare(1.0, runs) == "inside"
-    assert compare(1.05, runs) == "inside" and compare(0.95, runs) == "inside"
-    assert compare(1.051, runs) == "above" and compare(0.949, runs) == "below"
-    assert compare(1.0, [100.0]) == "inside" and compare(1.001, [100.0]) == "above"  # one repeat: no spread
-
-
-def test_verdicts_per_kind():
-    base, fast = [95.0, 100.0, 105.0], [190.0, 200.0, 220.0]
-    assert verdict("baseline", 100, base, fast) == "reference"
-    assert verdict("leave-one-in", 104, base, fast) == "no measurable effect"
-    assert verdict("leave-one-in", 120, base, fast) == "helps"
-    assert verdict("leave-one-in", 80, base, fast) == "hurts"
-    assert verdict("fast", 200, base, fast) == "faster"
-    # leave-one-out compares with fast's own spread [0.95, 1.10]: removing a helper slows fast down
-    assert verdict("leave-one-out", 150, base, fast) == "helps"
-    assert verdict("leave-one-out", 215, base, fast) == "no measurable effect"
-    assert verdict("leave-one-out", 240, base, fast) == "hurts"
-    assert verdict("leave-one-out", 150, base, None) == "no fast reference"
-
-
 def summary(variant: str, repeat: int, sps: float, techniques: dict | None = None, **extra) -> dict:
     kind = "baseline" if variant == "baseline" else "fast" if variant == "fast" else (
         "leave-one-in" if variant.startswith("baseline+") else "leave-one-out")
@@ -192,19 +189,71 @@ def test_rows_are_ranked_by_speedup_and_noise_is_not_a_win():
     by = {r.configuration: r for r in rows}
     speedups = [r.speedup for r in rows]
     assert speedups == sorted(speedups, reverse=True)
-    assert by["baseline+amp"].speedup == pytest.approx(2.0)
-    assert (by["baseline+amp"].speedup_min, by["baseline+amp"].speedup_max) == (pytest.approx(1.9), pytest.approx(2.1))
+    # 3 repeats each: the bootstrap interval is [min / max of the reference, max / min of the reference]
+    amp = by["baseline+amp"]
+    assert amp.speedup == pytest.approx(2.0) and amp.verdict == "helps"
+    assert (amp.speedup_ci.low, amp.speedup_ci.high) == (pytest.approx(190 / 105), pytest.approx(210 / 95))
+    assert amp.effect_ci == amp.speedup_ci
     assert by["baseline+set_to_none"].verdict == "no measurable effect" and by["baseline+set_to_none"].rank is None
+    assert by["baseline+set_to_none"].speedup_ci.low < 1 < by["baseline+set_to_none"].speedup_ci.high
     assert by["baseline+checkpointing"].verdict == "hurts" and by["baseline+checkpointing"].rank is None
     # faster than the baseline, but its only technique was skipped: not a finding, not ranked
     assert by["baseline+cudnn_benchmark"].verdict == "skipped here" and by["baseline+cudnn_benchmark"].rank is None
+    # leave-one-out: the effect is fast / this configuration, its interval against fast's repeats
     assert by["fast-amp"].verdict == "helps" and by["fast-amp"].effect == pytest.approx(2.0)
+    assert (by["fast-amp"].effect_ci.low, by["fast-amp"].effect_ci.high) == (pytest.approx(290 / 160),
+                                                                            pytest.approx(310 / 140))
     assert by["fast-amp"].status == "amp: applied"  # what fast had and this configuration lacks
     assert by["fast-compile"].verdict == "no measurable effect"
     ranked = [r.configuration for r in rows if r.rank]
     assert ranked == ["fast", "fast-compile", "baseline+amp", "fast-amp"]
     assert [r.rank for r in rows if r.rank] == [1, 2, 3, 4]
     assert by["baseline"].verdict == "reference" and by["baseline"].rank is None
+    assert by["fast"].verdict == "faster"
+    # the baseline against itself: the noise band, around 1
+    assert by["baseline"].speedup_ci.low < 1 < by["baseline"].speedup_ci.high
+
+
+def test_identical_configurations_have_no_measurable_effect_and_a_true_one_helps():
+    rng = __import__("numpy").random.default_rng(0)
+    configs = {"baseline": (list(100 * (1 + 0.03 * rng.standard_normal(6))), {}),
+               "baseline+set_to_none": (list(100 * (1 + 0.03 * rng.standard_normal(6))), {}),
+               "baseline+amp": (list(200 * (1 + 0.03 * rng.standard_normal(6))), {"amp": "applied"})}
+    by = {r.configuration: r for r in build_rows(synthetic_jobs(configs))}
+    assert by["baseline+set_to_none"].verdict == "no measurable effect"
+    assert by["baseline+amp"].verdict == "helps" and 1.85 < by["baseline+amp"].effect_ci.low
+    assert by["baseline+amp"].effect_ci.high < 2.15 and by["baseline+amp"].rank == 1
+
+
+def test_one_repeat_has_no_interval_no_verdict_and_no_rank():
+    configs = {k: ([v[0][0]], v[1]) for k, v in SYNTHETIC.items()}
+    rows = build_rows(synthetic_jobs(configs))
+    by = {r.configuration: r for r in rows}
+    assert by["baseline+amp"].speedup == pytest.approx(2.0) and by["baseline+amp"].speedup_ci is None
+    assert by["baseline+amp"].verdict == NO_INTERVAL and by["fast-amp"].verdict == NO_INTERVAL
+    assert all(r.rank is None for r in rows)
+    speedups = [r.speedup for r in rows]
+    assert speedups == sorted(speedups, reverse=True)  # still sorted by speed-up
+
+
+def test_the_report_is_reproducible_with_its_seed():
+    a = [(r.configuration, r.speedup_ci, r.effect_ci) for r in build_rows(synthetic_jobs())]
+    assert a == [(r.configuration, r.speedup_ci, r.effect_ci) for r in build_rows(synthetic_jobs())]
+    rng = __import__("numpy").random.default_rng(0)  # 10 repeats: enough distinct medians for the seed to show
+    noisy = {k: (list(v[0][0] * (1 + 0.05 * rng.standard_normal(10))), v[1]) for k, v in SYNTHETIC.items()}
+    first = [r.effect_ci for r in build_rows(synthetic_jobs(noisy), seed=1)]
+    assert first == [r.effect_ci for r in build_rows(synthetic_jobs(noisy), seed=1)]
+    assert first != [r.effect_ci for r in build_rows(synthetic_jobs(noisy), seed=2)]
+
+
+def test_pending_lists_the_configurations_whose_interval_is_too_wide():
+    rows = build_rows(synthetic_jobs())
+    half = {r.configuration: r.effect_ci.half_width for r in rows if r.effect_ci}
+    # every measured configuration but the baseline; the skipped one is not a finding
+    assert set(pending(rows, 1.0)) == set()
+    assert set(pending(rows, 1e-9)) == set(SYNTHETIC) - {"baseline", "baseline+cudnn_benchmark"}
+    cut = sorted(half.values())[2]
+    assert set(pending(rows, cut)) == {k for k, w in half.items() if w >= cut and k != "baseline+cudnn_benchmark"}
 
 
 def test_missing_baseline_is_one_clear_error():
@@ -236,7 +285,7 @@ def test_report_files_from_synthetic_summaries(tmp_path):
     (nr / "not_run.json").write_text(json.dumps({"variant": "fast-cudnn_benchmark", "repeat": 0, "reason": "needs CUDA"}))
     doc = tmp_path / "docs" / "ablation-test.md"
     written = write_report(sweep, doc=doc)
-    assert {p.name for p in written} == {"report.md", "report.csv", "speedup.png", "ablation-test.md",
+    assert {p.name for p in written} == {"report.md", "report.csv", "speedup.png", "jobs.csv", "ablation-test.md",
                                          "ablation-test.png"}
     rows = read_csv(sweep / "report.csv")
     assert list(rows[0]) == CSV_COLUMNS
@@ -249,9 +298,40 @@ def test_report_files_from_synthetic_summaries(tmp_path):
     assert "python -m runner -m +experiment=ablation model=tiny" in md and "Test CPU, 2 cores" in md
     assert "3 warm-up + 8 measured steps" in md and "3 repeat(s)" in md
     assert "| – | baseline+set_to_none |" in md and "no measurable effect" in md
+    assert "| 3 | baseline+amp | 2.00 | 1.81–2.21 | 2.00 | 1.81–2.21 | **helps** |" in md
+    assert "bootstrap percentile interval (Efron & Tibshirani 1993" in md and "10,000 times (seed 0)" in md
+    assert float(by["baseline+amp"]["speedup_ci_low"]) == pytest.approx(190 / 105, rel=1e-5)
+    assert float(by["fast-amp"]["effect_ci_high"]) == pytest.approx(310 / 140, rel=1e-5)
+    assert by["baseline"]["effect_ci_low"] == "" and by["fast-cudnn_benchmark"]["speedup_ci_low"] == ""
     assert (sweep / "speedup.png").read_bytes()[:8] == PNG_MAGIC
+    jobs = read_csv(sweep / "jobs.csv")
+    assert list(jobs[0]) == JOB_COLUMNS and len(jobs) == 3 * len(SYNTHETIC) + 1
     text = doc.read_text()
-    assert "## Reading" in text and "amp (on alone, ×2.00)" in text and "](ablation-test.png)" in text
+    assert "## Reading" in text and "amp (on alone, ×2.00 [1.81–2.21])" in text and "](ablation-test.png)" in text
+
+
+def test_report_shows_each_jobs_fixed_cost_and_the_sweeps_time(tmp_path):
+    sweep = write_sweep(tmp_path / "sweep", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
+    now = time.time()
+    for i, path in enumerate(sorted(sweep.rglob("summary.json"))):
+        s = json.loads(path.read_text())
+        s |= {"train_time_s": 5.0, "eval_time_s": 1.0, "measured_time_s": 4.0}
+        path.write_text(json.dumps(s))
+        os.utime(path, (now - 2, now - 2))  # the summary was written 2 s before the child exited
+        (path.parent / "job.json").write_text(json.dumps({"started": now - 2 - 6 - 3.5 - i, "finished": now}))
+    record = json.loads((sweep / "ablation.json").read_text())
+    (sweep / "ablation.json").write_text(json.dumps(record | {"started_s": now - 100, "finished_s": now}))
+    write_report(sweep)
+    jobs = read_csv(sweep / "jobs.csv")
+    setups = sorted(float(j["setup_s"]) for j in jobs)
+    assert setups == [pytest.approx(3.5 + i, abs=0.01) for i in range(6)]
+    assert all(float(j["teardown_s"]) == pytest.approx(2.0, abs=0.01) for j in jobs)
+    rows = {r["configuration"]: r for r in read_csv(sweep / "report.csv")}
+    assert float(rows["baseline+amp"]["setup_s_median"]) > 0
+    md = (sweep / "report.md").read_text()
+    assert "Sweep wall time: 100.0 s" in md and "(24% of it in measured steps)" in md
+    assert "| measured steps | 24.0 s | 24% |" in md and "| evaluation | 6.0 s | 6% |" in md
+    assert "Fixed cost per job (setup before the first step): median 6.0 s, 3.5–8.5 s over 6 jobs." in md
 
 
 def test_report_cli_bad_input_exits_nonzero_with_one_message(tmp_path):
@@ -262,7 +342,7 @@ def test_report_cli_bad_input_exits_nonzero_with_one_message(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     no_base = write_sweep(tmp_path / "nobase", {k: v for k, v in SYNTHETIC.items() if k != "baseline"})
-    for folder, message in ((tmp_path / "absent", "is not a folder"), (empty, "holds no summary.json"),
+    for folder, message in ((tmp_path / "absent", "is not a folder"), (empty, "holds no job folder"),
                             (no_base, "no baseline")):
         proc = report(folder)
         assert proc.returncode == 2, proc.stderr
@@ -290,8 +370,8 @@ def test_wandb_table_offline(tmp_path, monkeypatch):
     written = write_report(sweep)
     runs = list((sweep / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
-    assert len(written) == 4
-    assert write_report(sweep, use_wandb=False) == written[:3]
+    assert len(written) == 5
+    assert write_report(sweep, use_wandb=False) == written[:4]
 
 
 # ------------------------------------------------------------------------------------------- end to end
@@ -339,9 +419,9 @@ def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     amp = by["baseline+amp"]
     assert amp["techniques"] == "amp: applied" or (amp["techniques"].startswith("amp: skipped")
                                                    and amp["verdict"] == "skipped here")
-    # one repeat: no spread, so exactly the configurations faster than the baseline are ranked, in order
-    faster = [r for r in rows if r["speedup"] and float(r["speedup"]) > 1 and r["verdict"] != "skipped here"]
-    assert [r["rank"] for r in faster] == [str(i) for i in range(1, len(faster) + 1)]
+    # one repeat: no interval, so no verdict and no rank
+    assert all(r["rank"] == "" for r in rows)
+    assert {r["verdict"] for r in rows if r["speedup"] and r["kind"] != "baseline"} <= {NO_INTERVAL, "skipped here"}
     md = (sweep / "report.md").read_text()
     record = json.loads((sweep / "ablation.json").read_text())
     assert record["command"].startswith("python -m runner -m ") and "+experiment=ablation" in record["command"]
@@ -362,3 +442,111 @@ def test_report_warns_when_the_machine_was_busy(tmp_path):
                                                                                 "load_average_1min": 3.2}}))
     write_report(sweep)
     assert "machine was busy when the sweep started (load average 3.2 on 2 cores)" in (sweep / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------- repeats=auto
+def fake_round(sweep: Path, samples: dict[str, list[float]], calls: list):
+    """A ``launch`` for ``auto_repeat`` that 'runs' repeat n of each variant: the next value of its list."""
+    def launch(repeat: int, variants: list[str]) -> int:
+        calls.append((repeat, variants))
+        for name in variants:
+            d = sweep / name / f"r{repeat}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps(summary(name, repeat, samples[name][repeat], {})))
+        return 0
+    return launch
+
+
+def test_auto_repeat_stops_at_once_when_every_interval_is_tight_enough(tmp_path):
+    sweep = write_sweep(tmp_path / "s", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
+    calls = []
+    stopped, rounds = auto_repeat(sweep, 0.5, 10, 3, fake_round(sweep, {}, calls))
+    assert calls == [] and rounds == [] and "within ±50.0% after 3 repeat(s)" in stopped
+
+
+def test_auto_repeat_adds_rounds_until_the_criterion_holds(tmp_path):
+    """amp runs at exactly 200; the baseline has one slow... fast repeat (130) among 100s. Its median
+    resamples reach 130 with probability 6 % at 6 repeats (> 2.5 %), 1 % at 7: the interval of amp's
+    speed-up closes to [2, 2] at the 7th repeat."""
+    configs = {"baseline": ([100.0, 100.0, 130.0], {}), "baseline+amp": ([200.0, 200.0, 200.0], {"amp": "applied"}),
+               "baseline+set_to_none": ([100.0, 100.0, 100.0], {})}
+    sweep = write_sweep(tmp_path / "s", configs)
+    calls = []
+    samples = {"baseline": [100.0] * 10, "baseline+amp": [200.0] * 10, "baseline+set_to_none": [100.0] * 10}
+    stopped, rounds = auto_repeat(sweep, 0.05, 10, 3, fake_round(sweep, samples, calls))
+    assert [r for r, _ in calls] == [3, 4, 5, 6]
+    assert all(sorted(v) == ["baseline", "baseline+amp", "baseline+set_to_none"] for _, v in calls)
+    assert "within ±5.0% after 7 repeat(s)" in stopped and [r["repeat"] for r in rounds] == [3, 4, 5, 6]
+    assert rounds[0]["pending"]["baseline+amp"] > 0.05 and rounds[0]["returncode"] == 0
+    by = {r.configuration: r for r in build_rows(load_jobs(sweep))}
+    assert by["baseline+amp"].effect_ci.half_width == 0 and by["baseline+amp"].verdict == "helps"
+    assert len(by["baseline"].runs) == 7
+
+
+def test_auto_repeat_runs_only_what_is_pending_and_its_references(tmp_path):
+    configs = {"baseline": ([100.0, 100.0, 100.0], {}), "baseline+amp": ([200.0, 200.0, 200.0], {"amp": "applied"}),
+               "fast": ([300.0, 300.0, 300.0], {"amp": "applied"}), "fast-amp": ([150.0, 100.0, 190.0], {})}
+    sweep = write_sweep(tmp_path / "s", configs)
+    calls = []
+    samples = {"baseline": [100.0] * 5, "fast": [300.0] * 5, "fast-amp": [150.0, 100.0, 190.0, 120.0, 170.0]}
+    stopped, rounds = auto_repeat(sweep, 0.05, 5, 3, fake_round(sweep, samples, calls))
+    assert calls == [(3, ["fast", "fast-amp", "baseline"]), (4, ["fast", "fast-amp", "baseline"])]
+    assert stopped.startswith("ablation.max_repeats=5 reached; still wider than ±5.0%: fast-amp (±")
+
+
+def test_auto_repeat_stops_when_a_round_fails(tmp_path):
+    sweep = write_sweep(tmp_path / "s", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
+    stopped, rounds = auto_repeat(sweep, 0.01, 10, 3, lambda repeat, variants: 1)
+    assert "round of repeat 3 failed (exit status 1)" in stopped and rounds[0]["returncode"] == 1
+
+
+def test_round_command_keeps_the_sweep_and_replaces_the_repeats():
+    hydra = OmegaConf.create({"overrides": {
+        "hydra": ["hydra.mode=MULTIRUN", "hydra.sweep.dir=x", "hydra/launcher=basic"],
+        "task": ["+experiment=ablation", "model=resnet18", "ablation.repeats=auto", "ablation/variant=baseline,fast",
+                 "ablation.max_repeats=6"]}})
+    cmd = round_command(hydra, Path("/tmp/sweep"), 4, ["baseline", "baseline+amp"])
+    assert cmd[:4] == [sys.executable, "-m", "runner", "-m"]
+    assert cmd[4:] == ["hydra/launcher=basic", "+experiment=ablation", "model=resnet18", "ablation.max_repeats=6",
+                       "ablation.repeats=5", "ablation.repeat=4", "ablation/variant=baseline,baseline+amp",
+                       "hydra.sweep.dir='/tmp/sweep'"]
+
+
+def test_repeats_auto_through_the_cli_adds_a_round_and_stops_at_max_repeats(tmp_path):
+    """Two cheap variants, TINY jobs, an unreachable target: 3 repeats, one more round (repeat 3), stop."""
+    proc = run_cli("-m", "+experiment=ablation", *TINY, "compile=off", "ablation.repeats=auto",
+                   "ablation.max_repeats=4", "ablation.target_ci=1e-9", "ablation/variant=baseline,baseline+set_to_none",
+                   cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweeps = list((tmp_path / "outputs" / "ablation").glob("*/*"))
+    assert len(sweeps) == 1
+    sweep = sweeps[0]
+    measured = sorted(p.parent.relative_to(sweep).as_posix() for p in sweep.rglob("summary.json"))
+    assert measured == sorted(f"{v}/r{i}" for v in ("baseline", "baseline+set_to_none") for i in range(4))
+    record = json.loads((sweep / "ablation.json").read_text())
+    assert record["job_process"] == "forkserver" and record["job_server_start_s"] > 0
+    auto = record["auto"]
+    assert (auto["first_round"], auto["max_repeats"], auto["target_ci"]) == (3, 4, 1e-9)
+    assert [r["repeat"] for r in auto["rounds"]] == [3] and auto["rounds"][0]["returncode"] == 0
+    assert sorted(auto["rounds"][0]["variants"]) == ["baseline", "baseline+set_to_none"]
+    assert auto["stopped"].startswith("ablation.max_repeats=4 reached")
+    assert len(record["multiruns"]) == 1 and "ablation.repeat=3" in record["multiruns"][0]["command"]
+    job = json.loads((sweep / "baseline" / "r3" / "job.json").read_text())
+    assert job["process"] == "forkserver" and job["returncode"] == 0 and job["wall_s"] > 0
+    rows = {r["configuration"]: r for r in read_csv(sweep / "report.csv")}
+    assert rows["baseline+set_to_none"]["repeats"] == "4" and rows["baseline+set_to_none"]["effect_ci_low"]
+    assert float(rows["baseline"]["setup_s_median"]) > 0
+    md = (sweep / "report.md").read_text()
+    assert "ablation.repeats=auto: first round 3 repeat(s)" in md and "stopped: ablation.max_repeats=4 reached" in md
+    assert "forked from a job server" in md and "## Where the sweep's time went" in md
+    assert all(j["setup_s"] for j in read_csv(sweep / "jobs.csv"))
+
+
+@pytest.mark.parametrize("bad,message", [("ablation.repeats=often", "ablation.repeats='often'"),
+                                         ("ablation.target_ci=0", "ablation.target_ci=0.0")])
+def test_bad_repeats_on_the_command_line_stop_before_any_job(tmp_path, bad, message):
+    extra = ["ablation.repeats=auto"] if "target_ci" in bad else []
+    proc = run_cli("-m", "+experiment=ablation", *TINY, *extra, bad, cwd=tmp_path, env={"PYTHONPATH": str(REPO_ROOT)},
+                   timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("summary.json"))
