@@ -1,0 +1,225 @@
+"""Never lose a run: a job killed with SIGKILL at a random step and started again in the same folder ends
+exactly where the same job run straight through ends -- equal parameters (``model.safetensors``), equal
+optimizer state (the last checkpoints), the same per-step loss rows -- for one process (plain loader,
+workers with accumulation, on-device data with augmentation), DDP and FSDP2 over two real torchrun
+processes. Signals checkpoint and stop; a kill mid-write leaves the previous checkpoint chosen; a NaN stops
+the run with the last checkpoint intact; a folder is never silently mixed with another run.
+
+Deterministic on a CPU: same ops, same thread count, same process count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_summary, run_cli
+
+from runner import REPO_ROOT
+from runner import checkpoint as ck
+
+#: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
+JOB = ["data=synthetic", "data.shape=[3,16,16]", "data.train_size=256", "data.eval_size=64", "dataloader.batch_size=16",
+       "trainer.max_steps=16", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_max_batches=2",
+       "trainer.progress=off", "trainer.device=cpu", "logger=none", "checkpoint.every_steps=3"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def command(folder: Path, overrides: list[str], distributed: bool) -> list[str]:
+    launcher = [*TORCHRUN, "-m", "runner"] if distributed else [sys.executable, "-m", "runner"]
+    return [*launcher, *overrides, f"hydra.run.dir={folder}"]
+
+
+def rows(folder: Path) -> list[tuple]:
+    """(step, train loss, eval loss) of every metrics.jsonl row."""
+    out = []
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.append((r["step"], r.get("loss"), r.get("eval_loss")))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            found += map(int, children)
+            frontier += map(int, children)
+    return found
+
+
+def kill_at(cmd: list[str], folder: Path, step: int, timeout: float = 240) -> None:
+    """Start ``cmd``; SIGKILL it and every process it started once ``metrics.jsonl`` has a row for ``step``."""
+    proc = subprocess.Popen(cmd, cwd=folder.parent, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + timeout
+    metrics = folder / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before step {step}: {proc.stderr.read()[-3000:]}"
+    for pid in [*_descendants(proc.pid), proc.pid]:  # torchrun's workers live in sessions of their own
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=60)
+
+
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def optimizer_state(folder: Path) -> dict:
+    """The last checkpoint's optimizer state, read back as one plain dict (DCP -> torch.save format)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = folder.parent / f"{folder.name}.pt"
+    dcp_to_torch_save(str(ck.latest(folder / "checkpoints")), str(out))
+    return torch.load(out, weights_only=False)["model_optimizer"]["optimizer"]
+
+
+def assert_same(a, b, path="") -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool = False) -> dict:
+    from safetensors.torch import load_file
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(command(straight, overrides, distributed), tmp_path)
+    kill_step = random.Random(str(overrides)).randint(4, 13)  # a "random" step, reproducible per case
+    kill_at(command(killed, overrides, distributed), killed, kill_step)
+    assert not (killed / "summary.json").exists()
+    resumed = run(command(killed, overrides, distributed), tmp_path)
+    assert "resumed from" in resumed.stdout
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(killed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert rows(straight) == rows(killed)  # the same per-step losses, and no row twice
+    assert_same(optimizer_state(straight), optimizer_state(killed))
+    summary = read_summary(killed)
+    assert summary["restarts"] == 1 and summary["restart_lost_time_s"] > 0 and summary["checkpoint_time_s"] > 0
+    assert summary["steps"] == 16 and read_summary(straight)["restarts"] == 0
+    return summary
+
+
+@pytest.mark.parametrize("case", [
+    [],  # the plain DataLoader
+    ["dataloader.num_workers=2", "memory.accumulate_steps=2"],  # worker processes; 8 steps per epoch: mid-epoch
+    ["dataloader=device", "data.augment=true", "data.normalize=true"],  # on-device data, random crop + flip
+], ids=["loader", "workers-accumulation", "on-device-augment"])
+def test_killed_run_resumes_exactly(tmp_path, case):
+    assert_exact_resume(tmp_path, [*JOB, *case])
+
+
+@pytest.mark.slow
+def test_killed_ddp_run_resumes_exactly(tmp_path):
+    assert_exact_resume(tmp_path, [*JOB, "distributed=ddp", "dataloader.batch_size=8"], distributed=True)
+
+
+@pytest.mark.slow
+def test_killed_fsdp_language_model_resumes_exactly(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((REPO_ROOT / "README.md").read_text()[:40000])
+    lm = ["+experiment=shakespeare_char", f"data.path={corpus}", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+          "data.block_size=16", "optimizer.base_batch_size=8", "scheduler.warmup_steps=2", "trainer.eval_every=8",
+          "task.sample_tokens=20"]
+    summary = assert_exact_resume(tmp_path, [*JOB, *lm, "distributed=fsdp"], distributed=True)
+    assert summary["parameters"]["sharded_tensors"] > 0
+    assert (tmp_path / "straight" / "samples.txt").read_text() == (tmp_path / "killed" / "samples.txt").read_text()
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_exits_75(tmp_path):
+    folder = tmp_path / "job"
+    proc = subprocess.Popen(command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False),
+                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = folder / "metrics.jsonl"
+    while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    (path,) = ck.complete_checkpoints(folder / "checkpoints")
+    step = ck.read_meta(path)["step"]
+    assert f"stopped at step {step} for SIGTERM" in out + err
+    assert rows(folder)[-1][0] == step and not (folder / "summary.json").exists()
+    # the requeued job (same command, same folder) continues from there to the end
+    resumed = run(command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False), tmp_path)
+    assert f"resumed from {path}" in resumed.stdout
+    assert read_summary(folder)["steps"] == 400 and [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 401))
+
+
+def test_a_kill_while_writing_leaves_the_previous_checkpoint_chosen(tmp_path):
+    folder = tmp_path / "job"
+    run(command(folder, [*JOB, "trainer.max_steps=6", "checkpoint.at_end=false"], False), tmp_path)
+    root = folder / "checkpoints"
+    assert [p.name for p in ck.complete_checkpoints(root)] == ["step_00000003", "step_00000006"]
+    # the write of step 6 killed before its rename: only the partial folder is left (no .metadata)
+    os.rename(root / "step_00000006", root / ".step_00000006.partial")
+    (root / ".step_00000006.partial" / ".metadata").unlink()
+    (folder / "summary.json").unlink()
+    resumed = run(command(folder, [*JOB, "trainer.max_steps=8"], False), tmp_path)
+    assert f"resumed from {root / 'step_00000003'}" in resumed.stdout
+    assert read_summary(folder)["steps"] == 8 and [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 9))
+
+
+def test_nan_stops_with_the_last_checkpoint_intact_and_skip_counts(tmp_path):
+    proc = run_cli(*JOB, "optimizer.lr=1e10", "checkpoint.every_steps=2", "trainer.log_every=2", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "the training loss became nan" in error and "last finite loss" in error and "optimizer.lr" in error
+    (job,) = [p.parent for p in (tmp_path / "outputs").rglob(".hydra")]
+    assert not (job / "summary.json").exists()
+    last = ck.latest(job / "checkpoints")
+    assert last is not None and ck.read_meta(last)["step"] >= 2
+
+    (tmp_path / "skip").mkdir()
+    proc = run_cli(*JOB, "optimizer.lr=1e10", "trainer.on_nonfinite=skip", "checkpoint.at_end=false",
+                   cwd=tmp_path / "skip")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (job,) = [p.parent for p in (tmp_path / "skip" / "outputs").rglob(".hydra")]
+    summary = read_summary(job)
+    assert summary["skipped_steps"] > 0 and summary["steps"] == 16
+    json.loads((job / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+
+
+def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
+    folder = tmp_path / "job"
+    run(command(folder, [*JOB, "trainer.max_steps=3"], False), tmp_path)
+    changed = subprocess.run(command(folder, [*JOB, "trainer.max_steps=6", "optimizer.lr=0.5"], False), cwd=tmp_path,
+                             env=env(), capture_output=True, text=True, timeout=300)
+    assert changed.returncode == 2 and "optimizer.lr: 0.01 -> 0.5" in changed.stderr
+    done = subprocess.run(command(folder, [*JOB, "trainer.max_steps=3"], False), cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "already finished at step 3" in done.stderr
+    fresh = subprocess.run(command(folder, [*JOB, "checkpoint.resume=never"], False), cwd=tmp_path, env=env(),
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 2 and "would mix a new run into it" in fresh.stderr
+    longer = run(command(folder, [*JOB, "trainer.max_steps=6"], False), tmp_path)  # max_steps may change
+    assert "resumed from" in longer.stdout and read_summary(folder)["steps"] == 6
