@@ -211,14 +211,14 @@ class _PerRank:
         self.state, self.rank, self.rng = state, rank, checkpoint.RNGState(rank)
 
     def state_dict(self) -> dict[str, Any]:
-        payload = {"rng": self.rng.state_dict()[f"rank{self.rank}"], "loss_sum": self.state.loss_sum.item(),
+        payload = {"rng": self.rng.state_dict()[f"rank{self.rank}"], "loss_sum": self.state.loss_sum.detach().cpu(),
                    "timings": (self.state.timings.data_wait_ms, self.state.timings.step_time_ms)}
         return {f"rank{self.rank}": pickle.dumps(payload)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         payload = pickle.loads(sd[f"rank{self.rank}"])
         self.rng.load_state_dict({f"rank{self.rank}": payload["rng"]})
-        self.state.loss_sum.fill_(payload["loss_sum"])
+        self.state.loss_sum.copy_(payload["loss_sum"])
         self.state.timings.data_wait_ms[:], self.state.timings.step_time_ms[:] = payload["timings"]
 
 

@@ -96,7 +96,7 @@ class SlowFirstBatches:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.inner.set_epoch(epoch)
 
     def __iter__(self):

@@ -27,9 +27,10 @@ from runner import REPO_ROOT
 from runner import checkpoint as ck
 
 #: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
+STEPS = ["trainer.max_steps=16", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_max_batches=2",
+         "trainer.progress=off", "trainer.device=cpu", "logger=none", "checkpoint.every_steps=3"]
 JOB = ["data=synthetic", "data.shape=[3,16,16]", "data.train_size=256", "data.eval_size=64", "dataloader.batch_size=16",
-       "trainer.max_steps=16", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_max_batches=2",
-       "trainer.progress=off", "trainer.device=cpu", "logger=none", "checkpoint.every_steps=3"]
+       *STEPS]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
@@ -149,8 +150,8 @@ def test_killed_fsdp_language_model_resumes_exactly(tmp_path):
     lm = ["+experiment=shakespeare_char", f"data.path={corpus}", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
           "data.block_size=16", "optimizer.base_batch_size=8", "scheduler.warmup_steps=2", "trainer.eval_every=8",
           "task.sample_tokens=20"]
-    summary = assert_exact_resume(tmp_path, [*JOB, *lm, "distributed=fsdp"], distributed=True)
-    assert summary["parameters"]["sharded_tensors"] > 0
+    summary = assert_exact_resume(tmp_path, [*lm, *STEPS, "distributed=fsdp"], distributed=True)
+    assert summary["parameters"]["dtensor_count"] > 0
     assert (tmp_path / "straight" / "samples.txt").read_text() == (tmp_path / "killed" / "samples.txt").read_text()
 
 

@@ -148,7 +148,11 @@ def test_a_key_from_wandb_login_and_no_network_fall_back_to_offline_at_once(tmp_
 
 
 def test_wandb_api_key_reads_the_login_file(tmp_path, monkeypatch):
+    import wandb
+
     from runner.track import wandb_api_key
+
+    wandb.teardown()  # wandb keeps its settings (the server URL) from an earlier use in this process
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
