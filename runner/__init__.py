@@ -30,11 +30,12 @@ def uses_cuda(device: str) -> bool:
 #   ${runner_if_cuda:${trainer.device},A,B}  A when the job will run on CUDA, else B
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
-#                                            dataloader.on_device works (all but imagefolder)
+#                                            dataloader.on_device works (all but imagefolder); custom:
+#                                            tried, and recorded as skipped unless it is whole tensors
 _RESOLVERS = {
     "runner_if_cuda": lambda device, then, otherwise: then if uses_cuda(str(device)) else otherwise,
     "runner_mul": lambda a, b: a * b,
-    "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic"),
+    "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic", "custom"),
 }
 for _name, _fn in _RESOLVERS.items():
     if not OmegaConf.has_resolver(_name):

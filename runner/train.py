@@ -47,7 +47,7 @@ def validate(cfg: DictConfig) -> None:
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
     ]
     choices = {
-        "data.name": (cfg.data.name, ("mnist", "cifar10", "imagefolder", "synthetic")),
+        "data.name": (cfg.data.name, ("mnist", "cifar10", "imagefolder", "synthetic", "custom")),
         "scheduler.name": (cfg.scheduler.name, ("constant", "onecycle", "cosine", "cyclic")),
         "precision.name": (cfg.precision.name, ("fp32", "amp", "bf16", "tf32")),
         "distributed.name": (cfg.distributed.name, ("none", "ddp", "fsdp", "dp")),
@@ -159,7 +159,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
 
     data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed, memory_format=memory_format)
-    model = models.build(cfg.model, data.num_classes, data.in_channels).to(env.device)
+    model = models.build(cfg.model, data.num_classes, data.in_channels, example=data.example).to(env.device)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
     flops = measure.flops_per_sample(model, data.sample_shape, env.device, num_classes=data.num_classes)
     model, applied, details = prepare.prepare(model, cfg, env)
