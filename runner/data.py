@@ -427,10 +427,13 @@ def _tensor_pair(ds) -> tuple[torch.Tensor, torch.Tensor] | str:
 
 
 def _cheap_targets(ds) -> torch.Tensor | None:
-    """Every target of ``ds`` as an integer tensor when readable without loading inputs, else None."""
-    if isinstance(ds, (TensorDataset, Subset)):
-        pair = _tensor_pair(ds)
-        return None if isinstance(pair, str) else pair[1]
+    """Every target of ``ds`` as an integer tensor when readable without loading inputs, else None: a
+    TensorDataset's second tensor, a ``targets`` attribute, a Subset of either (its indices applied)."""
+    if isinstance(ds, TensorDataset):
+        return ds.tensors[1] if len(ds.tensors) == 2 else None
+    if isinstance(ds, Subset):
+        inner = _cheap_targets(ds.dataset)
+        return None if inner is None else inner[torch.as_tensor(list(ds.indices), dtype=torch.long)]
     t = getattr(ds, "targets", None)
     if t is None:
         return None

@@ -350,8 +350,8 @@ def build(cfg: DictConfig, num_classes: int, in_channels: int, example: torch.Te
 
     Steps: ``weights`` (torchvision's pretrained weights from the cache, then a fresh head for
     ``num_classes``), ``cifar_stem`` (a ResNet's 7x7/2 stem + max-pool become a 3x3/1 stem without pooling,
-    He et al. 2016 section 4.2), the first ``Conv2d`` rebuilt for ``in_channels`` (pretrained kernels
-    adapted), ``freeze_backbone`` (``requires_grad=False`` on every parameter but the new head's and those
+    He et al. 2016 section 4.2), the first ``Conv2d`` rebuilt for ``in_channels`` when the items are images
+    (pretrained kernels adapted), ``freeze_backbone`` (``requires_grad=False`` on every parameter but the new head's and those
     of layers runner built fresh), the input check.
 
     Raises:
@@ -360,6 +360,9 @@ def build(cfg: DictConfig, num_classes: int, in_channels: int, example: torch.Te
             another architecture's, file missing or unreadable), ``cifar_stem`` on a non-ResNet,
             ``freeze_backbone`` without ``weights``, or a model that does not take the data's inputs.
     """
+    if cfg.freeze_backbone and not cfg.weights:
+        raise ConfigError("model.freeze_backbone=true trains only a pretrained model's new head; set "
+                          "model.weights=<torchvision weights name> too (or leave freeze_backbone=false)")
     builder = targets.locate("model._target_", cfg._target_)
     kwargs = {k: v for k, v in targets.plain(cfg).items() if k not in RUNNER_KEYS and k != "_target_"}
     if "num_classes" in kwargs:
@@ -387,7 +390,7 @@ def build(cfg: DictConfig, num_classes: int, in_channels: int, example: torch.Te
         model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
         model.maxpool = nn.Identity()
         fresh.append(model.conv1)
-    found = _first_conv(model)
+    found = _first_conv(model) if example is None or example.dim() == 3 else None  # image items (C, H, W) only
     if found is not None:
         parent, name, conv = found
         if conv.in_channels != in_channels:
@@ -396,9 +399,6 @@ def build(cfg: DictConfig, num_classes: int, in_channels: int, example: torch.Te
             if not cfg.weights:
                 fresh.append(new)
     if cfg.freeze_backbone:
-        if not cfg.weights:
-            raise ConfigError("model.freeze_backbone=true trains only a pretrained model's new head; set "
-                              "model.weights=<torchvision weights name> too (or leave freeze_backbone=false)")
         model.requires_grad_(False)
         for module in fresh:
             module.requires_grad_(True)

@@ -43,11 +43,13 @@ def build(*overrides: str, target: str = "user_data.tabular", env=None):
 
 
 def readme_example() -> tuple[str, list[str]]:
-    """The README's ``my_data.py`` (the python block starting ``# my_data.py``) and its command's overrides."""
+    """The README's ``my_data.py`` (the python block starting ``# my_data.py``) and the overrides of the
+    command in the next bash block."""
     text = (REPO_ROOT / "README.md").read_text()
-    module = re.search(r"```python\n(# my_data\.py.*?)```", text, re.S).group(1)
-    command = re.search(r"^python -m runner (data=custom data\._target_=my_data\.\S+.*)$", text, re.M).group(1)
-    return module, shlex.split(command)
+    found = re.search(r"```python\n(# my_data\.py.*?)```", text, re.S)
+    block = re.search(r"```bash\n(.*?)```", text[found.end():], re.S).group(1)
+    (command,) = [line for line in block.splitlines() if line.startswith("python -m runner data=custom")]
+    return found.group(1), shlex.split(command, comments=True)[3:]
 
 
 def test_readme_tabular_example_through_the_cli(tmp_path):
@@ -156,6 +158,7 @@ def test_subset_of_a_tensor_dataset_goes_on_device():
 @pytest.mark.parametrize("overrides,target,expected", [
     ([], "user_data.tabular", 3),  # max(target) + 1 over TensorDataset targets
     (["data.num_classes=5"], "user_data.tabular", 5),  # explicit wins (more classes than seen is allowed)
+    ([], "user_data.labelled_subsets", 3),  # Subsets of a dataset with a `targets` attribute
     (["data.classes=[x,y,z,w,v]"], "user_data.rows", 5),  # a classes attribute
     (["data.num_classes=4"], "user_data.takes_num_classes", 4),  # passed to the function, which makes 4
     (["data.n_classes=2", "data.anything=1"], "user_data.with_kwargs", None),  # **kwargs: names not checked
@@ -209,10 +212,10 @@ def test_inputs_the_model_cannot_take_name_both_shapes(tmp_path):
     msg = str(info.value)
     assert "items of shape (8,)" in msg and "a batch is (2, 8)" in msg
     assert "Linear(in_features=5) expects (B, ..., 5)" in msg
-    # a conv net on vectors: the same message, with the conv's expectation (its first conv is rebuilt for
-    # the 8 "channels" of the item's first dimension)
+    # a conv net on vectors: the same message, with the conv's expectation (its first conv is fitted to the
+    # channels of image items only)
     cfg = compose_cfg(*LOOP, "data=custom", "data._target_=user_data.tabular", "model=mnist_cnn", tiny=False)
-    with pytest.raises(ConfigError, match=r"items of shape \(8,\).*Conv2d\(in_channels=8\) expects \(B, 8, H, W\)"):
+    with pytest.raises(ConfigError, match=r"items of shape \(8,\).*Conv2d\(in_channels=1\) expects \(B, 1, H, W\)"):
         train(cfg, job_dir=tmp_path)
 
 

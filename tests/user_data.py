@@ -50,6 +50,14 @@ def split(n_features: int = 8):
     return Subset(full, range(n)), Subset(full, range(n, len(full)))
 
 
+def labelled_subsets(n_features: int = 8):
+    """Subsets of a row dataset that keeps its labels in a ``targets`` attribute (torchvision's convention)."""
+    (x, y), (xe, ye) = (ds.tensors for ds in tabular(n_features))
+    full = Rows(torch.cat([x, xe]), torch.cat([y, ye]))
+    full.targets = full.y
+    return Subset(full, range(len(y))), Subset(full, range(len(y), len(full)))
+
+
 def with_kwargs(**kwargs):
     """Accepts any keyword: runner cannot check names against its signature."""
     return tabular(**kwargs)
