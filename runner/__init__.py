@@ -50,12 +50,13 @@ def ablation_first_round(repeats, max_repeats) -> int:
 #   ${runner_if_cuda:${trainer.device},A,B}  A when the job will run on CUDA, else B
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
-#                                            dataloader.on_device works (all but imagefolder; text included)
+#                                            dataloader.on_device works (all but imagefolder; text included);
+#                                            custom: tried, and recorded as skipped unless it is whole tensors
 #   ${runner_first_round:${ablation.repeats},${ablation.max_repeats}}   ablation_first_round above
 _RESOLVERS = {
     "runner_if_cuda": lambda device, then, otherwise: then if uses_cuda(str(device)) else otherwise,
     "runner_mul": lambda a, b: a * b,
-    "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic", "text"),
+    "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic", "text", "custom"),
     "runner_first_round": ablation_first_round,
 }
 for _name, _fn in _RESOLVERS.items():

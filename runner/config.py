@@ -7,6 +7,15 @@ https://hydra.cc/docs/tutorials/structured_config/schema/).
 
 Fields that are *not* constructor arguments (``lr_scaling``, ``cifar_stem``, ...) are listed in
 ``RUNNER_KEYS`` of the module that consumes the group; everything else is passed to ``_target_``.
+
+Two nodes are open to keys no schema declares, because they carry the arguments of a user's own callable:
+``model`` (any constructor argument: ``model.width=64``) and ``data`` when ``data=custom`` (any argument
+of the dataset function: ``data.n_features=20``). Their schemas are stored with the struct flag off
+(``open_node``), so ``key=value`` adds such a key without Hydra's ``+``, while the declared fields stay
+typed (``model.cifar_stem=abc`` still fails at compose time). The builders then check the extra keys
+against the callable's signature before calling it (``runner.targets.check_arguments``), so a typo
+(``model.widht=64``) stops before training with the valid names. Every other group stays closed: a typo
+such as ``trainer.max_step`` fails at compose time.
 """
 
 from __future__ import annotations
@@ -15,16 +24,26 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 @dataclass
 class ModelConfig:
-    """``model`` group: ``_target_`` (a module class or factory taking ``num_classes``) + runner switches."""
+    """``model`` group: ``_target_`` (a module class or factory) + runner's switches; an open node.
+
+    Any other key is a constructor argument of ``_target_`` (``model.width=64``), checked against its
+    signature by ``runner.models.build``. ``num_classes`` (the data's class count) and ``in_features``
+    (values per input item) are filled in by runner when the constructor has such a parameter.
+    """
 
     _target_: str = MISSING
     cifar_stem: bool = False  # resnets: 3x3 stride-1 stem, no max-pool (for 32x32 inputs)
     drop_bias_before_bn: bool = False  # technique 15: remove conv/linear bias that feeds a BatchNorm
+    # torchvision weights: a name of the builder's weights enum (IMAGENET1K_V1, DEFAULT) or a full one
+    # (ResNet18_Weights.IMAGENET1K_V1), read from torchvision's cache ($TORCH_HOME/hub/checkpoints);
+    # the classification head is then replaced by a fresh one for the data's class count
+    weights: Optional[str] = None
+    freeze_backbone: bool = False  # with weights: train only the new head (requires_grad=False elsewhere)
 
 
 @dataclass
@@ -60,22 +79,53 @@ class LanguageModelTaskConfig(TaskConfig):
 
 @dataclass
 class DataConfig:
-    """``data`` group: which dataset, where it lives, and how samples are normalized/augmented."""
+    """``data`` group, the keys every option has: which dataset, its class count, image-only switches.
 
-    name: str = MISSING  # mnist | cifar10 | imagefolder | synthetic | text
-    root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/data}"
-    download: bool = False
+    Image-only switches on data that are not images (``data=custom``) are recorded as skipped.
+    """
+
+    name: str = MISSING  # mnist | cifar10 | imagefolder | synthetic | custom
+    # null: from the dataset (see runner.data); synthetic: the labels' range; custom: overrides inference
+    num_classes: Optional[int] = None
     normalize: bool = True  # technique 17: subtract the dataset mean, divide by its std
     augment: bool = False  # random crop (padding 4) + horizontal flip on the training set
+
+
+@dataclass
+class ImageDataConfig(DataConfig):
+    """``data=mnist|cifar10|imagefolder|synthetic``: where the images live and how they are shaped."""
+
+    root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/data}"
+    download: bool = False
     image_size: int = 224  # imagefolder: resize + center-crop side (px)
     # synthetic only: random inputs of this shape, made once
     shape: list[int] = field(default_factory=lambda: [3, 32, 32])
-    num_classes: int = 10
-    train_size: Optional[int] = 50000  # synthetic: samples; text: windows per epoch (null: train tokens // block)
+    train_size: int = 50000
     eval_size: int = 10000
-    # text only: a UTF-8 file, tokenized by character; samples are windows of block_size tokens
+
+
+@dataclass
+class TextDataConfig(DataConfig):
+    """``data=text``: a UTF-8 file tokenized by character; samples are windows of ``block_size`` tokens."""
+
+    name: str = "text"
     path: Optional[str] = None
     block_size: int = 256
+    train_size: Optional[int] = None  # random windows per epoch; null: train tokens // block_size
+    normalize: bool = False  # an image technique: nothing to normalize in token ids
+
+
+@dataclass
+class CustomDataConfig(DataConfig):
+    """``data=custom``: ``_target_`` names the user's function returning ``(train_dataset, eval_dataset)``.
+
+    An open node: every key other than the declared ones is a keyword argument of that function
+    (``data.n_features=20``); ``num_classes``, when set, is passed too if the function has that parameter.
+    """
+
+    name: str = "custom"
+    _target_: Optional[str] = None  # <module>.<function>, e.g. my_data.tabular (my_data.py in the run folder)
+    normalize: bool = False  # the function returns inputs as the model sees them
 
 
 @dataclass
@@ -306,13 +356,35 @@ _GROUPS = {
 }
 
 
+#: Groups whose options extend a more specific schema than ``base_<group>``: ``base_<name>`` per entry.
+_SPECIFIC = {
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig},
+    "data": {"image_data": ImageDataConfig, "custom_data": CustomDataConfig, "text_data": TextDataConfig},
+    "model": {"gpt": GPTConfig},
+    "task": {"language_model": LanguageModelTaskConfig},
+}
+#: Schemas whose nodes accept keys they do not declare (a user's constructor/function arguments).
+OPEN = (ModelConfig, CustomDataConfig)
+
+
+def open_node(schema: type) -> DictConfig:
+    """``schema`` as a config node with the struct flag off: undeclared keys can be set without ``+``.
+
+    Hydra sets struct mode on the composed root; a node's own flag wins over its parent's (OmegaConf
+    flags, https://omegaconf.readthedocs.io/en/2.3_branch/usage.html#struct-flag), and the flag survives
+    composition, so only this node opens. Its declared fields keep their types.
+    """
+    node = OmegaConf.structured(schema)
+    OmegaConf.set_struct(node, False)
+    return node
+
+
 def register_configs() -> None:
-    """Store the schemas: ``config_schema`` for the primary config, ``base_<group>`` per group."""
+    """Store the schemas: ``config_schema`` for the primary config, ``base_<group>`` per group, and the
+    specific ones (``base_sgd``, ``base_image_data``, ``base_custom_data``, ...); ``OPEN`` ones unlocked."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=RunnerConfig)
-    for group, schema in _GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=schema)
-    for name, schema in {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig}.items():
-        cs.store(group="optimizer", name=f"base_{name}", node=schema)
-    cs.store(group="model", name="base_gpt", node=GPTConfig)
-    cs.store(group="task", name="base_language_model", node=LanguageModelTaskConfig)
+    schemas = [(group, group, schema) for group, schema in _GROUPS.items()]
+    schemas += [(group, name, schema) for group, named in _SPECIFIC.items() for name, schema in named.items()]
+    for group, name, schema in schemas:
+        cs.store(group=group, name=f"base_{name}", node=open_node(schema) if schema in OPEN else schema)

@@ -56,7 +56,7 @@ def validate(cfg: DictConfig) -> None:
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
     ]
     choices = {
-        "data.name": (cfg.data.name, ("mnist", "cifar10", "imagefolder", "synthetic", "text")),
+        "data.name": (cfg.data.name, ("mnist", "cifar10", "imagefolder", "synthetic", "text", "custom")),
         "scheduler.name": (cfg.scheduler.name, ("constant", "onecycle", "cosine", "cyclic")),
         "precision.name": (cfg.precision.name, ("fp32", "amp", "bf16", "tf32")),
         "distributed.name": (cfg.distributed.name, ("none", "ddp", "fsdp", "dp")),
@@ -285,7 +285,7 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     data = data_mod.build(cfg.data, cfg.dataloader, env, seed=t.seed, memory_format=memory_format)
-    model = models.build(cfg.model, task.model_kwargs(data), data.in_channels).to(env.device)
+    model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item).to(env.device)
     task.check(model, data)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
     flops = measure.flops_per_sample(model, data.example, task.loss)

@@ -56,14 +56,14 @@ def free_port() -> int:
 
 
 def child_env(root: Path, **extra: str) -> dict[str, str]:
-    """Subprocess environment: one OpenMP thread per process (2 cores), the tiny model and this checkout's
-    runner importable, a private TMPDIR (so leftovers of ranks > 0 can be checked), torchrun/venv scripts
-    on PATH."""
+    """Subprocess environment: one OpenMP thread per process (2 cores), the tiny model and the checkout
+    under test importable (not another worktree's installed copy), a private TMPDIR (so leftovers of
+    ranks > 0 can be checked), torchrun/venv scripts on PATH."""
     tmp = root / "tmp"
     tmp.mkdir(exist_ok=True)
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-            "HYDRA_FULL_ERROR": "1", "TMPDIR": str(tmp),
-            "PYTHONPATH": os.pathsep.join([str(root / "pymod"), str(REPO_ROOT)]),
+            "HYDRA_FULL_ERROR": "1", "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join([str(root / "pymod"),
+                                                                                       str(REPO_ROOT)]),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
 
 

@@ -11,12 +11,15 @@ from pathlib import Path
 from conftest import TINY, job_dirs, read_summary
 from test_wandb import read_run, wandb_files
 
+from runner import REPO_ROOT
+
 
 def test_two_by_two_sweep_writes_four_jobs_with_their_own_runs(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     # no WANDB_MODE and no API key: offline, and the notice comes once for the whole sweep
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"HOME": str(home)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)  # this checkout
     tiny = [*TINY, "logger=wandb", "trainer.max_steps=2", "trainer.log_every=1"]  # sweep keys last: they win
     proc = subprocess.run([sys.executable, "-m", "runner", "-m", *tiny, "dataloader.batch_size=32,64",
                            "optimizer.lr=0.01,0.1"], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -1,0 +1,121 @@
+"""Dataset functions for ``data=custom`` tests, written the way a user would (importable: tests/ is on sys.path).
+
+Good ones return ``(train_dataset, eval_dataset)``; the ``bad_*`` ones each break one rule that
+``runner.data.custom_datasets`` must turn into a ConfigError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
+
+
+def tabular(n_features: int = 8, n_classes: int = 3, n_train: int = 256, n_eval: int = 64, seed: int = 0):
+    """Gaussian clusters: ``n_features`` floats -> one of ``n_classes``, as two TensorDatasets."""
+    g = torch.Generator().manual_seed(seed)
+    centers = 3 * torch.randn(n_classes, n_features, generator=g)
+    y = torch.arange(n_train + n_eval) % n_classes
+    x = centers[y] + torch.randn(n_train + n_eval, n_features, generator=g)
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+
+class Rows(Dataset):
+    """A map-style dataset that is not tensors: rows computed in ``__getitem__`` (numpy inputs, int targets)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, classes: list[str] | None = None):
+        self.x, self.y = x.numpy(), y.tolist()
+        if classes is not None:
+            self.classes = classes
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i].astype(np.float32), self.y[i]
+
+
+def rows(n_features: int = 8, n_classes: int = 3, classes: list[str] | None = None):
+    """``tabular`` served row by row (not materializable as tensors); ``classes`` sets that attribute."""
+    (x, y), (xe, ye) = (ds.tensors for ds in tabular(n_features, n_classes))
+    return Rows(x, y, classes), Rows(xe, ye, classes)
+
+
+def split(n_features: int = 8):
+    """Subsets of one TensorDataset (what ``random_split`` returns)."""
+    train, evaluation = tabular(n_features)
+    full = TensorDataset(torch.cat([train.tensors[0], evaluation.tensors[0]]),
+                         torch.cat([train.tensors[1], evaluation.tensors[1]]))
+    n = len(train)
+    return Subset(full, range(n)), Subset(full, range(n, len(full)))
+
+
+def labelled_subsets(n_features: int = 8):
+    """Subsets of a row dataset that keeps its labels in a ``targets`` attribute (torchvision's convention)."""
+    (x, y), (xe, ye) = (ds.tensors for ds in tabular(n_features))
+    full = Rows(torch.cat([x, xe]), torch.cat([y, ye]))
+    full.targets = full.y
+    return Subset(full, range(len(y))), Subset(full, range(len(y), len(full)))
+
+
+def with_kwargs(**kwargs):
+    """Accepts any keyword: runner cannot check names against its signature."""
+    return tabular(**kwargs)
+
+
+def takes_num_classes(num_classes: int = 3, n_features: int = 8):
+    """Has a ``num_classes`` parameter: runner passes ``data.num_classes`` to it when set."""
+    return tabular(n_features, num_classes)
+
+
+# ------------------------------------------------------------------------------ bad ones
+
+NOT_CALLABLE = 42
+
+
+def bad_raises(n_features: int = 8):
+    raise FileNotFoundError(f"no such table: features_{n_features}.csv")
+
+
+def bad_one_dataset():
+    return tabular()[0]
+
+
+def bad_iterable():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(8), 0
+
+    return Stream(), Stream()
+
+
+def bad_empty():
+    train, _ = tabular()
+    return train, TensorDataset(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
+
+
+def bad_triples():
+    x = torch.randn(16, 8)
+    return TensorDataset(x, torch.zeros(16, dtype=torch.long), x), TensorDataset(x, torch.zeros(16, dtype=torch.long), x)
+
+
+def bad_float_targets():
+    x = torch.randn(16, 8)
+    return TensorDataset(x, torch.rand(16)), TensorDataset(x, torch.rand(16))
+
+
+def bad_int32_targets():
+    x = torch.randn(16, 8)
+    y = torch.zeros(16, dtype=torch.int32)
+    return TensorDataset(x, y), TensorDataset(x, y)
+
+
+def bad_shapes():
+    train, evaluation = tabular()
+    return train, TensorDataset(torch.randn(len(evaluation), 9), evaluation.tensors[1])
+
+
+def bad_no_classes():
+    """Row datasets without classes/num_classes and without readable targets."""
+    (x, y), (xe, ye) = (ds.tensors for ds in tabular())
+    return Rows(x, y), Rows(xe, ye)
