@@ -370,9 +370,9 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     kwargs = {k: v for k, v in targets.plain(cfg).items() if k not in RUNNER_KEYS and k != "_target_"}
     for key, value in data_kwargs.items():
         if key in kwargs:
-            where = "data.num_classes" if key == "num_classes" else "the data (its vocabulary)"
-            raise ConfigError(f"model.{key}={kwargs[key]} cannot be set: it follows the data ({value}); set "
-                              f"{where} instead")
+            what = "the model's class count" if key == "num_classes" else "the model's vocabulary size"
+            where = "set data.num_classes instead" if key == "num_classes" else "it is the text's character count"
+            raise ConfigError(f"model.{key}={kwargs[key]} cannot be set: {what} follows the data ({value}); {where}")
     targets.check_arguments("model", builder, kwargs, RUNNER_KEYS)
     names, any_name = targets.parameters(builder)
     if example is not None and "in_features" in names and "in_features" not in kwargs:

@@ -90,9 +90,14 @@ def tiny_text(tmp_path) -> Path:
 
 
 def compose_cfg(*overrides: str, tiny: bool = True) -> DictConfig:
-    """Compose ``conf/config.yaml`` with ``TINY`` (unless ``tiny=False``) and then ``overrides``."""
+    """Compose ``conf/config.yaml`` with ``TINY`` (unless ``tiny=False``) and then ``overrides``. When the
+    overrides pick another dataset (``data=text``, ``data=custom``), TINY's synthetic-only keys are left out:
+    each dataset's schema has only its own keys."""
+    tiny_keys = TINY if tiny else []
+    if any(o.startswith("data=") and o != "data=synthetic" for o in overrides):
+        tiny_keys = [k for k in tiny_keys if not k.startswith(("data=", "data."))]
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=[*(TINY if tiny else []), *overrides])
+        return compose(config_name="config", overrides=[*tiny_keys, *overrides])
 
 
 @pytest.fixture

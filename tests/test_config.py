@@ -65,9 +65,8 @@ DATA_OVERRIDES = {
     "cifar10": lambda r: [f"data.root={r['cifar10']}"],
     "imagefolder": lambda r: [f"data.root={r['imagefolder']}", "data.image_size=16"],
     "mnist": lambda r: [f"data.root={r['mnist']}"],
-    # tests/user_data.py, importable like a user's module; TINY's synthetic-only keys deleted (they would be
-    # arguments of the function on data=custom's open node)
-    "custom": lambda r: ["~data.shape", "~data.train_size", "~data.eval_size", "data._target_=user_data.tabular", "model=mlp"],
+    # tests/user_data.py, importable like a user's module (compose_cfg leaves TINY's synthetic-only keys out)
+    "custom": lambda r: ["data._target_=user_data.tabular", "model=mlp"],
 }
 # options that only work together (a language model needs token data and a model of tokens): a tiny GPT
 LANGUAGE_MODEL = {("task", "language_model"), ("model", "gpt"), ("data", "text")}

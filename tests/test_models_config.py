@@ -29,8 +29,8 @@ EXAMPLE = torch.randn(3, 16, 16)  # one input item of TINY's synthetic data
 
 
 def build(*overrides: str, num_classes: int = 10, example: torch.Tensor | None = EXAMPLE) -> nn.Module:
-    return models.build(compose_cfg(*overrides).model, num_classes, 3 if example is None else example.shape[0],
-                        example=example)
+    return models.build(compose_cfg(*overrides).model, {"num_classes": num_classes},
+                        3 if example is None else example.shape[0], example=example)
 
 
 # ------------------------------------------------------------------------------ constructor arguments
