@@ -36,6 +36,16 @@ _RESOLVERS = {
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic"),
 }
+
+
+def _config_groups() -> str:
+    """``${runner_config_groups:}``: the group list of ``python -m runner --help`` (conf/hydra/help/runner.yaml)."""
+    from runner.config import config_groups_help  # imported on use: this module stays light
+
+    return config_groups_help()
+
+
+_RESOLVERS["runner_config_groups"] = _config_groups
 for _name, _fn in _RESOLVERS.items():
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)

@@ -55,9 +55,13 @@ def cfg_factory():
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300,
             module: str = "runner") -> subprocess.CompletedProcess:
-    """Run ``python -m runner ARGS`` in ``cwd`` (outputs/ lands there); returns the finished process."""
+    """Run ``python -m runner ARGS`` in ``cwd`` (outputs/ lands there); returns the finished process.
+
+    The checkout under test comes first on ``PYTHONPATH``: from a ``cwd`` outside it, ``python -m runner``
+    would otherwise import whichever runner the interpreter has installed (another checkout's, editable)."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1",
-                **(env or {})}
+                "PYTHONPATH": path, **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
