@@ -32,7 +32,7 @@ class DataConfig:
     """``data`` group: which dataset, where it lives, and how samples are normalized/augmented."""
 
     name: str = MISSING  # mnist | cifar10 | imagefolder | synthetic
-    root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/data}"
+    root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_data_root:}}"  # else the repo's data/ (runner.DATA_DIR)
     download: bool = False
     normalize: bool = True  # technique 17: subtract the dataset mean, divide by its std
     augment: bool = False  # random crop (padding 4) + horizontal flip on the training set
