@@ -268,6 +268,7 @@ def _train(cfg: DictConfig, env, job_dir: Path | None) -> dict[str, Any]:
         "warmup_steps": min(t.warmup_steps, step),
         "measured_steps": figures["measured_steps"],
         "measured_time_s": figures["measured_time_s"],  # samples_per_sec = global batch x measured_steps / this
+        "measurement": figures["measurement"],  # what the speed figures cover, or why they are null
         "global_batch_size": global_batch,
         "micro_batch_size": micro_batch,
         "accumulate_steps": accumulate,
