@@ -31,6 +31,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "runner"
 
 
+# ${runner_root:}: the checkout's root (for configs that name a repo path); ${runner_data_root:}: DATA_DIR,
+# data.root's default when RUNNER_DATA_ROOT is not set.
 if not OmegaConf.has_resolver("runner_root"):
     OmegaConf.register_new_resolver("runner_root", lambda: str(REPO_ROOT))
 if not OmegaConf.has_resolver("runner_data_root"):
