@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 __version__ = "0.1.0"
 
-#: The repository root (the folder holding conf/ and data/) for an editable install.
-REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The ``runner`` package folder.
+PACKAGE_DIR = Path(__file__).resolve().parent
+#: The repository root (the folder holding conf/ and data/) of a source checkout or an editable install.
+REPO_ROOT = PACKAGE_DIR.parent
+#: True for a regular install (``pip install .``, a wheel, a git URL): the build maps the top-level conf/
+#: and the embedded MNIST into the package (pyproject.toml ``[tool.setuptools.package-dir]``), as
+#: ``runner/conf/`` and ``runner/embedded_data/``. A checkout or an editable install reads them in place.
+INSTALLED = (PACKAGE_DIR / "conf").is_dir()
+#: runner's own configs, the search path entry of ``python -m runner`` (a user's configs join them through
+#: ``--config-dir`` or ``hydra.searchpath``).
+CONF_DIR = PACKAGE_DIR / "conf" if INSTALLED else REPO_ROOT / "conf"
+#: ``data.root`` when ``RUNNER_DATA_ROOT`` is not set: the repo's data/, or the package's copy of the
+#: embedded MNIST (``<DATA_DIR>/MNIST/raw/*.gz``) in a regular install.
+DATA_DIR = PACKAGE_DIR / "embedded_data" if INSTALLED else REPO_ROOT / "data"
 
+
+def cache_dir() -> Path:
+    """Where runner writes what it derives from files it must not change (the MNIST archives of a regular
+    install are extracted here): ``$XDG_CACHE_HOME/runner``, else ``~/.cache/runner``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "runner"
+
+
+# ${runner_root:}: the checkout's root (for configs that name a repo path); ${runner_data_root:}: DATA_DIR,
+# data.root's default when RUNNER_DATA_ROOT is not set.
 if not OmegaConf.has_resolver("runner_root"):
     OmegaConf.register_new_resolver("runner_root", lambda: str(REPO_ROOT))
+if not OmegaConf.has_resolver("runner_data_root"):
+    OmegaConf.register_new_resolver("runner_data_root", lambda: str(DATA_DIR))
 
 
 def uses_cuda(device: str) -> bool:
@@ -59,6 +83,16 @@ _RESOLVERS = {
     "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic", "text", "custom"),
     "runner_first_round": ablation_first_round,
 }
+
+
+def _config_groups() -> str:
+    """``${runner_config_groups:}``: the group list of ``python -m runner --help`` (conf/hydra/help/runner.yaml)."""
+    from runner.config import config_groups_help  # imported on use: this module stays light
+
+    return config_groups_help()
+
+
+_RESOLVERS["runner_config_groups"] = _config_groups
 for _name, _fn in _RESOLVERS.items():
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)

@@ -7,6 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from runner import CONF_DIR
 from runner.config import register_configs
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.launch import prepare_process, record_if_elastic
@@ -14,7 +15,9 @@ from runner.launch import prepare_process, record_if_elastic
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# CONF_DIR: the checkout's conf/, or the copy a regular install put inside the package (an absolute path, so
+# both work); a user's own config folder joins it with --config-dir or hydra.searchpath (README).
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train the composed job; return its samples/s (what a Hydra sweeper optimizes).
 

@@ -95,7 +95,7 @@ class DataConfig:
 class ImageDataConfig(DataConfig):
     """``data=mnist|cifar10|imagefolder|synthetic``: where the images live and how they are shaped."""
 
-    root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/data}"
+    root: str = "${oc.env:RUNNER_DATA_ROOT,${runner_data_root:}}"  # else the repo's data/ (runner.DATA_DIR)
     download: bool = False
     image_size: int = 224  # imagefolder: resize + center-crop side (px)
     # synthetic only: random inputs of this shape, made once
@@ -388,3 +388,40 @@ def register_configs() -> None:
     schemas += [(group, name, schema) for group, named in _SPECIFIC.items() for name, schema in named.items()]
     for group, name, schema in schemas:
         cs.store(group=group, name=f"base_{name}", node=open_node(schema) if schema in OPEN else schema)
+
+
+def config_groups_help() -> str:
+    """The config groups ``python -m runner --help`` lists (conf/hydra/help/runner.yaml), one line each.
+
+    Hydra's own list (``$APP_CONFIG_GROUPS``) would also show the ``base_*`` schemas stored above as if
+    they were options; they are what YAML options extend, never a choice, so this lists every group and
+    option of the search path (runner's and those a ``--config-dir`` adds) except Hydra's own groups and
+    the ConfigStore's ``base_*`` entries.
+    """
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    if not GlobalHydra.instance().is_initialized():  # resolved outside a Hydra app (e.g. --cfg hydra --resolve)
+        return "(see python -m runner --help)"
+    loader, store = GlobalHydra.instance().config_loader(), ConfigStore.instance()
+
+    def groups(parent: str) -> list[str]:
+        found = []
+        for name in loader.list_groups(parent):
+            group = f"{parent}/{name}" if parent else name
+            if group != "hydra":
+                found += [group, *groups(group)]
+        return found
+
+    def schemas(group: str) -> set[str]:
+        try:
+            return {n.removesuffix(".yaml") for n in store.list(group) if n.startswith("base_")}
+        except OSError:  # no ConfigStore entry in this group
+            return set()
+
+    lines = []
+    for group in sorted(groups("")):
+        options = sorted(set(loader.get_group_options(group, ObjectType.CONFIG)) - schemas(group))
+        if options:
+            lines.append(f"{group}: {', '.join(options)}")
+    return "\n".join(lines)

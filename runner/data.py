@@ -19,9 +19,11 @@ these); else the run stops asking for ``data.num_classes``.
 
 from __future__ import annotations
 
+import gzip
 import math
 import os
 import pickle
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -292,18 +294,27 @@ def _transforms(name: str, data_cfg: DictConfig, train: bool, mean, std):
 def _mnist(cfg: DictConfig, mean, std):
     """MNIST from ``<root>/MNIST/raw``: each ``.gz`` is md5-checked and extracted next to itself, once.
 
+    The copy a regular install put inside the package (``data.root`` defaults to it there) is only read:
+    site-packages may be read-only, and files written there would outlive ``pip uninstall``. Its archives
+    are extracted into ``runner.cache_dir()`` (``~/.cache/runner/MNIST/raw``) instead. Each file is
+    written under a temporary name and renamed, so jobs extracting at once (DDP ranks) never read half a file.
+
     Raises:
         ConfigError: a ``.gz`` is missing (names it, ``data.root`` and ``data.download=true``), corrupt
             (md5 mismatch), cannot be extracted, the download failed, or an extracted file is unreadable.
     """
     from torchvision.datasets import MNIST
-    from torchvision.datasets.utils import check_integrity, extract_archive
+    from torchvision.datasets.utils import check_integrity
+
+    from runner import PACKAGE_DIR, cache_dir
 
     raw = Path(cfg.root) / "MNIST" / "raw"
+    root = cache_dir() if raw.resolve().is_relative_to(PACKAGE_DIR) else Path(cfg.root)  # where MNIST() reads
+    out = root / "MNIST" / "raw"
     downloading = False
     for url_name, md5 in MNIST.resources:
         gz = raw / url_name
-        extracted = raw / url_name.removesuffix(".gz")
+        extracted = out / url_name.removesuffix(".gz")
         if extracted.exists():
             continue
         if not gz.exists():
@@ -318,12 +329,16 @@ def _mnist(cfg: DictConfig, mean, std):
             raise ConfigError(f"corrupt dataset file {gz}: its md5 is not {md5}. Delete it and restore it "
                               f"(copy it again, or data.download=true).")
         try:
-            extract_archive(str(gz), str(raw))
+            out.mkdir(parents=True, exist_ok=True)
+            partial = extracted.with_name(f"{extracted.name}.{os.getpid()}.partial")
+            with gzip.open(gz) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(partial, extracted)
         except OSError as e:
-            raise ConfigError(f"cannot extract {gz} into {raw} ({e}); make {raw} writable or copy the data elsewhere "
+            raise ConfigError(f"cannot extract {gz} into {out} ({e}); make {out} writable or copy the data elsewhere "
                               f"and set data.root") from e
     try:
-        mk = lambda train: MNIST(cfg.root, train=train, download=cfg.download,  # noqa: E731
+        mk = lambda train: MNIST(root, train=train, download=cfg.download,  # noqa: E731
                                  transform=_transforms("mnist", cfg, train, mean, std))
         train_ds, eval_ds = mk(True), mk(False)
     except (RuntimeError, AssertionError, ValueError) as e:
@@ -331,7 +346,7 @@ def _mnist(cfg: DictConfig, mean, std):
             raise ConfigError(f"MNIST not found under {raw} and downloading it failed ({e}). Set data.root to a "
                               f"folder holding MNIST/raw/*.gz (or RUNNER_DATA_ROOT), or retry data.download=true "
                               f"with network access.") from e
-        raise ConfigError(f"cannot read MNIST under {raw} ({e}); delete the extracted *-ubyte files there and "
+        raise ConfigError(f"cannot read MNIST under {out} ({e}); delete the extracted *-ubyte files there and "
                           f"run again") from e
     return train_ds, eval_ds, lambda: ((images_as_tensor(train_ds.data), train_ds.targets),
                                        (images_as_tensor(eval_ds.data), eval_ds.targets))

@@ -221,12 +221,30 @@ class Meter:
             "data_wait_ms": statistics.fmean(waits),
         })
 
-    def totals(self) -> dict[str, float | int | None]:
-        """Whole-run figures over all measured (post-warm-up) iterations; call after a final ``flush``."""
+    def coverage(self) -> str:
+        """What the speed figures cover, in words: how many steps were measured, or why none was (a run
+        whose steps were all warm-up has null figures, and this says so and what to change)."""
+        def steps(k: int) -> str:
+            return f"{k} step" + ("" if k == 1 else "s")
+
+        n, warmup = len(self.step_time_ms), min(self.warmup_steps, self.step)
+        if n:
+            return f"{steps(n)} measured ({steps(warmup)} of warm-up left out)"
+        if self.step == 0:
+            return "nothing measured: no training step ran"
+        return (f"too short to measure: all {steps(self.step)} were warm-up (trainer.warmup_steps="
+                f"{self.warmup_steps}); raise trainer.max_steps above {self.warmup_steps} or lower "
+                f"trainer.warmup_steps")
+
+    def totals(self) -> dict[str, float | int | str | None]:
+        """Whole-run figures over all measured (post-warm-up) iterations; call after a final ``flush``.
+
+        ``measurement`` (``coverage()``) says what they cover, or why they are null."""
         n = len(self.step_time_ms)
         if n == 0:
             return {"samples_per_sec": None, "step_time_ms_median": None, "step_time_ms_p90": None,
-                    "data_wait_fraction": None, "measured_steps": 0, "measured_time_s": 0.0}
+                    "data_wait_fraction": None, "measured_steps": 0, "measured_time_s": 0.0,
+                    "measurement": self.coverage()}
         wait, step = sum(self.data_wait_ms), sum(self.step_time_ms)
         ordered = sorted(self.step_time_ms)
         return {
@@ -236,4 +254,5 @@ class Meter:
             "data_wait_fraction": wait / (wait + step),
             "measured_steps": n,
             "measured_time_s": (wait + step) / 1e3,
+            "measurement": self.coverage(),
         }

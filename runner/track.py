@@ -179,11 +179,13 @@ class NullTracker:
 
 
 def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
-    """Print the run's headline figures and every technique's status as an aligned two-column table."""
-    keys = ["samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90", "data_wait_fraction",
-            "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss", "eval_accuracy", "eval_loss",
-            "eval_bits_per_char", "time_to_target_s", "steps", "warmup_steps", "global_batch_size", "world_size",
-            "device_name"]
+    """Print the run's headline figures and every technique's status as an aligned two-column table.
+
+    The first row, ``measurement``, says what the speed figures cover, or why they are blank (all warm-up)."""
+    keys = ["measurement", "samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90",
+            "data_wait_fraction", "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss",
+            "eval_accuracy", "eval_loss", "eval_bits_per_char", "time_to_target_s", "checkpoint_time_s", "restarts",
+            "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
     rows = [(k, _fmt(summary[k])) for k in keys if k in summary] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
     width = max(len(k) for k, _ in rows)
     print(f"\nsummary ({job_dir / 'summary.json'})")

@@ -560,6 +560,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "warmup_steps": min(t.warmup_steps, state.step),
         "measured_steps": figures["measured_steps"],
         "measured_time_s": figures["measured_time_s"],  # samples_per_sec = global batch x measured_steps / this
+        "measurement": figures["measurement"],  # what the speed figures cover, or why they are null
         "global_batch_size": plan.global_batch,
         "micro_batch_size": plan.micro_batch,
         "accumulate_steps": plan.accumulate,

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text
+from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text, run_cli
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -107,6 +107,18 @@ def test_amp_and_pinned_run_here_with_cuda_parts_skipped(tmp_path):
     assert summary["steps"] == 4
     assert t["pin_memory"].startswith("skipped: ") and t["non_blocking"].startswith("skipped: ")
     assert t["amp"] == "applied" or "bf16" in t["amp"]
+
+
+def test_help_lists_every_option_and_no_schema(tmp_path):
+    """``--help`` lists each group with exactly its YAML options: the ``base_*`` schemas that the options
+    extend (ConfigStore entries) are not choices and are left out."""
+    proc = run_cli("--help", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = proc.stdout.split("== Config groups ==")[1].split("== Config ==")[0]
+    assert "base_" not in listed
+    groups = dict(line.split(": ", 1) for line in listed.splitlines() if ": " in line)
+    assert groups == {g: ", ".join(sorted(o for gg, o in OPTIONS if gg == g)) for g in GROUPS}
+    assert "model:\n  _target_: runner.models.MnistCNN" in proc.stdout  # the composed config follows
 
 
 # -------------------------------------------------------------------------------- compose-time errors

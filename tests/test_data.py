@@ -133,6 +133,25 @@ def test_embedded_mnist_loads_without_network(mnist_copy, no_network, monkeypatc
     assert sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "data").rglob("*")) == repo_data
 
 
+def test_installed_copy_is_extracted_into_the_user_cache(monkeypatch, tmp_path, no_network):
+    """A regular install's MNIST (inside the package, maybe read-only) is only read: the archives are
+    extracted into ``$XDG_CACHE_HOME/runner``, and the package folder gets no file."""
+    import runner
+
+    package = tmp_path / "site-packages" / "runner"
+    raw = package / "embedded_data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for gz in (REPO_ROOT / "data" / "MNIST" / "raw").glob("*.gz"):
+        shutil.copy(gz, raw)
+    monkeypatch.setattr(runner, "PACKAGE_DIR", package)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = build("data=mnist", f"data.root={package / 'embedded_data'}", "dataloader.batch_size=100")
+    assert data.train_samples == 60000 and next(iter(data.eval))[1][:3].tolist() == [7, 2, 1]
+    assert sorted(p.name for p in package.rglob("*") if p.is_file()) == sorted(p.name for p in raw.glob("*.gz"))
+    cached = tmp_path / "cache" / "runner" / "MNIST" / "raw"
+    assert sorted(p.name for p in cached.iterdir()) == sorted(p.name.removesuffix(".gz") for p in raw.glob("*.gz"))
+
+
 def test_data_root_defaults(monkeypatch, tmp_path):
     monkeypatch.delenv("RUNNER_DATA_ROOT", raising=False)
     assert compose_cfg("data=mnist", tiny=False).data.root == str(REPO_ROOT / "data")

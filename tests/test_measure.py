@@ -67,6 +67,19 @@ def test_meter_all_warmup_gives_nulls():
         meter.end_step()
     assert meter.flush()["samples_per_sec"] is None
     assert meter.totals()["samples_per_sec"] is None and meter.totals()["measured_steps"] == 0
+    assert meter.totals()["measurement"] == ("too short to measure: all 3 steps were warm-up (trainer.warmup_steps"
+                                             "=5); raise trainer.max_steps above 5 or lower trainer.warmup_steps")
+
+
+def test_all_warmup_run_says_why_its_speed_is_blank(tmp_path, capsys):
+    """A run whose steps are all warm-up has null speed figures; summary.json and the console say why."""
+    s = train(compose_cfg("trainer.max_steps=4", "trainer.warmup_steps=5", "trainer.progress=lines"),
+              job_dir=tmp_path)
+    assert s["samples_per_sec"] is None and s["measured_steps"] == 0
+    assert s["measurement"].startswith("too short to measure: all 4 steps were warm-up (trainer.warmup_steps=5)")
+    assert json.loads((tmp_path / "summary.json").read_text())["measurement"] == s["measurement"]
+    summary_lines = capsys.readouterr().out.split("summary (")[1].splitlines()
+    assert summary_lines[1].split(None, 1) == ["measurement", s["measurement"]]  # the first row, before the blanks
 
 
 def test_flops_per_sample_counts_forward_and_backward():
@@ -126,6 +139,7 @@ def test_summary_figures_are_consistent(tmp_path):
     s = train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.peak_tflops=1.0"),
               job_dir=tmp_path)
     assert (s["steps"], s["warmup_steps"], s["measured_steps"]) == (6, 2, 4)
+    assert s["measurement"] == "4 steps measured (2 steps of warm-up left out)"
     assert s["samples_per_sec"] == pytest.approx(s["global_batch_size"] * 4 / s["measured_time_s"], rel=1e-9)
     assert 0 <= s["data_wait_fraction"] <= 1
     assert 0 < s["step_time_ms_median"] <= s["step_time_ms_p90"]
