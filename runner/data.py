@@ -440,6 +440,9 @@ def _imagefolder(cfg: DictConfig, mean, std):
 
 
 def _synthetic(cfg: DictConfig, mean, std):
+    if cfg.num_classes is None or cfg.num_classes < 1:
+        raise ConfigError(f"data.num_classes={cfg.num_classes} must be >= 1 for data=synthetic (labels are drawn "
+                          f"from 0 .. num_classes - 1)")
     if any(s <= 0 for s in cfg.shape) or len(cfg.shape) != 3:
         raise ConfigError(f"data.shape={list(cfg.shape)} must be three positive sizes [C, H, W]")
     g = torch.Generator().manual_seed(1234)
@@ -766,9 +769,6 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
             techniques["normalize"] = "applied"
         train_ds, eval_ds, in_memory = _DATASETS[name](data_cfg, mean, std)
         if name == "synthetic":
-            if data_cfg.num_classes is None or data_cfg.num_classes < 1:
-                raise ConfigError(f"data.num_classes={data_cfg.num_classes} must be >= 1 for data=synthetic (labels "
-                                  f"are drawn from 0 .. num_classes - 1)")
             num_classes = data_cfg.num_classes
         else:
             num_classes = len(train_ds.classes)

@@ -46,6 +46,9 @@ TINY = [
 ]
 
 
+#: TINY without its synthetic-data keys: the loop's settings, for jobs on another dataset
+TINY_LOOP = [o for o in TINY if not o.startswith(("data=", "data."))]
+
 #: Overrides for a tiny language model (add ``data.path=<a text>``): a 2-layer, 2-head, 32-wide GPT on
 #: windows of 16 characters; with TINY's 16 windows per batch and 4 steps.
 TINY_GPT = [

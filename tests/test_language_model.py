@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, TINY_GPT, compose_cfg, job_dirs, read_summary, run_cli
+from conftest import TINY, TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
 from torch import nn
 
 from runner import REPO_ROOT, gpt, prepare, text
@@ -189,8 +189,13 @@ def test_classification_on_text_says_which_task(tiny_text, tmp_path):
         train(compose_cfg("data=text", f"data.path={tiny_text}", "data.block_size=16"), job_dir=tmp_path)
 
 
+def test_a_language_model_needs_token_data(tmp_path):
+    cfg = compose_cfg("task=language_model", "model=gpt", "model.n_layer=1", "model.n_head=1", "model.n_embd=8")
+    with pytest.raises(ConfigError, match="task=language_model needs token data"):
+        train(cfg, job_dir=tmp_path)
+
+
 @pytest.mark.parametrize("overrides,message", [
-    (["data=synthetic"], "task=language_model needs token data"),
     (["trainer.target_accuracy=0.5"], "reports no eval_accuracy"),
     (["task.sample_prompt=XYZ"], "task.sample_prompt"),
 ])
@@ -366,7 +371,7 @@ def test_data_parallel_gpt_over_two_processes(tmp_path, name):
 
     root = make_root(tmp_path)
     corpus = make_tiny_text(tmp_path / "input.txt")
-    proc = torchrun(f"distributed={name}", *TINY, *TINY_GPT, f"data.path={corpus}", "precision=bf16",
+    proc = torchrun(f"distributed={name}", *TINY_LOOP, *TINY_GPT, f"data.path={corpus}", "precision=bf16",
                     "memory=checkpointing", cwd=root)
     s = only_job(root, proc)
     assert s["techniques"][name] == "applied" and s["world_size"] == 2

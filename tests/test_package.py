@@ -118,9 +118,10 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
 
 USER_DATA = """\
 # a user's option of runner's data group: it extends runner's schema like runner's own options
-defaults: [base_data, _self_]
+defaults: [base_image_data, _self_]
 name: synthetic
 shape: [1, 12, 12]
+num_classes: 10
 train_size: 96
 eval_size: 32
 """
