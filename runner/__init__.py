@@ -39,17 +39,6 @@ if not OmegaConf.has_resolver("runner_data_root"):
     OmegaConf.register_new_resolver("runner_data_root", lambda: str(DATA_DIR))
 
 
-def uses_cuda(device: str) -> bool:
-    """True when a job with ``trainer.device=<device>`` will run on CUDA (``auto``: CUDA when available)."""
-    if device == "cuda":
-        return True
-    if device != "auto":
-        return False
-    import torch  # imported on first use only: composing a config must stay fast
-
-    return torch.cuda.is_available()
-
-
 #: First round of ``ablation.repeats=auto``: enough repeats for a first interval (runner/ablation.py adds rounds).
 AUTO_FIRST_ROUND = 3
 
@@ -77,8 +66,14 @@ def ablation_first_round(repeats, max_repeats) -> int:
 #                                            dataloader.on_device works (all but imagefolder; text included);
 #                                            custom: tried, and recorded as skipped unless it is whole tensors
 #   ${runner_first_round:${ablation.repeats},${ablation.max_repeats}}   ablation_first_round above
+def _if_cuda(device, then, otherwise):
+    from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
+
+    return then if uses_cuda(str(device)) else otherwise
+
+
 _RESOLVERS = {
-    "runner_if_cuda": lambda device, then, otherwise: then if uses_cuda(str(device)) else otherwise,
+    "runner_if_cuda": _if_cuda,
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic", "text", "custom"),
     "runner_first_round": ablation_first_round,

@@ -41,7 +41,6 @@ import copy
 import json
 import multiprocessing
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -52,8 +51,10 @@ from typing import Any, Callable
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from runner import ablation_first_round, uses_cuda
+from runner import ablation_first_round, hardware
 from runner.errors import ConfigError
+from runner.report import ReportError, build_rows, load_jobs, pending, write_report
+from runner.sweep_report import sweep_command
 from runner.track import write_json_atomic
 
 #: What a job that did not train returns to Hydra (``__main__`` reads ``samples_per_sec``).
@@ -85,7 +86,7 @@ def run_job(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any] | No
         raise ConfigError(f"ablation.requires={a.requires!r} must be null or 'cuda'")
     hydra_cfg = _hydra_config()
     folder = job_dir or (Path(hydra_cfg.runtime.output_dir) if hydra_cfg is not None else None)
-    if a.requires == "cuda" and not uses_cuda(str(cfg.trainer.device)):
+    if a.requires == "cuda" and not hardware.uses_cuda(str(cfg.trainer.device)):
         if folder is None:
             raise ConfigError(f"ablation variant {a.variant} needs CUDA and no job folder is known to record that")
         reason = f"needs CUDA; this job runs on trainer.device={cfg.trainer.device} without CUDA"
@@ -184,44 +185,6 @@ def _run_in_child(cfg: DictConfig, job_dir: Path, overrides: list[str], group: s
     return dict(_NO_FIGURES)
 
 
-def describe_machine() -> dict[str, Any]:
-    """The machine a sweep runs on, for the report: CPU model, usable cores, memory (GiB), GPUs, native
-    bf16, torch/Python/OS versions and the 1-minute load average (other users make figures noisy)."""
-    import torch
-
-    from runner.precision import cpu_has_native_bf16
-
-    from runner.measure import device_name
-
-    cpu = device_name(torch.device("cpu"))
-    memory_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return {
-        "cpu": cpu,
-        "cpu_cores": cores,
-        "memory_gib": memory_gib,
-        "gpus": gpus,
-        "cpu_native_bf16": cpu_has_native_bf16(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "os": platform.platform(),
-        "load_average_1min": _load(),
-    }
-
-
-def sweep_command(hydra_cfg: DictConfig) -> str:
-    """The command line that started this multirun, rebuilt from Hydra's record of its overrides."""
-    overrides = [o for o in (*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task) if o != "hydra.mode=MULTIRUN"]
-    return shlex.join(["python", "-m", "runner", "-m", *[str(o) for o in overrides]])
-
-
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -257,8 +220,6 @@ def auto_repeat(sweep: Path, target_ci: float, max_repeats: int, done: int,
     Raises:
         runner.report.ReportError: the sweep cannot be read (e.g. the baseline never measured).
     """
-    from runner.report import build_rows, load_jobs, pending
-
     rounds: list[dict[str, Any]] = []
     while True:
         rows = build_rows(load_jobs(sweep))
@@ -316,15 +277,13 @@ class AblationCallback(Callback):
             entry["job_server_start_s"] = round(start_job_server(), 2)
         if path.is_file():  # a further round into this sweep
             record = json.loads(path.read_text())
-            record.setdefault("multiruns", []).append(entry | {"load_average_1min": _load()})
+            record.setdefault("multiruns", []).append(entry | {"load_average_1min": hardware.load_average()})
         else:
-            record = entry | {"machine": describe_machine(), "job_process": (
+            record = entry | {"machine": hardware.describe_machine(), "job_process": (
                 "forkserver" if a.preload else "exec") if a.isolate else "in-process"}
         write_json_atomic(path, record)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from runner.report import ReportError, write_report
-
         a = config.ablation
         sweep = Path(config.hydra.sweep.dir)
         path = sweep / "ablation.json"
@@ -349,7 +308,7 @@ class AblationCallback(Callback):
                 print(f"ablation: repeats=auto stopped: {stopped}", flush=True)
             record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
             record["finished_s"] = time.time()
-            record["load_average_1min_at_end"] = _load()
+            record["load_average_1min_at_end"] = hardware.load_average()
             write_json_atomic(path, record)
             written = write_report(sweep)
         except ReportError as e:
@@ -359,7 +318,3 @@ class AblationCallback(Callback):
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
         print("ablation report: " + ", ".join(str(p) for p in written), flush=True)
-
-
-def _load() -> float | None:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

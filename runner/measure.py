@@ -1,4 +1,5 @@
-"""Measurement: step time and data wait without per-step syncs, FLOPs, MFU, peak memory.
+"""Measurement: step time and data wait without per-step syncs, FLOPs, peak memory (the device's peak
+FLOP/s for MFU is machine knowledge: runner/hardware.py).
 
 Rules (DESIGN.md): on CUDA each step records device events and they are read only at log intervals;
 on CPU ``time.perf_counter`` is exact. Data wait is the time blocked getting the next batch, host->device
@@ -8,7 +9,6 @@ copy included; step time is the rest of the iteration. Warm-up steps are left ou
 from __future__ import annotations
 
 import copy
-import platform
 import resource
 import statistics
 import time
@@ -17,40 +17,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-
-# Dense (no sparsity) peak TFLOP/s by compute dtype, from the vendors' data sheets. Keys are matched as
-# substrings of torch.cuda.get_device_name(), most specific first. "tf32" is used for fp32 matmuls when
-# TF32 is allowed. Override with trainer.peak_tflops.
-PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
-    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
-    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
-    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
-    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
-    ("V100", {"fp16": 125.0, "fp32": 15.7}),
-    ("T4", {"fp16": 65.0, "fp32": 8.1}),
-]
-_DTYPE_KEY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def peak_flops(device: torch.device, compute_dtype: torch.dtype, override_tflops: float | None) -> float | None:
-    """The device's dense peak in FLOP/s for ``compute_dtype``; None where unknown (CPUs, unlisted GPUs)."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    key = _DTYPE_KEY.get(compute_dtype, "fp32")
-    if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-        key = "tf32"
-    for pattern, peaks in PEAK_TFLOPS:
-        if pattern in name and key in peaks:
-            return peaks[key] * 1e12
-    return None
 
 
 def flops_per_sample(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor],
@@ -72,19 +38,6 @@ def flops_per_sample(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor
         return counter.get_total_flops() / len(example[0])
     except Exception:  # noqa: BLE001 - FLOPs are a figure, never a reason to fail the run
         return None
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name on CUDA; on a CPU its model name from /proc/cpuinfo (``platform.machine()`` elsewhere)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def wall_clock(device: torch.device) -> float:

@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch.amp import GradScaler
 
+from runner import hardware
 from runner.errors import ConfigError
 
 
@@ -29,19 +30,6 @@ class Precision:
     scaler: GradScaler
     compute_dtype: torch.dtype  # the dtype of the matmuls, for the MFU peak
     techniques: dict[str, str]
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 instructions (AVX-512-BF16 or AMX); emulated bf16 is 14-100x slower."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    cpu = getattr(torch._C, "_cpu", None)
-    if cpu is not None and any(hasattr(cpu, p) for p in probes):
-        return any(getattr(cpu, p)() for p in probes if hasattr(cpu, p))
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _set_tf32(allowed: bool) -> None:
@@ -98,14 +86,14 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
             scaler = GradScaler("cuda", init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
             ctx = functools.partial(torch.autocast, "cuda", dtype=torch.float16)
             return Precision(ctx, scaler, torch.float16, {"amp": "applied"})
-        if not cpu_has_native_bf16():
+        if not hardware.cpu_has_native_bf16():
             off.techniques["amp"] = ("skipped: this CPU has no native bf16 (AVX-512-BF16/AMX); emulated bf16 "
                                      "autocast is 14-100x slower than fp32, use precision=bf16 to force it")
             return off
         ctx = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
         return Precision(ctx, off.scaler, torch.bfloat16, {"amp": "applied"})
     if name == "bf16":
-        if kind == "cpu" and not cpu_has_native_bf16():
+        if kind == "cpu" and not hardware.cpu_has_native_bf16():
             warnings.warn("precision=bf16 on a CPU without native bf16: autocast is emulated and much slower "
                           "than fp32", stacklevel=2)
         if kind == "cuda" and not torch.cuda.is_bf16_supported():

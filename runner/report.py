@@ -50,6 +50,7 @@ from typing import Any
 
 from runner import stats
 from runner.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
+from runner.sweep_report import SweepError, budget_lines, job_times, sweep_command, write_plain_report
 
 #: Columns of report.csv and of the W&B table, in order. Intervals are 95 % bootstrap percentile
 #: intervals; ``effect_ci_half_width`` is relative (0.05 = ±5 %).
@@ -138,8 +139,6 @@ def load_jobs(sweep: Path) -> list[Job]:
         ReportError: no such folder, nothing to report, a corrupt file, a summary that is not from an
             ablation job, or the same (configuration, repeat) twice (two sweeps in one folder).
     """
-    from runner.sweep_report import job_times
-
     if not sweep.is_dir():
         raise ReportError(f"{sweep} is not a folder; pass the sweep folder of `python -m runner -m "
                           f"+experiment=ablation` (outputs/ablation/<date>/<time>)")
@@ -442,10 +441,8 @@ def _record(sweep: Path) -> dict[str, Any]:
     if multirun.is_file():
         from omegaconf import OmegaConf
 
-        from runner.ablation import sweep_command
-
         record["command"] = sweep_command(OmegaConf.load(multirun).hydra)
-    from runner.ablation import describe_machine
+    from runner.hardware import describe_machine  # imports torch: only when the record must be rebuilt
 
     record["machine"] = describe_machine()
     record["machine_note"] = "the machine this report was made on (the sweep folder has no ablation.json)"
@@ -491,8 +488,6 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
              title: str = "Ablation report: what each technique buys", seed: int = stats.SEED,
              resamples: int = stats.RESAMPLES) -> str:
     """report.md's text (also the body of ``--doc``)."""
-    from runner.sweep_report import budget_lines
-
     baseline = next(r for r in rows if r.configuration == "baseline")
     measured = [j.summary for j in jobs if j.summary and j.summary.get("samples_per_sec")]
     base_cfg = baseline.jobs[0].summary["config"] if baseline.jobs[0].summary else {}
@@ -682,8 +677,6 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
 def main(argv: list[str] | None = None) -> int:
     """``python -m runner.report SWEEP [--doc PATH] [--no-wandb] [--seed N] [--resamples N]``; returns the exit
     status (2: a folder that cannot be reported)."""
-    from runner.sweep_report import SweepError, write_plain_report
-
     parser = argparse.ArgumentParser(prog="python -m runner.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", type=Path, help="a multirun folder: an ablation (outputs/ablation/<date>/<time>) "
                                                  "or any sweep (outputs/multirun/<date>/<time>)")

@@ -24,15 +24,26 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shlex
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 #: Columns of a plain sweep's report.csv, after the swept keys (one column each).
 PLAIN_COLUMNS = ["job", "status", "samples_per_sec", "step_time_ms_median", "data_wait_fraction",
                  "peak_memory_mb", "train_loss", "eval_loss", "eval_accuracy", "setup_s", "train_time_s",
                  "measured_time_s", "overrides"]
+
+
+def sweep_command(hydra_cfg: DictConfig) -> str:
+    """The command line that started this multirun, rebuilt from Hydra's record of its overrides (the
+    ablation records it in ``ablation.json``; the reports rebuild it from ``multirun.yaml``)."""
+    overrides = [o for o in (*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task) if o != "hydra.mode=MULTIRUN"]
+    return shlex.join(["python", "-m", "runner", "-m", *[str(o) for o in overrides]])
 
 
 class SweepError(ValueError):
@@ -313,8 +324,6 @@ def write_plain_report(sweep: Path) -> list[Path]:
 
     command = "(not recorded)"
     if (sweep / "multirun.yaml").is_file():
-        from runner.ablation import sweep_command
-
         command = f"`{sweep_command(OmegaConf.load(sweep / 'multirun.yaml').hydra)}`"
     failed = [j for j in jobs if j.summary is None]
     lines = ["# Sweep report", "", "| | |", "|---|---|", f"| command | {command} |", f"| sweep folder | `{sweep}` |",

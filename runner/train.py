@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import REPO_ROOT, data as data_mod, debug, distributed, measure, models, optim, precision, prepare, schedule
+from runner import REPO_ROOT, data as data_mod, debug, distributed, hardware, measure, models, optim, precision, prepare, schedule
 from runner import checkpoint, preempt, task as task_mod, text
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.track import NullTracker, Tracker
@@ -530,7 +530,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
     p, plan, env, t = parts, parts.plan, parts.env, parts.cfg.trainer
     p.meter.flush()
     figures = distributed.reduce_figures(p.meter.totals(), measure.peak_memory_mb(env.device), env)
-    peak = measure.peak_flops(env.device, p.amp.compute_dtype, t.peak_tflops)
+    peak = hardware.peak_flops(env.device, p.amp.compute_dtype, t.peak_tflops)
     flops, sps = p.flops_per_sample, figures["samples_per_sec"]
     achieved = flops * sps if flops and sps else None
     throughput: dict[str, Any] = {"samples_per_sec": sps}
@@ -570,7 +570,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "scaling_efficiency": (sps / (t.reference_samples_per_sec * env.world_size)
                                if t.reference_samples_per_sec and sps else None),
         "device": env.device.type,
-        "device_name": measure.device_name(env.device),
+        "device_name": hardware.device_name(env.device),
         "torch_version": torch.__version__,
         "git_sha": git_sha(),
         "techniques": p.techniques,

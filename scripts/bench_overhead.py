@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from runner import REPO_ROOT, data as data_mod, measure, models, train as engine
+from runner import REPO_ROOT, data as data_mod, hardware, measure, models, train as engine
 from runner.config import register_configs
 
 CASES = {
@@ -153,7 +153,7 @@ def main() -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     results = [bench(c, args.rounds, args.warmup, device) for c in args.cases]
-    machine = measure.device_name(device) + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads")
+    machine = hardware.device_name(device) + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads")
     lines = [
         "# Engine overhead: runner vs a minimal PyTorch loop",
         "",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from runner.measure import device_name
+from runner.hardware import device_name
 
 REPO = Path(__file__).resolve().parent.parent
 

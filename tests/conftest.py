@@ -104,6 +104,17 @@ def compose_cfg(*overrides: str, tiny: bool = True) -> DictConfig:
 
 
 @pytest.fixture
+def spy(monkeypatch):
+    """A ``technique_helpers.Spy``: records what the engine's parts saw (calls, dtypes, optimizer steps).
+
+    Defined here rather than imported into each test module, so the modules that use it hold no unused
+    import that shadows the fixture argument (ruff F401/F811)."""
+    from technique_helpers import Spy
+
+    return Spy(monkeypatch)
+
+
+@pytest.fixture
 def cfg_factory():
     return compose_cfg
 

@@ -179,8 +179,3 @@ class Spy:
             kept = {self.named[id(p)]: p.grad.detach().clone()
                     for g in opt.param_groups for p in g["params"] if p.grad is not None}
         self.steps.append(Step(lr=opt.param_groups[0]["lr"], grad_norm=norm, grads=kept))
-
-
-@pytest.fixture
-def spy(monkeypatch) -> Spy:
-    return Spy(monkeypatch)

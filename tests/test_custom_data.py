@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY, compose_cfg, job_dirs, read_summary, run_cli
-from technique_helpers import spy  # noqa: F401 - fixture
 from torch.utils.data import DistributedSampler
 
 from runner import REPO_ROOT

@@ -12,7 +12,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import compose_cfg
-from technique_helpers import spy  # noqa: F401 - fixture
 from runner import data as data_mod
 from runner.distributed import Env
 from runner.train import train

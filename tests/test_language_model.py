@@ -21,7 +21,6 @@ from runner import task as task_mod
 from runner.errors import ConfigError
 from runner.gpt import GPT, Block
 from runner.train import train
-from technique_helpers import spy  # noqa: F401 - fixture
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

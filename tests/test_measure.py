@@ -14,7 +14,7 @@ from conftest import compose_cfg
 from torch import nn
 
 from runner import data as data_mod
-from runner import measure
+from runner import hardware, measure
 from runner import task as task_mod
 from runner.train import train
 
@@ -93,8 +93,8 @@ def test_flops_per_sample_counts_forward_and_backward():
 
 def test_peak_flops_known_only_where_given():
     cpu = torch.device("cpu")
-    assert measure.peak_flops(cpu, torch.float32, None) is None
-    assert measure.peak_flops(cpu, torch.float32, 2.5) == 2.5e12
+    assert hardware.peak_flops(cpu, torch.float32, None) is None
+    assert hardware.peak_flops(cpu, torch.float32, 2.5) == 2.5e12
 
 
 # ------------------------------------------------------------------------------------ real runs

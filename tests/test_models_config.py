@@ -18,7 +18,6 @@ import torch
 import torchvision
 from conftest import compose_cfg, run_cli
 from hydra.errors import ConfigCompositionException
-from technique_helpers import spy  # noqa: F401 - fixture
 from torch import nn
 
 from runner import models

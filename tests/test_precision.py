@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from technique_helpers import spy  # noqa: F401 - fixture
-from runner import precision
+from runner import hardware, precision
 from runner.errors import ConfigError
 from runner.train import train
 
@@ -36,7 +35,7 @@ def changed(spy) -> list[str]:
 
 
 def test_amp_on_a_cpu_with_native_bf16_runs_the_forward_in_bf16(tmp_path, spy, monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     summary = run(tmp_path, "precision=amp")
     assert summary["techniques"] == {"amp": "applied"}
     assert spy.train_calls() and spy.eval_calls()
@@ -47,21 +46,21 @@ def test_amp_on_a_cpu_with_native_bf16_runs_the_forward_in_bf16(tmp_path, spy, m
 
 
 def test_amp_on_a_cpu_without_native_bf16_is_skipped(tmp_path, spy, monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
     summary = run(tmp_path, "precision=amp")
     assert summary["techniques"]["amp"].startswith("skipped: this CPU has no native bf16")
     assert all(c.out_dtype == torch.float32 for c in spy.calls)
 
 
 def test_bf16_autocast(tmp_path, spy, monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     summary = run(tmp_path, "precision=bf16")
     assert summary["techniques"] == {"bf16": "applied"}
     assert spy.calls and all(c.out_dtype == torch.bfloat16 for c in spy.calls)
 
 
 def test_bf16_on_an_emulating_cpu_warns_but_applies(monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(UserWarning, match="emulated"):
         prec = precision.build(compose_cfg("precision=bf16").precision, torch.device("cpu"))
     assert prec.techniques == {"bf16": "applied"} and prec.compute_dtype == torch.bfloat16

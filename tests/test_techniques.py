@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import compose_cfg
-from technique_helpers import SharedConv, TinyMLP, Untraceable, spy  # noqa: F401 - spy is a fixture
-from runner import data as data_mod, debug, models, optim, precision, prepare, schedule
+from technique_helpers import SharedConv, TinyMLP, Untraceable
+from runner import data as data_mod, debug, hardware, models, optim, precision, prepare, schedule
 from runner.errors import ConfigError
 from runner.task import evaluation_sums
 from runner.train import train
@@ -515,7 +515,7 @@ def test_compile_reduce_overhead_uses_cuda_graphs_on_cuda(tmp_path):
 
 
 def test_switches_combine(tmp_path, spy, monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     summary = run(tmp_path, "scheduler=onecycle", "dataloader=device", "data.augment=true", "data.normalize=true",
                   "optimizer=adamw", "optimizer.impl=foreach", "optimizer.lr_scaling=sqrt", "optimizer.set_to_none=true",
                   "optimizer.clip_grad_norm=1.0", "precision=amp", "memory=checkpointing", "memory.accumulate_steps=2",
