@@ -25,10 +25,11 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from runner import parallel
 from runner.errors import ConfigError
+from runner.parallel import repeated_blocks
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]:
@@ -106,19 +107,6 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
     if not removed:
         return "skipped: no conv/linear with a bias feeds a BatchNorm in this model", 0
     return "applied", removed
-
-
-def repeated_blocks(model: nn.Module) -> list[str]:
-    """Class names of the model's repeated blocks: non-container modules with children that occur at least
-    twice and are not nested inside another such block (ResNet: ``BasicBlock``/``Bottleneck``)."""
-    counts = Counter(type(m).__name__ for m in model.modules()
-                     if m is not model and type(m) not in _CONTAINERS and next(m.children(), None) is not None)
-    candidates = {name for name, n in counts.items() if n >= 2}
-    nested = set()
-    for outer in model.modules():
-        if type(outer).__name__ in candidates:
-            nested |= {type(m).__name__ for m in outer.modules() if m is not outer}
-    return sorted(candidates - nested)
 
 
 def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None) -> tuple[str, list[str], int]:
@@ -202,8 +190,6 @@ def prepare(model: nn.Module, cfg: DictConfig, env, skip=()) -> tuple[nn.Module,
         ConfigError: ``memory.checkpoint_modules`` set while ``memory.checkpointing`` is off, or naming a
             class the model lacks; a bad ``compile.mode``.
     """
-    from runner import distributed
-
     techniques: dict[str, str] = {}
     details: dict[str, object] = {}
     if cfg.memory.checkpoint_modules and not cfg.memory.checkpointing:
@@ -221,6 +207,6 @@ def prepare(model: nn.Module, cfg: DictConfig, env, skip=()) -> tuple[nn.Module,
         details["checkpointed_modules"] = wrapped
     if cfg.compile.mode is not None:
         techniques |= apply_compile(model, cfg.compile, env.device)
-    model, status = distributed.wrap(model, cfg.distributed, env, cfg.precision)
+    model, status = parallel.wrap(model, cfg.distributed, env, cfg.precision)
     techniques |= status
     return model, techniques, details

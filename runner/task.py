@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, text
+from runner import distributed, parallel, text
 from runner.errors import ConfigError
 
 #: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
@@ -187,7 +187,7 @@ class LanguageModel:
         (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length."""
         if not self.sample_tokens:
             return
-        plain = distributed.unwrap(model)
+        plain = parallel.unwrap(model)
         prompt = torch.tensor([text.encode(self.sample_prompt, data.vocab)], device=env.device)
         generator = torch.Generator(env.device).manual_seed(seed)
         plain.eval()

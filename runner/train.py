@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import REPO_ROOT, data as data_mod, debug, distributed, hardware, measure, models, optim, precision, prepare, schedule
-from runner import checkpoint, preempt, task as task_mod, text
+from runner import checkpoint, parallel, preempt, task as task_mod, text
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.track import NullTracker, Tracker
 
@@ -365,7 +365,7 @@ def save_checkpoint(state: TrainState, parts: Parts) -> None:
     """Write the checkpoint of ``state.step`` (every rank; outside the timed steps and ``train_time_s``)."""
     p = parts
     p.meter.flush()  # pending timing marks become figures of the state being saved
-    distributed.sync_ddp_buffers(p.model, p.env)  # one copy of a replicated buffer is kept: make it rank 0's
+    parallel.sync_ddp_buffers(p.model, p.env)  # one copy of a replicated buffer is kept: make it rank 0's
     meta = {"config": p.resolved, "world_size": p.env.world_size, "wandb_run_id": p.tracker.wandb_run_id,
             "time": time.time(), "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch}
     before = p.checkpointer.time_s
@@ -389,7 +389,7 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             p.meter.start_fetch()
             batch = next(batches)
             p.meter.batch_ready()
-            with distributed.no_sync(p.model, last=micro == plan.accumulate - 1), p.amp.autocast():
+            with parallel.no_sync(p.model, last=micro == plan.accumulate - 1), p.amp.autocast():
                 loss = p.task.loss(p.model, batch) / plan.accumulate
             p.amp.scaler.scale(loss).backward()
             state.loss_sum += loss.detach()  # stays on the device: no sync
@@ -566,7 +566,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "accumulate_steps": plan.accumulate,
         "world_size": env.world_size,
         "nodes": env.nodes,
-        "parameters": distributed.parameter_report(p.model, env),  # per-rank checksums: replicas must agree
+        "parameters": parallel.parameter_report(p.model, env),  # per-rank checksums: replicas must agree
         "scaling_efficiency": (sps / (t.reference_samples_per_sec * env.world_size)
                                if t.reference_samples_per_sec and sps else None),
         "device": env.device.type,

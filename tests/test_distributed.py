@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import TINY, compose_cfg, job_dirs, read_summary, run_cli
 
-from runner import REPO_ROOT, distributed, launch
+from runner import REPO_ROOT, distributed, launch, parallel
 from runner.errors import ConfigError
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun` of this interpreter
@@ -335,7 +335,7 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
     env = distributed.setup(cfg.distributed, "cpu")
     try:
         torch.manual_seed(0)
-        model, _ = distributed.wrap(torch.nn.Linear(4, 2), cfg.distributed, env, cfg.precision)
+        model, _ = parallel.wrap(torch.nn.Linear(4, 2), cfg.distributed, env, cfg.precision)
         calls = []
 
         def count(state, bucket):
@@ -349,7 +349,7 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
             calls.clear()
             for micro in range(2):
                 last = micro == 1 or not use_no_sync
-                with distributed.no_sync(model, last=last):
+                with parallel.no_sync(model, last=last):
                     loss = model(torch.randn(3, 4)).sum()
                 loss.backward()
             assert len(calls) == expected, (use_no_sync, calls)
@@ -394,10 +394,10 @@ def test_reduce_figures_single_process_passes_through():
 
 def test_fsdp_mixed_precision_follows_the_precision_group():
     cpu = torch.device("cpu")
-    policy = distributed.fsdp_mixed_precision(compose_cfg("precision=bf16").precision, cpu)
+    policy = parallel.fsdp_mixed_precision(compose_cfg("precision=bf16").precision, cpu)
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
-    assert distributed.fsdp_mixed_precision(compose_cfg("precision=fp32").precision, cpu) is None
-    assert distributed.fsdp_mixed_precision(compose_cfg("precision=tf32").precision, cpu) is None
+    assert parallel.fsdp_mixed_precision(compose_cfg("precision=fp32").precision, cpu) is None
+    assert parallel.fsdp_mixed_precision(compose_cfg("precision=tf32").precision, cpu) is None
 
 
 @pytest.mark.filterwarnings("ignore:precision=bf16")  # emulated bf16 on this CPU
