@@ -26,6 +26,46 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from runner.errors import ConfigError
+
+#: Every closed list of options, declared once: ``runner.train.validate`` checks a composed config against
+#: all of them before anything is built, and the builder of each key calls ``check_choice`` with the same
+#: list, so a direct call with a bad value fails with the same message. ``None`` in a list: the key may be
+#: null. The schemas keep these fields plain strings: a bad value stops in ``validate`` with one ``error:`` line
+#: naming the choices (an Enum field would also change what the composed config and summary.json hold).
+CHOICES: dict[str, tuple[str | None, ...]] = {
+    "data.name": ("mnist", "cifar10", "imagefolder", "synthetic", "text", "custom"),
+    "scheduler.name": ("constant", "onecycle", "cosine", "cyclic"),
+    "precision.name": ("fp32", "amp", "bf16", "tf32"),
+    "distributed.name": ("none", "ddp", "fsdp", "dp"),
+    "distributed.backend": (None, "gloo", "nccl", "mpi", "xccl", "ucc"),
+    "debug.name": ("off", "anomaly", "profile"),
+    "logger.name": ("wandb", "none"),
+    "compile.mode": (None, "default", "reduce-overhead", "max-autotune"),
+    "optimizer.impl": (None, "fused", "foreach", "loop"),
+    "optimizer.lr_scaling": ("none", "linear", "sqrt"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.progress": ("auto", "bar", "lines", "off"),
+    "trainer.on_nonfinite": ("stop", "skip"),
+}
+#: What null means, where a list allows it (appended to the message of a bad value).
+_NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode": "compile=off",
+               "optimizer.impl": "torch's default"}
+
+
+def check_choice(key: str, value: Any) -> None:
+    """Refuse ``value`` for ``key`` unless it is one of ``CHOICES[key]``.
+
+    Raises:
+        ConfigError: ``<key>=<value> is not one of <the choices>`` (plus what null means where it is allowed).
+    """
+    allowed = CHOICES[key]
+    if value in allowed:
+        return
+    names = ", ".join(a for a in allowed if a is not None)
+    null = f" (or null: {_NULL_MEANS[key]})" if None in allowed else ""
+    raise ConfigError(f"{key}={value} is not one of {names}{null}")
+
 
 @dataclass
 class ModelConfig:
@@ -84,7 +124,7 @@ class DataConfig:
     Image-only switches on data that are not images (``data=custom``) are recorded as skipped.
     """
 
-    name: str = MISSING  # mnist | cifar10 | imagefolder | synthetic | custom
+    name: str = MISSING  # one of CHOICES["data.name"]
     # null: from the dataset (see runner.data); synthetic: the labels' range; custom: overrides inference
     num_classes: Optional[int] = None
     normalize: bool = True  # technique 17: subtract the dataset mean, divide by its std
@@ -149,9 +189,9 @@ class OptimizerConfig:
     _target_: str = MISSING
     lr: float = 0.01
     weight_decay: float = 0.0
-    lr_scaling: str = "none"  # none | linear | sqrt, relative to base_batch_size (Goyal et al. 2017)
+    lr_scaling: str = "none"  # CHOICES["optimizer.lr_scaling"], relative to base_batch_size (Goyal et al. 2017)
     base_batch_size: int = 64
-    impl: Optional[str] = None  # fused | foreach | loop | null (torch's default)
+    impl: Optional[str] = None  # CHOICES["optimizer.impl"]; null = torch's default
     set_to_none: bool = True  # technique 11: zero_grad(set_to_none=True) frees .grad instead of writing zeros
     clip_grad_norm: Optional[float] = None  # technique 14: max global L2 norm; null = off
     decay_all: bool = True  # false: weight decay on >= 2-D tensors only, not on biases/norm gains (nanoGPT)
@@ -201,7 +241,7 @@ class LarsConfig(OptimizerConfig):
 class SchedulerConfig:
     """``scheduler`` group: the LR schedule, stepped per optimizer step; factors multiply the optimizer LR."""
 
-    name: str = MISSING  # constant | onecycle | cosine | cyclic
+    name: str = MISSING  # CHOICES["scheduler.name"]
     warmup_steps: int = 0  # cosine: linear warm-up over this many optimizer steps
     max_lr_factor: float = 1.0  # onecycle/cyclic: peak LR = optimizer LR x this
     pct_start: float = 0.25  # onecycle: fraction of steps spent increasing the LR
@@ -214,7 +254,7 @@ class SchedulerConfig:
 class PrecisionConfig:
     """``precision`` group: autocast dtype and the fp16 loss scaler's settings."""
 
-    name: str = MISSING  # fp32 | amp | bf16 | tf32
+    name: str = MISSING  # CHOICES["precision.name"]
     init_scale: float = 65536.0  # amp: GradScaler's initial loss scale
     growth_interval: int = 2000  # amp: steps without inf/NaN before the scale doubles
 
@@ -223,8 +263,8 @@ class PrecisionConfig:
 class DistributedConfig:
     """``distributed`` group: data-parallel wrapper, process-group backend and timeout (s)."""
 
-    name: str = "none"  # none | ddp | fsdp | dp
-    backend: Optional[str] = None  # null = nccl on CUDA, gloo on CPU
+    name: str = "none"  # CHOICES["distributed.name"]
+    backend: Optional[str] = None  # CHOICES["distributed.backend"]; null = nccl on CUDA, gloo on CPU
     sync_batchnorm: bool = False
     timeout_s: int = 300
 
@@ -242,7 +282,7 @@ class MemoryConfig:
 class LoggerConfig:
     """``logger`` group: W&B project/entity/tags, or none."""
 
-    name: str = MISSING  # wandb | none
+    name: str = MISSING  # CHOICES["logger.name"]
     project: str = "runner"
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
@@ -252,7 +292,7 @@ class LoggerConfig:
 class CompileConfig:
     """``compile`` group: ``torch.compile`` mode and options; mode null = eager."""
 
-    mode: Optional[str] = None  # null = off | default | reduce-overhead | max-autotune
+    mode: Optional[str] = None  # CHOICES["compile.mode"]; null = off (eager)
     fullgraph: bool = False
     dynamic: Optional[bool] = None
 
@@ -261,7 +301,7 @@ class CompileConfig:
 class DebugConfig:
     """``debug`` group: anomaly detection or a profiler window (in optimizer steps)."""
 
-    name: str = "off"  # off | anomaly | profile
+    name: str = "off"  # CHOICES["debug.name"]
     profile_wait: int = 1  # profile: schedule(wait, warmup, active) in steps
     profile_warmup: int = 1
     profile_active: int = 3
@@ -278,13 +318,13 @@ class TrainerConfig:
     eval_every: Optional[int] = None  # optimizer steps; null = at the end of each epoch
     eval_max_batches: Optional[int] = None  # null = the whole evaluation set
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # CHOICES["trainer.device"]
     target_accuracy: Optional[float] = None  # fraction in (0, 1]
     target_loss: Optional[float] = None  # eval loss (nats); time to target = first evaluation at or below it
     peak_tflops: Optional[float] = None  # override the device's dense peak for MFU
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
-    progress: str = "auto"  # auto | bar | lines | off
-    on_nonfinite: str = "stop"  # stop | skip: a NaN/inf loss or gradient ends the run, or skips the step (counted)
+    progress: str = "auto"  # CHOICES["trainer.progress"]
+    on_nonfinite: str = "stop"  # stop | skip (CHOICES): a NaN/inf loss or gradient ends the run, or skips the step (counted)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset, TensorDataset
 
 from runner import targets, text
+from runner.config import check_choice
 from runner.errors import ConfigError
 
 # Per-channel statistics of the training sets (the values torchvision's references use).
@@ -744,10 +745,9 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
     name = data_cfg.name
     if loader_cfg.batch_size <= 0:
         raise ConfigError(f"dataloader.batch_size={loader_cfg.batch_size} must be a positive number of samples")
+    check_choice("data.name", name)  # the built-ins of _DATASETS, text and custom
     if name == "text":
         return _text(data_cfg, loader_cfg, env, seed)
-    if name not in _DATASETS and name != "custom":
-        raise ConfigError(f"data.name={name!r} is not one of {sorted([*_DATASETS, 'custom', 'text'])}")
     techniques: dict[str, str] = {}
     if name == "custom":
         mean = std = None

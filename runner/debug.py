@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from runner.config import check_choice
 from runner.errors import ConfigError
 
 
@@ -34,12 +35,13 @@ def build(cfg: DictConfig, job_dir: Path, device: torch.device):
     Raises:
         ConfigError: an unknown ``debug.name`` or a non-positive ``profile_active``.
     """
+    check_choice("debug.name", cfg.name)
     if cfg.name == "off":
         yield _NoProfiler(), {}
     elif cfg.name == "anomaly":
         with torch.autograd.set_detect_anomaly(True):
             yield _NoProfiler(), {"anomaly_detection": "applied"}
-    elif cfg.name == "profile":
+    else:  # profile, the last of CHOICES["debug.name"]
         if cfg.profile_active < 1 or cfg.profile_wait < 0 or cfg.profile_warmup < 0:
             raise ConfigError("debug.profile_active must be >= 1 and debug.profile_wait/profile_warmup >= 0")
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -51,5 +53,3 @@ def build(cfg: DictConfig, job_dir: Path, device: torch.device):
                                        repeat=1),
                      on_trace_ready=tensorboard_trace_handler(str(trace_dir)), record_shapes=True) as prof:
             yield prof, {"profiler": "applied"}
-    else:
-        raise ConfigError(f"debug.name={cfg.name!r} is not one of off, anomaly, profile")

@@ -21,10 +21,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner import launch
+from runner.config import check_choice
 from runner.errors import ConfigError
-
-_BACKENDS = ("gloo", "nccl", "mpi", "xccl", "ucc")
-
 
 @dataclass
 class Env:
@@ -53,8 +51,7 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     Raises:
         ConfigError: ``trainer.device`` is not auto/cpu/cuda, or ``cuda`` on a machine without CUDA.
     """
-    if requested not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"trainer.device={requested!r} is not one of auto, cpu, cuda")
+    check_choice("trainer.device", requested)
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device "
                           "(torch.cuda.is_available() is False); use trainer.device=auto or trainer.device=cpu")
@@ -78,9 +75,7 @@ def _check(cfg: DictConfig, layout: launch.Layout) -> None:
     if cfg.sync_batchnorm and name in ("fsdp", "dp"):
         raise ConfigError(f"distributed.sync_batchnorm=true works with distributed=ddp only (here distributed={name}); "
                           f"drop it or use ddp")
-    if cfg.backend is not None and cfg.backend not in _BACKENDS:
-        raise ConfigError(f"distributed.backend={cfg.backend!r} is not one of {list(_BACKENDS)} (or null: nccl on "
-                          f"CUDA, gloo on CPU)")
+    check_choice("distributed.backend", cfg.backend)
     if cfg.timeout_s <= 0:
         raise ConfigError(f"distributed.timeout_s={cfg.timeout_s} must be > 0 seconds")
 

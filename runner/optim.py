@@ -24,6 +24,7 @@ import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.config import check_choice
 from runner.errors import ConfigError
 
 #: Optimizer-group keys that are runner switches, not constructor arguments.
@@ -47,8 +48,7 @@ def scaled_lr(cfg: DictConfig, global_batch_size: int) -> float:
         raise ConfigError(f"optimizer.base_batch_size={cfg.base_batch_size} must be > 0 (samples)")
     ratio = global_batch_size / cfg.base_batch_size
     rules = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}
-    if cfg.lr_scaling not in rules:
-        raise ConfigError(f"optimizer.lr_scaling={cfg.lr_scaling!r} is not one of {list(rules)}")
+    check_choice("optimizer.lr_scaling", cfg.lr_scaling)
     return cfg.lr * rules[cfg.lr_scaling]
 
 
@@ -82,8 +82,7 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
     if cfg.impl is not None:
-        if cfg.impl not in _IMPLS:
-            raise ConfigError(f"optimizer.impl={cfg.impl!r} is not one of {list(_IMPLS)} (or null)")
+        check_choice("optimizer.impl", cfg.impl)
         target = cfg._target_
         try:
             cls = get_class(target)

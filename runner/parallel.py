@@ -31,7 +31,7 @@ from torch import nn
 
 from runner import hardware
 from runner.distributed import Env, broadcast_module_state
-from runner.errors import ConfigError
+from runner.config import check_choice
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -174,6 +174,7 @@ def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, precision_cfg: DictC
         ConfigError: an unknown ``distributed.name``.
     """
     name = cfg.name
+    check_choice("distributed.name", name)
     if name == "none":
         return model, ({"sync_batchnorm": "skipped: one process, its batch statistics are already global"}
                        if cfg.sync_batchnorm else {})
@@ -181,9 +182,7 @@ def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, precision_cfg: DictC
         return apply_ddp(model, cfg, env)
     if name == "fsdp":
         return apply_fsdp(model, env, precision_cfg)
-    if name == "dp":
-        return apply_dp(model, env)
-    raise ConfigError(f"distributed.name={name!r} is not one of none, ddp, fsdp, dp")
+    return apply_dp(model, env)  # dp, the last of CHOICES["distributed.name"]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from torch.amp import GradScaler
 
 from runner import hardware
+from runner.config import check_choice
 from runner.errors import ConfigError
 
 
@@ -60,6 +61,7 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
     Raises:
         ConfigError: an unknown ``precision.name``, ``init_scale`` <= 0 or ``growth_interval`` < 1.
     """
+    check_choice("precision.name", cfg.name)
     kind = device.type
     if cfg.init_scale <= 0:
         raise ConfigError(f"precision.init_scale={cfg.init_scale} must be > 0 (a loss scale, e.g. 65536)")
@@ -92,13 +94,12 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
             return off
         ctx = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
         return Precision(ctx, off.scaler, torch.bfloat16, {"amp": "applied"})
-    if name == "bf16":
-        if kind == "cpu" and not hardware.cpu_has_native_bf16():
-            warnings.warn("precision=bf16 on a CPU without native bf16: autocast is emulated and much slower "
-                          "than fp32", stacklevel=2)
-        if kind == "cuda" and not torch.cuda.is_bf16_supported():
-            off.techniques["bf16"] = f"skipped: {torch.cuda.get_device_name(device)} has no bf16 support"
-            return off
-        ctx = functools.partial(torch.autocast, kind, dtype=torch.bfloat16)
-        return Precision(ctx, off.scaler, torch.bfloat16, {"bf16": "applied"})
-    raise ConfigError(f"precision.name={name!r} is not one of fp32, amp, bf16, tf32")
+    # bf16, the last of CHOICES["precision.name"]
+    if kind == "cpu" and not hardware.cpu_has_native_bf16():
+        warnings.warn("precision=bf16 on a CPU without native bf16: autocast is emulated and much slower "
+                      "than fp32", stacklevel=2)
+    if kind == "cuda" and not torch.cuda.is_bf16_supported():
+        off.techniques["bf16"] = f"skipped: {torch.cuda.get_device_name(device)} has no bf16 support"
+        return off
+    ctx = functools.partial(torch.autocast, kind, dtype=torch.bfloat16)
+    return Precision(ctx, off.scaler, torch.bfloat16, {"bf16": "applied"})

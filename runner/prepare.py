@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import parallel
+from runner.config import check_choice
 from runner.errors import ConfigError
 from runner.parallel import repeated_blocks
 
@@ -163,9 +164,9 @@ def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
     Raises:
         ConfigError: ``compile.mode`` is not default, reduce-overhead or max-autotune.
     """
-    modes = ("default", "reduce-overhead", "max-autotune")
-    if cfg.mode not in modes:
-        raise ConfigError(f"compile.mode={cfg.mode!r} is not one of {modes} (or compile=off)")
+    if cfg.mode is None:  # null is compile=off, which prepare never passes here
+        raise ConfigError("compile.mode=None: nothing to compile with (compile=off); give a mode to apply_compile")
+    check_choice("compile.mode", cfg.mode)
     status = {"compile": "applied"}
     mode = cfg.mode
     if mode == "reduce-overhead":

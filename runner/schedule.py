@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import CyclicLR, LambdaLR, LRScheduler, OneCycleLR
 
+from runner.config import check_choice
 from runner.errors import ConfigError
 
 
@@ -35,6 +36,7 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
     lr = optimizer.param_groups[0]["lr"]
     total_steps = max(total_steps, 1)
     name = cfg.name
+    check_choice("scheduler.name", name)
     if name == "constant":
         return LambdaLR(optimizer, lambda step: 1.0), {}
     if name == "onecycle":
@@ -64,7 +66,7 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
         sched = LambdaLR(optimizer, factor)
-    elif name == "cyclic":
+    else:  # cyclic, the last of CHOICES["scheduler.name"]
         if cfg.cycle_steps < 2:
             raise ConfigError(f"scheduler.cycle_steps={cfg.cycle_steps} must be >= 2 (one step up, one down)")
         if not 0 < cfg.base_lr_factor < cfg.max_lr_factor:
@@ -72,6 +74,4 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
                               f"scheduler.max_lr_factor={cfg.max_lr_factor}")
         sched = CyclicLR(optimizer, base_lr=lr * cfg.base_lr_factor, max_lr=lr * cfg.max_lr_factor,
                          step_size_up=max(cfg.cycle_steps // 2, 1), cycle_momentum=False)
-    else:
-        raise ConfigError(f"scheduler.name={name!r} is not one of constant, onecycle, cosine, cyclic")
     return sched, {f"scheduler_{name}": "applied"}

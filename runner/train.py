@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import REPO_ROOT, data as data_mod, debug, distributed, hardware, measure, models, optim, precision, prepare, schedule
 from runner import checkpoint, parallel, preempt, task as task_mod, text
+from runner.config import CHOICES, check_choice
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.track import NullTracker, Tracker
 
@@ -49,28 +50,14 @@ def validate(cfg: DictConfig) -> None:
         (t.target_accuracy is None or 0 < t.target_accuracy <= 1, "trainer.target_accuracy", t.target_accuracy,
          "must be a fraction in (0, 1] or null"),
         (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
-        (t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress,
-         "must be one of auto, bar, lines, off"),
-        (t.on_nonfinite in ("stop", "skip"), "trainer.on_nonfinite", t.on_nonfinite, "must be stop or skip"),
         (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
     ]
-    choices = {
-        "data.name": (cfg.data.name, ("mnist", "cifar10", "imagefolder", "synthetic", "text", "custom")),
-        "scheduler.name": (cfg.scheduler.name, ("constant", "onecycle", "cosine", "cyclic")),
-        "precision.name": (cfg.precision.name, ("fp32", "amp", "bf16", "tf32")),
-        "distributed.name": (cfg.distributed.name, ("none", "ddp", "fsdp", "dp")),
-        "debug.name": (cfg.debug.name, ("off", "anomaly", "profile")),
-        "logger.name": (cfg.logger.name, ("wandb", "none")),
-        "compile.mode": (cfg.compile.mode, (None, "default", "reduce-overhead", "max-autotune")),
-        "optimizer.impl": (cfg.optimizer.impl, (None, "fused", "foreach", "loop")),
-        "optimizer.lr_scaling": (cfg.optimizer.lr_scaling, ("none", "linear", "sqrt")),
-    }
-    checks += [(value in allowed, key, value, f"must be one of {[a for a in allowed]}")
-               for key, (value, allowed) in choices.items()]
     for ok, key, value, rule in checks:
         if not ok:
             raise ConfigError(f"{key}={value} {rule}")
+    for key in CHOICES:  # every closed option list (runner/config.py), so a bad value stops before anything is built
+        check_choice(key, OmegaConf.select(cfg, key))
 
 
 def seed_everything(seed: int) -> None:

@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner import REPO_ROOT, distributed, models, prepare
-from runner.config import _GROUPS
+from runner import REPO_ROOT, data as data_mod, distributed, models, prepare
+from runner.config import _GROUPS, CHOICES
 from runner.errors import ConfigError
 from runner.train import train, validate
 
@@ -174,3 +174,16 @@ def test_validate_names_the_key(bad):
 
 def test_validate_accepts_the_defaults():
     validate(compose_cfg(tiny=False))
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_every_option_list_is_checked_once_before_anything_is_built(key):
+    cfg = compose_cfg()
+    OmegaConf.update(cfg, key, "nonsense", force_add=False)
+    allowed = ", ".join(c for c in CHOICES[key] if c is not None)
+    with pytest.raises(ConfigError, match=f"^{key}=nonsense is not one of {allowed}"):
+        validate(cfg)
+
+
+def test_the_data_option_list_is_what_the_builder_knows():
+    assert set(CHOICES["data.name"]) == {*data_mod._DATASETS, "text", "custom"}
