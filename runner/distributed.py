@@ -24,6 +24,7 @@ from runner import launch
 from runner.config import check_choice
 from runner.errors import ConfigError
 
+
 @dataclass
 class Env:
     """Where this process runs. ``rank`` is global, ``local_rank`` the index on its node."""

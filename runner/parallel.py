@@ -30,8 +30,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import hardware
-from runner.distributed import Env, broadcast_module_state
 from runner.config import check_choice
+from runner.distributed import Env, broadcast_module_state
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 

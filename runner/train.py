@@ -25,8 +25,24 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import REPO_ROOT, data as data_mod, debug, distributed, hardware, measure, models, optim, precision, prepare, schedule
-from runner import checkpoint, parallel, preempt, task as task_mod, text
+from runner import (
+    REPO_ROOT,
+    checkpoint,
+    data as data_mod,
+    debug,
+    distributed,
+    hardware,
+    measure,
+    models,
+    optim,
+    parallel,
+    precision,
+    preempt,
+    prepare,
+    schedule,
+    task as task_mod,
+    text,
+)
 from runner.config import CHOICES, check_choice
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.track import NullTracker, Tracker

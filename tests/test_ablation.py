@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, compose_cfg, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from conftest import TINY, compose_cfg, run_cli
 from runner import REPO_ROOT, ablation_first_round
 from runner.ablation import auto_repeat, round_command
 from runner.report import CSV_COLUMNS, JOB_COLUMNS, Job, ReportError, build_rows, load_jobs, pending, write_report

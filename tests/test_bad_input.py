@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, make_tiny_cifar, run_cli
 
+from conftest import TINY, make_tiny_cifar, run_cli
 from runner import REPO_ROOT
 
 USER_ENV = {"HYDRA_FULL_ERROR": "0"}  # what a user sees: Hydra's compact messages, no stack trace

@@ -10,11 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text, run_cli
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text, run_cli
 from runner import REPO_ROOT, data as data_mod, distributed, models, prepare
 from runner.config import _GROUPS, CHOICES
 from runner.errors import ConfigError

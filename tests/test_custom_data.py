@@ -13,11 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, compose_cfg, job_dirs, read_summary, run_cli
 from torch.utils.data import DistributedSampler
 
-from runner import REPO_ROOT
-from runner import data as data_mod
+from conftest import TINY, compose_cfg, job_dirs, read_summary, run_cli
+from runner import REPO_ROOT, data as data_mod
 from runner.data import OnDeviceLoader
 from runner.distributed import setup
 from runner.errors import ConfigError

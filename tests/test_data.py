@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_cfg, job_dirs, make_tiny_cifar, read_summary, run_cli
 
-from runner import REPO_ROOT
-from runner import data as data_mod
+from conftest import compose_cfg, job_dirs, read_summary, run_cli
+from runner import REPO_ROOT, data as data_mod
 from runner.distributed import setup
 from runner.errors import ConfigError
 from runner.train import train

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, compose_cfg, job_dirs, read_summary, run_cli
 
+from conftest import TINY, compose_cfg, job_dirs, read_summary
 from runner import REPO_ROOT, distributed, launch, parallel
 from runner.errors import ConfigError
 

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
 from torch import nn
 
-from runner import REPO_ROOT, gpt, prepare, text
-from runner import task as task_mod
+from conftest import TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
+from runner import REPO_ROOT, gpt, prepare, task as task_mod, text
 from runner.errors import ConfigError
 from runner.gpt import GPT, Block
 from runner.train import train

@@ -10,12 +10,10 @@ import time
 
 import pytest
 import torch
-from conftest import compose_cfg
 from torch import nn
 
-from runner import data as data_mod
-from runner import hardware, measure
-from runner import task as task_mod
+from conftest import compose_cfg
+from runner import data as data_mod, hardware, measure, task as task_mod
 from runner.train import train
 
 ROW_KEYS = {"step", "epoch", "loss", "lr", "samples_per_sec", "step_time_ms", "data_wait_ms", "peak_memory_mb"}

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import compose_cfg, run_cli
 from hydra.errors import ConfigCompositionException
 from torch import nn
 
+from conftest import compose_cfg, run_cli
 from runner import models
 from runner.errors import ConfigError
 from runner.train import train

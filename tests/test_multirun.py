@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 from conftest import TINY, job_dirs, read_summary
-from test_wandb import read_run, wandb_files
-
 from runner import REPO_ROOT
+from test_wandb import read_run, wandb_files
 
 
 def test_two_by_two_sweep_writes_four_jobs_with_their_own_runs(tmp_path):

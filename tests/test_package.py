@@ -18,8 +18,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import job_dirs, read_summary, run_cli
 
+from conftest import job_dirs, read_summary, run_cli
 from runner import REPO_ROOT
 
 CONF = REPO_ROOT / "conf"

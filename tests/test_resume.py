@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_summary, run_cli
 
-from runner import REPO_ROOT
-from runner import checkpoint as ck
+from conftest import read_summary, run_cli
+from runner import REPO_ROOT, checkpoint as ck
 
 #: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
 STEPS = ["trainer.max_steps=16", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_max_batches=2",

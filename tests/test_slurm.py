@@ -15,8 +15,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import TINY, job_dirs, read_summary
 
+from conftest import TINY, job_dirs, read_summary
 from runner import REPO_ROOT
 
 

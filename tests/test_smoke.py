@@ -1,7 +1,6 @@
 """The engine end to end on a tiny synthetic job, in process."""
 
 from conftest import compose_cfg
-
 from runner.train import train
 
 SUMMARY_KEYS = {

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY, run_cli
 
+from conftest import TINY, run_cli
 from runner import REPO_ROOT
 from runner.sweep_report import PLAIN_COLUMNS, SweepError, job_times, load_sweep, swept_keys, write_plain_report
 

@@ -19,11 +19,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import compose_cfg
-from technique_helpers import SharedConv, TinyMLP, Untraceable
 from runner import data as data_mod, debug, hardware, models, optim, precision, prepare, schedule
 from runner.errors import ConfigError
 from runner.task import evaluation_sums
 from runner.train import train
+from technique_helpers import SharedConv, TinyMLP, Untraceable
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
