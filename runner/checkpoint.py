@@ -300,6 +300,12 @@ def settings(cfg) -> dict[str, Any]:
         ConfigError: a value of the wrong type or out of range, naming the key and what is allowed.
     """
     c = dict(cfg)
+    from runner.config import CHECKPOINT_DEFAULTS
+
+    unknown = sorted(set(c) - set(CHECKPOINT_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"checkpoint.{unknown[0]} is not a checkpoint setting; they are: "
+                          f"{', '.join(CHECKPOINT_DEFAULTS)}")
 
     def bad(key: str, rule: str) -> ConfigError:
         return ConfigError(f"checkpoint.{key}={c[key]!r} {rule}")

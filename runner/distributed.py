@@ -176,6 +176,9 @@ def shared_job_dir(job_dir: Path, env: Env) -> Path:
         dist.broadcast_object_list(box, src=0)
         if env.rank != 0:
             launch.drop_scratch(job_dir)
+        pointer = launch.elastic_pointer()
+        if env.rank == 0 and pointer is not None:  # restarted workers (torchrun --max-restarts) come back here
+            pointer.write_text(str(Path(box[0]).resolve()))
         return Path(box[0])
     return job_dir
 

@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
 from runner.errors import ConfigError
@@ -162,6 +163,32 @@ def drop_scratch(job_dir: object) -> None:
         shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
+def elastic_pointer(env: Mapping[str, str] | None = None) -> Path | None:
+    """Where rank 0 of a torchrun job notes its job folder for restarted workers: a file in the temp
+    directory keyed by ``TORCHELASTIC_RUN_ID`` (the same for every restart of one torchrun), or None outside
+    torchrun."""
+    env = os.environ if env is None else env
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if not run_id or "RANK" not in env:
+        return None
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+    return Path(tempfile.gettempdir()) / f"runner-elastic-{safe}.jobdir"
+
+
+def restart_overrides(layout: Layout, env: Mapping[str, str] | None = None) -> list[str]:
+    """``hydra.run.dir=<the first attempt's job folder>`` for rank 0 of a restarted torchrun worker group
+    (``torchrun --max-restarts=N``; ``TORCHELASTIC_RESTART_COUNT`` > 0), so it finds the checkpoints there
+    and resumes (``checkpoint.resume=auto``) instead of starting over in a new timestamped folder. ``[]``
+    otherwise, or when the job folder was named on the command line anyway."""
+    env = os.environ if env is None else env
+    pointer = elastic_pointer(env)
+    if layout.rank != 0 or pointer is None or int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        return []
+    if not pointer.is_file():
+        return []
+    return [f"hydra.run.dir={pointer.read_text().strip()}"]
+
+
 def hydra_overrides(layout: Layout) -> list[str]:
     """Overrides that keep a rank other than 0 out of ``outputs/`` (Hydra issue #2070).
 
@@ -206,6 +233,8 @@ def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> La
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
         argv += hydra_overrides(layout)
+        if not any(a.startswith("hydra.run.dir=") for a in argv):
+            argv += restart_overrides(layout)
     return layout
 
 

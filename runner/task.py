@@ -91,7 +91,9 @@ class Classification:
                                 torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
 
         correct, loss_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 3, sums)
-        return {"eval_accuracy": correct / max(count, 1), "eval_loss": loss_sum / max(count, 1)}
+        if count == 0:  # nothing was evaluated: no figure, rather than a made-up 0.0
+            return dict.fromkeys(self.metrics)
+        return {"eval_accuracy": correct / count, "eval_loss": loss_sum / count}
 
     def model_kwargs(self, data) -> dict[str, int]:
         if data.num_classes is None:
@@ -142,7 +144,9 @@ class LanguageModel:
                                 torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
 
         loss_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, sums)
-        loss = loss_sum / max(count, 1)
+        if count == 0:  # nothing was evaluated: no figure, rather than a made-up one
+            return dict.fromkeys(self.metrics)
+        loss = loss_sum / count
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
                 "eval_bits_per_char": loss / math.log(2)}
 

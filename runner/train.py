@@ -68,12 +68,42 @@ def validate(cfg: DictConfig) -> None:
         (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
         (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
+        (0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32) (NumPy's seed range)"),
+        (t.eval_max_batches is None or t.eval_max_batches >= 1, "trainer.eval_max_batches", t.eval_max_batches,
+         "must be >= 1 or null (an evaluation of no batch would report made-up figures)"),
+        *[(cfg.data.get(k) is None or cfg.data[k] >= 1, f"data.{k}", cfg.data.get(k), "must be >= 1")
+          for k in ("train_size", "eval_size", "block_size") if k in cfg.data and cfg.data.name != "custom"],
     ]
     for ok, key, value, rule in checks:
         if not ok:
             raise ConfigError(f"{key}={value} {rule}")
     for key in CHOICES:  # every closed option list (runner/config.py), so a bad value stops before anything is built
         check_choice(key, OmegaConf.select(cfg, key))
+    _refuse_undeclared_keys(cfg)
+
+
+def _refuse_undeclared_keys(cfg: DictConfig) -> None:
+    """A key added with ``+`` that no schema declares (``+trainer.max_step=3``: the fix Hydra suggests for a
+    misspelt key) would be accepted and ignored; refuse it, naming the close declared key. The open nodes
+    (``model``, ``data=custom``: a constructor's or function's arguments) are checked by their builders.
+
+    Raises:
+        ConfigError: naming the key and the declared keys it is closest to.
+    """
+    import dataclasses
+    import difflib
+
+    for name, node in cfg.items():
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if not dataclasses.is_dataclass(schema) or OmegaConf.is_struct(node) is False:
+            continue  # not a schema'd node, or an open one (its builder checks the names)
+        declared = {f.name for f in dataclasses.fields(schema)}
+        for key in node.keys():
+            if key not in declared:
+                close = difflib.get_close_matches(str(key), sorted(declared), n=1)
+                hint = f"; did you mean {name}.{close[0]}?" if close else ""
+                raise ConfigError(f"{name}.{key} is not a setting runner reads (added with '+', it would be ignored)"
+                                  f"{hint} The {name} keys are: {', '.join(sorted(declared))}")
 
 
 def seed_everything(seed: int) -> None:
@@ -133,7 +163,7 @@ class Plan:
 
     def reached(self, metrics: dict[str, float]) -> bool:
         """Whether ``metrics`` meet every target set (never, when none is)."""
-        if self.target_accuracy is None and self.target_loss is None:
+        if self.target_accuracy is None and self.target_loss is None or None in metrics.values():
             return False
         return ((self.target_accuracy is None or metrics["eval_accuracy"] >= self.target_accuracy)
                 and (self.target_loss is None or metrics["eval_loss"] <= self.target_loss))

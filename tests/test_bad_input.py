@@ -123,3 +123,102 @@ def test_slurm_launcher_without_slurm(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(bin_dir))
     msg = config_error(run_bad(tmp_path, "-m", "hydra/launcher=submitit_slurm"))
     assert "hydra/launcher=submitit_slurm" in msg and "sbatch" in msg and "drop hydra/launcher=submitit_slurm" in msg
+
+
+# ------------------------------------------------------------------------------------------ the catalogue
+# Each case: overrides (on TINY) -> the words its one message must contain. Run in-process (each case is a
+# fresh train(); the CLI turns the same ConfigError into "error: ..." and exit 2, as the cases above show);
+# nothing may be left in the job folder but what was there before.
+
+CATALOGUE = {
+    "added key nothing reads": (["+trainer.max_step=3"], ["trainer.max_step", "did you mean trainer.max_steps"]),
+    "negative seed": (["trainer.seed=-1"], ["trainer.seed=-1", "2**32"]),
+    "empty training set": (["data.train_size=0"], ["data.train_size=0", ">= 1"]),
+    "no classes": (["data.num_classes=0"], ["data.num_classes=0", ">= 1"]),
+    "empty evaluation": (["trainer.eval_max_batches=0"], ["trainer.eval_max_batches=0", "made-up"]),
+    "unknown non-finite policy": (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "is not one of stop, skip"]),
+    "checkpoint every 0 steps": (["checkpoint.every_steps=0"], ["checkpoint.every_steps=0", ">= 1"]),
+    "keep no checkpoint": (["checkpoint.keep_last=0"], ["checkpoint.keep_last=0", ">= 1"]),
+    "negative minutes": (["checkpoint.every_minutes=-1"], ["checkpoint.every_minutes=-1", "> 0"]),
+    "async not a boolean": (["checkpoint.async=maybe"], ["checkpoint.async='maybe'", "true or false"]),
+    "unknown signal": (["checkpoint.signals=[SIGFOO]"], ["checkpoint.signals", "SIGFOO", "SIGTERM"]),
+    "uncatchable signal": (["checkpoint.signals=[SIGKILL]"], ["SIGKILL", "can be caught"]),
+    "unknown checkpoint key": (["+checkpoint.every_step=3"], ["checkpoint.every_step", "every_steps"]),
+    "resume from nowhere": (["checkpoint.resume=/nowhere/step_00000001"], ["/nowhere/step_00000001", "does not exist"]),
+    "a model that is no module": (["model._target_=collections.OrderedDict"], ["model._target_", "not a torch nn.Module"]),
+    "input smaller than the model takes": (["data.shape=[1,1,1]"], ["does not take the data's inputs", "(1, 1, 1)"]),
+    "negative workers": (["dataloader.num_workers=-1"], ["dataloader.num_workers=-1", ">= 0"]),
+    "unknown device": (["trainer.device=tpu"], ["trainer.device=tpu", "is not one of auto, cpu, cuda"]),
+    "no loss scale": (["precision=amp", "precision.init_scale=0"], ["precision.init_scale=0", "> 0"]),
+    "warm-up longer than the run": (["scheduler=cosine", "scheduler.warmup_steps=10"], ["scheduler.warmup_steps=10"]),
+    "checkpointing a class the model lacks": (["memory=checkpointing", "memory.checkpoint_modules=[Foo]"],
+                                              ["memory.checkpoint_modules", "Foo"]),
+    "nccl without CUDA": (["distributed=ddp", "distributed.backend=nccl", "trainer.device=cpu"],
+                          ["distributed.backend=nccl", "gloo"]),
+    "unknown compile mode": (["compile.mode=fastest"], ["compile.mode", "fastest"]),
+    "a text file that is not there": (["data=text", "data.path=/nowhere.txt", "task=language_model", "model=gpt"],
+                                      ["/nowhere.txt"]),
+    "language model on images": (["task=language_model"], ["task=language_model needs token data"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CATALOGUE), ids=list(CATALOGUE))
+def test_bad_input_catalogue(case, tmp_path):
+    from conftest import compose_cfg
+    from runner.errors import ConfigError
+    from runner.train import train
+
+    overrides, words = CATALOGUE[case]
+    job = tmp_path / "job"
+    job.mkdir()
+    with pytest.raises(ConfigError) as caught:
+        train(compose_cfg(*overrides), job_dir=job)
+    message = str(caught.value)
+    assert all(w in message for w in words), message
+    assert "\n" not in message.strip()  # one message
+    assert not (job / "summary.json").exists() and not list(job.rglob("*.partial"))
+
+
+def _finished_job(tmp_path, *overrides: str):
+    from conftest import compose_cfg
+    from runner.train import train
+
+    job = tmp_path / "job"
+    train(compose_cfg("trainer.max_steps=2", *overrides), job_dir=job)
+    return job
+
+
+@pytest.mark.parametrize("damage", ["garbage metadata", "truncated shard", "foreign model"])
+def test_damaged_or_foreign_checkpoints_are_refused(tmp_path, damage):
+    from conftest import compose_cfg
+    from runner import checkpoint as ck
+    from runner.errors import ConfigError
+    from runner.train import train
+
+    job = _finished_job(tmp_path)
+    (path,) = ck.complete_checkpoints(job / "checkpoints")
+    overrides = [f"checkpoint.resume={path}", "trainer.max_steps=4"]
+    if damage == "garbage metadata":
+        (path / ".metadata").write_bytes(b"not a pickle")
+    elif damage == "truncated shard":
+        (shard,) = path.glob("*.distcp")
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        overrides.append("model=resnet18")
+    with pytest.raises(ConfigError, match=f"cannot resume from {path}") as caught:
+        train(compose_cfg(*overrides), job_dir=tmp_path / "other")
+    assert "checkpoint.resume=never" in str(caught.value) or "model._target_" in str(caught.value)
+
+
+def test_a_finished_folder_is_never_mixed_with_a_new_run(tmp_path):
+    from conftest import compose_cfg
+    from runner.errors import ConfigError
+    from runner.train import train
+
+    job = _finished_job(tmp_path, "checkpoint.at_end=false")
+    before = (job / "metrics.jsonl").read_text()
+    for overrides, words in ((["checkpoint.resume=auto"], "holds a finished run"),
+                             (["checkpoint.resume=never"], "would mix a new run into it")):
+        with pytest.raises(ConfigError, match=words):
+            train(compose_cfg("trainer.max_steps=2", "checkpoint.at_end=false", *overrides), job_dir=job)
+    assert (job / "metrics.jsonl").read_text() == before and (job / "summary.json").exists()

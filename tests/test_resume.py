@@ -223,3 +223,34 @@ def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
     assert fresh.returncode == 2 and "would mix a new run into it" in fresh.stderr
     longer = run(command(folder, [*JOB, "trainer.max_steps=6"], False), tmp_path)  # max_steps may change
     assert "resumed from" in longer.stdout and read_summary(folder)["steps"] == 6
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_path):
+    """``torchrun --max-restarts=1``: one worker SIGKILLed mid-run; the agent restarts the group, rank 0 finds
+    the first attempt's job folder (no hydra.run.dir given) and every rank resumes from its checkpoint."""
+    from safetensors.torch import load_file
+
+    job = [*JOB, "distributed=ddp", "dataloader.batch_size=8"]
+    run([*TORCHRUN, "-m", "runner", *job, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen([*TORCHRUN, "--max-restarts=1", "-m", "runner", *job], cwd=work, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        found = list((work / "outputs").rglob("metrics.jsonl"))
+        if found and '"step": 8,' in found[0].read_text():
+            break
+        time.sleep(0.02)
+    workers = [pid for pid in _descendants(proc.pid) if "-m runner" in Path(f"/proc/{pid}/cmdline").read_text()
+               .replace("\0", " ")]
+    os.kill(workers[-1], signal.SIGKILL)  # one worker dies; the agent restarts the group
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    (folder,) = [p.parent for p in (work / "outputs").rglob(".hydra")]  # one job folder for both attempts
+    summary = read_summary(folder)
+    assert summary["restarts"] == 1 and summary["steps"] == 16
+    a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert rows(tmp_path / "straight") == rows(folder)
