@@ -142,6 +142,13 @@ class Tracker:
             self.wandb.log({WANDB_KEYS[k]: v for k, v in row.items() if k in WANDB_KEYS and v is not None}
                            | {"trainer/step": row["step"]})
 
+    def note(self, message: str) -> None:
+        """A line on the console between the figures (e.g. that a long evaluation is running); not a metric."""
+        if self.bar is not None:
+            self.bar.write(message)
+        elif self.mode == "lines":
+            print(message, flush=True)
+
     def finish(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json``, print the summary table, close the W&B run."""
         if self.bar is not None:
@@ -172,6 +179,9 @@ class NullTracker:
     def finish(self, summary):  # noqa: D102
         pass
 
+    def note(self, message):  # noqa: D102
+        pass
+
     def abort(self, exit_code: int = 1):  # noqa: D102
         pass
 
@@ -184,7 +194,8 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     The first row, ``measurement``, says what the speed figures cover, or why they are blank (all warm-up)."""
     keys = ["measurement", "samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90",
             "data_wait_fraction", "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss",
-            "eval_accuracy", "eval_loss", "eval_bits_per_char", "time_to_target_s", "checkpoint_time_s", "restarts",
+            "eval_accuracy", "eval_loss", "eval_bits_per_char", "time_to_target_s", "train_time_s", "eval_time_s",
+            "checkpoint_time_s", "restarts",
             "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
     rows = [(k, _fmt(summary[k])) for k in keys if k in summary] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
     width = max(len(k) for k, _ in rows)

@@ -551,6 +551,8 @@ def evaluate(state: TrainState, parts: Parts) -> None:
     targets: ``time_to_target_s`` = training time until then, evaluations excluded."""
     started = time.perf_counter()
     p = parts
+    batches = len(p.data.eval) if p.plan.eval_max_batches is None else min(len(p.data.eval), p.plan.eval_max_batches)
+    p.tracker.note(f"step {state.step}: evaluating ({batches} batches per rank)")
     state.eval = p.task.evaluate(p.model, p.data.eval, p.amp.autocast, p.plan.eval_max_batches, p.env)
     if state.time_to_target_s is None and p.plan.reached(state.eval):
         state.time_to_target_s = state.train_time_s

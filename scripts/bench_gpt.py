@@ -113,9 +113,11 @@ def main() -> None:
         "",
         f"![loss curves]({image.name})",
         "",
-        f"Speed-up of the fast switches: tokens/s ×{fast['tokens_per_sec'] / s0['tokens_per_sec']:.2f}"
-        + (f", time to validation loss {target} ×{t0 / t1:.2f}" if t0 and t1 else
-           f"; the target {target} was {'not ' if not (t0 and t1) else ''}reached by both") + ".",
+        f"Speed-up of the fast switches: tokens/s ×{fast['tokens_per_sec'] / s0['tokens_per_sec']:.2f}, median step "
+        f"time ×{s0['step_time_ms_median'] / fast['step_time_ms_median']:.2f}"
+        + (f", time to validation loss {target} ×{t0 / t1:.2f}." if t0 and t1 else
+           f". Validation loss {target} was not reached by {'either run' if not (t0 or t1) else 'one of the runs'}, "
+           f"so there is no time-to-target ratio."),
         "",
         "What the fast preset switched on for this model (summary.json `techniques`):",
         "",

@@ -39,18 +39,28 @@ CASES = {
     # a near-empty model (one 16->10 Linear on 8 samples): the step is almost all loop machinery, so the
     # difference of the two loops is the engine's absolute cost per step
     "linear": ([], (1, 4, 4), 8, 400, 9),
+    # nanoGPT's small character model (+experiment=shakespeare_char): 4 layers x 128, windows of 64 tokens
+    "gpt": (["task=language_model", "model=gpt", "model.n_layer=4", "model.n_head=4", "model.n_embd=128",
+             "data=text", "data.block_size=64", "task.sample_tokens=1"], (64,), 12, 30, 9),
 }
+VOCAB = 65  # Tiny Shakespeare's characters
 
 
 def build_model(case: str, cfg, shape) -> torch.nn.Module:
     if case == "linear":
         return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(shape[0] * shape[1] * shape[2], 10))
+    if case == "gpt":
+        return models.build(cfg.model, {"vocab_size": VOCAB})
     return models.build(cfg.model, {"num_classes": 10}, shape[0])
 
 
-def make_batches(shape, batch_size: int, n: int, device: torch.device):
-    """``n`` in-memory batches: float ``(batch_size, *shape)`` inputs and int64 ``(batch_size,)`` labels."""
+def make_batches(case: str, shape, batch_size: int, n: int, device: torch.device):
+    """``n`` in-memory batches: float ``(batch_size, *shape)`` inputs and int64 ``(batch_size,)`` labels, or for
+    the GPT int64 token windows ``(batch_size, T)`` and their next tokens ``(batch_size, T)``."""
     g = torch.Generator().manual_seed(0)
+    if case == "gpt":
+        return [tuple(torch.randint(0, VOCAB, (batch_size, *shape), generator=g).to(device) for _ in range(2))
+                for _ in range(n)]
     return [(torch.randn(batch_size, *shape, generator=g).to(device), torch.randint(0, 10, (batch_size,), generator=g)
              .to(device)) for _ in range(n)]
 
@@ -68,7 +78,8 @@ def raw_loop(model, batches, lr: float, warmup: int, device) -> list[float]:
     for i, (x, y) in enumerate(batches):
         sync(device)
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
+        logits = model(x)  # (B, classes), or (B, T, vocab) for the GPT
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -88,11 +99,13 @@ class _RecordingMeter(measure.Meter):
 
 def runner_loop(cfg, model, batches, device) -> list[float]:
     """The runner's engine on the same model and batches; returns its per-iteration times (wait + step)."""
+    tokens = batches[0][0].dtype == torch.int64
     in_memory = data_mod.Data(
         train=data_mod.DeviceIterable(batches, device, False, torch.contiguous_format),
         eval=data_mod.DeviceIterable(batches[:1], device, False, torch.contiguous_format),
-        num_classes=10, in_channels=batches[0][0].shape[1], sample_shape=tuple(batches[0][0].shape[1:]),
-        train_samples=len(batches) * len(batches[0][1]), techniques={}, example=(batches[0][0][:2], batches[0][1][:2]))
+        num_classes=None if tokens else 10, in_channels=None if tokens else batches[0][0].shape[1],
+        sample_shape=tuple(batches[0][0].shape[1:]), train_samples=len(batches) * len(batches[0][1]), techniques={},
+        example=(batches[0][0][:2], batches[0][1][:2]), vocab=[chr(65 + i) for i in range(VOCAB)] if tokens else None)
     originals = data_mod.build, models.build, measure.Meter
     data_mod.build = lambda *a, **k: in_memory
     models.build = lambda *a, **k: model
@@ -112,14 +125,15 @@ def bench(case: str, rounds: int | None, warmup: int, device: torch.device) -> d
     overrides, shape, batch, steps, default_rounds = CASES[case]
     rounds = rounds or default_rounds
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        data = [] if case == "gpt" else ["data=synthetic", f"data.shape=[{','.join(map(str, shape))}]"]
         cfg = compose(config_name="config", overrides=[
-            *overrides, "data=synthetic", f"data.shape=[{','.join(map(str, shape))}]", "logger=none",
+            *overrides, *data, "logger=none", "checkpoint.at_end=false",
             f"dataloader.batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.warmup_steps={warmup}",
             f"trainer.log_every={steps}", "trainer.eval_max_batches=1", "trainer.progress=off",
             f"trainer.device={device.type}"])
     torch.manual_seed(0)
     template = build_model(case, cfg, shape).to(device)
-    batches = make_batches(shape, batch, steps, device)
+    batches = make_batches(case, shape, batch, steps, device)
     raw_loop(copy.deepcopy(template), batches, cfg.optimizer.lr, warmup, device)  # discarded: one-time costs
     runner_loop(cfg, copy.deepcopy(template), batches, device)                   # (oneDNN primitives, allocator)
     raw, ours, ratios = [], [], []
