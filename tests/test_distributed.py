@@ -42,6 +42,15 @@ class TinyMLP(nn.Sequential):
 
     def __init__(self, num_classes: int = 10):
         super().__init__(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+
+class FailsInTraining(TinyMLP):
+    """Takes the data (the build-time check runs in eval mode) and raises in its first training forward."""
+
+    def forward(self, x):
+        if self.training:
+            raise RuntimeError("a bug in the model's training forward")
+        return super().forward(x)
 '''
 
 #: the equivalence runs: TINY's data (3x16x16 synthetic), one global batch of 64 samples, 20 steps
@@ -203,7 +212,8 @@ def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
     root = make_root(tmp_path)
     logs = tmp_path / "logs"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--redirects=3", f"--log-dir={logs}", "-m", "runner",
-           "distributed=ddp", *TINY, "trainer.max_steps=1000000", "trainer.log_every=1", "trainer.eval_every=1000000"]
+           "distributed=ddp", *TINY, "trainer.max_steps=1000000", "trainer.log_every=1", "trainer.eval_every=1000000",
+           "checkpoint.signals=[]"]  # SIGTERM kills here; with checkpoint.signals it would checkpoint and stop (test_resume)
     proc = subprocess.Popen(cmd, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -237,10 +247,10 @@ def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_s_traceback_reaches_torchrun_s_summary(tmp_path):
-    """An exception in the ranks (a 2x2 input is too small for mnist_cnn's two poolings) is printed in full
+    """An exception in the ranks (a model that raises in its training forward) is printed in full
     (HYDRA_FULL_ERROR) and recorded by @record, so torchrun's "Root Cause" shows the traceback."""
     root = make_root(tmp_path)
-    proc = torchrun("distributed=ddp", *TINY, "data.shape=[3,2,2]", cwd=root)
+    proc = torchrun("distributed=ddp", *TINY, "model._target_=tiny_mlp.FailsInTraining", cwd=root)
     assert proc.returncode != 0
     root_cause = proc.stderr.split("Root Cause", 1)
     assert len(root_cause) == 2, proc.stderr[-4000:]

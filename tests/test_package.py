@@ -82,6 +82,7 @@ def _venv_with_wheel(wheel: Path, where: Path) -> Path:
                              capture_output=True, text=True, check=True).stdout.strip()
     Path(purelib, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--quiet",
+                           "--ignore-installed",  # this environment's runner (seen through the .pth) is another copy
                            str(wheel)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return python
@@ -95,7 +96,9 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RUNNER_DATA_ROOT")}
     env |= {"XDG_CACHE_HOME": str(cache), "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
     where = subprocess.run([str(python), "-c", "import runner; print(runner.__file__, runner.INSTALLED)"], cwd=work,
-                           env=env, capture_output=True, text=True, check=True).stdout.split()
+                           env=env, capture_output=True, text=True)
+    assert where.returncode == 0, where.stderr[-3000:]
+    where = where.stdout.split()
     package = Path(where[0]).parent
     assert package.is_relative_to(tmp_path / "venv") and where[1] == "True"
     before = sorted(package.rglob("*"))
