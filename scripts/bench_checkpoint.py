@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -67,6 +66,8 @@ def main() -> None:
     load.append(os.getloadavg()[0])
     import torch
 
+    from runner.hardware import device_name
+
     lines = [
         "| model | checkpoint | blocked per checkpoint (ms, median; min–max) | median step (ms) | "
         "blocked ÷ step | size on disk (MiB) |",
@@ -78,7 +79,7 @@ def main() -> None:
         lines.append(f"| {name} | {'async' if a else 'sync'} | {statistics.median(per):.0f} ({min(per):.0f}–{max(per):.0f}) "
                      f"| {step:.0f} | {statistics.median(per) / step:.2f} | {runs[0]['size_mb']:.1f} |")
     header = [
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"Machine: {device_name(torch.device('cpu'))}, {os.cpu_count()} cores; torch {torch.__version__}; "
         f"load average {load[0]:.1f} before, {load[1]:.1f} after.",
         "",
         f"Command: `python scripts/bench_checkpoint.py {' '.join(sys.argv[1:])}`".rstrip(),
