@@ -105,7 +105,7 @@ def runner_loop(cfg, model, batches, device) -> list[float]:
         eval=data_mod.DeviceIterable(batches[:1], device, False, torch.contiguous_format),
         num_classes=None if tokens else 10, in_channels=None if tokens else batches[0][0].shape[1],
         sample_shape=tuple(batches[0][0].shape[1:]), train_samples=len(batches) * len(batches[0][1]), techniques={},
-        example=(batches[0][0][:2], batches[0][1][:2]), vocab=[chr(65 + i) for i in range(VOCAB)] if tokens else None)
+        example=(batches[0][0][:2], batches[0][1][:2]), vocab=["\n", *(chr(65 + i) for i in range(VOCAB - 1))] if tokens else None)
     originals = data_mod.build, models.build, measure.Meter
     data_mod.build = lambda *a, **k: in_memory
     models.build = lambda *a, **k: model
