@@ -97,3 +97,44 @@ def test_submitit_sweep_of_two_jobs(tmp_path):
     assert sorted(s["config"]["trainer"]["seed"] for s in summaries) == [0, 1]
     assert all(s["steps"] == 4 for s in summaries)
     assert len(list(tmp_path.rglob(".submitit/*/*_result.pkl"))) == 2  # submitit ran them, not a local launcher
+
+
+def test_signalled_job_checkpoints_requeues_and_resumes_to_the_same_parameters(tmp_path):
+    """``scancel --signal=USR1 --batch`` (what ``--signal=B:USR1@<s>`` does before a time limit): multinode.sh
+    forwards the signal, the ranks checkpoint at the next log step, rank 0 requeues the job, and the requeued
+    job (same id, same folder ``outputs/slurm-<id>``) resumes and ends where an uninterrupted run ends."""
+    import json
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    script = str(REPO_ROOT / "scripts" / "multinode.sh")
+    job = [*TINY, "trainer.max_steps=300", "trainer.log_every=1"]
+    name = f"runner-test-{uuid.uuid4().hex[:8]}"
+    straight = run_job(["sbatch", "--wait", f"--job-name={name}", script, *job, "hydra.run.dir=outputs/straight"],
+                       tmp_path, name, timeout=240)
+    assert straight.returncode == 0, straight.stderr
+    submitted = run_job(["sbatch", "--parsable", f"--job-name={name}", script, *job], tmp_path, name, timeout=60)
+    job_id = submitted.stdout.strip().split(";")[0]
+    folder = tmp_path / "outputs" / f"slurm-{job_id}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            metrics = folder / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
+                break
+            time.sleep(0.5)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        while time.monotonic() < deadline + 180 and not (folder / "summary.json").exists():
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", "--name", name], timeout=30)
+    summary = read_summary(folder)
+    assert summary["restarts"] == 1 and summary["steps"] == 300 and summary["world_size"] == 2
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, 301))  # every step once: the requeued job continued, it did not start over
+    a = load_file(str(tmp_path / "outputs" / "straight" / "model.safetensors"))
+    b = load_file(str(folder / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
