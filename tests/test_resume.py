@@ -254,3 +254,22 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rows(tmp_path / "straight") == rows(folder)
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
+    """The W&B run id is kept in the checkpoint: the resumed process logs into the same run (resume="allow"),
+    its history starting after the checkpoint's step."""
+    from test_wandb import read_run, wandb_files
+
+    folder = tmp_path / "job"
+    job = [*JOB, "logger=wandb", "trainer.max_steps=40"]
+    kill_at(command(folder, job, False), folder, 8)
+    resumed = run(command(folder, job, False), tmp_path)
+    resumed_at = int(resumed.stdout.split("resumed from ", 1)[1].split("(step ", 1)[1].split(",")[0])
+    first, second = wandb_files(folder)  # one offline-run-<time>-<run id> folder per process
+    assert first.parent.name.rsplit("-", 1)[1] == second.parent.name.rsplit("-", 1)[1]  # the same run id
+    b = read_run(second)  # (the SIGKILLed process's file may end mid-record)
+    assert b["run"].run_id == second.parent.name.rsplit("-", 1)[1]
+    steps = [h["trainer/step"] for h in b["history"] if "train/loss" in h]
+    assert steps[0] == resumed_at + 1 and steps[-1] == 40
+    assert read_summary(folder)["restarts"] == 1
