@@ -109,10 +109,23 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
             if layout.launcher == "srun":
                 os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
                 os.environ.setdefault("MASTER_PORT", str(layout.master_port))
-            dist.init_process_group(backend, init_method="env://", rank=layout.rank, world_size=layout.world_size,
-                                    timeout=timeout, device_id=device_id)
+            dist.init_process_group(backend, store=_attempt_store(layout, timeout), rank=layout.rank,
+                                    world_size=layout.world_size, timeout=timeout, device_id=device_id)
     return Env(rank=layout.rank, local_rank=layout.local_rank, world_size=layout.world_size, nodes=layout.nodes,
                device=dev, launcher=layout.launcher)
+
+
+def _attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
+    """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each
+    restart of the worker group (``TORCHELASTIC_RESTART_COUNT``).
+
+    Under ``torchrun --max-restarts=N`` the workers share the agent's store across restarts, and since
+    torch 2.x ``env://`` no longer adds a per-attempt prefix; a restarted group could then read the previous
+    attempt's process-group keys (gloo: its peers' old addresses) and fail with "connectFullMesh ... Connection
+    refused" or wait on a dead peer. The prefix is the one older torch used (``/worker/attempt_<N>``).
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank=layout.rank, world_size=layout.world_size, timeout=timeout))
+    return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown() -> None:

@@ -175,6 +175,14 @@ def elastic_pointer(env: Mapping[str, str] | None = None) -> Path | None:
     return Path(tempfile.gettempdir()) / f"runner-elastic-{safe}.jobdir"
 
 
+def forget_elastic_pointer(env: Mapping[str, str] | None = None) -> None:
+    """Remove the ``elastic_pointer`` file once the job has finished (rank 0); a no-op outside torchrun.
+    A preempted or failed job keeps it, so the next attempt finds its folder."""
+    pointer = elastic_pointer(env)
+    if pointer is not None:
+        pointer.unlink(missing_ok=True)
+
+
 def restart_overrides(layout: Layout, env: Mapping[str, str] | None = None) -> list[str]:
     """``hydra.run.dir=<the first attempt's job folder>`` for rank 0 of a restarted torchrun worker group
     (``torchrun --max-restarts=N``; ``TORCHELASTIC_RESTART_COUNT`` > 0), so it finds the checkpoints there

@@ -32,6 +32,7 @@ from runner import (
     debug,
     distributed,
     hardware,
+    launch,
     measure,
     models,
     optim,
@@ -291,7 +292,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
         except BaseException:
             parts.tracker.abort()
             raise
-        return summarize(state, parts)
+        summary = summarize(state, parts)
+        if env.is_main:
+            launch.forget_elastic_pointer()  # finished: no restart will look for this job folder again
+        return summary
     finally:
         distributed.teardown()
 

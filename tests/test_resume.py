@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -228,8 +229,6 @@ def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="known issue, under investigation: the restarted worker group hung before its first step "
-                         "once in a full-suite run (the test passes alone); skipped so that a hang cannot stall CI")
 def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_path):
     """``torchrun --max-restarts=1``: one worker SIGKILLed mid-run; the agent restarts the group, rank 0 finds
     the first attempt's job folder (no hydra.run.dir given) and every rank resumes from its checkpoint."""
@@ -258,6 +257,9 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rows(tmp_path / "straight") == rows(folder)
+    pointers = [p for p in Path(tempfile.gettempdir()).glob("runner-elastic-*.jobdir")
+                if p.read_text().strip() == str(folder.resolve())]
+    assert not pointers, "the finished job left its restart pointer behind"
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
