@@ -33,6 +33,11 @@ EXIT_PREEMPTED = 75
 class Preemption:
     """Installs handlers for ``signals`` (names such as ``"SIGTERM"``, ``"SIGUSR1"``) that record the signal.
 
+    ``handoff``: the signal of a job manager that requeues the job itself (``submitit_signal()``: submitit's
+    ``SIGUSR2``, which it receives before a time limit and, after a ``SIGTERM`` it ignores, on preemption).
+    It is then caught too, ``SIGTERM`` is left to the manager, and ``resend`` delivers the hand-off signal
+    whichever one stopped the run, so the manager's handler requeues the job after runner's checkpoint.
+
     Use as a context manager: the previous handlers come back on exit. ``stop_requested(env)`` is the
     step-boundary check (an all-reduce over the ranks when there are several: call it on every rank at the
     same steps).
@@ -41,8 +46,11 @@ class Preemption:
         ConfigError: a name that is not a catchable signal of this platform.
     """
 
-    def __init__(self, signals: list[str]):
-        self.names = list(signals)
+    def __init__(self, signals: list[str], handoff: str | None = None):
+        self.handoff = handoff
+        self.names = list(dict.fromkeys(str(n).upper() for n in signals))
+        if handoff and self.names:  # a submitit job: its signal stops the run; SIGTERM stays submitit's
+            self.names = [n for n in self.names if n != "SIGTERM"] + [handoff] * (handoff not in self.names)
         self.received: str | None = None
         self._previous: dict[int, object] = {}
         self._signums = []
@@ -69,7 +77,7 @@ class Preemption:
     def resend(self) -> None:
         """Put the previous handlers back and deliver the received signal to them (submitit's own handler
         requeues its job; a default SIGTERM ends the process)."""
-        received = self.received
+        received = self.handoff or self.received
         self.__exit__()
         signum = getattr(signal, received, None) if received else None
         if isinstance(signum, signal.Signals):
@@ -84,6 +92,16 @@ class Preemption:
                 self.received = "another rank's signal"
             return bool(flag.item())
         return self.received is not None
+
+
+def submitit_signal(env: dict[str, str] | None = None) -> str | None:
+    """The signal submitit's job handler checkpoints and requeues on (``SIGUSR2`` unless
+    ``SUBMITIT_PREEMPT_SIGNAL`` says otherwise), inside a submitit job (``SUBMITIT_EXECUTOR`` set); else None.
+    Source: submitit ``JobEnvironment._handle_signals`` and ``SlurmJob._interrupt``."""
+    env = os.environ if env is None else env
+    if not env.get("SUBMITIT_EXECUTOR"):
+        return None
+    return "SIG" + env.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper().removeprefix("SIG")
 
 
 def requeue_slurm_job() -> str | None:

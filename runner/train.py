@@ -374,7 +374,8 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     parts = Parts(cfg=cfg, env=env, job_dir=job_dir, task=task, data=data, model=model, optimizer=optimizer,
                   scheduler=scheduler, amp=amp, clip=clip, meter=meter, tracker=tracker, plan=plan,
                   flops_per_sample=flops, techniques=techniques, details=details, resolved=resolved,
-                  checkpointer=checkpointer, preemption=preempt.Preemption(ck["signals"]), at_end=ck["at_end"])
+                  checkpointer=checkpointer, at_end=ck["at_end"],
+                  preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()))
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)
         state.restarts += 1

@@ -108,3 +108,29 @@ def test_final_weights_are_a_plain_safetensors_state_dict(tmp_path):
     fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     fresh.load_state_dict(load_file(str(path)))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_a_submitit_job_stops_on_submitits_signal_and_hands_it_back(monkeypatch):
+    """Inside a submitit job the handlers catch submitit's time-limit signal (SIGUSR2, or SUBMITIT_PREEMPT_SIGNAL),
+    leave SIGTERM to submitit (it ignores the SIGTERM that precedes a preemption's USR2) and hand submitit its own
+    signal back whichever one stopped the run, so submitit requeues the job."""
+    import os
+    import signal
+
+    from runner import preempt
+
+    assert preempt.submitit_signal({}) is None
+    assert preempt.submitit_signal({"SUBMITIT_EXECUTOR": "slurm"}) == "SIGUSR2"
+    assert preempt.submitit_signal({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "SIGUSR1"}) == "SIGUSR1"
+    assert preempt.Preemption(["SIGTERM", "SIGUSR1"], handoff="SIGUSR2").names == ["SIGUSR1", "SIGUSR2"]
+    assert preempt.Preemption([], handoff="SIGUSR2").names == []  # checkpoint.signals=[]: no handlers at all
+    handed = []
+    previous = signal.signal(signal.SIGUSR2, lambda *_: handed.append("USR2"))
+    try:
+        with preempt.Preemption(["SIGUSR1"], handoff="SIGUSR2") as p:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert p.received == "SIGUSR1" and not handed  # recorded only; nothing stops mid-step
+            p.resend()
+        assert handed == ["USR2"]  # submitit's handler got its signal
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

@@ -138,3 +138,54 @@ def test_signalled_job_checkpoints_requeues_and_resumes_to_the_same_parameters(t
     a = load_file(str(tmp_path / "outputs" / "straight" / "model.safetensors"))
     b = load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_submitit_sweep_job_that_times_out_checkpoints_requeues_and_resumes(tmp_path):
+    """A submitit sweep job gets submitit's time-limit signal (``scancel --signal=USR2``: what
+    ``hydra.launcher.signal_delay_s`` makes SLURM send, sent now the way submitit's own ``_interrupt(timeout=True)``
+    sends it). runner checkpoints at the next step boundary and hands the signal to submitit, which counts a
+    timeout and requeues the job; the requeued job resumes in the same job folder, and the sweep ends with the
+    parameters of an uninterrupted run."""
+    import json
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    job = [*TINY, "trainer.max_steps=300", "trainer.log_every=1"]
+    straight = run_job([sys.executable, "-m", "runner", *job, "hydra.run.dir=outputs/straight"], tmp_path, "-",
+                       timeout=240)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    name = f"runner-test-{uuid.uuid4().hex[:8]}"
+    sweep = tmp_path / "outputs" / "sweep"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_slurm", f"hydra.launcher.name={name}",
+         "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1", f"hydra.sweep.dir={sweep}", *job,
+         "trainer.seed=0"], cwd=tmp_path, env=slurm_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    folder = sweep / "0"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and launcher.poll() is None:
+            metrics = folder / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
+                break
+            time.sleep(0.5)
+        job_id = subprocess.run(["squeue", "-h", f"--name={name}", "-o", "%i"], capture_output=True, text=True,
+                                timeout=30).stdout.split()[0]
+        subprocess.run(["scancel", job_id, "--signal=USR2"], check=True, timeout=30)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        subprocess.run(["scancel", "--name", name], timeout=30)
+        launcher.kill()
+    assert launcher.returncode == 0, out[-2000:] + err[-4000:]
+    logs = "\n".join(p.read_text() for p in sweep.rglob(".submitit/*/*_log.err"))
+    assert "this job is timed-out" in logs and "DUE TO JOB REQUEUE" in logs, logs[-3000:]
+    summary = read_summary(folder)
+    assert summary["restarts"] == 1 and summary["steps"] == 300
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, 301))  # the requeued job continued from its checkpoint, it did not start over
+    a = load_file(str(tmp_path / "outputs" / "straight" / "model.safetensors"))
+    b = load_file(str(folder / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
