@@ -100,6 +100,17 @@ class GPTConfig(ModelConfig):
 
 
 @dataclass
+class HFCausalLMConfig(ModelConfig):
+    """``model=hf_causal_lm``: ``runner.hf.causal_lm``, a randomly initialised Hugging Face causal LM of
+    ``model_type`` (``vocab_size`` from the data). An open node: any other key is a setting of that
+    architecture's config class (``model.n_layer=2`` for gpt2), checked against it by ``causal_lm``."""
+
+    _target_: str = "runner.hf.causal_lm"
+    model_type: str = "gpt2"  # a transformers model type with a causal-LM class (gpt2, llama, mistral, ...)
+    block_size: Optional[int] = 256  # context length -> the config's position count; hf_causal_lm.yaml: data's
+
+
+@dataclass
 class TaskConfig:
     """``task`` group: what is trained and measured (``runner.task``): loss, evaluation, throughput unit."""
 
@@ -400,11 +411,11 @@ _GROUPS = {
 _SPECIFIC = {
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig},
     "data": {"image_data": ImageDataConfig, "custom_data": CustomDataConfig, "text_data": TextDataConfig},
-    "model": {"gpt": GPTConfig},
+    "model": {"gpt": GPTConfig, "hf_causal_lm": HFCausalLMConfig},
     "task": {"language_model": LanguageModelTaskConfig},
 }
 #: Schemas whose nodes accept keys they do not declare (a user's constructor/function arguments).
-OPEN = (ModelConfig, CustomDataConfig)
+OPEN = (ModelConfig, CustomDataConfig, HFCausalLMConfig)
 
 
 def open_node(schema: type) -> DictConfig:

@@ -38,7 +38,16 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 def repeated_blocks(model: nn.Module) -> list[str]:
     """Class names of the model's repeated blocks: non-container modules with children that occur at least
-    twice and are not nested inside another such block (ResNet: ``BasicBlock``/``Bottleneck``)."""
+    twice and are not nested inside another such block (ResNet: ``BasicBlock``/``Bottleneck``; runner's GPT:
+    ``Block``). A Hugging Face model names its blocks itself in ``_no_split_modules`` (the layers a device map
+    never splits, ``GPT2Block``, ``LlamaDecoderLayer``: Accelerate's ``no_split_module_classes``,
+    https://huggingface.co/docs/accelerate/usage_guides/big_modeling); those present in the model are used."""
+    declared = getattr(model, "_no_split_modules", None)
+    if declared:
+        present = {type(m).__name__ for m in model.modules()}
+        found = sorted(present & set(declared))
+        if found:
+            return found
     counts = Counter(type(m).__name__ for m in model.modules()
                      if m is not model and type(m) not in _CONTAINERS and next(m.children(), None) is not None)
     candidates = {name for name, n in counts.items() if n >= 2}

@@ -26,6 +26,9 @@ from runner.errors import ConfigError
 
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
+#: Optional packages runner knows how to install: top-level module -> the command that installs it.
+OPTIONAL_PACKAGES = {"transformers": 'pip install -e ".[hf]" (or pip install "transformers>=4.40")'}
+
 
 def hydra_key(name: str) -> bool:
     """Hydra's own instantiate keys (``_target_``, ``_partial_``, ``_args_``, ``_convert_``, ...)."""
@@ -70,6 +73,9 @@ def locate(key: str, path: Any) -> Callable:
             obj = getattr(obj, name)
         break
     else:
+        if parts[0] in OPTIONAL_PACKAGES:
+            raise ConfigError(f"{key}={path!r} needs the {parts[0]} package, which is not installed: "
+                              f"{OPTIONAL_PACKAGES[parts[0]]}") from error
         searched = [p for p in sys.path[:3] if p]
         raise ConfigError(f"{key}={path!r} cannot be imported: no module named {parts[0]!r} ({error}). Put "
                           f"{parts[0]}.py in the folder you run from ({os.getcwd()}) or add its folder to "

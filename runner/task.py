@@ -11,6 +11,9 @@ torchtitan: ``self.loss_fn``). A task is a small object built from ``cfg.task`` 
 - ``tokens_per_sample(data)``: the throughput unit (None: samples only; an int: tokens/s too);
 - ``skipped(cfg)``: switches that do not apply to this task, as ``"skipped: <reason>"`` statuses;
 - ``finish(model, data, job_dir, env, seed)``: outputs after training (``samples.txt``).
+
+A model's output is its logits, or an object holding them as ``.logits`` (a Hugging Face ``ModelOutput``):
+``logits_of`` takes either, so the task's own loss is used, never a loss the model computes itself.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, parallel, text
+from runner import distributed, hf, parallel, text
 from runner.errors import ConfigError
 
 #: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
@@ -35,6 +38,35 @@ IMAGE_ONLY = {
     "normalize": "data.normalize",
     "augment": "data.augment",
 }
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits in a model's output: the output itself, or its ``.logits`` (Hugging Face models return a
+    ``ModelOutput``, https://huggingface.co/docs/transformers/main_classes/output)."""
+    return getattr(output, "logits", output)
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, generator: torch.Generator | None = None,
+           context: int | None = None) -> torch.Tensor:
+    """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns ``(B, T0 + max_new_tokens)``.
+
+    Works for any model whose output (or its ``.logits``) is ``(B, T, vocab)``: each step feeds the last
+    ``context`` tokens (all when None), takes the last position's logits / ``temperature``, keeps the
+    ``top_k`` largest (all when None) and samples from their softmax with ``generator`` (nanoGPT's
+    ``generate``, https://github.com/karpathy/nanoGPT/blob/master/model.py; the same draws as
+    ``runner.gpt.GPT.generate``). No KV cache: small models, short samples. Call it in eval mode.
+    """
+    for _ in range(max_new_tokens):
+        window = idx if context is None else idx[:, -context:]
+        logits = logits_of(model(window))[:, -1, :].float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+        idx = torch.cat((idx, nxt), dim=1)
+    return idx
 
 
 def build(cfg: DictConfig):
@@ -64,7 +96,7 @@ def evaluation_sums(model: torch.nn.Module, batches, autocast, max_batches: int 
         if max_batches is not None and i >= max_batches:
             break
         with autocast():
-            logits = model(x)
+            logits = logits_of(model(x))
         totals += sums(logits.float(), y)
     distributed.all_reduce_sum(totals, env)
     model.train()
@@ -82,7 +114,7 @@ class Classification:
 
     def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(model(x), y)
+        return F.cross_entropy(logits_of(model(x)), y)
 
     def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
         def sums(logits, y):
@@ -116,7 +148,8 @@ class Classification:
 
 class LanguageModel:
     """``task=language_model``: next-token prediction on windows ``x``, ``y`` int64 ``(B, T)`` (``y`` = ``x``
-    shifted by one token); ``model(x)`` -> logits ``(B, T, vocab)``.
+    shifted by one token); ``model(x)`` -> logits ``(B, T, vocab)``, or an output holding them as ``.logits``
+    (a Hugging Face causal LM: ``model=hf_causal_lm``, ``runner.hf``).
 
     Loss: mean cross-entropy over all B x T positions (nats per token). Evaluation: ``eval_loss``,
     ``eval_perplexity`` = exp(loss) and ``eval_bits_per_char`` = loss / ln 2 (bits per token; a token is a
@@ -136,7 +169,7 @@ class LanguageModel:
 
     def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        return F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
 
     def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
         def sums(logits, y):
@@ -157,22 +190,22 @@ class LanguageModel:
         return {"vocab_size": len(data.vocab)}
 
     def check(self, model, data) -> None:
-        """Raises ConfigError: windows longer than the model's context, a vocabulary the model does not
-        share, a bad sampling setting, or a prompt with characters the text never uses."""
-        block, context = data.sample_shape[0], getattr(model, "block_size", None)
+        """Raises ConfigError: windows longer than the model's context (``block_size``, or a Hugging Face
+        config's position count), a vocabulary the model does not share, a bad sampling setting, or a prompt
+        with characters the text never uses."""
+        block, (context, where) = data.sample_shape[0], hf.context_length(model)
         if context is not None and block > context:
-            raise ConfigError(f"data.block_size={block} is longer than the model's context model.block_size="
-                              f"{context}; lower data.block_size or raise model.block_size")
-        vocab_size = getattr(model, "vocab_size", len(data.vocab))
-        if vocab_size != len(data.vocab):
+            fix = where if where.startswith("model.") else (f"model.block_size with model=hf_causal_lm, or "
+                                                            f"model.config.{where.split('.')[-1]}")
+            raise ConfigError(f"data.block_size={block} is longer than the model's context {where}={context}; "
+                              f"lower data.block_size or raise {fix}")
+        vocab_size = hf.vocab_size(model)
+        if vocab_size is not None and vocab_size != len(data.vocab):
             raise ConfigError(f"the model's vocab_size={vocab_size} differs from the {len(data.vocab)} tokens of "
                               f"data.path; drop model.vocab_size (it follows the data)")
         if self.sample_tokens < 0 or self.temperature <= 0 or (self.top_k is not None and self.top_k < 1):
             raise ConfigError(f"task.sample_tokens={self.sample_tokens} must be >= 0, task.temperature="
                               f"{self.temperature} > 0 and task.top_k={self.top_k} >= 1 or null")
-        if self.sample_tokens and not hasattr(model, "generate"):
-            raise ConfigError(f"task.sample_tokens={self.sample_tokens} needs a model with generate(); set "
-                              f"task.sample_tokens=0 for {type(model).__name__}")
         unknown = sorted(set(self.sample_prompt) - set(data.vocab))
         if self.sample_tokens and (not self.sample_prompt or unknown):
             raise ConfigError(f"task.sample_prompt={self.sample_prompt!r} must be non-empty text made of characters "
@@ -188,7 +221,9 @@ class LanguageModel:
     def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
         """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
         an FSDP-sharded model all-gathers its parameters in each forward. Compiled modules run eagerly here
-        (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length."""
+        (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length.
+        Sampling is ``sample`` on the model's logits (any model, runner's GPT or a Hugging Face one), fed at
+        most the model's context length (``hf.context_length``) at a time."""
         if not self.sample_tokens:
             return
         plain = parallel.unwrap(model)
@@ -196,7 +231,8 @@ class LanguageModel:
         generator = torch.Generator(env.device).manual_seed(seed)
         plain.eval()
         with torch.compiler.set_stance("force_eager"):
-            out = plain.generate(prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator)
+            out = sample(plain, prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator,
+                         context=hf.context_length(plain)[0])
         plain.train()
         if env.is_main:
             (job_dir / "samples.txt").write_text(text.decode(out[0].tolist(), data.vocab), encoding="utf-8")

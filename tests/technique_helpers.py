@@ -157,6 +157,7 @@ class Spy:
         if not self.models or module is not self.models[-1]:  # e.g. the FLOP counter's deep copy
             return
         x = args[0]
+        out = getattr(out, "logits", out)  # a Hugging Face model returns a ModelOutput
         self.calls.append(Call(
             training=module.training,
             inference_mode=torch.is_inference_mode_enabled(),

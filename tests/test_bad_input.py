@@ -222,3 +222,22 @@ def test_a_finished_folder_is_never_mixed_with_a_new_run(tmp_path):
         with pytest.raises(ConfigError, match=words):
             train(compose_cfg("trainer.max_steps=2", "checkpoint.at_end=false", *overrides), job_dir=job)
     assert (job / "metrics.jsonl").read_text() == before and (job / "summary.json").exists()
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model=hf_causal_lm"], "model=hf_causal_lm"),
+    (["model._target_=transformers.GPT2LMHeadModel", "model.config._target_=transformers.GPT2Config"],
+     "model._target_='transformers.GPT2LMHeadModel'"),
+], ids=["hf_causal_lm", "_target_"])
+def test_a_hugging_face_model_without_transformers(overrides, key, tiny_text, tmp_path, monkeypatch):
+    from conftest import compose_cfg
+    from runner.errors import ConfigError
+    from runner.train import train
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails, as when not installed
+    cfg = compose_cfg("task=language_model", "data=text", f"data.path={tiny_text}", "data.block_size=16", *overrides)
+    with pytest.raises(ConfigError) as caught:
+        train(cfg, job_dir=tmp_path)
+    message = str(caught.value)
+    assert key in message and "needs the transformers package" in message and 'pip install -e ".[hf]"' in message
+    assert not (tmp_path / "summary.json").exists()

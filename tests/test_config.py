@@ -81,6 +81,9 @@ def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
     extra = DATA_OVERRIDES.get(option, lambda r: [])(roots) if group == "data" else []
     if (group, option) in LANGUAGE_MODEL:
         extra = [*TINY_GPT, f"data.path={roots['text']}"]
+    if (group, option) == ("model", "hf_causal_lm"):  # TINY_GPT's sizes are GPT2Config's names too
+        pytest.importorskip("transformers")
+        extra = [*(o for o in TINY_GPT if o != "model=gpt"), f"data.path={roots['text']}"]
     steps = 12 if group == "scheduler" else 1  # cosine's warm-up (10 steps) must fit in the run
     cfg = compose_cfg(override(group, option), *extra, f"trainer.max_steps={steps}", "trainer.warmup_steps=0",
                       "trainer.log_every=1", "trainer.eval_max_batches=1")

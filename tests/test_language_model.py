@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conftest import TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
-from runner import REPO_ROOT, gpt, prepare, task as task_mod, text
+from runner import REPO_ROOT, gpt, hf, parallel, prepare, task as task_mod, text
 from runner.errors import ConfigError
 from runner.gpt import GPT, Block
 from runner.train import train
@@ -77,6 +77,14 @@ def test_gpt_generate_extends_the_prompt_reproducibly():
     assert int(a.max()) < 11  # longer than block_size (16): the context is cropped
 
 
+def test_the_task_samples_as_the_gpt_generates():
+    model = tiny_gpt().eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    a = model.generate(prompt, 30, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
+    b = task_mod.sample(model, prompt, 30, 0.8, 5, generator=torch.Generator().manual_seed(0), context=16)
+    assert torch.equal(a, b)  # samples.txt draws the same tokens as GPT.generate
+
+
 def test_gpt_blocks_are_the_repeated_blocks():
     model = tiny_gpt()
     assert prepare.repeated_blocks(model) == ["Block"]
@@ -84,7 +92,8 @@ def test_gpt_blocks_are_the_repeated_blocks():
     assert (status, names, wrapped) == ("applied", ["Block"], 2)
 
 
-@pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel],
+@pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel, task_mod.sample, hf,
+                                 hf.causal_lm, parallel.repeated_blocks],
                          ids=lambda o: o.__name__)
 def test_docstrings_cite_their_sources(obj):
     assert "https://" in (obj.__doc__ or ""), obj
