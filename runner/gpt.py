@@ -138,19 +138,34 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)``; returns ``(B, T0 + max_new_tokens)``.
+        """``generate(self, ...)`` fed at most ``block_size`` tokens at a time; see the module function."""
+        return generate(self, idx, max_new_tokens, temperature, top_k, generator, context=self.block_size)
 
-        Each step feeds the last ``block_size`` tokens, takes the last position's logits / ``temperature``,
-        keeps the ``top_k`` largest (all when None) and samples from their softmax (nanoGPT's ``generate``;
-        no KV cache: small models, short samples). Call it in eval mode for dropout-free samples.
-        """
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0")
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size:])[:, -1, :].float() / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             context: int | None = None) -> torch.Tensor:
+    """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns ``(B, T0 + max_new_tokens)``.
+
+    Works for any model whose output (or its ``.logits``, a Hugging Face ``ModelOutput``) is ``(B, T, vocab)``:
+    each step feeds the last ``context`` tokens (all when None), takes the last position's logits /
+    ``temperature``, keeps the ``top_k`` largest (all when None) and samples from their softmax with
+    ``generator`` (nanoGPT's ``generate``, https://github.com/karpathy/nanoGPT/blob/master/model.py). No KV
+    cache: small models, short samples. Call it in eval mode for dropout-free samples.
+
+    Raises:
+        ValueError: ``temperature`` <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    for _ in range(max_new_tokens):
+        window = idx if context is None else idx[:, -context:]
+        out = model(window)
+        logits = getattr(out, "logits", out)[:, -1, :].float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+        idx = torch.cat((idx, nxt), dim=1)
+    return idx

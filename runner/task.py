@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, hf, parallel, text
+from runner import distributed, gpt, hf, parallel, text
 from runner.errors import ConfigError
 
 #: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
@@ -44,29 +44,6 @@ def logits_of(output) -> torch.Tensor:
     """The logits in a model's output: the output itself, or its ``.logits`` (Hugging Face models return a
     ``ModelOutput``, https://huggingface.co/docs/transformers/main_classes/output)."""
     return getattr(output, "logits", output)
-
-
-@torch.no_grad()
-def sample(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-           top_k: int | None = None, generator: torch.Generator | None = None,
-           context: int | None = None) -> torch.Tensor:
-    """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns ``(B, T0 + max_new_tokens)``.
-
-    Works for any model whose output (or its ``.logits``) is ``(B, T, vocab)``: each step feeds the last
-    ``context`` tokens (all when None), takes the last position's logits / ``temperature``, keeps the
-    ``top_k`` largest (all when None) and samples from their softmax with ``generator`` (nanoGPT's
-    ``generate``, https://github.com/karpathy/nanoGPT/blob/master/model.py; the same draws as
-    ``runner.gpt.GPT.generate``). No KV cache: small models, short samples. Call it in eval mode.
-    """
-    for _ in range(max_new_tokens):
-        window = idx if context is None else idx[:, -context:]
-        logits = logits_of(model(window))[:, -1, :].float() / temperature
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
-        idx = torch.cat((idx, nxt), dim=1)
-    return idx
 
 
 def build(cfg: DictConfig):
@@ -222,7 +199,7 @@ class LanguageModel:
         """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
         an FSDP-sharded model all-gathers its parameters in each forward. Compiled modules run eagerly here
         (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length.
-        Sampling is ``sample`` on the model's logits (any model, runner's GPT or a Hugging Face one), fed at
+        Sampling is ``runner.gpt.generate`` on the model's logits (any model, runner's GPT or a Hugging Face one), fed at
         most the model's context length (``hf.context_length``) at a time."""
         if not self.sample_tokens:
             return
@@ -231,7 +208,7 @@ class LanguageModel:
         generator = torch.Generator(env.device).manual_seed(seed)
         plain.eval()
         with torch.compiler.set_stance("force_eager"):
-            out = sample(plain, prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator,
+            out = gpt.generate(plain, prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator,
                          context=hf.context_length(plain)[0])
         plain.train()
         if env.is_main:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
-from runner import hf, task as task_mod
+from runner import gpt, hf
 from runner.errors import ConfigError
 from runner.train import train
 
@@ -121,7 +121,7 @@ def test_sampling_follows_the_model_s_logits():
     torch.manual_seed(0)
     model = hf.causal_lm(11, block_size=8, n_layer=1, n_head=2, n_embd=16).eval()
     prompt = torch.tensor([[1, 2, 3]])
-    out = task_mod.sample(model, prompt, 12, top_k=1, context=8)  # greedy: the argmax of each step's logits
+    out = gpt.generate(model, prompt, 12, top_k=1, context=8)  # greedy: the argmax of each step's logits
     assert out.shape == (1, 15) and torch.equal(out[:, :3], prompt)
     for t in range(3, 15):
         window = out[:, max(0, t - 8):t]

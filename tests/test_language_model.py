@@ -77,14 +77,6 @@ def test_gpt_generate_extends_the_prompt_reproducibly():
     assert int(a.max()) < 11  # longer than block_size (16): the context is cropped
 
 
-def test_the_task_samples_as_the_gpt_generates():
-    model = tiny_gpt().eval()
-    prompt = torch.tensor([[1, 2, 3]])
-    a = model.generate(prompt, 30, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
-    b = task_mod.sample(model, prompt, 30, 0.8, 5, generator=torch.Generator().manual_seed(0), context=16)
-    assert torch.equal(a, b)  # samples.txt draws the same tokens as GPT.generate
-
-
 def test_gpt_blocks_are_the_repeated_blocks():
     model = tiny_gpt()
     assert prepare.repeated_blocks(model) == ["Block"]
@@ -92,7 +84,7 @@ def test_gpt_blocks_are_the_repeated_blocks():
     assert (status, names, wrapped) == ("applied", ["Block"], 2)
 
 
-@pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel, task_mod.sample, hf,
+@pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel, gpt.generate, hf,
                                  hf.causal_lm, parallel.repeated_blocks],
                          ids=lambda o: o.__name__)
 def test_docstrings_cite_their_sources(obj):
