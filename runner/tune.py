@@ -268,7 +268,6 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     from runner import train as engine
     from runner.errors import TrainingDiverged
 
-    _free_memory(env.device)
     if cfg.compile.mode is not None:
         torch._dynamo.reset()  # each configuration compiles afresh (and no recompile limit is reached)
     row: dict[str, Any] = {"note": ""}
@@ -302,8 +301,9 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     ok = not oom and figures is not None and figures["measured_steps"] > 0
     # one all-reduce: the worst status (2 out of memory, 1 unmeasured), the slowest time, the largest peak;
     # measured steps negated (max -> the fewest)
-    vals = [2.0 if oom else float(not ok), figures["measured_time_s"] if ok else 0.0, figures["step_time_ms_median"] if ok else 0.0,
-            figures["data_wait_fraction"] if ok else 0.0, peak, loader_s, -(figures["measured_steps"] if ok else 0)]
+    keys = ("measured_time_s", "step_time_ms_median", "data_wait_fraction")
+    vals = [2.0 if oom else float(not ok), *(figures[k] if ok else 0.0 for k in keys), peak, loader_s,
+            -(figures["measured_steps"] if ok else 0)]
     failed, time_s, step_ms, wait, peak, loader_s, neg_steps = _reduce_max(vals, env)
     global_batch = cfg.dataloader.batch_size * cfg.memory.accumulate_steps * env.world_size
     row.update(status={0: "ok", 1: "unmeasured", 2: "oom"}[int(failed)],
@@ -318,6 +318,10 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     if loader_batches:
         row["loader_batches_per_sec"] = loader_batches / loader_s if not failed and loader_s > 0 else None
     return row
+
+
+def _trial_steps(t: DictConfig) -> str:
+    return f"{t.warmup_steps} warm-up + {t.measure_steps} measured step" + ("s" if t.measure_steps != 1 else "")
 
 
 def _say(env, message: str) -> None:
@@ -428,7 +432,7 @@ def tune_batch_size(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
                       + ("torch.cuda.max_memory_allocated" if env.device.type == "cuda" else
                          "the process's peak RSS during the steps (DataLoader workers not counted)"),
                       stop, note,
-                      f"each size: {t.warmup_steps} warm-up + {t.measure_steps} measured steps of the run's own loop"]}
+                      f"each size: {_trial_steps(t)} of the run's own loop"]}
 
 
 # ------------------------------------------------------------------------------------------- lr
@@ -682,8 +686,8 @@ def tune_dataloader(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     if pick["num_workers"] > 0:
         override += f" dataloader.prefetch_factor={pick['prefetch_factor']}"
     notes = [f"the fewest workers within {t.tolerance:.0%} of the best samples/s ({best:,.1f})",
-             f"loader alone: {t.loader_batches} batches after {t.warmup_steps}; training: {t.warmup_steps} warm-up + "
-             f"{t.measure_steps} measured steps of the run's own loop (batch {cfg.dataloader.batch_size})"]
+             f"loader alone: {t.loader_batches} batches after {t.warmup_steps} left out; training: {_trial_steps(t)} "
+             f"of the run's own loop (batch {cfg.dataloader.batch_size})"]
     if env.device.type != "cuda":
         notes.append("on a CPU pin_memory does nothing (page-locked memory speeds up copies to a GPU)")
     return {"recommended": {k: pick[k] for k in ("num_workers", "pin_memory", "prefetch_factor", "samples_per_sec")},
