@@ -57,13 +57,13 @@ def fastest_within_limit(rows: list[dict], limit_mb: float) -> int:
 
 def test_batch_size_through_the_cli(tmp_path):
     out = tmp_path / "out"
-    proc = run_cli("batch_size", "--out", str(out), *TINY, *QUICK, "tune.start_batch_size=4", "tune.max_batch_size=32",
+    proc = run_cli("batch_size", "--out", str(out), *TINY, *QUICK, "tune.start_batch_size=4", "tune.max_batch_size=16",
                    "tune.search_steps=1", cwd=tmp_path, module="runner.tune", timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_csv(out / "batch_size.csv")
     result = json.loads((out / "batch_size.json").read_text())
     grown = [int(r["batch_size"]) for r in rows if r["phase"] == "grow"]
-    assert grown == [4 * 2**i for i in range(len(grown))] and grown[-1] <= 32  # powers of two from the start
+    assert grown == [4 * 2**i for i in range(len(grown))] and grown[-1] <= 16  # powers of two from the start
     assert all(number(r["samples_per_sec"]) > 0 and number(r["peak_memory_mb"]) > 0 for r in rows)
     best = fastest_within_limit(rows, result["memory_limit_mb"])
     assert result["recommended"]["batch_size"] == best
