@@ -170,7 +170,6 @@ def test_bad_input_through_the_cli(tmp_path):
 
 def test_batch_size_under_torchrun_every_rank_recommends_the_same(tmp_path):
     out = tmp_path / "out"
-    (tmp_path / "pymod").mkdir()
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner.tune", "batch_size", "--out", str(out),
            "distributed=ddp", *TINY, *QUICK, "tune.start_batch_size=4", "tune.max_batch_size=8",
            "tune.search_steps=0"]
