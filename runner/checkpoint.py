@@ -290,7 +290,7 @@ MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "t
               "trainer.peak_tflops", "trainer.reference_samples_per_sec", "trainer.device", "checkpoint.",
               "logger.", "data.root", "data.path", "data.download", "dataloader.num_workers",
               "dataloader.pin_memory", "dataloader.persistent_workers", "dataloader.prefetch_factor",
-              "dataloader.non_blocking", "task.sample_", "ablation.")
+              "dataloader.non_blocking", "task.sample_", "ablation.", "tune.")  # tune.*: read by runner.tune only
 
 
 def settings(cfg) -> dict[str, Any]:

@@ -354,6 +354,33 @@ class AblationConfig:
     isolate: bool = True  # inside a multirun, train each job in a fresh process (clean memory/compile state)
 
 
+@dataclass
+class TuneConfig:
+    """``tune.*``: the settings of ``python -m runner.tune batch_size|lr|dataloader`` (runner/tune.py); training
+    (``python -m runner``) never reads them. Values are checked by ``runner.tune.check_settings``."""
+
+    # batch_size and dataloader: each configuration trains this many steps with the run's own engine
+    warmup_steps: int = 2  # steps per configuration left out of every figure (allocator growth, workers starting)
+    measure_steps: int = 5  # measured steps per configuration
+    # batch_size: powers of two from start_batch_size, then a binary search (micro-batch per rank, samples)
+    start_batch_size: int = 16
+    max_batch_size: int = 4096
+    max_memory_fraction: float = 0.9  # of the GPU's memory (of host RAM per process on a CPU) a size may use
+    search_steps: int = 3  # binary-search steps between the last good and the first bad or slower size
+    # lr: the LR range test (Smith 2017; fastai's lr_find): exponential ramp min_lr -> max_lr over steps
+    min_lr: float = 1e-7
+    max_lr: float = 10.0
+    steps: int = 100
+    smoothing: float = 0.98  # EMA factor of the loss (bias-corrected)
+    diverge_factor: float = 4.0  # stop once the smoothed loss exceeds this x its best
+    # dataloader: the grid num_workers x pin_memory x prefetch_factor; null = a default for this machine
+    workers: Optional[list[int]] = None  # null: 0, 1, 2, 4, ... up to the CPU count
+    pin_memory: Optional[list[bool]] = None  # null: [false, true] on CUDA, [false] on a CPU (pinning needs CUDA)
+    prefetch_factors: Optional[list[int]] = None  # null: [2, 4] on CUDA, [2] on a CPU (only with workers > 0)
+    loader_batches: int = 30  # batches timed on the loader alone, after warmup_steps batches
+    tolerance: float = 0.05  # pick the fewest workers within this fraction of the best samples/s
+
+
 #: ``checkpoint.*`` (runner/checkpoint.py). A plain node rather than a dataclass because ``async`` is a Python
 #: keyword; ``runner.checkpoint.settings`` checks every value's type and range with a message naming the key.
 CHECKPOINT_DEFAULTS: dict[str, Any] = {
@@ -386,6 +413,7 @@ class RunnerConfig:
     debug: DebugConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     checkpoint: Any = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
     cudnn_benchmark: bool = False  # technique 6: cuDNN autotuner
     channels_last: bool = False  # technique 19: NHWC weights and inputs
