@@ -190,3 +190,50 @@ def test_every_option_list_is_checked_once_before_anything_is_built(key):
 
 def test_the_data_option_list_is_what_the_builder_knows():
     assert set(CHOICES["data.name"]) == {*data_mod._DATASETS, "text", "custom"}
+
+
+def _schema_of(option: dict):
+    """The schema an option file extends (its ``base_<name>`` default), from runner.config's registry."""
+    from runner.config import _SPECIFIC
+
+    for entry in option.get("defaults", []):
+        name = entry.removeprefix("base_") if isinstance(entry, str) and entry.startswith("base_") else None
+        if name in _GROUPS:
+            return _GROUPS[name]
+        for named in _SPECIFIC.values():
+            if name in named:
+                return named[name]
+    return None
+
+
+def test_yaml_options_set_only_what_differs_from_their_schema():
+    """A group option (conf/<group>/<option>.yaml) and conf/config.yaml hold only values that differ from the
+    schema's defaults in runner/config.py: a default lives in one place, so changing it cannot leave a stale
+    copy behind."""
+    import yaml
+
+    from runner.config import RunnerConfig
+
+    def same(values: dict, defaults: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in values.items():
+            if key == "defaults" or key not in defaults:
+                continue
+            if isinstance(value, dict) and isinstance(defaults[key], dict):
+                out += same(value, defaults[key], f"{prefix}{key}.")
+            elif value == defaults[key]:
+                out.append(f"{prefix}{key}={value!r}")
+        return out
+
+    found = {}
+    for group in _GROUPS:
+        for path in sorted((REPO_ROOT / "conf" / group).glob("*.yaml")):
+            option = yaml.safe_load(path.read_text()) or {}
+            schema = _schema_of(option)
+            assert schema is not None, f"{path} extends no base_<schema>"
+            found[f"{group}/{path.name}"] = same(
+                option, OmegaConf.to_container(OmegaConf.structured(schema)))
+    root = yaml.safe_load((REPO_ROOT / "conf" / "config.yaml").read_text())
+    found["config.yaml"] = same(root, OmegaConf.to_container(OmegaConf.structured(RunnerConfig)))
+    assert not {k: v for k, v in found.items() if v}, "drop these keys (the schema already says so)"
+    assert len(found) > 30  # every group's options were read
