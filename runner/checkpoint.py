@@ -287,8 +287,8 @@ def _barrier() -> None:
 #: length and bookkeeping, where things live, how fast batches load. Anything else changes the experiment.
 MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
               "trainer.eval_max_batches", "trainer.progress", "trainer.target_accuracy", "trainer.target_loss",
-              "trainer.peak_tflops", "trainer.reference_samples_per_sec", "trainer.device", "checkpoint.",
-              "logger.", "data.root", "data.path", "data.download", "dataloader.num_workers",
+              "trainer.peak_tflops", "trainer.reference_samples_per_sec", "trainer.device", "trainer.doctor",
+              "checkpoint.", "logger.", "data.root", "data.path", "data.download", "dataloader.num_workers",
               "dataloader.pin_memory", "dataloader.persistent_workers", "dataloader.prefetch_factor",
               "dataloader.non_blocking", "task.sample_", "ablation.", "tune.")  # tune.*: read by runner.tune only
 

@@ -1,4 +1,4 @@
-"""What machine is this: CUDA, native bf16, device names, peak FLOP/s, how busy it is.
+"""What machine is this: CUDA, native bf16, device names, peak FLOP/s, memory, how busy it is.
 
 A leaf: it imports torch and the standard library only, never another runner module, so every layer can
 ask it (precision and the FSDP policy: native bf16; measure: the peak for MFU; the ablation and its report:
@@ -89,6 +89,120 @@ def load_average() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where the OS has none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# ------------------------------------------------------------------------ how busy the machine is (Linux /proc)
+def cpu_ticks() -> tuple[int, int] | None:
+    """``(steal, total)`` clock ticks of all CPUs since boot, from the first line of ``/proc/stat``
+    (user nice system idle iowait irq softirq steal ...; proc(5)); None where there is none (not Linux) or
+    the kernel reports no steal column. Steal is time a hypervisor gave this VM's virtual CPUs to others."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # guest time is already inside user time: not added again
+    return ticks[7], sum(ticks)
+
+
+def thread_schedule_ns() -> tuple[int, int] | None:
+    """``(on_cpu, waiting)`` ns summed over this process's threads: time they ran, and time they were
+    runnable but waited for a CPU (other processes, or more threads than cores), from
+    ``/proc/self/task/*/schedstat`` (Linux with schedstats, kernel docs ``scheduler/sched-stats``); None
+    where absent."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    on_cpu = waiting = 0
+    found = False
+    for task in tasks.iterdir():
+        try:
+            ran, waited = (int(v) for v in (task / "schedstat").read_text().split()[:2])
+        except (OSError, ValueError):
+            continue  # a thread that ended while we read
+        on_cpu, waiting, found = on_cpu + ran, waiting + waited, True
+    return (on_cpu, waiting) if found else None
+
+
+def children_cpu_s() -> float | None:
+    """CPU seconds (user + system) used so far by this process's live child processes (DataLoader
+    workers), from ``/proc/<pid>/stat`` of the pids in ``/proc/self/task/*/children``; None where absent."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for task in tasks.iterdir():
+        try:
+            pids = (task / "children").read_text().split()
+        except OSError:
+            return None  # kernel without CONFIG_PROC_CHILDREN
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
+            total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14, 15 of proc(5))
+    return total
+
+
+def memory_limit_mb(device: torch.device) -> float | None:
+    """What the run's peak memory is measured against, in MiB: the GPU's total memory on CUDA; on a CPU
+    the machine's memory (``MemTotal``), or the cgroup's ``memory.max`` when lower (containers); None
+    where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    limits = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                limits.append(int(line.split()[1]) / 1024)
+    except OSError:
+        pass
+    try:
+        value = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if value.isdigit():
+            limits.append(int(value) / 2**20)
+    except OSError:
+        pass
+    return min(limits) if limits else None
+
+
+#: NVML clock-throttle reasons that mean the GPU ran slower than it could (power, heat, another limit);
+#: idle and the user's application-clock setting are left out. nvml.h ``nvmlClocksThrottleReason*``.
+_THROTTLE_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_slowdown",
+                     0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown"}
+
+
+def gpu_contention(device: torch.device) -> dict[str, Any] | None:
+    """Other processes on the run's GPU and whether its clocks are throttled, through NVML (``pynvml``)
+    when it is importable; None on a CPU, without pynvml, or when NVML fails (never an error).
+
+    Returns ``{"other_processes": n, "throttle_reasons": [names], "utilization_percent": p}`` (the
+    utilization: the share of NVML's last sample period in which a kernel ran).
+    """
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+        return {"other_processes": sum(p.pid != os.getpid() for p in procs),
+                "throttle_reasons": [name for bit, name in _THROTTLE_REASONS.items() if reasons & bit],
+                "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu}
+    except Exception:  # noqa: BLE001 - no pynvml, no driver, a container without NVML: no record, no failure
+        return None
+
+
 def describe_machine() -> dict[str, Any]:
     """The machine a sweep runs on, for the report: CPU model, usable cores, memory (GiB), GPUs, native
     bf16, torch/Python/OS versions and the 1-minute load average (other users make figures noisy)."""
@@ -100,7 +214,7 @@ def describe_machine() -> dict[str, Any]:
                 memory_gib = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpu_cores()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {
         "cpu": cpu,

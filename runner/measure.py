@@ -1,22 +1,28 @@
-"""Measurement: step time and data wait without per-step syncs, FLOPs, peak memory (the device's peak
-FLOP/s for MFU is machine knowledge: runner/hardware.py).
+"""Measurement: step time and data wait without per-step syncs, FLOPs, peak memory, how busy the machine
+was while the figures were taken (the device's peak FLOP/s for MFU and the /proc probes are machine
+knowledge: runner/hardware.py).
 
 Rules (DESIGN.md): on CUDA each step records device events and they are read only at log intervals;
 on CPU ``time.perf_counter`` is exact. Data wait is the time blocked getting the next batch, host->device
 copy included; step time is the rest of the iteration. Warm-up steps are left out of every figure.
+Noise is part of the figure: ``LoadWindow`` records the machine's load over the measured steps and
+``load_warnings`` says when the figures cannot be trusted.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import resource
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from runner import hardware
 
 
 def flops_per_sample(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor],
@@ -110,11 +116,19 @@ class Meter:
             ``totals`` also report ``tokens_per_sec``.
         timings: where measured steps' milliseconds accumulate (the engine passes its ``TrainState``'s,
             so the totals are part of the state a checkpoint saves); a fresh one by default.
+        gpu_profile_steps: on CUDA, profile this many of the last warm-up steps (``GpuIdleProbe``: how long
+            the GPU idles between kernels); 0 = none. Warm-up steps are in no figure, so this costs none.
+
+    Besides the step figures it keeps (for this process's measured steps, not restored by a resume):
+    ``load`` (a ``LoadWindow`` open from the first measured step to ``pause``: how busy the machine was)
+    and the time spent in logging steps' bookkeeping (``log_started``/``log_done``).
     """
 
     def __init__(self, device: torch.device, warmup_steps: int, samples_per_step: int,
-                 tokens_per_sample: int | None = None, timings: "Timings | None" = None):
+                 tokens_per_sample: int | None = None, timings: "Timings | None" = None,
+                 gpu_profile_steps: int = 0):
         self.clock = _CudaClock() if device.type == "cuda" else _CpuClock()
+        self.device = device
         self.warmup_steps = warmup_steps
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
@@ -122,6 +136,14 @@ class Meter:
         self.step = 0
         self._pending: list[list] = []
         self._marks: list = []
+        self.load = LoadWindow(device)
+        self._window_pending = True  # the load window opens at the first measured step
+        self._first_own = len(self.timings.step_time_ms)  # this process's measured steps start here (resume)
+        self.log_s = 0.0  # s spent in logging steps' bookkeeping during measured steps
+        self._log_mark = 0.0
+        first = warmup_steps - gpu_profile_steps
+        self.gpu_probe = (GpuIdleProbe(first, warmup_steps)
+                          if device.type == "cuda" and gpu_profile_steps > 0 and first >= 1 else None)
 
     @property
     def data_wait_ms(self) -> list[float]:
@@ -132,6 +154,9 @@ class Meter:
         return self.timings.step_time_ms
 
     def start_fetch(self) -> None:
+        if self._window_pending and self.step >= self.warmup_steps:
+            self._window_pending = False
+            self.load.start()
         self._marks.append(self.clock.mark())
 
     def batch_ready(self) -> None:
@@ -143,6 +168,27 @@ class Meter:
             self._pending.append(self._marks)
         self._marks = []
         self.step += 1
+        if self.gpu_probe is not None and self.step <= self.warmup_steps:
+            self.gpu_probe.after_step(self.step)
+
+    def pause(self) -> None:
+        """Close the load window for now (evaluation, checkpoint writes, the end of training); no-op if closed."""
+        self.load.pause()
+
+    def resume(self) -> None:
+        """Reopen the load window after ``pause`` (only once the measured steps have begun)."""
+        if not self._window_pending:
+            self.load.resume()
+
+    def log_started(self) -> None:
+        """Mark the start of a logging step's bookkeeping (the loss read, the metrics row); see ``log_done``."""
+        self._log_mark = time.perf_counter()
+
+    def log_done(self) -> None:
+        """Add the host time since ``log_started`` to ``log_s`` when the step is measured. On CUDA it includes
+        the wait for the GPU's queued work (the loss read is a host-device sync)."""
+        if self.step >= self.warmup_steps:
+            self.log_s += time.perf_counter() - self._log_mark
 
     def _resolve(self, marks: list) -> tuple[float, float]:
         ms = self.clock.elapsed_ms
@@ -162,6 +208,7 @@ class Meter:
         ``step_time_ms`` (median), ``data_wait_ms`` (mean), all None while the interval is inside the warm-up."""
         resolved = [self._resolve(m) for m in self._pending]
         self._pending = []
+        self.load.sample()
         waits, steps = [w for w, _ in resolved], [s for _, s in resolved]
         self.data_wait_ms.extend(waits)
         self.step_time_ms.extend(steps)
@@ -197,9 +244,10 @@ class Meter:
         if n == 0:
             return {"samples_per_sec": None, "step_time_ms_median": None, "step_time_ms_p90": None,
                     "data_wait_fraction": None, "measured_steps": 0, "measured_time_s": 0.0,
-                    "measurement": self.coverage()}
+                    "measurement": self.coverage(), "log_time_fraction": None}
         wait, step = sum(self.data_wait_ms), sum(self.step_time_ms)
         ordered = sorted(self.step_time_ms)
+        own_s = (sum(self.data_wait_ms[self._first_own:]) + sum(self.step_time_ms[self._first_own:])) / 1e3
         return {
             "samples_per_sec": self.samples_per_step * n / ((wait + step) / 1e3),
             "step_time_ms_median": statistics.median(ordered),
@@ -208,4 +256,245 @@ class Meter:
             "measured_steps": n,
             "measured_time_s": (wait + step) / 1e3,
             "measurement": self.coverage(),
+            "log_time_fraction": min(1.0, self.log_s / own_s) if own_s > 0 else None,
         }
+
+    def machine_load(self, threads: int, workers: int) -> dict[str, Any] | None:
+        """The load window's record (``LoadWindow.record``) with this process's data wait, or None when no
+        measured step ran; call after ``pause`` at the end of training."""
+        if self._window_pending:
+            return None
+        return self.load.record(threads, workers, sum(self.data_wait_ms[self._first_own:]) / 1e3)
+
+
+# ------------------------------------------------------------------------------ the GPU between its kernels
+class GpuIdleProbe:
+    """How long the GPU idles between kernels, from a short ``torch.profiler`` window (CUDA activity only).
+
+    The engine's ``Meter`` opens the window after optimizer step ``first`` and closes it after step
+    ``last`` (both inside the warm-up, which no figure includes). Each edge synchronizes, so the GPU starts
+    and ends the window with an empty queue; ``idle_fraction`` = 1 - (union of the kernels' and copies'
+    device time) / (host wall time of the window). A GPU waiting on the host (Python, kernel launches,
+    syncs, the data loader) idles; a busy one does not. Profiler recipe:
+    https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html. Any profiler failure leaves
+    ``idle_fraction`` None and the reason in ``note``.
+    """
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.idle_fraction: float | None = None
+        self.note = f"not reached (the window is steps {first}..{last})"
+        self._prof = None
+
+    def after_step(self, steps_done: int) -> None:
+        """Called with the number of optimizer steps done; opens or closes the window at its edges."""
+        try:
+            if steps_done == self.first:
+                from torch.profiler import ProfilerActivity, profile
+
+                torch.cuda.synchronize()
+                self._prof = profile(activities=[ProfilerActivity.CUDA])
+                self._prof.start()
+                self._t0 = time.perf_counter()
+            elif steps_done == self.last and self._prof is not None:
+                torch.cuda.synchronize()
+                wall_us = (time.perf_counter() - self._t0) * 1e6
+                self._prof.stop()
+                spans = sorted((e.time_range.start, e.time_range.end) for e in self._prof.events()
+                               if e.device_type == torch.autograd.DeviceType.CUDA)
+                self._prof = None
+                self.idle_fraction = max(0.0, 1 - union_length(spans) / wall_us) if wall_us > 0 else None
+                self.note = f"steps {self.first + 1}..{self.last} profiled ({len(spans)} kernels and copies)"
+        except Exception as e:  # noqa: BLE001 - a figure for the doctor, never a reason to fail the run
+            self._prof, self.idle_fraction = None, None
+            self.note = f"profiler failed: {type(e).__name__}: {e}"[:200]
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals sorted by start (overlaps counted once)."""
+    total, end = 0.0, -math.inf
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+# ------------------------------------------------------------------ how busy the machine was (trustworthiness)
+#: Others' load average may exceed the cores runner leaves free by half a core before it is called busy:
+#: shells, editors and short jobs keep an idle machine's 1-minute load around 0.1-0.5.
+LOAD_MARGIN = 0.5
+#: More than 5 % of the CPUs' time given by the hypervisor to other VMs: a neighbour's load, which varies.
+STEAL_FRACTION_MAX = 0.05
+#: runner's threads waited for a CPU more than 10 % of the time they could have run: on a quiet machine
+#: with no more threads than cores this stays at a few %; two busy processes on two cores make it ~50 %.
+RUN_QUEUE_WAIT_MAX = 0.10
+#: On a CPU the training thread keeps one core busy while it computes (Python, op dispatch, kernels):
+#: fewer than 0.7 CPU-seconds per second of compute means it was often off the CPU, i.e. preempted.
+BUSY_CORES_MIN = 0.7
+#: Seconds between load-average samples: the kernel updates it every 5 s (LOAD_FREQ).
+LOAD_SAMPLE_S = 5.0
+
+
+class LoadWindow:
+    """How busy the machine was while the measured steps ran: a window opened by ``start``, paused and
+    resumed around evaluation and checkpoint writes, sampled at log steps (at most every ``LOAD_SAMPLE_S``).
+
+    At each edge it reads the wall clock, this process's CPU time (``time.process_time``: every thread,
+    user + system), its threads' run-queue wait and its live children's CPU time (``/proc``), the CPUs'
+    steal ticks (``/proc/stat``) and the 1-minute load average; on CUDA, NVML's view of the GPU (other
+    processes, clock throttling) at the start and end. A few reads of ``/proc`` per edge, nothing per step.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.running = False
+        self.wall_s = self.cpu_s = self.children_cpu_s = 0.0
+        self.on_cpu_ns = self.wait_ns = self.steal = self.ticks = 0
+        self.sched_known = self.ticks_known = self.children_known = True
+        self.load_start: float | None = None
+        self.load_end: float | None = None
+        self.load_max: float | None = None
+        self.gpu_start: dict | None = None
+        self.gpu_end: dict | None = None
+        self._last_sample = 0.0
+
+    def _snapshot(self) -> tuple:
+        return (time.perf_counter(), time.process_time(), hardware.thread_schedule_ns(), hardware.cpu_ticks(),
+                hardware.children_cpu_s())
+
+    def _note_load(self) -> float | None:
+        load = hardware.load_average()
+        if load is not None:
+            self.load_max = load if self.load_max is None else max(self.load_max, load)
+        self._last_sample = time.perf_counter()
+        return load
+
+    def start(self) -> None:
+        """Open the window (the first measured step)."""
+        self.load_start = self._note_load()
+        self.gpu_start = hardware.gpu_contention(self.device)
+        self.resume()
+
+    def resume(self) -> None:
+        if not self.running:
+            self._edge = self._snapshot()
+            self.running = True
+
+    def pause(self) -> None:
+        if not self.running:
+            return
+        (w0, c0, s0, t0, k0), (w1, c1, s1, t1, k1) = self._edge, self._snapshot()
+        self.running = False
+        self.wall_s += w1 - w0
+        self.cpu_s += c1 - c0
+        if s0 is None or s1 is None:
+            self.sched_known = False
+        else:  # threads that ended in between take their counts with them: never below zero
+            self.on_cpu_ns += max(0, s1[0] - s0[0])
+            self.wait_ns += max(0, s1[1] - s0[1])
+        if t0 is None or t1 is None:
+            self.ticks_known = False
+        else:
+            self.steal, self.ticks = self.steal + t1[0] - t0[0], self.ticks + t1[1] - t0[1]
+        if k0 is None or k1 is None:
+            self.children_known = False
+        else:  # workers that exited in between are lost; workers started in between count whole
+            self.children_cpu_s += max(0.0, k1 - k0)
+        self.load_end = self._note_load()
+        self.gpu_end = hardware.gpu_contention(self.device) if self.gpu_start is not None else None
+
+    def sample(self) -> None:
+        """At a log step: note the load average, at most every ``LOAD_SAMPLE_S``."""
+        if self.running and time.perf_counter() - self._last_sample >= LOAD_SAMPLE_S:
+            self._note_load()
+
+    def record(self, threads: int, workers: int, data_wait_s: float) -> dict[str, Any]:
+        """The window's figures (summary.json ``machine_load``); ``threads`` = ``torch.get_num_threads()``,
+        ``workers`` = DataLoader worker processes, ``data_wait_s`` = measured data wait inside the window.
+
+        Keys: ``window_s``; ``cpu_cores`` (this process's affinity), ``threads``, ``workers``;
+        ``load_average_1min_start``/``_end``/``_max`` (as the ablation report's ``load_average_1min``);
+        ``load_average_others`` = max load average - the cores runner kept busy (runner's own share; the
+        1-minute average lags by about a minute, so a short run is judged by its run-queue wait);
+        ``cpu_time_s`` (this process, all threads), ``workers_cpu_time_s``; ``cpu_util_fraction`` = CPU
+        time / (window x threads); ``busy_cores_computing`` = CPU time / (window - data wait);
+        ``run_queue_wait_fraction`` = threads' run-queue wait / (their CPU time + that wait);
+        ``steal_fraction`` = steal ticks / all ticks of all CPUs; ``gpu`` (NVML, CUDA only) or None.
+        Fractions are None where the OS does not report them.
+        """
+        window = self.wall_s
+        own_cores = (self.cpu_s + (self.children_cpu_s if self.children_known else 0.0)) / window if window > 0 else 0.0
+        sched_total = self.on_cpu_ns + self.wait_ns
+        gpu = None
+        if self.gpu_start is not None or self.gpu_end is not None:
+            ends = [g for g in (self.gpu_start, self.gpu_end) if g]
+            gpu = {"other_processes": max(g["other_processes"] for g in ends),
+                   "throttle_reasons": sorted({r for g in ends for r in g["throttle_reasons"]}),
+                   "utilization_percent_end": (self.gpu_end or {}).get("utilization_percent")}
+        return {
+            "window_s": window,
+            "cpu_cores": hardware.cpu_cores(),
+            "threads": threads,
+            "workers": workers,
+            "load_average_1min_start": self.load_start,
+            "load_average_1min_end": self.load_end,
+            "load_average_1min_max": self.load_max,
+            "load_average_others": (round(max(0.0, self.load_max - own_cores), 2)
+                                    if self.load_max is not None else None),
+            "cpu_time_s": self.cpu_s,
+            "workers_cpu_time_s": self.children_cpu_s if self.children_known and workers else None,
+            "cpu_util_fraction": self.cpu_s / (window * threads) if window > 0 and threads else None,
+            "busy_cores_computing": (self.cpu_s / (window - data_wait_s)
+                                     if window - data_wait_s > 1e-3 else None),
+            "run_queue_wait_fraction": (self.wait_ns / sched_total
+                                        if self.sched_known and sched_total > 0 else None),
+            "steal_fraction": self.steal / self.ticks if self.ticks_known and self.ticks > 0 else None,
+            "gpu": gpu,
+        }
+
+
+def load_warnings(load: dict[str, Any] | None, device_type: str) -> list[str]:
+    """Why the figures of a run with this ``machine_load`` record cannot be trusted: one sentence per
+    reason, empty when none applies. The thresholds are this module's constants (each says why).
+
+    - others' load average above the cores runner leaves free (``cpu_cores - threads - workers``) +
+      ``LOAD_MARGIN``;
+    - steal above ``STEAL_FRACTION_MAX``;
+    - run-queue wait above ``RUN_QUEUE_WAIT_MAX`` (other processes, or runner's own threads and workers
+      outnumbering the cores: the sentence says which);
+    - on a CPU, fewer than ``BUSY_CORES_MIN`` CPU-seconds per second of compute;
+    - on CUDA, other processes on the GPU or its clocks throttled (NVML).
+    """
+    if not load:
+        return []
+    out = []
+    cores, threads, workers = load["cpu_cores"], load["threads"], load["workers"]
+    own = f"{threads} thread{'s' if threads != 1 else ''}" + (f" + {workers} DataLoader workers" if workers else "")
+    free = max(0, cores - threads - workers)
+    others = load.get("load_average_others")
+    if others is not None and others > free + LOAD_MARGIN:
+        out.append(f"the machine was busy: load average up to {load['load_average_1min_max']} on {cores} cores, "
+                   f"about {others:.1f} of it other processes, while runner used {own} ({free} core(s) left "
+                   f"free)")
+    steal = load.get("steal_fraction")
+    if steal is not None and steal > STEAL_FRACTION_MAX:
+        out.append(f"the hypervisor took {steal:.0%} of the CPUs' time for other VMs (steal > "
+                   f"{STEAL_FRACTION_MAX:.0%})")
+    wait = load.get("run_queue_wait_fraction")
+    if wait is not None and wait > RUN_QUEUE_WAIT_MAX:
+        cause = (f"runner's own {own} outnumber the {cores} cores" if threads + workers > cores
+                 else "other processes competed for the cores")
+        out.append(f"runner's threads waited for a CPU {wait:.0%} of the time they could run (> "
+                   f"{RUN_QUEUE_WAIT_MAX:.0%}): {cause}")
+    busy = load.get("busy_cores_computing")
+    if device_type == "cpu" and busy is not None and busy < BUSY_CORES_MIN:
+        out.append(f"runner's {threads} thread(s) used only {busy:.2f} CPU-s per second of compute (< "
+                   f"{BUSY_CORES_MIN}): the training thread was often off the CPU")
+    gpu = load.get("gpu") or {}
+    if gpu.get("other_processes"):
+        out.append(f"{gpu['other_processes']} other process(es) ran on the GPU")
+    if gpu.get("throttle_reasons"):
+        out.append(f"the GPU's clocks were throttled ({', '.join(gpu['throttle_reasons'])})")
+    return out

@@ -189,7 +189,8 @@ class NullTracker:
 
 
 def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
-    """Print the run's headline figures and every technique's status as an aligned two-column table.
+    """Print the run's headline figures and every technique's status as an aligned two-column table, then
+    one ``warning:`` line per reason the figures cannot be trusted (summary ``warnings``: a busy machine).
 
     The first row, ``measurement``, says what the speed figures cover, or why they are blank (all warm-up)."""
     keys = ["measurement", "samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90",
@@ -202,6 +203,8 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     print(f"\nsummary ({job_dir / 'summary.json'})")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    for warning in summary.get("warnings") or []:
+        print(f"warning: {warning}; rerun on a quiet machine for figures to trust")
 
 
 def wandb_api_key() -> str | None:

@@ -146,6 +146,12 @@ def sweep_group() -> str | None:
     return "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None
 
 
+#: Warm-up steps profiled on CUDA for the speed doctor (``measure.GpuIdleProbe``; trainer.doctor=false: none):
+#: two steps give a steady step's kernels without the first steps' compilation and autotuning (the window
+#: needs trainer.warmup_steps >= 3).
+GPU_PROFILE_STEPS = 2
+
+
 @dataclass
 class Plan:
     """The run's fixed numbers, read from the config once (plain ints: no config lookups per step)."""
@@ -352,7 +358,11 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     clip = optim.gradient_clipping(cfg.optimizer.clip_grad_norm, model, amp.scaler)  # recorded by optim.build
 
     state = TrainState(eval=dict.fromkeys(task.metrics), loss_sum=torch.zeros((), device=env.device))
-    meter = measure.Meter(env.device, t.warmup_steps, plan.global_batch, task.tokens_per_sample(data), state.timings)
+    # the speed doctor's GPU window: the last warm-up steps on CUDA (no figure includes them), never beside
+    # debug=profile's own profiler
+    profile_steps = GPU_PROFILE_STEPS if t.doctor and cfg.debug.name == "off" else 0
+    meter = measure.Meter(env.device, t.warmup_steps, plan.global_batch, task.tokens_per_sample(data), state.timings,
+                          gpu_profile_steps=profile_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     ck = checkpoint.settings(cfg.checkpoint)
     point = _agree(lambda: checkpoint.find_resume_point(ck["resume"], job_dir, resolved, plan.total_steps), env)
@@ -445,20 +455,25 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
         state.interval_steps += 1
         last = state.step == plan.total_steps
         if state.step % plan.log_every == 0 or last:
+            p.meter.log_started()
             log(state, parts, lr)
+            p.meter.log_done()
         p.meter.end_step()  # after logging, so the cost of the sync above is part of the step
         evaluating = state.step % plan.eval_every == 0 or last
         save, stop = _checkpoint_due(state, parts, logged=state.step % plan.log_every == 0 or last)
         if evaluating or save or stop:
             state.train_time_s += measure.wall_clock(p.env.device) - segment_start  # queued kernels count as training
+            p.meter.pause()  # the machine-load window covers training only
             if evaluating:
                 evaluate(state, parts)
             if stop or (save and not (last and p.at_end)):  # the end-of-run checkpoint follows the loop
                 save_checkpoint(state, parts)
             if stop:
                 _stop_for_signal(state, parts)
+            p.meter.resume()
             segment_start = time.perf_counter()
     state.train_time_s += time.perf_counter() - segment_start
+    p.meter.pause()
 
 
 def _finite_gradients(model: torch.nn.Module) -> bool:
@@ -572,6 +587,9 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
     figures = distributed.reduce_figures(p.meter.totals(), measure.peak_memory_mb(env.device), env)
     peak = hardware.peak_flops(env.device, p.amp.compute_dtype, t.peak_tflops)
     flops, sps = p.flops_per_sample, figures["samples_per_sec"]
+    workers = p.cfg.dataloader.num_workers if p.data.techniques.get("num_workers") == "applied" else 0
+    load = p.meter.machine_load(torch.get_num_threads(), workers)  # rank 0's machine: summary.json is rank 0's
+    probe = p.meter.gpu_probe
     achieved = flops * sps if flops and sps else None
     throughput: dict[str, Any] = {"samples_per_sec": sps}
     tokens = p.task.tokens_per_sample(p.data)
@@ -584,9 +602,15 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "step_time_ms_p90": figures["step_time_ms_p90"],
         "data_wait_fraction": figures["data_wait_fraction"],
         "peak_memory_mb": figures["peak_memory_mb"],
+        "memory_limit_mb": hardware.memory_limit_mb(env.device),
         "flops_per_sample": flops,
         "achieved_tflops": achieved / 1e12 if achieved else None,
         "mfu": achieved / peak if achieved and peak else None,
+        # what the speed doctor (runner/doctor.py) reads besides the figures above
+        "log_time_fraction": figures["log_time_fraction"],  # measured time spent logging (loss read, metrics row)
+        "host_syncs_per_step": 1 / plan.log_every + (1 if plan.skip_nonfinite else 0),  # the loop's own
+        "gpu_idle_fraction": probe.idle_fraction if probe else None,  # GPU idle between kernels (warm-up window)
+        "gpu_profile": probe.note if probe else ("CPU run: no GPU" if env.device.type != "cuda" else "off"),
         "train_loss": state.train_loss,
         **state.eval,
         "time_to_target_s": state.time_to_target_s,
@@ -601,6 +625,8 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "measured_steps": figures["measured_steps"],
         "measured_time_s": figures["measured_time_s"],  # samples_per_sec = global batch x measured_steps / this
         "measurement": figures["measurement"],  # what the speed figures cover, or why they are null
+        "machine_load": load,  # how busy the machine was during the measured steps (measure.LoadWindow.record)
+        "warnings": measure.load_warnings(load, env.device.type),  # why the figures cannot be trusted, if so
         "global_batch_size": plan.global_batch,
         "micro_batch_size": plan.micro_batch,
         "accumulate_steps": plan.accumulate,
