@@ -31,6 +31,8 @@ def main(cfg: DictConfig) -> float | None:
     try:
         # an ablation job runs in a fresh process (or not at all off CUDA); anything else trains here
         summary = ablation.run_job(cfg) or train(cfg)
+        if cfg.trainer.doctor and cfg.ablation.variant is None:
+            _diagnose()
         return summary["samples_per_sec"]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -43,6 +45,21 @@ def main(cfg: DictConfig) -> float | None:
     except Preempted as e:
         print(e, file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
+
+
+def _diagnose() -> None:
+    """Rank 0 prints the speed doctor's diagnosis of the job just trained (runner/doctor.py); a diagnosis
+    that fails costs one line, never the finished run."""
+    from runner import doctor
+    from runner.launch import discover
+    from runner.train import job_folder
+
+    if discover().rank != 0:
+        return
+    try:
+        print("\n" + doctor.report(job_folder()), flush=True)
+    except Exception as e:  # noqa: BLE001 - the run is done and its summary written; the diagnosis is extra
+        print(f"speed doctor: no diagnosis ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,17 @@ def _train_forked(cfg: DictConfig, job_dir: str, env: dict[str, str]) -> None:
         sys.exit(2)
 
 
+def fork_train(cfg: DictConfig, job_dir: Path, env: dict[str, str], name: str) -> int:
+    """Train ``cfg`` (resolved, ``ablation.isolate=false``) into ``job_dir`` in a child forked from the job
+    server (started on first use), with ``env`` added to its environment; wait for it and return its exit
+    status (0: ``summary.json`` written; 2: bad input). The child's working directory and ``sys.path`` are
+    this process's at the call (``multiprocessing`` hands them over), so a module in the run folder imports."""
+    child = _job_server().Process(target=_train_forked, args=(cfg, str(job_dir), env), name=name)
+    child.start()
+    child.join()
+    return child.exitcode
+
+
 def _run_in_child(cfg: DictConfig, job_dir: Path, overrides: list[str], group: str, name: str) -> dict[str, Any]:
     a = cfg.ablation
     cmd = [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={_quote(str(job_dir))}",
@@ -163,10 +174,7 @@ def _run_in_child(cfg: DictConfig, job_dir: Path, overrides: list[str], group: s
         job_cfg = copy.deepcopy(cfg)
         OmegaConf.resolve(job_cfg)  # ${hydra:...} and ${now:...} mean what they mean in this job, not in the child
         job_cfg.ablation.isolate = False
-        child = _job_server().Process(target=_train_forked, args=(job_cfg, str(job_dir), env), name=name)
-        child.start()
-        child.join()
-        returncode = child.exitcode
+        returncode = fork_train(job_cfg, job_dir, env, name)
     else:
         returncode = subprocess.run(cmd, env={**os.environ, **env}).returncode
     finished = time.time()

@@ -1,0 +1,128 @@
+"""How busy the machine was while a run measured (summary.json ``machine_load`` and ``warnings``).
+
+The thresholds are covered on hand-made records (``measure.load_warnings``, pure); real runs check that the
+record exists and is consistent, and that a machine made busy on purpose (two busy-loop processes on the
+cores) gets a warning. Nothing here asserts that a quiet machine gets none: this one is shared.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TINY_LOOP, compose_cfg
+from runner import measure
+from runner.track import print_summary
+from runner.train import train
+
+
+def tiny_mlp(*overrides: str):
+    """The cheapest real job: runner's MLP on tests/user_data.py's tabular data, no checkpoint."""
+    return compose_cfg(*TINY_LOOP, "data=custom", "data._target_=user_data.tabular", "model=mlp", "model.hidden=16",
+                       "checkpoint.at_end=false", *overrides, tiny=False)
+
+
+def record(**changes):
+    """A quiet 2-core record: runner's 2 threads ran, nothing else did."""
+    quiet = {"window_s": 2.0, "cpu_cores": 2, "threads": 2, "workers": 0, "load_average_1min_start": 1.9,
+             "load_average_1min_end": 2.0, "load_average_1min_max": 2.0, "load_average_others": 0.1,
+             "cpu_time_s": 3.8, "workers_cpu_time_s": None, "cpu_util_fraction": 0.95, "busy_cores_computing": 1.9,
+             "run_queue_wait_fraction": 0.01, "steal_fraction": 0.0, "gpu": None}
+    return quiet | changes
+
+
+def test_a_quiet_record_has_no_warning():
+    assert measure.load_warnings(record(), "cpu") == []
+    assert measure.load_warnings(None, "cpu") == []  # nothing measured: nothing to judge
+
+
+@pytest.mark.parametrize("changes, device, expected", [
+    # others' load above the free cores (2 cores - 2 threads = 0) + the margin
+    ({"load_average_others": measure.LOAD_MARGIN + 0.01}, "cpu", "the machine was busy"),
+    ({"steal_fraction": measure.STEAL_FRACTION_MAX + 0.01}, "cpu", "hypervisor"),
+    ({"run_queue_wait_fraction": measure.RUN_QUEUE_WAIT_MAX + 0.01}, "cpu", "other processes competed"),
+    ({"run_queue_wait_fraction": 0.3, "workers": 2}, "cpu", "outnumber the 2 cores"),
+    ({"busy_cores_computing": measure.BUSY_CORES_MIN - 0.01}, "cpu", "off the CPU"),
+    ({"gpu": {"other_processes": 1, "throttle_reasons": [], "utilization_percent_end": 90}}, "cuda",
+     "1 other process(es) ran on the GPU"),
+    ({"gpu": {"other_processes": 0, "throttle_reasons": ["hw_slowdown"], "utilization_percent_end": 90}}, "cuda",
+     "throttled (hw_slowdown)"),
+])
+def test_each_threshold_warns_just_above_it(changes, device, expected):
+    (warning,) = measure.load_warnings(record(**changes), device)
+    assert expected in warning
+
+
+@pytest.mark.parametrize("changes, device", [
+    ({"load_average_others": measure.LOAD_MARGIN}, "cpu"),  # at the margin: not yet
+    ({"load_average_others": 1.4, "threads": 1}, "cpu"),  # one core left free: 1.4 <= 1 + 0.5
+    ({"steal_fraction": measure.STEAL_FRACTION_MAX}, "cpu"),
+    ({"run_queue_wait_fraction": measure.RUN_QUEUE_WAIT_MAX}, "cpu"),
+    ({"busy_cores_computing": 0.2}, "cuda"),  # the host waits on the GPU: CPU time says nothing there
+    ({"steal_fraction": None, "run_queue_wait_fraction": None, "load_average_others": None}, "cpu"),  # no /proc
+])
+def test_at_or_below_each_threshold_nothing_warns(changes, device):
+    assert measure.load_warnings(record(**changes), device) == []
+
+
+def test_union_length_counts_overlaps_once():
+    assert measure.union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
+    assert measure.union_length([]) == 0
+
+
+def test_summary_records_the_machine_load_consistently(tmp_path):
+    s = train(tiny_mlp("trainer.max_steps=8"), job_dir=tmp_path)
+    load = s["machine_load"]
+    assert load["threads"] == torch.get_num_threads() and load["cpu_cores"] >= 1 and load["workers"] == 0
+    assert isinstance(s["warnings"], list) and all(isinstance(w, str) for w in s["warnings"])
+    for key in ("cpu_util_fraction", "run_queue_wait_fraction", "steal_fraction"):
+        assert load[key] is None or 0 <= load[key] <= 1.05, (key, load[key])  # CPU clocks tick coarsely
+    for key in ("load_average_1min_start", "load_average_1min_end", "load_average_others", "cpu_time_s"):
+        assert load[key] is None or load[key] >= 0, (key, load[key])
+    assert load["load_average_1min_max"] >= max(load["load_average_1min_start"], load["load_average_1min_end"])
+    # the window spans the measured steps (evaluation and the end-of-run checkpoint paused it)
+    assert s["measured_time_s"] <= load["window_s"] + 1e-3 and load["window_s"] < 1.5 * s["measured_time_s"] + 0.05
+    assert load["cpu_util_fraction"] == pytest.approx(load["cpu_time_s"] / (load["window_s"] * load["threads"]))
+    # the doctor's evidence beside it
+    assert 0 <= s["log_time_fraction"] <= 1 and s["host_syncs_per_step"] == 1 / 2  # TINY logs every 2 steps
+    assert s["gpu_idle_fraction"] is None and "CPU" in s["gpu_profile"]
+    assert s["memory_limit_mb"] > s["peak_memory_mb"] > 0
+
+
+def test_a_machine_kept_busy_by_other_processes_gets_a_warning(tmp_path):
+    """Two busy loops on the (two) cores during a tiny run: runner's threads wait for a CPU, and the summary
+    says its figures cannot be trusted."""
+    if measure.hardware.thread_schedule_ns() is None:
+        pytest.skip("no /proc/self/task/*/schedstat: run-queue wait is Linux-only")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(measure.hardware.cpu_cores())]
+    try:
+        time.sleep(0.3)  # let them take the cores
+        s = train(tiny_mlp("trainer.max_steps=40", "trainer.log_every=20"), job_dir=tmp_path)
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+    load = s["machine_load"]
+    assert load["run_queue_wait_fraction"] > measure.RUN_QUEUE_WAIT_MAX, load
+    assert any("waited for a CPU" in w for w in s["warnings"]), s["warnings"]
+
+
+def test_the_summary_table_ends_with_the_warnings(tmp_path, capsys):
+    print_summary({"measurement": "3 steps measured", "techniques": {}, "warnings": ["the machine was busy"]},
+                  tmp_path)
+    assert capsys.readouterr().out.splitlines()[-1] == ("warning: the machine was busy; rerun on a quiet machine "
+                                                         "for figures to trust")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU window and NVML need CUDA")
+def test_on_cuda_the_warmup_is_profiled_for_gpu_idle(tmp_path):
+    s = train(compose_cfg("trainer.device=cuda", "trainer.max_steps=8", "trainer.warmup_steps=4"), job_dir=tmp_path)
+    assert 0 <= s["gpu_idle_fraction"] <= 1 and "profiled" in s["gpu_profile"], s["gpu_profile"]
+    off = train(compose_cfg("trainer.device=cuda", "trainer.max_steps=8", "trainer.warmup_steps=4",
+                            "trainer.doctor=false"), job_dir=tmp_path / "off")
+    assert off["gpu_idle_fraction"] is None
