@@ -32,7 +32,7 @@ def main(cfg: DictConfig) -> float | None:
         # an ablation job runs in a fresh process (or not at all off CUDA); anything else trains here
         summary = ablation.run_job(cfg) or train(cfg)
         if cfg.trainer.doctor and cfg.ablation.variant is None:
-            _diagnose()
+            _diagnose(warnings_shown=cfg.trainer.progress != "off")
         return summary["samples_per_sec"]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(EXIT_PREEMPTED)
 
 
-def _diagnose() -> None:
+def _diagnose(warnings_shown: bool) -> None:
     """Rank 0 prints the speed doctor's diagnosis of the job just trained (runner/doctor.py); a diagnosis
     that fails costs one line, never the finished run."""
     from runner import doctor
@@ -57,7 +57,7 @@ def _diagnose() -> None:
     if discover().rank != 0:
         return
     try:
-        print("\n" + doctor.report(job_folder()), flush=True)
+        print("\n" + doctor.report(job_folder(), warnings_shown), flush=True)
     except Exception as e:  # noqa: BLE001 - the run is done and its summary written; the diagnosis is extra
         print(f"speed doctor: no diagnosis ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 

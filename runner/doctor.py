@@ -143,7 +143,7 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
     warnings = summary.get("warnings") or []
     if warnings:
         lead.append(Finding("untrustworthy", "; ".join(warnings), 1.0, [Suggestion(
-            [], "the same command on a quiet machine (nothing else running): the figures below may be noise")]))
+            [], "rerun the same command on a quiet machine: until then the findings below may be noise")]))
     sps = _num(summary.get("samples_per_sec"))
     if sps is None:
         warmup = int(summary.get("warmup_steps") or _get(config, "trainer.warmup_steps", 5) or 0)
@@ -377,8 +377,10 @@ def command(job: Job, extra: list[str]) -> str:
     return shlex.join(prefix + merge_overrides(job.overrides, extra))
 
 
-def render(findings: list[Finding], job: Job) -> str:
-    """The diagnosis as text: one block per finding (category, evidence, one command per suggestion)."""
+def render(findings: list[Finding], job: Job, warnings_shown: bool = False) -> str:
+    """The diagnosis as text: one block per finding (category, evidence, one command per suggestion).
+    ``warnings_shown``: the run's summary table just printed the machine-load warnings, so the
+    untrustworthy finding points to them instead of repeating them."""
     s = job.summary
     figures = [f"samples/s {s['samples_per_sec']:,.4g}" if _num(s.get("samples_per_sec")) else None,
                f"step {s['step_time_ms_median']:.3g} ms" if _num(s.get("step_time_ms_median")) else None,
@@ -389,7 +391,10 @@ def render(findings: list[Finding], job: Job) -> str:
         lines.append("  no bottleneck above the doctor's thresholds (runner/doctor.py); measure a switch with "
                      "`python -m runner -m +experiment=ablation ...`")
     for i, f in enumerate(findings, 1):
-        lines.append(f"  {i}. {f.category}: {f.evidence}")
+        evidence = f.evidence
+        if f.category == "untrustworthy" and warnings_shown:
+            evidence = f"the machine-load warning(s) above ({len(job.summary.get('warnings') or [])} in summary.json)"
+        lines.append(f"  {i}. {f.category}: {evidence}")
         for sug in f.suggestions:
             if sug.overrides:
                 lines.append(f"     try: {command(job, sug.overrides)}   # {sug.why}")
@@ -402,10 +407,10 @@ def render(findings: list[Finding], job: Job) -> str:
     return "\n".join(lines)
 
 
-def report(folder: Path) -> str:
+def report(folder: Path, warnings_shown: bool = False) -> str:
     """The diagnosis of the job in ``folder`` as printed text (``load_job`` + ``diagnose`` + ``render``)."""
     job = load_job(folder)
-    return render(diagnose(job.summary, job.config, job.metrics), job)
+    return render(diagnose(job.summary, job.config, job.metrics), job, warnings_shown)
 
 
 # ------------------------------------------------------------------------------------------- --verify

@@ -534,6 +534,13 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
         lines += [f"**Warning:** the machine was busy when the sweep started (load average {load[0]} on {cores} "
                   f"cores): other processes share the cores, so figures are slower and noisier than on a quiet "
                   f"machine. Rerun when it is quiet for figures to publish.", ""]
+    noisy = [j for j in jobs if j.summary and j.summary.get("warnings")]
+    if noisy:
+        first = noisy[0]
+        lines += [f"**Warning:** {len(noisy)} of {len(measured)} measured jobs recorded a busy machine while they "
+                  f"measured (summary.json `warnings`; e.g. {first.variant} r{first.repeat}: "
+                  f"{first.summary['warnings'][0]}): their figures are slower and noisier than on a quiet machine.",
+                  ""]
     if min(repeats) < 2:
         lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
                   "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]

@@ -141,6 +141,18 @@ def test_a_suggestion_replaces_the_jobs_own_value_of_its_key():
                                                   "debug=off")
 
 
+def test_the_printed_diagnosis_gives_a_command_per_suggestion_and_points_to_printed_warnings():
+    s = summary({"trainer.log_every": 1}, host_syncs_per_step=1.0, warnings=["the machine was busy"])
+    job = Job(folder="outputs/x", summary=s, config=s["config"], overrides=["model=mlp", "trainer.log_every=1"],
+              metrics=[], cwd=None, searchpath=[])
+    text = doctor.render(diagnose(s), job)
+    assert "1. untrustworthy: the machine was busy" in text
+    assert "try: python -m runner model=mlp trainer.log_every=50   # " in text
+    assert "python -m runner.doctor outputs/x --verify" in text and "CUDA check" in text
+    shown = doctor.render(diagnose(s), job, warnings_shown=True)  # the summary table printed them already
+    assert "the machine was busy" not in shown and "warning(s) above (1 in summary.json)" in shown
+
+
 def test_bad_folders_get_one_error_line(tmp_path, capsys):
     assert doctor.main([str(tmp_path / "nowhere")]) == 2
     assert doctor.main([str(tmp_path)]) == 2  # a folder without summary.json

@@ -119,6 +119,7 @@ def test_the_summary_table_ends_with_the_warnings(tmp_path, capsys):
                                                          "for figures to trust")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU window and NVML need CUDA")
 def test_on_cuda_the_warmup_is_profiled_for_gpu_idle(tmp_path):
     s = train(compose_cfg("trainer.device=cuda", "trainer.max_steps=8", "trainer.warmup_steps=4"), job_dir=tmp_path)
