@@ -195,7 +195,9 @@ def gpu_contention(device: torch.device) -> dict[str, Any] | None:
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
         procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+        reasons_of = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)  # its newer name
+                      or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        reasons = reasons_of(handle)
         return {"other_processes": sum(p.pid != os.getpid() for p in procs),
                 "throttle_reasons": [name for bit, name in _THROTTLE_REASONS.items() if reasons & bit],
                 "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu}

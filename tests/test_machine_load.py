@@ -119,6 +119,16 @@ def test_the_summary_table_ends_with_the_warnings(tmp_path, capsys):
                                                          "for figures to trust")
 
 
+def test_a_failing_gpu_profile_costs_the_figure_never_the_run():
+    """Without CUDA the probe's first synchronize raises: the figure is None and the note says why."""
+    probe = measure.GpuIdleProbe(1, 3)
+    for step in (1, 2, 3):
+        probe.after_step(step)
+    if not torch.cuda.is_available():
+        assert probe.idle_fraction is None and probe.note.startswith("profiler failed")
+    assert measure.Meter(torch.device("cpu"), 5, 16, gpu_profile_steps=2).gpu_probe is None  # CPU: no window
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU window and NVML need CUDA")
 def test_on_cuda_the_warmup_is_profiled_for_gpu_idle(tmp_path):
