@@ -645,8 +645,44 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
     return str(where)
 
 
+#: verdicts a replication must reproduce (a firm claim); "no measurable effect" may turn either way
+FIRM = (stats.HELPS, stats.HURTS, "faster", "slower")
+
+
+def agreement(rows: list[Row], replication: list[Row], name: str = "replication") -> tuple[str, list[str]]:
+    """Compare the verdicts of two independent sweeps of the same job, configuration by configuration.
+
+    Returns a markdown section (a table: each configuration's effect, its 95 % interval and verdict in both
+    sweeps, and whether they agree) and the configurations where this sweep's verdict is firm (``FIRM``:
+    helps, hurts, faster, slower) and the replication's differs -- the disagreements that matter. A
+    configuration this sweep calls "no measurable effect" may come out either way in the other (its
+    interval contains 1), so it is shown but not counted against agreement.
+    """
+    theirs = {r.configuration: r for r in replication}
+    lines = [f"| configuration | effect [95 % CI], this sweep | verdict | effect [95 % CI], {name} | verdict | "
+             f"agree |", "|---|---:|---|---:|---|---|"]
+    disagree = []
+    for r in rows:
+        if r.kind == "baseline":
+            continue
+        o = theirs.get(r.configuration)
+        same = o is not None and o.verdict == r.verdict
+        if r.verdict in FIRM and not same:
+            disagree.append(r.configuration)
+        mark = "yes" if same else ("**no**" if r.verdict in FIRM else "—")
+        other = (f"{_f(o.effect, '.2f')} {_ci_text(o.effect_ci)} | {o.verdict}" if o is not None else "— | not run")
+        lines.append(f"| {r.configuration} | {_f(r.effect, '.2f')} {_ci_text(r.effect_ci)} | {r.verdict} | "
+                     f"{other} | {mark} |")
+    firm = [r for r in rows if r.verdict in FIRM]
+    head = (f"The {name} agrees on all {len(firm)} configurations this sweep gives a firm verdict "
+            f"({', '.join(FIRM)})." if not disagree else
+            f"The {name} disagrees on {len(disagree)} of the {len(firm)} configurations this sweep gives a firm "
+            f"verdict: {', '.join(disagree)}.")
+    return "\n".join([head, "", *lines]), disagree
+
+
 def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, seed: int = stats.SEED,
-                 resamples: int = stats.RESAMPLES) -> list[Path]:
+                 resamples: int = stats.RESAMPLES, replication: Path | None = None) -> list[Path]:
     """Write report.md, report.csv, jobs.csv and speedup.png of an ablation sweep into ``sweep`` (and
     ``doc`` if given); log the W&B table when the jobs' logger was W&B. Returns the written paths.
 
@@ -673,7 +709,17 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
         shutil.copyfile(written[2], image)
         text = markdown(rows, jobs, sweep, record, image.name, seed=seed, resamples=resamples,
                         title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
-        doc.write_text(text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1))
+        text = text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1)
+        if replication is not None:
+            other = build_rows(load_jobs(Path(replication)), seed, resamples)
+            rec = _record(Path(replication))
+            table, _ = agreement(rows, other)
+            text += (f"\n## Replication: an independent second sweep of the same job\n\n"
+                     f"`{rec.get('command', '(command not recorded)')}` in `{replication}`, ran "
+                     f"{rec.get('started', '?')} to {rec.get('finished', '?')}; load average (1 min) "
+                     f"{(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
+                     f"{rec.get('load_average_1min_at_end', '?')} at the end.\n\n{table}\n")
+        doc.write_text(text)
         written += [doc, image]
     logger = (baseline.jobs[0].summary or {}).get("config", {}).get("logger", {})
     if use_wandb and logger.get("name") == "wandb":
@@ -682,13 +728,16 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runner.report SWEEP [--doc PATH] [--no-wandb] [--seed N] [--resamples N]``; returns the exit
+    """``python -m runner.report SWEEP [--doc PATH [--replication SWEEP2]] [--no-wandb] [--seed N] [--resamples N]``;
+    returns the exit
     status (2: a folder that cannot be reported)."""
     parser = argparse.ArgumentParser(prog="python -m runner.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", type=Path, help="a multirun folder: an ablation (outputs/ablation/<date>/<time>) "
                                                  "or any sweep (outputs/multirun/<date>/<time>)")
     parser.add_argument("--doc", type=Path, help="ablation: also write the report as a document, e.g. "
                                                  "docs/ablation-cpu.md")
+    parser.add_argument("--replication", type=Path, help="with --doc: an independent second ablation sweep of the "
+                                                        "same job; the document gets the agreement table")
     parser.add_argument("--no-wandb", action="store_true", help="do not log the W&B table even if the jobs used W&B")
     parser.add_argument("--seed", type=int, default=stats.SEED, help="bootstrap seed (default %(default)s)")
     parser.add_argument("--resamples", type=int, default=stats.RESAMPLES,
@@ -702,8 +751,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ReportError("--doc is for ablation sweeps; the report of this sweep is its report.md")
             written = write_plain_report(args.sweep)
         else:
+            if args.replication and not args.doc:
+                raise ReportError("--replication adds the agreement table to the document: give --doc PATH too")
             written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb, seed=args.seed,
-                                   resamples=args.resamples)
+                                   resamples=args.resamples, replication=args.replication)
     except (ReportError, SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -556,3 +556,21 @@ def test_bad_repeats_on_the_command_line_stop_before_any_job(tmp_path, bad, mess
                    timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and "Traceback" not in proc.stderr
     assert not list(tmp_path.rglob("summary.json"))
+
+
+def test_a_replication_must_reproduce_every_firm_verdict():
+    """``python -m runner.report A --doc D --replication B``: a configuration A calls helps/hurts/faster/slower
+    must get the same verdict in B; one A calls "no measurable effect" may go either way in B (its interval
+    contains 1) and is shown but not counted."""
+    from runner.report import Row, agreement
+
+    def rows(**verdicts):
+        out = [Row("baseline", "baseline", None, verdict="reference", effect=1.0)]
+        return out + [Row(name, "leave-one-in", name, verdict=v, effect=1.5) for name, v in verdicts.items()]
+
+    a = rows(amp="helps", compile="no measurable effect", ckpt="hurts")
+    text, disagree = agreement(a, rows(amp="helps", compile="helps", ckpt="hurts"))
+    assert disagree == [] and "agrees on all 2 configurations" in text
+    assert text.count("| yes |") == 2 and text.count("| — |") == 1  # compile: shown, not counted
+    text, disagree = agreement(a, rows(amp="no measurable effect", compile="hurts"))  # ckpt not run there
+    assert disagree == ["amp", "ckpt"] and "disagrees on 2 of the 2" in text and "not run" in text
