@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
+from conftest import TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
 from runner import gpt, hf
 from runner.errors import ConfigError
 from runner.train import train
@@ -23,16 +23,7 @@ from runner.train import train
 transformers = pytest.importorskip("transformers")
 
 #: TINY_GPT's language-model job with a Hugging Face GPT-2 of the same size (add ``data.path=<a text>``).
-TINY_HF = [
-    "task=language_model",
-    "model=hf_causal_lm",
-    "data=text",
-    "data.block_size=16",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "task.sample_tokens=20",
-]
+TINY_HF = [o if o != "model=gpt" else "model=hf_causal_lm" for o in TINY_GPT]
 #: The same model named by its class, with a nested GPT2Config.
 TINY_HF_TARGET = [
     "task=language_model",
