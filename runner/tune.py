@@ -511,13 +511,28 @@ def valley(losses: list[float]) -> int:
     return max_start + int(sections) + int(sections / 2)
 
 
+def suggestion_range(points: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """The points of an LR range test the suggestions are taken from (see ``RangeTest``): without the first
+    10 % of ``steps`` and the last 5 recorded (fastai), cut at the first non-finite smoothed loss and after
+    the lowest smoothed loss (on the falling side only)."""
+    used = points[steps // 10: max(len(points) - 5, 0)]
+    bad = next((i for i, p in enumerate(used) if not math.isfinite(p["smoothed_loss"])), None)
+    used = used[:bad]
+    if used:  # past the lowest smoothed loss the LR is too high already
+        lowest = min(range(len(used)), key=lambda i: used[i]["smoothed_loss"])
+        used = used[:lowest + 1]
+    return used
+
+
 @dataclass
 class RangeTest:
     """What ``lr_range_test`` found: every step's ``lr``, raw ``loss`` (mean over the global batch),
     ``smoothed_loss`` and ``used`` (inside the range the suggestions are taken from: fastai leaves out the
     first 10 % of the requested steps, the last 5 recorded and everything from the first non-finite
-    smoothed loss on); ``steepest_lr`` (steepest descent of the smoothed loss), ``valley_lr`` (fastai's
-    valley); why it stopped."""
+    smoothed loss on) and, unlike fastai, everything after the lowest smoothed loss: past it the loss rises
+    (the LR is too high already), and a network with BatchNorm can recover from a spike there, whose
+    descent would otherwise be taken for the steepest one (seen on resnet18/CIFAR-10, docs/tuning.md);
+    ``steepest_lr`` (steepest descent of the smoothed loss), ``valley_lr`` (fastai's valley); why it stopped."""
 
     points: list[dict[str, Any]]
     steepest_lr: float
@@ -582,9 +597,7 @@ def lr_range_test(parts, min_lr: float, max_lr: float, steps: int, smoothing: fl
         rng.load_state_dict(saved_rng)
         optimizer.zero_grad(set_to_none=True)
     points = recorder.points
-    used = points[steps // 10: max(len(points) - 5, 0)]
-    bad = next((i for i, p in enumerate(used) if not math.isfinite(p["smoothed_loss"])), None)
-    used = used[:bad]
+    used = suggestion_range(points, steps)
     if len(used) < 3:
         last = points[-1] if points else {"step": 0, "lr": min_lr}
         raise ConfigError(f"the LR range test has too few points to suggest an LR: {recorder.stop} after "
@@ -820,7 +833,7 @@ def write_outputs(kind: str, result: dict, cfg: DictConfig, out: Path) -> list[P
         writer.writeheader()
         writer.writerows([{k: ("" if r.get(k) is None else r.get(k)) for k in keys} for r in rows])
     md = [f"# runner.tune {kind}", "", f"model `{cfg.model._target_}`, data `{cfg.data.name}`, device "
-          f"{result['device']}, {result['world_size']} process(es)", "", markdown_table(kind, rows, rec), "",
+          f"{result['device']}, {result['world_size']} process(es)", "", markdown_table(kind, rows, rec, max_rows=30), "",
           f"**override:** `{result['override']}`", "", *[f"- {n}" for n in result["notes"]], ""]
     md_path = out / f"{kind}.md"
     md_path.write_text("\n".join(md))

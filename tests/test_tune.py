@@ -182,3 +182,16 @@ def test_batch_size_under_torchrun_every_rank_recommends_the_same(tmp_path):
     assert [int(r["global_batch_size"]) for r in rows] == [8, 16]  # micro-batch x 2 ranks
     assert result["recommended"]["batch_size"] == fastest_within_limit(rows, result["memory_limit_mb"])
     assert proc.stdout.count("override: dataloader.batch_size=") == 1  # rank 0 prints
+
+
+def test_lr_suggestions_come_from_the_falling_side_of_the_curve():
+    """A loss that spikes and then recovers (BatchNorm networks do, resnet18 on CIFAR-10 in docs/tuning.md) must
+    not have its recovery taken for the steepest descent: suggestions stop at the lowest smoothed loss."""
+    from runner.tune import steepest, suggestion_range
+
+    smoothed = [2.4] * 10 + [2.4 - 0.05 * i for i in range(10)] + [2.0, 3.0, 6.0, 5.0, 3.5, 3.4] + [3.4] * 5
+    points = [{"step": i + 1, "lr": 1e-4 * 1.3 ** i, "smoothed_loss": v} for i, v in enumerate(smoothed)]
+    used = suggestion_range(points, steps=len(points))
+    assert used[-1]["smoothed_loss"] == min(p["smoothed_loss"] for p in used) == 1.95
+    pick = used[steepest([p["lr"] for p in used], [p["smoothed_loss"] for p in used])]
+    assert pick["step"] < 21  # on the descent, not on the recovery from 6.0 to 3.5
