@@ -140,9 +140,15 @@ def start_job_server() -> float:
     return time.perf_counter() - started
 
 
-def _train_forked(cfg: DictConfig, job_dir: str, env: dict[str, str]) -> None:
-    """The body of a forked job: train ``cfg`` into ``job_dir``; bad input exits 2 like ``python -m runner``."""
+def _train_forked(cfg: DictConfig, job_dir: str, env: dict[str, str], start_method: str | None = None) -> None:
+    """The body of a forked job: train ``cfg`` into ``job_dir``; bad input exits 2 like ``python -m runner``.
+
+    ``start_method``: the parent's ``multiprocessing`` start method. A child of the forkserver would
+    otherwise start its own processes (DataLoader workers) by forkserver too, unlike ``python -m runner``
+    (fork on Linux before Python 3.14): slower worker start-up, and a dataset that does not pickle fails."""
     os.environ.update(env)
+    if start_method:
+        multiprocessing.set_start_method(start_method, force=True)
     from runner.train import train
 
     try:
@@ -157,7 +163,8 @@ def fork_train(cfg: DictConfig, job_dir: Path, env: dict[str, str], name: str) -
     server (started on first use), with ``env`` added to its environment; wait for it and return its exit
     status (0: ``summary.json`` written; 2: bad input). The child's working directory and ``sys.path`` are
     this process's at the call (``multiprocessing`` hands them over), so a module in the run folder imports."""
-    child = _job_server().Process(target=_train_forked, args=(cfg, str(job_dir), env), name=name)
+    child = _job_server().Process(target=_train_forked, args=(cfg, str(job_dir), env, multiprocessing.get_start_method()),
+                                  name=name)
     child.start()
     child.join()
     return child.exitcode

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset, TensorDataset
+from torchvision.datasets import CIFAR10
 
 from runner import targets, text
 from runner.config import check_choice
@@ -372,6 +373,22 @@ def _cifar_batch_problem(path: Path) -> str | None:
     return None
 
 
+class _CIFAR10(CIFAR10):
+    """torchvision's CIFAR10 without its md5 checks: torchvision checks every file's md5 against the official
+    archive (batches.meta too, in _load_meta); runner checks presence only and names a corrupt file itself,
+    so CIFAR-format sets other than the official one (the tests' tiny ones) load too. At module level, so
+    the dataset pickles into DataLoader workers started by spawn or forkserver (an ablation job's default)."""
+
+    def _check_integrity(self) -> bool:
+        folder = Path(self.root) / self.base_folder
+        return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
+
+    def _load_meta(self) -> None:
+        with open(Path(self.root) / self.base_folder / self.meta["filename"], "rb") as f:
+            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+
 def _cifar10(cfg: DictConfig, mean, std):
     """CIFAR-10 from ``<root>/cifar-10-batches-py`` (torchvision's layout, python pickles).
 
@@ -379,22 +396,7 @@ def _cifar10(cfg: DictConfig, mean, std):
         ConfigError: the folder or one of its batch files is missing (names the path, ``data.root`` and
             ``data.download=true``), or a batch file is corrupt (names the file).
     """
-    from torchvision.datasets import CIFAR10
-
     folder = Path(cfg.root) / CIFAR10.base_folder
-
-    class _CIFAR10(CIFAR10):
-        # torchvision checks every file's md5 against the official archive (batches.meta too, in
-        # _load_meta); we check presence only and name a corrupt file ourselves, so CIFAR-format sets
-        # other than the official one (the tests' tiny ones) load too.
-        def _check_integrity(self) -> bool:
-            return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
-
-        def _load_meta(self) -> None:
-            with open(folder / self.meta["filename"], "rb") as f:
-                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
-            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-
     names = [name for name, _ in CIFAR10.train_list + CIFAR10.test_list] + [CIFAR10.meta["filename"]]
     missing = [name for name in names if not (folder / name).is_file()]
     if missing and not cfg.download:

@@ -574,3 +574,23 @@ def test_a_replication_must_reproduce_every_firm_verdict():
     assert text.count("| yes |") == 2 and text.count("| — |") == 1  # compile: shown, not counted
     text, disagree = agreement(a, rows(amp="no measurable effect", compile="hurts"))  # ckpt not run there
     assert disagree == ["amp", "ckpt"] and "disagrees on 2 of the 2" in text and "not run" in text
+
+
+def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_path):
+    """An ablation job forked from the job server starts its DataLoader workers with the parent's start method
+    (fork on Linux), not the server's forkserver: on CIFAR-10 with workers this once failed every
+    baseline+pinned_workers job (the dataset did not pickle); the dataset now pickles too (spawn, forkserver)."""
+    import pickle
+
+    from conftest import TINY_LOOP, make_tiny_cifar
+    from runner.ablation import fork_train
+    from runner.data import _CIFAR10
+
+    root = tmp_path / "data"
+    make_tiny_cifar(root)
+    cfg = compose_cfg("data=cifar10", f"data.root={root}", *TINY_LOOP, "dataloader.num_workers=1",
+                      "ablation.isolate=false")
+    (tmp_path / "job").mkdir()
+    assert fork_train(cfg, tmp_path / "job", {}, "test job") == 0
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["steps"] == 4
+    assert pickle.loads(pickle.dumps(_CIFAR10(str(root), train=False))).data.shape == (40, 32, 32, 3)
