@@ -16,6 +16,7 @@ import argparse
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -65,6 +66,7 @@ def section(job: str, out_dir: Path, doc: Path) -> list[str]:
     for tuner in TUNERS:
         folder = out_dir / job / tuner
         r = call([sys.executable, "-m", "runner.tune", tuner, "--out", str(folder), *overrides, *TUNE[tuner]])
+        shutil.rmtree(folder / ".hydra", ignore_errors=True)  # the run's composed config: not part of the report
         table = (folder / f"{tuner}.md").read_text().strip().removeprefix(f"# runner.tune {tuner}").strip()
         image = (folder / f"{tuner}.png").relative_to(doc.parent)
         lines += [f"### `tune {tuner}`", "", f"`{r['command'].replace(str(REPO) + '/', '')}`", "",
