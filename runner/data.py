@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset, TensorDataset
-from torchvision.datasets import CIFAR10
 
 from runner import targets, text
 from runner.config import check_choice
@@ -373,20 +372,38 @@ def _cifar_batch_problem(path: Path) -> str | None:
     return None
 
 
-class _CIFAR10(CIFAR10):
+def _cifar10_class() -> type:
     """torchvision's CIFAR10 without its md5 checks: torchvision checks every file's md5 against the official
     archive (batches.meta too, in _load_meta); runner checks presence only and names a corrupt file itself,
-    so CIFAR-format sets other than the official one (the tests' tiny ones) load too. At module level, so
-    the dataset pickles into DataLoader workers started by spawn or forkserver (an ablation job's default)."""
+    so CIFAR-format sets other than the official one (the tests' tiny ones) load too.
 
-    def _check_integrity(self) -> bool:
-        folder = Path(self.root) / self.base_folder
-        return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
+    Made on first use (torchvision costs ~1 s to import, which every process would pay) and kept as the
+    module attribute ``runner.data._CIFAR10``, which is what pickle looks up: the dataset pickles into
+    DataLoader workers started by spawn or forkserver, where ``__getattr__`` below makes it again."""
+    if "_CIFAR10" in globals():
+        return globals()["_CIFAR10"]
+    from torchvision.datasets import CIFAR10
 
-    def _load_meta(self) -> None:
-        with open(Path(self.root) / self.base_folder / self.meta["filename"], "rb") as f:
-            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+    class _CIFAR10(CIFAR10):
+        def _check_integrity(self) -> bool:
+            folder = Path(self.root) / self.base_folder
+            return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
+
+        def _load_meta(self) -> None:
+            with open(Path(self.root) / self.base_folder / self.meta["filename"], "rb") as f:
+                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    _CIFAR10.__qualname__ = "_CIFAR10"
+    globals()["_CIFAR10"] = _CIFAR10
+    return _CIFAR10
+
+
+def __getattr__(name: str):
+    """``runner.data._CIFAR10`` for pickle (PEP 562), made on first access."""
+    if name == "_CIFAR10":
+        return _cifar10_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _cifar10(cfg: DictConfig, mean, std):
@@ -396,6 +413,7 @@ def _cifar10(cfg: DictConfig, mean, std):
         ConfigError: the folder or one of its batch files is missing (names the path, ``data.root`` and
             ``data.download=true``), or a batch file is corrupt (names the file).
     """
+    CIFAR10 = _cifar10_class()
     folder = Path(cfg.root) / CIFAR10.base_folder
     names = [name for name, _ in CIFAR10.train_list + CIFAR10.test_list] + [CIFAR10.meta["filename"]]
     missing = [name for name in names if not (folder / name).is_file()]
@@ -408,7 +426,7 @@ def _cifar10(cfg: DictConfig, mean, std):
     datasets = []
     for train in (True, False):
         try:
-            datasets.append(_CIFAR10(cfg.root, train=train, download=cfg.download,
+            datasets.append(CIFAR10(cfg.root, train=train, download=cfg.download,
                                      transform=_transforms("cifar10", cfg, train, mean, std)))
         except Exception as e:  # noqa: BLE001 - unpickling garbage can raise almost anything
             if missing:  # data.download=true was asked to fetch the missing files and could not
