@@ -79,8 +79,10 @@ def test_summary_records_the_machine_load_consistently(tmp_path):
     load = s["machine_load"]
     assert load["threads"] == torch.get_num_threads() and load["cpu_cores"] >= 1 and load["workers"] == 0
     assert isinstance(s["warnings"], list) and all(isinstance(w, str) for w in s["warnings"])
-    for key in ("cpu_util_fraction", "run_queue_wait_fraction", "steal_fraction"):
+    for key in ("run_queue_wait_fraction", "steal_fraction"):
         assert load[key] is None or 0 <= load[key] <= 1.05, (key, load[key])  # CPU clocks tick coarsely
+    # per torch intra-op thread: other threads of the process (inter-op, Python) can lift it above 1 (1.18 seen)
+    assert load["cpu_util_fraction"] is None or 0 <= load["cpu_util_fraction"] <= 2, load["cpu_util_fraction"]
     for key in ("load_average_1min_start", "load_average_1min_end", "load_average_others", "cpu_time_s"):
         assert load[key] is None or load[key] >= 0, (key, load[key])
     assert load["load_average_1min_max"] >= max(load["load_average_1min_start"], load["load_average_1min_end"])
