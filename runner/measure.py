@@ -420,7 +420,8 @@ class LoadWindow:
         1-minute average lags by about a minute, so a short run is judged by its run-queue wait);
         ``cpu_time_s`` (this process, all threads), ``workers_cpu_time_s``; ``cpu_util_fraction`` = CPU
         time / (window x threads), above 1 when threads other than torch's intra-op ones work too (inter-op
-        threads, the Python thread between ops) or a short window meets coarse clock ticks; ``busy_cores_computing`` = CPU time / (window - data wait);
+        threads, the Python thread between ops) or a short window meets coarse clock ticks;
+        ``busy_cores_computing`` = CPU time / (window - data wait);
         ``run_queue_wait_fraction`` = threads' run-queue wait / (their CPU time + that wait);
         ``steal_fraction`` = steal ticks / all ticks of all CPUs; ``gpu`` (NVML, CUDA only) or None.
         Fractions are None where the OS does not report them.

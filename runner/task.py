@@ -199,8 +199,8 @@ class LanguageModel:
         """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
         an FSDP-sharded model all-gathers its parameters in each forward. Compiled modules run eagerly here
         (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length.
-        Sampling is ``runner.gpt.generate`` on the model's logits (any model, runner's GPT or a Hugging Face one), fed at
-        most the model's context length (``hf.context_length``) at a time."""
+        Sampling is ``runner.gpt.generate`` on the model's logits (any model, runner's GPT or a Hugging Face
+        one), fed at most the model's context length (``hf.context_length``) at a time."""
         if not self.sample_tokens:
             return
         plain = parallel.unwrap(model)
@@ -209,7 +209,7 @@ class LanguageModel:
         plain.eval()
         with torch.compiler.set_stance("force_eager"):
             out = gpt.generate(plain, prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator,
-                         context=hf.context_length(plain)[0])
+                               context=hf.context_length(plain)[0])
         plain.train()
         if env.is_main:
             (job_dir / "samples.txt").write_text(text.decode(out[0].tolist(), data.vocab), encoding="utf-8")

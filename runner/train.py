@@ -12,7 +12,6 @@ so the loop has no feature branches. The loop never names a loss or a metric: it
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import random
 import subprocess
@@ -516,9 +515,9 @@ def _stop_for_signal(state: TrainState, parts: Parts) -> None:
     message = (f"stopped at step {state.step} for {p.preemption.received}: checkpoint "
                f"{p.checkpointer.root / checkpoint.step_name(state.step)} written")
     if p.env.is_main:
-        done = None if os.environ.get("SUBMITIT_EXECUTOR") else preempt.requeue_slurm_job()
+        done = preempt.requeue_slurm_job()  # None under submitit: it requeues its own jobs
         print(message + (f"; {done}" if done else ""), flush=True)
-    if os.environ.get("SUBMITIT_EXECUTOR"):
+    if p.preemption.handoff:  # a submitit job: its handler requeues once it gets its signal back
         p.tracker.abort(exit_code=preempt.EXIT_PREEMPTED)
         p.preemption.resend()
     raise Preempted(message)
