@@ -594,3 +594,8 @@ def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_pat
     assert fork_train(cfg, tmp_path / "job", {}, "test job") == 0
     assert json.loads((tmp_path / "job" / "summary.json").read_text())["steps"] == 4
     assert pickle.loads(pickle.dumps(_CIFAR10(str(root), train=False))).data.shape == (40, 32, 32, 3)
+    # a dataset that cannot pickle at all: its workers start only by the parent's fork, not the server's forkserver
+    cfg = compose_cfg("data=custom", "data._target_=user_data.unpicklable", "model=mlp", *TINY_LOOP,
+                      "dataloader.num_workers=1", "ablation.isolate=false")
+    (tmp_path / "job2").mkdir()
+    assert fork_train(cfg, tmp_path / "job2", {}, "test job 2") == 0

@@ -119,3 +119,11 @@ def bad_no_classes():
     """Row datasets without classes/num_classes and without readable targets."""
     (x, y), (xe, ye) = (ds.tensors for ds in tabular())
     return Rows(x, y), Rows(xe, ye)
+
+
+def unpicklable(n_features: int = 8):
+    """``tabular``'s data behind a dataset holding a lambda: DataLoader workers can only get it by fork."""
+    train, evaluation = tabular(n_features)
+    rows = Rows(*train.tensors)
+    rows.transform = lambda v: v  # a lambda does not pickle
+    return rows, evaluation
