@@ -26,7 +26,7 @@ What makes its figures comparable and trustworthy lives here:
   run more of them. Instead the first multirun runs min(3, ``ablation.max_repeats``) repeats, and
   ``AblationCallback.on_multirun_end`` (``auto_repeat``) then launches further rounds, each an ordinary
   multirun into the same sweep folder (``ablation.repeat=<n> ablation/variant=<the configurations still
-  too uncertain, with their references>``), until every effect's 95 % interval is within
+  too uncertain, with their references>``), until every effect's simultaneous 95 % interval is within
   ±``ablation.target_ci`` or ``ablation.max_repeats`` repeats have run. Each round's command, its
   configurations and the reason the rounds stopped go into ``ablation.json`` and the report.
 - ``AblationCallback``: at the start of the sweep, ``ablation.json`` records the machine (CPU model,
@@ -241,7 +241,7 @@ def auto_repeat(sweep: Path, target_ci: float, max_repeats: int, done: int,
         by = {r.configuration: r for r in rows}
         waiting = pending(rows, target_ci)
         if not waiting:
-            return f"every effect's 95 % interval within ±{target_ci:.1%} after {done} repeat(s)", rounds
+            return f"every effect's simultaneous 95 % interval within ±{target_ci:.1%} after {done} repeat(s)", rounds
         widths = {v: by[v].effect_ci.half_width if by[v].effect_ci else None for v in waiting}
         widest = ", ".join(f"{v} ({'no interval' if w is None else f'±{w:.1%}'})" for v, w in widths.items())
         if done >= max_repeats:

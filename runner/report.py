@@ -5,7 +5,7 @@ An **ablation** sweep (``python -m runner -m +experiment=ablation``; one ``summa
 command) gets the ablation report, written into the sweep folder:
 
 - ``report.md`` and ``report.csv``: one row per configuration, ranked by speed-up: median samples/s,
-  speed-up over the baseline with its bootstrap 95 % confidence interval, what the technique buys
+  speed-up over the baseline with its simultaneous 95 % bootstrap confidence interval, what the technique buys
   (its *effect*, with its interval) and the verdict that follows, step time, data-wait fraction, peak
   memory and its change, the final loss, the fixed cost per job, and what was applied or skipped;
 - ``jobs.csv``: one row per job: samples/s and where its wall time went (``setup_s`` before the first
@@ -52,7 +52,7 @@ from runner import stats
 from runner.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
 from runner.sweep_report import SweepError, budget_lines, job_times, sweep_command, write_plain_report
 
-#: Columns of report.csv and of the W&B table, in order. Intervals are 95 % bootstrap percentile
+#: Columns of report.csv and of the W&B table, in order. Intervals are simultaneous 95 % bootstrap percentile
 #: intervals; ``effect_ci_half_width`` is relative (0.05 = ±5 %).
 CSV_COLUMNS = [
     "rank", "configuration", "kind", "technique", "repeats", "batch_size", "samples_per_sec_median",
@@ -222,8 +222,9 @@ def _median(values: list[Any]) -> float | None:
 
 
 def compare_rows(row: Row, baseline: Row, fast: Row | None, seed: int = stats.SEED,
-                 resamples: int = stats.RESAMPLES) -> None:
-    """Fill ``row``'s speed-up, effect, their intervals and its verdict (the rule of the module docstring).
+                 resamples: int = stats.RESAMPLES, confidence: float = stats.CONFIDENCE) -> None:
+    """Fill ``row``'s speed-up, effect, their intervals (each at ``confidence``) and its verdict (the rule
+    of the module docstring).
 
     Verdicts: ``"reference"`` (the baseline); ``"faster"``/``"slower"``/``"no measurable effect"`` (the
     fast preset against the baseline); ``"helps"``/``"hurts"``/``"no measurable effect"`` (the technique
@@ -232,7 +233,7 @@ def compare_rows(row: Row, baseline: Row, fast: Row | None, seed: int = stats.SE
     """
     def interval(a: Row, b: Row) -> Interval | None:
         return stats.ratio_interval(a.runs, b.runs, name=a.configuration, reference_name=b.configuration,
-                                    seed=seed, resamples=resamples)
+                                    seed=seed, resamples=resamples, confidence=confidence)
 
     row.speedup = row.median / baseline.median
     row.speedup_ci = interval(row, baseline)
@@ -253,9 +254,11 @@ def compare_rows(row: Row, baseline: Row, fast: Row | None, seed: int = stats.SE
 def build_rows(jobs: list[Job], seed: int = stats.SEED, resamples: int = stats.RESAMPLES) -> list[Row]:
     """Group jobs by configuration, compare each with its reference (``compare_rows``), rank them.
 
-    Rows are sorted by speed-up (fastest first; rows without figures last). A rank goes to the
-    configurations whose speed-up interval lies above 1 (measurably faster than the baseline), except
-    the baseline and rows whose every technique was skipped here.
+    The intervals are simultaneous: with ``m`` configurations that give a verdict (measured, not the
+    baseline, not skipped here), each is computed at ``stats.simultaneous_confidence(m)``, so that all
+    the sweep's verdicts hold together at 95 %. Rows are sorted by speed-up (fastest first; rows without
+    figures last). A rank goes to the configurations whose speed-up interval lies above 1 (measurably
+    faster than the baseline), except the baseline and rows whose every technique was skipped here.
 
     Raises:
         ReportError: no baseline, or a baseline without a measured repeat.
@@ -293,10 +296,13 @@ def build_rows(jobs: list[Job], seed: int = stats.SEED, resamples: int = stats.R
             row.peak_change_pct = 100 * (row.figures["peak_memory_mb"] - base_peak) / base_peak
         row.status, row.all_skipped = technique_status(row.kind, techniques[row.configuration],
                                                        techniques["baseline"], techniques.get("fast"))
+    findings = sum(1 for r in rows.values() if r.runs and r.kind != "baseline" and not r.all_skipped)
+    confidence = stats.simultaneous_confidence(findings)
+    for row in rows.values():
         if not row.runs:
             row.verdict, row.status = _job_problems(row), ""
             continue
-        compare_rows(row, baseline, fast, seed, resamples)
+        compare_rows(row, baseline, fast, seed, resamples, confidence)
         if row.all_skipped:
             row.verdict = "skipped here"
     ordered = sorted(rows.values(), key=lambda r: (r.speedup is None, -(r.speedup or 0), r.configuration))
@@ -389,7 +395,7 @@ def write_jobs_csv(jobs: list[Job], path: Path) -> None:
 
 def plot(rows: list[Row], path: Path) -> None:
     """``speedup.png``: one horizontal bar per measured configuration, from 1.0 (the baseline) to its
-    speed-up, a whisker for its 95 % bootstrap interval (none with one repeat), and the baseline's
+    speed-up, a whisker for its simultaneous 95 % bootstrap interval (none with one repeat), and the baseline's
     interval against itself (what noise alone gives) as a grey band. The x axis is logarithmic when the
     speed-ups span more than 8x, so 0.5x and 2x look alike."""
     import matplotlib
@@ -421,7 +427,7 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.set_yticks(y, [r.configuration for r in shown], fontsize=8)
-    ax.set_xlabel("speed-up over the baseline (x, ratio of median samples/s; whiskers: bootstrap 95 % CI)")
+    ax.set_xlabel("speed-up over the baseline (x, ratio of median samples/s; whiskers: simultaneous 95 % bootstrap CI)")
     ax.set_title("green: helps, red: hurts, grey: no measurable effect, no interval or skipped", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -462,11 +468,15 @@ def describe(machine: dict[str, Any]) -> str:
 
 INTERVAL_TEXT = (
     "How the intervals are computed: a speed-up is a ratio of medians over repeats (this configuration's "
-    "median samples/s ÷ its reference's). Its 95 % confidence interval is a bootstrap percentile interval "
+    "median samples/s ÷ its reference's). Its confidence interval is a bootstrap percentile interval "
     "(Efron & Tibshirani 1993, ch. 13): the repeats of both configurations are resampled with replacement, "
     "independently, {resamples:,} times (seed {seed}), the ratio of the resamples' medians is taken each "
-    "time, and the interval runs from its 2.5th to its 97.5th percentile. With 3 repeats this is in practice "
-    "[slowest ÷ fastest reference repeat, fastest ÷ slowest reference repeat]; more repeats narrow it. "
+    "time, and the interval runs between the percentiles that leave {tail:.3g} % of them out on each side. "
+    "The intervals are simultaneous 95 % intervals: the sweep gives {m} verdicts at once, so each interval is "
+    "computed at {level:.2%} (Bonferroni, 1 − 0.05/{m}; Dunn 1961), and all of them hold together with "
+    "probability at least 95 %; at 95 % each, about one verdict in twenty would be a chance result that an "
+    "independent sweep does not reproduce. With 3 repeats an interval is in practice [slowest ÷ fastest "
+    "reference repeat, fastest ÷ slowest reference repeat]; more repeats narrow it. "
     "*Effect* = what the technique buys (>1: faster with it): on alone, this ÷ the baseline; off in the "
     "fast preset (leave-one-out), fast ÷ this. Verdict: **helps** when the effect's whole interval lies "
     "above 1, **hurts** when it lies below 1, **no measurable effect** when it contains 1. Only "
@@ -522,7 +532,7 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
     if auto:
         lines.append(f"| repeats | {auto} |")
     if baseline.speedup_ci is not None:
-        lines.append(f"| noise | the baseline against itself: 95 % interval {_ci_text(baseline.speedup_ci)} "
+        lines.append(f"| noise | the baseline against itself: simultaneous 95 % interval {_ci_text(baseline.speedup_ci)} "
                      f"(±{baseline.speedup_ci.half_width:.0%}); baseline repeats {min(baseline.runs):.4g}–"
                      f"{max(baseline.runs):.4g} samples/s |")
     lines.append("")
@@ -545,7 +555,7 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
         lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
                   "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]
 
-    lines += ["## Configurations ranked by speed-up", "", INTERVAL_TEXT.format(resamples=resamples, seed=seed), "",
+    lines += ["## Configurations ranked by speed-up", "", _interval_text(rows, resamples, seed), "",
               "| rank | configuration | speed-up × | 95 % CI | effect × | effect 95 % CI | verdict | samples/s | "
               "step ms | data wait | peak MiB (Δ) | final loss | setup s | techniques (applied / skipped) |",
               "|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -595,6 +605,13 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                      f"{_f(t.get('measured_s'), '.1f')} | {_f(t.get('eval_s'), '.1f')} |")
     lines += ["", "## Plot", "", f"![speed-up over the baseline]({image})", ""]
     return "\n".join(lines)
+
+
+def _interval_text(rows: list[Row], resamples: int, seed: int) -> str:
+    """``INTERVAL_TEXT`` with the sweep's number of verdicts and the per-interval level they imply."""
+    m = sum(1 for r in rows if r.runs and r.kind != "baseline" and not r.all_skipped)
+    level = stats.simultaneous_confidence(m)
+    return INTERVAL_TEXT.format(resamples=resamples, seed=seed, m=m, level=level, tail=100 * (1 - level) / 2)
 
 
 def _sweep_wall_s(record: dict[str, Any]) -> float | None:

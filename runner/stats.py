@@ -105,6 +105,20 @@ def ratio_interval(values: Sequence[float], reference: Sequence[float], *, name:
                     int(b.size))
 
 
+def simultaneous_confidence(m: int, family: float = CONFIDENCE) -> float:
+    """The level at which each of ``m`` intervals is computed so that all of them hold together with
+    probability >= ``family`` (Bonferroni; Dunn 1961, "Multiple comparisons among means", JASA 56).
+
+    An ablation declares a verdict for every technique at once: with ``m`` = 24 intervals at 95 % each
+    and no real effect anywhere, about one of them would exclude 1 by chance, and an independent second
+    sweep would not reproduce that verdict. At 1 - 0.05/24 = 99.8 % each, the chance of any false
+    verdict in the sweep is at most 5 %. ``m`` <= 1 gives ``family`` itself.
+    """
+    if not 0 < family < 1:
+        raise ValueError(f"family={family} must lie in (0, 1), e.g. 0.95")
+    return 1 - (1 - family) / max(int(m), 1)
+
+
 def verdict(interval: Interval | None, *, above: str = HELPS, below: str = HURTS) -> str:
     """What an interval of an effect (a factor, >1 = faster with the technique) lets one say.
 

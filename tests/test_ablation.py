@@ -225,6 +225,29 @@ def test_identical_configurations_have_no_measurable_effect_and_a_true_one_helps
     assert by["baseline+amp"].effect_ci.high < 2.15 and by["baseline+amp"].rank == 1
 
 
+def test_intervals_are_simultaneous_over_the_sweep_s_verdicts():
+    """With many techniques judged at once, each interval is computed at 1 - 0.05/m (Bonferroni): a small
+    effect whose per-comparison 95 % interval just excludes 1 gets no verdict in a sweep of 20 findings,
+    while the same data judged alone (m = 1) does."""
+    from runner import stats
+
+    rng = __import__("numpy").random.default_rng(3)
+    base = list(100 * (1 + 0.03 * rng.standard_normal(8)))
+    small = [1.07 * v for v in base[::-1]]  # +7 %: the 95 % interval excludes 1, the 99.75 % one does not
+    alone = {"baseline": (base, {}), "baseline+set_to_none": (small, {})}
+    by = {r.configuration: r for r in build_rows(synthetic_jobs(alone))}
+    assert by["baseline+set_to_none"].effect_ci.confidence == pytest.approx(0.95)
+    assert by["baseline+set_to_none"].verdict == "helps"
+    many = {**alone, **{f"baseline+t{i}": (base, {}) for i in range(19)}}  # 20 findings in all
+    by = {r.configuration: r for r in build_rows(synthetic_jobs(many))}
+    assert by["baseline+set_to_none"].effect_ci.confidence == pytest.approx(1 - 0.05 / 20)
+    assert by["baseline+set_to_none"].verdict == "no measurable effect"
+    assert by["baseline"].speedup_ci.confidence == pytest.approx(1 - 0.05 / 20)  # the noise row too
+    assert stats.simultaneous_confidence(0) == stats.simultaneous_confidence(1) == 0.95
+    with pytest.raises(ValueError, match="family"):
+        stats.simultaneous_confidence(3, family=1.0)
+
+
 def test_one_repeat_has_no_interval_no_verdict_and_no_rank():
     configs = {k: ([v[0][0]], v[1]) for k, v in SYNTHETIC.items()}
     rows = build_rows(synthetic_jobs(configs))
