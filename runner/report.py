@@ -46,7 +46,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from runner import stats
 from runner.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
@@ -296,8 +296,7 @@ def build_rows(jobs: list[Job], seed: int = stats.SEED, resamples: int = stats.R
             row.peak_change_pct = 100 * (row.figures["peak_memory_mb"] - base_peak) / base_peak
         row.status, row.all_skipped = technique_status(row.kind, techniques[row.configuration],
                                                        techniques["baseline"], techniques.get("fast"))
-    findings = sum(1 for r in rows.values() if r.runs and r.kind != "baseline" and not r.all_skipped)
-    confidence = stats.simultaneous_confidence(findings)
+    confidence = stats.simultaneous_confidence(_verdicts(rows.values()))
     for row in rows.values():
         if not row.runs:
             row.verdict, row.status = _job_problems(row), ""
@@ -312,6 +311,12 @@ def build_rows(jobs: list[Job], seed: int = stats.SEED, resamples: int = stats.R
             rank += 1
             row.rank = rank
     return ordered
+
+
+def _verdicts(rows: Iterable[Row]) -> int:
+    """How many verdicts a sweep declares at once (the ``m`` of its simultaneous intervals): measured
+    configurations other than the baseline whose techniques were not all skipped here."""
+    return sum(1 for r in rows if r.runs and r.kind != "baseline" and not r.all_skipped)
 
 
 def pending(rows: list[Row], target_ci: float) -> list[str]:
@@ -609,7 +614,7 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
 
 def _interval_text(rows: list[Row], resamples: int, seed: int) -> str:
     """``INTERVAL_TEXT`` with the sweep's number of verdicts and the per-interval level they imply."""
-    m = sum(1 for r in rows if r.runs and r.kind != "baseline" and not r.all_skipped)
+    m = _verdicts(rows)
     level = stats.simultaneous_confidence(m)
     return INTERVAL_TEXT.format(resamples=resamples, seed=seed, m=m, level=level, tail=100 * (1 - level) / 2)
 
