@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from runner import text
-from runner.gpt import GPT
+from runner import models, text
 
 
 def main() -> None:
@@ -44,9 +43,8 @@ def main() -> None:
         raise SystemExit(f"{cfg.data.path} no longer has the vocabulary of {args.job}/vocab.json")
     block, batch = cfg.data.block_size, cfg.dataloader.batch_size
     _, val = text.split(tokens, block, cfg.data.path)
-    model = GPT(len(vocab), block_size=cfg.model.block_size, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
-                n_embd=cfg.model.n_embd, bias=cfg.model.bias)
-    model.load_state_dict(load_file(str(args.job / "model.safetensors")), strict=False)  # lm_head is tied to wte
+    model = models.build(cfg.model, {"vocab_size": len(vocab)})  # the job's model, as the engine built it
+    model.load_state_dict(load_file(str(args.job / "model.safetensors")))
     model.eval()
 
     @torch.no_grad()
