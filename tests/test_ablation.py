@@ -427,6 +427,8 @@ def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     assert s["config"]["ablation"]["variant"] == "baseline+amp" and s["config"]["ablation"]["repeat"] == 0
     assert s["warmup_steps"] == 2 and s["measured_steps"] == 3 and s["global_batch_size"] == 16
     assert (sweep / "baseline+big_batch" / "r0" / "failed.json").is_file()
+    # a speed measurement keeps no weights: 110 resnet18 jobs with a checkpoint each once filled a disk
+    assert not list(sweep.rglob("model.safetensors")) and not list(sweep.rglob("checkpoints"))
 
     rows = read_csv(sweep / "report.csv")
     by = {r["configuration"]: r for r in rows}
