@@ -199,8 +199,11 @@ class LanguageModel:
         """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
         an FSDP-sharded model all-gathers its parameters in each forward. Compiled modules run eagerly here
         (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length.
-        Sampling is ``runner.gpt.generate`` on the model's logits (any model, runner's GPT or a Hugging Face
-        one), fed at most the model's context length (``hf.context_length``) at a time."""
+        Sampling is ``runner.gpt.generate`` on the model's logits (any model, runner's GPT, a Hugging Face
+        one or the user's own), fed at most ``data.block_size`` tokens at a time: the length the model was
+        trained on, which ``check`` keeps within its context, and the only one it knows for a model that does
+        not declare its context (no ``block_size``, no Hugging Face config). Positions past it were never
+        trained (nanoGPT crops its model to the same length, ``crop_block_size``)."""
         if not self.sample_tokens:
             return
         plain = parallel.unwrap(model)
@@ -209,7 +212,7 @@ class LanguageModel:
         plain.eval()
         with torch.compiler.set_stance("force_eager"):
             out = gpt.generate(plain, prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator,
-                               context=hf.context_length(plain)[0])
+                               context=data.sample_shape[0])
         plain.train()
         if env.is_main:
             (job_dir / "samples.txt").write_text(text.decode(out[0].tolist(), data.vocab), encoding="utf-8")

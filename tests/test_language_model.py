@@ -234,6 +234,17 @@ def test_language_model_run_reports_tokens_and_writes_samples_and_vocab(tiny_tex
     assert set(eval_rows[0]) == {"step", "epoch", "eval_loss", "eval_perplexity", "eval_bits_per_char"}
 
 
+def test_sampling_feeds_a_model_that_declares_no_context_only_the_trained_window(tiny_text, tmp_path):
+    """A user's model with learned positions for 16 tokens and neither ``block_size`` nor a Hugging Face
+    config: 20 tokens sampled after the prompt mean inputs of up to 21 tokens, which it cannot take.
+    Sampling must crop them to data.block_size, the length it was trained on."""
+    cfg = compose_cfg("task=language_model", "data=text", f"data.path={tiny_text}", "data.block_size=16",
+                      "model._target_=user_data.FixedContextLM", "model.context=16", "task.sample_tokens=20")
+    s = train(cfg, job_dir=tmp_path)
+    sample = (tmp_path / "samples.txt").read_text()
+    assert math.isfinite(s["train_loss"]) and len(sample) == 1 + 20 and sample[0] == "\n"
+
+
 def test_target_loss_dates_the_first_evaluation_at_or_below_it(tiny_text, tmp_path, monkeypatch):
     losses = iter([3.0, 1.5, 1.4, 1.0])
     monkeypatch.setattr(task_mod.LanguageModel, "evaluate", lambda self, *a, **k: {

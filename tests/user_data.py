@@ -1,13 +1,15 @@
 """Dataset functions for ``data=custom`` tests, written the way a user would (importable: tests/ is on sys.path).
 
 Good ones return ``(train_dataset, eval_dataset)``; the ``bad_*`` ones each break one rule that
-``runner.data.custom_datasets`` must turn into a ConfigError.
+``runner.data.custom_datasets`` must turn into a ConfigError. ``FixedContextLM`` is a user's own language
+model (``model._target_=user_data.FixedContextLM``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 
@@ -127,3 +129,17 @@ def unpicklable(n_features: int = 8):
     rows = Rows(*train.tensors)
     rows.transform = lambda v: v  # a lambda does not pickle
     return rows, evaluation
+
+
+class FixedContextLM(nn.Module):
+    """A user's language model with a fixed context it does not declare (no ``block_size`` attribute, no
+    Hugging Face config): learned positions for ``context`` tokens, so a longer input raises IndexError.
+    Token ids ``(B, T)`` -> logits ``(B, T, vocab_size)``, T <= context."""
+
+    def __init__(self, vocab_size: int, context: int = 16, width: int = 16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab_size, width), nn.Embedding(context, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
