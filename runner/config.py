@@ -364,7 +364,7 @@ class TuneConfig:
 
     # batch_size and dataloader: each configuration trains this many steps with the run's own engine
     warmup_steps: int = 2  # steps per configuration left out of every figure (allocator growth, workers starting)
-    measure_steps: int = 5  # measured steps per configuration
+    measure_steps: int = 10  # measured steps per configuration (more on a noisy machine)
     # batch_size: powers of two from start_batch_size, then a binary search (micro-batch per rank, samples)
     start_batch_size: int = 16
     max_batch_size: int = 4096
