@@ -113,6 +113,9 @@ def simultaneous_confidence(m: int, family: float = CONFIDENCE) -> float:
     and no real effect anywhere, about one of them would exclude 1 by chance, and an independent second
     sweep would not reproduce that verdict. At 1 - 0.05/24 = 99.8 % each, the chance of any false
     verdict in the sweep is at most 5 %. ``m`` <= 1 gives ``family`` itself.
+
+    Raises:
+        ValueError: ``family`` outside (0, 1).
     """
     if not 0 < family < 1:
         raise ValueError(f"family={family} must lie in (0, 1), e.g. 0.95")

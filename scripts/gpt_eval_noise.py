@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from torch.utils.data import DataLoader, default_collate
 
 from runner import models, text
 
@@ -48,16 +49,20 @@ def main() -> None:
     model.eval()
 
     @torch.no_grad()
-    def loss_of(starts: list[int]) -> float:
-        x = torch.stack([val[i:i + block] for i in starts])
-        y = torch.stack([val[i + 1:i + 1 + block] for i in starts])
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> float:
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
 
-    tiles = list(range(0, len(val) - block, block))
-    tiled = sum(loss_of(tiles[i:i + batch]) * len(tiles[i:i + batch]) for i in range(0, len(tiles), batch)) / len(tiles)
+    tiles = text.TokenWindows(val, block, stride=block)  # runner's evaluation: windows that tile the split once
+    tiled = sum(loss_of(x, y) * len(x) for x, y in DataLoader(tiles, batch_size=batch)) / len(tiles)
+    windows = text.TokenWindows(val, block)  # every start position, the ones nanoGPT's sampler draws from
+
+    def estimate() -> float:
+        batches = (default_collate([windows[i] for i in torch.randint(len(windows), (batch,)).tolist()])
+                   for _ in range(args.eval_iters))
+        return sum(loss_of(x, y) for x, y in batches) / args.eval_iters
+
     torch.manual_seed(0)
-    draws = torch.tensor([sum(loss_of(torch.randint(len(val) - block, (batch,)).tolist())
-                              for _ in range(args.eval_iters)) / args.eval_iters for _ in range(args.draws)])
+    draws = torch.tensor([estimate() for _ in range(args.draws)])
     q = torch.quantile(draws, torch.tensor([0.025, 0.5, 0.975])).tolist()
     print(f"runner's tiled validation loss: {tiled:.4f} ({len(tiles)} windows of {block})")
     print(f"nanoGPT's estimate ({args.eval_iters} random batches of {batch} x {block}), {args.draws} draws: "

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -231,7 +232,7 @@ def test_intervals_are_simultaneous_over_the_sweep_s_verdicts():
     while the same data judged alone (m = 1) does."""
     from runner import stats
 
-    rng = __import__("numpy").random.default_rng(3)
+    rng = np.random.default_rng(3)
     base = list(100 * (1 + 0.03 * rng.standard_normal(8)))
     small = [1.07 * v for v in base[::-1]]  # +7 %: the 95 % interval excludes 1, the 99.75 % one does not
     alone = {"baseline": (base, {}), "baseline+set_to_none": (small, {})}
