@@ -1,6 +1,7 @@
 """What a checkpoint costs: the time the training loop is blocked per checkpoint, synchronous and
 asynchronous (``checkpoint.async=true``), as a multiple of the median step time, for resnet18 (CIFAR-sized
-inputs) and the GPT of ``+experiment=shakespeare_char``; writes docs/checkpointing.md's table.
+inputs) and the GPT of ``+experiment=shakespeare_char``; writes docs/checkpointing-cost.md
+(docs/checkpointing.md, written by hand, quotes it).
 
     python scripts/bench_checkpoint.py
     python scripts/bench_checkpoint.py --steps 40 --every 10 --out /tmp/ck.md
