@@ -8,7 +8,9 @@ based on bootstrap percentiles"):
 1. resample the repeats of the configuration and, independently, those of the reference, each with
    replacement and at its own size;
 2. take the ratio of the two resamples' medians;
-3. repeat ``resamples`` times; the interval is the 2.5th and 97.5th percentile of those ratios (95 %).
+3. repeat ``resamples`` times; the interval runs between the percentiles that leave (1 - ``confidence``)/2
+   of those ratios out on each side (2.5th and 97.5th at 95 %; an ablation's report passes the
+   simultaneous level of ``simultaneous_confidence``).
 
 The random generator is seeded from ``seed`` and the two configurations' names, so the same sweep gives
 the same report, and adding a configuration to a sweep does not move another one's interval.
@@ -109,9 +111,9 @@ def simultaneous_confidence(m: int, family: float = CONFIDENCE) -> float:
     """The level at which each of ``m`` intervals is computed so that all of them hold together with
     probability >= ``family`` (Bonferroni; Dunn 1961, "Multiple comparisons among means", JASA 56).
 
-    An ablation declares a verdict for every technique at once: with ``m`` = 24 intervals at 95 % each
+    An ablation declares a verdict for every technique at once: with ``m`` = 22 intervals at 95 % each
     and no real effect anywhere, about one of them would exclude 1 by chance, and an independent second
-    sweep would not reproduce that verdict. At 1 - 0.05/24 = 99.8 % each, the chance of any false
+    sweep would not reproduce that verdict. At 1 - 0.05/22 = 99.77 % each, the chance of any false
     verdict in the sweep is at most 5 %. ``m`` <= 1 gives ``family`` itself.
 
     Raises:
