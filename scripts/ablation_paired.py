@@ -29,8 +29,17 @@ from runner.report import build_rows, load_jobs
 
 def paired_interval(values: dict[int, float], reference: dict[int, float], confidence: float, name: str,
                     reference_name: str) -> stats.Interval | None:
-    """Bootstrap percentile interval of the median of ``values[r] / reference[r]`` over the rounds ``r``
-    both measured (samples/s by round); None with fewer than 2 such rounds."""
+    """Bootstrap percentile interval (Efron & Tibshirani 1993, ch. 13) of the median of
+    ``values[r] / reference[r]`` over the rounds ``r`` both measured.
+
+    Args:
+        values, reference: samples/s by round (repeat index), each a positive float.
+        confidence: two-sided level of each interval, e.g. the report's simultaneous level.
+        name, reference_name: seed the generator, as in ``runner.stats.ratio_interval``.
+
+    Returns:
+        The ``runner.stats.Interval`` of the factor (dimensionless), or None with fewer than 2 shared rounds.
+    """
     rounds = sorted(set(values) & set(reference))
     ratios = np.array([values[r] / reference[r] for r in rounds])
     if ratios.size < 2:
@@ -52,8 +61,8 @@ def paired_verdicts(sweep: Path) -> dict[str, tuple[stats.Interval | None, str, 
     for job in jobs:
         if job.samples_per_sec:
             by_round.setdefault(job.variant, {})[job.repeat] = job.samples_per_sec
-    level = stats.simultaneous_confidence(sum(1 for r in rows if r.runs and r.kind != "baseline"
-                                              and not r.all_skipped))
+    # the report's own simultaneous level, read back from its intervals rather than recounted here
+    level = next((r.effect_ci.confidence for r in rows if r.effect_ci), stats.CONFIDENCE)
     out = {}
     for row in rows:
         if row.kind == "baseline" or not row.runs or row.all_skipped or "fast" not in by_round:
