@@ -53,6 +53,16 @@ _NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode
                "optimizer.impl": "torch's default"}
 
 
+def global_batch_size(micro_batch: int, accumulate_steps: int, world_size: int) -> int:
+    """Samples per optimizer step over all ranks: micro-batch x gradient-accumulation steps x world size.
+
+    The one formula behind ``summary.json`` ``global_batch_size``, the LR scaling rule (``runner.optim.scaled_lr``,
+    Goyal et al. 2017) and the tuners' figures. ``micro_batch`` is ``dataloader.batch_size`` (per rank),
+    ``accumulate_steps`` is ``memory.accumulate_steps``.
+    """
+    return micro_batch * accumulate_steps * world_size
+
+
 def check_choice(key: str, value: Any) -> None:
     """Refuse ``value`` for ``key`` unless it is one of ``CHOICES[key]``.
 

@@ -43,7 +43,7 @@ from runner import (
     task as task_mod,
     text,
 )
-from runner.config import CHOICES, check_choice
+from runner.config import CHOICES, check_choice, global_batch_size
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.track import NullTracker, Tracker
 
@@ -344,7 +344,7 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                           f"epoch; lower it or dataloader.batch_size")
     plan = Plan(total_steps=t.max_steps or t.max_epochs * steps_per_epoch, accumulate=accumulate,
                 micro_batch=cfg.dataloader.batch_size,
-                global_batch=cfg.dataloader.batch_size * accumulate * env.world_size, log_every=t.log_every,
+                global_batch=global_batch_size(cfg.dataloader.batch_size, accumulate, env.world_size), log_every=t.log_every,
                 eval_every=t.eval_every or steps_per_epoch, eval_max_batches=t.eval_max_batches,
                 set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss,
                 skip_nonfinite=t.on_nonfinite == "skip")
