@@ -48,7 +48,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _diagnose(warnings_shown: bool) -> None:
-    """Rank 0 prints the speed doctor's diagnosis of the job just trained (runner/doctor.py); a diagnosis
+    """Rank 0 prints the speed doctor's diagnosis of the job just trained (runner/doctor/); a diagnosis
     that fails costs one line, never the finished run."""
     from runner import doctor
     from runner.launch import discover

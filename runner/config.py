@@ -346,7 +346,7 @@ class TrainerConfig:
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
     progress: str = "auto"  # CHOICES["trainer.progress"]
     on_nonfinite: str = "stop"  # stop | skip (CHOICES): a NaN/inf loss or gradient ends the run, or skips the step (counted)
-    # the speed doctor (runner/doctor.py): its diagnosis after the summary, and on CUDA a profile of the last
+    # the speed doctor (runner/doctor/): its diagnosis after the summary, and on CUDA a profile of the last
     # warm-up steps (GPU idle between kernels); false: neither
     doctor: bool = True
 

@@ -605,7 +605,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "flops_per_sample": flops,
         "achieved_tflops": achieved / 1e12 if achieved else None,
         "mfu": achieved / peak if achieved and peak else None,
-        # what the speed doctor (runner/doctor.py) reads besides the figures above
+        # what the speed doctor (runner/doctor/) reads besides the figures above
         "log_time_fraction": figures["log_time_fraction"],  # measured time spent logging (loss read, metrics row)
         "host_syncs_per_step": 1 / plan.log_every + (1 if plan.skip_nonfinite else 0),  # the loop's own
         "gpu_idle_fraction": probe.idle_fraction if probe else None,  # GPU idle between kernels (warm-up window)

@@ -1,4 +1,4 @@
-"""The speed doctor (runner/doctor.py): its decisions on hand-made summaries (every threshold, cheaply), the
+"""The speed doctor (runner/doctor/): its decisions on hand-made summaries (every threshold, cheaply), the
 bottleneck it names in real runs that induce one on a CPU, and ``--verify`` through the real CLI.
 
 Induced bottlenecks: a dataset whose ``__getitem__`` sleeps (input-bound), ``trainer.log_every=1`` on a tiny
