@@ -1,6 +1,6 @@
 """What a checkpoint costs: the time the training loop is blocked per checkpoint, synchronous and
 asynchronous (``checkpoint.async=true``), as a multiple of the median step time, for resnet18 (CIFAR-sized
-inputs) and the GPT of ``+experiment=shakespeare_char``; writes docs/checkpointing-cost.md
+inputs) and the GPT of ``+experiment=shakespeare_char``; writes docs/benchmarks/checkpointing-cost.md
 (docs/checkpointing.md, written by hand, quotes it).
 
     python scripts/bench_checkpoint.py
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "checkpointing-cost.md")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "checkpointing-cost.md")
     args = p.parse_args()
     scratch = REPO / "outputs" / "bench_checkpoint" / time.strftime("%Y-%m-%d_%H-%M-%S")
     results: dict[tuple[str, bool], list[dict]] = {}

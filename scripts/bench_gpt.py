@@ -1,5 +1,5 @@
 """nanoGPT's character-level Shakespeare through runner: the recipe, then the same recipe with the fast
-preset's switches layered on, one after the other on this machine; writes docs/gpt-<device>.md and its
+preset's switches layered on, one after the other on this machine; writes docs/benchmarks/gpt-<device>.md and its
 loss-curve plot.
 
     python scripts/bench_gpt.py                                  # CPU: +experiment=shakespeare_char
@@ -75,11 +75,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="shakespeare_char", help="the recipe: an experiment preset")
     p.add_argument("--steps", type=int, default=None, help="override trainer.max_steps (default: the preset's)")
-    p.add_argument("--out", type=Path, default=None, help="the report (default docs/gpt-<cpu|gpu>.md)")
+    p.add_argument("--out", type=Path, default=None, help="the report (default docs/benchmarks/gpt-<cpu|gpu>.md)")
     p.add_argument("overrides", nargs="*", help="extra overrides for both runs, e.g. data.path=...")
     args = p.parse_args()
     gpu = "gpu" in args.preset
-    out = args.out or REPO / "docs" / f"gpt-{'gpu' if gpu else 'cpu'}.md"
+    out = args.out or REPO / "docs" / "benchmarks" / f"gpt-{'gpu' if gpu else 'cpu'}.md"
     extra = [*args.overrides, *([f"trainer.max_steps={args.steps}"] if args.steps else [])]
     scratch = REPO / "outputs" / "bench_gpt" / time.strftime("%Y-%m-%d_%H-%M-%S")
     results = [run("recipe", args.preset, extra, scratch / "recipe"),

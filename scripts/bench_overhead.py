@@ -7,7 +7,7 @@ median of the per-round ratios, with their spread. The engine runs with everythi
 (fp32, no W&B, progress off), so what is measured is its bookkeeping: the meter's marks, the do-nothing
 autocast/GradScaler, the scheduler, the loss accumulation and the log-step syncs.
 
-    python scripts/bench_overhead.py                       # writes docs/overhead.md
+    python scripts/bench_overhead.py                       # writes docs/benchmarks/overhead.md
     python scripts/bench_overhead.py --rounds 3 --cases mnist_cnn --out /tmp/overhead.md
 
 Target: runner / raw <= 1.01 (PyTorch Lightning's parity test allows 1% + 0.1 s/step for Fabric).
@@ -161,7 +161,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "overhead.md")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "overhead.md")
     args = p.parse_args()
     register_configs()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

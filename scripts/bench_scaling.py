@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Samples/s of one job on 1 and 2 processes (DDP) on this machine: the figures of docs/scaling.md.
+"""Samples/s of one job on 1 and 2 processes (DDP) on this machine: the figures of docs/benchmarks/scaling.md.
 
     python scripts/bench_scaling.py [--repeats 3] [--steps 60] [--batch-size 64] [--out bench-scaling.json] [overrides...]
 
