@@ -26,7 +26,8 @@ def main(cfg: DictConfig) -> float | None:
     """
     from runner import ablation
     from runner.preempt import EXIT_PREEMPTED
-    from runner.train import sweep_group, train  # imported here so `--help` and compose errors stay fast
+    from runner.track import sweep_group
+    from runner.train import train  # imported here so `--help` and compose errors stay fast
 
     try:
         # an ablation job runs in a fresh process (or not at all off CUDA); anything else trains here
@@ -52,7 +53,7 @@ def _diagnose(warnings_shown: bool) -> None:
     that fails costs one line, never the finished run."""
     from runner import doctor
     from runner.launch import discover
-    from runner.train import job_folder
+    from runner.track import job_folder
 
     if discover().rank != 0:
         return

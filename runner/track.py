@@ -12,6 +12,7 @@ import json
 import math
 import os
 import socket
+import subprocess
 import sys
 import urllib.parse
 import warnings
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
+
+from runner import REPO_ROOT
 
 # metrics.jsonl key -> W&B key (panel prefix); rows are logged against the step metric "trainer/step".
 WANDB_KEYS = {
@@ -289,3 +292,35 @@ def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | No
     run.define_metric("trainer/step")
     run.define_metric("*", step_metric="trainer/step")
     return run
+
+
+def git_sha() -> str | None:
+    """The repository's commit, with ``-dirty`` when tracked files changed; None outside a git checkout."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode != 0:
+        return None
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def job_folder() -> Path:
+    """The Hydra job's output folder (``outputs/<date>/<time>`` or ``outputs/multirun/.../<n>``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def sweep_group() -> str | None:
+    """The W&B group of a multirun job: its sweep folder's last two parts (``<date>_<time>`` by default,
+    so sweeps started at the same time on different days stay apart); None for a single run or outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():  # train() called directly (tests, benchmarks)
+        return None
+    hc = HydraConfig.get()
+    return "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None

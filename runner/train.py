@@ -12,11 +12,9 @@ so the loop has no feature branches. The loop never names a loss or a metric: it
 from __future__ import annotations
 
 import math
-import pickle
 import random
-import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +23,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import (
-    REPO_ROOT,
     checkpoint,
     data as data_mod,
     debug,
@@ -43,67 +40,11 @@ from runner import (
     task as task_mod,
     text,
 )
-from runner.config import CHOICES, check_choice, global_batch_size
+from runner.config import global_batch_size
 from runner.errors import ConfigError, Preempted, TrainingDiverged
-from runner.track import NullTracker, Tracker
-
-
-def validate(cfg: DictConfig) -> None:
-    """Cross-key checks that types alone cannot express; run before anything is built or written.
-
-    Raises:
-        ConfigError: naming the key, its value and the allowed range.
-    """
-    t = cfg.trainer
-    checks = [
-        (cfg.dataloader.batch_size >= 1, "dataloader.batch_size", cfg.dataloader.batch_size, "must be >= 1"),
-        (cfg.memory.accumulate_steps >= 1, "memory.accumulate_steps", cfg.memory.accumulate_steps, "must be >= 1"),
-        (t.max_epochs >= 1, "trainer.max_epochs", t.max_epochs, "must be >= 1"),
-        (t.max_steps is None or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1 or null"),
-        (t.warmup_steps >= 0, "trainer.warmup_steps", t.warmup_steps, "must be >= 0"),
-        (t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1"),
-        (t.eval_every is None or t.eval_every >= 1, "trainer.eval_every", t.eval_every, "must be >= 1 or null"),
-        (t.target_accuracy is None or 0 < t.target_accuracy <= 1, "trainer.target_accuracy", t.target_accuracy,
-         "must be a fraction in (0, 1] or null"),
-        (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
-        (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
-         cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
-        (0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32) (NumPy's seed range)"),
-        (t.eval_max_batches is None or t.eval_max_batches >= 1, "trainer.eval_max_batches", t.eval_max_batches,
-         "must be >= 1 or null (an evaluation of no batch would report made-up figures)"),
-        *[(cfg.data.get(k) is None or cfg.data[k] >= 1, f"data.{k}", cfg.data.get(k), "must be >= 1")
-          for k in ("train_size", "eval_size", "block_size") if k in cfg.data and cfg.data.name != "custom"],
-    ]
-    for ok, key, value, rule in checks:
-        if not ok:
-            raise ConfigError(f"{key}={value} {rule}")
-    for key in CHOICES:  # every closed option list (runner/config.py), so a bad value stops before anything is built
-        check_choice(key, OmegaConf.select(cfg, key))
-    _refuse_undeclared_keys(cfg)
-
-
-def _refuse_undeclared_keys(cfg: DictConfig) -> None:
-    """A key added with ``+`` that no schema declares (``+trainer.max_step=3``: the fix Hydra suggests for a
-    misspelt key) would be accepted and ignored; refuse it, naming the close declared key. The open nodes
-    (``model``, ``data=custom``: a constructor's or function's arguments) are checked by their builders.
-
-    Raises:
-        ConfigError: naming the key and the declared keys it is closest to.
-    """
-    import dataclasses
-    import difflib
-
-    for name, node in cfg.items():
-        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
-        if not dataclasses.is_dataclass(schema) or OmegaConf.is_struct(node) is False:
-            continue  # not a schema'd node, or an open one (its builder checks the names)
-        declared = {f.name for f in dataclasses.fields(schema)}
-        for key in node.keys():
-            if key not in declared:
-                close = difflib.get_close_matches(str(key), sorted(declared), n=1)
-                hint = f"; did you mean {name}.{close[0]}?" if close else ""
-                raise ConfigError(f"{name}.{key} is not a setting runner reads (added with '+', it would be ignored)"
-                                  f"{hint} The {name} keys are: {', '.join(sorted(declared))}")
+from runner.state import TrainState, checkpoint_state
+from runner.track import NullTracker, Tracker, git_sha, job_folder, sweep_group
+from runner.validate import validate
 
 
 def seed_everything(seed: int) -> None:
@@ -111,38 +52,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def git_sha() -> str | None:
-    """The repository's commit, with ``-dirty`` when tracked files changed; None outside a git checkout."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if sha.returncode != 0:
-        return None
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def job_folder() -> Path:
-    """The Hydra job's output folder (``outputs/<date>/<time>`` or ``outputs/multirun/.../<n>``)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
-def sweep_group() -> str | None:
-    """The W&B group of a multirun job: its sweep folder's last two parts (``<date>_<time>`` by default,
-    so sweeps started at the same time on different days stay apart); None for a single run or outside Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():  # train() called directly (tests, benchmarks)
-        return None
-    hc = HydraConfig.get()
-    return "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None
 
 
 #: Warm-up steps profiled on CUDA for the speed doctor (``measure.GpuIdleProbe``; trainer.doctor=false: none):
@@ -200,74 +109,6 @@ class Parts:
     checkpointer: checkpoint.Checkpointer
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
-
-
-@dataclass
-class TrainState:
-    """Everything the loop changes: what a checkpoint saves and restores to continue a run exactly."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of this epoch consumed
-    train_time_s: float = 0.0  # s of training so far, evaluation excluded
-    eval_time_s: float = 0.0
-    time_to_target_s: float | None = None
-    train_loss: float = math.nan  # the last log interval's mean loss
-    eval: dict[str, float | None] = field(default_factory=dict)  # the last evaluation's metrics
-    timings: measure.Timings = field(default_factory=measure.Timings)  # every measured step's ms
-    loss_sum: torch.Tensor | None = None  # this log interval's loss, summed on the device (no sync)
-    interval_steps: int = 0
-    last_finite: tuple[int, float] | None = None  # (step, loss) of the last log row with a finite loss
-    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (trainer.on_nonfinite=skip)
-    checkpoint_time_s: float = 0.0  # s the loop was blocked writing checkpoints (not in train_time_s)
-    restarts: int = 0  # times this run was resumed from a checkpoint
-    restart_lost_time_s: float = 0.0  # s from each resumed checkpoint's write to the resume (redone work, restart)
-
-    #: the fields that are the same on every rank; the rest (loss_sum, timings) is saved per rank
-    SHARED = ("step", "epoch", "batch_in_epoch", "train_time_s", "eval_time_s", "time_to_target_s", "train_loss",
-              "eval", "interval_steps", "last_finite", "skipped_steps", "checkpoint_time_s", "restarts",
-              "restart_lost_time_s")
-
-
-class _Shared:
-    """``TrainState``'s rank-independent fields for DCP, pickled into one item (DCP keeps rank 0's)."""
-
-    def __init__(self, state: TrainState):
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"fields": pickle.dumps({k: getattr(self.state, k) for k in TrainState.SHARED})}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for k, v in pickle.loads(sd["fields"]).items():
-            setattr(self.state, k, v)
-
-
-class _PerRank:
-    """This rank's part of the state: its RNG streams, its share of the interval's loss and its step timings."""
-
-    def __init__(self, state: TrainState, rank: int):
-        self.state, self.rank, self.rng = state, rank, checkpoint.RNGState(rank)
-
-    def state_dict(self) -> dict[str, Any]:
-        payload = {"rng": self.rng.state_dict()[f"rank{self.rank}"], "loss_sum": self.state.loss_sum.detach().cpu(),
-                   "timings": (self.state.timings.data_wait_ms, self.state.timings.step_time_ms)}
-        return {f"rank{self.rank}": pickle.dumps(payload)}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        payload = pickle.loads(sd[f"rank{self.rank}"])
-        self.rng.load_state_dict({f"rank{self.rank}": payload["rng"]})
-        self.state.loss_sum.copy_(payload["loss_sum"])
-        self.state.timings.data_wait_ms[:], self.state.timings.step_time_ms[:] = payload["timings"]
-
-
-def checkpoint_state(state: TrainState, parts: "Parts") -> dict[str, Any]:
-    """What a checkpoint holds, as DCP Stateful objects: model + optimizer (sharded under FSDP), LR schedule,
-    GradScaler, the shared ``TrainState`` (step, epoch, position in the epoch, measured time, ...) and each
-    rank's RNG, loss share and timings."""
-    return {"model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
-            "scheduler": parts.scheduler, "scaler": parts.amp.scaler, "train": _Shared(state),
-            "rank": _PerRank(state, parts.env.rank)}
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""Cross-key checks of a composed config, run before anything is built or written.
+
+Types and closed option lists come from the schemas (``runner.config``: Hydra refuses a misspelt key or a wrong
+type at compose time); what types cannot express (ranges, a key added with ``+`` that no schema declares) is
+checked here, each failure one ``ConfigError`` naming the key, its value and the rule.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import CHOICES, check_choice
+from runner.errors import ConfigError
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-key checks that types alone cannot express; run before anything is built or written.
+
+    Raises:
+        ConfigError: naming the key, its value and the allowed range.
+    """
+    t = cfg.trainer
+    checks = [
+        (cfg.dataloader.batch_size >= 1, "dataloader.batch_size", cfg.dataloader.batch_size, "must be >= 1"),
+        (cfg.memory.accumulate_steps >= 1, "memory.accumulate_steps", cfg.memory.accumulate_steps, "must be >= 1"),
+        (t.max_epochs >= 1, "trainer.max_epochs", t.max_epochs, "must be >= 1"),
+        (t.max_steps is None or t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1 or null"),
+        (t.warmup_steps >= 0, "trainer.warmup_steps", t.warmup_steps, "must be >= 0"),
+        (t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1"),
+        (t.eval_every is None or t.eval_every >= 1, "trainer.eval_every", t.eval_every, "must be >= 1 or null"),
+        (t.target_accuracy is None or 0 < t.target_accuracy <= 1, "trainer.target_accuracy", t.target_accuracy,
+         "must be a fraction in (0, 1] or null"),
+        (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
+        (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
+         cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
+        (0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32) (NumPy's seed range)"),
+        (t.eval_max_batches is None or t.eval_max_batches >= 1, "trainer.eval_max_batches", t.eval_max_batches,
+         "must be >= 1 or null (an evaluation of no batch would report made-up figures)"),
+        *[(cfg.data.get(k) is None or cfg.data[k] >= 1, f"data.{k}", cfg.data.get(k), "must be >= 1")
+          for k in ("train_size", "eval_size", "block_size") if k in cfg.data and cfg.data.name != "custom"],
+    ]
+    for ok, key, value, rule in checks:
+        if not ok:
+            raise ConfigError(f"{key}={value} {rule}")
+    for key in CHOICES:  # every closed option list (runner/config.py), so a bad value stops before anything is built
+        check_choice(key, OmegaConf.select(cfg, key))
+    _refuse_undeclared_keys(cfg)
+
+
+def _refuse_undeclared_keys(cfg: DictConfig) -> None:
+    """A key added with ``+`` that no schema declares (``+trainer.max_step=3``: the fix Hydra suggests for a
+    misspelt key) would be accepted and ignored; refuse it, naming the close declared key. The open nodes
+    (``model``, ``data=custom``: a constructor's or function's arguments) are checked by their builders.
+
+    Raises:
+        ConfigError: naming the key and the declared keys it is closest to.
+    """
+    import dataclasses
+    import difflib
+
+    for name, node in cfg.items():
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if not dataclasses.is_dataclass(schema) or OmegaConf.is_struct(node) is False:
+            continue  # not a schema'd node, or an open one (its builder checks the names)
+        declared = {f.name for f in dataclasses.fields(schema)}
+        for key in node.keys():
+            if key not in declared:
+                close = difflib.get_close_matches(str(key), sorted(declared), n=1)
+                hint = f"; did you mean {name}.{close[0]}?" if close else ""
+                raise ConfigError(f"{name}.{key} is not a setting runner reads (added with '+', it would be ignored)"
+                                  f"{hint} The {name} keys are: {', '.join(sorted(declared))}")
