@@ -12,7 +12,7 @@
 Every rank builds the model from the same seed; DDP broadcasts rank 0's parameters and buffers when it
 wraps, FSDP gets them broadcast explicitly before sharding, so all ranks start identical either way.
 
-Layering (DESIGN.md): ``prepare`` -> ``parallel`` -> ``distributed`` (the process layer: ``Env``, the
+Layering (docs/design.md): ``prepare`` -> ``parallel`` -> ``distributed`` (the process layer: ``Env``, the
 process group, collectives); ``repeated_blocks`` lives here because FSDP shards by it and ``prepare``'s
 activation checkpointing wraps by it.
 """
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from runner import hardware
 from runner.config import check_choice
 from runner.distributed import Env, broadcast_module_state
+from runner.precision import Precision
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -62,28 +62,20 @@ def _has_batchnorm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def fsdp_mixed_precision(precision_cfg: DictConfig, device: torch.device):
-    """FSDP2's ``MixedPrecisionPolicy`` for the ``precision`` group, or None (fp32 all-gathers).
+def fsdp_mixed_precision(compute_dtype: torch.dtype):
+    """FSDP2's ``MixedPrecisionPolicy`` for the built precision's ``compute_dtype``, or None (fp32 all-gathers).
 
-    Mirrors ``runner.precision.build``: ``bf16`` -> bf16 parameters for compute; ``amp`` -> fp16 on CUDA
-    (the GradScaler's found-inf check is reduced over the shards by DTensor), bf16 on a CPU with native
-    bf16, nothing where amp itself is skipped; ``fp32``/``tf32`` -> None. Gradients are reduce-scattered
-    in fp32 (``reduce_dtype``), as torchtitan does, so the sum over ranks does not lose precision.
+    ``compute_dtype`` is ``runner.precision.Precision.compute_dtype``, so the decision is the precision
+    group's own: ``bf16`` -> bf16 parameters for compute; ``amp`` -> fp16 on CUDA (the GradScaler's found-inf
+    check is reduced over the shards by DTensor), bf16 on a CPU with native bf16; fp32 (``fp32``, ``tf32``,
+    or amp/bf16 skipped on this device) -> None. Gradients are reduce-scattered in fp32 (``reduce_dtype``),
+    as torchtitan does, so the sum over ranks does not lose precision (FSDP2 docs, ``MixedPrecisionPolicy``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    name = precision_cfg.name
-    dtype = None
-    if name == "bf16" and (device.type != "cuda" or torch.cuda.is_bf16_supported()):
-        dtype = torch.bfloat16
-    elif name == "amp":
-        if device.type == "cuda":
-            dtype = torch.float16
-        elif hardware.cpu_has_native_bf16():
-            dtype = torch.bfloat16
-    if dtype is None:
+    if compute_dtype == torch.float32:
         return None
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
 def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
@@ -116,7 +108,7 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.
     return model, techniques
 
 
-def apply_fsdp(model: torch.nn.Module, env: Env, precision_cfg: DictConfig) -> tuple[torch.nn.Module, dict[str, str]]:
+def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.nn.Module, dict[str, str]]:
     """FSDP2: ``fully_shard`` each repeated block (``repeated_blocks``), then the root.
 
     Sharding per block lets FSDP all-gather one block's parameters at a time and free them after use
@@ -134,7 +126,7 @@ def apply_fsdp(model: torch.nn.Module, env: Env, precision_cfg: DictConfig) -> t
     if not broadcast_module_state(model):
         warnings.warn("distributed=fsdp: ranks built different initial weights; rank 0's were broadcast", stacklevel=2)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    policy = fsdp_mixed_precision(precision_cfg, env.device)
+    policy = fsdp_mixed_precision(amp.compute_dtype)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
     if policy is not None:  # BatchNorm keeps fp32 parameters: its running statistics are fp32 buffers
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -149,9 +141,10 @@ def apply_fsdp(model: torch.nn.Module, env: Env, precision_cfg: DictConfig) -> t
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     techniques["fsdp"] = "applied"
-    if precision_cfg.name in ("bf16", "amp"):
+    wanted = {"amp", "bf16"} & set(amp.techniques)
+    if wanted:
         techniques["fsdp_mixed_precision"] = ("applied" if policy is not None else
-                                              f"skipped: precision={precision_cfg.name} is off on this device, so "
+                                              f"skipped: precision={wanted.pop()} is off on this device, so "
                                               f"parameters are all-gathered in fp32")
     return model, techniques
 
@@ -173,7 +166,7 @@ def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[st
     return torch.nn.DataParallel(model, device_ids=devices, output_device=env.device.index), {"dp": "applied"}
 
 
-def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, precision_cfg: DictConfig):
+def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, amp: Precision):
     """Wrap the model for data parallelism (``distributed.name``); ``none`` returns it unchanged.
 
     Called last by ``prepare`` (after compile): the wrapper registers its hooks on the final parameters.
@@ -190,7 +183,7 @@ def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, precision_cfg: DictC
     if name == "ddp":
         return apply_ddp(model, cfg, env)
     if name == "fsdp":
-        return apply_fsdp(model, env, precision_cfg)
+        return apply_fsdp(model, env, amp)
     return apply_dp(model, env)  # dp, the last of CHOICES["distributed.name"]
 
 

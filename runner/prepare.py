@@ -179,11 +179,12 @@ def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
     return status
 
 
-def prepare(model: nn.Module, cfg: DictConfig, env, skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
+def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
     """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
 
-    ``skip``: status keys of techniques the task rules out (``Task.skipped``: channels_last and
-    drop_bias_before_bn on a language model); the engine records them, they are not applied here.
+    ``amp``: the built ``runner.precision.Precision``; the FSDP wrapper all-gathers parameters in its
+    ``compute_dtype``. ``skip``: status keys of techniques the task rules out (``Task.skipped``: channels_last
+    and drop_bias_before_bn on a language model); the engine records them, they are not applied here.
 
     Returns the (possibly wrapped) model, the techniques' statuses and their details (counts, names).
 
@@ -208,6 +209,6 @@ def prepare(model: nn.Module, cfg: DictConfig, env, skip=()) -> tuple[nn.Module,
         details["checkpointed_modules"] = wrapped
     if cfg.compile.mode is not None:
         techniques |= apply_compile(model, cfg.compile, env.device)
-    model, status = parallel.wrap(model, cfg.distributed, env, cfg.precision)
+    model, status = parallel.wrap(model, cfg.distributed, env, amp)
     techniques |= status
     return model, techniques, details

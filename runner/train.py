@@ -172,7 +172,8 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     task.check(model, data)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
     flops = measure.flops_per_sample(model, data.example, task.loss)
-    model, applied, details = prepare.prepare(model, cfg, env, skip=skipped)
+    amp = precision.build(cfg.precision, env.device)  # before the wrapper: FSDP all-gathers in its compute dtype
+    model, applied, details = prepare.prepare(model, cfg, env, amp, skip=skipped)
     seed_everything(t.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
 
@@ -193,7 +194,6 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     techniques |= status
     scheduler, status = schedule.build(cfg.scheduler, optimizer, plan.total_steps)
     techniques |= status
-    amp = precision.build(cfg.precision, env.device)
     techniques |= amp.techniques
     clip = optim.gradient_clipping(cfg.optimizer.clip_grad_norm, model, amp.scaler)  # recorded by optim.build
 

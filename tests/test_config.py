@@ -15,7 +15,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text, run_cli
-from runner import REPO_ROOT, data as data_mod, distributed, models, prepare
+from runner import REPO_ROOT, data as data_mod, distributed, models, precision, prepare
 from runner.config import _GROUPS, CHOICES
 from runner.errors import ConfigError
 from runner.train import train, validate
@@ -97,7 +97,8 @@ def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
 def test_compile_option_builds(option):
     cfg = compose_cfg(f"compile={option}")
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
-    model, techniques, _ = prepare.prepare(models.build(cfg.model, {"num_classes": 10}, 3), cfg, env)
+    amp = precision.build(cfg.precision, env.device)
+    model, techniques, _ = prepare.prepare(models.build(cfg.model, {"num_classes": 10}, 3), cfg, env, amp)
     assert all(v == "applied" or v.startswith("skipped: ") for v in techniques.values())
     assert (cfg.compile.mode is None) == ("compile" not in techniques)
 

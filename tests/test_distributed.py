@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import TINY, compose_cfg, job_dirs, read_summary
-from runner import REPO_ROOT, distributed, launch, parallel
+from runner import REPO_ROOT, distributed, hardware, launch, parallel, precision
 from runner.errors import ConfigError
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun` of this interpreter
@@ -345,7 +345,7 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
     env = distributed.setup(cfg.distributed, "cpu")
     try:
         torch.manual_seed(0)
-        model, _ = parallel.wrap(torch.nn.Linear(4, 2), cfg.distributed, env, cfg.precision)
+        model, _ = parallel.wrap(torch.nn.Linear(4, 2), cfg.distributed, env, precision.build(cfg.precision, env.device))
         calls = []
 
         def count(state, bucket):
@@ -402,12 +402,18 @@ def test_reduce_figures_single_process_passes_through():
     assert distributed.reduce_figures(totals, 5.0, env) == {**totals, "peak_memory_mb": 5.0}
 
 
-def test_fsdp_mixed_precision_follows_the_precision_group():
+def test_fsdp_mixed_precision_follows_the_built_precision():
+    """FSDP all-gathers in the dtype the precision group computes in on this device, decided once by
+    ``precision.build`` (amp on a CPU without native bf16 is skipped there, so FSDP stays fp32 too)."""
     cpu = torch.device("cpu")
-    policy = parallel.fsdp_mixed_precision(compose_cfg("precision=bf16").precision, cpu)
-    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
-    assert parallel.fsdp_mixed_precision(compose_cfg("precision=fp32").precision, cpu) is None
-    assert parallel.fsdp_mixed_precision(compose_cfg("precision=tf32").precision, cpu) is None
+
+    def policy(name):
+        return parallel.fsdp_mixed_precision(precision.build(compose_cfg(f"precision={name}").precision, cpu).compute_dtype)
+
+    assert policy("bf16").param_dtype == torch.bfloat16 and policy("bf16").reduce_dtype == torch.float32
+    assert policy("fp32") is None and policy("tf32") is None
+    amp = policy("amp")
+    assert (amp.param_dtype == torch.bfloat16) if hardware.cpu_has_native_bf16() else amp is None
 
 
 @pytest.mark.filterwarnings("ignore:precision=bf16")  # emulated bf16 on this CPU
