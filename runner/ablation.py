@@ -32,7 +32,7 @@ What makes its figures comparable and trustworthy lives here:
 - ``AblationCallback``: at the start of the sweep, ``ablation.json`` records the machine (CPU model,
   cores, memory, GPUs, native bf16, load average) and the exact command, and the job server is started
   (its start-up time is recorded); at the end it adds rounds (``repeats=auto``) and writes the report
-  (runner/report.py).
+  (runner/report/).
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import ablation_first_round, hardware
 from runner.errors import ConfigError
-from runner.report import ReportError, build_rows, load_jobs, pending, write_report
-from runner.sweep_report import sweep_command
+from runner.report import ReportError, build_rows, load_jobs, pending, sweep_command, write_report
 from runner.track import write_json_atomic
 
 #: What a job that did not train returns to Hydra (``__main__`` reads ``samples_per_sec``).
@@ -174,7 +173,7 @@ def _run_in_child(cfg: DictConfig, job_dir: Path, overrides: list[str], group: s
     a = cfg.ablation
     cmd = [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={_quote(str(job_dir))}",
            "ablation.isolate=false"]
-    # The child is not a Hydra multirun job, so train.sweep_group() is None there: W&B reads the group from the env.
+    # The child is not a Hydra multirun job, so track.sweep_group() is None there: W&B reads the group from the env.
     env = {"WANDB_RUN_GROUP": group, "WANDB_NAME": f"{group}/{name}"}
     started = time.time()
     if a.preload:
@@ -221,7 +220,7 @@ def auto_repeat(sweep: Path, target_ci: float, max_repeats: int, done: int,
                 launch: Callable[[int, list[str]], int]) -> tuple[str, list[dict[str, Any]]]:
     """Add rounds of repeats to the sweep in ``sweep`` until its intervals are tight enough.
 
-    After each round the report's rows are rebuilt (runner/report.py); the configurations whose effect
+    After each round the report's rows are rebuilt (runner/report/rows.py); the configurations whose effect
     interval is missing or wider than ±``target_ci`` (relative half-width; ``report.pending``) run once
     more, together with their references (the baseline always; the fast preset when a leave-one-out
     row or the preset itself is pending), as repeat number ``done``, through ``launch(repeat,

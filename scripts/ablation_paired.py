@@ -3,7 +3,7 @@
     python scripts/ablation_paired.py outputs/ablation/cpu-A outputs/ablation/cpu-B ...
 
 An ablation's repeat is its outer loop, so every round runs each configuration once, and a slow round
-(another tenant on the host) slows all of them. The report (runner/report.py) resamples each
+(another tenant on the host) slows all of them. The report (runner/report/) resamples each
 configuration's repeats independently, so such a round widens every interval. Pairing instead divides
 each configuration's samples/s by its reference's *in the same round* and bootstraps the median of those
 per-round ratios, at the same simultaneous (Bonferroni) level as the report.
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runner import stats
-from runner.report import build_rows, load_jobs
+from runner.report import build_rows, load_jobs, stats
 
 
 def paired_interval(values: dict[int, float], reference: dict[int, float], confidence: float, name: str,
@@ -35,10 +34,10 @@ def paired_interval(values: dict[int, float], reference: dict[int, float], confi
     Args:
         values, reference: samples/s by round (repeat index), each a positive float.
         confidence: two-sided level of each interval, e.g. the report's simultaneous level.
-        name, reference_name: seed the generator, as in ``runner.stats.ratio_interval``.
+        name, reference_name: seed the generator, as in ``runner.report.stats.ratio_interval``.
 
     Returns:
-        The ``runner.stats.Interval`` of the factor (dimensionless), or None with fewer than 2 shared rounds.
+        The ``runner.report.stats.Interval`` of the factor (dimensionless), or None with fewer than 2 shared rounds.
     """
     rounds = sorted(set(values) & set(reference))
     ratios = np.array([values[r] / reference[r] for r in rounds])

@@ -27,8 +27,17 @@ from omegaconf import OmegaConf
 from conftest import TINY, compose_cfg, run_cli
 from runner import REPO_ROOT, ablation_first_round
 from runner.ablation import auto_repeat, round_command
-from runner.report import CSV_COLUMNS, JOB_COLUMNS, Job, ReportError, build_rows, load_jobs, pending, write_report
-from runner.stats import NO_INTERVAL
+from runner.report import (
+    CSV_COLUMNS,
+    JOB_COLUMNS,
+    NO_INTERVAL,
+    Job,
+    ReportError,
+    build_rows,
+    load_jobs,
+    pending,
+    write_report,
+)
 
 VARIANTS = REPO_ROOT / "conf" / "ablation" / "variant"
 NAMES = sorted(p.stem for p in VARIANTS.glob("*.yaml"))
@@ -230,7 +239,7 @@ def test_intervals_are_simultaneous_over_the_sweep_s_verdicts():
     """With many techniques judged at once, each interval is computed at 1 - 0.05/m (Bonferroni): a small
     effect whose per-comparison 95 % interval just excludes 1 gets no verdict in a sweep of 20 findings,
     while the same data judged alone (m = 1) does."""
-    from runner import stats
+    from runner.report import stats
 
     rng = np.random.default_rng(3)
     base = list(100 * (1 + 0.03 * rng.standard_normal(8)))

@@ -1,11 +1,11 @@
-"""The bootstrap interval of a ratio of medians (runner/stats.py) on samples whose answer is known."""
+"""The bootstrap interval of a ratio of medians (runner/report/stats.py) on samples whose answer is known."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from runner.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval, ratio_interval, verdict
+from runner.report.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval, ratio_interval, verdict
 
 
 def noisy(center: float, n: int, rel: float, seed: int) -> list[float]:

@@ -1,4 +1,4 @@
-"""``python -m runner.report`` on a plain multirun (runner/sweep_report.py): a real 2x2 grid of tiny jobs
+"""``python -m runner.report`` on a plain multirun (runner/report/sweep.py): a real 2x2 grid of tiny jobs
 through the CLI, a sweep whose second job fails, and the pieces on synthetic job folders."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TINY, run_cli
 from runner import REPO_ROOT
-from runner.sweep_report import PLAIN_COLUMNS, SweepError, job_times, load_sweep, swept_keys, write_plain_report
+from runner.report.sweep import PLAIN_COLUMNS, SweepError, job_times, load_sweep, swept_keys, write_plain_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENV = {"PYTHONPATH": str(REPO_ROOT)}  # the subprocesses import this checkout's runner

@@ -1,0 +1,59 @@
+"""``python -m runner.report <multirun folder>``: the report of a sweep.
+
+An ablation sweep (``python -m runner -m +experiment=ablation``) gets the ablation report
+(runner/report/write.py); any other multirun folder gets one row per job, sorted by samples/s, with a plot
+over the swept keys (runner/report/sweep.py). A folder that cannot be reported prints ``error: <message>``
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runner.report import stats
+from runner.report.load import ReportError, is_ablation
+from runner.report.sweep import SweepError, write_plain_report
+from runner.report.write import write_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m runner.report SWEEP [--doc PATH [--replication SWEEP2]] [--no-wandb] [--seed N] [--resamples N]``.
+
+    Returns the exit status: 0, or 2 for a folder that cannot be reported (``ReportError``, ``SweepError``:
+    the message is printed as ``error: ...``); bad arguments exit with argparse's status 2.
+    """
+    parser = argparse.ArgumentParser(prog="python -m runner.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", type=Path, help="a multirun folder: an ablation (outputs/ablation/<date>/<time>) "
+                                                 "or any sweep (outputs/multirun/<date>/<time>)")
+    parser.add_argument("--doc", type=Path, help="ablation: also write the report as a document, e.g. "
+                                                 "docs/ablation-cpu.md")
+    parser.add_argument("--replication", type=Path, help="with --doc: an independent second ablation sweep of the "
+                                                        "same job; the document gets the agreement table")
+    parser.add_argument("--no-wandb", action="store_true", help="do not log the W&B table even if the jobs used W&B")
+    parser.add_argument("--seed", type=int, default=stats.SEED, help="bootstrap seed (default %(default)s)")
+    parser.add_argument("--resamples", type=int, default=stats.RESAMPLES,
+                        help="bootstrap resamples (default %(default)s)")
+    args = parser.parse_args(argv)
+    if args.resamples < 100:
+        parser.error(f"--resamples {args.resamples}: use at least 100")
+    try:
+        if args.sweep.is_dir() and not is_ablation(args.sweep):
+            if args.doc:
+                raise ReportError("--doc is for ablation sweeps; the report of this sweep is its report.md")
+            written = write_plain_report(args.sweep)
+        else:
+            if args.replication and not args.doc:
+                raise ReportError("--replication adds the agreement table to the document: give --doc PATH too")
+            written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb, seed=args.seed,
+                                   resamples=args.resamples, replication=args.replication)
+    except (ReportError, SweepError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(f"wrote {p}" for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The text of an ablation report: ``report.md`` (also the body of ``--doc``), the generated reading of
+``--doc`` (``reading``) and the agreement table of ``--replication`` (``agreement``).
+
+Every figure is printed with its unit in the column name (samples/s, ms, MiB, s); speed-ups and effects are
+dimensionless factors with their simultaneous 95 % bootstrap intervals (runner/report/rows.py). A figure
+the sweep lacks is printed as ``–``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runner.report import stats
+from runner.report.load import Job, Row
+from runner.report.rows import count_verdicts
+from runner.report.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
+from runner.report.sweep import budget_lines
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def _ci_text(ci: Interval | None) -> str:
+    return "–" if ci is None else f"{ci.low:.2f}–{ci.high:.2f}"
+
+
+def describe(machine: dict[str, Any]) -> str:
+    """One line: CPU (cores), memory, GPUs, native bf16, versions; parts the record lacks are left out."""
+    m = machine
+    parts = [f"{m['cpu']}, {m.get('cpu_cores', '?')} cores" if m.get("cpu") else None,
+             f"{m['memory_gib']} GiB RAM" if m.get("memory_gib") else None,
+             ", ".join(m["gpus"]) if m.get("gpus") else "no GPU" if "gpus" in m else None,
+             f"CPU native bf16: {'yes' if m['cpu_native_bf16'] else 'no'}" if "cpu_native_bf16" in m else None,
+             f"torch {m['torch']}, Python {m.get('python')}" if m.get("torch") else None, m.get("os")]
+    return "; ".join(p for p in parts if p) or "(not recorded)"
+
+
+#: The report's paragraph on the method (Efron & Tibshirani 1993 bootstrap; Bonferroni, Dunn 1961), formatted
+#: with the sweep's resamples, seed, number of verdicts ``m``, per-interval level and tail (%).
+INTERVAL_TEXT = (
+    "How the intervals are computed: a speed-up is a ratio of medians over repeats (this configuration's "
+    "median samples/s ÷ its reference's). Its confidence interval is a bootstrap percentile interval "
+    "(Efron & Tibshirani 1993, ch. 13): the repeats of both configurations are resampled with replacement, "
+    "independently, {resamples:,} times (seed {seed}), the ratio of the resamples' medians is taken each "
+    "time, and the interval runs between the percentiles that leave {tail:.3g} % of them out on each side. "
+    "The intervals are simultaneous 95 % intervals: the sweep gives {m} verdicts at once, so each interval is "
+    "computed at {level:.2%} (Bonferroni, 1 − 0.05/{m}; Dunn 1961), and all of them hold together with "
+    "probability at least 95 %; at 95 % each, about one verdict in twenty would be a chance result that an "
+    "independent sweep does not reproduce. With 3 repeats an interval is in practice [slowest ÷ fastest "
+    "reference repeat, fastest ÷ slowest reference repeat]; more repeats narrow it. "
+    "*Effect* = what the technique buys (>1: faster with it): on alone, this ÷ the baseline; off in the "
+    "fast preset (leave-one-out), fast ÷ this. Verdict: **helps** when the effect's whole interval lies "
+    "above 1, **hurts** when it lies below 1, **no measurable effect** when it contains 1. Only "
+    "configurations whose speed-up interval lies above 1 are ranked.")
+
+
+def _auto_text(record: dict[str, Any]) -> str | None:
+    auto = record.get("auto")
+    if not auto:
+        return None
+    rounds = auto.get("rounds") or []
+    extra = "; ".join(f"repeat {r['repeat']}: {len(r['variants'])} configuration(s)" for r in rounds) or "none"
+    return (f"ablation.repeats=auto: first round {auto.get('first_round')} repeat(s), then further rounds until "
+            f"every effect's interval is within ±{auto.get('target_ci', 0):.1%} or {auto.get('max_repeats')} "
+            f"repeats; extra rounds: {extra}; stopped: {auto.get('stopped', '?')}")
+
+
+def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, Any], image: str,
+             title: str = "Ablation report: what each technique buys", seed: int = stats.SEED,
+             resamples: int = stats.RESAMPLES) -> str:
+    """report.md's text (also the body of ``--doc``): the sweep's record (command, machine, load, job,
+    measurement, noise), warnings (different step counts, a busy machine, a single repeat), the rows ranked by
+    speed-up, what each technique buys, what was skipped and why, where the sweep's time went (s) and the plot.
+
+    Args:
+        rows: from ``build_rows`` (a baseline among them); jobs: from ``load_jobs``.
+        record: ``load_record(sweep)``; image: the plot's path relative to the written file.
+        seed, resamples: the bootstrap's, printed in the method paragraph (``INTERVAL_TEXT``).
+
+    Raises:
+        StopIteration: ``rows`` has no baseline (``build_rows`` never returns such rows).
+    """
+    baseline = next(r for r in rows if r.configuration == "baseline")
+    measured = [j.summary for j in jobs if j.summary and j.summary.get("samples_per_sec")]
+    base_cfg = baseline.jobs[0].summary["config"] if baseline.jobs[0].summary else {}
+    steps = sorted({(s.get("warmup_steps"), s.get("measured_steps")) for s in measured}, key=str)
+    repeats = sorted({len(r.runs) for r in rows if r.runs})
+    machine = record.get("machine") or {}
+    lines = [f"# {title}", "", "| | |", "|---|---|"]
+    lines.append(f"| command | `{record.get('command', '(not recorded)')}` |")
+    lines.append(f"| sweep folder | `{sweep}` |")
+    note = f" ({record['machine_note']})" if record.get("machine_note") else ""
+    lines.append(f"| machine | {describe(machine)}{note} |")
+    load = [machine.get("load_average_1min"), record.get("load_average_1min_at_end")]
+    if load[0] is not None:
+        lines.append(f"| load average (1 min) | {load[0]} at the start, {load[1] if load[1] is not None else '?'} "
+                     f"at the end |")
+    if record.get("started"):
+        lines.append(f"| ran | {record['started']} to {record.get('finished', '?')} |")
+    model, data = base_cfg.get("model", {}), base_cfg.get("data", {})
+    stem = " (cifar_stem)" if model.get("cifar_stem") else ""
+    first = baseline.jobs[0].summary or {}
+    dev = first.get("device_name") if first.get("device") == "cuda" else first.get("device")
+    lines.append(f"| job | model `{model.get('_target_')}`{stem}, data `{data.get('name')}`, optimizer "
+                 f"`{base_cfg.get('optimizer', {}).get('_target_')}`, baseline batch "
+                 f"{_f(baseline.figures.get('batch_size'), '.0f')}, device {dev} |")
+    step_text = ", ".join(f"{w} warm-up + {m} measured steps" for w, m in steps)
+    process = {"forkserver": "forked from a job server that has imported torch and runner (no torch op run, "
+                             "no CUDA context)", "exec": "`python -m runner`"}.get(record.get("job_process"), "")
+    lines.append(f"| measurement | {', '.join(map(str, repeats))} repeat(s) per configuration (the repeat is the "
+                 f"sweep's outer loop); every job: {step_text}, warm-up excluded from every figure; one fresh "
+                 f"process per job{': ' + process if process else ''} |")
+    auto = _auto_text(record)
+    if auto:
+        lines.append(f"| repeats | {auto} |")
+    if baseline.speedup_ci is not None:
+        lines.append(f"| noise | the baseline against itself: simultaneous 95 % interval {_ci_text(baseline.speedup_ci)} "
+                     f"(±{baseline.speedup_ci.half_width:.0%}); baseline repeats {min(baseline.runs):.4g}–"
+                     f"{max(baseline.runs):.4g} samples/s |")
+    lines.append("")
+    if len(steps) > 1:
+        lines += [f"**Warning:** the jobs measured different step counts ({step_text}); rerun with one "
+                  f"trainer.max_steps / trainer.warmup_steps.", ""]
+    cores = machine.get("cpu_cores")
+    if load[0] is not None and cores and load[0] > cores / 2:
+        lines += [f"**Warning:** the machine was busy when the sweep started (load average {load[0]} on {cores} "
+                  f"cores): other processes share the cores, so figures are slower and noisier than on a quiet "
+                  f"machine. Rerun when it is quiet for figures to publish.", ""]
+    noisy = [j for j in jobs if j.summary and j.summary.get("warnings")]
+    if noisy:
+        first = noisy[0]
+        lines += [f"**Warning:** {len(noisy)} of {len(measured)} measured jobs recorded a busy machine while they "
+                  f"measured (summary.json `warnings`; e.g. {first.variant} r{first.repeat}: "
+                  f"{first.summary['warnings'][0]}): their figures are slower and noisier than on a quiet machine.",
+                  ""]
+    if min(repeats) < 2:
+        lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
+                  "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]
+
+    lines += ["## Configurations ranked by speed-up", "", _interval_text(rows, resamples, seed), "",
+              "| rank | configuration | speed-up × | 95 % CI | effect × | effect 95 % CI | verdict | samples/s | "
+              "step ms | data wait | peak MiB (Δ) | final loss | setup s | techniques (applied / skipped) |",
+              "|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        fig = r.figures
+        peak = fig.get("peak_memory_mb")
+        peak_text = "–" if peak is None else f"{peak:,.0f}" + (
+            f" ({r.peak_change_pct:+.0f}%)" if r.peak_change_pct is not None and r.kind != "baseline" else "")
+        verdict_text = f"**{r.verdict}**" if r.verdict in (HELPS, "faster") else r.verdict
+        status = r.status.replace("|", "/") if r.runs else "–"
+        effect_ci = _ci_text(r.effect_ci) if r.kind != "baseline" else "–"
+        lines.append(f"| {r.rank or '–'} | {r.configuration} | {_f(r.speedup, '.2f')} | {_ci_text(r.speedup_ci)} | "
+                     f"{_f(r.effect, '.2f')} | {effect_ci} | {verdict_text} | {_f(r.median, ',.1f')} | "
+                     f"{_f(fig.get('step_time_ms_median'), ',.1f')} | {_f(fig.get('data_wait_fraction'), '.1%')} | "
+                     f"{peak_text} | {_f(fig.get('final_loss'), '.3f')} | {_f(fig.get('setup_s'), '.1f')} | "
+                     f"{status} |")
+    lines += ["", "## What each technique buys", "",
+              "Effect × (95 % interval), verdict.", "",
+              "| technique | on alone (baseline + it) | off in fast (fast − it) |", "|---|---|---|"]
+    by_technique: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        if r.technique:
+            by_technique.setdefault(r.technique, {})[r.kind] = r
+    for tech, pair in sorted(by_technique.items(), key=lambda kv: -max((r.effect or 0) for r in kv[1].values())):
+        cells = []
+        for kind in ("leave-one-in", "leave-one-out"):
+            r = pair.get(kind)
+            cells.append("(not in the sweep)" if r is None else (
+                f"×{r.effect:.2f} ({_ci_text(r.effect_ci)}), {r.verdict}" if r.effect is not None else r.verdict))
+        lines.append(f"| {tech} | {cells[0]} | {cells[1]} |")
+    skipped = sorted({(k, v) for j in jobs if j.summary for k, v in (j.summary.get("techniques") or {}).items()
+                      if v.startswith("skipped")})
+    if skipped:
+        lines += ["", "## Skipped on this machine (and why)", ""] + [f"- `{k}`: {v[len('skipped: '):]}" for k, v in skipped]
+    problems = [r for r in rows if not r.runs]
+    if problems:
+        lines += ["", "## Not measured", ""] + [f"- {r.configuration}: {r.verdict}" for r in problems]
+    lines += [""] + budget_lines([j.times for j in jobs], _sweep_wall_s(record), "ablation.json: start to end")
+    lines += ["Per job (jobs.csv has every figure): setup = process start, imports, dataset load, model build "
+              "and FLOP count, before the first step.", "",
+              "| configuration | repeat | samples/s | job s | setup s | training s | measured s | eval s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for j in sorted(jobs, key=lambda j: (j.variant, j.repeat)):
+        t = j.times
+        lines.append(f"| {j.variant} | {j.repeat} | {_f(j.samples_per_sec, ',.1f')} | {_f(t.get('wall_s'), '.1f')} | "
+                     f"{_f(t.get('setup_s'), '.1f')} | {_f(t.get('train_s'), '.1f')} | "
+                     f"{_f(t.get('measured_s'), '.1f')} | {_f(t.get('eval_s'), '.1f')} |")
+    lines += ["", "## Plot", "", f"![speed-up over the baseline]({image})", ""]
+    return "\n".join(lines)
+
+
+def _interval_text(rows: list[Row], resamples: int, seed: int) -> str:
+    """``INTERVAL_TEXT`` with the sweep's number of verdicts and the per-interval level they imply."""
+    m = count_verdicts(rows)
+    level = stats.simultaneous_confidence(m)
+    return INTERVAL_TEXT.format(resamples=resamples, seed=seed, m=m, level=level, tail=100 * (1 - level) / 2)
+
+
+def _sweep_wall_s(record: dict[str, Any]) -> float | None:
+    start, end = record.get("started_s"), record.get("finished_s")
+    return end - start if isinstance(start, (int, float)) and isinstance(end, (int, float)) else None
+
+
+def reading(rows: list[Row]) -> str:
+    """A generated first reading for ``--doc``: which techniques helped, hurt, did nothing, were skipped."""
+    groups: dict[str, list[str]] = {HELPS: [], HURTS: [], NO_EFFECT: [], "skipped here": [], NO_INTERVAL: []}
+    for r in rows:
+        if r.technique and r.verdict in groups:
+            where = "on alone" if r.kind == "leave-one-in" else "off in fast"
+            groups[r.verdict].append(f"{r.technique} ({where}, ×{r.effect:.2f} [{_ci_text(r.effect_ci)}])"
+                                     if r.effect else f"{r.technique} ({where})")
+    fast = next((r for r in rows if r.configuration == "fast"), None)
+    lines = ["## Reading", ""]
+    if fast and fast.speedup:
+        lines.append(f"The fast preset ran at ×{fast.speedup:.2f} the baseline (95 % interval "
+                     f"{_ci_text(fast.speedup_ci)}; {fast.verdict}).")
+    for key, label in ((HELPS, "Helped"), (HURTS, "Hurt"), (NO_EFFECT, "No measurable effect"),
+                       ("skipped here", "Skipped here"), (NO_INTERVAL, "No interval")):
+        if groups[key] or key != NO_INTERVAL:
+            lines.append(f"- **{label}:** " + (", ".join(groups[key]) or "none"))
+    lines += ["", "<!-- Why: add one or two sentences per finding (hardware, model size, what the technique "
+                  "changes). -->", ""]
+    return "\n".join(lines)
+
+
+#: verdicts a replication must reproduce (a firm claim); "no measurable effect" may turn either way
+FIRM = (stats.HELPS, stats.HURTS, "faster", "slower")
+
+
+def agreement(rows: list[Row], replication: list[Row], name: str = "replication") -> tuple[str, list[str]]:
+    """Compare the verdicts of two independent sweeps of the same job, configuration by configuration.
+
+    Returns a markdown section (a table: each configuration's effect, its 95 % interval and verdict in both
+    sweeps, and whether they agree) and the configurations where this sweep's verdict is firm (``FIRM``:
+    helps, hurts, faster, slower) and the replication's differs -- the disagreements that matter. A
+    configuration this sweep calls "no measurable effect" may come out either way in the other (its
+    interval contains 1), so it is shown but not counted against agreement.
+    """
+    theirs = {r.configuration: r for r in replication}
+    lines = [f"| configuration | effect [95 % CI], this sweep | verdict | effect [95 % CI], {name} | verdict | "
+             f"agree |", "|---|---:|---|---:|---|---|"]
+    disagree = []
+    for r in rows:
+        if r.kind == "baseline":
+            continue
+        o = theirs.get(r.configuration)
+        same = o is not None and o.verdict == r.verdict
+        if r.verdict in FIRM and not same:
+            disagree.append(r.configuration)
+        mark = "yes" if same else ("**no**" if r.verdict in FIRM else "—")
+        other = (f"{_f(o.effect, '.2f')} {_ci_text(o.effect_ci)} | {o.verdict}" if o is not None else "— | not run")
+        lines.append(f"| {r.configuration} | {_f(r.effect, '.2f')} {_ci_text(r.effect_ci)} | {r.verdict} | "
+                     f"{other} | {mark} |")
+    firm = [r for r in rows if r.verdict in FIRM]
+    head = (f"The {name} agrees on all {len(firm)} configurations this sweep gives a firm verdict "
+            f"({', '.join(FIRM)})." if not disagree else
+            f"The {name} disagrees on {len(disagree)} of the {len(firm)} configurations this sweep gives a firm "
+            f"verdict: {', '.join(disagree)}.")
+    return "\n".join([head, "", *lines]), disagree
+
+

@@ -1,0 +1,199 @@
+"""Writing an ablation sweep's report into its folder (``write_report``):
+
+- ``report.md`` and ``report.csv``: one row per configuration, ranked by speed-up: median samples/s,
+  speed-up over the baseline with its simultaneous 95 % bootstrap confidence interval, what the technique buys
+  (its *effect*, with its interval) and the verdict that follows, step time, data-wait fraction, peak
+  memory and its change, the final loss, the fixed cost per job, and what was applied or skipped;
+- ``jobs.csv``: one row per job: samples/s and where its wall time went (``setup_s`` before the first
+  step, training, measured steps, evaluation);
+- ``speedup.png``: horizontal bars of the speed-ups with their confidence intervals (matplotlib, Agg);
+- a W&B table of the rows (and the plot) when the jobs logged to W&B (offline without an API key).
+
+``--doc docs/ablation-cpu.md`` also writes the report as a document (plot copied next to it) with a
+generated reading of what helped and what hurt, to be completed with the why; ``--replication SWEEP2``
+adds the agreement table of an independent second sweep (runner/report/markdown.py).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from runner.report import stats
+from runner.report.load import Job, Row, load_jobs, load_record
+from runner.report.markdown import agreement, markdown, reading
+from runner.report.rows import build_rows
+from runner.report.stats import HELPS, HURTS
+
+#: Columns of report.csv and of the W&B table, in order. Intervals are simultaneous 95 % bootstrap percentile
+#: intervals; ``effect_ci_half_width`` is relative (0.05 = ±5 %).
+CSV_COLUMNS = [
+    "rank", "configuration", "kind", "technique", "repeats", "batch_size", "samples_per_sec_median",
+    "samples_per_sec_min", "samples_per_sec_max", "speedup", "speedup_ci_low", "speedup_ci_high",
+    "technique_effect", "effect_ci_low", "effect_ci_high", "effect_ci_half_width", "verdict",
+    "step_time_ms_median", "data_wait_fraction", "peak_memory_mb", "peak_memory_change_pct", "final_loss",
+    "train_loss", "setup_s_median", "job_wall_s_median", "techniques",
+]
+#: Columns of jobs.csv (one row per job; times in s).
+JOB_COLUMNS = ["configuration", "repeat", "folder", "status", "samples_per_sec", "wall_s", "setup_s", "train_s",
+               "measured_s", "eval_s", "teardown_s"]
+
+
+def csv_rows(rows: list[Row]) -> list[list[Any]]:
+    """The rows as plain values, in ``CSV_COLUMNS`` order (for report.csv and the W&B table)."""
+    out = []
+    for r in rows:
+        fig, s, e = r.figures, r.speedup_ci, r.effect_ci
+        out.append([
+            r.rank, r.configuration, r.kind, r.technique, len(r.runs),
+            int(fig["batch_size"]) if fig.get("batch_size") else None,
+            r.median, min(r.runs) if r.runs else None, max(r.runs) if r.runs else None,
+            r.speedup, s and s.low, s and s.high, r.effect, e and e.low, e and e.high, e and e.half_width,
+            r.verdict, fig.get("step_time_ms_median"), fig.get("data_wait_fraction"), fig.get("peak_memory_mb"),
+            r.peak_change_pct, fig.get("final_loss"), fig.get("train_loss"), fig.get("setup_s"), fig.get("wall_s"),
+            r.status,
+        ])
+    return out
+
+
+def _cell(v: Any) -> Any:
+    return "" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    """Write ``rows`` to ``path`` as CSV with the ``CSV_COLUMNS`` header (one row per configuration)."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for values in csv_rows(rows):
+            writer.writerow([_cell(v) for v in values])
+
+
+def write_jobs_csv(jobs: list[Job], path: Path) -> None:
+    """Write one row per job (``JOB_COLUMNS``): samples/s and where its wall time went (s)."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(JOB_COLUMNS)
+        for j in jobs:
+            status = "ok" if j.samples_per_sec else f"not run: {j.not_run}" if j.not_run else (
+                f"failed (exit status {j.failed})" if j.failed is not None else "no figures")
+            writer.writerow([_cell(v) for v in [j.variant, j.repeat, str(j.folder), status, j.samples_per_sec,
+                                                *(j.times.get(k) for k in JOB_COLUMNS[5:])]])
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """``speedup.png``: one horizontal bar per measured configuration, from 1.0 (the baseline) to its
+    speed-up, a whisker for its simultaneous 95 % bootstrap interval (none with one repeat), and the baseline's
+    interval against itself (what noise alone gives) as a grey band. The x axis is logarithmic when the
+    speed-ups span more than 8x, so 0.5x and 2x look alike."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.speedup is not None][::-1]  # fastest on top
+    colors = {HELPS: "tab:green", "faster": "tab:green", HURTS: "tab:red", "slower": "tab:red",
+              "reference": "tab:blue"}
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(shown) + 1.6))
+    y = list(range(len(shown)))
+    ax.barh(y, [r.speedup - 1 for r in shown], left=1.0, color=[colors.get(r.verdict, "0.65") for r in shown])
+    with_ci = [(i, r) for i, r in zip(y, shown) if r.speedup_ci is not None]
+    if with_ci:
+        ax.errorbar([r.speedup for _, r in with_ci], [i for i, _ in with_ci], fmt="none", ecolor="black",
+                    elinewidth=0.8, capsize=2, xerr=[[r.speedup - r.speedup_ci.low for _, r in with_ci],
+                                                     [r.speedup_ci.high - r.speedup for _, r in with_ci]])
+    base = next((r for r in shown if r.kind == "baseline"), None)
+    if base is not None and base.speedup_ci is not None:
+        ax.axvspan(base.speedup_ci.low, base.speedup_ci.high, color="0.85", zorder=0,
+                   label="baseline against itself (95 % CI: noise alone)")
+        ax.legend(loc="best", fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    values = [v for r in shown for v in ((r.speedup_ci.low, r.speedup_ci.high) if r.speedup_ci else (r.speedup,))]
+    if max(values + [1.0]) / min(values + [1.0]) > 8:
+        from matplotlib.ticker import FormatStrFormatter
+
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.set_yticks(y, [r.configuration for r in shown], fontsize=8)
+    ax.set_xlabel("speed-up over the baseline (x, ratio of median samples/s; whiskers: simultaneous 95 % bootstrap CI)")
+    ax.set_title("green: helps, red: hurts, grey: no measurable effect, no interval or skipped", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image: Path) -> str:
+    """Log the rows as a W&B table (``ablation/report``) and the plot, in a run of the sweep's group.
+
+    Mode: ``WANDB_MODE`` if set, else online when an API key is found and the server answers, offline otherwise. Returns the run's
+    folder or URL.
+    """
+    import wandb
+
+    from runner.track import wandb_offline_reason
+
+    mode = os.environ.get("WANDB_MODE") or ("offline" if wandb_offline_reason() else "online")
+    run = wandb.init(project=logger_cfg.get("project", "runner"), entity=logger_cfg.get("entity"),
+                     group=sweep.name, job_type="ablation-report", name=f"{sweep.name}/report", dir=str(sweep),
+                     mode=mode, settings=wandb.Settings(quiet=True, console="off", x_disable_stats=True))
+    table = wandb.Table(columns=CSV_COLUMNS, data=csv_rows(rows))
+    run.log({"ablation/report": table, "ablation/speedup": wandb.Image(str(image))})
+    where = run.url if mode == "online" and run.url else run.dir
+    run.finish()
+    return str(where)
+
+
+def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, seed: int = stats.SEED,
+                 resamples: int = stats.RESAMPLES, replication: Path | None = None) -> list[Path]:
+    """Write report.md, report.csv, jobs.csv and speedup.png of an ablation sweep into ``sweep`` (and
+    ``doc`` if given); log the W&B table when the jobs' logger was W&B. Returns the written paths.
+
+    Args:
+        doc: also write the report as a document there (``reading`` added, plot copied next to it as .png).
+        use_wandb: log the W&B table when the jobs' logger was W&B (``log_to_wandb``).
+        seed, resamples: of the bootstrap (runner/report/stats.py, Efron & Tibshirani 1993); the defaults
+            make the report reproducible.
+        replication: with ``doc``, an independent second sweep of the same job: the document gets the
+            ``agreement`` table.
+
+    Raises:
+        ReportError: see ``load_jobs`` and ``build_rows`` (of ``sweep`` or of ``replication``).
+    """
+    sweep = Path(sweep)
+    jobs = load_jobs(sweep)
+    rows = build_rows(jobs, seed, resamples)
+    baseline = next(r for r in rows if r.configuration == "baseline")
+    record = load_record(sweep)
+    written = [sweep / "report.md", sweep / "report.csv", sweep / "speedup.png", sweep / "jobs.csv"]
+    plot(rows, written[2])
+    written[0].write_text(markdown(rows, jobs, sweep, record, "speedup.png", seed=seed, resamples=resamples))
+    write_csv(rows, written[1])
+    write_jobs_csv(jobs, written[3])
+    if doc is not None:
+        doc = Path(doc)
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        image = doc.with_suffix(".png")
+        shutil.copyfile(written[2], image)
+        text = markdown(rows, jobs, sweep, record, image.name, seed=seed, resamples=resamples,
+                        title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
+        text = text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1)
+        if replication is not None:
+            other = build_rows(load_jobs(Path(replication)), seed, resamples)
+            rec = load_record(Path(replication))
+            table, _ = agreement(rows, other)
+            text += (f"\n## Replication: an independent second sweep of the same job\n\n"
+                     f"`{rec.get('command', '(command not recorded)')}` in `{replication}`, ran "
+                     f"{rec.get('started', '?')} to {rec.get('finished', '?')}; load average (1 min) "
+                     f"{(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
+                     f"{rec.get('load_average_1min_at_end', '?')} at the end.\n\n{table}\n")
+        doc.write_text(text)
+        written += [doc, image]
+    logger = (baseline.jobs[0].summary or {}).get("config", {}).get("logger", {})
+    if use_wandb and logger.get("name") == "wandb":
+        written.append(Path(log_to_wandb(rows, sweep, logger, written[2])))
+    return written
+
+
