@@ -151,26 +151,49 @@ def children_cpu_s() -> float | None:
     return total
 
 
-def memory_limit_mb(device: torch.device) -> float | None:
-    """What the run's peak memory is measured against, in MiB: the GPU's total memory on CUDA; on a CPU
-    the machine's memory (``MemTotal``), or the cgroup's ``memory.max`` when lower (containers); None
-    where unknown."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
-    limits = []
+#: The cgroup memory limits a container or a SLURM job puts on its processes, in bytes: v2, then v1 (whose
+#: "no limit" is a huge number, v2's is the word ``max``; both simply lose against the machine's memory).
+CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def physical_memory_mb() -> float | None:
+    """The machine's RAM in MiB: ``sysconf`` (physical pages x page size), else ``MemTotal`` of /proc/meminfo
+    (proc(5)); None where neither is available."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    except (AttributeError, ValueError, OSError):
+        pass
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
-                limits.append(int(line.split()[1]) / 1024)
-    except OSError:
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
         pass
-    try:
-        value = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    return None
+
+
+def host_memory_mb() -> float | None:
+    """The host memory this process may use, in MiB: ``physical_memory_mb``, or the cgroup's limit when that
+    is lower (``CGROUP_MEMORY_LIMITS``: v2 ``memory.max``, v1 ``memory.limit_in_bytes``; a container, a
+    SLURM job); None where neither is known."""
+    limits = [physical_memory_mb()]
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            continue
         if value.isdigit():
             limits.append(int(value) / 2**20)
-    except OSError:
-        pass
-    return min(limits) if limits else None
+    known = [v for v in limits if v is not None]
+    return min(known) if known else None
+
+
+def memory_limit_mb(device: torch.device) -> float | None:
+    """What the run's peak memory is measured against, in MiB: the GPU's total memory on CUDA; on a CPU
+    ``host_memory_mb`` (the machine's memory, or the cgroup's limit when lower); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    return host_memory_mb()
 
 
 #: NVML clock-throttle reasons that mean the GPU ran slower than it could (power, heat, another limit);
@@ -209,13 +232,8 @@ def describe_machine() -> dict[str, Any]:
     """The machine a sweep runs on, for the report: CPU model, usable cores, memory (GiB), GPUs, native
     bf16, torch/Python/OS versions and the 1-minute load average (other users make figures noisy)."""
     cpu = device_name(torch.device("cpu"))
-    memory_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
+    physical = physical_memory_mb()
+    memory_gib = round(physical / 1024, 1) if physical is not None else None
     cores = cpu_cores()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {

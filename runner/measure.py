@@ -17,6 +17,7 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -53,11 +54,28 @@ def wall_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak for ``peak_memory_mb`` (CUDA: ``reset_peak_memory_stats``; Linux: 5 written to
+    /proc/self/clear_refs sets the peak RSS to the current RSS, proc(5)). False where it cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory in MiB: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU."""
+    """Peak memory in MiB since the start or ``reset_peak_memory``: ``torch.cuda.max_memory_allocated`` on CUDA;
+    on a CPU the peak RSS (VmHWM, /proc/self/status; DataLoader workers not counted), else ``ru_maxrss``."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:
+        return int(Path("/proc/self/status").read_text().split("VmHWM:", 1)[1].split()[0]) / 1024  # kB
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 class _CpuClock:

@@ -95,6 +95,33 @@ def test_peak_flops_known_only_where_given():
     assert hardware.peak_flops(cpu, torch.float32, 2.5) == 2.5e12
 
 
+
+def test_host_memory_is_the_lower_of_the_machine_and_its_cgroup_limit(tmp_path, monkeypatch):
+    """One reading of the machine's memory (the tuner's limit and summary.json's ``memory_limit_mb``): cgroup v2
+    and v1 limits both count, their "no limit" words do not."""
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(hardware, "CGROUP_MEMORY_LIMITS", (v2, v1))
+    physical = hardware.physical_memory_mb()
+    assert physical > 0 and hardware.host_memory_mb() == physical  # no cgroup files
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")  # v1's "no limit"
+    assert hardware.host_memory_mb() == physical
+    v1.write_text(f"{512 * 2**20}\n")
+    assert hardware.host_memory_mb() == 512
+    v2.write_text(f"{256 * 2**20}\n")
+    assert hardware.host_memory_mb() == 256 == hardware.memory_limit_mb(torch.device("cpu"))
+
+
+def test_the_cpu_peak_memory_can_be_reset():
+    """What the batch-size tuner relies on: each configuration's peak RSS starts afresh."""
+    cpu = torch.device("cpu")
+    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del x
+    high = measure.peak_memory_mb(cpu)
+    if not measure.reset_peak_memory(cpu):
+        pytest.skip("the peak RSS cannot be reset here (no /proc/self/clear_refs)")
+    assert 0 < measure.peak_memory_mb(cpu) < high
+
 # ------------------------------------------------------------------------------------ real runs
 
 
