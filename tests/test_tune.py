@@ -20,6 +20,7 @@ from conftest import TINY, compose_cfg, run_cli
 from runner import tune
 from runner.errors import ConfigError
 from runner.models import MnistCNN
+from runner.tune import harness
 from test_distributed import TORCHRUN, child_env
 
 #: each configuration: 1 warm-up + 2 measured steps of TINY's job (synthetic 3x16x16, mnist_cnn)
@@ -185,8 +186,9 @@ def test_batch_size_under_torchrun_every_rank_recommends_the_same(tmp_path):
 
 
 def test_lr_suggestions_come_from_the_falling_side_of_the_curve():
-    """A loss that spikes and then recovers (BatchNorm networks do, resnet18 on CIFAR-10 in docs/tuning.md) must
-    not have its recovery taken for the steepest descent: suggestions stop at the lowest smoothed loss."""
+    """A loss that spikes and then recovers (BatchNorm networks do, resnet18 on CIFAR-10 in
+    docs/benchmarks/tuning.md) must not have its recovery taken for the steepest descent: suggestions stop at
+    the lowest smoothed loss."""
     from runner.tune import steepest, suggestion_range
 
     smoothed = [2.4] * 10 + [2.4 - 0.05 * i for i in range(10)] + [2.0, 3.0, 6.0, 5.0, 3.5, 3.4] + [3.4] * 5
@@ -195,3 +197,28 @@ def test_lr_suggestions_come_from_the_falling_side_of_the_curve():
     assert used[-1]["smoothed_loss"] == min(p["smoothed_loss"] for p in used) == 1.95
     pick = used[steepest([p["lr"] for p in used], [p["smoothed_loss"] for p in used])]
     assert pick["step"] < 21  # on the descent, not on the recovery from 6.0 to 3.5
+
+
+def test_a_new_tuner_is_one_registry_entry(tmp_path, monkeypatch, capsys):
+    """The harness and the CLI know a tuner only through ``TUNERS``: a registered ``Tuner`` gets the table (its
+    columns, its pick marked), the four outputs, the override line and a line in ``--help``."""
+    from runner.tune.__main__ import usage
+
+    def tune_fake(cfg, env, job_dir):
+        rows = [{"x": 1, "speed": 2.0}, {"x": 2, "speed": 3.0}]
+        return {"recommended": {"x": 2}, "override": "fake.x=2", "rows": rows, "notes": ["a note"]}
+
+    def plot_fake(result):
+        fig, ax = harness.pyplot().subplots()
+        ax.plot([r["x"] for r in result["rows"]], [r["speed"] for r in result["rows"]])
+        return fig
+
+    fake = tune.Tuner(name="fake", help="a tuner for this test", tune=tune_fake, plot=plot_fake,
+                      columns=[("x", "x", ""), ("speed", "speed", ".1f")], is_pick=lambda r, rec: r["x"] == rec["x"])
+    monkeypatch.setitem(tune.TUNERS, "fake", fake)
+    result = tune.run("fake", compose_cfg(), tmp_path)
+    assert result["ranks"] == [{"x": 2}] and result["world_size"] == 1
+    assert "| 2 | 3.0 | **<- recommended** |" in (tmp_path / "fake.md").read_text()
+    assert sorted(p.name for p in tmp_path.glob("fake.*")) == ["fake.csv", "fake.json", "fake.md", "fake.png"]
+    assert capsys.readouterr().out.strip().endswith("override: fake.x=2")
+    assert "  fake         a tuner for this test" in usage() and "{batch_size,lr,dataloader,fake}" in usage()
