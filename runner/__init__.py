@@ -39,6 +39,13 @@ if not OmegaConf.has_resolver("runner_data_root"):
     OmegaConf.register_new_resolver("runner_data_root", lambda: str(DATA_DIR))
 
 
+#: The ``data.name`` values whose data has an in-memory form, so ``dataloader.on_device`` (``dataloader=device``)
+#: applies: every built-in but imagefolder (read from image files one by one). ``custom`` is tried: its data goes
+#: on the device when it is whole tensors (a TensorDataset or a Subset of one), else ``on_device_data`` is
+#: recorded as skipped. Defined here, torch-free, for the ``${runner_in_memory:}`` resolver below (composing a
+#: config imports no torch); ``runner.data`` re-exports it, and tests/test_data.py checks its sources agree.
+IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "custom")
+
 #: First round of ``ablation.repeats=auto``: enough repeats for a first interval (runner/ablation.py adds rounds).
 AUTO_FIRST_ROUND = 3
 
@@ -63,8 +70,7 @@ def ablation_first_round(repeats, max_repeats) -> int:
 #   ${runner_if_cuda:${trainer.device},A,B}  A when the job will run on CUDA, else B
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
-#                                            dataloader.on_device works (all but imagefolder; text included);
-#                                            custom: tried, and recorded as skipped unless it is whole tensors
+#                                            dataloader.on_device works (IN_MEMORY_DATA above)
 #   ${runner_first_round:${ablation.repeats},${ablation.max_repeats}}   ablation_first_round above
 def _if_cuda(device, then, otherwise):
     from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
@@ -75,7 +81,7 @@ def _if_cuda(device, then, otherwise):
 _RESOLVERS = {
     "runner_if_cuda": _if_cuda,
     "runner_mul": lambda a, b: a * b,
-    "runner_in_memory": lambda name: name in ("mnist", "cifar10", "synthetic", "text", "custom"),
+    "runner_in_memory": lambda name: name in IN_MEMORY_DATA,
     "runner_first_round": ablation_first_round,
 }
 

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, gpt, hf, parallel, text
+from runner import distributed, gpt, hf, parallel
+from runner.data import text
 from runner.errors import ConfigError
 
 #: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.

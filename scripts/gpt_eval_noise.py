@@ -24,7 +24,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, default_collate
 
-from runner import models, text
+from runner import models
+from runner.data import text
 
 
 def main() -> None:

@@ -190,7 +190,7 @@ def test_every_option_list_is_checked_once_before_anything_is_built(key):
 
 
 def test_the_data_option_list_is_what_the_builder_knows():
-    assert set(CHOICES["data.name"]) == {*data_mod._DATASETS, "text", "custom"}
+    assert set(CHOICES["data.name"]) == {*data_mod.IMAGE_DATASETS, "text", "custom"}
 
 
 def _schema_of(option: dict):

@@ -15,6 +15,7 @@ import torch
 
 from conftest import compose_cfg, job_dirs, read_summary, run_cli
 from runner import REPO_ROOT, data as data_mod
+from runner.config import CHOICES
 from runner.distributed import setup
 from runner.errors import ConfigError
 from runner.train import train
@@ -181,6 +182,22 @@ def test_synthetic_is_made_once_and_reproducible():
     assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert (a.sample_shape, a.num_classes, a.train_samples) == ((3, 16, 16), 10, 256)
     assert 0.0 <= float(xa.min()) and float(xa.max()) <= 1.0
+
+
+# ------------------------------------------------------------------------------- in-memory forms
+
+
+def test_the_in_memory_list_is_what_the_sources_give(tiny_cifar, tiny_imagefolder, tiny_text, mnist_copy):
+    """``IN_MEMORY_DATA`` (read by the ``${runner_in_memory:}`` resolver of the presets) names exactly the data
+    whose source has an in-memory form, so ``dataloader=device`` can act on it."""
+    overrides = {"mnist": [f"data.root={mnist_copy}"], "cifar10": [f"data.root={tiny_cifar}"],
+                 "imagefolder": [f"data.root={tiny_imagefolder}", "data.image_size=16"], "synthetic": [],
+                 "text": [f"data.path={tiny_text}", "data.block_size=16"],
+                 "custom": ["data._target_=user_data.tabular"]}
+    assert set(overrides) == set(CHOICES["data.name"]) and set(data_mod.IN_MEMORY_DATA) <= set(overrides)
+    for name, more in overrides.items():
+        cfg = compose_cfg(f"data={name}", *more)
+        assert (data_mod.source_for(cfg.data).in_memory is not None) == (name in data_mod.IN_MEMORY_DATA), name
 
 
 # --------------------------------------------------------------------- real CIFAR-10 (../shared/data)

@@ -93,7 +93,8 @@ def test_pin_memory_and_non_blocking_on_cuda(tmp_path, spy):
 def test_device_loader_keeps_the_dataset_as_device_tensors(tmp_path, spy, monkeypatch):
     augmented = []
     crop_flip = data_mod.random_crop_flip
-    monkeypatch.setattr(data_mod, "random_crop_flip", lambda x, **kw: augmented.append(x.shape) or crop_flip(x, **kw))
+    monkeypatch.setattr(data_mod.batches, "random_crop_flip",  # where OnDeviceLoader looks it up
+                        lambda x, **kw: augmented.append(x.shape) or crop_flip(x, **kw))
     summary = run(tmp_path, "dataloader=device", "data.augment=true")
     assert summary["techniques"]["on_device_data"] == "applied"
     train_loader, eval_loader = spy.datas[-1].train.batches, spy.datas[-1].eval.batches
@@ -169,16 +170,16 @@ def test_non_blocking_is_skipped_without_pinned_memory(tmp_path):
 
 def test_in_memory_cifar_shares_the_numpy_arrays(tiny_cifar, monkeypatch):
     datasets = []
-    orig = data_mod._DATASETS["cifar10"]
+    orig = data_mod.IMAGE_DATASETS["cifar10"]
 
     def cifar(*a):
         out = orig(*a)
         datasets.append(out)
         return out
 
-    monkeypatch.setitem(data_mod._DATASETS, "cifar10", cifar)
+    monkeypatch.setitem(data_mod.IMAGE_DATASETS, "cifar10", cifar)
     data = build("data=cifar10", f"data.root={tiny_cifar}", "dataloader=device", "dataloader.batch_size=10")
-    train_ds, eval_ds, _ = datasets[0]
+    train_ds, eval_ds = datasets[0].train, datasets[0].eval
     images = data.train.batches.images
     assert isinstance(train_ds.data, np.ndarray) and train_ds.data.shape == (100, 32, 32, 3)
     assert images.shape == (100, 3, 32, 32)  # NCHW view of the NHWC array

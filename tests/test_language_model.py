@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from conftest import TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
-from runner import REPO_ROOT, gpt, hf, parallel, prepare, task as task_mod, text
+from runner import REPO_ROOT, gpt, hf, parallel, prepare, task as task_mod
+from runner.data import text
 from runner.errors import ConfigError
 from runner.gpt import GPT, Block
 from runner.train import train

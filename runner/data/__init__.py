@@ -1,0 +1,98 @@
+"""Datasets and loaders: the built-in image sets, character text or the user's own datasets, behind a
+``DataLoader`` or held whole on the device.
+
+``build`` returns train/eval iterables that yield ``(x, y)`` already on the run's device: for the built-in
+image sets ``x`` is a float32 batch of shape ``(B, C, H, W)`` (normalized when ``data.normalize``); for
+``data=custom`` it is the batch of whatever the user's items hold, ``(B, *S)``; for ``data=text`` ``x`` and
+``y`` are int64 token windows ``(B, block_size)``; otherwise ``y`` is an int64 ``(B,)``. The host->device
+copy happens inside the iterable, so the engine's data-wait figure includes it.
+
+Where each concern lives:
+
+- ``source``: ``Source``, what every data source returns -- datasets and facts, never loaders.
+- ``images``: the built-in image sets (``IMAGE_DATASETS``: one function each), their transforms and ``STATS``.
+- ``text``: ``data=text`` -- corpus, vocabulary, ``TokenWindows`` and the on-device ``OnDeviceWindows``.
+- ``custom``: ``data=custom`` -- the user's ``data._target_`` function, its checks and the class-count rule.
+- ``loading``: ``assemble``, the one function that turns a ``Source`` into loaders (on the device or from
+  host ``DataLoader``s), checks the training loader is not empty and makes the example batch; ``Data``.
+- ``batches``: the iterables the engine sees (``DeviceIterable``) and the on-device ``OnDeviceLoader``.
+
+Which ``data.name`` values have an in-memory form (``dataloader=device``) is ``IN_MEMORY_DATA``, defined
+torch-free in ``runner/__init__.py`` (its ``${runner_in_memory:}`` resolver reads it at compose time) and
+re-exported here.
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from runner import IN_MEMORY_DATA
+from runner.config import check_choice
+from runner.data import images, text
+from runner.data.batches import DeviceIterable, OnDeviceLoader, SkippableSampler, random_crop_flip
+from runner.data.custom import CUSTOM_KEYS, class_count, custom_datasets, custom_source
+from runner.data.images import (
+    IMAGE_DATASETS,
+    STATS,
+    ImageSets,
+    UInt8ImageDataset,
+    image_source,
+    images_as_tensor,
+    normalization,
+    transforms,
+)
+from runner.data.loading import Data, HostLoading, assemble, host_loader, host_loading
+from runner.data.source import Source
+from runner.data.text import text_source
+from runner.errors import ConfigError
+
+__all__ = [
+    "CUSTOM_KEYS", "IMAGE_DATASETS", "IN_MEMORY_DATA", "STATS", "Data", "DeviceIterable", "HostLoading", "ImageSets",
+    "OnDeviceLoader", "SkippableSampler", "Source", "UInt8ImageDataset", "assemble", "build", "class_count",
+    "custom_datasets", "custom_source", "host_loader", "host_loading", "image_source", "images_as_tensor",
+    "normalization", "random_crop_flip", "source_for", "text", "text_source", "transforms",
+]
+
+
+def source_for(data_cfg: DictConfig) -> Source:
+    """The ``Source`` of ``data.name``: ``text_source``, ``custom_source`` or ``image_source`` (``IMAGE_DATASETS``).
+
+    Raises:
+        ConfigError: an unknown ``data.name``, or whatever that source raises.
+    """
+    name = data_cfg.name
+    check_choice("data.name", name)  # the built-ins of IMAGE_DATASETS, text and custom
+    if name == "text":
+        return text_source(data_cfg)
+    if name == "custom":
+        return custom_source(data_cfg)
+    return image_source(data_cfg)
+
+
+def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
+          memory_format: torch.memory_format = torch.contiguous_format) -> Data:
+    """Build the train and eval iterables for this rank: ``source_for`` then ``loading.assemble``.
+
+    ``data=custom`` goes through ``custom_datasets``; the loader techniques (DataLoader workers, pinned
+    memory, non_blocking copies, DistributedSampler, ``on_device``) apply to it as to the built-in sets.
+    Switches that cannot act on it are recorded as ``skipped: <reason>``: ``data.normalize`` and
+    ``data.augment`` (image statistics and crops), ``on_device`` for a dataset that is not whole tensors,
+    channels_last for inputs that are not ``(C, H, W)``.
+
+    Raises:
+        ConfigError: unknown ``data.name``, a missing or corrupt dataset, ``batch_size`` <= 0, a
+            per-rank training set smaller than one batch, ``on_device`` with a built-in dataset that has no
+            in-memory form (imagefolder), a ``data.num_classes`` that contradicts a built-in dataset, or
+            bad custom data (``custom_datasets``).
+    """
+    if loader_cfg.batch_size <= 0:
+        raise ConfigError(f"dataloader.batch_size={loader_cfg.batch_size} must be a positive number of samples")
+    return assemble(source_for(data_cfg), loader_cfg, env, seed=seed, memory_format=memory_format)
+
+
+def __getattr__(name: str):
+    """``runner.data._CIFAR10``: the picklable CIFAR-10 class, which lives in ``runner.data.images`` (PEP 562)."""
+    if name == "_CIFAR10":
+        return images._cifar10_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

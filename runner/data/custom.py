@@ -1,0 +1,213 @@
+"""``data=custom``: the user's own dataset function, checked, and its class count.
+
+``data=custom data._target_=<module>.<function>`` (``custom_datasets``) calls the user's function with
+every other key under ``data.`` as a keyword argument; it returns ``(train_dataset, eval_dataset)``, two
+map-style ``torch.utils.data.Dataset``s whose items are ``(input, target)``: ``input`` a tensor (or numpy
+array) of one shape ``S`` for every item, ``target`` a class index (a Python int or a 0-d int64 tensor).
+The class count follows this rule (``class_count``): ``data.num_classes`` when set; else the training
+dataset's ``num_classes`` attribute, else ``len`` of its ``classes`` attribute (a ``Subset``'s underlying
+dataset is asked too); else max(target) + 1 over the training and evaluation targets when they can be
+read without loading the inputs (a ``TensorDataset``'s second tensor, a ``targets`` attribute, Subsets of
+these); else the run stops asking for ``data.num_classes``. ``custom_source`` hands the checked datasets to
+the loader assembly as a ``Source`` of layout ``tensors``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
+
+from runner import targets
+from runner.data.source import Source
+from runner.errors import ConfigError
+
+#: ``data=custom`` keys that are runner's; every other key under ``data.`` is an argument of the function
+#: (``num_classes`` is passed too, when set and the function has a parameter of that name).
+CUSTOM_KEYS = ("name", "_target_", "num_classes", "normalize", "augment")
+
+
+def _check_item(path: str, which: str, ds) -> tuple[torch.Tensor, object]:
+    """Item 0 of ``ds`` as ``(input tensor, target)``, checked for a classification task.
+
+    Raises:
+        ConfigError: reading it raises, it is not an ``(input, target)`` pair, the input is not a tensor
+            or numpy array with at least one dimension, or the target is not one int64 class index.
+    """
+    try:
+        item = ds[0]
+    except Exception as e:  # noqa: BLE001 - the user's __getitem__ can raise anything
+        raise ConfigError(f"data._target_={path}: reading item 0 of the {which} set raised {type(e).__name__}: {e}") from e
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        what = f"a {type(item).__name__}" + (f" of {len(item)} elements" if isinstance(item, (tuple, list)) else "")
+        raise ConfigError(f"data._target_={path}: items must be (input, target) pairs, but item 0 of the {which} set "
+                          f"is {what}; return `x, y` from __getitem__ (a TensorDataset(inputs, targets) does)")
+    x, y = item
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        what = "a 0-d tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise ConfigError(f"data._target_={path}: the input of item 0 of the {which} set is {what}; it must be a "
+                          f"tensor (or numpy array) with at least one dimension, e.g. shape (n_features,)")
+    if isinstance(y, torch.Tensor):
+        ok = y.dim() == 0 and y.dtype == torch.int64
+        what = f"a {y.dtype} tensor of shape {tuple(y.shape)}"
+    else:
+        ok = isinstance(y, (int, np.int64)) and not isinstance(y, bool)
+        what = f"a {type(y).__name__}" + (f" ({y.dtype})" if isinstance(y, np.generic) else "")
+    if not ok:
+        raise ConfigError(f"data._target_={path}: the target of item 0 of the {which} set is {what}; a classification "
+                          f"target is one class index: a Python int or a 0-d int64 tensor (torch.long; e.g. "
+                          f"TensorDataset(x, y.long()) with y of shape (N,))")
+    return x, y
+
+
+def _tensor_pair(ds) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """``ds`` as ``(inputs, targets)`` tensors, for ``dataloader.on_device``, or the reason it cannot be.
+
+    A ``TensorDataset`` of two tensors gives its own (no copy); a ``Subset`` of one gives the selected rows.
+    """
+    if isinstance(ds, TensorDataset):
+        return tuple(ds.tensors) if len(ds.tensors) == 2 else f"its TensorDataset holds {len(ds.tensors)} tensors, not 2"
+    if isinstance(ds, Subset):
+        inner = _tensor_pair(ds.dataset)
+        if isinstance(inner, str):
+            return inner
+        idx = torch.as_tensor(list(ds.indices), dtype=torch.long)
+        return inner[0][idx], inner[1][idx]
+    return (f"a {type(ds).__name__} cannot be held as whole tensors (only a TensorDataset or a Subset of one: its "
+            f"__getitem__ may transform each item); batches come from the DataLoader instead")
+
+
+def _cheap_targets(ds) -> torch.Tensor | None:
+    """Every target of ``ds`` as an integer tensor when readable without loading inputs, else None: a
+    TensorDataset's second tensor, a ``targets`` attribute, a Subset of either (its indices applied)."""
+    if isinstance(ds, TensorDataset):
+        return ds.tensors[1] if len(ds.tensors) == 2 else None
+    if isinstance(ds, Subset):
+        inner = _cheap_targets(ds.dataset)
+        return None if inner is None else inner[torch.as_tensor(list(ds.indices), dtype=torch.long)]
+    t = getattr(ds, "targets", None)
+    if t is None:
+        return None
+    try:
+        t = torch.as_tensor(t)
+    except Exception:  # noqa: BLE001 - not a list of numbers
+        return None
+    return t if t.dim() == 1 and len(t) == len(ds) and not t.is_floating_point() else None
+
+
+def _declared_classes(ds) -> tuple[int, str] | None:
+    """``(count, where from)`` from a ``num_classes`` or ``classes`` attribute of ``ds`` (or of a Subset's dataset)."""
+    for obj in (ds, getattr(ds, "dataset", None)):
+        n = getattr(obj, "num_classes", None)
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n, f"the dataset's num_classes attribute ({n})"
+        classes = getattr(obj, "classes", None)
+        if classes is not None and hasattr(classes, "__len__") and not isinstance(classes, str):
+            return len(classes), f"the dataset's classes attribute ({len(classes)} names)"
+    return None
+
+
+def class_count(path: str, configured: int | None, train_ds, eval_ds) -> int:
+    """The class count of the user's datasets, by the rule in the module docstring.
+
+    Raises:
+        ConfigError: ``data.num_classes`` < 1, a negative target, a target >= the count (names where the
+            count came from), or no way to know the count (asks for ``data.num_classes``).
+    """
+    if configured is not None and configured < 1:
+        raise ConfigError(f"data.num_classes={configured} must be >= 1 (or null: inferred from the data)")
+    seen = [t for t in (_cheap_targets(train_ds), _cheap_targets(eval_ds)) if t is not None and len(t)]
+    if configured is not None:
+        count, source = configured, f"data.num_classes={configured}"
+    elif (declared := _declared_classes(train_ds)) is not None:
+        count, source = declared
+    elif seen:
+        count = int(max(int(t.max()) for t in seen)) + 1
+        source = f"max(target) + 1 = {count}"
+    else:
+        raise ConfigError(f"data._target_={path}: cannot tell how many classes the data has: set data.num_classes=<C> "
+                          f"(or give the dataset a num_classes or classes attribute, or targets runner can read "
+                          f"without loading inputs: a TensorDataset or a `targets` attribute)")
+    if seen:
+        lo, hi = min(int(t.min()) for t in seen), max(int(t.max()) for t in seen)
+        if lo < 0:
+            raise ConfigError(f"data._target_={path}: a target is {lo}; class indices run from 0 to num_classes - 1")
+        if hi >= count:
+            raise ConfigError(f"data._target_={path}: a target is {hi} but the class count is {count} (from {source}); "
+                              f"class indices run from 0 to num_classes - 1: set data.num_classes={hi + 1} or more")
+    return count
+
+
+def custom_datasets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, torch.Tensor]:
+    """Call ``data._target_`` and check what it returns: ``(train_dataset, eval_dataset, num_classes,
+    first training input)``.
+
+    Keyword arguments: every key under ``data.`` but ``CUSTOM_KEYS``, plus ``num_classes`` when set and
+    the function has that parameter; lists and dicts arrive as plain Python, nested ``_target_`` nodes are
+    instantiated (Hydra's ``instantiate``). The function runs on every rank: make it deterministic (seed
+    any random generator) so every rank sees the same data.
+
+    Raises:
+        ConfigError: ``_target_`` unset, not importable or not callable; an argument its signature lacks
+            (lists the valid names); the call raises; it does not return a pair of map-style datasets; an
+            empty dataset; items that are not ``(input, target)`` pairs with an int64 class index;
+            inputs of different shapes in the two sets; no class count (``class_count``).
+    """
+    path = cfg._target_
+    fn = targets.locate("data._target_", path)
+    kwargs = {k: v for k, v in targets.plain(cfg).items() if k not in CUSTOM_KEYS}
+    targets.check_arguments("data", fn, kwargs, CUSTOM_KEYS)
+    if cfg.num_classes is not None and "num_classes" in targets.parameters(fn)[0]:
+        kwargs["num_classes"] = cfg.num_classes
+    out = targets.call("data._target_", path, kwargs)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        what = type(out).__name__ + (f" of {len(out)} elements" if isinstance(out, (tuple, list)) else "")
+        raise ConfigError(f"data._target_={path} returned a {what}; it must return a pair (train_dataset, "
+                          f"eval_dataset), e.g. `return TensorDataset(x_train, y_train), TensorDataset(x_eval, y_eval)`")
+    for which, ds in zip(("training", "evaluation"), out):
+        if isinstance(ds, IterableDataset) or not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise ConfigError(f"data._target_={path}: its {which} set is a {type(ds).__name__}, not a map-style "
+                              f"Dataset (with __len__ and __getitem__, e.g. a TensorDataset)")
+        if len(ds) == 0:
+            raise ConfigError(f"data._target_={path}: its {which} set is empty (0 items); check the function's "
+                              f"arguments ({', '.join(f'data.{k}={v!r}' for k, v in kwargs.items()) or 'none'})")
+    train_ds, eval_ds = out
+    x0, _ = _check_item(path, "training", train_ds)
+    xe, _ = _check_item(path, "evaluation", eval_ds)
+    if xe.shape != x0.shape:
+        raise ConfigError(f"data._target_={path}: training inputs have shape {tuple(x0.shape)} but evaluation inputs "
+                          f"{tuple(xe.shape)}; both sets must hold inputs of one shape")
+    return train_ds, eval_ds, class_count(path, cfg.num_classes, train_ds, eval_ds), x0
+
+
+def custom_source(cfg: DictConfig) -> Source:
+    """``data=custom``: the user's datasets (``custom_datasets``) as a ``Source`` of layout ``tensors``.
+
+    The loader techniques (DataLoader workers, pinned memory, non_blocking copies, DistributedSampler,
+    ``on_device``) apply as to the built-in sets. Switches that cannot act on it are recorded as
+    ``skipped: <reason>``: ``data.normalize`` and ``data.augment`` (image statistics and crops) here,
+    ``on_device`` for a dataset that is not whole tensors by the loader assembly (``in_memory`` gives the
+    reason; a Subset's rows are copied only when ``on_device`` asks).
+
+    Raises:
+        ConfigError: bad custom data (``custom_datasets``).
+    """
+    train_ds, eval_ds, num_classes, x0 = custom_datasets(cfg)
+    techniques: dict[str, str] = {}
+    why = "data=custom: your dataset function returns the inputs as the model sees them"
+    if cfg.normalize:
+        techniques["normalize"] = f"skipped: {why}; normalize them there (data.normalize knows only the " \
+                                  f"built-in image sets' statistics)"
+    if cfg.augment:
+        techniques["augment"] = f"skipped: {why}; augment in its __getitem__ (data.augment is the built-in " \
+                                f"image sets' crop + flip)"
+
+    def in_memory() -> tuple | str:
+        pair = _tensor_pair(train_ds), _tensor_pair(eval_ds)
+        return next((p for p in pair if isinstance(p, str)), pair)
+
+    return Source(name="custom", train=train_ds, eval=eval_ds, sample_shape=tuple(x0.shape), layout="tensors",
+                  in_memory=in_memory, num_classes=num_classes, item=x0, techniques=techniques)

@@ -1,0 +1,171 @@
+"""Character-level text for language models (``data=text``): read, tokenize, split, cut into windows.
+
+The recipe of nanoGPT's ``data/shakespeare_char/prepare.py`` and ``train.py``'s ``get_batch``
+(https://github.com/karpathy/nanoGPT): the vocabulary is the sorted set of the text's characters, token
+id = index in it; the first 90 % of the tokens train, the last 10 % validate; a training sample is a
+random window of ``block_size`` tokens ``x`` and the same window shifted by one, ``y`` (the next token
+at every position). ``text_source`` returns these parts as a ``Source``; ``runner.data.loading`` assembles
+the loaders (``OnDeviceWindows`` on the device, a ``DataLoader`` over ``TokenWindows`` on the host).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+
+from runner.data.source import Source
+from runner.errors import ConfigError
+
+TRAIN_FRACTION = 0.9
+
+
+def read_corpus(path: str | None) -> tuple[torch.Tensor, list[str]]:
+    """Read ``path`` as UTF-8 text; return its tokens (int64 ``(N,)``, one per character) and the vocabulary.
+
+    Raises:
+        ConfigError: ``data.path`` unset, missing, not a file, empty, not UTF-8, or binary (NUL bytes).
+    """
+    if not path:
+        raise ConfigError("data=text needs data.path=<a UTF-8 text file>, e.g. "
+                          "data.path=../shared/data/tinyshakespeare/input.txt")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"data.path={path} does not exist or is not a file; point data.path at a UTF-8 text file")
+    raw = file.read_bytes()
+    if not raw:
+        raise ConfigError(f"data.path={path} is empty; a language model needs text to learn from")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data.path={path} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
+                          f"convert it (iconv -t UTF-8) or point data.path at a text file") from e
+    if "\x00" in text:
+        raise ConfigError(f"data.path={path} holds NUL bytes: a binary file, not text; point data.path at a "
+                          f"text file")
+    vocab = sorted(set(text))
+    lookup = {ch: i for i, ch in enumerate(vocab)}
+    return torch.tensor([lookup[ch] for ch in text], dtype=torch.int64), vocab
+
+
+def split(tokens: torch.Tensor, block_size: int, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first 90 % of ``tokens`` for training, the rest for validation (views, no copy).
+
+    Raises:
+        ConfigError: ``block_size`` < 1, or a split too short for one window (``block_size`` + 1 tokens).
+    """
+    if block_size < 1:
+        raise ConfigError(f"data.block_size={block_size} must be >= 1 (tokens per sample)")
+    cut = int(TRAIN_FRACTION * len(tokens))
+    train, val = tokens[:cut], tokens[cut:]
+    shortest = min(len(train), len(val))
+    if block_size >= shortest:
+        raise ConfigError(f"data.block_size={block_size} does not fit in the text: its validation split (the last "
+                          f"10 % of data.path={path}) has {len(val)} tokens and a window needs block_size + 1; "
+                          f"lower data.block_size below {shortest} or use a longer text")
+    return train, val
+
+
+def save_vocab(vocab: list[str], job_dir: Path) -> Path:
+    """Write ``vocab.json`` (a JSON list: token id i is the string at index i) so outputs can be decoded later."""
+    path = job_dir / "vocab.json"
+    path.write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def encode(text: str, vocab: list[str]) -> list[int]:
+    """Token ids of ``text`` (every character must be in ``vocab``: KeyError otherwise)."""
+    lookup = {ch: i for i, ch in enumerate(vocab)}
+    return [lookup[ch] for ch in text]
+
+
+def decode(ids: list[int], vocab: list[str]) -> str:
+    """The text of token ids ``ids``."""
+    return "".join(vocab[i] for i in ids)
+
+
+class TokenWindows(Dataset):
+    """Windows of a 1-D token tensor: item i = ``(tokens[s : s+block], tokens[s+1 : s+block+1])``, s = i x stride.
+
+    ``stride=1`` (training): every start position, drawn at random by the sampler; ``stride=block_size``
+    (evaluation): consecutive windows that tile the split once. Items are int64 ``(block_size,)`` views.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int = 1):
+        self.tokens, self.block_size, self.stride = tokens, block_size, stride
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = i * self.stride
+        window = self.tokens[s: s + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+class OnDeviceWindows:
+    """Technique 2b for text: the split lives on the device; each batch is one gather there.
+
+    nanoGPT's ``get_batch`` (https://github.com/karpathy/nanoGPT/blob/master/train.py) without the host: per batch one ``torch.randint`` draws ``batch_size`` start
+    offsets on the device (training) or the next ``batch_size`` of the fixed ``starts`` are taken
+    (evaluation: the same windows every time), and one indexing op gathers ``(B, block_size + 1)`` tokens;
+    ``x`` and ``y`` are its first and last ``block_size`` columns (int64 ``(B, block_size)`` views).
+
+    Args:
+        tokens: int64 ``(N,)`` on the device. num_batches: batches per epoch (random windows only).
+        starts: int64 window offsets on the device (fixed windows), or None for random ones.
+        generator: the device generator for the random offsets (seeded per rank by the caller).
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, *, num_batches: int | None = None,
+                 starts: torch.Tensor | None = None, generator: torch.Generator | None = None):
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.starts, self.generator = starts, generator
+        self.num_batches = num_batches if starts is None else -(-len(starts) // batch_size)
+        self.span = torch.arange(block_size + 1, device=tokens.device)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def skip_next(self, batches: int) -> None:
+        """Start the next pass at batch ``batches`` (a resumed run): the random offsets of the skipped batches
+        are drawn and dropped, so the generator continues where an uninterrupted run's would be."""
+        self._skip = batches
+
+    def __iter__(self):
+        high = len(self.tokens) - self.block_size
+        skip, self._skip = getattr(self, "_skip", 0), 0
+        for _ in range(skip if self.starts is None else 0):
+            torch.randint(high, (self.batch_size,), device=self.tokens.device, generator=self.generator)
+        for i in range(skip, self.num_batches):
+            if self.starts is None:
+                s = torch.randint(high, (self.batch_size,), device=self.tokens.device, generator=self.generator)
+            else:
+                s = self.starts[i * self.batch_size: (i + 1) * self.batch_size]
+            window = self.tokens[s[:, None] + self.span]
+            yield window[:, :-1], window[:, 1:]
+
+
+def text_source(cfg: DictConfig) -> Source:
+    """``data=text``: character tokens of ``data.path`` (``read_corpus``), windows of ``data.block_size``.
+
+    Training: ``data.train_size`` random windows per epoch (null: train tokens // block_size, so an epoch
+    sees about as many tokens as the split holds), each rank its own seeded draw (``draws_per_epoch``).
+    Evaluation: the consecutive windows that tile the validation split, the same every time, strided over
+    the ranks. ``dataloader.on_device``: both splits on the device, one gather per batch (``OnDeviceWindows``);
+    otherwise a ``DataLoader`` over ``TokenWindows`` with the host-loading techniques.
+    ``data.normalize``/``augment`` are image techniques: the language-model task records them as skipped.
+
+    Raises:
+        ConfigError: a bad ``data.path`` (``read_corpus``) or ``data.block_size`` (``split``).
+    """
+    tokens, vocab = read_corpus(cfg.path)
+    train_tokens, val_tokens = split(tokens, cfg.block_size, cfg.path)
+    block = cfg.block_size
+    return Source(name="text", train=TokenWindows(train_tokens, block),
+                  eval=TokenWindows(val_tokens, block, stride=block), sample_shape=(block,), layout="tokens",
+                  in_memory=lambda: (train_tokens, val_tokens),
+                  draws_per_epoch=cfg.train_size or len(train_tokens) // block, vocab=vocab)
