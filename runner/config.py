@@ -28,7 +28,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.errors import ConfigError
 
-#: Every closed list of options, declared once: ``runner.train.validate`` checks a composed config against
+#: Every closed list of options, declared once: ``runner.validate.validate`` checks a composed config against
 #: all of them before anything is built, and the builder of each key calls ``check_choice`` with the same
 #: list, so a direct call with a bad value fails with the same message. ``None`` in a list: the key may be
 #: null. The schemas keep these fields plain strings: a bad value stops in ``validate`` with one ``error:`` line
