@@ -19,11 +19,21 @@ moment leaves either the previous complete checkpoint or the new one, never a ha
 With ``async_save`` (``checkpoint.async=true``) the state is staged to CPU memory and written by a background
 thread (``dcp.async_save``); training continues, and the rename happens when the write has finished
 (checked at the next save and at the end). Only the staging blocks the loop.
+
+**Loading never runs code from the checkpoint** (docs/checkpointing.md, "What is safe to load"). DCP reads its
+``.metadata`` with ``pickle`` and every non-tensor item with ``torch.load(weights_only=False)``, so a planted file
+would run code when a checkpoint someone else wrote is resumed. ``Checkpointer.load`` first reads ``.metadata``
+through ``SafeMetadataUnpickler`` (only the classes DCP's metadata is made of) and loads non-tensor items with
+``torch.load(weights_only=True)`` (``SafeLoadPlanner``), the restriction PyTorch applies to weights
+(https://pytorch.org/docs/stable/notes/serialization.html#weights-only); anything else is refused with a
+``ConfigError`` naming the file. runner's own training state is tensors and JSON (``runner.state``).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import random
 import re
 import shutil
@@ -38,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -97,6 +108,72 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+# ------------------------------------------------------------------------------- loading safely
+class SafeMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` admitting only what it is made of: the classes of
+    ``torch.distributed.checkpoint.metadata`` and the filesystem writer's ``_StorageInfo``, ``torch.Size``, dtypes,
+    layouts and memory formats, paths, and plain containers. Any other global (``os.system``, ``builtins.eval``,
+    a class with a ``__reduce__`` that runs code) raises ``RefusedPickle`` before it is called.
+    The same idea as ``torch.load(weights_only=True)``'s unpickler, for DCP's metadata classes."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata",)
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
+              ("builtins", "frozenset"), ("builtins", "slice"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+              ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        if module in self._MODULES:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                            torch.memory_format)):
+            return getattr(torch, name)
+        raise RefusedPickle(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+class RefusedPickle(pickle.UnpicklingError):
+    """A pickle names a global outside ``SafeMetadataUnpickler``'s allowlist."""
+
+
+def check_metadata(path: Path) -> None:
+    """Read checkpoint ``path``'s ``.metadata`` through ``SafeMetadataUnpickler``, before DCP unpickles it.
+
+    Raises:
+        ConfigError: the file holds anything but DCP's metadata (a planted pickle: "refusing to load", naming
+            the file), or cannot be read at all (corrupt: "cannot resume from").
+    """
+    meta_file = Path(path) / ".metadata"
+    try:
+        with meta_file.open("rb") as f:
+            SafeMetadataUnpickler(f).load()
+    except RefusedPickle as e:
+        raise ConfigError(f"refusing to load {meta_file}: it is not plain DCP checkpoint metadata ({e}); a "
+                          f"checkpoint can carry code, so resume only checkpoints you or runner wrote. Delete "
+                          f"{path} or pass checkpoint.resume=never") from e
+    except Exception as e:  # noqa: BLE001 - a damaged pickle fails in many ways (EOF, bad opcode, ...): one message
+        raise ConfigError(f"cannot resume from {path}: its .metadata is corrupt ({type(e).__name__}: {e}); delete "
+                          f"{path} to fall back to the previous checkpoint, or pass checkpoint.resume=never") from e
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a non-tensor item is unpickled with ``torch.load(weights_only=True)``
+    (tensors, numbers, strings and plain containers) before DCP's own ``torch.load(weights_only=False)`` sees it.
+
+    Raises:
+        pickle.UnpicklingError: an item that holds anything else (turned into a ``ConfigError`` by
+            ``Checkpointer.load``).
+    """
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        data = value.read()
+        torch.load(io.BytesIO(data), weights_only=True)  # raises on a global outside the weights-only allowlist
+        super().load_bytes(read_item, io.BytesIO(data))
+
+
 # ------------------------------------------------------------------------------- what is saved
 
 
@@ -120,25 +197,33 @@ class ModelAndOptimizer(Stateful):
 
 class RNGState(Stateful):
     """This rank's random-number generators: Python's, NumPy's, torch's CPU generator and the current CUDA
-    device's. Stored per rank (``rank<r>`` keys), since ranks draw different augmentations and dropout."""
+    device's. Stored per rank (``rank<r>`` keys), since ranks draw different augmentations and dropout.
+
+    Plain data only, so a checkpoint loads without unpickling code: Python's and NumPy's states as lists of
+    ints (JSON-ready), torch's as uint8 tensors."""
 
     def __init__(self, rank: int):
         self.rank = rank
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "numpy": np.random.get_state(),
-                 "torch": torch.get_rng_state().numpy().tobytes()}
+        version, internal, gauss = random.getstate()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state = {"python": [version, list(internal), gauss],
+                 "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+                 "torch": torch.get_rng_state().clone()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+            state["cuda"] = torch.cuda.get_rng_state().cpu()
         return {f"rank{self.rank}": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict[f"rank{self.rank}"]
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+            torch.cuda.set_rng_state(state["cuda"].to(torch.uint8).cpu())
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -265,9 +350,15 @@ class Checkpointer:
             ConfigError: the checkpoint cannot be read or does not match this model/optimizer (names the
                 path and the likely cause).
         """
+        check_metadata(path)
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            if "weights_only" in str(e) or "Unpickl" in str(e):
+                raise ConfigError(f"refusing to load {path}: an item in its .distcp files is not plain tensors or "
+                                  f"numbers (a planted pickle?); a checkpoint can carry code, so resume only "
+                                  f"checkpoints you or runner wrote. Delete {path} or pass checkpoint.resume=never"
+                                  ) from e
             lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
             why = lines[-1][:300] if lines else type(e).__name__  # DCP's exception ends with the rank's error
             raise ConfigError(f"cannot resume from {path}: {why}. The checkpoint is corrupt or was written by "

@@ -7,17 +7,14 @@ of the interval's loss and step timings (``_PerRank``), so a resumed run continu
 
 from __future__ import annotations
 
+import json
 import math
-import pickle
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from runner import checkpoint, measure
-
-if TYPE_CHECKING:
-    from runner.train import Parts
 
 
 @dataclass
@@ -47,42 +44,44 @@ class TrainState:
               "restart_lost_time_s")
 
 
-class _Shared:
-    """``TrainState``'s rank-independent fields for DCP, pickled into one item (DCP keeps rank 0's)."""
+class SharedState:
+    """``TrainState``'s rank-independent fields for DCP, as one JSON string (DCP keeps rank 0's).
+
+    JSON, never pickle: loading a checkpoint must not run code from it (``runner.checkpoint``). NaN and
+    infinities (a diverged loss) round-trip through Python's JSON; ``last_finite`` comes back as a tuple."""
 
     def __init__(self, state: TrainState):
         self.state = state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fields": pickle.dumps({k: getattr(self.state, k) for k in TrainState.SHARED})}
+        return {"fields": json.dumps({k: getattr(self.state, k) for k in TrainState.SHARED})}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for k, v in pickle.loads(sd["fields"]).items():
-            setattr(self.state, k, v)
+        fields = json.loads(sd["fields"])
+        if fields.get("last_finite") is not None:
+            fields["last_finite"] = tuple(fields["last_finite"])
+        for k in TrainState.SHARED:
+            setattr(self.state, k, fields[k])
 
 
-class _PerRank:
-    """This rank's part of the state: its RNG streams, its share of the interval's loss and its step timings."""
+class PerRankState:
+    """This rank's part of the state: its RNG streams, its share of the interval's loss and its step timings,
+    as tensors and one JSON string under ``rank<r>`` (ranks draw different augmentations and dropout)."""
 
     def __init__(self, state: TrainState, rank: int):
         self.state, self.rank, self.rng = state, rank, checkpoint.RNGState(rank)
 
     def state_dict(self) -> dict[str, Any]:
-        payload = {"rng": self.rng.state_dict()[f"rank{self.rank}"], "loss_sum": self.state.loss_sum.detach().cpu(),
-                   "timings": (self.state.timings.data_wait_ms, self.state.timings.step_time_ms)}
-        return {f"rank{self.rank}": pickle.dumps(payload)}
+        rng = self.rng.state_dict()[f"rank{self.rank}"]
+        payload = {"timings": [self.state.timings.data_wait_ms, self.state.timings.step_time_ms],
+                   "python_rng": rng.pop("python"), "numpy_rng": rng.pop("numpy")}
+        return {f"rank{self.rank}": {"json": json.dumps(payload), "loss_sum": self.state.loss_sum.detach().cpu(),
+                                     **rng}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        payload = pickle.loads(sd[f"rank{self.rank}"])
-        self.rng.load_state_dict({f"rank{self.rank}": payload["rng"]})
-        self.state.loss_sum.copy_(payload["loss_sum"])
+        mine = dict(sd[f"rank{self.rank}"])
+        payload = json.loads(mine.pop("json"))
+        self.state.loss_sum.copy_(mine.pop("loss_sum"))
+        self.rng.load_state_dict({f"rank{self.rank}": {"python": payload["python_rng"],
+                                                       "numpy": payload["numpy_rng"], **mine}})
         self.state.timings.data_wait_ms[:], self.state.timings.step_time_ms[:] = payload["timings"]
-
-
-def checkpoint_state(state: TrainState, parts: "Parts") -> dict[str, Any]:
-    """What a checkpoint holds, as DCP Stateful objects: model + optimizer (sharded under FSDP), LR schedule,
-    GradScaler, the shared ``TrainState`` (step, epoch, position in the epoch, measured time, ...) and each
-    rank's RNG, loss share and timings."""
-    return {"model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
-            "scheduler": parts.scheduler, "scaler": parts.amp.scaler, "train": _Shared(state),
-            "rank": _PerRank(state, parts.env.rank)}

@@ -38,11 +38,11 @@ from runner import (
     prepare,
     schedule,
     task as task_mod,
-    text,
 )
 from runner.config import global_batch_size
+from runner.data import text
 from runner.errors import ConfigError, Preempted, TrainingDiverged
-from runner.state import TrainState, checkpoint_state
+from runner.state import PerRankState, SharedState, TrainState
 from runner.track import NullTracker, Tracker, git_sha, job_folder, sweep_group
 from runner.validate import validate
 
@@ -109,6 +109,15 @@ class Parts:
     checkpointer: checkpoint.Checkpointer
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
+
+
+def checkpoint_state(state: TrainState, parts: Parts) -> dict[str, Any]:
+    """What a checkpoint holds, as DCP Stateful objects: model + optimizer (sharded under FSDP), LR schedule,
+    GradScaler, the shared ``TrainState`` (step, epoch, position in the epoch, measured time, ...) and each
+    rank's RNG, loss share and timings."""
+    return {"model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
+            "scheduler": parts.scheduler, "scaler": parts.amp.scaler, "train": SharedState(state),
+            "rank": PerRankState(state, parts.env.rank)}
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:

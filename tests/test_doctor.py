@@ -237,9 +237,9 @@ def test_anomaly_detection_is_named_as_a_debug_tool_left_on(tmp_path):
 
 
 def test_every_run_ends_with_the_diagnosis_and_verify_measures_a_suggestion(tmp_path):
-    """Through the CLI: the run prints its diagnosis; `--verify --top 1` from another folder reruns the job
-    (its data module found in the job's folder) and its first suggestion, and reports speed-ups that are the
-    ratios of the medians of the samples/s it reports."""
+    """Through the CLI: the run prints its diagnosis; `--verify --top 1`, started where the job ran (so its data
+    module is found there, as in the job; tests/test_trust.py: never from elsewhere), reruns the job and its first
+    suggestion, and reports speed-ups that are the ratios of the medians of the samples/s it reports."""
     (tmp_path / "doctor_slow_data.py").write_text(SLOW_DATA)
     job_overrides = [*TINY_LOOP, "data=custom", "data._target_=doctor_slow_data.fast",
                      "model=mlp", "model.hidden=16", "trainer.log_every=1", "trainer.max_steps=12"]
@@ -248,10 +248,8 @@ def test_every_run_ends_with_the_diagnosis_and_verify_measures_a_suggestion(tmp_
     assert "speed doctor (" in run.stdout and "sync/overhead-bound" in run.stdout, run.stdout[-2000:]
     assert "trainer.log_every=50" in run.stdout
     (job,) = job_dirs(tmp_path)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
     out = tmp_path / "verify"
-    proc = run_cli(str(job), "--verify", "--top", "1", "--repeats", "2", "--out", str(out), cwd=elsewhere,
+    proc = run_cli(str(job), "--verify", "--top", "1", "--repeats", "2", "--out", str(out), cwd=tmp_path,
                    module="runner.doctor")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = json.loads((out / "verify.json").read_text())

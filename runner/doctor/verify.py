@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,8 +96,8 @@ def compose_job(job: Job, overrides: list[str]):
 def verify(job: Job, findings: list[Finding], steps: int | None = None, repeats: int = 3,
            out: Path | None = None, top: int | None = None) -> tuple[list[Trial], Path]:
     """Run the job and each suggestion (the first ``top``) ``repeats`` times (repeat = outer loop) for ``verify_steps`` steps,
-    each in a fresh process forked from the ablation's job server (``runner.ablation.fork_train``), from
-    the folder the job ran in; then each suggestion's speed-up over the job's rerun: median samples/s ÷
+    each in a fresh process forked from the ablation's job server (``runner.ablation.fork_train``), in
+    the folder the doctor runs in (never the job's recorded folder: a module planted there would run); then each suggestion's speed-up over the job's rerun: median samples/s ÷
     the rerun's median, its 95 % bootstrap interval and verdict (``runner.report.stats``; with one repeat no
     interval). Writes ``verify.json`` and ``verify.md`` into ``out`` (default
     ``<job>/doctor-verify/<date>_<time>``).
@@ -127,23 +125,20 @@ def verify(job: Job, findings: list[Finding], steps: int | None = None, repeats:
                                                                           *VERIFY_FIXED]))
                for t in trials}  # every configuration composes before anything runs
     print(f"verify: {len(trials)} configurations x {repeats} repeat(s), {n_steps} steps each, into {out}", flush=True)
-    here, path = Path.cwd(), list(sys.path)
-    try:
-        if job.cwd is not None and job.cwd.is_dir():
-            os.chdir(job.cwd)  # the children start here: relative paths and run-folder modules as in the job
-            sys.path.insert(0, str(job.cwd))
-        for repeat in range(repeats):
-            for t in trials:
-                folder = (out / t.folder / f"r{repeat}").resolve()
-                status = fork_train(configs[t.folder], folder, {}, f"doctor {t.folder}/r{repeat}")
-                summary = folder / "summary.json"
-                sps = _num(_read_json(summary).get("samples_per_sec")) if status == 0 and summary.is_file() else None
-                t.runs.append(sps)
-                print(f"verify: {t.label} r{repeat}: " + (f"{sps:,.1f} samples/s" if sps else
-                                                          f"no figure (exit status {status})"), flush=True)
-    finally:
-        os.chdir(here)
-        sys.path[:] = path
+    if job.cwd is not None and job.cwd.resolve() != Path.cwd().resolve():
+        # Never import from (or chdir into) a folder the doctor was not started in: a job folder may come from
+        # someone else, and a module planted there would run. Relative paths and the user's modules resolve here.
+        print(f"verify: the job ran from {job.cwd}; its relative paths and own modules (data._target_, "
+              f"model._target_) resolve from here, {Path.cwd()}. To rerun it as it ran: cd {job.cwd}", flush=True)
+    for repeat in range(repeats):
+        for t in trials:
+            folder = (out / t.folder / f"r{repeat}").resolve()
+            status = fork_train(configs[t.folder], folder, {}, f"doctor {t.folder}/r{repeat}")
+            summary = folder / "summary.json"
+            sps = _num(_read_json(summary).get("samples_per_sec")) if status == 0 and summary.is_file() else None
+            t.runs.append(sps)
+            print(f"verify: {t.label} r{repeat}: " + (f"{sps:,.1f} samples/s" if sps else
+                                                      f"no figure (exit status {status})"), flush=True)
     base = trials[0]
     if base.median is None:
         raise ConfigError(f"the job's own rerun measured nothing (see its output above and {out / base.folder}); "
