@@ -29,6 +29,7 @@ from runner import (
     distributed,
     hardware,
     launch,
+    machine_load,
     measure,
     models,
     optim,
@@ -474,8 +475,8 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "measured_steps": figures["measured_steps"],
         "measured_time_s": figures["measured_time_s"],  # samples_per_sec = global batch x measured_steps / this
         "measurement": figures["measurement"],  # what the speed figures cover, or why they are null
-        "machine_load": load,  # how busy the machine was during the measured steps (measure.LoadWindow.record)
-        "warnings": measure.load_warnings(load, env.device.type),  # why the figures cannot be trusted, if so
+        "machine_load": load,  # how busy the machine was during the measured steps (machine_load.LoadWindow.record)
+        "warnings": machine_load.load_warnings(load, env.device.type),  # why the figures cannot be trusted, if so
         "global_batch_size": plan.global_batch,
         "micro_batch_size": plan.micro_batch,
         "accumulate_steps": plan.accumulate,

@@ -1,6 +1,6 @@
 """How busy the machine was while a run measured (summary.json ``machine_load`` and ``warnings``).
 
-The thresholds are covered on hand-made records (``measure.load_warnings``, pure); real runs check that the
+The thresholds are covered on hand-made records (``machine_load.load_warnings``, pure); real runs check that the
 record exists and is consistent, and that a machine made busy on purpose (two busy-loop processes on the
 cores) gets a warning. Nothing here asserts that a quiet machine gets none: this one is shared.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import TINY_LOOP, compose_cfg
-from runner import measure
+from runner import machine_load, measure
 from runner.track import print_summary
 from runner.train import train
 
@@ -36,37 +36,37 @@ def record(**changes):
 
 
 def test_a_quiet_record_has_no_warning():
-    assert measure.load_warnings(record(), "cpu") == []
-    assert measure.load_warnings(None, "cpu") == []  # nothing measured: nothing to judge
+    assert machine_load.load_warnings(record(), "cpu") == []
+    assert machine_load.load_warnings(None, "cpu") == []  # nothing measured: nothing to judge
 
 
 @pytest.mark.parametrize("changes, device, expected", [
     # others' load above the free cores (2 cores - 2 threads = 0) + the margin
-    ({"load_average_others": measure.LOAD_MARGIN + 0.01}, "cpu", "the machine was busy"),
-    ({"steal_fraction": measure.STEAL_FRACTION_MAX + 0.01}, "cpu", "hypervisor"),
-    ({"run_queue_wait_fraction": measure.RUN_QUEUE_WAIT_MAX + 0.01}, "cpu", "other processes competed"),
+    ({"load_average_others": machine_load.LOAD_MARGIN + 0.01}, "cpu", "the machine was busy"),
+    ({"steal_fraction": machine_load.STEAL_FRACTION_MAX + 0.01}, "cpu", "hypervisor"),
+    ({"run_queue_wait_fraction": machine_load.RUN_QUEUE_WAIT_MAX + 0.01}, "cpu", "other processes competed"),
     ({"run_queue_wait_fraction": 0.3, "workers": 2}, "cpu", "outnumber the 2 cores"),
-    ({"busy_cores_computing": measure.BUSY_CORES_MIN - 0.01}, "cpu", "off the CPU"),
+    ({"busy_cores_computing": machine_load.BUSY_CORES_MIN - 0.01}, "cpu", "off the CPU"),
     ({"gpu": {"other_processes": 1, "throttle_reasons": [], "utilization_percent_end": 90}}, "cuda",
      "1 other process(es) ran on the GPU"),
     ({"gpu": {"other_processes": 0, "throttle_reasons": ["hw_slowdown"], "utilization_percent_end": 90}}, "cuda",
      "throttled (hw_slowdown)"),
 ])
 def test_each_threshold_warns_just_above_it(changes, device, expected):
-    (warning,) = measure.load_warnings(record(**changes), device)
+    (warning,) = machine_load.load_warnings(record(**changes), device)
     assert expected in warning
 
 
 @pytest.mark.parametrize("changes, device", [
-    ({"load_average_others": measure.LOAD_MARGIN}, "cpu"),  # at the margin: not yet
+    ({"load_average_others": machine_load.LOAD_MARGIN}, "cpu"),  # at the margin: not yet
     ({"load_average_others": 1.4, "threads": 1}, "cpu"),  # one core left free: 1.4 <= 1 + 0.5
-    ({"steal_fraction": measure.STEAL_FRACTION_MAX}, "cpu"),
-    ({"run_queue_wait_fraction": measure.RUN_QUEUE_WAIT_MAX}, "cpu"),
+    ({"steal_fraction": machine_load.STEAL_FRACTION_MAX}, "cpu"),
+    ({"run_queue_wait_fraction": machine_load.RUN_QUEUE_WAIT_MAX}, "cpu"),
     ({"busy_cores_computing": 0.2}, "cuda"),  # the host waits on the GPU: CPU time says nothing there
     ({"steal_fraction": None, "run_queue_wait_fraction": None, "load_average_others": None}, "cpu"),  # no /proc
 ])
 def test_at_or_below_each_threshold_nothing_warns(changes, device):
-    assert measure.load_warnings(record(**changes), device) == []
+    assert machine_load.load_warnings(record(**changes), device) == []
 
 
 def test_union_length_counts_overlaps_once():
@@ -98,9 +98,9 @@ def test_summary_records_the_machine_load_consistently(tmp_path):
 def test_a_machine_kept_busy_by_other_processes_gets_a_warning(tmp_path):
     """Two busy loops on the (two) cores during a tiny run: runner's threads wait for a CPU, and the summary
     says its figures cannot be trusted."""
-    if measure.hardware.thread_schedule_ns() is None:
+    if machine_load.hardware.thread_schedule_ns() is None:
         pytest.skip("no /proc/self/task/*/schedstat: run-queue wait is Linux-only")
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(measure.hardware.cpu_cores())]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(machine_load.hardware.cpu_cores())]
     try:
         time.sleep(0.3)  # let them take the cores
         s = train(tiny_mlp("trainer.max_steps=40", "trainer.log_every=20"), job_dir=tmp_path)
@@ -110,7 +110,7 @@ def test_a_machine_kept_busy_by_other_processes_gets_a_warning(tmp_path):
         for hog in hogs:
             hog.wait()
     load = s["machine_load"]
-    assert load["run_queue_wait_fraction"] > measure.RUN_QUEUE_WAIT_MAX, load
+    assert load["run_queue_wait_fraction"] > machine_load.RUN_QUEUE_WAIT_MAX, load
     assert any("waited for a CPU" in w for w in s["warnings"]), s["warnings"]
 
 
