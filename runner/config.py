@@ -369,7 +369,7 @@ class AblationConfig:
 
 @dataclass
 class TuneConfig:
-    """``tune.*``: the settings of ``python -m runner.tune batch_size|lr|dataloader`` (runner/tune.py); training
+    """``tune.*``: the settings of ``python -m runner.tune batch_size|lr|dataloader`` (runner/tune/); training
     (``python -m runner``) never reads them. Values are checked by ``runner.tune.check_settings``."""
 
     # batch_size and dataloader: each configuration trains this many steps with the run's own engine

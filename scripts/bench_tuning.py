@@ -1,10 +1,11 @@
 """The three tuners and the speed doctor on two jobs of this machine, one after the other; writes
-docs/tuning.md and the tuners' tables and plots under docs/tuning/.
+docs/benchmarks/tuning.md and the tuners' tables and plots under docs/benchmarks/tuning/ (markdown and PNG only:
+the tuners' raw CSV/JSON and logs stay out of the tree).
 
     python scripts/bench_tuning.py                        # resnet18 on CIFAR-10 and nanoGPT's Shakespeare GPT
     python scripts/bench_tuning.py --jobs gpt --out /tmp/tuning.md
 
-Each tuner is a plain ``python -m runner.tune <tuner> --out docs/tuning/<job>/<tuner> <the job's overrides>``
+Each tuner is a plain ``python -m runner.tune <tuner> --out docs/benchmarks/tuning/<job>/<tuner> <the job's overrides>``
 process; the doctor reads a short plain run of the job (``python -m runner <overrides>``, then
 ``python -m runner.doctor <its folder>``). The machine's load average is recorded before and after each
 command: a busy machine changes every speed figure (and the tuners' picks).
@@ -35,7 +36,7 @@ JOBS = {
                         ["+experiment=shakespeare_char", f"data.path={DATA}/tinyshakespeare/input.txt",
                          "logger=none"]),
 }
-TUNERS = ("batch_size", "lr", "dataloader")
+TUNERS = ("batch_size", "lr", "dataloader")  # runner.tune.TUNERS, in this order
 #: per tuner: 10 measured steps per configuration instead of 5 (figures a few per cent apart decide the pick)
 TUNE = {"batch_size": ["tune.measure_steps=10"], "lr": [], "dataloader": ["tune.measure_steps=10"]}
 #: the short plain run the doctor diagnoses (per job)
@@ -67,6 +68,8 @@ def section(job: str, out_dir: Path, doc: Path) -> list[str]:
         folder = out_dir / job / tuner
         r = call([sys.executable, "-m", "runner.tune", tuner, "--out", str(folder), *overrides, *TUNE[tuner]])
         shutil.rmtree(folder / ".hydra", ignore_errors=True)  # the run's composed config: not part of the report
+        for raw in (f"{tuner}.csv", f"{tuner}.json", "runner.log"):  # raw figures and logs stay out of the tree
+            (folder / raw).unlink(missing_ok=True)
         table = (folder / f"{tuner}.md").read_text().strip().removeprefix(f"# runner.tune {tuner}").strip()
         image = (folder / f"{tuner}.png").relative_to(doc.parent)
         lines += [f"### `tune {tuner}`", "", f"`{r['command'].replace(str(REPO) + '/', '')}`", "",
@@ -86,7 +89,7 @@ def section(job: str, out_dir: Path, doc: Path) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "tuning.md")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "tuning.md")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
     from runner import hardware

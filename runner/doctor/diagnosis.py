@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import runner
+
 # ------------------------------------------------------------------------------------------ thresholds
 #: Data wait above 10 % of the measured time: a loader that keeps up waits ~0 (the next batch is ready);
 #: 10 % is where the ablation of docs/benchmarks/ablation-cpu.md saw workers start paying for themselves.
@@ -34,9 +36,10 @@ VERIFY_MEASURED_STEPS = 30
 
 CATEGORIES = ("untrustworthy", "not measured", "debug tools on", "input-bound", "host/launch-bound",
               "sync/overhead-bound", "memory-bound", "near the hardware ceiling")
-#: Datasets with an in-memory form, so ``dataloader=device`` applies (runner/data.py; a custom dataset only
-#: when it is a TensorDataset, which the summary cannot tell).
-IN_MEMORY_DATA = ("mnist", "cifar10", "synthetic", "text")
+#: Datasets the doctor may send to the device (``dataloader=device``): runner's in-memory list
+#: (``runner.IN_MEMORY_DATA``) less ``custom``, whose data goes there only when it is whole tensors (a
+#: TensorDataset), which a summary cannot tell.
+IN_MEMORY_DATA = tuple(name for name in runner.IN_MEMORY_DATA if name != "custom")
 
 
 @dataclass
