@@ -134,3 +134,23 @@ def test_the_doctor_never_imports_from_a_job_folder_it_was_not_started_in(tmp_pa
                    timeout=600)
     assert not marker.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"cd {ran_in}" in proc.stdout + proc.stderr
+
+
+def test_a_pickle_planted_in_a_cifar10_batch_is_refused_and_never_runs(tmp_path):
+    """CIFAR-10 ships as python pickles; a batch file under ``data.root`` that holds anything but arrays, lists
+    and strings stops the run with the file named, and its payload never runs (neither in torchvision's load
+    nor in runner's own check of which file is bad)."""
+    from conftest import compose_cfg, make_tiny_cifar
+    from runner import data as data_mod
+    from runner.distributed import Env
+
+    root = tmp_path / "data"
+    make_tiny_cifar(root)
+    marker = tmp_path / "pwned-cifar"
+    batch = root / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(pickle.dumps({"data": Payload(marker), "labels": [0]}))
+    cfg = compose_cfg("data=cifar10", f"data.root={root}")
+    cpu = Env(rank=0, local_rank=0, world_size=1, nodes=1, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=rf"corrupt dataset file {batch}: refusing to unpickle it: .*open"):
+        data_mod.build(cfg.data, cfg.dataloader, cpu, seed=0)
+    assert not marker.exists()

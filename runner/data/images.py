@@ -180,12 +180,37 @@ def mnist(cfg: DictConfig) -> ImageSets:
                                                            (images_as_tensor(eval_ds.data), eval_ds.targets)))
 
 
+class ArrayUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR-10 batch file admitting only plain data: numpy arrays and dtypes (and the bytes
+    helper older pickles use) besides dicts, lists, strings and numbers, which need no global. A planted
+    pickle (``os.system``, a class whose ``__reduce__`` runs code) raises ``pickle.UnpicklingError`` before
+    anything runs: the idea of ``torch.load(weights_only=True)``, for the python pickles CIFAR-10 ships as."""
+
+    _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+                ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.numeric", "_frombuffer"),
+                ("numpy._core.numeric", "_frombuffer"), ("_codecs", "encode")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain array data (CIFAR-10 batches hold only "
+                                     f"numpy arrays, lists and strings)")
+
+
+def load_array_pickle(f, encoding: str = "ASCII"):
+    """``pickle.load`` through ``ArrayUnpickler``: what torchvision's CIFAR10 reads its batch files with here."""
+    return ArrayUnpickler(f, encoding=encoding).load()
+
+
 def _cifar_batch_problem(path: Path) -> str | None:
     """Why ``path`` is not a readable CIFAR-10 batch (a pickled dict with ``data`` (N, 3072) uint8 and
-    ``labels``/``label_names``), or None when it is."""
+    ``labels``/``label_names``), or None when it is. Read through ``ArrayUnpickler``: a planted pickle is
+    named as such, and never runs."""
     try:
         with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")
+            entry = load_array_pickle(f, encoding="latin1")
+    except pickle.UnpicklingError as e:
+        return f"refusing to unpickle it: {e}"
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is corrupt
         return f"cannot unpickle it ({e!r})"
     if not isinstance(entry, dict):
@@ -199,26 +224,42 @@ def _cifar_batch_problem(path: Path) -> str | None:
     return None
 
 
-def _cifar10_class() -> type:
-    """torchvision's CIFAR10 without its md5 checks: torchvision checks every file's md5 against the official
-    archive (batches.meta too, in _load_meta); runner checks presence only and names a corrupt file itself,
-    so CIFAR-format sets other than the official one (the tests' tiny ones) load too.
+class _ArrayPickleModule:
+    """Stands in for the ``pickle`` module inside ``torchvision.datasets.cifar`` while a CIFAR-10 set loads."""
+
+    load = staticmethod(load_array_pickle)
+
+
+def cifar10_class() -> type:
+    """torchvision's CIFAR10 without its md5 checks and without running code from its files: torchvision checks
+    every file's md5 against the official archive (batches.meta too, in _load_meta); runner checks presence only
+    and names a corrupt file itself, so CIFAR-format sets other than the official one (the tests' tiny ones) load
+    too. Every batch is unpickled through ``ArrayUnpickler`` (torchvision's ``pickle.load`` is pointed at it while
+    the dataset reads its files), so a planted pickle under ``data.root`` is refused, never run.
 
     Made on first use (torchvision costs ~1 s to import, which every process would pay) and kept as the
     module attribute ``runner.data.images._CIFAR10``, which is what pickle looks up: the dataset pickles into
     DataLoader workers started by spawn or forkserver, where ``__getattr__`` below makes it again."""
     if "_CIFAR10" in globals():
         return globals()["_CIFAR10"]
+    import torchvision.datasets.cifar as torchvision_cifar
     from torchvision.datasets import CIFAR10
 
     class _CIFAR10(CIFAR10):
+        def __init__(self, *args, **kwargs):
+            real, torchvision_cifar.pickle = torchvision_cifar.pickle, _ArrayPickleModule
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                torchvision_cifar.pickle = real
+
         def _check_integrity(self) -> bool:
             folder = Path(self.root) / self.base_folder
             return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
 
         def _load_meta(self) -> None:
             with open(Path(self.root) / self.base_folder / self.meta["filename"], "rb") as f:
-                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+                self.classes = load_array_pickle(f, encoding="latin1")[self.meta["key"]]
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
     _CIFAR10.__qualname__ = "_CIFAR10"
@@ -229,7 +270,7 @@ def _cifar10_class() -> type:
 def __getattr__(name: str):
     """``runner.data.images._CIFAR10`` for pickle (PEP 562), made on first access."""
     if name == "_CIFAR10":
-        return _cifar10_class()
+        return cifar10_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -240,7 +281,7 @@ def cifar10(cfg: DictConfig) -> ImageSets:
         ConfigError: the folder or one of its batch files is missing (names the path, ``data.root`` and
             ``data.download=true``), or a batch file is corrupt (names the file).
     """
-    CIFAR10 = _cifar10_class()
+    CIFAR10 = cifar10_class()
     mean, std = normalization(cfg, STATS["cifar10"])
     folder = Path(cfg.root) / CIFAR10.base_folder
     names = [name for name, _ in CIFAR10.train_list + CIFAR10.test_list] + [CIFAR10.meta["filename"]]
