@@ -432,7 +432,8 @@ class RunnerConfig:
     channels_last: bool = False  # technique 19: NHWC weights and inputs
 
 
-_GROUPS = {
+#: The schema of each config group (stored as ``base_<group>``); every YAML option of the group extends it.
+GROUP_SCHEMAS = {
     "task": TaskConfig,
     "model": ModelConfig,
     "data": DataConfig,
@@ -449,7 +450,7 @@ _GROUPS = {
 
 
 #: Groups whose options extend a more specific schema than ``base_<group>``: ``base_<name>`` per entry.
-_SPECIFIC = {
+OPTION_SCHEMAS = {
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig},
     "data": {"image_data": ImageDataConfig, "custom_data": CustomDataConfig, "text_data": TextDataConfig},
     "model": {"gpt": GPTConfig, "hf_causal_lm": HFCausalLMConfig},
@@ -476,8 +477,8 @@ def register_configs() -> None:
     specific ones (``base_sgd``, ``base_image_data``, ``base_custom_data``, ...); ``OPEN`` ones unlocked."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=RunnerConfig)
-    schemas = [(group, group, schema) for group, schema in _GROUPS.items()]
-    schemas += [(group, name, schema) for group, named in _SPECIFIC.items() for name, schema in named.items()]
+    schemas = [(group, group, schema) for group, schema in GROUP_SCHEMAS.items()]
+    schemas += [(group, name, schema) for group, named in OPTION_SCHEMAS.items() for name, schema in named.items()]
     for group, name, schema in schemas:
         cs.store(group=group, name=f"base_{name}", node=open_node(schema) if schema in OPEN else schema)
 

@@ -6,6 +6,7 @@ the embedded MNIST, ``../shared/data`` where present (skipped where absent), rea
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pickle
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -140,6 +142,29 @@ def job_dirs(root: Path) -> list[Path]:
 
 def read_summary(job_dir: Path) -> dict:
     return json.loads((job_dir / "summary.json").read_text())
+
+
+def metrics_rows(job_dir: Path) -> list[dict]:
+    """Every row of ``<job_dir>/metrics.jsonl``, in order."""
+    return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """A CSV file the report or a tuner wrote, one dict per row (values as written)."""
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def run_tiny(job_dir: Path, *overrides: str) -> dict:
+    """Train ``compose_cfg(*overrides)`` (a tiny CPU job) in this process into ``job_dir``; its summary."""
+    from runner.train import train  # imported on use: collecting the tests stays light
+
+    job_dir.mkdir(parents=True, exist_ok=True)
+    return train(compose_cfg(*overrides), job_dir=job_dir)
+
+
+#: Marks a test that needs a CUDA device; it skips cleanly elsewhere.
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import TINY, compose_cfg, run_cli
+from conftest import TINY, compose_cfg, read_csv, run_cli
 from runner import REPO_ROOT, ablation_first_round
 from runner.ablation import auto_repeat, round_command
 from runner.report import (
@@ -304,11 +303,6 @@ def write_sweep(root: Path, configs=SYNTHETIC) -> Path:
     (root / "ablation.json").write_text(json.dumps({"command": "python -m runner -m +experiment=ablation model=tiny",
                                                     "machine": {"cpu": "Test CPU", "cpu_cores": 2, "gpus": []}}))
     return root
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
 
 
 def test_report_files_from_synthetic_summaries(tmp_path):
@@ -619,7 +613,7 @@ def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_pat
 
     from conftest import TINY_LOOP, make_tiny_cifar
     from runner.ablation import fork_train
-    from runner.data import _CIFAR10
+    from runner.data.images import cifar10_class
 
     root = tmp_path / "data"
     make_tiny_cifar(root)
@@ -628,7 +622,7 @@ def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_pat
     (tmp_path / "job").mkdir()
     assert fork_train(cfg, tmp_path / "job", {}, "test job") == 0
     assert json.loads((tmp_path / "job" / "summary.json").read_text())["steps"] == 4
-    assert pickle.loads(pickle.dumps(_CIFAR10(str(root), train=False))).data.shape == (40, 32, 32, 3)
+    assert pickle.loads(pickle.dumps(cifar10_class()(str(root), train=False))).data.shape == (40, 32, 32, 3)
     # a dataset that cannot pickle at all: its workers start only by the parent's fork, not the server's forkserver
     cfg = compose_cfg("data=custom", "data._target_=user_data.unpicklable", "model=mlp", *TINY_LOOP,
                       "dataloader.num_workers=1", "ablation.isolate=false")

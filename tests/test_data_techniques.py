@@ -11,18 +11,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import compose_cfg
+from conftest import compose_cfg, cuda_only, run_tiny
 from runner import data as data_mod
 from runner.distributed import Env
-from runner.train import train
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CPU = Env(rank=0, local_rank=0, world_size=1, nodes=1, device=torch.device("cpu"))
-
-
-def run(job_dir, *overrides):
-    job_dir.mkdir(parents=True, exist_ok=True)
-    return train(compose_cfg(*overrides), job_dir=job_dir)
 
 
 def build(*overrides, env=CPU) -> data_mod.Data:
@@ -69,7 +62,7 @@ def test_worker_options_without_workers_are_recorded_as_skipped():
 
 
 def test_pinned_preset_in_the_engine(tmp_path, spy):
-    summary = run(tmp_path, "dataloader=pinned", "trainer.max_steps=2")
+    summary = run_tiny(tmp_path, "dataloader=pinned", "trainer.max_steps=2")
     assert summary["steps"] == 2 and summary["techniques"]["num_workers"] == "applied"
     assert spy.datas[-1].train.batches.num_workers == 2
 
@@ -83,7 +76,7 @@ def test_pin_memory_and_non_blocking_on_cuda(tmp_path, spy):
     assert data.techniques["pin_memory"] == "applied" and data.techniques["non_blocking"] == "applied"
     x, y = next(iter(data.train))
     assert x.is_cuda and y.is_cuda
-    summary = run(tmp_path, "dataloader=pinned", "trainer.device=cuda", "trainer.max_steps=2")
+    summary = run_tiny(tmp_path, "dataloader=pinned", "trainer.device=cuda", "trainer.max_steps=2")
     assert summary["techniques"]["pin_memory"] == "applied"
 
 
@@ -95,7 +88,7 @@ def test_device_loader_keeps_the_dataset_as_device_tensors(tmp_path, spy, monkey
     crop_flip = data_mod.random_crop_flip
     monkeypatch.setattr(data_mod.batches, "random_crop_flip",  # where OnDeviceLoader looks it up
                         lambda x, **kw: augmented.append(x.shape) or crop_flip(x, **kw))
-    summary = run(tmp_path, "dataloader=device", "data.augment=true")
+    summary = run_tiny(tmp_path, "dataloader=device", "data.augment=true")
     assert summary["techniques"]["on_device_data"] == "applied"
     train_loader, eval_loader = spy.datas[-1].train.batches, spy.datas[-1].eval.batches
     assert isinstance(train_loader, data_mod.OnDeviceLoader) and not isinstance(train_loader, DataLoader)
@@ -161,7 +154,7 @@ def test_device_loader_on_an_image_folder_is_a_config_error(tiny_imagefolder):
 
 
 def test_non_blocking_is_skipped_without_pinned_memory(tmp_path):
-    summary = run(tmp_path, "dataloader.non_blocking=true")
+    summary = run_tiny(tmp_path, "dataloader.non_blocking=true")
     assert summary["techniques"]["non_blocking"].startswith("skipped: ")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, compose_cfg, job_dirs, read_summary
+from conftest import TINY, compose_cfg, job_dirs, metrics_rows, read_summary
 from runner import REPO_ROOT, distributed, hardware, launch, parallel, precision
 from runner.errors import ConfigError
 
@@ -97,9 +97,8 @@ def only_job(root: Path, proc: subprocess.CompletedProcess) -> dict:
 
 
 def losses(job_dir: Path) -> list[float]:
-    import json
 
-    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(job_dir)
     return [r["loss"] for r in rows if "loss" in r]
 
 

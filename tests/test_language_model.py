@@ -15,23 +15,17 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
+from conftest import TINY_GPT, TINY_LOOP, compose_cfg, cuda_only, job_dirs, metrics_rows, read_summary, run_cli
 from runner import REPO_ROOT, gpt, hf, parallel, prepare, task as task_mod
 from runner.data import text
 from runner.errors import ConfigError
 from runner.gpt import GPT, Block
 from runner.train import train
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def run_lm(job_dir: Path, text_path: Path, *overrides: str) -> dict:
     job_dir.mkdir(parents=True, exist_ok=True)
     return train(compose_cfg(*TINY_GPT, f"data.path={text_path}", *overrides), job_dir=job_dir)
-
-
-def rows(job_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # ------------------------------------------------------------------------------------------------ GPT
@@ -227,7 +221,7 @@ def test_language_model_run_reports_tokens_and_writes_samples_and_vocab(tiny_tex
     assert vocab == sorted(set(tiny_text.read_text()))
     sample = (tmp_path / "samples.txt").read_text()
     assert len(sample) == 1 + 20 and sample[0] == "\n" and set(sample) <= set(vocab)  # prompt + sample_tokens
-    all_rows = rows(tmp_path)
+    all_rows = metrics_rows(tmp_path)
     train_rows = [r for r in all_rows if "loss" in r]
     eval_rows = [r for r in all_rows if "eval_loss" in r]
     assert train_rows[-1]["tokens_per_sec"] == pytest.approx(train_rows[-1]["samples_per_sec"] * 16)
@@ -251,7 +245,7 @@ def test_target_loss_dates_the_first_evaluation_at_or_below_it(tiny_text, tmp_pa
     monkeypatch.setattr(task_mod.LanguageModel, "evaluate", lambda self, *a, **k: {
         "eval_loss": (v := next(losses)), "eval_perplexity": math.exp(v), "eval_bits_per_char": v / math.log(2)})
     s = run_lm(tmp_path, tiny_text, "trainer.eval_every=1", "trainer.target_loss=1.47")
-    evals = [r for r in rows(tmp_path) if "eval_loss" in r]
+    evals = [r for r in metrics_rows(tmp_path) if "eval_loss" in r]
     assert [r["eval_loss"] for r in evals] == [3.0, 1.5, 1.4, 1.0]
     assert 0 < s["time_to_target_s"] < s["train_time_s"]  # reached at the third of four evaluations
 
@@ -259,7 +253,7 @@ def test_target_loss_dates_the_first_evaluation_at_or_below_it(tiny_text, tmp_pa
 def test_the_loss_falls_on_real_text(tiny_text, tmp_path):
     s = run_lm(tmp_path, tiny_text, "optimizer=adamw", "trainer.max_steps=60", "trainer.log_every=10",
                "trainer.eval_every=60")
-    losses = [r["loss"] for r in rows(tmp_path) if "loss" in r]
+    losses = [r["loss"] for r in metrics_rows(tmp_path) if "loss" in r]
     assert losses[0] > 3.0 and s["eval_loss"] < 2.6  # from ~ln(30) = 3.4 towards the text's statistics
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import compose_cfg
+from conftest import compose_cfg, metrics_rows
 from runner import data as data_mod, hardware, measure, task as task_mod
 from runner.train import train
 
@@ -156,10 +156,6 @@ def slow_start(monkeypatch, n: int, seconds: float) -> None:
     monkeypatch.setattr(data_mod, "build", slowed)
 
 
-def rows(job_dir) -> list[dict]:
-    return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_summary_figures_are_consistent(tmp_path):
     s = train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.peak_tflops=1.0"),
               job_dir=tmp_path)
@@ -178,7 +174,7 @@ def test_summary_figures_are_consistent(tmp_path):
 def test_metrics_rows_have_the_issue_keys(tmp_path):
     train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.log_every=2",
                       "trainer.eval_every=3"), job_dir=tmp_path)
-    all_rows = rows(tmp_path)
+    all_rows = metrics_rows(tmp_path)
     train_rows = [r for r in all_rows if "loss" in r]
     eval_rows = [r for r in all_rows if "eval_accuracy" in r]
     assert [r["step"] for r in train_rows] == [2, 4, 6] and [r["step"] for r in eval_rows] == [3, 6]

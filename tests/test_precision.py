@@ -12,18 +12,14 @@ import math
 import pytest
 import torch
 
-from conftest import compose_cfg
+from conftest import compose_cfg, cuda_only, run_tiny
 from runner import hardware, precision
 from runner.errors import ConfigError
-from runner.train import train
-
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def run(job_dir, *overrides):
-    """Train a tiny job with ``optimizer.set_to_none=false``, so ``techniques`` lists precision's only."""
-    job_dir.mkdir(parents=True, exist_ok=True)
-    return train(compose_cfg("optimizer.set_to_none=false", *overrides), job_dir=job_dir)
+def run_precision(job_dir, *overrides):
+    """A tiny job with ``optimizer.set_to_none=false``, so ``techniques`` lists precision's only."""
+    return run_tiny(job_dir, "optimizer.set_to_none=false", *overrides)
 
 
 def changed(spy) -> list[str]:
@@ -36,7 +32,7 @@ def changed(spy) -> list[str]:
 
 def test_amp_on_a_cpu_with_native_bf16_runs_the_forward_in_bf16(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
-    summary = run(tmp_path, "precision=amp")
+    summary = run_precision(tmp_path, "precision=amp")
     assert summary["techniques"] == {"amp": "applied"}
     assert spy.train_calls() and spy.eval_calls()
     assert all(c.out_dtype == torch.bfloat16 and c.x_dtype == torch.float32 for c in spy.calls)
@@ -47,14 +43,14 @@ def test_amp_on_a_cpu_with_native_bf16_runs_the_forward_in_bf16(tmp_path, spy, m
 
 def test_amp_on_a_cpu_without_native_bf16_is_skipped(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
-    summary = run(tmp_path, "precision=amp")
+    summary = run_precision(tmp_path, "precision=amp")
     assert summary["techniques"]["amp"].startswith("skipped: this CPU has no native bf16")
     assert all(c.out_dtype == torch.float32 for c in spy.calls)
 
 
 def test_bf16_autocast(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
-    summary = run(tmp_path, "precision=bf16")
+    summary = run_precision(tmp_path, "precision=bf16")
     assert summary["techniques"] == {"bf16": "applied"}
     assert spy.calls and all(c.out_dtype == torch.bfloat16 for c in spy.calls)
 
@@ -71,7 +67,7 @@ def test_bf16_on_an_emulating_cpu_warns_but_applies(monkeypatch):
 @pytest.mark.parametrize("name, techniques", [("fp32", {}), ("tf32", {"tf32": "skipped: TF32 is a CUDA (Ampere "
                                                                                 "or newer) feature"})])
 def test_fp32_and_tf32_on_cpu_run_in_fp32(tmp_path, spy, name, techniques):
-    summary = run(tmp_path, f"precision={name}")
+    summary = run_precision(tmp_path, f"precision={name}")
     assert summary["techniques"] == techniques
     assert spy.calls and all(c.out_dtype == torch.float32 for c in spy.calls)
 
@@ -114,7 +110,7 @@ def fp16_on_cpu(spy, init_scale: float) -> None:
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")  # a skipped first step
 def test_the_scaler_skips_the_step_with_inf_gradients(tmp_path, spy):
     fp16_on_cpu(spy, 2.0**24)  # fp16 backward overflows (max 65504) with a loss scale of 2**24
-    summary = run(tmp_path, "trainer.max_steps=1", "trainer.warmup_steps=0")
+    summary = run_precision(tmp_path, "trainer.max_steps=1", "trainer.warmup_steps=0")
     assert summary["steps"] == 1 and math.isfinite(summary["train_loss"])
     assert spy.steps == []  # optimizer.step never ran
     assert changed(spy) == []  # weights untouched (no inf/NaN written into them)
@@ -124,7 +120,7 @@ def test_the_scaler_skips_the_step_with_inf_gradients(tmp_path, spy):
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_the_scaler_backs_off_until_steps_go_through(tmp_path, spy):
     fp16_on_cpu(spy, 2.0**24)
-    run(tmp_path, "trainer.max_steps=16")
+    run_precision(tmp_path, "trainer.max_steps=16")
     skipped = 16 - len(spy.steps)
     assert 1 <= skipped < 16  # some steps skipped, then the scale got small enough
     assert spy.scaler_used.get_scale() == 2.0 ** (24 - skipped)  # halved once per skipped step
@@ -133,7 +129,7 @@ def test_the_scaler_backs_off_until_steps_go_through(tmp_path, spy):
 
 def test_the_scaler_lets_finite_steps_through(tmp_path, spy):
     spy.scaler = lambda: torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
-    run(tmp_path, "trainer.max_steps=4")
+    run_precision(tmp_path, "trainer.max_steps=4")
     assert len(spy.steps) == 4 and changed(spy)
     assert spy.scaler_used.get_scale() == 4096.0  # doubled after every 2 clean steps
     assert all(math.isfinite(s.grad_norm) and s.grad_norm < 100 for s in spy.steps)  # unscaled before step
@@ -143,7 +139,7 @@ def test_the_scaler_lets_finite_steps_through(tmp_path, spy):
 
 
 def test_clip_grad_norm_clips_the_global_norm(tmp_path, spy):
-    summary = run(tmp_path, "optimizer.clip_grad_norm=0.001")
+    summary = run_precision(tmp_path, "optimizer.clip_grad_norm=0.001")
     assert summary["techniques"]["clip_grad_norm"] == "applied"
     assert len(spy.steps) == 4
     assert [s.grad_norm for s in spy.steps] == pytest.approx([0.001] * 4, rel=1e-3)
@@ -152,19 +148,19 @@ def test_clip_grad_norm_clips_the_global_norm(tmp_path, spy):
 def test_clip_grad_norm_unscales_first_with_the_scaler(tmp_path, spy):
     # Without unscale_ before clipping, the optimizer would see 0.001 / 1024.
     spy.scaler = lambda: torch.amp.GradScaler("cpu", init_scale=1024.0)
-    run(tmp_path, "optimizer.clip_grad_norm=0.001")
+    run_precision(tmp_path, "optimizer.clip_grad_norm=0.001")
     assert [s.grad_norm for s in spy.steps] == pytest.approx([0.001] * 4, rel=1e-3)
 
 
 def test_gradients_are_not_clipped_by_default(tmp_path, spy):
-    summary = run(tmp_path)
+    summary = run_precision(tmp_path)
     assert "clip_grad_norm" not in summary["techniques"]
     assert all(s.grad_norm > 0.01 for s in spy.steps)  # so the 0.001 above is the clip, not the model
 
 
 def test_non_positive_clip_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="optimizer.clip_grad_norm"):
-        run(tmp_path, "optimizer.clip_grad_norm=0")
+        run_precision(tmp_path, "optimizer.clip_grad_norm=0")
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -173,7 +169,7 @@ def test_non_positive_clip_is_a_config_error(tmp_path):
 @pytest.mark.gpu
 @cuda_only
 def test_amp_on_cuda_is_fp16_with_a_grad_scaler(tmp_path, spy):
-    summary = run(tmp_path, "precision=amp", "trainer.device=cuda", "precision.init_scale=1024",
+    summary = run_precision(tmp_path, "precision=amp", "trainer.device=cuda", "precision.init_scale=1024",
                   "precision.growth_interval=3")
     assert summary["techniques"]["amp"] == "applied"
     assert spy.calls and all(c.out_dtype == torch.float16 for c in spy.calls)
@@ -185,10 +181,10 @@ def test_amp_on_cuda_is_fp16_with_a_grad_scaler(tmp_path, spy):
 @pytest.mark.gpu
 @cuda_only
 def test_tf32_on_cuda(tmp_path):
-    summary = run(tmp_path, "precision=tf32", "trainer.device=cuda")
+    summary = run_precision(tmp_path, "precision=tf32", "trainer.device=cuda")
     expected = "applied" if torch.cuda.get_device_capability()[0] >= 8 else None
     if expected:
         assert summary["techniques"]["tf32"] == "applied"
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    run(tmp_path / "fp32", "precision=fp32", "trainer.device=cuda")
+    run_precision(tmp_path / "fp32", "precision=fp32", "trainer.device=cuda")
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32

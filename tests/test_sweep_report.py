@@ -3,7 +3,6 @@ through the CLI, a sweep whose second job fails, and the pieces on synthetic job
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_cli
+from conftest import TINY, read_csv, run_cli
 from runner import REPO_ROOT
 from runner.report.sweep import PLAIN_COLUMNS, SweepError, job_times, load_sweep, swept_keys, write_plain_report
 
@@ -22,11 +21,6 @@ ENV = {"PYTHONPATH": str(REPO_ROOT)}  # the subprocesses import this checkout's 
 def report(sweep: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "runner.report", str(sweep)], capture_output=True, text=True,
                           timeout=120, env={**__import__("os").environ, **ENV})
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
 
 
 def only_sweep(root: Path) -> Path:

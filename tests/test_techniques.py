@@ -18,24 +18,11 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from conftest import compose_cfg
+from conftest import compose_cfg, cuda_only, metrics_rows, run_tiny
 from runner import data as data_mod, debug, hardware, models, optim, precision, prepare, schedule
 from runner.errors import ConfigError
 from runner.task import evaluation_sums
-from runner.train import train
 from technique_helpers import SharedConv, TinyMLP, Untraceable
-
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def run(job_dir, *overrides):
-    job_dir.mkdir(parents=True, exist_ok=True)
-    return train(compose_cfg(*overrides), job_dir=job_dir)
-
-
-def metric_rows(tmp_path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-
 
 # ------------------------------------------------------------------------------------------ defaults
 
@@ -76,7 +63,7 @@ def test_every_switch_is_off_in_the_default_config_but_the_engine_s_standard_pra
 
 
 def test_default_run_applies_only_set_to_none(tmp_path):
-    summary = run(tmp_path)  # TINY: synthetic data, which is not normalized
+    summary = run_tiny(tmp_path)  # TINY: synthetic data, which is not normalized
     assert summary["techniques"] == {"zero_grad_set_to_none": "applied"}
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["techniques"] == summary["techniques"]
@@ -152,14 +139,14 @@ def test_cyclic_is_a_triangle_between_base_and_max():
 
 
 def test_engine_steps_the_schedule_once_per_optimizer_step(tmp_path, spy):
-    summary = run(tmp_path, "scheduler=onecycle", "memory=accumulate", "trainer.max_steps=12")
+    summary = run_tiny(tmp_path, "scheduler=onecycle", "memory=accumulate", "trainer.max_steps=12")
     assert summary["techniques"]["scheduler_onecycle"] == "applied"
     lrs = [s.lr for s in spy.steps]
     assert len(lrs) == 12  # 24 micro-batches, 12 optimizer steps, 12 scheduler steps
     peak = max(lrs)
     assert 0.01 * 2 < peak <= 0.01 * 4 + 1e-9  # sgd lr 0.01 x max_lr_factor 4
     assert lrs[0] < peak and lrs[-1] < lrs[0]  # up from peak / 25, down to peak / 25e4
-    logged = [r["lr"] for r in metric_rows(tmp_path) if "lr" in r]
+    logged = [r["lr"] for r in metrics_rows(tmp_path) if "lr" in r]
     assert len(set(logged)) == len(logged)  # the logged LR moves too
 
 
@@ -169,7 +156,7 @@ def test_engine_steps_the_schedule_once_per_optimizer_step(tmp_path, spy):
 @pytest.mark.parametrize("rule, factor", [("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)])
 def test_lr_scaling_relative_to_base_batch_size(tmp_path, spy, rule, factor):
     # global batch = micro 16 x accumulate 2 x world 1 = 32 = 4 x base_batch_size 8
-    summary = run(tmp_path, f"optimizer.lr_scaling={rule}", "optimizer.base_batch_size=8", "memory=accumulate")
+    summary = run_tiny(tmp_path, f"optimizer.lr_scaling={rule}", "optimizer.base_batch_size=8", "memory=accumulate")
     assert summary["global_batch_size"] == 32
     assert [s.lr for s in spy.steps] == pytest.approx([0.01 * factor] * 4)
     assert summary["techniques"].get("lr_scaling") == (None if rule == "none" else "applied")
@@ -196,7 +183,7 @@ def test_optimizer_choice_is_built_and_trains(tmp_path, spy, name):
     import timm.optim
 
     expected = {**OPTIMIZERS, "lamb": timm.optim.Lamb, "lars": timm.optim.Lars}[name]
-    run(tmp_path, f"optimizer={name}", "trainer.max_steps=2")
+    run_tiny(tmp_path, f"optimizer={name}", "trainer.max_steps=2")
     assert type(spy.optimizer) is expected
     assert len(spy.steps) == 2
     after = dict(spy.model.named_parameters())
@@ -225,7 +212,7 @@ def test_optimizer_impl_reaches_the_optimizer(name, impl, status, defaults):
 
 
 def test_fused_adamw_runs_in_the_engine(tmp_path, spy):
-    summary = run(tmp_path, "optimizer=adamw", "optimizer.impl=fused", "trainer.max_steps=2")
+    summary = run_tiny(tmp_path, "optimizer=adamw", "optimizer.impl=fused", "trainer.max_steps=2")
     assert summary["techniques"]["optimizer_fused"] == "applied"
     assert spy.optimizer.defaults["fused"] is True and len(spy.steps) == 2
 
@@ -235,7 +222,7 @@ def test_fused_adamw_runs_in_the_engine(tmp_path, spy):
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_set_to_none(tmp_path, spy, set_to_none):
-    summary = run(tmp_path, f"optimizer.set_to_none={str(set_to_none).lower()}")
+    summary = run_tiny(tmp_path, f"optimizer.set_to_none={str(set_to_none).lower()}")
     grads = [p.grad for p in spy.model.parameters()]
     if set_to_none:
         assert all(g is None for g in grads)
@@ -249,7 +236,7 @@ def test_zero_grad_set_to_none(tmp_path, spy, set_to_none):
 
 
 def test_cudnn_benchmark_is_skipped_on_cpu(tmp_path):
-    summary = run(tmp_path, "cudnn_benchmark=true")
+    summary = run_tiny(tmp_path, "cudnn_benchmark=true")
     assert summary["techniques"]["cudnn_benchmark"].startswith("skipped: ")
     assert torch.backends.cudnn.benchmark is False
 
@@ -257,10 +244,10 @@ def test_cudnn_benchmark_is_skipped_on_cpu(tmp_path):
 @pytest.mark.gpu
 @cuda_only
 def test_cudnn_benchmark_on_cuda(tmp_path):
-    summary = run(tmp_path, "cudnn_benchmark=true", "trainer.device=cuda")
+    summary = run_tiny(tmp_path, "cudnn_benchmark=true", "trainer.device=cuda")
     assert summary["techniques"]["cudnn_benchmark"] == "applied"
     assert torch.backends.cudnn.benchmark is True
-    run(tmp_path / "off", "trainer.device=cuda")
+    run_tiny(tmp_path / "off", "trainer.device=cuda")
     assert torch.backends.cudnn.benchmark is False
 
 
@@ -279,8 +266,8 @@ def test_log_every_controls_the_host_device_syncs(tmp_path, monkeypatch, log_eve
         return item(self)
 
     monkeypatch.setattr(torch.Tensor, "item", counting_item)
-    run(tmp_path, "trainer.max_steps=6", f"trainer.log_every={log_every}", "trainer.eval_every=100")
-    logged = [r for r in metric_rows(tmp_path) if "loss" in r]
+    run_tiny(tmp_path, "trainer.max_steps=6", f"trainer.log_every={log_every}", "trainer.eval_every=100")
+    logged = [r for r in metrics_rows(tmp_path) if "loss" in r]
     assert len(logged) == rows  # every log_every steps, plus the last step
     assert len(syncs) == rows  # one .item() per log row, none in between
 
@@ -327,7 +314,7 @@ def test_checkpointing_saves_fewer_activations_and_keeps_the_gradients():
 def test_checkpointing_in_the_engine_uses_the_non_reentrant_wrapper(tmp_path, spy):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
 
-    summary = run(tmp_path, "memory=checkpointing")
+    summary = run_tiny(tmp_path, "memory=checkpointing")
     assert summary["techniques"]["activation_checkpointing"] == "applied"
     assert summary["technique_details"]["checkpointed_blocks"] == ["ConvBlock"]
     assert summary["technique_details"]["checkpointed_modules"] == 2
@@ -351,9 +338,9 @@ def test_checkpoint_modules_picks_block_types():
 
 def test_unknown_checkpoint_module_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"memory.checkpoint_modules=\['Bottleneck'\].*ConvBlock"):
-        run(tmp_path, "memory=checkpointing", "memory.checkpoint_modules=[Bottleneck]")
+        run_tiny(tmp_path, "memory=checkpointing", "memory.checkpoint_modules=[Bottleneck]")
     with pytest.raises(ConfigError, match="memory.checkpointing=false"):
-        run(tmp_path, "memory.checkpoint_modules=[ConvBlock]")
+        run_tiny(tmp_path, "memory.checkpoint_modules=[ConvBlock]")
 
 
 # ----------------------------------------------------------------------- 9: gradient accumulation
@@ -362,8 +349,8 @@ def test_unknown_checkpoint_module_is_a_config_error(tmp_path):
 def test_accumulated_gradients_equal_one_big_batch(tmp_path, spy):
     mlp = ["model._target_=technique_helpers.TinyMLP", "trainer.max_steps=1", "trainer.warmup_steps=0"]
     spy.keep_grads = True
-    big = run(tmp_path / "big", *mlp, "dataloader.batch_size=16")
-    accumulated = run(tmp_path / "acc", *mlp, "dataloader.batch_size=8", "memory.accumulate_steps=2")
+    big = run_tiny(tmp_path / "big", *mlp, "dataloader.batch_size=16")
+    accumulated = run_tiny(tmp_path / "acc", *mlp, "dataloader.batch_size=8", "memory.accumulate_steps=2")
     assert isinstance(spy.model, TinyMLP)
     g_big, g_acc = spy.steps[0].grads, spy.steps[1].grads
     assert g_big.keys() == g_acc.keys() and g_big
@@ -376,7 +363,7 @@ def test_accumulated_gradients_equal_one_big_batch(tmp_path, spy):
 
 
 def test_effective_batch_is_reported(tmp_path):
-    summary = run(tmp_path, "memory=accumulate", "memory.accumulate_steps=3", "dataloader.batch_size=8")
+    summary = run_tiny(tmp_path, "memory=accumulate", "memory.accumulate_steps=3", "dataloader.batch_size=8")
     assert summary["global_batch_size"] == 8 * 3 * summary["world_size"] == 24
 
 
@@ -384,19 +371,19 @@ def test_effective_batch_is_reported(tmp_path):
 
 
 def test_anomaly_detection_is_on_during_the_steps_only(tmp_path, spy):
-    summary = run(tmp_path, "debug=anomaly")
+    summary = run_tiny(tmp_path, "debug=anomaly")
     assert summary["techniques"]["anomaly_detection"] == "applied"
     assert spy.train_calls() and all(c.anomaly for c in spy.train_calls())
     assert not torch.is_anomaly_enabled()
 
 
 def test_anomaly_detection_is_off_by_default(tmp_path, spy):
-    run(tmp_path)
+    run_tiny(tmp_path)
     assert spy.train_calls() and not any(c.anomaly for c in spy.train_calls())
 
 
 def test_profile_writes_a_trace_into_the_job_folder(tmp_path):
-    summary = run(tmp_path, "debug=profile", "debug.profile_wait=1", "debug.profile_warmup=1",
+    summary = run_tiny(tmp_path, "debug=profile", "debug.profile_wait=1", "debug.profile_warmup=1",
                   "debug.profile_active=2")
     assert summary["techniques"]["profiler"] == "applied"
     traces = list((tmp_path / "profile").glob("*.pt.trace.json*"))
@@ -411,7 +398,7 @@ def test_profile_writes_a_trace_into_the_job_folder(tmp_path):
 
 
 def test_drop_bias_before_bn_in_the_engine(tmp_path, spy):
-    summary = run(tmp_path, "model.drop_bias_before_bn=true")
+    summary = run_tiny(tmp_path, "model.drop_bias_before_bn=true")
     assert summary["techniques"]["drop_bias_before_bn"] == "applied"
     assert summary["technique_details"]["biases_removed"] == 2
     assert [b[0].bias for b in spy.model.features] == [None, None]
@@ -448,7 +435,7 @@ def test_drop_bias_leaves_a_layer_that_also_feeds_something_else():
 
 
 def test_evaluation_builds_no_autograd_graph(tmp_path, spy):
-    summary = run(tmp_path)
+    summary = run_tiny(tmp_path)
     evals = spy.eval_calls()
     assert evals and summary["eval_accuracy"] is not None
     assert all(c.inference_mode and not c.grad_enabled for c in evals)
@@ -461,7 +448,7 @@ def test_evaluation_builds_no_autograd_graph(tmp_path, spy):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_channels_last_weights_and_inputs(tmp_path, spy, on):
-    summary = run(tmp_path, f"channels_last={str(on).lower()}")
+    summary = run_tiny(tmp_path, f"channels_last={str(on).lower()}")
     assert spy.calls and all(c.x_channels_last is on and c.weights_channels_last is on for c in spy.calls)
     assert summary["techniques"].get("channels_last") == ("applied" if on else None)
 
@@ -480,7 +467,7 @@ def test_compile_reduce_overhead_on_cpu_compiles_without_cuda_graphs(tmp_path, s
     torch._dynamo.reset()
     counters.clear()
     spy.hook = False  # keep the compiled graph free of test hooks
-    summary = run(tmp_path, "compile=reduce-overhead", "model._target_=technique_helpers.TinyMLP",
+    summary = run_tiny(tmp_path, "compile=reduce-overhead", "model._target_=technique_helpers.TinyMLP",
                   "trainer.max_steps=2", "trainer.eval_max_batches=1")
     assert summary["techniques"]["compile"] == "applied"
     assert summary["techniques"]["cuda_graphs"].startswith("skipped: CUDA graphs need a CUDA device")
@@ -504,7 +491,7 @@ def test_compile_reduce_overhead_uses_cuda_graphs_on_cuda(tmp_path):
 
     torch._dynamo.reset()
     counters.clear()
-    summary = run(tmp_path, "compile=reduce-overhead", "trainer.device=cuda", "trainer.max_steps=6")
+    summary = run_tiny(tmp_path, "compile=reduce-overhead", "trainer.device=cuda", "trainer.max_steps=6")
     assert summary["techniques"]["compile"] == "applied"
     assert summary["techniques"]["cuda_graphs"] == "applied"
     assert counters["inductor"]["cudagraph_skips"] == 0
@@ -516,7 +503,7 @@ def test_compile_reduce_overhead_uses_cuda_graphs_on_cuda(tmp_path):
 
 def test_switches_combine(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
-    summary = run(tmp_path, "scheduler=onecycle", "dataloader=device", "data.augment=true", "data.normalize=true",
+    summary = run_tiny(tmp_path, "scheduler=onecycle", "dataloader=device", "data.augment=true", "data.normalize=true",
                   "optimizer=adamw", "optimizer.impl=foreach", "optimizer.lr_scaling=sqrt", "optimizer.set_to_none=true",
                   "optimizer.clip_grad_norm=1.0", "precision=amp", "memory=checkpointing", "memory.accumulate_steps=2",
                   "model.drop_bias_before_bn=true", "channels_last=true", "debug=anomaly", "trainer.max_steps=3")

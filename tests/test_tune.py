@@ -7,16 +7,14 @@ One run goes through the real CLI, one through torchrun with 2 processes; the re
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, compose_cfg, run_cli
+from conftest import TINY, compose_cfg, read_csv, run_cli
 from runner import tune
 from runner.errors import ConfigError
 from runner.models import MnistCNN
@@ -39,11 +37,6 @@ class OOMAbove(MnistCNN):
         if self.training and x.shape[0] > self.limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated: batch {x.shape[0]} > {self.limit})")
         return super().forward(x)
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
 
 
 def number(cell: str) -> float | None:

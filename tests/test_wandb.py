@@ -18,7 +18,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
-from conftest import TINY, job_dirs, read_summary, run_cli
+from conftest import TINY, job_dirs, metrics_rows, read_summary, run_cli
 
 _BLOCK, _CHUNK_HEADER = 32768, 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
@@ -95,7 +95,7 @@ def test_offline_run_holds_config_history_and_summary(tmp_path):
         assert run["config"][key] == value, key
     assert run["config"]["trainer"]["max_steps"] == 6
 
-    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(job)
     timed = [(r["step"], r["samples_per_sec"]) for r in rows if r.get("samples_per_sec") is not None]
     logged = [(h["trainer/step"], h["perf/samples_per_sec"]) for h in run["history"] if "perf/samples_per_sec" in h]
     assert len(timed) >= 2 and logged == timed  # every metrics.jsonl figure, against trainer/step

@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from runner import IN_MEMORY_DATA
 from runner.config import check_choice
-from runner.data import images, text
+from runner.data import text
 from runner.data.batches import DeviceIterable, OnDeviceLoader, SkippableSampler, random_crop_flip
 from runner.data.custom import CUSTOM_KEYS, class_count, custom_datasets, custom_source
 from runner.data.images import (
@@ -89,10 +89,3 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
     if loader_cfg.batch_size <= 0:
         raise ConfigError(f"dataloader.batch_size={loader_cfg.batch_size} must be a positive number of samples")
     return assemble(source_for(data_cfg), loader_cfg, env, seed=seed, memory_format=memory_format)
-
-
-def __getattr__(name: str):
-    """``runner.data._CIFAR10``: the picklable CIFAR-10 class, which lives in ``runner.data.images`` (PEP 562)."""
-    if name == "_CIFAR10":
-        return images._cifar10_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
