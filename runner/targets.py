@@ -17,6 +17,7 @@ import importlib
 import inspect
 import os
 import sys
+import types
 import typing
 from typing import Any, Callable, Iterable
 
@@ -121,6 +122,70 @@ def parameters(fn: Callable) -> tuple[list[str], bool]:
     return names, any_name
 
 
+#: Annotations whose values are checked before the call: the Python types a config value of each may have,
+#: what to write, and an example.
+_SCALARS = {bool: ((bool,), "true or false", "true"), int: ((int,), "a whole number", "2"),
+            float: ((int, float), "a number", "0.5")}
+
+
+def _hints(fn: Callable) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The resolved annotations and defaults of ``fn``'s parameters, and of the class a factory returns
+    (looked through as in ``parameters``); ``({}, {})`` where they cannot be read."""
+    hints: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
+    for part in (_return_class(fn), fn):  # the factory's own annotations win
+        if part is None:
+            continue
+        target = part.__init__ if isinstance(part, type) else part
+        try:
+            sig = inspect.signature(part)
+            resolved = typing.get_type_hints(target)
+        except Exception:  # noqa: BLE001 - builtins, unresolvable string annotations: nothing to check
+            continue
+        for p in sig.parameters.values():
+            if p.name in resolved:
+                hints[p.name], defaults[p.name] = resolved[p.name], p.default
+    return hints, defaults
+
+
+def _scalar(annotation: Any) -> tuple[type | None, bool]:
+    """The bool/int/float an annotation names and whether it admits ``None`` (``Optional[int]``,
+    ``int | None``); ``(None, False)`` for any other annotation (not checked)."""
+    if annotation in _SCALARS:
+        return annotation, False
+    args = typing.get_args(annotation)
+    if type(None) in args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and rest[0] in _SCALARS:
+            return rest[0], True
+    return None, False
+
+
+def check_types(group: str, fn: Callable, kwargs: dict[str, Any]) -> None:
+    """Fail when a value in ``kwargs`` does not fit its parameter's ``bool``, ``int`` or ``float`` annotation
+    in ``fn``'s signature (or the signature of the class a factory returns): ``model.zero_init_residual=abc``
+    would otherwise reach the constructor as the string ``'abc'``, which Python treats as true. A bool takes
+    only true/false, an int only a whole number (not a bool), a float a number; ``null`` only where the
+    annotation is Optional or the default is None. Other annotations are not checked.
+
+    Raises:
+        ConfigError: naming the key, its value, the annotation and the values it takes.
+    """
+    hints, defaults = _hints(fn)
+    for key, value in kwargs.items():
+        kind, optional = _scalar(hints.get(key))
+        if kind is None or hydra_key(key):
+            continue
+        if value is None and (optional or defaults.get(key) is None):
+            continue
+        fits, takes, example = _SCALARS[kind]
+        if isinstance(value, fits) and (kind is bool or not isinstance(value, bool)):
+            continue
+        shown = kind.__name__ + (" | None" if optional else "")
+        raise ConfigError(f"{group}.{key}={value!r} does not fit {describe(fn)}'s annotation {key}: {shown}; "
+                          f"give {takes}, e.g. {group}.{key}={example}")
+
+
 def describe(fn: Callable) -> str:
     """``module.qualname`` of ``fn`` for messages."""
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
@@ -137,6 +202,7 @@ def check_arguments(group: str, fn: Callable, kwargs: dict[str, Any], own_keys: 
         ConfigError: naming the unknown key and its value, the closest valid name, and every valid name.
     """
     own_keys = tuple(own_keys)
+    check_types(group, fn, kwargs)
     names, any_name = parameters(fn)
     if any_name:
         return

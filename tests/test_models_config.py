@@ -68,6 +68,14 @@ def test_torchvision_factory_arguments_reach_the_class():
     (["model._target_=torch.pi"], r"is a float, not a class or function"),
     (["model._target_=builtins.dict"], r"model\._target_='builtins\.dict' returned a dict, not a torch nn\.Module"),
     (["model=mlp", "model.depth=-1"], r"raised ValueError: MLP needs .* depth >= 0"),
+    # values checked against the annotations of the signature (the factory's class for torchvision)
+    (["model=resnet18", "model.zero_init_residual=abc"], r"^model\.zero_init_residual='abc' does not fit "
+                                                         r".*annotation zero_init_residual: bool; give true or false"),
+    (["model=resnet18", "model.zero_init_residual=1"], r"model\.zero_init_residual=1 does not fit .*: bool"),
+    (["model=resnet18", "model.groups=1.5"], r"model\.groups=1\.5 does not fit .*groups: int; give a whole number"),
+    (["model=mlp", "model.hidden=abc"], r"model\.hidden='abc' does not fit runner\.models\.MLP's annotation hidden: int"),
+    (["model=mlp", "model.depth=true"], r"model\.depth=True does not fit .*depth: int"),
+    (["model=mlp", "model.dropout=x"], r"model\.dropout='x' does not fit .*dropout: float; give a number"),
 ])
 def test_bad_model_arguments_name_the_key_and_the_valid_names(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -80,6 +88,21 @@ def test_runner_keys_stay_typed_and_other_groups_closed():
     with pytest.raises(ConfigCompositionException, match="Could not override 'optimizer.lrr'"):
         compose_cfg("model.width=3", "optimizer.lrr=0.1")
     assert compose_cfg("model.width=64").model.width == 64  # no `+`
+
+
+def test_annotated_values_that_fit_are_passed_as_given():
+    assert build("model=mlp", "model.dropout=0").blocks[0][2].p == 0  # an int where a float is annotated
+    model = build("model=resnet18", "model.zero_init_residual=false")
+    assert all(b.bn2.weight.all() for b in model.modules() if type(b).__name__ == "BasicBlock")
+
+
+def test_cli_value_that_does_not_fit_the_annotation_is_one_error_line(tmp_path):
+    proc = run_cli("model=resnet18", "model.zero_init_residual=abc", "data=synthetic", "trainer.device=cpu",
+                   "logger=none", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "model.zero_init_residual='abc'" in line and "true or false" in line
+    assert list((tmp_path / "outputs").rglob("summary.json")) == []
 
 
 def test_cli_typo_in_a_constructor_argument_stops_before_training(tmp_path):
