@@ -97,3 +97,34 @@ _RESOLVERS["runner_config_groups"] = _config_groups
 for _name, _fn in _RESOLVERS.items():
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)
+
+
+
+def _hide_schema_options() -> None:
+    """Hydra lists a group's options (``model=nope``'s "Available options", ``model=glob(*)``, shell
+    completion) from every config source, the ConfigStore's ``base_<name>`` schemas (``runner.config``)
+    included; they are what YAML options extend, never a choice, so the listing leaves them out. Loading
+    one by name, as the options' ``defaults: [base_model, _self_]`` do, is unchanged. (The repository is
+    patched, not the ConfigStore's source class: Hydra's plugin scan re-imports that module.)"""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.object_type import ObjectType
+
+    listed = ConfigRepository.get_group_options
+    if getattr(listed, "runner_hides_schemas", False):
+        return
+
+    def schema(group: str, name: str) -> bool:
+        try:
+            return name.startswith("base_") and f"{name}.yaml" in ConfigStore.instance().list(group)
+        except OSError:  # not a ConfigStore group
+            return False
+
+    def options(self, group_name: str, results_filter=ObjectType.CONFIG):
+        return [name for name in listed(self, group_name, results_filter) if not schema(group_name, name)]
+
+    options.runner_hides_schemas = True  # type: ignore[attr-defined]
+    ConfigRepository.get_group_options = options  # type: ignore[method-assign]
+
+
+_hide_schema_options()

@@ -20,10 +20,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import targets
+from runner import CONF_DIR, targets
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -379,11 +379,16 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     head's and those of layers runner built fresh), the input check.
 
     Raises:
-        ConfigError: ``_target_`` cannot be imported or called, an argument its signature lacks, the
+        ConfigError: ``_target_`` unset (``model=base_model``), cannot be imported or called, an argument its signature lacks, the
             constructor raises, ``model.num_classes``/``model.vocab_size`` set (they follow the data), bad
             ``weights`` (unknown, another architecture's, file missing or unreadable), ``cifar_stem`` on a
             non-ResNet, ``freeze_backbone`` without ``weights``, or a model that does not take the data's inputs.
     """
+    if OmegaConf.is_missing(cfg, "_target_"):  # model=base_model: the schema the options extend, not a model
+        options = ", ".join(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+        raise ConfigError(f"model._target_ is not set (model=base_model is the schema every model option extends, "
+                          f"not a model): pick model=<one of {options}>, or name your class with "
+                          f"model._target_=<module>.<class>")
     if cfg.freeze_backbone and not cfg.weights:
         raise ConfigError("model.freeze_backbone=true trains only a pretrained model's new head; set "
                           "model.weights=<torchvision weights name> too (or leave freeze_backbone=false)")
