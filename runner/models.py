@@ -334,6 +334,37 @@ def check_forward(model: nn.Module, example: torch.Tensor, num_classes: int) -> 
                           f"it in) or set its output size to {num_classes}")
 
 
+# ------------------------------------------------------------------------------ trained weights
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Load a job's ``model.safetensors`` (a plain state dict) into ``model``, the plain model class.
+
+    ``model.drop_bias_before_bn=true`` (``+experiment=fast``) removed the conv/linear biases that feed a
+    BatchNorm before training, so the file has no such ``<layer>.bias`` and ``model.load_state_dict`` stops
+    with ``Missing key(s)``. Training without them is training with them at zero (BatchNorm cancels a
+    constant bias), so each of those is set to zero here; every other key must match exactly.
+
+    Returns ``model``, loaded in place. Sources: ``safetensors.torch.load_file``; Ioffe & Szegedy 2015 §3.2.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        RuntimeError: a key other than a dropped bias is missing or unexpected, or a shape differs (as
+            ``load_state_dict`` reports it).
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    own = model.state_dict()
+    for name in own.keys() - state.keys():
+        layer_name, _, leaf = name.rpartition(".")
+        layer = model.get_submodule(layer_name) if layer_name else model
+        if leaf == "bias" and isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
+            state[name] = torch.zeros_like(own[name])  # removed before training: the trained model's is zero
+    model.load_state_dict(state)
+    return model
+
+
 # ------------------------------------------------------------------------------ build
 
 

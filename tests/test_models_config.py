@@ -282,3 +282,24 @@ def test_unreadable_weights_file(torch_home, content, message):
 def test_bad_weights_settings(torch_home, overrides, message):
     with pytest.raises(ConfigError, match=message):
         build(*overrides)
+
+
+# ------------------------------------------------------------------------------ trained weights
+
+
+def test_weights_trained_without_the_biases_before_bn_load_into_the_plain_model(tmp_path):
+    """+experiment=fast drops the conv biases that feed a BatchNorm: model.safetensors lacks them, so the plain
+    load_state_dict refuses the file; runner.models.load_weights loads it with those biases at zero."""
+    from safetensors.torch import load_file
+
+    summary = train(compose_cfg("model.drop_bias_before_bn=true"), job_dir=tmp_path)
+    assert summary["techniques"]["drop_bias_before_bn"] == "applied"
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    plain = models.MnistCNN(num_classes=10, in_channels=3)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"features\.0\.0\.bias\""):
+        plain.load_state_dict(saved)
+    loaded = models.load_weights(plain, tmp_path / "model.safetensors")
+    assert loaded is plain and not plain.features[0][0].bias.any() and not plain.features[1][0].bias.any()
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in saved.items())
+    with pytest.raises(RuntimeError, match="size mismatch"):  # anything but a dropped bias is still checked
+        models.load_weights(models.MnistCNN(num_classes=7, in_channels=3), tmp_path / "model.safetensors")
