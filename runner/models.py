@@ -334,6 +334,37 @@ def check_forward(model: nn.Module, example: torch.Tensor, num_classes: int) -> 
                           f"it in) or set its output size to {num_classes}")
 
 
+# ------------------------------------------------------------------------------ what was built
+
+
+def _count(n: int) -> str:
+    """A parameter count for the console: ``5,130``, ``11.2 M``, ``1.3 B``."""
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
+def model_report(model: nn.Module, cfg: DictConfig) -> tuple[str, dict[str, object]]:
+    """The line ``prepare`` prints once the model is built (rank 0), and its details for ``summary.json``
+    (``model_details``): which model, whether pretrained weights were loaded, whether the backbone is frozen,
+    and how many parameters train (a wrapper's parameters count the same: DDP/DP hold the model's own, an
+    FSDP2 DTensor's ``numel`` is the full tensor's), e.g.
+    ``model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 5,130 of 11.2 M parameters trainable``.
+
+    Args:
+        model: the built model (``build``'s result).
+        cfg: the ``model`` node it was built from.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    name = str(cfg._target_).rpartition(".")[2]
+    start = f"{cfg.weights} weights loaded" if cfg.weights else "randomly initialized"
+    frozen = "; backbone frozen" if cfg.freeze_backbone else ""
+    counted = (f"{_count(total)} parameters, all trainable" if trainable == total
+               else f"{trainable:,} of {_count(total)} parameters trainable")
+    details = {"name": name, "target": str(cfg._target_), "weights": cfg.weights,
+               "backbone_frozen": bool(cfg.freeze_backbone), "parameters": total, "trainable_parameters": trainable}
+    return f"model: {name}, {start}{frozen}; {counted}", details
+
+
 # ------------------------------------------------------------------------------ trained weights
 
 

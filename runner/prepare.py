@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from runner import parallel
+from runner import models, parallel
 from runner.config import check_choice
 from runner.errors import ConfigError
 from runner.parallel import repeated_blocks
@@ -186,6 +186,9 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Mo
     ``compute_dtype``. ``skip``: status keys of techniques the task rules out (``Task.skipped``: channels_last
     and drop_bias_before_bn on a language model); the engine records them, they are not applied here.
 
+    Prints the built model's line (``models.model_report``: weights loaded, backbone frozen, trainable
+    parameters) on rank 0 first.
+
     Returns the (possibly wrapped) model, the techniques' statuses and their details (counts, names).
 
     Raises:
@@ -193,10 +196,12 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Mo
             class the model lacks; a bad ``compile.mode``.
     """
     techniques: dict[str, str] = {}
-    details: dict[str, object] = {}
     if cfg.memory.checkpoint_modules and not cfg.memory.checkpointing:
         raise ConfigError(f"memory.checkpoint_modules={list(cfg.memory.checkpoint_modules)} has no effect while "
                           f"memory.checkpointing=false; add memory=checkpointing (or memory.checkpointing=true)")
+    details: dict[str, object] = {}
+    if env.is_main:  # the plain model, before any wrapper: weights loaded, backbone frozen, trainable parameters
+        print(models.model_report(model, cfg.model)[0], flush=True)
     if cfg.channels_last and "channels_last" not in skip:
         techniques["channels_last"] = apply_channels_last(model)
     if cfg.model.drop_bias_before_bn and "drop_bias_before_bn" not in skip:

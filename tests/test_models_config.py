@@ -195,7 +195,8 @@ def test_pretrained_run_on_two_classes(resnet18_file, spy, tmp_path):
     assert start["fc.weight"].shape == (2, 512)
 
 
-def test_freeze_backbone_trains_only_the_new_head(resnet18_file, spy, tmp_path):
+def test_freeze_backbone_trains_only_the_new_head(resnet18_file, spy, tmp_path, capsys):
+    capsys.readouterr()
     train(compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "model.freeze_backbone=true",
                       "data.num_classes=2", "trainer.max_steps=2", "optimizer.lr=0.1"), job_dir=tmp_path)
     model, optimizer = spy.model, spy.optimizer
@@ -206,6 +207,14 @@ def test_freeze_backbone_trains_only_the_new_head(resnet18_file, spy, tmp_path):
     changed = {n for n, v in spy.initial_params.items() if not torch.equal(v, after[n].detach())}
     assert changed == {"fc.weight", "fc.bias"}
     assert len(spy.steps) == 2
+    # the console says what was loaded, what is frozen and what trains: one line at build
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("model: ")]
+    assert lines == ["model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 1,026 of 11.2 M parameters "
+                     "trainable"]
+    details = models.model_report(model, compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1",
+                                                     "model.freeze_backbone=true").model)[1]
+    assert details == {"name": "resnet18", "target": "torchvision.models.resnet18", "weights": "IMAGENET1K_V1",
+                       "backbone_frozen": True, "parameters": 11177538, "trainable_parameters": 1026}
 
 
 def test_pretrained_first_conv_adapted_to_one_channel(resnet18_file):
