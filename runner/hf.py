@@ -146,3 +146,23 @@ def vocab_size(model: nn.Module) -> int | None:
     if value is None:
         value = getattr(getattr(model, "config", None), "vocab_size", None)
     return value if isinstance(value, int) else None
+
+
+def fill_nested_config(kwargs: dict, data_kwargs: dict[str, int], names: list[str], any_name: bool) -> None:
+    """A model built from a config object (Hugging Face style, ``model._target_=transformers.GPT2LMHeadModel``
+    with ``model.config._target_=transformers.GPT2Config``): the data's sizes that the model's constructor does
+    not take (``vocab_size``) go into that nested ``config`` node instead, as they would go into the
+    constructor.
+
+    Raises:
+        ConfigError: ``model.config.<size>`` set (it follows the data).
+    """
+    config = kwargs.get("config")
+    if not isinstance(config, dict) or "_target_" not in config:
+        return
+    for key, value in data_kwargs.items():
+        if key in names or any_name:
+            continue
+        if key in config:
+            raise ConfigError(f"model.config.{key}={config[key]} cannot be set: it follows the data ({value}); drop it")
+        config[key] = value

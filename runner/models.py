@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import CONF_DIR, targets
+from runner import CONF_DIR, hf, targets
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -399,27 +399,6 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 # ------------------------------------------------------------------------------ build
 
 
-def _fill_nested_config(kwargs: dict, data_kwargs: dict[str, int], names: list[str], any_name: bool) -> None:
-    """A model built from a config object (Hugging Face style, ``model._target_=transformers.GPT2LMHeadModel``
-    with ``model.config._target_=transformers.GPT2Config``): the data's sizes that the model's constructor does
-    not take (``vocab_size``) go into that nested ``config`` node instead, as they would go into the
-    constructor.
-
-    Raises:
-        ConfigError: ``model.config.<size>`` set (it follows the data).
-    """
-    config = kwargs.get("config")
-    if not isinstance(config, dict) or "_target_" not in config:
-        return
-    for key, value in data_kwargs.items():
-        if key in names or any_name:
-            continue
-        if key in config:
-            raise ConfigError(f"model.config.{key}={config[key]} cannot be set: it follows the data ({value}); drop it")
-        config[key] = value
-
-
-
 def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None = None,
           example: torch.Tensor | None = None) -> nn.Module:
     """Instantiate ``cfg._target_`` with the config's constructor arguments and fit it to the data.
@@ -463,7 +442,7 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
             raise ConfigError(f"model.{key}={kwargs[key]} cannot be set: {what} follows the data ({value}); {where}")
     targets.check_arguments("model", builder, kwargs, RUNNER_KEYS)
     names, any_name = targets.parameters(builder)
-    _fill_nested_config(kwargs, data_kwargs, names, any_name)
+    hf.fill_nested_config(kwargs, data_kwargs, names, any_name)
     if example is not None and "in_features" in names and "in_features" not in kwargs:
         kwargs["in_features"] = math.prod(example.shape)
     num_classes = data_kwargs.get("num_classes")
