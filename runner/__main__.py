@@ -15,6 +15,34 @@ from runner.launch import prepare_process, record_if_elastic
 register_configs()
 
 
+def _refuse_misspelt_keys() -> None:
+    """Hydra answers a misspelt key (``trainer.max_step=3``) with "To append to your config use
+    +trainer.max_step=3", advice runner then refuses (the key would be ignored). Its compose errors pass through
+    ``hydra._internal.utils.run_and_report`` (Hydra 1.3), wrapped here so that such an error prints runner's one
+    ``error:`` line with the close declared key instead (``runner.validate.misspelt_override``), exit status 2;
+    every other error is Hydra's as before."""
+    import hydra._internal.utils as hydra_utils
+    from hydra.errors import ConfigCompositionException
+
+    from runner.validate import misspelt_override
+
+    report = hydra_utils.run_and_report
+
+    def run_and_report(func):
+        def translated():
+            try:
+                return func()
+            except ConfigCompositionException as e:
+                message = misspelt_override(e)
+                if message is None:
+                    raise
+                print(f"error: {message}", file=sys.stderr)
+                sys.exit(2)
+        return report(translated)
+
+    hydra_utils.run_and_report = run_and_report
+
+
 # CONF_DIR: the checkout's conf/, or the copy a regular install put inside the package (an absolute path, so
 # both work); a user's own config folder joins it with --config-dir or hydra.searchpath (README).
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -22,7 +50,8 @@ def main(cfg: DictConfig) -> float | None:
     """Train the composed job; return its samples/s (what a Hydra sweeper optimizes).
 
     Exit status: 2 for bad input (``ConfigError``), 3 for a diverged run (``TrainingDiverged``; inside a
-    multirun the sweep goes on and the job returns None, not a figure), 75 after a preemption checkpoint.
+    multirun the sweep goes on and the job returns None, not a figure), 75 after a preemption checkpoint (a
+    signal or Ctrl-C), 130 after a second Ctrl-C (no checkpoint).
     """
     from runner import ablation
     from runner.preempt import EXIT_PREEMPTED
@@ -46,6 +75,10 @@ def main(cfg: DictConfig) -> float | None:
     except Preempted as e:
         print(e, file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first checkpoints and stops: runner.preempt)
+        print("error: interrupted twice: stopped at once, without a checkpoint; the last checkpoint (if any) is "
+              "intact and the same command with hydra.run.dir=<the job folder> resumes from it", file=sys.stderr)
+        sys.exit(130)
 
 
 def _diagnose(warnings_shown: bool) -> None:
@@ -69,4 +102,5 @@ if __name__ == "__main__":
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    _refuse_misspelt_keys()
     record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary

@@ -31,6 +31,7 @@ through ``SafeMetadataUnpickler`` (only the classes DCP's metadata is made of) a
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import pickle
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from runner import write_failures
 from runner.errors import ConfigError
 
 # one process without a process group is DCP's supported "no_dist" case (passed explicitly below), not a mistake
@@ -240,7 +242,11 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Path | No
     """Write the trained weights as a plain state dict in safetensors format (loadable without runner:
     ``safetensors.torch.load_file(path)`` then ``model.load_state_dict``). Every rank must call it (FSDP
     gathers); rank 0 writes, atomically. Tied weights (one tensor under two names) are stored once each
-    as a copy, since safetensors refuses shared storage. Returns the path on rank 0."""
+    as a copy, since safetensors refuses shared storage. Returns the path on rank 0.
+
+    Raises:
+        ConfigError: the disk is full (the partial file removed, nothing left under ``path``'s name).
+    """
     from safetensors.torch import save_file
 
     state = full_model_state_dict(model)
@@ -253,7 +259,15 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Path | No
         plain[name] = tensor.clone() if ptr in seen else tensor
         seen.add(ptr)
     tmp = path.with_suffix(".partial")
-    save_file(plain, str(tmp), metadata={"format": "pt"})
+    try:
+        save_file(plain, str(tmp), metadata={"format": "pt"})
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        if write_failures.disk_full(e, path.parent):
+            raise ConfigError(f"disk full while writing {path} ({write_failures.describe_free(path.parent)}); free "
+                              f"space there and run the same command with hydra.run.dir={path.parent} to finish from "
+                              f"the last checkpoint") from e
+        raise
     tmp.replace(path)
     return path
 
@@ -317,7 +331,8 @@ class Checkpointer:
                                     no_dist=not dist.is_initialized())
             self._pending = (future, partial, final)
         else:
-            dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+            with self._write_failures(partial):
+                dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
             self._publish(partial, final)
         self.time_s += time.perf_counter() - started
         self.saves += 1
@@ -331,9 +346,32 @@ class Checkpointer:
         started = time.perf_counter()
         future, partial, final = self._pending
         self._pending = None
-        future.result()
+        with self._write_failures(partial):
+            future.result()
         self._publish(partial, final)
         self.time_s += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def _write_failures(self, partial: Path):
+        """Around a DCP write: on any failure the partial folder goes (the last complete checkpoint stays the
+        newest); a full disk becomes one ``ConfigError`` saying so, and a second Ctrl-C (which DCP wraps in
+        its ``CheckpointException``) a plain ``KeyboardInterrupt``; anything else is raised as it came."""
+        try:
+            yield
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException; each is re-raised
+            if self.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            if write_failures.interrupted(e):
+                raise KeyboardInterrupt from e
+            if write_failures.disk_full(e, self.root):
+                kept = latest(self.root)
+                raise ConfigError(
+                    f"disk full while writing checkpoint {partial} ({write_failures.describe_free(self.root)}): the "
+                    f"partial checkpoint was removed and "
+                    + (f"the last complete one, {kept}, is kept" if kept else "there is no earlier checkpoint")
+                    + "; free space there (or lower checkpoint.keep_last, or put hydra.run.dir on a larger disk) and "
+                      "run the same command with hydra.run.dir=<this job folder> to resume") from e
+            raise
 
     def _publish(self, partial: Path, final: Path) -> None:
         if self.is_main:
@@ -369,126 +407,3 @@ class Checkpointer:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-
-# ------------------------------------------------------------------------------- resume decisions
-
-#: Config keys (dotted prefixes) that may differ between a checkpoint and the run resuming from it: the run's
-#: length and bookkeeping, where things live, how fast batches load. Anything else changes the experiment.
-MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
-              "trainer.eval_max_batches", "trainer.progress", "trainer.target_accuracy", "trainer.target_loss",
-              "trainer.peak_tflops", "trainer.reference_samples_per_sec", "trainer.device", "trainer.doctor",
-              "checkpoint.", "logger.", "data.root", "data.path", "data.download", "dataloader.num_workers",
-              "dataloader.pin_memory", "dataloader.persistent_workers", "dataloader.prefetch_factor",
-              "dataloader.non_blocking", "task.sample_", "ablation.", "tune.")  # tune.*: read by runner.tune only
-
-
-def settings(cfg) -> dict[str, Any]:
-    """``checkpoint.*`` as plain values, each checked.
-
-    Raises:
-        ConfigError: a value of the wrong type or out of range, naming the key and what is allowed.
-    """
-    c = dict(cfg)
-    from runner.config import CHECKPOINT_DEFAULTS
-
-    unknown = sorted(set(c) - set(CHECKPOINT_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"checkpoint.{unknown[0]} is not a checkpoint setting; they are: "
-                          f"{', '.join(CHECKPOINT_DEFAULTS)}")
-
-    def bad(key: str, rule: str) -> ConfigError:
-        return ConfigError(f"checkpoint.{key}={c[key]!r} {rule}")
-
-    for key in ("every_steps", "keep_last"):
-        if c[key] is not None and (not isinstance(c[key], int) or isinstance(c[key], bool) or c[key] < 1):
-            raise bad(key, "must be an integer >= 1" + (" or null" if key == "every_steps" else ""))
-    if c["keep_last"] is None:
-        raise bad("keep_last", "must be an integer >= 1")
-    if c["every_minutes"] is not None and (not isinstance(c["every_minutes"], (int, float))
-                                           or isinstance(c["every_minutes"], bool) or c["every_minutes"] <= 0):
-        raise bad("every_minutes", "must be a number of minutes > 0 or null")
-    for key in ("at_end", "async"):
-        if not isinstance(c[key], bool):
-            raise bad(key, "must be true or false")
-    if not isinstance(c["resume"], str) or not c["resume"]:
-        raise bad("resume", "must be auto, never or the path of a checkpoint folder")
-    signals = c["signals"]
-    if isinstance(signals, str) or not all(isinstance(s, str) for s in (signals or [])):
-        raise bad("signals", "must be a list of signal names such as [SIGTERM,SIGUSR1] (or [] for none)")
-    c["signals"] = list(signals or [])
-    return c
-
-
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The dotted keys whose values differ between two resolved configs (``"key: old -> new"``), leaving out
-    ``MAY_CHANGE``."""
-    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(d, dict):
-            out: dict[str, Any] = {}
-            for k, v in d.items():
-                out |= flat(v, f"{prefix}{k}.")
-            return out
-        return {prefix[:-1]: d}
-
-    a, b = flat(saved), flat(current)
-    keys = sorted(set(a) | set(b))
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys
-            if a.get(k, "<absent>") != b.get(k, "<absent>") and not k.startswith(MAY_CHANGE)]
-
-
-@dataclass
-class ResumePoint:
-    """Where a run starts: ``path`` (None: from scratch), the checkpoint's ``meta`` (``runner.json``), and
-    ``stale_rows``: whether ``metrics.jsonl`` holds rows of an earlier attempt to drop (those after ``step``)."""
-
-    path: Path | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    step: int = 0
-    stale_rows: bool = False
-
-
-def find_resume_point(mode: str, job_dir: Path, resolved: dict[str, Any], total_steps: int) -> ResumePoint:
-    """Decide where this run starts (rank 0; the engine broadcasts the answer).
-
-    - ``auto``: the newest complete checkpoint in ``<job_dir>/checkpoints``; with none, from scratch -- an
-      earlier attempt's ``metrics.jsonl`` rows are dropped when it never finished (killed before its first
-      checkpoint), and a *finished* run's folder (``summary.json``, no checkpoint) is refused.
-    - ``never``: from scratch in a folder that holds no earlier run.
-    - a path: that checkpoint (another job's, too).
-
-    A checkpoint written with another config is refused, naming the differing keys (``MAY_CHANGE`` may
-    differ); so is one already at or past this run's last step while the folder holds its summary.
-
-    Raises:
-        ConfigError: each refusal above, naming the folder or keys and the fix.
-    """
-    earlier = (job_dir / "metrics.jsonl").exists() or (job_dir / "summary.json").exists()
-    finished = (job_dir / "summary.json").exists()
-    if mode == "never":
-        if earlier:
-            raise ConfigError(f"the job folder {job_dir} already holds a run (metrics.jsonl/summary.json) and "
-                              f"checkpoint.resume=never would mix a new run into it; start in a new folder (drop "
-                              f"hydra.run.dir) or continue that run with checkpoint.resume=auto")
-        return ResumePoint()
-    if mode == "auto":
-        path = latest(job_dir / FOLDER)
-        if path is None:
-            if finished:
-                raise ConfigError(f"the job folder {job_dir} holds a finished run (summary.json) and no checkpoint "
-                                  f"to continue from; start in a new folder (drop hydra.run.dir)")
-            return ResumePoint(stale_rows=earlier)
-    else:
-        path = Path(mode).expanduser()
-    meta = read_meta(path)
-    differences = config_differences(meta.get("config", {}), resolved)
-    if differences:
-        raise ConfigError(f"cannot resume from {path}: the config differs in {'; '.join(differences)}. Resume with the "
-                          f"checkpoint's config (see {path / META_FILE}), or start fresh in a new folder "
-                          f"(checkpoint.resume=never)")
-    step = int(meta["step"])
-    if step >= total_steps and finished and path.parent.parent == job_dir:
-        raise ConfigError(f"the run in {job_dir} already finished at step {step} (trainer.max_steps allows "
-                          f"{total_steps}); raise trainer.max_steps to train further, or start in a new folder")
-    return ResumePoint(path=path, meta=meta, step=step, stale_rows=path.parent.parent == job_dir)

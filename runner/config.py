@@ -346,8 +346,8 @@ class TrainerConfig:
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
     progress: str = "auto"  # CHOICES["trainer.progress"]
     on_nonfinite: str = "stop"  # stop | skip (CHOICES): a NaN/inf loss or gradient ends the run, or skips the step (counted)
-    # the speed doctor (runner/doctor/): its diagnosis after the summary, and on CUDA a profile of the last
-    # warm-up steps (GPU idle between kernels); false: neither
+    max_skipped_fraction: float = 0.5  # skip: more than this fraction of a log interval's steps skipped -> diverged
+    # the speed doctor: its diagnosis after the summary, and on CUDA a profile of the last warm-up steps; false: neither
     doctor: bool = True
 
 
@@ -395,15 +395,15 @@ class TuneConfig:
 
 
 #: ``checkpoint.*`` (runner/checkpoint.py). A plain node rather than a dataclass because ``async`` is a Python
-#: keyword; ``runner.checkpoint.settings`` checks every value's type and range with a message naming the key.
+#: keyword; ``runner.resume.settings`` checks every value's type and range with a message naming the key.
 CHECKPOINT_DEFAULTS: dict[str, Any] = {
     "every_steps": None,  # save after every N optimizer steps; null = off
-    "every_minutes": None,  # save when this much wall time passed since the last save; null = off
+    "every_minutes": 30,  # save when this much wall time passed since the last save (rank 0's clock); null = off
     "keep_last": 2,  # complete checkpoints kept; older ones are deleted
     "at_end": True,  # save one after the last step (and model.safetensors)
     "resume": "auto",  # auto (newest complete checkpoint in the job folder) | never | <checkpoint folder>
     "async": False,  # dcp.async_save: stage to CPU memory, write in a background thread
-    "signals": ["SIGTERM", "SIGUSR1"],  # checkpoint at the next step boundary and stop (SLURM preemption)
+    "signals": ["SIGTERM", "SIGUSR1", "SIGINT"],  # checkpoint at the next step boundary, stop (preemption, Ctrl-C)
 }
 
 

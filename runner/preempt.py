@@ -1,5 +1,11 @@
 """Preemption: a signal only sets a flag; the loop checkpoints at the next step boundary and exits.
 
+Ctrl-C (``SIGINT``) is a preemption too: the first checkpoints at the step boundary and stops with
+``EXIT_PREEMPTED``, a second one exits at once (``KeyboardInterrupt``, no checkpoint). The stop message gives
+the exact command that resumes (``resume_command``: the same arguments with ``hydra.run.dir=<the job folder>``,
+or ``hydra.sweep.dir=<the sweep folder>`` for a multirun), since the same command without it starts a new
+timestamped folder.
+
 SLURM sends ``SIGUSR1`` (``sbatch --signal=B:USR1@<seconds>``, forwarded to the training processes by
 ``scripts/multinode.sh``) or ``SIGTERM`` (``scancel``, preemption, the time limit's grace period) before it
 kills a job. Writing a checkpoint *inside* the handler hangs or corrupts it (the handler interrupts a
@@ -16,9 +22,11 @@ submitit's checkpoint/requeue protocol.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from types import FrameType
 
 import torch
@@ -62,6 +70,8 @@ class Preemption:
             self._signums.append(signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received is not None:  # a second Ctrl-C: stop now, no checkpoint
+            raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
 
     def __enter__(self) -> "Preemption":
@@ -120,6 +130,18 @@ def requeue_slurm_job() -> str | None:
     if done.returncode != 0:
         return f"scontrol requeue {job} failed: {done.stderr.strip()}"
     return f"requeued SLURM job {job}"
+
+
+def resume_command(argv: list[str], job_dir: Path, sweep_dir: Path | None = None, launcher: str = "single") -> str:
+    """The command that resumes this run: ``python -m runner`` with ``argv`` (the arguments after
+    ``-m runner``) and ``hydra.run.dir=<job_dir>`` -- or, for a multirun (``sweep_dir`` given),
+    ``hydra.sweep.dir=<sweep_dir>`` -- replacing any such argument already there. Under torchrun/srun
+    (``launcher``) the launcher's own options are not known here: the same command with that argument."""
+    key, folder = ("hydra.sweep.dir", sweep_dir) if sweep_dir is not None else ("hydra.run.dir", job_dir)
+    args = [a for a in argv if not a.startswith(key + "=")] + [f"{key}={folder}"]
+    if launcher != "single":
+        return f"the same {launcher} command with {shlex.quote(f'{key}={folder}')}"
+    return shlex.join(["python", "-m", "runner", *args])
 
 
 def exit_preempted(message: str) -> None:

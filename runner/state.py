@@ -37,11 +37,15 @@ class TrainState:
     checkpoint_time_s: float = 0.0  # s the loop was blocked writing checkpoints (not in train_time_s)
     restarts: int = 0  # times this run was resumed from a checkpoint
     restart_lost_time_s: float = 0.0  # s from each resumed checkpoint's write to the resume (redone work, restart)
+    interval_skipped: int = 0  # steps of this log interval skipped (trainer.max_skipped_fraction)
+    pending_eval: int | None = None  # the step whose evaluation a signal cut short: redone first on resume
 
     #: the fields that are the same on every rank; the rest (loss_sum, timings) is saved per rank
     SHARED = ("step", "epoch", "batch_in_epoch", "train_time_s", "eval_time_s", "time_to_target_s", "train_loss",
               "eval", "interval_steps", "last_finite", "skipped_steps", "checkpoint_time_s", "restarts",
-              "restart_lost_time_s")
+              "restart_lost_time_s", "interval_skipped", "pending_eval")
+    #: what a field missing from an older checkpoint's state means
+    ADDED_LATER = {"interval_skipped": 0, "pending_eval": None}
 
 
 class SharedState:
@@ -61,7 +65,7 @@ class SharedState:
         if fields.get("last_finite") is not None:
             fields["last_finite"] = tuple(fields["last_finite"])
         for k in TrainState.SHARED:
-            setattr(self.state, k, fields[k])
+            setattr(self.state, k, fields[k] if k in fields else TrainState.ADDED_LATER[k])
 
 
 class PerRankState:

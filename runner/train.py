@@ -29,6 +29,7 @@ from runner import (
     distributed,
     hardware,
     launch,
+    loop_guards as guards,
     machine_load,
     measure,
     models,
@@ -37,6 +38,7 @@ from runner import (
     precision,
     preempt,
     prepare,
+    resume,
     schedule,
     task as task_mod,
 )
@@ -135,11 +137,15 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
             with debug.build(cfg.debug, parts.job_dir, env.device) as (profiler, status), parts.preemption:
                 parts.techniques |= status
                 fit(state, parts, profiler)
-            if parts.at_end:
-                save_checkpoint(state, parts)
-            parts.checkpointer.finish()
-            if parts.at_end:
+            if parts.at_end:  # the weights first: a final checkpoint that fails (a full disk) does not lose them
                 checkpoint.save_weights(parts.model, parts.job_dir / "model.safetensors", env.is_main)
+            try:
+                if parts.at_end:
+                    save_checkpoint(state, parts)
+                parts.checkpointer.finish()
+            except ConfigError as e:
+                raise ConfigError(f"{e}" + (f". The trained weights are in {parts.job_dir / 'model.safetensors'}"
+                                            if parts.at_end else "")) from e
             parts.task.finish(parts.model, parts.data, parts.job_dir, env, cfg.trainer.seed)
         except Preempted:
             parts.checkpointer.finish()
@@ -214,8 +220,8 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     meter = measure.Meter(env.device, t.warmup_steps, plan.global_batch, task.tokens_per_sample(data), state.timings,
                           gpu_profile_steps=profile_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    ck = checkpoint.settings(cfg.checkpoint)
-    point = _agree(lambda: checkpoint.find_resume_point(ck["resume"], job_dir, resolved, plan.total_steps), env)
+    ck = resume.settings(cfg.checkpoint)
+    point = _agree(lambda: resume.find_resume_point(ck["resume"], job_dir, resolved, plan.total_steps), env)
     if point.path is not None and point.meta.get("world_size", env.world_size) != env.world_size:
         raise ConfigError(f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes and "
                           f"this run has {env.world_size}; exact resume needs the same world size (same launch), or "
@@ -224,6 +230,8 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                        resume_step=point.step if point.stale_rows else None,
                        wandb_run_id=point.meta.get("wandb_run_id"))
                if env.is_main else NullTracker())
+    if data.vocab is not None and point.path is not None:  # data.path may move, but must hold the same text
+        _agree(lambda: text.check_vocab(data.vocab, cfg.data.path, point.meta, point.path), env)
     if env.is_main and data.vocab is not None:
         text.save_vocab(data.vocab, job_dir)
     if env.device.type == "cuda":
@@ -238,8 +246,9 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                   preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()))
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)
-        state.restarts += 1
         state.restart_lost_time_s += max(0.0, time.time() - float(point.meta.get("time", time.time())))
+    if point.path is not None or point.stale_rows:  # an earlier attempt stopped early: counted outside checkpoints
+        state.restarts = _agree(lambda: resume.record_restart(job_dir, state.restarts), env)
         if env.is_main:
             print(f"resumed from {point.path} (step {state.step}, epoch {state.epoch}, restart {state.restarts})",
                   flush=True)
@@ -265,7 +274,8 @@ def save_checkpoint(state: TrainState, parts: Parts) -> None:
     p.meter.flush()  # pending timing marks become figures of the state being saved
     parallel.sync_ddp_buffers(p.model, p.env)  # one copy of a replicated buffer is kept: make it rank 0's
     meta = {"config": p.resolved, "world_size": p.env.world_size, "wandb_run_id": p.tracker.wandb_run_id,
-            "time": time.time(), "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch}
+            "time": time.time(), "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
+            **({"vocab": p.data.vocab} if p.data.vocab is not None else {})}
     before = p.checkpointer.time_s
     p.checkpointer.save(checkpoint_state(state, parts), state.step, meta)
     state.checkpoint_time_s += p.checkpointer.time_s - before
@@ -280,6 +290,8 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
     every ``eval_every`` steps (and at the last) the task evaluates, outside the timed steps.
     """
     p, plan = parts, parts.plan
+    if state.pending_eval == state.step and state.step:  # a signal cut this step's evaluation short: redo it
+        evaluate(state, parts)
     batches = _batches(p.data.train, state)
     segment_start = time.perf_counter()
     while state.step < plan.total_steps:
@@ -292,8 +304,9 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             p.amp.scaler.scale(loss).backward()
             state.loss_sum += loss.detach()  # stays on the device: no sync
         p.clip(p.optimizer)
-        if plan.skip_nonfinite and not _finite_gradients(p.model):  # one sync per step, only when asked for
+        if plan.skip_nonfinite and not guards.finite_gradients(p.model):  # one sync per step, only when asked for
             state.skipped_steps += 1
+            state.interval_skipped += 1
         else:
             p.amp.scaler.step(p.optimizer)
             p.amp.scaler.update()
@@ -310,68 +323,20 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             p.meter.log_done()
         p.meter.end_step()  # after logging, so the cost of the sync above is part of the step
         evaluating = state.step % plan.eval_every == 0 or last
-        save, stop = _checkpoint_due(state, parts, logged=state.step % plan.log_every == 0 or last)
+        save, stop = guards.checkpoint_due(state, parts, logged=state.step % plan.log_every == 0 or last)
         if evaluating or save or stop:
             state.train_time_s += measure.wall_clock(p.env.device) - segment_start  # queued kernels count as training
             p.meter.pause()  # the machine-load window covers training only
             if evaluating:
-                evaluate(state, parts)
+                stop = not evaluate(state, parts) or stop  # False: a signal cut it short (one process)
             if stop or (save and not (last and p.at_end)):  # the end-of-run checkpoint follows the loop
                 save_checkpoint(state, parts)
             if stop:
-                _stop_for_signal(state, parts)
+                guards.stop_for_signal(state, parts, launch.discover().launcher)
             p.meter.resume()
             segment_start = time.perf_counter()
     state.train_time_s += time.perf_counter() - segment_start
     p.meter.pause()
-
-
-def _finite_gradients(model: torch.nn.Module) -> bool:
-    """Whether every gradient is finite: one norm over all of them and one host-device sync. Under FSDP the
-    norm of the shards is a DTensor reduced over the ranks, so every rank gets the same answer."""
-    grads = [q.grad for q in model.parameters() if q.grad is not None]
-    if not grads:
-        return True
-    norm = torch.nn.utils.get_total_norm(grads)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return bool(torch.isfinite(norm).item())
-
-
-def _checkpoint_due(state: TrainState, parts: Parts, logged: bool) -> tuple[bool, bool]:
-    """``(save, stop)`` after this step: a scheduled checkpoint (by steps, or by minutes on rank 0's clock),
-    and a signal received (SIGTERM/SIGUSR1). One process decides every step at no cost; several agree at
-    log steps only, with one all-reduce, since a collective per step would be a host-device sync per step
-    (so a signal is acted on within ``trainer.log_every`` steps)."""
-    p = parts
-    by_steps = bool(p.checkpointer.every_steps) and state.step % p.checkpointer.every_steps == 0
-    if not p.env.distributed:
-        return by_steps or p.checkpointer.due(state.step), p.preemption.received is not None
-    if not logged:
-        return by_steps, False
-    flags = torch.tensor([p.checkpointer.due(state.step) and p.env.is_main, p.preemption.received is not None],
-                         dtype=torch.int32, device=p.env.device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    by_time, signalled = (bool(v) for v in flags.tolist())
-    if signalled and p.preemption.received is None:
-        p.preemption.received = "another rank's signal"
-    return by_steps or by_time, signalled
-
-
-def _stop_for_signal(state: TrainState, parts: Parts) -> None:
-    """After the checkpoint of a signalled step: under submitit hand the signal back to submitit (it requeues
-    the job its own way); under SLURM requeue the job; then stop with ``Preempted``."""
-    p = parts
-    p.checkpointer.finish()
-    message = (f"stopped at step {state.step} for {p.preemption.received}: checkpoint "
-               f"{p.checkpointer.root / checkpoint.step_name(state.step)} written")
-    if p.env.is_main:
-        done = preempt.requeue_slurm_job()  # None under submitit: it requeues its own jobs
-        print(message + (f"; {done}" if done else ""), flush=True)
-    if p.preemption.handoff:  # a submitit job: its handler requeues once it gets its signal back
-        p.tracker.abort(exit_code=preempt.EXIT_PREEMPTED)
-        p.preemption.resend()
-    raise Preempted(message)
 
 
 def _batches(loader, state: TrainState):
@@ -393,41 +358,44 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
     distributed.all_reduce_mean(state.loss_sum, parts.env)  # the global batch's loss, not rank 0's share
     state.train_loss = state.loss_sum.item() / state.interval_steps  # host-device sync, only at log steps
     state.loss_sum.zero_()
-    state.interval_steps = 0
+    if parts.plan.skip_nonfinite:
+        guards.check_skipped(state, parts, state.interval_skipped, state.interval_steps)
+    state.interval_steps = state.interval_skipped = 0
     if not math.isfinite(state.train_loss):
         if not parts.plan.skip_nonfinite:
-            raise TrainingDiverged(_diverged_message(state, parts))
+            raise TrainingDiverged(guards.diverged_message(state, parts))
     else:
         state.last_finite = (state.step, state.train_loss)
     parts.tracker.log({"step": state.step, "epoch": state.epoch, "loss": state.train_loss, "lr": lr,
                        **parts.meter.flush(), "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
 
 
-def _diverged_message(state: TrainState, parts: Parts) -> str:
-    last = (f"the last finite loss was {state.last_finite[1]:.4g} at step {state.last_finite[0]}"
-            if state.last_finite else "no logged loss was finite")
-    opt = parts.cfg.optimizer
-    return (f"the training loss became {state.train_loss} by step {state.step} (trainer.log_every="
-            f"{parts.plan.log_every}); {last}. Usual fixes: a lower optimizer.lr (now {opt.lr}"
-            f"{', scaled by ' + opt.lr_scaling if opt.lr_scaling != 'none' else ''}), "
-            f"optimizer.clip_grad_norm=1.0, precision=bf16 instead of fp16 amp, a warm-up "
-            f"(scheduler=cosine scheduler.warmup_steps=100), or checking the data for NaN/inf. "
-            f"trainer.on_nonfinite=skip skips such steps instead. No summary was written; the last checkpoint "
-            f"(if any) is intact")
-
-
-def evaluate(state: TrainState, parts: Parts) -> None:
+def evaluate(state: TrainState, parts: Parts) -> bool:
     """Run the task's evaluation (outside the timed steps), log it, and date the first one meeting the
-    targets: ``time_to_target_s`` = training time until then, evaluations excluded."""
+    targets: ``time_to_target_s`` = training time until then, evaluations excluded. One process stops at a
+    batch boundary when a signal arrives: nothing is logged, ``state.pending_eval`` marks the step (its
+    checkpoint redoes the evaluation on resume) and False is returned; True otherwise.
+
+    Raises:
+        TrainingDiverged: a non-finite evaluation loss (``loop_guards.check_evaluation``).
+    """
     started = time.perf_counter()
     p = parts
     batches = len(p.data.eval) if p.plan.eval_max_batches is None else min(len(p.data.eval), p.plan.eval_max_batches)
     p.tracker.note(f"step {state.step}: evaluating ({batches} batches per rank)")
-    state.eval = p.task.evaluate(p.model, p.data.eval, p.amp.autocast, p.plan.eval_max_batches, p.env)
+    loader = p.data.eval if p.env.distributed else guards.InterruptibleBatches(
+        p.data.eval, lambda: p.preemption.received is not None)
+    figures = p.task.evaluate(p.model, loader, p.amp.autocast, p.plan.eval_max_batches, p.env)
+    state.eval_time_s += time.perf_counter() - started
+    if getattr(loader, "interrupted", False):
+        state.pending_eval = state.step
+        return False
+    state.eval, state.pending_eval = figures, None
     if state.time_to_target_s is None and p.plan.reached(state.eval):
         state.time_to_target_s = state.train_time_s
     p.tracker.log({"step": state.step, "epoch": state.epoch, **state.eval})
-    state.eval_time_s += time.perf_counter() - started
+    guards.check_evaluation(state, parts)
+    return True
 
 
 def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:

@@ -30,6 +30,8 @@ def validate(cfg: DictConfig) -> None:
         (t.eval_every is None or t.eval_every >= 1, "trainer.eval_every", t.eval_every, "must be >= 1 or null"),
         (t.target_accuracy is None or 0 < t.target_accuracy <= 1, "trainer.target_accuracy", t.target_accuracy,
          "must be a fraction in (0, 1] or null"),
+        (0 <= t.max_skipped_fraction <= 1, "trainer.max_skipped_fraction", t.max_skipped_fraction,
+         "must be a fraction in [0, 1]"),
         (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
         (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
@@ -56,16 +58,50 @@ def _refuse_undeclared_keys(cfg: DictConfig) -> None:
         ConfigError: naming the key and the declared keys it is closest to.
     """
     import dataclasses
-    import difflib
 
     for name, node in cfg.items():
         schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
         if not dataclasses.is_dataclass(schema) or OmegaConf.is_struct(node) is False:
             continue  # not a schema'd node, or an open one (its builder checks the names)
-        declared = {f.name for f in dataclasses.fields(schema)}
+        declared = [f.name for f in dataclasses.fields(schema)]
         for key in node.keys():
             if key not in declared:
-                close = difflib.get_close_matches(str(key), sorted(declared), n=1)
-                hint = f"; did you mean {name}.{close[0]}?" if close else ""
-                raise ConfigError(f"{name}.{key} is not a setting runner reads (added with '+', it would be ignored)"
-                                  f"{hint} The {name} keys are: {', '.join(sorted(declared))}")
+                raise ConfigError(undeclared_key(name, str(key), declared, "added with '+', it would be ignored"))
+
+
+def undeclared_key(node: str, key: str, declared, why: str) -> str:
+    """One line for a key runner does not read: ``<node>.<key>``, ``why``, the close declared key
+    (did you mean ...?) and the node's keys. ``node`` is "" for a top-level key."""
+    import difflib
+
+    where = f"{node}." if node else ""
+    close = difflib.get_close_matches(key, sorted(declared), n=1)
+    hint = f"; did you mean {where}{close[0]}?" if close else "."
+    return (f"{where}{key} is not a setting runner reads ({why}){hint} The {node or 'top-level'} keys are: "
+            f"{', '.join(sorted(declared))}")
+
+
+def misspelt_override(exc: BaseException) -> str | None:
+    """The ``undeclared_key`` line for Hydra's compose error about a key no schema declares
+    (``ConfigCompositionException: Could not override 'trainer.max_step'``, whose cause, OmegaConf's
+    ``ConfigKeyError``, names the key and the schema it is missing from), instead of Hydra's advice to add it
+    with ``+`` (which ``_refuse_undeclared_keys`` would then refuse). None for any other error."""
+    import dataclasses
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    from runner.config import CHECKPOINT_DEFAULTS
+
+    cause, full_key = exc.__cause__, getattr(exc.__cause__, "full_key", None)
+    if not str(exc).startswith("Could not override") or not full_key or not isinstance(cause, (ConfigKeyError,
+                                                                                              ConfigAttributeError)):
+        return None
+    node, _, key = str(full_key).rpartition(".")
+    schema = getattr(cause, "object_type", None)
+    if dataclasses.is_dataclass(schema):
+        declared = [f.name for f in dataclasses.fields(schema) if f.name != "defaults"]
+    elif node == "checkpoint":
+        declared = list(CHECKPOINT_DEFAULTS)
+    else:
+        return None
+    return undeclared_key(node, key, declared, "the schema has no such key")

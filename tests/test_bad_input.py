@@ -52,8 +52,8 @@ def test_wrong_value_type(tmp_path):
 
 
 def test_misspelt_key(tmp_path):
-    proc = run_bad(tmp_path, "trainer.max_step=3")
-    assert "Could not override 'trainer.max_step'" in proc.stderr
+    proc = run_bad(tmp_path, "trainer.max_step=3")  # runner's did-you-mean, not Hydra's "use +trainer.max_step"
+    assert "error: trainer.max_step is not a setting runner reads" in proc.stderr and "+trainer" not in proc.stderr
 
 
 def test_missing_cifar10_without_download(tmp_path):
@@ -241,3 +241,80 @@ def test_a_hugging_face_model_without_transformers(overrides, key, tiny_text, tm
     message = str(caught.value)
     assert key in message and "needs the transformers package" in message and 'pip install -e ".[hf]"' in message
     assert not (tmp_path / "summary.json").exists()
+
+
+# ----------------------------------------------------------------------------- divergence hidden by skipping
+def one_nan_item(n_features: int = 8, nan_at: int = 5):
+    """``data=custom``: 256 clean two-class rows but row ``nan_at``, whose features are NaN (one bad step)."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x, x_eval = torch.randn(256, n_features, generator=g), torch.randn(64, n_features, generator=g)
+    x[nan_at] = float("nan")
+    return TensorDataset(x, (x[:, 0] > 0).long()), TensorDataset(x_eval, (x_eval[:, 0] > 0).long())
+
+
+def test_skip_stops_a_run_whose_steps_are_mostly_skipped(tmp_path):
+    from conftest import compose_cfg
+    from runner.errors import TrainingDiverged
+    from runner.train import train
+
+    with pytest.raises(TrainingDiverged) as caught:
+        train(compose_cfg("optimizer.lr=1e10", "trainer.on_nonfinite=skip", "trainer.log_every=2",
+                          "trainer.max_steps=8", "checkpoint.at_end=false"), job_dir=tmp_path)
+    message = str(caught.value)
+    assert "were skipped (more than trainer.max_skipped_fraction=0.5" in message, message
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_skip_tolerates_a_rare_bad_step_and_shows_the_count(tmp_path, capsys):
+    from conftest import TINY_LOOP, compose_cfg, read_summary
+    from runner.train import train
+
+    cfg = compose_cfg(*TINY_LOOP, "data=custom", "data._target_=test_bad_input.one_nan_item", "model=mlp",
+                      "model.hidden=16", "trainer.on_nonfinite=skip", "trainer.log_every=8", "trainer.max_steps=16",
+                      "trainer.progress=lines", tiny=False)
+    train(cfg, job_dir=tmp_path)
+    assert read_summary(tmp_path)["skipped_steps"] == 1
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("skipped_steps")]
+    assert line.split()[-1] == "1"
+
+
+# ----------------------------------------------------------------------------- resuming text on another file
+@pytest.mark.parametrize("other", ["same size", "another size"])
+def test_resuming_a_language_model_on_other_text_is_refused_naming_the_vocabulary(tmp_path, other):
+    from conftest import TEXT, TINY_GPT, compose_cfg
+    from runner.errors import ConfigError
+    from runner.train import train
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text(TEXT * 20, encoding="utf-8")
+    # the same number of distinct characters, but 'Q' instead of 'a' (ids shift); or one more character
+    second.write_text((TEXT.replace("a", "Q") if other == "same size" else TEXT + "~") * 20, encoding="utf-8")
+    sizes = len(set(first.read_text())), len(set(second.read_text()))
+    assert (sizes[0] == sizes[1]) == (other == "same size")
+    job = tmp_path / "job"
+    train(compose_cfg(*TINY_GPT, f"data.path={first}", "trainer.max_steps=2", "checkpoint.every_steps=1"),
+          job_dir=job)
+    saved = (job / "vocab.json").read_text()
+    (job / "summary.json").unlink()  # as if the run had been stopped after its checkpoint
+    with pytest.raises(ConfigError) as caught:
+        train(compose_cfg(*TINY_GPT, f"data.path={second}", "trainer.max_steps=4"), job_dir=job)
+    message = str(caught.value)
+    assert f"data.path={second}" in message and "vocabulary" in message and "runner.json" in message
+    assert "corrupt" not in message and "data.path" in message.split("Resume with", 1)[1]
+    assert (job / "vocab.json").read_text() == saved  # not overwritten with the other text's
+
+
+# ----------------------------------------------------------------------------- a misspelt key on the command line
+@pytest.mark.parametrize("override, words", [
+    ("trainer.max_step=3", ["trainer.max_step is not a setting", "did you mean trainer.max_steps?"]),
+    ("checkpoint.every_minute=3", ["did you mean checkpoint.every_minutes?"]),
+    ("trainr.max_steps=3", ["trainr is not a setting", "did you mean trainer?"]),
+])
+def test_a_misspelt_key_gets_runners_did_you_mean_not_hydras_plus_advice(tmp_path, override, words):
+    proc = run_cli(*TINY, override, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and all(w in line for w in words), line
+    assert "+" not in line and "Traceback" not in proc.stderr and not (tmp_path / "outputs").exists()

@@ -134,3 +134,63 @@ def test_a_submitit_job_stops_on_submitits_signal_and_hands_it_back(monkeypatch)
         assert handed == ["USR2"]  # submitit's handler got its signal
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def _full_disk(monkeypatch, error: BaseException) -> None:
+    """Every DCP write fails the way a full disk makes it fail (DCP wraps it in its CheckpointException)."""
+    from torch.distributed.checkpoint import filesystem
+
+    def write_data(self, plan, planner):
+        raise error
+
+    monkeypatch.setattr(filesystem._FileSystemWriter, "write_data", write_data)
+
+
+@pytest.mark.parametrize("error", ["enospc", "short zip write"])
+def test_a_full_disk_says_so_removes_the_partial_folder_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, error):
+    import errno
+
+    from runner import write_failures
+
+    model, opt = trained(0)
+    store = ck.Checkpointer(tmp_path / "checkpoints")
+    good = store.save(state(model, opt, step=3), step=3, meta={})
+    if error == "enospc":
+        _full_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    else:  # what PyTorch's zip writer raises on a short write, without errno; the disk is nearly full
+        _full_disk(monkeypatch, RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos 704 vs 598"))
+        monkeypatch.setattr(write_failures, "free_bytes", lambda path: 4096)
+    with pytest.raises(ConfigError) as caught:
+        store.save(state(model, opt, step=6), step=6, meta={})
+    message = str(caught.value)
+    assert "disk full" in message and str(tmp_path / "checkpoints") in message and str(good) in message
+    assert "\n" not in message
+    assert ck.complete_checkpoints(tmp_path / "checkpoints") == [good]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003"]  # no .partial left
+
+
+def test_an_unrelated_write_error_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    model, opt = trained(0)
+    store = ck.Checkpointer(tmp_path / "checkpoints")
+    _full_disk(monkeypatch, RuntimeError("unexpected pos 704 vs 598"))  # the disk has room: not "disk full"
+    with pytest.raises(BaseException) as caught:
+        store.save(state(model, opt, step=3), step=3, meta={})
+    assert not isinstance(caught.value, ConfigError)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_final_checkpoint_on_a_full_disk_keeps_the_trained_weights(tmp_path, monkeypatch):
+    import errno
+
+    from safetensors.torch import load_file
+
+    from conftest import compose_cfg
+    from runner.train import train
+
+    _full_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    job = tmp_path / "job"
+    with pytest.raises(ConfigError) as caught:
+        train(compose_cfg("trainer.max_steps=2"), job_dir=job)
+    assert "disk full" in str(caught.value) and "model.safetensors" in str(caught.value)
+    assert load_file(str(job / "model.safetensors"))  # the trained model survived the failed checkpoint
+    assert not list((job / "checkpoints").iterdir())

@@ -76,6 +76,35 @@ def save_vocab(vocab: list[str], job_dir: Path) -> Path:
     return path
 
 
+def check_vocab(vocab: list[str], path: str, meta: dict, checkpoint: Path) -> None:
+    """Refuse to resume a language model on text whose vocabulary differs from the checkpoint's: token ids
+    would mean other characters (the same count of characters scrambles the model silently; another count
+    fails to load). The checkpoint's vocabulary is its ``runner.json`` ``vocab``, or, for a checkpoint
+    written before runner saved it there, the ``vocab.json`` of its job folder (none: nothing to compare).
+
+    Raises:
+        ConfigError: naming ``data.path``, the saved vocabulary, the first difference and the fix.
+    """
+    where = checkpoint / "runner.json"
+    saved = meta.get("vocab")
+    if saved is None:
+        where = checkpoint.parent.parent / "vocab.json"
+        try:
+            saved = json.loads(where.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+    if list(saved) == list(vocab):
+        return
+    first = next((i for i, (a, b) in enumerate(zip(saved, vocab)) if a != b), min(len(saved), len(vocab)))
+    at = (f"token {first} is {saved[first]!r} there and {vocab[first]!r} here" if first < min(len(saved), len(vocab))
+          else "one is a prefix of the other")
+    raise ConfigError(f"data.path={path} has a vocabulary of {len(vocab)} characters that differs from the "
+                      f"{len(saved)} the checkpoint {checkpoint} was trained on (saved in {where}; {at}): its token "
+                      f"ids would mean other characters. Resume with the text it was trained on as data.path, or "
+                      f"train on this text from scratch in a new folder (drop hydra.run.dir, or "
+                      f"checkpoint.resume=never)")
+
+
 def encode(text: str, vocab: list[str]) -> list[int]:
     """Token ids of ``text`` (every character must be in ``vocab``: KeyError otherwise)."""
     lookup = {ch: i for i, ch in enumerate(vocab)}

@@ -1,0 +1,119 @@
+"""Ctrl-C is a preemption: real ``python -m runner`` processes sent a real SIGINT.
+
+The first Ctrl-C checkpoints at the step boundary (or, during an evaluation, at the next evaluation batch) and
+exits with ``EXIT_PREEMPTED``, printing the exact command that resumes (the job folder named, since the same
+command without it would start a new timestamped folder); running that command ends exactly where the
+uninterrupted run ends. A second Ctrl-C exits at once without a checkpoint.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from runner import checkpoint as ck
+from runner.preempt import EXIT_PREEMPTED, resume_command
+from test_resume import JOB, env, rows, run
+
+STEPS = ["trainer.max_steps=120", "checkpoint.every_steps=null"]
+#: a long evaluation (250 batches) after step 5, so a signal sent at step 5 lands inside it
+LONG_EVAL = ["data.eval_size=4000", "trainer.eval_max_batches=null", "trainer.eval_every=5",
+             "trainer.max_steps=10", "checkpoint.every_steps=null"]
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_row(proc: subprocess.Popen, cwd: Path, step: int, timeout: float = 240) -> Path:
+    """The job folder under ``cwd/outputs`` once its metrics.jsonl has a row for ``step``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        found = list((cwd / "outputs").rglob("metrics.jsonl"))
+        if found and f'"step": {step},' in found[0].read_text():
+            return found[0].parent
+        time.sleep(0.02)
+    raise AssertionError(f"no row for step {step} within {timeout} s")
+
+
+def resume_hint(out: str) -> list[str]:
+    """The command of the ``resume with:`` line, with ``python`` as this interpreter."""
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("resume with: ")]
+    cmd = shlex.split(line.removeprefix("resume with: "))
+    assert cmd[:3] == ["python", "-m", "runner"], line
+    return [sys.executable, *cmd[1:]]
+
+
+def assert_same_run(straight: Path, resumed: Path) -> None:
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert rows(straight) == rows(resumed)  # the same losses, every step logged once
+
+
+def test_ctrl_c_checkpoints_and_the_printed_command_resumes_exactly(tmp_path):
+    run([sys.executable, "-m", "runner", *JOB, *STEPS, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = start([*JOB, *STEPS], work)  # no hydra.run.dir: a timestamped folder, as a user would run it
+    folder = wait_for_row(proc, work, 5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    (path,) = ck.complete_checkpoints(folder / "checkpoints")
+    lines = [ln for ln in out.splitlines() if ln.startswith(("stopped at step", "resume with:"))]
+    assert len(lines) == 2 and f"for SIGINT: checkpoint {path}" in lines[0], out
+    assert f"hydra.run.dir={folder.resolve()}" in lines[1]
+    assert "Traceback" not in err
+    resumed = run(resume_hint(out), work)  # the printed command, from the same folder
+    assert f"resumed from {path}" in resumed.stdout
+    assert len(list((work / "outputs").rglob("metrics.jsonl"))) == 1  # no second job folder
+    assert_same_run(tmp_path / "straight", folder)
+
+
+def test_ctrl_c_during_evaluation_stops_at_a_batch_and_the_resume_redoes_it(tmp_path):
+    run([sys.executable, "-m", "runner", *JOB, *LONG_EVAL, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = start([*JOB, *LONG_EVAL], work)
+    folder = wait_for_row(proc, work, 5)  # the training row of step 5 is logged, then its evaluation starts
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    (path,) = ck.complete_checkpoints(folder / "checkpoints")
+    assert ck.read_meta(path)["step"] == 5, out
+    assert [r for r in rows(folder) if r[2] is not None] == []  # the cut evaluation logged nothing
+    run(resume_hint(out), work)
+    assert_same_run(tmp_path / "straight", folder)  # the step-5 evaluation row is there once
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
+    proc = start([*JOB, *LONG_EVAL], tmp_path)
+    folder = wait_for_row(proc, tmp_path, 5)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # two signals at once would arrive as one
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted twice" in err and "Traceback" not in err
+    assert not (folder / "summary.json").exists()
+
+
+def test_the_resume_command_names_the_folder():
+    argv = ["model=resnet18", "hydra.run.dir=outputs/x", "data.shape=[3,16,16]"]
+    assert resume_command(argv, Path("/j/a b")) == \
+        "python -m runner model=resnet18 'data.shape=[3,16,16]' 'hydra.run.dir=/j/a b'"
+    sweep = resume_command(["-m", "optimizer.lr=0.1,0.2"], Path("/s/1"), sweep_dir=Path("/s"))
+    assert sweep == "python -m runner -m optimizer.lr=0.1,0.2 hydra.sweep.dir=/s"
+    assert resume_command([], Path("/j"), launcher="torchrun") == "the same torchrun command with hydra.run.dir=/j"
