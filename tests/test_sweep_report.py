@@ -104,6 +104,24 @@ def test_swept_keys_one_key_plot_and_a_job_that_stopped_midway(tmp_path):
     assert "samples/s against dataloader.batch_size:" in (sweep / "report.md").read_text()
 
 
+def test_jobs_measured_on_a_busy_machine_are_flagged_in_the_report_and_on_the_console(tmp_path):
+    sweep = tmp_path / "sweep"
+    for n, bs in enumerate((64, 128)):
+        job(sweep, n, [f"dataloader.batch_size={bs}"], 100.0 + n)
+    quiet = report(sweep)
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr + quiet.stdout
+    assert "**Warning:**" not in (sweep / "report.md").read_text()
+    summary = sweep / "1" / "summary.json"  # as runner.machine_load.load_warnings words it
+    busy = "runner's threads waited for a CPU 40% of their run time (other processes competed for the cores)"
+    summary.write_text(json.dumps(json.loads(summary.read_text()) | {"warnings": [busy]}))
+    done = report(sweep)
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("warning: 1 of 2 measured jobs ran on a busy machine (e.g. 1: runner's threads waited")
+    assert f"**Warning:** 1 of 2 measured jobs ran on a busy machine (e.g. 1: {busy})" in (sweep / "report.md").read_text()
+    assert all(x.startswith("wrote ") for x in done.stdout.splitlines())
+
+
 def test_three_swept_keys_give_one_bar_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     n = 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -75,6 +77,32 @@ def test_batch_size_recovers_from_out_of_memory(tmp_path, capsys):
     assert status == [(16, "grow", "ok"), (32, "grow", "oom"), (24, "search", "oom")]  # stops at the OOM, bisects
     assert result["recommended"]["batch_size"] == 16 and result["override"] == "dataloader.batch_size=16"
     assert [r["status"] for r in read_csv(tmp_path / "batch_size.csv")] == ["ok", "oom", "oom"]
+
+
+def test_batch_size_trials_on_a_busy_machine_say_so(tmp_path, capsys):
+    """Busy loops on every core while the tuner measures: each trial records the machine-load warnings a
+    run's summary would, and the tuner warns (console, notes) instead of recommending silently."""
+    from runner import hardware
+
+    if hardware.thread_schedule_ns() is None:
+        pytest.skip("no /proc/self/task/*/schedstat: run-queue wait is Linux-only")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hardware.cpu_cores())]
+    try:
+        time.sleep(0.3)  # let them take the cores
+        result = tune.run("batch_size", compose_cfg("tune.warmup_steps=1", "tune.measure_steps=6",
+                                                    "tune.start_batch_size=16", "tune.max_batch_size=32",
+                                                    "tune.search_steps=0"), tmp_path)
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+    assert any(r["load_warnings"] for r in result["rows"]), result["rows"]
+    assert result["notes"][0].startswith("warning: ") and "measured trials ran on a busy machine" in result["notes"][0]
+    out = capsys.readouterr().out
+    assert "\nwarning: " in out and "note: warning" not in out
+    assert any(r["load_warnings"] for r in read_csv(tmp_path / "batch_size.csv"))
+    assert "- warning: " in (tmp_path / "batch_size.md").read_text()
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runner.report import stats
 from runner.report.load import ReportError, is_ablation
-from runner.report.sweep import SweepError, write_plain_report
+from runner.report.sweep import SweepError, load_sweep, load_warning, write_plain_report
 from runner.report.write import write_report
 
 
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.doc:
                 raise ReportError("--doc is for ablation sweeps; the report of this sweep is its report.md")
             written = write_plain_report(args.sweep)
+            busy = load_warning(load_sweep(args.sweep))
+            if busy:  # stderr: stdout lists the files written
+                print(f"warning: {busy}", file=sys.stderr)
         else:
             if args.replication and not args.doc:
                 raise ReportError("--replication adds the agreement table to the document: give --doc PATH too")

@@ -297,6 +297,18 @@ def sweep_wall_time(sweep: Path, jobs: list[SweepJob]) -> float | None:
     return max(ends) - start if start is not None and ends else None
 
 
+def load_warning(jobs: list[SweepJob]) -> str | None:
+    """One sentence when jobs recorded a busy machine while they measured (their summary.json ``warnings``,
+    ``runner.machine_load.load_warnings``), as each run's console and the ablation report say; else None."""
+    measured = [j for j in jobs if j.samples_per_sec]
+    busy = [j for j in measured if (j.summary or {}).get("warnings")]
+    if not busy:
+        return None
+    return (f"{len(busy)} of {len(measured)} measured jobs ran on a busy machine (e.g. {busy[0].folder.name}: "
+            f"{busy[0].summary['warnings'][0]}): their figures are slower and noisier than on a quiet machine; "
+            f"rerun when it is quiet for figures to trust")
+
+
 def write_plain_report(sweep: Path) -> list[Path]:
     """Write report.md, report.csv and sweep.png of a plain multirun into ``sweep``; returns the paths.
 
@@ -336,6 +348,9 @@ def write_plain_report(sweep: Path) -> list[Path]:
                   f"is samples of the measured steps per second of their wall time. Jobs of a Hydra multirun "
                   f"run one after the other in one process: only the first pays the imports, and the peak "
                   f"memory of a CPU job (peak RSS) never falls below an earlier job's.", ""]
+    busy = load_warning(jobs)
+    if busy:
+        lines += [f"**Warning:** {busy}.", ""]
     lines += ["## Jobs, fastest first", "",
               "| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", "step ms", "data wait", "peak MiB",
                                   "train loss", "eval loss", "eval acc", "setup s", "job"]) + " |",

@@ -209,7 +209,8 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     and ``data_wait_fraction`` (the engine's meter, slowest rank), ``peak_memory_mb`` (MiB, largest over
     ranks: ``runner.measure.peak_memory_mb`` from after the build to the end of the steps, so it covers
     model, optimizer state, activations and the loader's batches; DataLoader worker processes are not
-    counted), ``train_samples`` (per rank). With ``loader_batches``, also ``loader_batches_per_sec``: the
+    counted), ``train_samples`` (per rank), ``load_warnings`` (``runner.machine_load.load_warnings`` over the
+    measured steps, joined with "; ": why this trial's figures cannot be trusted; empty when none). With ``loader_batches``, also ``loader_batches_per_sec``: the
     training loader alone (``loader_seconds``), slowest rank.
 
     Raises:
@@ -219,7 +220,7 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     """
     import torch
 
-    from runner import measure, train as engine
+    from runner import machine_load, measure, train as engine
     from runner.errors import TrainingDiverged
 
     if cfg.compile.mode is not None:
@@ -245,6 +246,9 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
         parts.meter.flush()
         figures = parts.meter.totals()
         peak = measure.peak_memory_mb(env.device)
+        workers = cfg.dataloader.num_workers if parts.data.techniques.get("num_workers") == "applied" else 0
+        load = parts.meter.machine_load(torch.get_num_threads(), workers)  # over the measured steps, as a run's
+        row["load_warnings"] = "; ".join(machine_load.load_warnings(load, env.device.type))
     except Exception as e:  # noqa: BLE001 - out of memory is a measurement here; anything else is re-raised
         if not is_oom(e):
             raise
@@ -272,6 +276,18 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     if loader_batches:
         row["loader_batches_per_sec"] = loader_batches / loader_s if not failed and loader_s > 0 else None
     return row
+
+
+def load_note(rows: list[dict]) -> str | None:
+    """The note for the trials measured on a busy machine (their ``load_warnings``), as a run's summary table
+    warns; None when every trial measured on a quiet machine."""
+    busy = [r for r in rows if r.get("load_warnings")]
+    if not busy:
+        return None
+    measured = sum(1 for r in rows if r.get("samples_per_sec"))
+    return (f"warning: {len(busy)} of {measured} measured trials ran on a busy machine (e.g. "
+            f"{busy[0]['load_warnings']}): their figures are slower and noisier than on a quiet machine, and the "
+            f"pick may differ there; rerun when it is quiet")
 
 
 def trial_steps(t: DictConfig) -> str:
@@ -385,6 +401,9 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
             result = tuner.tune(cfg, env, Path(scratch))
         result |= {"device": hardware.device_name(env.device), "world_size": env.world_size,
                    "tune_time_s": time.perf_counter() - started}
+        busy = load_note(result["rows"])
+        if busy:
+            result["notes"] = [busy, *result["notes"]]
         result["ranks"] = gather(result["recommended"], env)
         if any(r != result["ranks"][0] for r in result["ranks"]):
             raise RuntimeError(f"the ranks recommend different settings: {result['ranks']}")
@@ -392,7 +411,7 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
             paths = write_outputs(tuner, result, cfg, out)
             print(f"\n{markdown_table(tuner, result['rows'], result['recommended'], max_rows=15)}\n")
             for note in result["notes"]:
-                print(f"note: {note}")
+                print(note if note.startswith("warning:") else f"note: {note}")
             print(f"\nwrote {', '.join(p.name for p in paths)} in {out}")
             print(f"override: {result['override']}", flush=True)
         return result
