@@ -159,3 +159,22 @@ def record_restart(job_dir: Path, saved: int) -> int:
     tmp.write_text(json.dumps({"restarts": restarts}) + "\n")
     os.replace(tmp, path)
     return restarts
+
+
+def finished_job(job_dir: Path, resolved: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``summary.json`` of a run that already finished in ``job_dir`` with this config (``MAY_CHANGE`` aside)
+    and the same length (``trainer.max_steps``, ``trainer.max_epochs``), else None: a multirun rerun into its
+    sweep folder skips such a job instead of stopping the sweep at it (rank 0 decides)."""
+    import json
+
+    try:
+        summary = json.loads((job_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    saved = summary.get("config") if isinstance(summary, dict) else None
+    if not isinstance(saved, dict) or config_differences(saved, resolved):
+        return None
+    before, now = saved.get("trainer") or {}, resolved.get("trainer") or {}
+    if any(before.get(k) != now.get(k) for k in ("max_steps", "max_epochs")):
+        return None
+    return summary

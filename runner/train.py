@@ -132,7 +132,15 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
     validate(cfg)
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
     try:
-        parts, state = build(cfg, env, job_dir or job_folder())
+        job_dir = job_dir or job_folder()
+        if sweep_group() is not None:  # a sweep rerun into its folder: a job that finished there is skipped
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+            done = _agree(lambda: resume.finished_job(job_dir, resolved), env)
+            if done is not None:
+                if env.is_main:
+                    print(f"{job_dir}: finished already (summary.json, step {done.get('steps')}); skipped", flush=True)
+                return done
+        parts, state = build(cfg, env, job_dir)
         try:
             with debug.build(cfg.debug, parts.job_dir, env.device) as (profiler, status), parts.preemption:
                 parts.techniques |= status

@@ -8,6 +8,7 @@ uninterrupted run ends. A second Ctrl-C exits at once without a checkpoint.
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 import subprocess
@@ -117,3 +118,26 @@ def test_the_resume_command_names_the_folder():
     sweep = resume_command(["-m", "optimizer.lr=0.1,0.2"], Path("/s/1"), sweep_dir=Path("/s"))
     assert sweep == "python -m runner -m optimizer.lr=0.1,0.2 hydra.sweep.dir=/s"
     assert resume_command([], Path("/j"), launcher="torchrun") == "the same torchrun command with hydra.run.dir=/j"
+
+
+def test_an_interrupted_sweep_rerun_skips_finished_jobs_resumes_the_stopped_one_and_runs_the_rest(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *JOB, "trainer.max_steps=40", "trainer.seed=1,2,3", f"hydra.sweep.dir={sweep}"]
+    proc = start(args, tmp_path)
+    deadline = time.monotonic() + 240
+    while not ((sweep / "1" / "metrics.jsonl").exists() and '"step": 5,' in (sweep / "1" / "metrics.jsonl").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert (sweep / "0" / "summary.json").exists() and not (sweep / "1" / "summary.json").exists()
+    assert not (sweep / "2").exists()
+    cmd = resume_hint(out)
+    assert cmd[3] == "-m" and cmd[-1] == f"hydra.sweep.dir={sweep.resolve()}"
+    rerun = run(cmd, tmp_path)  # the printed command: the same sweep into the same folder
+    assert f"{sweep / '0'}: finished already" in rerun.stdout and "resumed from" in rerun.stdout
+    summaries = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in range(3)]
+    assert [s["config"]["trainer"]["seed"] for s in summaries] == [1, 2, 3]
+    assert [s["steps"] for s in summaries] == [40, 40, 40] and [s["restarts"] for s in summaries] == [0, 1, 0]
+    assert [r[0] for r in rows(sweep / "1") if r[1] is not None] == list(range(1, 41))  # every step once
