@@ -141,6 +141,29 @@ def test_a_suggestion_replaces_the_jobs_own_value_of_its_key():
                                                   "debug=off")
 
 
+def test_a_job_of_several_processes_is_suggested_with_its_launcher():
+    """A torchrun job's suggestions rerun it under torchrun with its process count, not as one process."""
+    s = summary({"trainer.log_every": 1}, host_syncs_per_step=1.0, world_size=4, nodes=1)
+    job = Job(folder="outputs/x", summary=s, config=s["config"], overrides=["model=mlp", "trainer.log_every=1"],
+              metrics=[], cwd=None, searchpath=[])
+    assert "try: torchrun --nproc-per-node=4 -m runner model=mlp trainer.log_every=50   # " in doctor.render(
+        diagnose(s), job)
+    job.summary = s | {"world_size": 8, "nodes": 2}
+    assert doctor.command(job, []).startswith("torchrun --nnodes=2 --nproc-per-node=4 -m runner model=mlp")
+    job.summary = s | {"world_size": 1}
+    assert doctor.command(job, []).startswith("python -m runner model=mlp")
+
+
+def test_the_heading_has_no_empty_parentheses_without_figures():
+    s = summary(samples_per_sec=None, step_time_ms_median=None, data_wait_fraction=None, mfu=None,
+                measurement="too short to measure")
+    job = Job(folder="outputs/x", summary=s, config=s["config"], overrides=[], metrics=[], cwd=None, searchpath=[])
+    assert doctor.render(diagnose(s), job).splitlines()[0] == "speed doctor:"
+    s = summary()
+    job.summary = s
+    assert doctor.render(diagnose(s), job).splitlines()[0].startswith("speed doctor (samples/s ")
+
+
 def test_the_printed_diagnosis_gives_a_command_per_suggestion_and_points_to_printed_warnings():
     s = summary({"trainer.log_every": 1}, host_syncs_per_step=1.0, warnings=["the machine was busy"])
     job = Job(folder="outputs/x", summary=s, config=s["config"], overrides=["model=mlp", "trainer.log_every=1"],

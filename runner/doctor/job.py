@@ -96,10 +96,24 @@ def merge_overrides(base: list[str], extra: list[str]) -> list[str]:
     return merged + [o for o in extra if _key(o) in keys]
 
 
+def launcher(summary: dict[str, Any]) -> list[str]:
+    """How the job's processes were started, from ``summary.json`` ``world_size`` and ``nodes``: ``python``
+    for one process, ``torchrun --nproc-per-node=N`` for N on one node, ``torchrun --nnodes=M
+    --nproc-per-node=N/M`` across M nodes (add the rendezvous options the job used)."""
+    world = int(_num(summary.get("world_size")) or 1)
+    nodes = max(1, int(_num(summary.get("nodes")) or 1))
+    if world <= 1:
+        return ["python"]
+    if nodes > 1:
+        return ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={max(1, world // nodes)}"]
+    return ["torchrun", f"--nproc-per-node={world}"]
+
+
 def command(job: Job, extra: list[str]) -> str:
-    """The shell command of the job with ``extra`` overrides (quoted for a POSIX shell)."""
+    """The shell command of the job with ``extra`` overrides (quoted for a POSIX shell), started as the job
+    was (``launcher``: ``torchrun --nproc-per-node=N -m runner ...`` for a job of N processes)."""
     config_dirs = [p.removeprefix("file://") for p in job.searchpath if p.startswith("file://")]
-    prefix = ["python", "-m", "runner"] + [a for d in config_dirs for a in ("--config-dir", d)]
+    prefix = [*launcher(job.summary), "-m", "runner"] + [a for d in config_dirs for a in ("--config-dir", d)]
     return shlex.join(prefix + merge_overrides(job.overrides, extra))
 
 
@@ -112,7 +126,8 @@ def render(findings: list[Finding], job: Job, warnings_shown: bool = False) -> s
                f"step {s['step_time_ms_median']:.3g} ms" if _num(s.get("step_time_ms_median")) else None,
                f"data wait {s['data_wait_fraction']:.0%}" if _num(s.get("data_wait_fraction")) is not None else None,
                f"MFU {s['mfu']:.0%}" if _num(s.get("mfu")) is not None else None]
-    lines = [f"speed doctor ({', '.join(f for f in figures if f)}):"]
+    shown = ", ".join(f for f in figures if f)
+    lines = [f"speed doctor ({shown}):" if shown else "speed doctor:"]
     if not findings:
         lines.append("  no bottleneck above the doctor's thresholds (runner/doctor/diagnosis.py); measure a switch with "
                      "`python -m runner -m +experiment=ablation ...`")
