@@ -399,6 +399,11 @@ def test_wandb_table_offline(tmp_path, monkeypatch):
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     assert len(written) == 5
     assert write_report(sweep, use_wandb=False) == written[:4]
+    # a rebuilt report logs to the same run (its id kept in the sweep folder): W&B updates it, no second run
+    run_id = json.loads((sweep / "wandb_report.json").read_text())["run_id"]
+    assert runs[0].name.endswith(f"-{run_id}")
+    write_report(sweep)
+    assert {p.name.rsplit("-", 1)[1] for p in (sweep / "wandb").glob("offline-run-*")} == {run_id}
 
 
 # ------------------------------------------------------------------------------------------- end to end

@@ -125,8 +125,35 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+#: The sweep's file holding the id of its W&B report run: a rebuilt report updates that run, not a new one.
+WANDB_RUN_FILE = "wandb_report.json"
+
+
+def report_run_id(sweep: Path) -> str:
+    """The W&B run id of ``sweep``'s report: ``run_id`` of ``<sweep>/wandb_report.json``, or made (8 random
+    lowercase letters and digits, like W&B's own) and written there (atomically) by the first report."""
+    import json
+    import secrets
+    import string
+
+    from runner.track import write_json_atomic
+
+    path, allowed = sweep / WANDB_RUN_FILE, string.ascii_lowercase + string.digits
+    try:
+        found = json.loads(path.read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        found = None  # absent or damaged: a new id
+    if isinstance(found, str) and found and all(c in allowed for c in found):
+        return found
+    run_id = "".join(secrets.choice(allowed) for _ in range(8))
+    write_json_atomic(path, {"run_id": run_id})
+    return run_id
+
+
 def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image: Path) -> str:
-    """Log the rows as a W&B table (``ablation/report``) and the plot, in a run of the sweep's group.
+    """Log the rows as a W&B table (``ablation/report``) and the plot, in a run of the sweep's group: one run
+    per sweep, its id kept in ``<sweep>/wandb_report.json`` (``report_run_id``), so rebuilding the report resumes and
+    updates that run (``resume="allow"``; offline run folders of one id sync into that run).
 
     Mode: ``WANDB_MODE`` if set, else online when an API key is found and the server answers, offline otherwise. Returns the run's
     folder or URL.
@@ -138,6 +165,7 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
     mode = os.environ.get("WANDB_MODE") or ("offline" if wandb_offline_reason() else "online")
     run = wandb.init(project=logger_cfg.get("project", "runner"), entity=logger_cfg.get("entity"),
                      group=sweep.name, job_type="ablation-report", name=f"{sweep.name}/report", dir=str(sweep),
+                     id=report_run_id(sweep), resume="allow",
                      mode=mode, settings=wandb.Settings(quiet=True, console="off", x_disable_stats=True))
     table = wandb.Table(columns=CSV_COLUMNS, data=csv_rows(rows))
     run.log({"ablation/report": table, "ablation/speedup": wandb.Image(str(image))})
