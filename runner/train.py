@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import (
+    bad_data,
     checkpoint,
     data as data_mod,
     debug,
@@ -303,14 +304,21 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
     batches = _batches(p.data.train, state)
     segment_start = time.perf_counter()
     while state.step < plan.total_steps:
-        for micro in range(plan.accumulate):
-            p.meter.start_fetch()
-            batch = next(batches)
-            p.meter.batch_ready()
-            with parallel.no_sync(p.model, last=micro == plan.accumulate - 1), p.amp.autocast():
-                loss = p.task.loss(p.model, batch) / plan.accumulate
-            p.amp.scaler.scale(loss).backward()
-            state.loss_sum += loss.detach()  # stays on the device: no sync
+        try:  # free on the happy path; bad data or a bad model output is diagnosed only once it failed
+            for micro in range(plan.accumulate):
+                p.meter.start_fetch()
+                batch = next(batches)
+                p.meter.batch_ready()
+                with parallel.no_sync(p.model, last=micro == plan.accumulate - 1), p.amp.autocast():
+                    loss = p.task.loss(p.model, batch) / plan.accumulate
+                p.amp.scaler.scale(loss).backward()
+                state.loss_sum += loss.detach()  # stays on the device: no sync
+        except (IndexError, TypeError, ValueError, RuntimeError, OSError, AttributeError) as e:
+            found = None if isinstance(e, ConfigError) else bad_data.diagnose(
+                e, state.step + 1, state.batch_in_epoch, state.epoch, p.data.train, p.data.item, p.data.num_classes)
+            if found is None:
+                raise
+            raise found from e
         p.clip(p.optimizer)
         if plan.skip_nonfinite and not guards.finite_gradients(p.model):  # one sync per step, only when asked for
             state.skipped_steps += 1

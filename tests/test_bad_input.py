@@ -318,3 +318,65 @@ def test_a_misspelt_key_gets_runners_did_you_mean_not_hydras_plus_advice(tmp_pat
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: ") and all(w in line for w in words), line
     assert "+" not in line and "Traceback" not in proc.stderr and not (tmp_path / "outputs").exists()
+
+
+# ----------------------------------------------------------------------------- bad data found mid-training
+class Rows(torch.utils.data.Dataset):
+    """256 two-class rows of 8 features, made on demand; item ``bad`` is broken the way ``kind`` says."""
+
+    num_classes = 2
+
+    def __init__(self, n: int, bad: int | None = None, kind: str | None = None):
+        self.n, self.bad, self.kind = n, bad, kind
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        y = int(x[0] > 0)
+        if i == self.bad:
+            if self.kind == "label":
+                return x, 7
+            if self.kind == "shape":
+                return torch.zeros(5), y
+            raise OSError(f"cannot identify image file 'rows/{i}.png'")
+        return x, y
+
+
+def rows_with_a_bad_item(kind: str, bad: int = 200):
+    """``data=custom``: a training set with one bad item deep in it, a clean evaluation set."""
+    return Rows(256, bad, kind), Rows(64)
+
+
+class TupleMLP(torch.nn.Module):
+    """Returns ``(logits, features)``: not what a model may return."""
+
+    def __init__(self, in_features: int = 8, num_classes: int = 2):
+        super().__init__()
+        self.fc = torch.nn.Linear(in_features, num_classes)
+
+    def forward(self, x):
+        return self.fc(x), x
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("label", ["training item 200", "class index 7", "data.num_classes"]),
+    ("shape", ["training item 200", "shape (5,)", "(8,)"]),
+    ("unreadable", ["training item 200", "cannot be loaded", "rows/200.png"]),
+    ("tuple", ["not a logits tensor", "return the logits alone"]),
+])
+def test_bad_data_mid_training_is_one_message_naming_the_item(tmp_path, kind, words):
+    from conftest import TINY_LOOP, compose_cfg
+    from runner.errors import ConfigError
+    from runner.train import train
+
+    model = (["model._target_=test_bad_input.TupleMLP"] if kind == "tuple" else ["model=mlp", "model.hidden=16"])
+    cfg = compose_cfg(*TINY_LOOP, "data=custom", "data._target_=test_bad_input.rows_with_a_bad_item",
+                      f"data.kind={'label' if kind == 'tuple' else kind}", f"data.bad={-1 if kind == 'tuple' else 200}",
+                      *model, "trainer.max_steps=16", tiny=False)
+    with pytest.raises(ConfigError) as caught:
+        train(cfg, job_dir=tmp_path)
+    message = str(caught.value)
+    assert all(w in message for w in words), message
+    assert "\n" not in message and not (tmp_path / "summary.json").exists()
