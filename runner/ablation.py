@@ -190,13 +190,26 @@ def _run_in_child(cfg: DictConfig, job_dir: Path, overrides: list[str], group: s
     summary_path = job_dir / "summary.json"
     if returncode == 0 and summary_path.is_file():
         summary = json.loads(summary_path.read_text())
-        print(f"ablation: {name} done in {finished - started:.1f} s", flush=True)
+        print(f"ablation: {name} done in {finished - started:.1f} s{job_figures(summary)}", flush=True)
         return summary
     write_json_atomic(job_dir / "failed.json", {"variant": a.variant, "repeat": a.repeat, "returncode": returncode,
                                                  "command": shlex.join(cmd)})
     print(f"ablation: {name} FAILED (exit status {returncode}); its output is above and in {job_dir}; "
           f"the sweep goes on", file=sys.stderr, flush=True)
     return dict(_NO_FIGURES)
+
+
+def job_figures(summary: dict[str, Any]) -> str:
+    """A finished job's figures for its one console line (the jobs run with ``trainer.progress=off``):
+    ``": 132.1 samples/s, eval_loss 1.57"``, and ``"; busy machine: <why>"`` when its summary.json has
+    machine-load ``warnings``; ``""`` without a figure."""
+    sps, loss = summary.get("samples_per_sec"), summary.get("eval_loss")
+    parts = [f"{sps:,.1f} samples/s" if isinstance(sps, (int, float)) else "no speed figure"]
+    if isinstance(loss, (int, float)):
+        parts.append(f"eval_loss {loss:.4g}")
+    warnings = summary.get("warnings") or []
+    busy = f"; busy machine: {warnings[0]}" if warnings else ""
+    return f": {', '.join(parts)}{busy}"
 
 
 def _key(override: str) -> str:

@@ -187,7 +187,7 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Mo
     and drop_bias_before_bn on a language model); the engine records them, they are not applied here.
 
     Prints the built model's line (``models.model_report``: weights loaded, backbone frozen, trainable
-    parameters) on rank 0 first.
+    parameters) on rank 0 first, unless ``trainer.progress=off``.
 
     Returns the (possibly wrapped) model, the techniques' statuses and their details (counts, names).
 
@@ -200,7 +200,7 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Mo
         raise ConfigError(f"memory.checkpoint_modules={list(cfg.memory.checkpoint_modules)} has no effect while "
                           f"memory.checkpointing=false; add memory=checkpointing (or memory.checkpointing=true)")
     details: dict[str, object] = {}
-    if env.is_main:  # the plain model, before any wrapper: weights loaded, backbone frozen, trainable parameters
+    if env.is_main and cfg.trainer.progress != "off":  # the plain model, before any wrapper
         print(models.model_report(model, cfg.model)[0], flush=True)
     if cfg.channels_last and "channels_last" not in skip:
         techniques["channels_last"] = apply_channels_last(model)

@@ -552,6 +552,22 @@ def test_round_command_keeps_the_sweep_and_replaces_the_repeats():
                        "hydra.sweep.dir='/tmp/sweep'"]
 
 
+def test_each_job_of_the_sweep_is_one_console_line_with_its_figure(tmp_path):
+    """The ablation's jobs train with trainer.progress=off (conf/experiment/ablation.yaml): no per-step lines,
+    summary tables or doctor per job (a 12-job sweep printed 533 lines), but one line each with its figures."""
+    tiny = [o for o in TINY if not o.startswith("trainer.progress")]  # the preset's own setting
+    proc = run_cli("-m", "+experiment=ablation", *tiny, "compile=off", "ablation.repeats=1",
+                   "ablation/variant=baseline,baseline+set_to_none", cwd=tmp_path, timeout=300,
+                   env={"PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for job in ("baseline/r0", "baseline+set_to_none/r0"):
+        (done,) = [x for x in lines if x.startswith(f"ablation: {job} done in ")]
+        assert " samples/s, eval_loss " in done, done
+    assert not [x for x in lines if x.startswith(("step ", "summary (", "model: ", "speed doctor"))], lines
+    assert len(lines) <= 2 * 3 + 2, lines  # per job: Hydra's launch line and the done line; then the report
+
+
 def test_repeats_auto_through_the_cli_adds_a_round_and_stops_at_max_repeats(tmp_path):
     """Two cheap variants, TINY jobs, an unreachable target: 3 repeats, one more round (repeat 3), stop."""
     proc = run_cli("-m", "+experiment=ablation", *TINY, "compile=off", "ablation.repeats=auto",
