@@ -53,6 +53,15 @@ def main(cfg: DictConfig) -> float | None:
     multirun the sweep goes on and the job returns None, not a figure), 75 after a preemption checkpoint (a
     signal or Ctrl-C), 130 after a second Ctrl-C (no checkpoint).
     """
+    from runner.launch import discover
+    from runner.track import console_to_log, job_folder
+
+    # runner.log (Hydra's job log, hydra.job.name=runner) holds the run's console too, on rank 0
+    with console_to_log(job_folder() / "runner.log" if discover().rank == 0 else None):
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> float | None:
     from runner import ablation
     from runner.preempt import EXIT_PREEMPTED
     from runner.track import sweep_group

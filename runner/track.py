@@ -210,6 +210,57 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
         print(f"warning: {warning}; rerun on a quiet machine for figures to trust")
 
 
+class _Tee(io.TextIOBase):
+    """A console stream that also appends each complete line to a log file; a progress bar's in-place updates
+    (text holding a carriage return) stay on the console only."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log, self._line = stream, log, ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self._line += text
+        *lines, self._line = self._line.split("\n")
+        kept = [line for line in lines if "\r" not in line]
+        if kept:
+            self.log.write("".join(f"{line}\n" for line in kept))
+            self.log.flush()
+        if "\r" in self._line:
+            self._line = ""
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):  # noqa: D102
+        return getattr(self.stream, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def console_to_log(path: Path | None):
+    """While open, what runner prints to stdout and stderr (progress lines, the summary table, warnings, the
+    doctor's diagnosis, ``error:`` lines) also goes to ``path``: Hydra's job log (``<job>/runner.log``), which
+    otherwise holds only Hydra's own log records and stays empty for most runs. ``None``: nothing changes
+    (ranks > 0, whose folder is a scratch one). Appends, so a resumed run's lines follow the earlier ones."""
+    if path is None:
+        yield
+        return
+    with open(path, "a", encoding="utf-8") as log:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
 def wandb_api_key() -> str | None:
     """The API key W&B itself would use: ``WANDB_API_KEY``, or the one ``wandb login`` stored (``~/.netrc``,
     ``$NETRC``, ``_netrc`` on Windows, for ``WANDB_BASE_URL``'s host), through wandb's own lookup."""

@@ -380,3 +380,22 @@ def test_bad_data_mid_training_is_one_message_naming_the_item(tmp_path, kind, wo
     message = str(caught.value)
     assert all(w in message for w in words), message
     assert "\n" not in message and not (tmp_path / "summary.json").exists()
+
+
+# ----------------------------------------------------------------------------- runner.log holds the run's log
+def test_runner_log_holds_the_console_the_summary_the_doctor_and_errors(tmp_path):
+    from conftest import job_dirs
+
+    (tmp_path / "ok").mkdir()
+    ok = run_cli(*TINY, "trainer.progress=lines", "trainer.max_steps=8", cwd=tmp_path / "ok")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    (job,) = job_dirs(tmp_path / "ok")
+    log = (job / "runner.log").read_text()
+    assert "step 8/8" in log and f"summary ({job / 'summary.json'})" in log and "speed doctor" in log
+    assert all(line in log for line in ok.stdout.splitlines() if line.strip())  # everything runner printed
+
+    (tmp_path / "bad").mkdir()
+    bad = run_cli(*TINY, "trainer.max_steps=0", cwd=tmp_path / "bad")
+    assert bad.returncode == 2
+    (job,) = job_dirs(tmp_path / "bad")
+    assert "error: trainer.max_steps=0 must be >= 1" in (job / "runner.log").read_text()
