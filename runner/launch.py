@@ -274,3 +274,33 @@ def record_if_elastic(fn: Callable) -> Callable:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(fn)
+
+
+def torchrun(argv: list[str]) -> int:
+    """``torchrun`` (``torch.distributed.run``) with ``argv``, returning runner's exit status for a preemption.
+
+    torchrun exits 1 whenever a worker failed, whatever the worker's status: its ``main`` lets
+    ``ChildFailedError`` escape. A preempted runner (a signal or Ctrl-C: checkpoint written) exits
+    ``EXIT_PREEMPTED`` (75) on every rank, which a job manager reads as "requeue"; torchrun's 1 reads as a crash.
+    Here the workers' statuses are read from the ``ChildFailedError``: when the failed ranks exited with 75 (or
+    were stopped by the agent with a signal after another rank did), the status is 75; any other failure is
+    torchrun's own. ``python -m runner.torchrun`` is this function on the command line.
+
+    Raises:
+        ChildFailedError: a worker failed other than by a preemption (torchrun's own report and status 1).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from runner.preempt import EXIT_PREEMPTED
+
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as e:
+        codes = {failure.exitcode for failure in e.failures.values()}
+        if EXIT_PREEMPTED in codes and all(c == EXIT_PREEMPTED or c < 0 for c in codes):
+            print(f"torchrun: the workers stopped for a preemption (exit status {EXIT_PREEMPTED}, checkpoint written)",
+                  flush=True)
+            return EXIT_PREEMPTED
+        raise
+    return 0

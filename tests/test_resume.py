@@ -192,6 +192,31 @@ def test_every_restart_counts_even_one_killed_before_its_first_checkpoint(tmp_pa
     assert [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 17))
 
 
+@pytest.mark.slow
+def test_a_preempted_torchrun_job_exits_75_through_runner_torchrun(tmp_path):
+    """Plain torchrun exits 1 for any worker failure; ``python -m runner.torchrun`` reads the workers' statuses and
+    exits 75 when they stopped for a preemption (SIGTERM to both workers: checkpoint, exit 75 each)."""
+    folder = tmp_path / "job"
+    job = [*JOB, "distributed=ddp", "dataloader.batch_size=8", "trainer.max_steps=400", "checkpoint.every_steps=null"]
+    proc = subprocess.Popen([sys.executable, "-m", "runner.torchrun", "--standalone", "--nproc-per-node=2", "-m",
+                             "runner", *job, f"hydra.run.dir={folder}"], cwd=tmp_path, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = folder / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.02)
+    workers = [pid for pid in _descendants(proc.pid)
+               if " -m runner " in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") + " "]
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-4000:]
+    (path,) = ck.complete_checkpoints(folder / "checkpoints")
+    assert f"checkpoint {path} written" in out and "the same torchrun command with hydra.run.dir=" in out
+
+
 def test_a_kill_while_writing_leaves_the_previous_checkpoint_chosen(tmp_path):
     folder = tmp_path / "job"
     run(command(folder, [*JOB, "trainer.max_steps=6", "checkpoint.at_end=false"], False), tmp_path)
