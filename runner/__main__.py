@@ -81,8 +81,7 @@ def _train(cfg: DictConfig) -> float | None:
         if sweep_group() is not None:
             return None
         sys.exit(3)
-    except Preempted as e:
-        print(e, file=sys.stderr)
+    except Preempted:  # rank 0 printed where the checkpoint is and the command that resumes
         sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:  # a second Ctrl-C (the first checkpoints and stops: runner.preempt)
         print("error: interrupted twice: stopped at once, without a checkpoint; the last checkpoint (if any) is "

@@ -321,14 +321,16 @@ class Checkpointer:
         partial = self.root / f".{step_name(step)}.partial"
         if self.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # a leftover of a killed run
-            partial.mkdir(parents=True)
-            (partial / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2, default=str) + "\n")
+            with self._write_failures(partial):
+                partial.mkdir(parents=True)
+                (partial / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2, default=str) + "\n")
         _barrier()
         if self.async_save:
             if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
                 self._group = dist.new_group(backend="gloo")  # the write's collectives run off the main thread
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group,
-                                    no_dist=not dist.is_initialized())
+            with self._write_failures(partial):
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group,
+                                        no_dist=not dist.is_initialized())
             self._pending = (future, partial, final)
         else:
             with self._write_failures(partial):
@@ -392,7 +394,9 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            if "weights_only" in str(e) or "Unpickl" in str(e):
+            # a refused global is an UnpicklingError (torch.load(weights_only=True)); the text of DCP's exception
+            # holds tracebacks through the weights-only unpickler for any failure (a truncated file too)
+            if any(isinstance(c, pickle.UnpicklingError) for c in write_failures.causes(e)):
                 raise ConfigError(f"refusing to load {path}: an item in its .distcp files is not plain tensors or "
                                   f"numbers (a planted pickle?); a checkpoint can carry code, so resume only "
                                   f"checkpoints you or runner wrote. Delete {path} or pass checkpoint.resume=never"

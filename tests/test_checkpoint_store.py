@@ -194,3 +194,17 @@ def test_a_final_checkpoint_on_a_full_disk_keeps_the_trained_weights(tmp_path, m
     assert "disk full" in str(caught.value) and "model.safetensors" in str(caught.value)
     assert load_file(str(job / "model.safetensors"))  # the trained model survived the failed checkpoint
     assert not list((job / "checkpoints").iterdir())
+
+
+def test_an_async_write_on_a_full_disk_fails_when_it_is_waited_for(tmp_path, monkeypatch):
+    import errno
+
+    model, opt = trained(0)
+    store = ck.Checkpointer(tmp_path / "checkpoints", async_save=True)
+    store.save(state(model, opt, step=3), step=3, meta={})
+    store.finish()
+    _full_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    store.save(state(model, opt, step=6), step=6, meta={})  # staged; the write fails in its thread
+    with pytest.raises(ConfigError, match="disk full"):
+        store.finish()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000003"]
