@@ -111,7 +111,7 @@ def scratch(tmp_path_factory) -> Path:
         (root / name).write_text(content)
     make_tiny_cifar(root / "cifar")
     make_tiny_imagefolder(root / "images")
-    make_tiny_text(root / "my.txt", repeats=40)
+    make_tiny_text(root / "my.txt", repeats=16)  # ~4 KB: a small text trains with the preset
     return root
 
 
