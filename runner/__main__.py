@@ -83,9 +83,12 @@ def _train(cfg: DictConfig) -> float | None:
         sys.exit(3)
     except Preempted:  # rank 0 printed where the checkpoint is and the command that resumes
         sys.exit(EXIT_PREEMPTED)
-    except KeyboardInterrupt:  # a second Ctrl-C (the first checkpoints and stops: runner.preempt)
-        print("error: interrupted twice: stopped at once, without a checkpoint; the last checkpoint (if any) is "
-              "intact and the same command with hydra.run.dir=<the job folder> resumes from it", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training (the first checkpoints: runner.preempt)
+        from runner.track import job_folder
+
+        print(f"error: interrupted: stopped at once, without a checkpoint (a second Ctrl-C, or one before training "
+              f"started); the last complete checkpoint, if any, is intact and the same command with "
+              f"hydra.run.dir={job_folder().resolve()} resumes from it", file=sys.stderr)
         sys.exit(130)
 
 

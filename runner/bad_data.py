@@ -20,6 +20,8 @@ from runner.errors import ConfigError
 
 #: seconds the diagnosis may spend reading training items to find the bad one
 BUDGET_S = 60.0
+#: what running out of memory makes PyTorch say (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError)
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
 #: what a model output that is not logits makes PyTorch say
 _NOT_LOGITS = ("not tuple", "not list", "not dict", "'tuple' object", "'list' object", "'dict' object")
 
@@ -75,8 +77,10 @@ def diagnose(exc: BaseException, step: int, batch: int, epoch: int, loader, item
              num_classes: int | None, budget_s: float = BUDGET_S) -> ConfigError | None:
     """The ``ConfigError`` for an exception raised by optimizer step ``step`` (``batch`` of ``epoch``), or None.
 
-    A model output that is not logits is named first; else the training set is searched (``find_bad_item``)
+    Running out of memory is not the data's fault: None at once. A model output that is not logits is named first; else the training set is searched (``find_bad_item``)
     for the item to blame. Neither found: None (the caller re-raises ``exc``)."""
+    if isinstance(exc, torch.OutOfMemoryError) or any(s in str(exc) for s in _OUT_OF_MEMORY):
+        return None  # not the data's fault (and the batch-size tuner probes it: no time spent here)
     where = f"at step {step} (batch {batch} of epoch {epoch})"
     said = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     if any(s in str(exc) for s in _NOT_LOGITS):

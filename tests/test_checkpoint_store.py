@@ -208,3 +208,17 @@ def test_an_async_write_on_a_full_disk_fails_when_it_is_waited_for(tmp_path, mon
     with pytest.raises(ConfigError, match="disk full"):
         store.finish()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000003"]
+
+
+def test_a_checkpoint_every_30_minutes_is_the_default_and_a_short_run_writes_none_before_its_end(tmp_path):
+    from conftest import compose_cfg
+    from runner import resume
+    from runner.train import train
+
+    settings = resume.settings(compose_cfg(tiny=False).checkpoint)
+    assert settings["every_minutes"] == 30 and "SIGINT" in settings["signals"]
+    store = ck.Checkpointer(tmp_path / "c", every_minutes=settings["every_minutes"])
+    start = store._last_save
+    assert not store.due(7, now=start + 29 * 60) and store.due(7, now=start + 30 * 60)
+    train(compose_cfg("trainer.max_steps=4", "trainer.log_every=1"), job_dir=tmp_path / "job")
+    assert [p.name for p in ck.complete_checkpoints(tmp_path / "job" / "checkpoints")] == ["step_00000004"]

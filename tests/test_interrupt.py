@@ -107,7 +107,8 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
-    assert "interrupted twice" in err and "Traceback" not in err
+    assert "error: interrupted: stopped at once" in err and f"hydra.run.dir={folder.resolve()}" in err
+    assert "Traceback" not in err
     assert not (folder / "summary.json").exists()
 
 
