@@ -26,7 +26,9 @@ def _refuse_misspelt_keys() -> None:
 
     from runner.validate import misspelt_override
 
-    report = hydra_utils.run_and_report
+    report = getattr(hydra_utils, "run_and_report", None)
+    if report is None:  # another Hydra: its own message stays
+        return
 
     def run_and_report(func):
         def translated():
