@@ -139,9 +139,9 @@ RESTARTS_FILE = "restarts.json"
 def record_restart(job_dir: Path, saved: int) -> int:
     """Count one more restart of the job in ``job_dir`` and return the count (rank 0).
 
-    ``summary.json`` ``restarts`` is the number of times the job was started again after an attempt in its
-    folder stopped early (killed, preempted, failed): from its newest checkpoint, or from scratch when it
-    died before its first. The count lives in ``<job_dir>/restarts.json`` as well as in the checkpoints,
+    ``summary.json`` ``restarts`` is the number of starts that continued an earlier attempt in the job folder
+    (killed, preempted, failed, or a finished run trained further): from its newest checkpoint, or from scratch
+    when it died before its first. The count lives in ``<job_dir>/restarts.json`` as well as in the checkpoints,
     because a checkpoint only holds the count of its own time: an attempt killed before it wrote one would
     otherwise go uncounted (8 kills counted as 5). ``saved`` is the checkpoint's count (a run branched from
     another job's checkpoint continues that count); the larger of the two, plus one, is written back atomically.
