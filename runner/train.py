@@ -259,8 +259,9 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     if point.path is not None or point.stale_rows:  # an earlier attempt stopped early: counted outside checkpoints
         state.restarts = _agree(lambda: resume.record_restart(job_dir, state.restarts), env)
         if env.is_main:
-            print(f"resumed from {point.path} (step {state.step}, epoch {state.epoch}, restart {state.restarts})",
-                  flush=True)
+            print(f"resumed from {point.path} (step {state.step}, epoch {state.epoch}, restart {state.restarts})"
+                  if point.path is not None else f"started over: the earlier attempt in {job_dir} stopped before its "
+                  f"first checkpoint (restart {state.restarts})", flush=True)
     return parts, state
 
 

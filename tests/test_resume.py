@@ -192,6 +192,16 @@ def test_every_restart_counts_even_one_killed_before_its_first_checkpoint(tmp_pa
     assert [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 17))
 
 
+def test_a_restart_before_the_first_checkpoint_starts_over_and_counts(tmp_path):
+    folder = tmp_path / "job"
+    cmd = command(folder, JOB, False)
+    kill_at(cmd, folder, 2)  # checkpoint 3 never written
+    again = run(cmd, tmp_path)
+    assert f"started over: the earlier attempt in {folder} stopped before its first checkpoint (restart 1)" in again.stdout
+    assert read_summary(folder)["restarts"] == 1
+    assert [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 17))
+
+
 @pytest.mark.slow
 def test_a_preempted_torchrun_job_exits_75_through_runner_torchrun(tmp_path):
     """Plain torchrun exits 1 for any worker failure; ``python -m runner.torchrun`` reads the workers' statuses and
