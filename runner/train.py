@@ -476,6 +476,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "git_sha": git_sha(),
         "techniques": p.techniques,
         "technique_details": p.details,
+        "model_details": models.model_report(parallel.unwrap(p.model), p.cfg.model)[1],  # weights, frozen, trainable
         "config": p.resolved,
     }
     p.tracker.finish(summary)

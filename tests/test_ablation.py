@@ -568,6 +568,7 @@ def test_each_job_of_the_sweep_is_one_console_line_with_its_figure(tmp_path):
     assert len(lines) <= 2 * 3 + 2, lines  # per job: Hydra's launch line and the done line; then the report
 
 
+@pytest.mark.slow
 def test_repeats_auto_through_the_cli_adds_a_round_and_stops_at_max_repeats(tmp_path):
     """Two cheap variants, TINY jobs, an unreachable target: 3 repeats, one more round (repeat 3), stop."""
     proc = run_cli("-m", "+experiment=ablation", *TINY, "compile=off", "ablation.repeats=auto",

@@ -160,6 +160,7 @@ def test_fsdp_parameters_are_sharded_dtensors_and_consistent(runs):
     assert_same_losses(losses(fsdp_dir), losses(single_dir))
 
 
+@pytest.mark.slow
 def test_two_agents_as_two_nodes_train_together(tmp_path):
     """Two torchrun agents on this machine, c10d rendezvous on 127.0.0.1 at a free port, join timeout 60 s."""
     root = make_root(tmp_path)

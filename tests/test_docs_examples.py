@@ -161,6 +161,7 @@ def test_the_readme_first_run_and_the_doctor_on_its_folder(scratch):
     assert proc.returncode == 0 and proc.stdout.startswith("speed doctor"), f"{doctor}:\n{proc.stdout}{proc.stderr}"
 
 
+@pytest.mark.slow
 def test_the_readme_sweep_and_its_report(scratch):
     sweep_line = find("README.md", "python -m runner -m dataloader.batch_size=")
     run(sweep_line, scratch)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from runner import checkpoint as ck
@@ -81,6 +82,7 @@ def test_ctrl_c_checkpoints_and_the_printed_command_resumes_exactly(tmp_path):
     assert_same_run(tmp_path / "straight", folder)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_evaluation_stops_at_a_batch_and_the_resume_redoes_it(tmp_path):
     run([sys.executable, "-m", "runner", *JOB, *LONG_EVAL, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
     work = tmp_path / "work"
@@ -98,18 +100,50 @@ def test_ctrl_c_during_evaluation_stops_at_a_batch_and_the_resume_redoes_it(tmp_
     assert_same_run(tmp_path / "straight", folder)  # the step-5 evaluation row is there once
 
 
+SLOW_DATA = """
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+
+class Slow(Dataset):
+    classes = ["a", "b", "c"]
+
+    def __init__(self, n):
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+        self.y = torch.arange(n) % 3
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        time.sleep(0.05)  # a step takes >= 0.8 s: the second Ctrl-C always lands before the step boundary
+        return self.x[i], int(self.y[i])
+
+
+def slow():
+    return Slow(256), Slow(32)
+"""
+
+
 def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
-    proc = start([*JOB, *LONG_EVAL], tmp_path)
-    folder = wait_for_row(proc, tmp_path, 5)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)  # two signals at once would arrive as one
+    (tmp_path / "slow_data.py").write_text(SLOW_DATA)
+    job = ["data=custom", "data._target_=slow_data.slow", "model=mlp", "dataloader.batch_size=16",
+           "trainer.max_steps=40", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_max_batches=1",
+           "trainer.progress=off", "trainer.device=cpu", "logger=none", "checkpoint.every_steps=null"]
+    proc = start(job, tmp_path)
+    folder = wait_for_row(proc, tmp_path, 3)
+    proc.send_signal(signal.SIGINT)  # the first asks for a checkpoint at the next step boundary, >= 0.8 s away
+    time.sleep(0.1)  # two signals at once would arrive as one
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "error: interrupted: stopped at once" in err and f"hydra.run.dir={folder.resolve()}" in err
     assert "Traceback" not in err
     assert not (folder / "summary.json").exists()
+    assert not list(folder.glob("checkpoints/step_*"))
 
 
 def test_the_resume_command_names_the_folder():

@@ -197,8 +197,10 @@ def test_pretrained_run_on_two_classes(resnet18_file, spy, tmp_path):
 
 def test_freeze_backbone_trains_only_the_new_head(resnet18_file, spy, tmp_path, capsys):
     capsys.readouterr()
-    train(compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "model.freeze_backbone=true",
-                      "data.num_classes=2", "trainer.max_steps=2", "optimizer.lr=0.1"), job_dir=tmp_path)
+    summary = train(compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "model.freeze_backbone=true",
+                                "data.num_classes=2", "trainer.max_steps=2", "optimizer.lr=0.1",
+                                "trainer.progress=lines"), job_dir=tmp_path)
+    assert summary["model_details"]["trainable_parameters"] == 1026
     model, optimizer = spy.model, spy.optimizer
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {"fc.weight", "fc.bias"}

@@ -262,6 +262,7 @@ def test_nan_stops_with_the_last_checkpoint_intact_and_skip_counts(tmp_path):
     assert not (job / "summary.json").exists() and "samples_per_sec" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
     folder = tmp_path / "job"
     run(command(folder, [*JOB, "trainer.max_steps=3"], False), tmp_path)
