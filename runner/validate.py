@@ -19,6 +19,7 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the key, its value and the allowed range.
     """
+    _refuse_schema_choices()
     t = cfg.trainer
     checks = [
         (cfg.dataloader.batch_size >= 1, "dataloader.batch_size", cfg.dataloader.batch_size, "must be >= 1"),
@@ -105,3 +106,21 @@ def misspelt_override(exc: BaseException) -> str | None:
     else:
         return None
     return undeclared_key(node, key, declared, "the schema has no such key")
+
+
+def _refuse_schema_choices() -> None:
+    """A group option that is one of the ``base_<name>`` schemas (``optimizer=base_optimizer``) is what the
+    options extend, not an option: its required fields are unset, and reading them would end in a
+    ``MissingMandatoryValue`` traceback. Outside a Hydra run (``train(cfg)`` called directly) there is no choice.
+
+    Raises:
+        ConfigError: naming the group, the schema and where the options are listed.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    for group, choice in HydraConfig.get().runtime.choices.items():
+        if isinstance(choice, str) and choice.startswith("base_") and not group.startswith("hydra"):
+            raise ConfigError(f"{group}={choice} is the schema every {group} option extends, not an option; "
+                              f"choose one of the {group} options that `python -m runner --help` lists")

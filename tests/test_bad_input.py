@@ -399,3 +399,12 @@ def test_runner_log_holds_the_console_the_summary_the_doctor_and_errors(tmp_path
     assert bad.returncode == 2
     (job,) = job_dirs(tmp_path / "bad")
     assert "error: trainer.max_steps=0 must be >= 1" in (job / "runner.log").read_text()
+
+
+@pytest.mark.parametrize("choice", ["optimizer=base_optimizer", "task=base_task", "scheduler=base_scheduler"])
+def test_a_schema_typed_as_an_option_is_one_error_line(choice, tmp_path):
+    """Every ``base_<name>`` schema (not only the model's) typed as a group option stops before anything runs,
+    with one error line naming it, instead of a MissingMandatoryValue traceback."""
+    proc = run_cli(choice, "trainer.max_steps=2", "logger=none", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and f"error: {choice} is the schema" in proc.stderr, proc.stderr[-2000:]
