@@ -118,9 +118,12 @@ def _refuse_schema_choices() -> None:
     """
     from hydra.core.hydra_config import HydraConfig
 
+    from runner import CONF_DIR
+
     if not HydraConfig.initialized():
         return
     for group, choice in HydraConfig.get().runtime.choices.items():
         if isinstance(choice, str) and choice.startswith("base_") and not group.startswith("hydra"):
+            options = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
             raise ConfigError(f"{group}={choice} is the schema every {group} option extends, not an option; "
-                              f"choose one of the {group} options that `python -m runner --help` lists")
+                              f"pick {group}=<one of {options}> (`python -m runner --help` lists yours too)")

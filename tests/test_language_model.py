@@ -369,6 +369,7 @@ def test_fsdp_shards_each_transformer_block(tiny_text, tmp_path, spy):
 # --------------------------------------------------------------------- two real processes (torchrun)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])
 def test_data_parallel_gpt_over_two_processes(tmp_path, name):
     from conftest import make_tiny_text

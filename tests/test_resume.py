@@ -136,6 +136,7 @@ def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool 
     ["dataloader.num_workers=2", "memory.accumulate_steps=2"],  # worker processes; 8 steps per epoch: mid-epoch
     ["dataloader=device", "data.augment=true", "data.normalize=true"],  # on-device data, random crop + flip
 ], ids=["loader", "workers-accumulation", "on-device-augment"])
+@pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, case):
     assert_exact_resume(tmp_path, [*JOB, *case])
 
@@ -157,6 +158,7 @@ def test_killed_fsdp_language_model_resumes_exactly(tmp_path):
     assert (tmp_path / "straight" / "samples.txt").read_text() == (tmp_path / "killed" / "samples.txt").read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_step_boundary_and_exits_75(tmp_path):
     folder = tmp_path / "job"
     proc = subprocess.Popen(command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False),
@@ -178,6 +180,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_exits_75(tmp_path):
     assert read_summary(folder)["steps"] == 400 and [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 401))
 
 
+@pytest.mark.slow
 def test_every_restart_counts_even_one_killed_before_its_first_checkpoint(tmp_path):
     """Killed at step 4 (checkpoint 3), the restart killed again at step 5 (before checkpoint 6), then run to
     the end: two restarts, though both resumed from the same checkpoint (whose own count is 0)."""
@@ -313,6 +316,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     assert not pointers, "the finished job left its restart pointer behind"
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
     """The W&B run id is kept in the checkpoint: the resumed process logs into the same run (resume="allow"),
     its history starting after the checkpoint's step."""

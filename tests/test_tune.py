@@ -190,6 +190,7 @@ def test_bad_input_through_the_cli(tmp_path):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.csv"))
 
 
+@pytest.mark.slow
 def test_batch_size_under_torchrun_every_rank_recommends_the_same(tmp_path):
     out = tmp_path / "out"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner.tune", "batch_size", "--out", str(out),
