@@ -50,13 +50,16 @@ IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "cus
 AUTO_FIRST_ROUND = 3
 
 
-def ablation_first_round(repeats, max_repeats) -> int:
-    """Repeats of an ablation sweep's first multirun: ``repeats``, or for ``auto`` min(3, ``max_repeats``).
+def ablation_first_round(repeats, max_repeats, design: str = "rounds") -> int:
+    """Repeats of an ablation sweep's first multirun: ``repeats``, or for ``auto`` min(3, ``max_repeats``);
+    1 under ``design=interleaved`` (one resident process per configuration, measured over many slices).
 
     Raises:
         ValueError: ``repeats`` is neither a whole number >= 1 nor ``auto``, or ``auto`` with
             ``max_repeats`` < 2 (an interval needs two repeats).
     """
+    if design == "interleaved":
+        return 1
     if repeats == "auto":
         if not isinstance(max_repeats, int) or max_repeats < 2:
             raise ValueError(f"ablation.max_repeats={max_repeats!r}: ablation.repeats=auto needs at least 2")
@@ -71,7 +74,7 @@ def ablation_first_round(repeats, max_repeats) -> int:
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
 #                                            dataloader.on_device works (IN_MEMORY_DATA above)
-#   ${runner_first_round:${ablation.repeats},${ablation.max_repeats}}   ablation_first_round above
+#   ${runner_first_round:${ablation.repeats},${ablation.max_repeats},${ablation.design}}   ablation_first_round above
 def _if_cuda(device, then, otherwise):
     from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
 

@@ -10,9 +10,11 @@ from omegaconf import DictConfig
 from runner import CONF_DIR
 from runner.config import register_configs
 from runner.errors import ConfigError, Preempted, TrainingDiverged
+from runner.interleave.launcher import register as register_interleaved_launcher
 from runner.launch import prepare_process, record_if_elastic
 
 register_configs()
+register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleave/launcher.py)
 
 
 def _refuse_misspelt_keys() -> None:

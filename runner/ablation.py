@@ -289,7 +289,7 @@ class AblationCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         a = config.ablation
         try:
-            ablation_first_round(a.repeats, a.max_repeats)
+            ablation_first_round(a.repeats, a.max_repeats, a.design)
             if a.repeats == "auto" and not a.target_ci > 0:
                 raise ValueError(f"ablation.target_ci={a.target_ci}: give the relative half-width to reach, e.g. 0.05")
         except ValueError as e:
@@ -318,7 +318,7 @@ class AblationCallback(Callback):
         if record.get("auto") is not None and record["auto"].get("stopped") is None:
             return  # a round of repeats=auto: the sweep that launched it goes on and writes the report
         try:
-            if a.repeats == "auto":
+            if a.repeats == "auto" and a.design == "rounds":
                 first = ablation_first_round(a.repeats, a.max_repeats)
                 record["auto"] = {"target_ci": a.target_ci, "max_repeats": a.max_repeats, "first_round": first,
                                   "rounds": [], "stopped": None}

@@ -27,6 +27,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.errors import ConfigError
+from runner.tool_config import AblationConfig, InterleaveConfig, TuneConfig
 
 #: Every closed list of options, declared once: ``runner.validate.validate`` checks a composed config against
 #: all of them before anything is built, and the builder of each key calls ``check_choice`` with the same
@@ -351,49 +352,6 @@ class TrainerConfig:
     doctor: bool = True
 
 
-@dataclass
-class AblationConfig:
-    """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/); see runner/ablation.py."""
-
-    repeats: Any = 3  # times each configuration runs (the sweep's outer loop), or "auto": see target_ci
-    target_ci: float = 0.05  # repeats=auto: add rounds until every effect's 95 % CI is within +-this (relative)
-    max_repeats: int = 10  # repeats=auto: stop adding rounds at this many repeats
-    preload: bool = True  # isolate: fork each job from a server that imported torch/runner (false: exec python)
-    repeat: int = 0  # this job's repeat index, 0 .. repeats-1 (swept)
-    variant: Optional[str] = None  # this job's configuration, e.g. baseline, baseline+amp, fast-amp
-    kind: Optional[str] = None  # baseline | leave-one-in | fast | leave-one-out
-    technique: Optional[str] = None  # the technique the variant switches on (leave-one-in) or off (leave-one-out)
-    requires: Optional[str] = None  # cuda: the variant is not run (recorded as not run) on other devices
-    isolate: bool = True  # inside a multirun, train each job in a fresh process (clean memory/compile state)
-
-
-@dataclass
-class TuneConfig:
-    """``tune.*``: the settings of ``python -m runner.tune batch_size|lr|dataloader`` (runner/tune/); training
-    (``python -m runner``) never reads them. Values are checked by ``runner.tune.check_settings``."""
-
-    # batch_size and dataloader: each configuration trains this many steps with the run's own engine
-    warmup_steps: int = 2  # steps per configuration left out of every figure (allocator growth, workers starting)
-    measure_steps: int = 10  # measured steps per configuration (more on a noisy machine)
-    # batch_size: powers of two from start_batch_size, then a binary search (micro-batch per rank, samples)
-    start_batch_size: int = 16
-    max_batch_size: int = 4096
-    max_memory_fraction: float = 0.9  # of the GPU's memory (of host RAM per process on a CPU) a size may use
-    search_steps: int = 3  # binary-search steps between the last good and the first bad or slower size
-    # lr: the LR range test (Smith 2017; fastai's lr_find): exponential ramp min_lr -> max_lr over steps
-    min_lr: float = 1e-7
-    max_lr: float = 10.0
-    steps: int = 100
-    smoothing: float = 0.98  # EMA factor of the loss (bias-corrected)
-    diverge_factor: float = 4.0  # stop once the smoothed loss exceeds this x its best
-    # dataloader: the grid num_workers x pin_memory x prefetch_factor; null = a default for this machine
-    workers: Optional[list[int]] = None  # null: 0, 1, 2, 4, ... up to the CPU count
-    pin_memory: Optional[list[bool]] = None  # null: [false, true] on CUDA, [false] on a CPU (pinning needs CUDA)
-    prefetch_factors: Optional[list[int]] = None  # null: [2, 4] on CUDA, [2] on a CPU (only with workers > 0)
-    loader_batches: int = 30  # batches timed on the loader alone, after warmup_steps batches
-    tolerance: float = 0.05  # pick the fewest workers within this fraction of the best samples/s
-
-
 #: ``checkpoint.*`` (runner/checkpoint.py). A plain node rather than a dataclass because ``async`` is a Python
 #: keyword; ``runner.resume.settings`` checks every value's type and range with a message naming the key.
 CHECKPOINT_DEFAULTS: dict[str, Any] = {
@@ -427,6 +385,7 @@ class RunnerConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    interleave: InterleaveConfig = field(default_factory=InterleaveConfig)
     checkpoint: Any = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
     cudnn_benchmark: bool = False  # technique 6: cuDNN autotuner
     channels_last: bool = False  # technique 19: NHWC weights and inputs

@@ -41,6 +41,7 @@ from runner import (
     prepare,
     resume,
     schedule,
+    slice_gate,
     task as task_mod,
 )
 from runner.config import global_batch_size
@@ -113,6 +114,7 @@ class Parts:
     checkpointer: checkpoint.Checkpointer
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
+    gate: slice_gate.SliceGate | None = None  # the interleaved launcher's pause point (runner/slice_gate.py)
 
 
 def checkpoint_state(state: TrainState, parts: Parts) -> dict[str, Any]:
@@ -252,7 +254,8 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                   scheduler=scheduler, amp=amp, clip=clip, meter=meter, tracker=tracker, plan=plan,
                   flops_per_sample=flops, techniques=techniques, details=details, resolved=resolved,
                   checkpointer=checkpointer, at_end=ck["at_end"],
-                  preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()))
+                  preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
+                  gate=slice_gate.current())
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)
         state.restart_lost_time_s += max(0.0, time.time() - float(point.meta.get("time", time.time())))
@@ -305,6 +308,13 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
     batches = _batches(p.data.train, state)
     segment_start = time.perf_counter()
     while state.step < plan.total_steps:
+        if p.gate is not None and p.gate.due(state.step):  # interleaved: a slice ended; wait, untimed, for the next
+            state.train_time_s += measure.wall_clock(p.env.device) - segment_start
+            p.meter.pause()
+            if not p.gate.wait(state.step, state.train_time_s, plan.global_batch, p.env):
+                plan.total_steps = state.step + 1  # finish: one last step, then the final log and evaluation
+            p.meter.resume()
+            segment_start = time.perf_counter()
         try:  # free on the happy path; bad data or a bad model output is diagnosed only once it failed
             for micro in range(plan.accumulate):
                 p.meter.start_fetch()

@@ -67,6 +67,7 @@ class Row:
     all_skipped: bool = False
     figures: dict[str, float | None] = field(default_factory=dict)
     peak_change_pct: float | None = None
+    design: str = "rounds"  # how the figures were measured: rounds (repeats) | interleaved (runner/report/paired.py)
 
     @property
     def median(self) -> float | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runner.report import stats
+from runner.report import paired, stats
 from runner.report.load import Job, Row
 from runner.report.rows import count_verdicts
 from runner.report.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
@@ -109,13 +109,19 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
     step_text = ", ".join(f"{w} warm-up + {m} measured steps" for w, m in steps)
     process = {"forkserver": "forked from a job server that has imported torch and runner (no torch op run, "
                              "no CUDA context)", "exec": "`python -m runner`"}.get(record.get("job_process"), "")
-    lines.append(f"| measurement | {', '.join(map(str, repeats))} repeat(s) per configuration (the repeat is the "
-                 f"sweep's outer loop); every job: {step_text}, warm-up excluded from every figure; one fresh "
-                 f"process per job{': ' + process if process else ''} |")
+    interleaved = record.get("interleave")
+    if interleaved:
+        lines.append(f"| measurement | interleaved: one resident process per configuration (the baseline twice: "
+                     f"A and A'), taking turns in slices of {interleaved.get('slice_steps')} step(s); every "
+                     f"figure is a paired ratio of adjacent slices (below) |")
+    else:
+        lines.append(f"| measurement | {', '.join(map(str, repeats))} repeat(s) per configuration (the repeat is "
+                     f"the sweep's outer loop); every job: {step_text}, warm-up excluded from every figure; one "
+                     f"fresh process per job{': ' + process if process else ''} |")
     auto = _auto_text(record)
     if auto:
         lines.append(f"| repeats | {auto} |")
-    if baseline.speedup_ci is not None:
+    if baseline.speedup_ci is not None and not interleaved:
         lines.append(f"| noise | the baseline against itself: simultaneous 95 % interval {_ci_text(baseline.speedup_ci)} "
                      f"(±{baseline.speedup_ci.half_width:.0%}); baseline repeats {min(baseline.runs):.4g}–"
                      f"{max(baseline.runs):.4g} samples/s |")
@@ -135,11 +141,12 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                   f"measured (summary.json `warnings`; e.g. {first.variant} r{first.repeat}: "
                   f"{first.summary['warnings'][0]}): their figures are slower and noisier than on a quiet machine.",
                   ""]
-    if min(repeats) < 2:
+    if min(repeats) < 2 and not interleaved:
         lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
                   "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]
 
-    lines += ["## Configurations ranked by speed-up", "", _interval_text(rows, resamples, seed), "",
+    method = "\n".join(paired.noise_lines(interleaved)) if interleaved else _interval_text(rows, resamples, seed)
+    lines += ["## Configurations ranked by speed-up", "", method, "",
               "| rank | configuration | speed-up × | 95 % CI | effect × | effect 95 % CI | verdict | samples/s | "
               "step ms | data wait | peak MiB (Δ) | final loss | setup s | techniques (applied / skipped) |",
               "|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]

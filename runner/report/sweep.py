@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 #: Columns of a plain sweep's report.csv, after the swept keys (one column each).
-PLAIN_COLUMNS = ["job", "status", "samples_per_sec", "step_time_ms_median", "data_wait_fraction",
-                 "peak_memory_mb", "train_loss", "eval_loss", "eval_accuracy", "setup_s", "train_time_s",
-                 "measured_time_s", "overrides"]
+#: ``speedup`` .. ``design``: the paired comparison with the sweep's reference job under hydra/launcher=interleaved
+#: (runner/report/paired.py); ``design`` is ``sequential`` (and the four before it empty) for other sweeps.
+PLAIN_COLUMNS = ["job", "status", "samples_per_sec", "speedup", "ci_low", "ci_high", "verdict", "design",
+                 "step_time_ms_median", "data_wait_fraction", "peak_memory_mb", "train_loss", "eval_loss",
+                 "eval_accuracy", "setup_s", "train_time_s", "measured_time_s", "overrides"]
 
 
 def sweep_command(hydra_cfg: DictConfig) -> str:
@@ -309,6 +311,13 @@ def load_warning(jobs: list[SweepJob]) -> str | None:
             f"rerun when it is quiet for figures to trust")
 
 
+def _paired_cells(c: dict[str, Any] | None) -> list[str]:
+    if not c or c["speedup"] is None:
+        return ["–", "–"]
+    ci = f" [{c['ci_low']:.3f}–{c['ci_high']:.3f}]" if c["ci_low"] is not None else ""
+    return [f"×{c['speedup']:.3f}{ci}", c["verdict"]]
+
+
 def write_plain_report(sweep: Path) -> list[Path]:
     """Write report.md, report.csv and sweep.png of a plain multirun into ``sweep``; returns the paths.
 
@@ -317,7 +326,15 @@ def write_plain_report(sweep: Path) -> list[Path]:
     """
     from omegaconf import OmegaConf
 
+    from runner.report import paired
+
     jobs = _sorted(load_sweep(sweep))
+    try:
+        record = paired.load(sweep)
+    except ValueError as e:
+        raise SweepError(str(e)) from e
+    compared = paired.job_comparisons(record) if record else {}
+    blank = {"speedup": None, "ci_low": None, "ci_high": None, "verdict": None, "design": "sequential"}
     keys = swept_keys(jobs)
     fixed = {k: v for k, v in jobs[0].overrides.items() if k not in keys}
     written = [sweep / "report.md", sweep / "report.csv", sweep / "sweep.png"]
@@ -327,7 +344,10 @@ def write_plain_report(sweep: Path) -> list[Path]:
         for j in jobs:
             s = j.summary or {}
             values = [j.overrides.get(k, "") for k in keys] + [
-                str(j.folder), j.problem or "ok", j.samples_per_sec, s.get("step_time_ms_median"),
+                str(j.folder), j.problem or "ok", j.samples_per_sec,
+                *(compared.get(str(j.folder), blank).get(k) for k in ("speedup", "ci_low", "ci_high", "verdict",
+                                                                      "design")),
+                s.get("step_time_ms_median"),
                 s.get("data_wait_fraction"), s.get("peak_memory_mb"), s.get("train_loss"), s.get("eval_loss"),
                 s.get("eval_accuracy"), j.times.get("setup_s"), j.times.get("train_s"), j.times.get("measured_s"),
                 " ".join(f"{k}={v}" for k, v in j.overrides.items())]
@@ -343,7 +363,9 @@ def write_plain_report(sweep: Path) -> list[Path]:
              f"| swept keys | {', '.join(f'`{k}`' for k in keys) or '(none)'} |",
              f"| fixed overrides | {' '.join(f'`{k}={v}`' for k, v in fixed.items()) or '(none)'} |", ""]
     first = next((j.summary for j in jobs if j.summary), {}) or {}
-    if first.get("warmup_steps") is not None:
+    if record:
+        lines += paired.noise_lines(record)
+    elif first.get("warmup_steps") is not None:
         lines += [f"Each job's figures leave out its first {first['warmup_steps']} step(s) (warm-up); samples/s "
                   f"is samples of the measured steps per second of their wall time. Jobs of a Hydra multirun "
                   f"run one after the other in one process: only the first pays the imports, and the peak "
@@ -352,13 +374,15 @@ def write_plain_report(sweep: Path) -> list[Path]:
     if busy:
         lines += [f"**Warning:** {busy}.", ""]
     lines += ["## Jobs, fastest first", "",
-              "| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", "step ms", "data wait", "peak MiB",
+              "| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", *(["speed-up [95 % CI]", "verdict"]
+                                  if record else []), "step ms", "data wait", "peak MiB",
                                   "train loss", "eval loss", "eval acc", "setup s", "job"]) + " |",
-              "|" + "---|" * len(keys) + "---:|" * 8 + "---|"]
+              "|" + "---|" * len(keys) + "---:|" * (10 if record else 8) + "---|"]
     for j in jobs:
         s = j.summary or {}
         cells = [j.overrides.get(k, "–") for k in keys] + [
-            _fmt(j.samples_per_sec, ",.1f") if j.summary else "**no summary**", _fmt(s.get("step_time_ms_median"), ",.1f"),
+            _fmt(j.samples_per_sec, ",.1f") if j.summary else "**no summary**",
+            *(_paired_cells(compared.get(str(j.folder))) if record else []), _fmt(s.get("step_time_ms_median"), ",.1f"),
             _fmt(s.get("data_wait_fraction"), ".1%"), _fmt(s.get("peak_memory_mb"), ",.0f"),
             _fmt(s.get("train_loss"), ".3f"), _fmt(s.get("eval_loss"), ".3f"), _fmt(s.get("eval_accuracy"), ".1%"),
             _fmt(j.times.get("setup_s"), ".1f"), f"`{j.folder}`"]
@@ -367,8 +391,9 @@ def write_plain_report(sweep: Path) -> list[Path]:
     if problems:
         lines += ["", "## Jobs without figures", ""] + [
             f"- `{j.folder}` ({' '.join(f'{k}={j.overrides.get(k)}' for k in keys)}): {j.problem}" for j in problems]
-    lines += [""] + budget_lines([j.times for j in jobs], sweep_wall_time(sweep, jobs),
-                                 "multirun.yaml written to the last summary")
+    if not record:  # interleaved jobs spend most of their wall time waiting: no per-job time budget
+        lines += [""] + budget_lines([j.times for j in jobs], sweep_wall_time(sweep, jobs),
+                                     "multirun.yaml written to the last summary")
     lines += ["## Plot", "", f"{shown}:", "", f"![samples/s]({written[2].name})", ""]
     written[0].write_text("\n".join(lines))
     return written

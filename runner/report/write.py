@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from runner.report import stats
-from runner.report.load import Job, Row, load_jobs, load_record
+from runner.report import paired, stats
+from runner.report.load import Job, ReportError, Row, load_jobs, load_record
 from runner.report.markdown import agreement, markdown, reading
 from runner.report.rows import build_rows
 from runner.report.stats import HELPS, HURTS
@@ -35,7 +35,7 @@ CSV_COLUMNS = [
     "samples_per_sec_min", "samples_per_sec_max", "speedup", "speedup_ci_low", "speedup_ci_high",
     "technique_effect", "effect_ci_low", "effect_ci_high", "effect_ci_half_width", "verdict",
     "step_time_ms_median", "data_wait_fraction", "peak_memory_mb", "peak_memory_change_pct", "final_loss",
-    "train_loss", "setup_s_median", "job_wall_s_median", "techniques",
+    "train_loss", "setup_s_median", "job_wall_s_median", "techniques", "ci_low", "ci_high", "design",
 ]
 #: Columns of jobs.csv (one row per job; times in s).
 JOB_COLUMNS = ["configuration", "repeat", "folder", "status", "samples_per_sec", "wall_s", "setup_s", "train_s",
@@ -54,7 +54,7 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
             r.speedup, s and s.low, s and s.high, r.effect, e and e.low, e and e.high, e and e.half_width,
             r.verdict, fig.get("step_time_ms_median"), fig.get("data_wait_fraction"), fig.get("peak_memory_mb"),
             r.peak_change_pct, fig.get("final_loss"), fig.get("train_loss"), fig.get("setup_s"), fig.get("wall_s"),
-            r.status,
+            r.status, e and e.low, e and e.high, "interleaved" if r.design == "interleaved" else "rounds",
         ])
     return out
 
@@ -195,6 +195,13 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
     rows = build_rows(jobs, seed, resamples)
     baseline = next(r for r in rows if r.configuration == "baseline")
     record = load_record(sweep)
+    try:
+        interleaved = paired.load(sweep)
+    except ValueError as e:
+        raise ReportError(str(e)) from e
+    if interleaved:  # the paired figures of adjacent slices replace the repeats' bootstrap (runner/report/paired.py)
+        paired.apply_to_rows(rows, interleaved)
+        record["interleave"] = interleaved
     written = [sweep / "report.md", sweep / "report.csv", sweep / "speedup.png", sweep / "jobs.csv"]
     plot(rows, written[2])
     written[0].write_text(markdown(rows, jobs, sweep, record, "speedup.png", seed=seed, resamples=resamples))

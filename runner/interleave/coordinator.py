@@ -1,0 +1,303 @@
+"""The interleaved sweep's conductor: resident job processes taking turns, pass after pass.
+
+``run`` receives the sweep's prepared jobs (resolved configs and folders; runner/interleave/launcher.py) and:
+
+1. **Admits** jobs, one at a time, each forked from the job server (runner/ablation.py: torch and runner
+   imported once) into a new session (a terminal's Ctrl-C reaches the conductor only), built, and warmed up
+   for its ``trainer.warmup_steps`` (at least one step) while every other job waits. References come first
+   and stay resident to the end. Another job is admitted while the free memory the last job reported
+   exceeds ``interleave.memory_margin`` x the largest footprint so far (and fewer than
+   ``interleave.max_resident`` are resident): the jobs that fit form a *group*.
+2. **Calibrates** the slice once, on the sweep's reference: ``interleave.slice_steps``, or the steps that
+   take about ``interleave.slice_seconds``. Every job of the sweep trains the same steps per slice.
+3. **Measures** the group pass after pass (runner/interleave/schedule.py gives the order and the pairs),
+   printing one line per pass, until every comparison in the group is within ``±interleave.target_ci``
+   (after ``interleave.min_passes``), the group's share of ``interleave.max_minutes`` is spent,
+   ``interleave.max_passes`` is reached, or Ctrl-C. Then the group's jobs finish (final evaluation,
+   ``summary.json``) and the next group is admitted beside the references.
+4. Writes ``interleave.json`` (runner/interleave/record.py) after every pass.
+
+A job that crashes is reported (``failed.json`` in its folder) and the others go on; when a reference
+crashes, its group stops. A first Ctrl-C stops after the current slice and finishes every job (the report is
+written from what was measured); a second one kills the jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.interleave import record as record_mod
+from runner.interleave.schedule import pass_order
+from runner.track import write_json_atomic
+
+
+@dataclass
+class Job:
+    """One job of the sweep: its name (folder relative to the sweep), resolved config, folder and reference
+    (None for a reference of the whole sweep); the conductor fills the rest."""
+
+    name: str
+    cfg: DictConfig
+    folder: Path
+    reference: str | None
+    process: Any = None
+    connection: Any = None
+    status: str = "pending"  # pending | resident | measured | failed (exit N) | ended early
+    report: dict[str, Any] = field(default_factory=dict)  # the job's last message (runner/slice_gate.py)
+    group: int | None = None
+
+
+class Stop:
+    """Ctrl-C: the first sets ``requested`` (stop after the current slice), the second raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> "Stop":
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterleave: Ctrl-C: stopping after this slice; every job finishes and the report holds what was "
+              "measured (Ctrl-C again to kill the jobs at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def _job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str | None) -> None:
+    """The body of a job process: leave the terminal's process group, install the slice gate, train."""
+    os.setsid()
+    from runner import ablation, slice_gate
+
+    slice_gate.install(connection)
+    ablation._train_forked(cfg, job_dir, {}, start_method)
+
+
+class Conductor:
+    """Runs the jobs of one interleaved sweep (see the module docstring); ``run`` returns when all finished."""
+
+    def __init__(self, jobs: list[Job], settings: DictConfig, sweep: Path, reference: str, aa: str | None):
+        self.jobs = {j.name: j for j in jobs}
+        self.s = settings
+        self.sweep = sweep
+        self.reference = reference
+        self.rng = random.Random(settings.seed)
+        self.slices: list[dict[str, Any]] = []
+        self.slice_steps: int | None = settings.slice_steps
+        self.stopped: list[str] = []
+        self.record: dict[str, Any] = {"design": "interleaved", "reference": reference, "aa": aa,
+                                       "settings": dict(settings), "started": time.time(), "finished": None}
+        self.measuring_s = 0.0
+
+    # ------------------------------------------------------------------------------------------- processes
+    def _start(self, job: Job) -> bool:
+        """Fork ``job``, wait for its first message and warm it up; False when it failed on the way."""
+        from runner import ablation
+
+        ctx = ablation._job_server()
+        mine, theirs = ctx.Pipe()
+        job.process = ctx.Process(target=_job_body, name=f"interleave {job.name}",
+                                  args=(job.cfg, str(job.folder), theirs, ctx.get_start_method()))
+        job.process.start()
+        theirs.close()
+        job.connection, job.status = mine, "resident"
+        warmup = max(int(job.cfg.trainer.warmup_steps), 1)
+        return self._receive(job) is not None and self._slice(job, warmup) is not None
+
+    def _receive(self, job: Job) -> dict[str, Any] | None:
+        try:
+            job.report = job.connection.recv()
+            return job.report
+        except (EOFError, OSError):
+            self._ended(job)
+            return None
+
+    def _slice(self, job: Job, steps: int) -> dict[str, Any] | None:
+        """Let ``job`` train ``steps`` steps; returns its figures (steps, seconds, samples/s), None if it ended."""
+        before = job.report
+        try:
+            job.connection.send({"steps": steps})
+        except (BrokenPipeError, OSError):
+            self._ended(job)
+            return None
+        after = self._receive(job)
+        if after is None:
+            return None
+        seconds = after["train_time_s"] - before["train_time_s"]
+        done = after["step"] - before["step"]
+        return {"steps": done, "seconds": seconds,
+                "samples_per_sec": done * after["global_batch"] / seconds if seconds > 0 else None}
+
+    def _ended(self, job: Job) -> None:
+        """``job``'s pipe closed: it crashed, or reached ``trainer.max_steps`` before being told to finish."""
+        job.process.join()
+        code = job.process.exitcode
+        if code == 0:
+            job.status = "ended early (trainer.max_steps reached: raise it for longer interleaving)"
+        else:
+            job.status = f"failed (exit {code})"
+            write_json_atomic(job.folder / "failed.json", {
+                **_variant(job.cfg), "returncode": code, "design": "interleaved"})
+            print(f"interleave: {job.name} FAILED (exit status {code}); its output is above; the sweep goes on",
+                  file=sys.stderr, flush=True)
+
+    def _finish(self, job: Job) -> None:
+        """Tell a resident ``job`` to finish (one last step, final evaluation, summary.json) and wait for it."""
+        if job.status != "resident":
+            return
+        try:
+            job.connection.send({"steps": 0})
+        except (BrokenPipeError, OSError):
+            pass
+        job.process.join()
+        job.status = "measured" if job.process.exitcode == 0 else f"failed (exit {job.process.exitcode})"
+        if job.process.exitcode != 0:
+            write_json_atomic(job.folder / "failed.json", {**_variant(job.cfg), "returncode": job.process.exitcode,
+                                                           "design": "interleaved"})
+
+    def kill(self) -> None:
+        """Kill every resident job (a second Ctrl-C)."""
+        for job in self.jobs.values():
+            if job.status == "resident" and job.process.is_alive():
+                job.process.kill()
+                job.process.join()
+                job.status = "killed (Ctrl-C)"
+
+    # ---------------------------------------------------------------------------------------------- passes
+    def _fits(self, resident: list[Job]) -> bool:
+        if self.s.max_resident is not None and len(resident) >= self.s.max_resident:
+            return False
+        footprint = max((j.report.get("footprint_mb") or 0.0 for j in resident), default=0.0)
+        free = next((j.report.get("available_mb") for j in reversed(resident) if j.report.get("available_mb")), None)
+        return free is None or free > self.s.memory_margin * footprint
+
+    def _calibrate(self, reference: Job) -> None:
+        if self.slice_steps is None:
+            figures = self._slice(reference, 2)
+            step_s = figures["seconds"] / max(figures["steps"], 1) if figures else 1.0
+            self.slice_steps = max(1, round(self.s.slice_seconds / max(step_s, 1e-6)))
+        print(f"interleave: {self.slice_steps} step(s) per slice"
+              + ("" if self.s.slice_steps else f" (about {self.s.slice_seconds:g} s of {self.reference})"), flush=True)
+
+    def run(self, stop: Stop) -> None:
+        refs = [j for j in self.jobs.values() if j.reference is None or self._is_reference(j.name)]
+        members = [j for j in self.jobs.values() if j not in refs]
+        budget_s = 60 * self.s.max_minutes
+        for job in refs:
+            if not self._start(job) and job.name == self.reference:
+                self.stopped.append(f"the reference {job.name} {job.status}")
+                self._write()
+                return
+        self._calibrate(self.jobs[self.reference])
+        group = 0
+        pending = list(members)
+        while pending and not stop.requested:
+            group += 1
+            resident = [j for j in refs if j.status == "resident"]
+            admitted: list[Job] = []
+            while pending and (not admitted or self._fits(resident + admitted)) and not stop.requested:
+                job = pending.pop(0)
+                job.group = group
+                print(f"interleave: group {group}: starting {job.name}", flush=True)
+                if self._start(job):
+                    admitted.append(job)
+            share = budget_s - self.measuring_s
+            group_budget = share * len(admitted) / (len(admitted) + len(pending)) if admitted else 0.0
+            self._measure(group, [j for j in refs if j.status == "resident"] + admitted, group_budget, stop)
+            for job in admitted:
+                self._finish(job)
+        for job in refs:
+            self._finish(job)
+        self._write()
+
+    def _is_reference(self, name: str) -> bool:
+        return any(j.reference == name for j in self.jobs.values())
+
+    def _measure(self, group: int, resident: list[Job], budget_s: float, stop: Stop) -> None:
+        started = time.perf_counter()
+        why = None
+        for p in range(self.s.max_passes):
+            by_ref: dict[str, list[str]] = {}
+            for j in resident:
+                if j.status == "resident" and j.reference is not None:
+                    by_ref.setdefault(j.reference, []).append(j.name)
+            if j_ref_missing := [r for r in by_ref if self.jobs[r].status != "resident"]:
+                why = f"the reference {j_ref_missing[0]} {self.jobs[j_ref_missing[0]].status}"
+                break
+            if not by_ref:
+                why = "no job left to compare"
+                break
+            for position, slot in enumerate(pass_order(by_ref, p, self.s.order, self.rng)):
+                job = self.jobs[slot.job]
+                figures = self._slice(job, self.slice_steps) if job.status == "resident" else None
+                if figures is not None:
+                    self.slices.append({"group": group, "pass": p, "position": position, "job": slot.job,
+                                        "pairs_with": slot.pairs_with, **figures, "time": time.time()})
+                if stop.requested:
+                    break
+            elapsed = time.perf_counter() - started
+            self._write()
+            widest = self._progress(group, p, resident, elapsed)
+            if stop.requested:
+                why = "Ctrl-C"
+                break
+            if p + 1 >= self.s.min_passes and widest is not None and widest <= self.s.target_ci:
+                why = f"every interval within ±{self.s.target_ci:.1%} after {p + 1} passes"
+                break
+            if elapsed >= budget_s:
+                why = f"its share of interleave.max_minutes={self.s.max_minutes:g} spent ({elapsed / 60:.1f} min)"
+                break
+        else:
+            why = f"interleave.max_passes={self.s.max_passes} reached"
+        self.measuring_s += time.perf_counter() - started
+        self.stopped.append(f"group {group}: {why}")
+        print(f"interleave: group {group} stopped: {why}", flush=True)
+
+    def _progress(self, group: int, p: int, resident: list[Job], elapsed: float) -> float | None:
+        """Print the pass's line; return the widest relative half-width among the group's comparisons (None if
+        one has no interval yet)."""
+        self.record["slices"] = self.slices
+        comparisons = record_mod.compare(self._snapshot())
+        names = [j.name for j in resident if j.reference is not None and j.status == "resident"]
+        widths = {n: comparisons.get(n).half_width if comparisons.get(n) else None for n in names}
+        aa = comparisons.get(self.record["aa"]) if self.record["aa"] else None
+        known = {n: w for n, w in widths.items() if w is not None}
+        widest = max(known, key=known.get) if known else None
+        print(f"interleave: group {group} pass {p + 1}: {len(names)} job(s), {elapsed / 60:.1f} min; widest interval "
+              + (f"±{known[widest]:.1%} ({widest})" if widest else "none yet")
+              + (f"; A/A {record_mod.describe(aa)}" if aa else ""), flush=True)
+        if None in widths.values() or not known:
+            return None
+        return known[widest]
+
+    def _snapshot(self) -> dict[str, Any]:
+        jobs = {j.name: {"folder": str(j.folder.relative_to(self.sweep)) if j.folder.is_relative_to(self.sweep)
+                         else str(j.folder), "reference": j.reference, "group": j.group, "status": j.status,
+                         "footprint_mb": j.report.get("footprint_mb"), "steps": j.report.get("step")}
+                for j in self.jobs.values()}
+        return {**self.record, "slice_steps": self.slice_steps, "jobs": jobs, "slices": self.slices,
+                "stopped": self.stopped}
+
+    def _write(self) -> None:
+        snapshot = self._snapshot()
+        if all(j.status not in ("pending", "resident") for j in self.jobs.values()):
+            snapshot["finished"] = time.time()
+        write_json_atomic(self.sweep / record_mod.FILE, snapshot)
+
+
+def _variant(cfg: DictConfig) -> dict[str, Any]:
+    a = cfg.get("ablation") or {}
+    return {"variant": a.get("variant"), "repeat": a.get("repeat", 0)} if a.get("variant") else {}

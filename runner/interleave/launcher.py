@@ -1,0 +1,191 @@
+"""``hydra/launcher=interleaved``: a Hydra launcher that measures a sweep's jobs side by side in time.
+
+``python -m runner -m hydra/launcher=interleaved trainer.seed=0,1`` (any sweep; ``+experiment=ablation`` uses
+and ``+experiment=ablation ablation.design=interleaved``) prepares every job the way Hydra's basic launcher would (its folder, ``.hydra/``, the config
+resolved in the job's context), adds a copy of the reference job (A', the sweep's own noise), and hands the
+jobs to the conductor (runner/interleave/coordinator.py), which keeps them resident and lets them take turns.
+Each job's figure relative to its reference is the paired ratio of adjacent slices (runner/interleave/stats.py);
+the report (``report.md``/``report.csv``, runner/report/) is written at the end, also after Ctrl-C.
+
+An ablation (``+experiment=ablation``, which selects this launcher) runs as before, in rounds of repeats
+through Hydra's basic launcher, unless ``ablation.design=interleaved``.
+
+Hydra instantiates launchers only from the ``hydra_plugins`` namespace, whose modules it finds by scanning
+installed packages, which an editable install does not expose (a ``package-dir`` mapping is invisible to
+``pkgutil``). ``register`` therefore enters this class into Hydra's plugin registry under
+``hydra_plugins.runner_interleaved.InterleavedLauncher`` (conf/hydra/launcher/interleaved.yaml); ``python -m
+runner`` calls it before Hydra starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.launcher import Launcher
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+#: The name conf/hydra/launcher/interleaved.yaml gives as ``_target_``.
+TARGET = "hydra_plugins.runner_interleaved.InterleavedLauncher"
+
+
+def register() -> None:
+    """Enter ``InterleavedLauncher`` into Hydra's plugin registry under ``TARGET`` (see the module docstring)."""
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().class_name_to_class[TARGET] = InterleavedLauncher
+
+
+class InterleavedLauncher(Launcher):
+    """Hydra's ``Launcher`` interface (``setup``, then ``launch`` with every job's overrides)."""
+
+    def __init__(self) -> None:
+        self.config: DictConfig | None = None
+        self.hydra_context: Any = None
+        self.task_function: Any = None
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        cfg = self.config
+        if cfg.ablation.variant is not None and cfg.ablation.design == "rounds":
+            from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+            basic = BasicLauncher()
+            basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg)
+            return basic.launch(job_overrides, initial_job_idx)
+        if cfg.ablation.design != "interleaved":
+            _refuse(f"ablation.design={cfg.ablation.design!r}: choose interleaved or rounds")
+        from hydra.core.utils import configure_log, setup_globals
+
+        setup_globals()
+        configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+        sweep = Path(str(cfg.hydra.sweep.dir)).resolve()
+        sweep.mkdir(parents=True, exist_ok=True)
+        returns, prepared = [], []
+        for i, overrides in enumerate(job_overrides):
+            ret, job = self._prepare(list(overrides), initial_job_idx + i)
+            returns.append(ret)
+            prepared.append(job)
+        return self._conduct(sweep, job_overrides, initial_job_idx, returns, prepared)
+
+    def _conduct(self, sweep: Path, job_overrides, first: int, returns: list, prepared: list) -> list[JobReturn]:
+        from runner.interleave.coordinator import Conductor, Job, Stop
+        from runner.report.load import kind_of
+
+        ablation = any(job and job[0].ablation.variant for job in prepared)
+        ref_index = self._reference_index(prepared, ablation)
+        ref_cfg, ref_folder = prepared[ref_index]
+        reference = _name(ref_folder, sweep)
+        copy_overrides = list(job_overrides[ref_index])
+        if ablation:
+            copy_overrides = [o for o in copy_overrides if not o.startswith("ablation.repeat=")] + ["ablation.repeat=1"]
+        subdir = None if ablation else f"{reference}-aa"
+        copy_ret, copy_job = self._prepare(copy_overrides, first + len(job_overrides), subdir)
+        by_variant = {job[0].ablation.variant: _name(job[1], sweep) for job in prepared if job}
+        jobs = []
+        for job in [*prepared, copy_job]:
+            if job is None:
+                continue
+            cfg, folder = job
+            name = _name(folder, sweep)
+            ref = None if name == reference else reference
+            if ablation and ref and kind_of(cfg.ablation.variant) == "leave-one-out" and "fast" in by_variant:
+                ref = by_variant["fast"]
+            jobs.append(Job(name, cfg, folder, ref))
+        aa = _name(copy_job[1], sweep) if copy_job else None
+        conductor = Conductor(jobs, self.config.interleave, sweep, reference, aa)
+        print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
+              f"each in its own process; the others wait while one trains", flush=True)
+        with Stop() as stop:
+            try:
+                conductor.run(stop)
+            except KeyboardInterrupt:
+                conductor.kill()
+                conductor._write()
+                print("interleave: killed; interleave.json holds what was measured; `python -m runner.report "
+                      f"{sweep}` writes its report", file=sys.stderr, flush=True)
+                sys.exit(130)
+        for ret, job in zip([*returns, copy_ret], [*prepared, copy_job]):
+            summary_path = job[1] / "summary.json" if job else None
+            value = None
+            if summary_path is not None and summary_path.is_file():
+                import json
+
+                value = json.loads(summary_path.read_text()).get("samples_per_sec")
+            ret.status, ret.return_value = JobStatus.COMPLETED, value
+        if not ablation:
+            _plain_report(sweep)
+        return returns  # the copy is the launcher's own: Hydra's sweeper knows only the jobs it asked for
+
+    def _reference_index(self, prepared: list, ablation: bool) -> int:
+        if ablation:
+            for i, job in enumerate(prepared):
+                if job and job[0].ablation.variant == "baseline" and job[0].ablation.repeat == 0:
+                    return i
+            _refuse("an interleaved ablation compares every configuration with the baseline: include baseline in "
+                    "ablation/variant=...")
+        index = self.config.interleave.reference
+        index = 0 if index is None else index
+        if not 0 <= index < len(prepared):
+            _refuse(f"interleave.reference={index}: the sweep has jobs 0..{len(prepared) - 1}")
+        if prepared[index] is None:
+            _refuse(f"interleave.reference={index}: that job does not run here (see its not_run.json)")
+        return index
+
+    def _prepare(self, overrides: list[str], idx: int, subdir: str | None = None) -> tuple[JobReturn, Any]:
+        """Make job ``idx``'s folder and config as Hydra's basic launcher would; return Hydra's record of it
+        and (resolved config, folder), or None for a job that does not run here (not_run.json)."""
+        from hydra.core.utils import run_job
+
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = idx
+            sweep_config.hydra.job.num = idx
+            if subdir is not None:
+                sweep_config.hydra.sweep.subdir = subdir
+        ret = run_job(hydra_context=self.hydra_context, task_function=_resolve_job, config=sweep_config,
+                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        job = ret._return_value if ret.status == JobStatus.COMPLETED else None
+        return ret, job
+
+
+def _resolve_job(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
+    """Inside Hydra's job context: the job's config resolved (``${hydra:...}``, ``${now:...}`` mean what they
+    mean in this job) and its folder; None for an ablation variant that does not run here."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner import ablation
+
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    if ablation.run_job(cfg, job_dir=folder) is not None:  # e.g. a CUDA-only variant: not_run.json written
+        return None
+    job_cfg = copy.deepcopy(cfg)
+    OmegaConf.resolve(job_cfg)
+    job_cfg.ablation.isolate = False
+    job_cfg.trainer.progress = "off"  # the conductor prints one line per pass
+    return job_cfg, folder
+
+
+def _name(folder: Path, sweep: Path) -> str:
+    return str(folder.relative_to(sweep)) if folder.is_relative_to(sweep) else str(folder)
+
+
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _plain_report(sweep: Path) -> None:
+    from runner.report.sweep import SweepError, write_plain_report
+
+    try:
+        written = write_plain_report(sweep)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return
+    print("interleave report: " + ", ".join(str(p) for p in written), flush=True)

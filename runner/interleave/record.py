@@ -1,0 +1,98 @@
+"""``interleave.json``: what an interleaved sweep measured, and the comparisons it supports.
+
+The coordinator (runner/interleave/coordinator.py) rewrites the file after every pass (atomically), so a sweep
+stopped by Ctrl-C or a crash still has a record of every slice it measured. Its keys:
+
+- ``design``: ``"interleaved"``; ``reference``: the sweep's reference job; ``aa``: its copy (A'), or None;
+  ``settings``: the ``interleave.*`` values; ``slice_steps``: optimizer steps per slice; ``started``,
+  ``finished`` (``time.time()`` s), ``stopped`` (why each group stopped measuring).
+- ``jobs``: name -> ``{"folder", "reference", "group", "status", "footprint_mb", "steps"}``; the name is the
+  job's folder relative to the sweep folder; ``status`` is ``measured``, ``failed (exit N)``, ``not run: ...``.
+- ``slices``: one entry per measured slice: ``group``, ``pass``, ``position`` (in the pass), ``job``,
+  ``pairs_with`` (the position of the reference slice it pairs with, None for a reference slice), ``steps``,
+  ``seconds`` (the engine's training time of the slice), ``samples_per_sec`` and ``time`` (its end).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from runner.interleave import stats
+
+FILE = "interleave.json"
+
+
+def load(sweep: Path) -> dict[str, Any] | None:
+    """The record of the sweep in ``sweep``, or None when it was not interleaved.
+
+    Raises:
+        ValueError: the file exists but cannot be read (the message names it).
+    """
+    path = Path(sweep) / FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read ({e}); run the sweep again") from e
+
+
+def _pass_ratios(record: dict[str, Any]) -> dict[tuple[int, int], dict[str, float]]:
+    """(group, pass) -> job -> ``log(job samples/s ÷ its reference's in the paired slice)``, in order of
+    measurement; slices without a measured partner are left out."""
+    slices: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
+    for s in record.get("slices", []):
+        slices.setdefault((s["group"], s["pass"]), {})[s["position"]] = s
+    out: dict[tuple[int, int], dict[str, float]] = {}
+    for key, by_position in slices.items():
+        for s in by_position.values():
+            partner = by_position.get(s["pairs_with"]) if s.get("pairs_with") is not None else None
+            if partner and s["samples_per_sec"] and partner["samples_per_sec"]:
+                out.setdefault(key, {})[s["job"]] = math.log(s["samples_per_sec"] / partner["samples_per_sec"])
+    return out
+
+
+def log_ratios(record: dict[str, Any]) -> dict[str, list[float]]:
+    """Every job's paired log ratios with its reference, one per pass that measured both."""
+    out: dict[str, list[float]] = {}
+    for ratios in _pass_ratios(record).values():
+        for job, value in ratios.items():
+            out.setdefault(job, []).append(value)
+    return out
+
+
+def compare(record: dict[str, Any], confidence: float | None = None) -> dict[str, stats.Paired | None]:
+    """Each compared job's paired comparison with its own reference (``stats.paired``); None below 2 pairs."""
+    level = confidence or record.get("settings", {}).get("confidence", 0.95)
+    ratios = log_ratios(record)
+    return {name: stats.paired(ratios.get(name, []), level) for name, job in record["jobs"].items()
+            if job.get("reference") is not None}
+
+
+def chained(record: dict[str, Any], name: str, target: str, confidence: float | None = None) -> stats.Paired | None:
+    """``name`` against ``target`` when ``name``'s reference is itself compared with ``target`` (a
+    leave-one-out job against the baseline, through the fast preset): per pass, the sum of the two paired log
+    ratios of that pass; None when the chain does not reach ``target`` or has fewer than 2 passes."""
+    jobs, chain = record["jobs"], [name]
+    while chain[-1] != target:
+        ref = jobs.get(chain[-1], {}).get("reference")
+        if ref is None or ref in chain:
+            return None
+        chain.append(ref)
+    per_pass = _pass_ratios(record)
+    sums = [sum(d[j] for j in chain[:-1]) for d in per_pass.values() if all(j in d for j in chain[:-1])]
+    return stats.paired(sums, confidence or record.get("settings", {}).get("confidence", 0.95))
+
+
+def aa_comparison(record: dict[str, Any]) -> stats.Paired | None:
+    """The reference against its copy (A'): the sweep's own noise, or None without a copy."""
+    aa = record.get("aa")
+    return compare(record).get(aa) if aa else None
+
+
+def describe(c: stats.Paired | None) -> str:
+    """``"×1.003 [0.981–1.026]"`` or ``"no interval"``."""
+    return f"×{c.speedup:.3f} [{c.ci_low:.3f}–{c.ci_high:.3f}]" if c else "no interval"

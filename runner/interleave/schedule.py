@@ -1,0 +1,66 @@
+"""The order of one pass of an interleaved sweep, and which slices pair up.
+
+Every job is compared with its reference (the sweep's reference job; in an ablation a leave-one-out
+configuration is compared with the fast preset). A pass gives each job one slice, placed next to a slice of
+its reference, two jobs per reference slice::
+
+    R  J1  J2  R  J3  J4  R  J5
+
+J1 and J3 pair with the reference slice before them, J2 and J4 with the one after, J5 with the one before:
+every ratio compares two slices that ran back to back, and the reference takes a third of the time instead
+of half. ``order="abba"`` reverses the whole pass every other pass (J1 then pairs with the reference after
+it), so a job is measured before and after its reference equally often (the A-B-B-A design); ``"random"``
+reverses each pass with probability 1/2. The jobs between reference slices are shuffled every pass
+(seeded), so no job always follows the same neighbour.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+ORDERS = ("abba", "random")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One slice of a pass: ``job``'s name and, for a measured job, the position in the pass of the reference
+    slice it pairs with (None for a reference slice)."""
+
+    job: str
+    pairs_with: int | None = None
+
+
+def pass_order(members: dict[str, list[str]], pass_index: int, order: str, rng: random.Random) -> list[Slot]:
+    """The slots of pass ``pass_index``.
+
+    Args:
+        members: reference name -> the jobs compared with it (a reference may itself be a member of another
+            reference, like the fast preset in an ablation). References are visited in their given order,
+            reversed with the pass under ``abba``.
+        pass_index: 0, 1, ...
+        order: ``"abba"`` or ``"random"`` (the module docstring).
+        rng: the sweep's generator (``interleave.seed``): shuffles, and the coin of ``random``.
+
+    Raises:
+        ValueError: an unknown ``order``.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"interleave.order={order!r}: choose one of {', '.join(ORDERS)}")
+    slots: list[Slot] = []
+    for reference, jobs in members.items():
+        jobs = list(jobs)
+        rng.shuffle(jobs)
+        part = [Slot(reference)]
+        for i in range(0, len(jobs), 2):
+            first = len(slots) + len(part) - 1  # the reference slot just added
+            part.append(Slot(jobs[i], first))
+            if i + 1 < len(jobs):
+                part.append(Slot(jobs[i + 1], first + 3))
+                part.append(Slot(reference))
+        slots.extend(part)
+    flip = pass_index % 2 == 1 if order == "abba" else rng.random() < 0.5
+    if not flip:
+        return slots
+    last = len(slots) - 1
+    return [Slot(s.job, None if s.pairs_with is None else last - s.pairs_with) for s in reversed(slots)]

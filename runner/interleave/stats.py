@@ -1,0 +1,169 @@
+"""The statistics of an interleaved sweep: paired ratios, their intervals, Holm's verdicts, the A/A noise.
+
+Each pass gives every job one slice next to a slice of its reference (runner/interleave/schedule.py), so a
+comparison is a list of paired log ratios ``d_p = log(x_p / r_p)`` (x: the job's samples/s in pass p, r:
+its reference's in the adjacent slice). Drift slower than a slice pair cancels in each ``d_p``; what is left
+is close to normal on the log scale, so the estimate is ``exp(mean d)`` with a Student-t interval
+``exp(mean d ± t_{n-1} · sd/√n)`` (the paired t-test on log ratios; Student 1908) and a two-sided p-value
+for "no effect".
+
+Verdicts over a sweep are one family: Holm's step-down procedure (Holm 1979, "A simple sequentially
+rejective multiple test procedure", Scand. J. Statist. 6) keeps the chance of any false "helps"/"hurts"
+below ``1 - confidence`` and rejects at least what Bonferroni rejects.
+
+The noise floor comes from the reference measured against itself (its copy A'): ``minimum_detectable``
+is the effect a comparison with the A/A's standard error would detect with 80 % power at the sweep's level.
+An effect whose interval lies within ±X % is reported as "no effect larger than ±X %" (an equivalence
+statement, Schuirmann 1987, "two one-sided tests"), not only "no measurable effect".
+
+The t distribution is computed here (the regularized incomplete beta function by its continued fraction,
+Numerical Recipes 3rd ed. §6.4) so that runner needs no SciPy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+HELPS, HURTS, NO_EFFECT = "helps", "hurts", "no measurable effect"
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-14:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) for 0 <= x <= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on ``t_cdf``, to 1e-10)."""
+    if not 0 < p < 1:
+        raise ValueError(f"p={p} must lie in (0, 1)")
+    low, high = -1e3, 1e3
+    for _ in range(200):
+        mid = (low + high) / 2
+        if t_cdf(mid, df) < p:
+            low = mid
+        else:
+            high = mid
+        if high - low < 1e-10:
+            break
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class Paired:
+    """One comparison: ``speedup`` = exp(mean log ratio) (x > 1: the job is faster than its reference),
+    its interval ``ci_low``..``ci_high`` at ``confidence``, the two-sided ``p_value`` of "no effect", the
+    number of pairs ``n`` and ``se_log`` (the standard error of the mean log ratio)."""
+
+    speedup: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+    n: int
+    se_log: float
+    confidence: float
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval's width relative to the estimate (0.03 = ±3 %)."""
+        return (self.ci_high - self.ci_low) / 2 / self.speedup
+
+
+def paired(log_ratios: Sequence[float], confidence: float = 0.95) -> Paired | None:
+    """The paired comparison of ``log_ratios`` (natural log of job ÷ reference samples/s, one per pass); None
+    with fewer than 2 pairs (no interval exists).
+
+    Raises:
+        ValueError: a ratio that is not finite, or ``confidence`` outside (0, 1).
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must lie in (0, 1), e.g. 0.95")
+    d = [float(v) for v in log_ratios]
+    if not all(math.isfinite(v) for v in d):
+        raise ValueError(f"log ratios must be finite, got {d}")
+    n = len(d)
+    if n < 2:
+        return None
+    mean = sum(d) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1))
+    se = sd / math.sqrt(n)
+    t = t_quantile(1 - (1 - confidence) / 2, n - 1)
+    p = 1.0 if se == 0 and mean == 0 else 0.0 if se == 0 else 2 * (1 - t_cdf(abs(mean) / se, n - 1))
+    return Paired(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, n, se, confidence)
+
+
+def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down procedure: which hypotheses are rejected with family-wise error at most ``alpha``.
+
+    The p-values are sorted; the k-th smallest (k = 0, 1, ...) is rejected while it is <= alpha / (m - k);
+    the first that is not stops the procedure (it and every larger one stand)."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    rejected = [False] * len(p_values)
+    for k, i in enumerate(order):
+        if p_values[i] > alpha / (len(p_values) - k):
+            break
+        rejected[i] = True
+    return rejected
+
+
+def verdicts(comparisons: Sequence[Paired | None], confidence: float = 0.95) -> list[str]:
+    """One verdict per comparison, Holm over those that have an interval: ``helps`` (rejected, faster),
+    ``hurts`` (rejected, slower), ``no measurable effect``, or ``""`` without an interval."""
+    alpha = 1 - confidence
+    have = [c for c in comparisons if c is not None]
+    rejected = iter(holm([c.p_value for c in have], alpha))
+    out = []
+    for c in comparisons:
+        if c is None:
+            out.append("")
+        elif next(rejected):
+            out.append(HELPS if c.speedup > 1 else HURTS)
+        else:
+            out.append(NO_EFFECT)
+    return out
+
+
+def equivalence_margin(c: Paired) -> float:
+    """The smallest X (relative, rounded up to 0.1 %) such that the interval lies within 1 ± X: "no effect
+    larger than ±X %"."""
+    return math.ceil(1000 * max(1 - c.ci_low, c.ci_high - 1, 0.0)) / 1000
+
+
+def minimum_detectable(aa: Paired, power: float = 0.8) -> float:
+    """The smallest effect (relative, e.g. 0.02 = 2 %) a comparison with the A/A's standard error and pairs
+    would call at the A/A's level with probability ``power``: exp((t_{1-α/2} + t_power) · se) - 1."""
+    df = aa.n - 1
+    z = t_quantile(1 - (1 - aa.confidence) / 2, df) + t_quantile(power, df)
+    return math.exp(z * aa.se_log) - 1

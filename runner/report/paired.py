@@ -1,0 +1,163 @@
+"""The figures of an interleaved sweep (``hydra/launcher=interleaved``) in its reports.
+
+A sweep measured by the interleaved launcher holds ``interleave.json`` (runner/interleave/record.py): every
+slice's samples/s and which reference slice it pairs with. From it:
+
+- ``job_comparisons``: per job, the paired speed-up over its reference with its 95 % interval, the verdict
+  (Holm's step-down over the sweep's comparisons; the copy of the reference is left out of the family) and
+  the number of pairs, for the plain sweep report's columns ``speedup``, ``ci_low``, ``ci_high``, ``verdict``,
+  ``design``.
+- ``apply_to_rows``: the same for an ablation's rows (runner/report/rows.py): the speed-up against the
+  baseline (a leave-one-out configuration through the fast preset, pass by pass) and the effect against
+  the row's own reference replace the repeat-based bootstrap figures.
+- ``noise_lines``: the sweep's A/A interval (the reference against its copy), the minimum detectable effect
+  at its level, and how the sweep ran (groups, slices, why it stopped), as markdown.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.interleave import record as record_mod, stats as paired_stats
+from runner.report.stats import Interval
+
+DESIGN = "interleaved"
+
+
+def _interval(c: paired_stats.Paired, invert: bool = False) -> Interval:
+    if invert:
+        return Interval(1 / c.speedup, 1 / c.ci_high, 1 / c.ci_low, c.confidence, c.n, c.n)
+    return Interval(c.speedup, c.ci_low, c.ci_high, c.confidence, c.n, c.n)
+
+
+def _word(verdict: str, c: paired_stats.Paired | None, faster: str, slower: str) -> str:
+    if c is None:
+        return "no interval (fewer than 2 pairs)"
+    if verdict == paired_stats.HELPS:
+        return faster
+    if verdict == paired_stats.HURTS:
+        return slower
+    return f"no effect larger than ±{paired_stats.equivalence_margin(c):.1%}"
+
+
+def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Folder name -> ``{"speedup", "ci_low", "ci_high", "verdict", "design", "pairs", "reference"}`` for
+    every job of a plain interleaved sweep (the reference: speed-up 1, verdict ``reference``)."""
+    comparisons = record_mod.compare(record)
+    aa = record.get("aa")
+    family = [n for n in comparisons if n != aa]
+    verdicts = dict(zip(family, paired_stats.verdicts([comparisons[n] for n in family],
+                                                      record["settings"].get("confidence", 0.95))))
+    if aa in comparisons:  # the noise check: its own test, outside the family
+        verdicts[aa] = paired_stats.verdicts([comparisons[aa]])[0]
+    out: dict[str, dict[str, Any]] = {}
+    for name, job in record["jobs"].items():
+        c = comparisons.get(name)
+        if job.get("reference") is None:
+            out[name] = {"speedup": 1.0, "ci_low": None, "ci_high": None, "verdict": "reference", "design": DESIGN,
+                         "pairs": None, "reference": None}
+            continue
+        out[name] = {"speedup": c and c.speedup, "ci_low": c and c.ci_low, "ci_high": c and c.ci_high,
+                     "verdict": _word(verdicts.get(name, ""), c, "faster", "slower") + (
+                         " (A/A: the reference's copy)" if name == aa else ""),
+                     "design": DESIGN, "pairs": c and c.n, "reference": job["reference"]}
+    return out
+
+
+def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
+    """Replace each measured ablation row's (``runner.report.load.Row``) speed-up, effect, their intervals and verdict with the paired
+    figures of ``record`` (see the module docstring); rank the rows again. Rows whose job has no pairs keep
+    no interval."""
+    confidence = record["settings"].get("confidence", 0.95)
+    comparisons = record_mod.compare(record)
+    baseline = record["reference"]
+    named = {str(j.folder): r for r in rows for j in r.jobs if j.repeat == 0}
+    effects: dict[str, paired_stats.Paired | None] = {}
+    for name, row in named.items():
+        if name not in record["jobs"]:
+            continue
+        row.design = DESIGN
+        if row.kind == "baseline":
+            continue
+        own = comparisons.get(name)
+        to_base = own if record["jobs"][name].get("reference") == baseline else record_mod.chained(
+            record, name, baseline, confidence)
+        row.speedup_ci = _interval(to_base) if to_base else None
+        row.speedup = to_base.speedup if to_base else row.speedup
+        invert = row.kind == "leave-one-out"
+        row.effect_ci = _interval(own, invert) if own else None
+        row.effect = row.effect_ci.estimate if own else None
+        if not row.all_skipped:
+            effects[name] = own
+    verdicts = dict(zip(effects, paired_stats.verdicts(list(effects.values()), confidence)))
+    for name, verdict in verdicts.items():
+        row, c = named[name], effects[name]
+        if row.kind == "leave-one-out" and verdict in (paired_stats.HELPS, paired_stats.HURTS):
+            verdict = paired_stats.HURTS if verdict == paired_stats.HELPS else paired_stats.HELPS  # fast ÷ this
+        faster, slower = ("faster", "slower") if row.kind == "fast" else (paired_stats.HELPS, paired_stats.HURTS)
+        row.verdict = _word(verdict, c, faster, slower)
+    aa = record_mod.aa_comparison(record)
+    base = named.get(next((n for n in named if named[n].kind == "baseline"), ""), None)
+    if base is not None:
+        base.speedup, base.effect = 1.0, 1.0
+        base.speedup_ci = _interval(aa) if aa else None
+    rows.sort(key=lambda r: (r.speedup is None, -(r.speedup or 0), r.configuration))
+    rank = 0
+    for row in rows:
+        row.rank = None
+        if row.speedup_ci and row.speedup_ci.low > 1 and not row.all_skipped and row.kind != "baseline":
+            rank += 1
+            row.rank = rank
+
+
+def noise_lines(record: dict[str, Any]) -> list[str]:
+    """Markdown: how the interleaved sweep measured, its A/A interval and minimum detectable effect."""
+    s, aa = record["settings"], record_mod.aa_comparison(record)
+    jobs = record["jobs"]
+    groups: dict[Any, list[str]] = {}
+    for name, job in jobs.items():
+        groups.setdefault(job.get("group"), []).append(name)
+    refs = groups.pop(None, [])
+    passes = {}
+    for sl in record.get("slices", []):
+        passes[sl["group"]] = max(passes.get(sl["group"], 0), sl["pass"] + 1)
+    lines = [
+        "## How this sweep was measured: interleaved", "",
+        f"Every job was resident in its own process; the jobs took turns training {record.get('slice_steps')} "
+        f"optimizer step(s) per slice while the others waited (blocked on a pipe: no core, no GPU work). In each "
+        f"pass every job trained one slice next to a slice of its reference, and its figure is the ratio of the "
+        f"two adjacent slices' samples/s (the paired ratio), so drift slower than a slice pair cancels. A "
+        f"speed-up is exp(mean log ratio) over the passes with a {s.get('confidence', 0.95):.0%} Student-t "
+        f"interval (paired t-test on log ratios); verdicts use Holm's step-down procedure over the sweep's "
+        f"comparisons (family-wise error {1 - s.get('confidence', 0.95):.0%}). Order: {s.get('order')} "
+        f"(the reference slice before, then after, alternating passes).", "",
+        f"- References (resident throughout): {', '.join(f'`{r}`' for r in refs)}",
+    ]
+    for g in sorted(groups):
+        lines.append(f"- Group {g}: {len(groups[g])} job(s), {passes.get(g, 0)} pass(es): "
+                     + ", ".join(f"`{n}`" for n in groups[g]))
+    lines += [f"- Stopped: {'; '.join(record.get('stopped') or ['(still running)'])}"]
+    if record.get("started") and record.get("finished"):
+        lines.append(f"- Ran {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['started']))} to "
+                     f"{time.strftime('%H:%M:%S', time.localtime(record['finished']))} "
+                     f"({(record['finished'] - record['started']) / 60:.1f} min, setup included)")
+    failed = {n: j["status"] for n, j in jobs.items() if j["status"] not in ("measured",)}
+    for name, status in failed.items():
+        lines.append(f"- `{name}`: {status}")
+    lines.append("")
+    if aa is not None:
+        mde = paired_stats.minimum_detectable(aa)
+        lines += [f"**Noise (A/A):** the reference against its copy `{record.get('aa')}`: "
+                  f"{record_mod.describe(aa)} over {aa.n} pairs (±{aa.half_width:.1%}). The smallest effect this "
+                  f"sweep detects with 80 % power at its level is about ±{mde:.1%}; a verdict of \"no effect larger "
+                  f"than ±X %\" means the interval lies within 1 ± X.", ""]
+    else:
+        lines += ["**Noise (A/A):** no copy of the reference measured (fewer than 2 pairs).", ""]
+    return lines
+
+
+def load(sweep: Path) -> dict[str, Any] | None:
+    """``interleave.json`` of ``sweep``, or None (not interleaved). Raises ValueError for a corrupt file."""
+    return record_mod.load(sweep)

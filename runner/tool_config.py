@@ -1,0 +1,78 @@
+"""The settings of runner's tools, as structured-config schemas: ``ablation.*`` (runner/ablation.py),
+``interleave.*`` (runner/interleave/: ``hydra/launcher=interleaved``) and ``tune.*`` (runner/tune/).
+
+Training (``runner.train``) never reads them; they are nodes of the primary config (runner/config.py
+``RunnerConfig``) so that a misspelt or mistyped key fails at compose time like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class AblationConfig:
+    """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/); see runner/ablation.py."""
+
+    design: str = "rounds"  # rounds: jobs one after another, repeats | interleaved: resident jobs taking turns (runner/interleave/)
+    repeats: Any = 3  # design=rounds: times each configuration runs (the sweep's outer loop), or "auto": see target_ci
+    target_ci: float = 0.05  # repeats=auto: add rounds until every effect's 95 % CI is within +-this (relative)
+    max_repeats: int = 10  # repeats=auto: stop adding rounds at this many repeats
+    preload: bool = True  # isolate: fork each job from a server that imported torch/runner (false: exec python)
+    repeat: int = 0  # this job's repeat index, 0 .. repeats-1 (swept)
+    variant: Optional[str] = None  # this job's configuration, e.g. baseline, baseline+amp, fast-amp
+    kind: Optional[str] = None  # baseline | leave-one-in | fast | leave-one-out
+    technique: Optional[str] = None  # the technique the variant switches on (leave-one-in) or off (leave-one-out)
+    requires: Optional[str] = None  # cuda: the variant is not run (recorded as not run) on other devices
+    isolate: bool = True  # inside a multirun, train each job in a fresh process (clean memory/compile state)
+
+
+@dataclass
+class InterleaveConfig:
+    """``interleave.*``: the interleaved launcher (``python -m runner -m hydra/launcher=interleaved <sweep>``;
+    runner/interleave/). Every job of the sweep is resident in its own process; they take turns training for
+    a slice while the others wait, and each job's samples/s is compared with its reference's in the adjacent
+    slice (a paired ratio), pass after pass, until the intervals are tight or the time is spent."""
+
+    reference: Optional[int] = None  # the sweep's reference job (its index in the sweep); null = the first job
+    slice_steps: Optional[int] = None  # optimizer steps per slice; null = about slice_seconds of the reference's
+    slice_seconds: float = 4.0  # the length of a slice when slice_steps is null (calibrated on the reference)
+    target_ci: float = 0.03  # stop once every comparison's 95 % interval is within +-this (relative)
+    min_passes: int = 4  # passes before the intervals may stop the sweep
+    max_passes: int = 200  # at most this many passes
+    max_minutes: float = 30.0  # the measuring time of the whole sweep (setup excluded); then it stops
+    order: str = "abba"  # abba (the reference before, then after, alternating passes) | random
+    seed: int = 0  # the order's random generator (random order, and the shuffle of jobs between references)
+    memory_margin: float = 1.5  # admit another job only while free memory > this x the largest job's footprint
+    max_resident: Optional[int] = None  # at most this many jobs resident at once (null: as memory allows)
+    confidence: float = 0.95  # of every interval; verdicts: Holm's step-down over the sweep at 1 - confidence
+
+
+@dataclass
+class TuneConfig:
+    """``tune.*``: the settings of ``python -m runner.tune batch_size|lr|dataloader`` (runner/tune/); training
+    (``python -m runner``) never reads them. Values are checked by ``runner.tune.check_settings``."""
+
+    # batch_size and dataloader: each configuration trains this many steps with the run's own engine
+    warmup_steps: int = 2  # steps per configuration left out of every figure (allocator growth, workers starting)
+    measure_steps: int = 10  # measured steps per configuration (more on a noisy machine)
+    # batch_size: powers of two from start_batch_size, then a binary search (micro-batch per rank, samples)
+    start_batch_size: int = 16
+    max_batch_size: int = 4096
+    max_memory_fraction: float = 0.9  # of the GPU's memory (of host RAM per process on a CPU) a size may use
+    search_steps: int = 3  # binary-search steps between the last good and the first bad or slower size
+    # lr: the LR range test (Smith 2017; fastai's lr_find): exponential ramp min_lr -> max_lr over steps
+    min_lr: float = 1e-7
+    max_lr: float = 10.0
+    steps: int = 100
+    smoothing: float = 0.98  # EMA factor of the loss (bias-corrected)
+    diverge_factor: float = 4.0  # stop once the smoothed loss exceeds this x its best
+    # dataloader: the grid num_workers x pin_memory x prefetch_factor; null = a default for this machine
+    workers: Optional[list[int]] = None  # null: 0, 1, 2, 4, ... up to the CPU count
+    pin_memory: Optional[list[bool]] = None  # null: [false, true] on CUDA, [false] on a CPU (pinning needs CUDA)
+    prefetch_factors: Optional[list[int]] = None  # null: [2, 4] on CUDA, [2] on a CPU (only with workers > 0)
+    loader_batches: int = 30  # batches timed on the loader alone, after warmup_steps batches
+    tolerance: float = 0.05  # pick the fewest workers within this fraction of the best samples/s
+
+

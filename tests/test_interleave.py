@@ -1,0 +1,190 @@
+"""The interleaved launcher (runner/interleave/): its statistic on drifting data, its pass order, and real sweeps:
+waiting jobs idle, groups form, a crashed job is reported while the others go on, Ctrl-C leaves a report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, compose_cfg
+from runner.interleave import record, stats
+from runner.interleave.schedule import pass_order
+from runner.report import paired
+
+
+def test_t_distribution_matches_tables():
+    assert stats.t_quantile(0.975, 4) == pytest.approx(2.7764, abs=1e-4)
+    assert stats.t_quantile(0.975, 30) == pytest.approx(2.0423, abs=1e-4)
+    assert stats.t_cdf(2.0, 5) == pytest.approx(0.94903, abs=1e-5)
+    assert stats.t_quantile(0.8, 10) == pytest.approx(0.8791, abs=1e-4)
+
+
+def test_holm_steps_down_and_stops_at_the_first_that_stands():
+    # sorted: 0.005 <= 0.05/4, 0.01 <= 0.05/3, 0.03 > 0.05/2 stops; 0.04 stands although <= 0.05
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+    assert stats.holm([0.02, 0.02]) == [True, True]  # Bonferroni (0.025 each) would agree; Holm never rejects less
+
+
+@pytest.mark.parametrize("order", ["abba", "random"])
+def test_every_job_pairs_with_an_adjacent_slice_of_its_own_reference(order):
+    members = {"R": ["a", "b", "c", "R'", "F"], "F": ["x", "y"]}
+    rng = random.Random(1)
+    seen_before = {"a": set()}
+    for p in range(6):
+        slots = pass_order(members, p, order, rng)
+        assert sorted(s.job for s in slots if s.pairs_with is not None) == sorted(["a", "b", "c", "R'", "F", "x", "y"])
+        for i, s in enumerate(slots):
+            if s.pairs_with is not None:
+                assert abs(s.pairs_with - i) == 1
+                ref = slots[s.pairs_with]
+                assert ref.pairs_with is None and s.job in members[ref.job]
+                if s.job == "a":
+                    seen_before["a"].add(s.pairs_with < i)
+    assert seen_before["a"] == {True, False}  # measured both after and before its reference
+
+
+def _drifting_record(effect: float, drift: float, passes: int, seed: int = 0) -> dict:
+    """A sweep's record whose machine speed swings by ±``drift`` over minutes (a sine of 40 slices' period, a
+    random phase) plus 1 % white noise per slice; the job ``B`` is ``effect`` x faster than the reference
+    ``A``, ``A'`` is A itself."""
+    rng = random.Random(seed)
+    members = {"A": ["A'", "B"]}
+    jobs = {"A": {"reference": None, "group": None, "status": "measured"},
+            "A'": {"reference": "A", "group": 1, "status": "measured"},
+            "B": {"reference": "A", "group": 1, "status": "measured"}}
+    phase, slices, t = rng.uniform(0, 2 * math.pi), [], 0
+    for p in range(passes):
+        for i, slot in enumerate(pass_order(members, p, "abba", rng)):
+            t += 1
+            speed = 1 + drift * math.sin(2 * math.pi * t / 40 + phase)
+            true = 100 * speed * (effect if slot.job == "B" else 1.0)
+            slices.append({"group": 1, "pass": p, "position": i, "job": slot.job, "pairs_with": slot.pairs_with,
+                           "steps": 10, "seconds": 1.0, "samples_per_sec": true * math.exp(rng.gauss(0, 0.01)),
+                           "time": t})
+    return {"reference": "A", "aa": "A'", "settings": {"confidence": 0.95}, "jobs": jobs, "slices": slices}
+
+
+def test_a_constant_5_percent_effect_under_15_percent_drift_is_found_and_the_a_a_is_not_called():
+    found = false_aa = 0
+    for seed in range(20):
+        r = _drifting_record(effect=1.05, drift=0.15, passes=12, seed=seed)
+        per_slice = [s["samples_per_sec"] for s in r["slices"] if s["job"] == "A"]
+        assert max(per_slice) / min(per_slice) > 1.15  # the drift dwarfs the effect
+        c = paired.job_comparisons(r)
+        found += c["B"]["verdict"] == "faster"
+        false_aa += not c["A'"]["verdict"].startswith("no effect larger than")
+    assert found >= 18
+    assert false_aa <= 2  # a 5 % test: about one false call in 20 sweeps
+
+
+def test_an_unpaired_comparison_of_the_same_slices_misses_the_effect():
+    """The reason for pairing: the same slices compared as two unpaired samples (today's rounds) give an
+    interval so wide that the 5 % effect is not found."""
+    r = _drifting_record(effect=1.05, drift=0.15, passes=12, seed=3)
+    a = [s["samples_per_sec"] for s in r["slices"] if s["job"] == "A"]
+    b = [s["samples_per_sec"] for s in r["slices"] if s["job"] == "B"]
+    from runner.report.stats import ratio_interval
+
+    unpaired = ratio_interval(b, a)
+    assert unpaired.low < 1 < unpaired.high
+    assert paired.job_comparisons(r)["B"]["verdict"] == "faster"
+
+
+def test_the_minimum_detectable_effect_and_the_equivalence_margin():
+    c = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
+    margin = stats.equivalence_margin(c)
+    assert c.ci_low >= 1 - margin and c.ci_high <= 1 + margin and margin < 0.03
+    assert 0 < stats.minimum_detectable(c) < 0.05
+    assert stats.paired([0.1]) is None  # one pair: no interval
+
+
+# ------------------------------------------------------------------------------------------- real sweeps
+SWEEP = [o for o in TINY if not o.startswith("trainer.max_steps")] + [
+    "trainer.max_steps=2000", "interleave.slice_steps=2", "interleave.min_passes=2", "interleave.max_passes=3"]
+
+
+def _sweep(tmp_path: Path, *overrides: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    return subprocess.Popen([sys.executable, "-m", "runner", "-m", "hydra/launcher=interleaved", *SWEEP, *overrides,
+                             f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
+    """Four jobs (lr 0.01, 0.02, 1e30 and the reference's copy) with at most three resident: two groups, each
+    beside the reference; lr=1e30 diverges and is reported while the others finish and are compared."""
+    proc = _sweep(tmp_path, "optimizer.lr=0.01,0.02,1e30", "interleave.max_resident=3", "trainer.log_every=1",
+                  "trainer.seed=0")
+    sweep = tmp_path / "sweep"
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    r = record.load(sweep)
+    groups = {name: job["group"] for name, job in r["jobs"].items()}
+    assert groups["0"] is None and sorted(g for g in groups.values() if g) == [1, 1, 2]  # the reference in both
+    assert "failed" in r["jobs"]["2"]["status"] and (sweep / "2" / "failed.json").is_file()
+    assert {s["group"] for s in r["slices"] if s["job"] == "0"} == {1, 2}
+    rows = {row["job"]: row for row in csv.DictReader((sweep / "report.csv").open())}
+    assert rows["1"]["design"] == "interleaved" and rows["1"]["ci_low"] and rows["1"]["verdict"]
+    assert rows["0"]["verdict"] == "reference" and "A/A" in rows["0-aa"]["verdict"]
+    assert (sweep / "1" / "summary.json").is_file() and "Noise (A/A)" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")
+def test_a_waiting_job_uses_no_cpu_until_its_slice(tmp_path):
+    """A resident job blocked at its slice boundary: its CPU time does not grow in a second of waiting; told to
+    train, it does, and told to finish, it writes its summary."""
+    from omegaconf import OmegaConf
+
+    from runner.interleave.coordinator import Conductor, Job
+
+    cfg = compose_cfg("trainer.max_steps=1000", "interleave.slice_steps=20")
+    OmegaConf.resolve(cfg)
+    job = Job("a", cfg, tmp_path / "a", None)
+    job.folder.mkdir()
+    conductor = Conductor([job], cfg.interleave, tmp_path, "a", None)
+    assert conductor._start(job), job.status  # forked, built, warmed up; now waiting
+    pid = job.process.pid
+    before = _cpu_s(pid)
+    time.sleep(1.0)
+    waited = _cpu_s(pid) - before
+    figures = conductor._slice(job, 20)
+    trained = _cpu_s(pid) - before - waited
+    conductor._finish(job)
+    assert waited < 0.03, f"a waiting job used {waited:.3f} s of CPU in 1 s"
+    assert trained > 0.05 and figures["steps"] == 20 and figures["samples_per_sec"] > 0
+    assert job.status == "measured" and (job.folder / "summary.json").is_file()
+
+
+def test_ctrl_c_stops_after_the_slice_and_leaves_a_report(tmp_path):
+    proc = _sweep(tmp_path, "trainer.seed=0,1", "interleave.max_passes=200", "interleave.min_passes=200",
+                  start_new_session=True)
+    sweep = tmp_path / "sweep"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        r = record.load(sweep) if (sweep / record.FILE).is_file() else None
+        if r and len(r["slices"]) >= 4:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out
+    r = record.load(sweep)
+    assert any("Ctrl-C" in why for why in r["stopped"]), r["stopped"]
+    assert all(job["status"] == "measured" for job in r["jobs"].values()), r["jobs"]
+    assert all((sweep / name / "summary.json").is_file() for name in r["jobs"])
+    assert (sweep / "report.md").is_file() and json.loads((sweep / "1" / "summary.json").read_text())["steps"] > 0
