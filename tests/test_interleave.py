@@ -125,6 +125,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow  # 30 s on 2 cores: `pytest -m slow` (CI runs the default set within 20 minutes)
 def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     """Four jobs (lr 0.01, 0.02, 1e30 and the reference's copy) with at most three resident: two groups, each
     beside the reference; lr=1e30 diverges and is reported while the others finish and are compared."""
@@ -170,6 +171,7 @@ def test_a_waiting_job_uses_no_cpu_until_its_slice(tmp_path):
     assert job.status == "measured" and (job.folder / "summary.json").is_file()
 
 
+@pytest.mark.slow  # 26 s on 2 cores
 def test_ctrl_c_stops_after_the_slice_and_leaves_a_report(tmp_path):
     proc = _sweep(tmp_path, "trainer.seed=0,1", "interleave.max_passes=200", "interleave.min_passes=200",
                   start_new_session=True)
