@@ -54,21 +54,55 @@ def checkpoint_due(state: TrainState, parts: Parts, logged: bool) -> tuple[bool,
     return by_steps or by_time, signalled
 
 
-class InterruptibleBatches:
-    """The evaluation batches of one process, ending early at a batch boundary once ``stop()`` is true (a
-    signal arrived mid-evaluation); ``interrupted`` then says the figures are partial. ``len`` and other
-    attributes are the loader's. With several processes the ranks could stop at different batches, so the
-    engine passes the loader itself there (a signal then waits for the evaluation's end)."""
+_END = object()
 
-    def __init__(self, loader, stop: Callable[[], bool]):
-        self.loader, self.stop, self.interrupted = loader, stop, False
+
+class InterruptibleBatches:
+    """The evaluation batches, at most ``limit`` (None: all), ending early at a batch boundary once ``stop()`` is
+    true (a signal arrived mid-evaluation); ``interrupted`` then says the figures are partial. ``len`` and other
+    attributes are the loader's.
+
+    With several processes (``env.distributed``) the ranks agree before every batch, with one all-reduce of
+    (a signal here, a batch here): all stop at the same batch when any rank has a signal, and a rank whose
+    share ran out keeps taking part until no rank has a batch left, so the collectives always match (the cost:
+    one small all-reduce per evaluation batch, outside the timed steps). A rank stopped by another's signal
+    records it in ``preemption`` (``received = "another rank's signal"``) so it checkpoints and stops too.
+    """
+
+    def __init__(self, loader, stop: Callable[[], bool], limit: int | None = None, env=None, preemption=None):
+        self.loader, self.stop, self.limit, self.env, self.preemption = loader, stop, limit, env, preemption
+        self.interrupted = False
+
+    def _agree(self, signalled: bool, has_batch: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([signalled, has_batch], dtype=torch.int32, device=self.env.device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        any_signal, any_batch = (bool(v) for v in flags.tolist())
+        return any_signal, any_batch
 
     def __iter__(self):
-        for batch in self.loader:
-            if self.stop():
+        batches, i = iter(self.loader), 0
+        several = self.env is not None and self.env.distributed
+        while self.limit is None or i < self.limit:
+            i += 1
+            batch = next(batches, _END)
+            if not several:
+                if batch is _END:
+                    return
+                if self.stop():
+                    self.interrupted = True
+                    return
+                yield batch
+                continue
+            any_signal, any_batch = self._agree(self.stop(), batch is not _END)
+            if any_signal:
                 self.interrupted = True
+                if self.preemption is not None and self.preemption.received is None:
+                    self.preemption.received = "another rank's signal"
                 return
-            yield batch
+            if not any_batch:
+                return
+            if batch is not _END:
+                yield batch
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -399,8 +399,8 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
 
 def evaluate(state: TrainState, parts: Parts) -> bool:
     """Run the task's evaluation (outside the timed steps), log it, and date the first one meeting the
-    targets: ``time_to_target_s`` = training time until then, evaluations excluded. One process stops at a
-    batch boundary when a signal arrives: nothing is logged, ``state.pending_eval`` marks the step (its
+    targets: ``time_to_target_s`` = training time until then, evaluations excluded. It stops at a batch
+    boundary when a signal arrives (every rank at the same batch: ``loop_guards.InterruptibleBatches``): nothing is logged, ``state.pending_eval`` marks the step (its
     checkpoint redoes the evaluation on resume) and False is returned; True otherwise.
 
     Raises:
@@ -410,8 +410,8 @@ def evaluate(state: TrainState, parts: Parts) -> bool:
     p = parts
     batches = len(p.data.eval) if p.plan.eval_max_batches is None else min(len(p.data.eval), p.plan.eval_max_batches)
     p.tracker.note(f"step {state.step}: evaluating ({batches} batches per rank)")
-    loader = p.data.eval if p.env.distributed else guards.InterruptibleBatches(
-        p.data.eval, lambda: p.preemption.received is not None)
+    loader = guards.InterruptibleBatches(p.data.eval, lambda: p.preemption.received is not None,
+                                         p.plan.eval_max_batches, p.env, p.preemption)
     figures = p.task.evaluate(p.model, loader, p.amp.autocast, p.plan.eval_max_batches, p.env)
     state.eval_time_s += time.perf_counter() - started
     if getattr(loader, "interrupted", False):

@@ -68,7 +68,8 @@ esac
 # SIGUSR1 (from --signal, or `scancel --signal=USR1 --batch <job>`) reaches this script only ("B:"). Forward it
 # to every process of the job step: the training processes checkpoint and stop (runner/preempt.py). torchrun's
 # agents would die of SIGUSR1 (they do not handle it), so they are started with it ignored; the workers inherit
-# that and install runner's own handler. `wait` returns when a trapped signal arrives, hence the loop.
+# that and install runner's own handler. `wait` returns when a trapped signal arrives, hence the loop. The agents are
+# runner.launch.torchrun (torchrun whose status is 75 when the workers stopped for a preemption, not 1).
 forward() {
   echo "multinode: SIGUSR1 received, forwarding it to the training processes of job $SLURM_JOB_ID"
   scancel --signal=USR1 "$SLURM_JOB_ID" || true
@@ -79,7 +80,7 @@ echo "multinode: $nodes node(s) x $nproc process(es), rendezvous $head:$port, jo
 # --kill-on-bad-exit: when one node's agent fails, SLURM stops the others at once instead of letting them wait.
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
 srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="$cpus" --kill-on-bad-exit=1 \
-  python -c 'import signal, sys; signal.signal(signal.SIGUSR1, signal.SIG_IGN); from torch.distributed.run import main; sys.argv[0] = "torchrun"; main()' \
+  python -c 'import signal, sys; signal.signal(signal.SIGUSR1, signal.SIG_IGN); from runner.launch import torchrun; sys.argv[0] = "torchrun"; sys.exit(torchrun(sys.argv[1:]))' \
     --nnodes="$nodes" --nproc-per-node="$nproc" \
     --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
     --rdzv-conf="join_timeout=${RDZV_JOIN_TIMEOUT:-300}" --max-restarts=0 ${TORCHRUN_ARGS:-} \

@@ -10,6 +10,8 @@
 # Each process gets OMP_NUM_THREADS = cores / N unless OMP_NUM_THREADS is set (torchrun's own default is 1).
 # Extra torchrun flags: TORCHRUN_ARGS, e.g. TORCHRUN_ARGS="--tee 3 --log-dir logs" keeps every rank's output.
 # --standalone: a private rendezvous on a free local port, so several jobs can share a machine.
+# Exit status: 0, 75 when the workers stopped for a preemption (a signal or Ctrl-C: checkpoint written; the same
+# command resumes), else torchrun's own (1 for a failed worker). python -m runner.torchrun is torchrun with that 75.
 set -euo pipefail
 
 if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then
@@ -36,4 +38,4 @@ cores=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
 
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
-exec torchrun --standalone --nproc-per-node="$nproc" ${TORCHRUN_ARGS:-} -m runner "$@"
+exec python -m runner.torchrun --standalone --nproc-per-node="$nproc" ${TORCHRUN_ARGS:-} -m runner "$@"

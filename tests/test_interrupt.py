@@ -9,6 +9,7 @@ uninterrupted run ends. A second Ctrl-C exits at once without a checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import torch
 
 from runner import checkpoint as ck
 from runner.preempt import EXIT_PREEMPTED, resume_command
-from test_resume import JOB, env, rows, run
+from test_resume import JOB, _descendants, env, rows, run
 
 STEPS = ["trainer.max_steps=120", "checkpoint.every_steps=null"]
 #: a long evaluation (250 batches) after step 5, so a signal sent at step 5 lands inside it
@@ -98,6 +99,37 @@ def test_ctrl_c_during_evaluation_stops_at_a_batch_and_the_resume_redoes_it(tmp_
     assert [r for r in rows(folder) if r[2] is not None] == []  # the cut evaluation logged nothing
     run(resume_hint(out), work)
     assert_same_run(tmp_path / "straight", folder)  # the step-5 evaluation row is there once
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker processes through /proc")
+def test_a_signal_to_one_rank_during_evaluation_stops_every_rank_at_one_batch(tmp_path):
+    """Under torchrun the ranks agree before each evaluation batch: SIGTERM to rank 1 alone mid-evaluation stops
+    both at the same batch (no hang in a collective), both checkpoint step 5 and exit 75 (``runner.torchrun``),
+    the cut evaluation logs nothing, and the same command resumes and ends where a straight run ends."""
+    job = [*JOB, *LONG_EVAL, "distributed=ddp", "dataloader.batch_size=8"]
+    launcher = [sys.executable, "-m", "runner.torchrun", "--standalone", "--nproc-per-node=2", "-m", "runner"]
+    run([*launcher, *job, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
+    folder = tmp_path / "job"
+    proc = subprocess.Popen([*launcher, *job, f"hydra.run.dir={folder}"], cwd=tmp_path, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.02)
+    time.sleep(0.3)  # inside the step-5 evaluation (125 batches per rank)
+    workers = {pid: Path(f"/proc/{pid}/environ").read_bytes() for pid in _descendants(proc.pid)
+               if " -m runner " in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") + " "}
+    (rank1,) = [pid for pid, environ in workers.items() if b"\0RANK=1\0" in b"\0" + environ]
+    os.kill(rank1, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    (path,) = ck.complete_checkpoints(folder / "checkpoints")
+    assert ck.read_meta(path)["step"] == 5, out[-3000:]
+    assert [r for r in rows(folder) if r[2] is not None] == []  # the cut evaluation logged nothing
+    resumed = run([*launcher, *job, f"hydra.run.dir={folder}"], tmp_path)
+    assert f"resumed from {path}" in resumed.stdout
+    assert rows(tmp_path / "straight") == rows(folder)  # the step-5 evaluation row is there once, same figures
 
 
 SLOW_DATA = """
