@@ -103,6 +103,7 @@ def test_bad_repeats_are_refused(repeats, max_repeats):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_variant_composes_and_names_itself(name):
     cfg = compose_cfg("+experiment=ablation", f"ablation/variant={name}", tiny=False)
     OmegaConf.to_container(cfg, resolve=True)
@@ -120,6 +121,7 @@ LEAVE_IN = [n[len("baseline+"):] for n in NAMES if n.startswith("baseline+")]
 
 
 @pytest.mark.parametrize("tech", sorted(set(LEAVE_OUT) & set(LEAVE_IN)))
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_leave_one_in_and_out_are_mirror_images(tech):
     """baseline+X sets X's keys to fast's values; fast-X sets the same keys back to the baseline's."""
     base, fast = variant("baseline"), variant("fast")
@@ -552,6 +554,7 @@ def test_round_command_keeps_the_sweep_and_replaces_the_repeats():
                        "hydra.sweep.dir='/tmp/sweep'"]
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_each_job_of_the_sweep_is_one_console_line_with_its_figure(tmp_path):
     """The ablation's jobs train with trainer.progress=off (conf/experiment/ablation.yaml): no per-step lines,
     summary tables or doctor per job (a 12-job sweep printed 533 lines), but one line each with its figures."""

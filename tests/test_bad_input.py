@@ -76,6 +76,7 @@ def test_missing_imagefolder(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_corrupt_cifar10_batch(tmp_path, damage):
     root = make_tiny_cifar(tmp_path / "cifar")
     bad = root / "cifar-10-batches-py" / ("data_batch_3" if damage == "truncate" else "test_batch")
@@ -163,6 +164,7 @@ CATALOGUE = {
 
 
 @pytest.mark.parametrize("case", list(CATALOGUE), ids=list(CATALOGUE))
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_bad_input_catalogue(case, tmp_path):
     from conftest import compose_cfg
     from runner.errors import ConfigError
@@ -402,6 +404,7 @@ def test_runner_log_holds_the_console_the_summary_the_doctor_and_errors(tmp_path
 
 
 @pytest.mark.parametrize("choice", ["optimizer=base_optimizer", "task=base_task", "scheduler=base_scheduler"])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_a_schema_typed_as_an_option_is_one_error_line(choice, tmp_path):
     """Every ``base_<name>`` schema (not only the model's) typed as a group option stops before anything runs,
     with one error line naming it, instead of a MissingMandatoryValue traceback."""

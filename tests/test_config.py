@@ -40,6 +40,7 @@ def test_every_group_is_found():
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_option_composes_against_its_schema(group, option):
     cfg = compose_cfg(override(group, option), tiny=False)
     assert OmegaConf.missing_keys(cfg) == set()
@@ -77,6 +78,7 @@ BUILD = [(g, o) for g, o in OPTIONS if g not in ("compile", *PRESETS) and (g, o)
 
 
 @pytest.mark.parametrize("group,option", BUILD, ids=[f"{g}={o}" for g, o in BUILD])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
     extra = DATA_OVERRIDES.get(option, lambda r: [])(roots) if group == "data" else []
     if (group, option) in LANGUAGE_MODEL:

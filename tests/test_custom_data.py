@@ -50,6 +50,7 @@ def readme_example() -> tuple[str, list[str]]:
     return found.group(1), shlex.split(command, comments=True)[3:]
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_readme_tabular_example_through_the_cli(tmp_path):
     """Done-when: a dataset module outside the package trains through the CLI, with an MLP whose width
     comes from the command line; accuracy far above chance (1 / n_classes)."""
@@ -197,6 +198,7 @@ def test_class_count_rule(overrides, target, expected):
     ("user_data.tabular", ["data.num_classes=2"], r"a target is 2 but the class count is 2 \(from data\.num_classes=2\)"),
     ("user_data.tabular", ["data.num_classes=0"], r"data\.num_classes=0 must be >= 1"),
 ])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_bad_custom_data_stops_before_training(target, overrides, message, tmp_path):
     cfg = custom(*overrides, target=target)
     with pytest.raises(ConfigError, match=message):

@@ -131,6 +131,7 @@ def assert_same_losses(a: list[float], b: list[float]) -> None:
     assert a[-1] < a[0] * 0.9, f"the loss did not go down: {a}"  # it trained, so the match is not trivial
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_ddp_two_processes_one_job_folder_identical_replicas(runs):
     _, s = runs["ddp"]
     assert s["world_size"] == 2 and s["nodes"] == 1 and s["steps"] == 20
@@ -142,6 +143,7 @@ def test_ddp_two_processes_one_job_folder_identical_replicas(runs):
     assert p["dtensor_count"] == 0
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_ddp_loss_matches_one_process_with_the_same_global_batch(runs):
     (single_dir, single), (ddp_dir, ddp) = runs["single"], runs["ddp"]
     assert single["global_batch_size"] == ddp["global_batch_size"] == 64
@@ -309,6 +311,7 @@ def test_ranks_above_zero_get_a_scratch_folder_and_no_hydra_copy():
     (["distributed=ddp", "distributed.backend=tcp"], {}, "is not one of"),
     (["distributed=ddp", "distributed.timeout_s=0"], {}, "must be > 0"),
 ])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_impossible_combinations_are_config_errors(overrides, env, message, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(key, raising=False)

@@ -178,6 +178,7 @@ def test_the_readme_custom_data_command(scratch):
     assert (job / "summary.json").is_file()
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_the_readme_cifar_command_on_a_tiny_cifar(scratch):
     out, job = run(find("README.md", "python -m runner data=cifar10"), scratch)
     assert '"eval_accuracy"' in (job / "summary.json").read_text()
@@ -277,6 +278,7 @@ COMPOSED = _composed()
 
 
 @pytest.mark.parametrize("example", COMPOSED, ids=[f"{e.doc}:{e.line}" for e in COMPOSED])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_every_other_example_composes(example, scratch, monkeypatch):
     monkeypatch.chdir(scratch)  # relative paths (my_conf, my_data) as from the reader's folder
     compose_example(example, scratch)

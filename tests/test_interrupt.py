@@ -63,6 +63,7 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     assert rows(straight) == rows(resumed)  # the same losses, every step logged once
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_ctrl_c_checkpoints_and_the_printed_command_resumes_exactly(tmp_path):
     run([sys.executable, "-m", "runner", *JOB, *STEPS, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
     work = tmp_path / "work"
@@ -187,6 +188,7 @@ def test_the_resume_command_names_the_folder():
     assert resume_command([], Path("/j"), launcher="torchrun") == "the same torchrun command with hydra.run.dir=/j"
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_an_interrupted_sweep_rerun_skips_finished_jobs_resumes_the_stopped_one_and_runs_the_rest(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *JOB, "trainer.max_steps=40", "trainer.seed=1,2,3", f"hydra.sweep.dir={sweep}"]

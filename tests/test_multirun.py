@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY, job_dirs, read_summary
 from runner import REPO_ROOT
 from test_wandb import read_run, wandb_files
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_two_by_two_sweep_writes_four_jobs_with_their_own_runs(tmp_path):
     home = tmp_path / "home"
     home.mkdir()

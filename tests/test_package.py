@@ -158,6 +158,7 @@ QUIET = ["dataloader.batch_size=16", "trainer.eval_max_batches=1", "trainer.prog
 
 
 @pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_user_config_folder_composes_with_runners(user_conf, tmp_path, how):
     added = ["--config-dir", str(user_conf)] if how == "--config-dir" else [f"hydra.searchpath=[file://{user_conf}]"]
     proc = run_cli(*added, "+experiment=mine", *QUIET, cwd=tmp_path, timeout=300)

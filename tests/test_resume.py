@@ -195,6 +195,7 @@ def test_every_restart_counts_even_one_killed_before_its_first_checkpoint(tmp_pa
     assert [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 17))
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_a_restart_before_the_first_checkpoint_starts_over_and_counts(tmp_path):
     folder = tmp_path / "job"
     cmd = command(folder, JOB, False)
@@ -230,6 +231,7 @@ def test_a_preempted_torchrun_job_exits_75_through_runner_torchrun(tmp_path):
     assert f"checkpoint {path} written" in out and "the same torchrun command with hydra.run.dir=" in out
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_a_kill_while_writing_leaves_the_previous_checkpoint_chosen(tmp_path):
     folder = tmp_path / "job"
     run(command(folder, [*JOB, "trainer.max_steps=6", "checkpoint.at_end=false"], False), tmp_path)
@@ -244,6 +246,7 @@ def test_a_kill_while_writing_leaves_the_previous_checkpoint_chosen(tmp_path):
     assert read_summary(folder)["steps"] == 8 and [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 9))
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_nan_stops_with_the_last_checkpoint_intact_and_skip_counts(tmp_path):
     proc = run_cli(*JOB, "optimizer.lr=1e10", "checkpoint.every_steps=2", "trainer.log_every=2", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-2000:]

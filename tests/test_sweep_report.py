@@ -29,6 +29,7 @@ def only_sweep(root: Path) -> Path:
     return sweeps[0]
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_plain_2x2_sweep_through_the_cli(tmp_path):
     tiny = [o for o in TINY if not o.startswith("dataloader.batch_size")]
     proc = run_cli("-m", *tiny, "dataloader.batch_size=16,32", "optimizer.lr=0.05,0.1", cwd=tmp_path, env=ENV)

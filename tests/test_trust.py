@@ -85,6 +85,7 @@ def test_the_training_state_round_trips_as_json_and_tensors(tmp_path):
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_resume_auto_refuses_a_planted_newest_checkpoint_and_runs_nothing(tmp_path):
     """A planted ``step_*`` folder newer than the job's own is what ``resume=auto`` picks: the run stops with
     the refusal (exit 2) before training, and the payload never runs."""
@@ -116,6 +117,7 @@ def blobs(n=64):
 """
 
 
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_the_doctor_never_imports_from_a_job_folder_it_was_not_started_in(tmp_path):
     """``--verify`` reruns a job. A job on the user's own dataset module (``data._target_=my_data.blobs``) ran
     from ``ran_in``; someone replaces ``ran_in/my_data.py`` with a payload. The doctor started elsewhere must not
