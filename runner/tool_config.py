@@ -38,11 +38,13 @@ class InterleaveConfig:
     reference: Optional[int] = None  # the sweep's reference job (its index in the sweep); null = the first job
     slice_steps: Optional[int] = None  # optimizer steps per slice; null = about slice_seconds of the reference's
     slice_seconds: float = 4.0  # the length of a slice when slice_steps is null (calibrated on the reference)
+    resume_steps: Optional[int] = None  # unmeasured steps before each slice (a job idle for a pass runs slower at
+    # first: measured 20-50 % on this project's VM); null = a quarter of the slice
     target_ci: float = 0.03  # stop once every comparison's 95 % interval is within +-this (relative)
     min_passes: int = 4  # passes before the intervals may stop the sweep
     max_passes: int = 200  # at most this many passes
     max_minutes: float = 30.0  # the measuring time of the whole sweep (setup excluded); then it stops
-    order: str = "abba"  # abba (the reference before, then after, alternating passes) | random
+    order: str = "rmit"  # rmit: each job once per pass, random order | abba: R J J R, reversed every other pass | random
     seed: int = 0  # the order's random generator (random order, and the shuffle of jobs between references)
     memory_margin: float = 1.5  # admit another job only while free memory > this x the largest job's footprint
     max_resident: Optional[int] = None  # at most this many jobs resident at once (null: as memory allows)

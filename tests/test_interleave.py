@@ -53,6 +53,21 @@ def test_every_job_pairs_with_an_adjacent_slice_of_its_own_reference(order):
     assert seen_before["a"] == {True, False}  # measured both after and before its reference
 
 
+def test_rmit_runs_every_job_once_per_pass_and_pairs_within_the_pass():
+    """The default order: references included, each job once per pass (so every process waits equally long),
+    in a different order from pass to pass; a job pairs with its own reference's slice of that pass."""
+    members = {"R": ["a", "b", "R'", "F"], "F": ["x", "y"]}
+    rng, orders = random.Random(0), set()
+    for p in range(8):
+        slots = pass_order(members, p, "rmit", rng)
+        assert sorted(s.job for s in slots) == sorted(["R", "F", "a", "b", "R'", "x", "y"])
+        orders.add(tuple(s.job for s in slots))
+        for s in slots:
+            ref = next((r for r, js in members.items() if s.job in js), None)
+            assert (s.pairs_with is None) == (ref is None) and (ref is None or slots[s.pairs_with].job == ref)
+    assert len(orders) > 4
+
+
 def _drifting_record(effect: float, drift: float, passes: int, seed: int = 0) -> dict:
     """A sweep's record whose machine speed swings by ±``drift`` over minutes (a sine of 40 slices' period, a
     random phase) plus 1 % white noise per slice; the job ``B`` is ``effect`` x faster than the reference
@@ -125,7 +140,6 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.mark.slow  # 30 s on 2 cores: `pytest -m slow` (CI runs the default set within 20 minutes)
 def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     """Four jobs (lr 0.01, 0.02, 1e30 and the reference's copy) with at most three resident: two groups, each
     beside the reference; lr=1e30 diverges and is reported while the others finish and are compared."""

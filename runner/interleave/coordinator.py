@@ -9,7 +9,9 @@
    exceeds ``interleave.memory_margin`` x the largest footprint so far (and fewer than
    ``interleave.max_resident`` are resident): the jobs that fit form a *group*.
 2. **Calibrates** the slice once, on the sweep's reference: ``interleave.slice_steps``, or the steps that
-   take about ``interleave.slice_seconds``. Every job of the sweep trains the same steps per slice.
+   take about ``interleave.slice_seconds``. Every job of the sweep trains the same steps per slice, each slice
+   after ``interleave.resume_steps`` unmeasured steps (a job that waited a whole pass runs slower at first,
+   while the reference runs every third slice: without them, the reference against its own copy read x0.67).
 3. **Measures** the group pass after pass (runner/interleave/schedule.py gives the order and the pairs),
    printing one line per pass, until every comparison in the group is within ``±interleave.target_ci``
    (after ``interleave.min_passes``), the group's share of ``interleave.max_minutes`` is spent,
@@ -141,6 +143,15 @@ class Conductor:
         return {"steps": done, "seconds": seconds,
                 "samples_per_sec": done * after["global_batch"] / seconds if seconds > 0 else None}
 
+    def _resumed_slice(self, job: Job) -> dict[str, Any] | None:
+        """A measured slice: ``interleave.resume_steps`` unmeasured steps first (a job that waited a whole pass
+        runs slower for its first steps; the reference, which runs every third slice, would not), then the slice."""
+        warm = self.s.resume_steps if self.s.resume_steps is not None else -(-self.slice_steps // 4)
+        if warm and self._slice(job, warm) is None:
+            return None
+        figures = self._slice(job, self.slice_steps)
+        return figures and {**figures, "resume_steps": warm}
+
     def _ended(self, job: Job) -> None:
         """``job``'s pipe closed: it crashed, or reached ``trainer.max_steps`` before being told to finish."""
         job.process.join()
@@ -242,7 +253,7 @@ class Conductor:
                 break
             for position, slot in enumerate(pass_order(by_ref, p, self.s.order, self.rng)):
                 job = self.jobs[slot.job]
-                figures = self._slice(job, self.slice_steps) if job.status == "resident" else None
+                figures = self._resumed_slice(job) if job.status == "resident" else None
                 if figures is not None:
                     self.slices.append({"group": group, "pass": p, "position": position, "job": slot.job,
                                         "pairs_with": slot.pairs_with, **figures, "time": time.time()})

@@ -58,7 +58,7 @@ class InterleavedLauncher(Launcher):
             basic = BasicLauncher()
             basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg)
             return basic.launch(job_overrides, initial_job_idx)
-        if cfg.ablation.design != "interleaved":
+        if cfg.ablation.design not in ("interleaved", "rounds"):  # rounds matters to an ablation only
             _refuse(f"ablation.design={cfg.ablation.design!r}: choose interleaved or rounds")
         from hydra.core.utils import configure_log, setup_globals
 

@@ -112,6 +112,22 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
             row.rank = rank
 
 
+#: The pass order (``interleave.order``, runner/interleave/schedule.py) in one sentence.
+ORDER_TEXT = {
+    "rmit": "In each pass every job, the references included, trained one slice, in a fresh random order "
+            "(randomized multiple interleaved trials), and each job pairs with its reference's slice of that pass.",
+    "abba": "In each pass every job trained one slice next to a slice of its reference (R J J R ..., reversed every "
+            "other pass), and pairs with that adjacent slice.",
+    "random": "In each pass every job trained one slice next to a slice of its reference (R J J R ..., reversed at "
+              "random), and pairs with that adjacent slice.",
+}
+
+
+def _resume(record: dict[str, Any]) -> str:
+    steps = {sl.get("resume_steps") for sl in record.get("slices", []) if sl.get("resume_steps") is not None}
+    return "/".join(str(v) for v in sorted(steps)) or "0"
+
+
 def noise_lines(record: dict[str, Any]) -> list[str]:
     """Markdown: how the interleaved sweep measured, its A/A interval and minimum detectable effect."""
     s, aa = record["settings"], record_mod.aa_comparison(record)
@@ -126,13 +142,13 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
     lines = [
         "## How this sweep was measured: interleaved", "",
         f"Every job was resident in its own process; the jobs took turns training {record.get('slice_steps')} "
-        f"optimizer step(s) per slice while the others waited (blocked on a pipe: no core, no GPU work). In each "
-        f"pass every job trained one slice next to a slice of its reference, and its figure is the ratio of the "
-        f"two adjacent slices' samples/s (the paired ratio), so drift slower than a slice pair cancels. A "
-        f"speed-up is exp(mean log ratio) over the passes with a {s.get('confidence', 0.95):.0%} Student-t "
-        f"interval (paired t-test on log ratios); verdicts use Holm's step-down procedure over the sweep's "
-        f"comparisons (family-wise error {1 - s.get('confidence', 0.95):.0%}). Order: {s.get('order')} "
-        f"(the reference slice before, then after, alternating passes).", "",
+        f"optimizer step(s) per slice (after {_resume(record)} unmeasured step(s)) while the others waited "
+        f"(blocked on a pipe: no core, no GPU work). {ORDER_TEXT.get(s.get('order'), '')} A job's figure per "
+        f"pass is the ratio of its slice's samples/s to its reference's paired slice (the paired ratio), so "
+        f"drift slower than a pass cancels. A speed-up is exp(mean log ratio) over the passes with a "
+        f"{s.get('confidence', 0.95):.0%} Student-t interval (paired t-test on log ratios); verdicts use Holm's "
+        f"step-down procedure over the sweep's comparisons (family-wise error "
+        f"{1 - s.get('confidence', 0.95):.0%}).", "",
         f"- References (resident throughout): {', '.join(f'`{r}`' for r in refs)}",
     ]
     for g in sorted(groups):
