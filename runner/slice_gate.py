@@ -84,6 +84,7 @@ class SliceGate:
         self.next_wait = 0  # the step at which the current slice ends
 
     def due(self, step: int) -> bool:
+        """Whether the current slice has ended once ``step`` optimizer steps are done (one int comparison)."""
         return step >= self.next_wait
 
     def wait(self, step: int, train_time_s: float, global_batch: int, env: distributed.Env) -> bool:

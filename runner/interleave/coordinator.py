@@ -159,9 +159,7 @@ class Conductor:
         if code == 0:
             job.status = "ended early (trainer.max_steps reached: raise it for longer interleaving)"
         else:
-            job.status = f"failed (exit {code})"
-            write_json_atomic(job.folder / "failed.json", {
-                **_variant(job.cfg), "returncode": code, "design": "interleaved"})
+            self._failed(job, code)
             print(f"interleave: {job.name} FAILED (exit status {code}); its output is above; the sweep goes on",
                   file=sys.stderr, flush=True)
 
@@ -174,10 +172,16 @@ class Conductor:
         except (BrokenPipeError, OSError):
             pass
         job.process.join()
-        job.status = "measured" if job.process.exitcode == 0 else f"failed (exit {job.process.exitcode})"
-        if job.process.exitcode != 0:
-            write_json_atomic(job.folder / "failed.json", {**_variant(job.cfg), "returncode": job.process.exitcode,
-                                                           "design": "interleaved"})
+        if job.process.exitcode == 0:
+            job.status = "measured"
+        else:
+            self._failed(job, job.process.exitcode)
+
+    @staticmethod
+    def _failed(job: Job, code: int | None) -> None:
+        """Record a failed job: its status and ``failed.json`` (what the reports list), as ``ablation.run_job`` does."""
+        job.status = f"failed (exit {code})"
+        write_json_atomic(job.folder / "failed.json", {**_variant(job.cfg), "returncode": code, "design": "interleaved"})
 
     def kill(self) -> None:
         """Kill every resident job (a second Ctrl-C)."""
@@ -204,13 +208,15 @@ class Conductor:
               + ("" if self.s.slice_steps else f" (about {self.s.slice_seconds:g} s of {self.reference})"), flush=True)
 
     def run(self, stop: Stop) -> None:
+        """Admit, calibrate, measure group after group and finish every job (the module docstring); returns
+        early, with the record written, when the sweep's reference fails to start. Ctrl-C: ``stop``."""
         refs = [j for j in self.jobs.values() if j.reference is None or self._is_reference(j.name)]
         members = [j for j in self.jobs.values() if j not in refs]
         budget_s = 60 * self.s.max_minutes
         for job in refs:
             if not self._start(job) and job.name == self.reference:
                 self.stopped.append(f"the reference {job.name} {job.status}")
-                self._write()
+                self.write()
                 return
         self._calibrate(self.jobs[self.reference])
         group = 0
@@ -232,7 +238,7 @@ class Conductor:
                 self._finish(job)
         for job in refs:
             self._finish(job)
-        self._write()
+        self.write()
 
     def _is_reference(self, name: str) -> bool:
         return any(j.reference == name for j in self.jobs.values())
@@ -260,7 +266,7 @@ class Conductor:
                 if stop.requested:
                     break
             elapsed = time.perf_counter() - started
-            self._write()
+            self.write()
             widest = self._progress(group, p, resident, elapsed)
             if stop.requested:
                 why = "Ctrl-C"
@@ -280,7 +286,6 @@ class Conductor:
     def _progress(self, group: int, p: int, resident: list[Job], elapsed: float) -> float | None:
         """Print the pass's line; return the widest relative half-width among the group's comparisons (None if
         one has no interval yet)."""
-        self.record["slices"] = self.slices
         comparisons = record_mod.compare(self._snapshot())
         names = [j.name for j in resident if j.reference is not None and j.status == "resident"]
         widths = {n: comparisons.get(n).half_width if comparisons.get(n) else None for n in names}
@@ -302,7 +307,8 @@ class Conductor:
         return {**self.record, "slice_steps": self.slice_steps, "jobs": jobs, "slices": self.slices,
                 "stopped": self.stopped}
 
-    def _write(self) -> None:
+    def write(self) -> None:
+        """Write ``interleave.json`` (atomically) with every slice so far; ``finished`` once no job is resident."""
         snapshot = self._snapshot()
         if all(j.status not in ("pending", "resident") for j in self.jobs.values()):
             snapshot["finished"] = time.time()

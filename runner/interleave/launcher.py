@@ -20,6 +20,7 @@ runner`` calls it before Hydra starts.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -106,7 +107,7 @@ class InterleavedLauncher(Launcher):
                 conductor.run(stop)
             except KeyboardInterrupt:
                 conductor.kill()
-                conductor._write()
+                conductor.write()
                 print("interleave: killed; interleave.json holds what was measured; `python -m runner.report "
                       f"{sweep}` writes its report", file=sys.stderr, flush=True)
                 sys.exit(130)
@@ -114,8 +115,6 @@ class InterleavedLauncher(Launcher):
             summary_path = job[1] / "summary.json" if job else None
             value = None
             if summary_path is not None and summary_path.is_file():
-                import json
-
                 value = json.loads(summary_path.read_text()).get("samples_per_sec")
             ret.status, ret.return_value = JobStatus.COMPLETED, value
         if not ablation:

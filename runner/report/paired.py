@@ -17,7 +17,6 @@ slice's samples/s and which reference slice it pairs with. From it:
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from runner.interleave import record as record_mod, stats as paired_stats
@@ -172,8 +171,3 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
     else:
         lines += ["**Noise (A/A):** no copy of the reference measured (fewer than 2 pairs).", ""]
     return lines
-
-
-def load(sweep: Path) -> dict[str, Any] | None:
-    """``interleave.json`` of ``sweep``, or None (not interleaved). Raises ValueError for a corrupt file."""
-    return record_mod.load(sweep)

@@ -326,11 +326,12 @@ def write_plain_report(sweep: Path) -> list[Path]:
     """
     from omegaconf import OmegaConf
 
+    from runner.interleave import record as record_file
     from runner.report import paired
 
     jobs = _sorted(load_sweep(sweep))
     try:
-        record = paired.load(sweep)
+        record = record_file.load(sweep)
     except ValueError as e:
         raise SweepError(str(e)) from e
     compared = paired.job_comparisons(record) if record else {}

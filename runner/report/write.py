@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from runner.interleave import record as record_file
 from runner.report import paired, stats
 from runner.report.load import Job, ReportError, Row, load_jobs, load_record
 from runner.report.markdown import agreement, markdown, reading
@@ -196,7 +197,7 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
     baseline = next(r for r in rows if r.configuration == "baseline")
     record = load_record(sweep)
     try:
-        interleaved = paired.load(sweep)
+        interleaved = record_file.load(sweep)
     except ValueError as e:
         raise ReportError(str(e)) from e
     if interleaved:  # the paired figures of adjacent slices replace the repeats' bootstrap (runner/report/paired.py)
