@@ -48,6 +48,7 @@ CHOICES: dict[str, tuple[str | None, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.progress": ("auto", "bar", "lines", "off"),
     "trainer.on_nonfinite": ("stop", "skip"),
+    "trainer.early_stopping.mode": ("auto", "min", "max"),
 }
 #: What null means, where a list allows it (appended to the message of a bad value).
 _NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode": "compile=off",
@@ -330,6 +331,17 @@ class DebugConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """``trainer.early_stopping.*`` (runner/monitor.py): stop when ``metric`` has not improved for ``patience``
+    evaluations; metric null = off."""
+
+    metric: Optional[str] = None  # one of the task's metrics (eval_loss, eval_accuracy, ...; *_ema with EMA on)
+    patience: int = 3  # evaluations without an improvement larger than min_delta
+    min_delta: float = 0.0  # in the metric's unit
+    mode: str = "auto"  # auto (max for accuracy, min otherwise) | min | max
+
+
+@dataclass
 class TrainerConfig:
     """``trainer.*``: run length, warm-up, logging/evaluation cadence (optimizer steps), device, targets."""
 
@@ -350,6 +362,13 @@ class TrainerConfig:
     max_skipped_fraction: float = 0.5  # skip: more than this fraction of a log interval's steps skipped -> diverged
     # the speed doctor: its diagnosis after the summary, and on CUDA a profile of the last warm-up steps; false: neither
     doctor: bool = True
+    # an exponential moving average of the weights (runner/ema.py), evaluated beside them and written as
+    # model_ema.safetensors; e.g. 0.999; null = off
+    ema_decay: Optional[float] = None
+    ema_warmup: bool = False  # decay min(ema_decay, (1 + n) / (10 + n)) for update n (timm, TensorFlow)
+    ema_every: int = 1  # update the average after every N-th optimizer step
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic: bit-identical reruns
 
 
 #: ``checkpoint.*`` (runner/checkpoint.py). A plain node rather than a dataclass because ``async`` is a Python
@@ -361,6 +380,8 @@ CHECKPOINT_DEFAULTS: dict[str, Any] = {
     "at_end": True,  # save one after the last step (and model.safetensors)
     "resume": "auto",  # auto (newest complete checkpoint in the job folder) | never | <checkpoint folder>
     "async": False,  # dcp.async_save: stage to CPU memory, write in a background thread
+    "keep_best": False,  # best/model.safetensors + best/best.json after each evaluation improving best_metric
+    "best_metric": "eval_loss",  # the metric keep_best watches (accuracy-like names: higher is better)
     "signals": ["SIGTERM", "SIGUSR1", "SIGINT"],  # checkpoint at the next step boundary, stop (preemption, Ctrl-C)
 }
 

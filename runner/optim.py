@@ -118,12 +118,23 @@ def gradient_clipping(max_norm: float | None, model: torch.nn.Module, scaler: to
     """Technique 14 as the callable the loop runs before each optimizer step: clip the global L2 norm of
     the gradients to ``max_norm`` after ``scaler.unscale_`` (so the true gradients are clipped, not the
     loss-scaled ones; PyTorch AMP examples, https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping).
-    ``max_norm`` None: a function that does nothing."""
-    if max_norm is None:
-        return lambda optimizer: None
 
-    def clip(optimizer: torch.optim.Optimizer) -> None:
+    ``clip(optimizer, norm=False)`` returns the global L2 norm before clipping as a 0-dim tensor on the device (no
+    host sync): always when clipping (``clip_grad_norm_`` computes it anyway), else only when ``norm`` is true
+    (the loop asks at log steps: the metrics row's ``grad_norm``), and None otherwise. ``max_norm`` None: nothing
+    is clipped. Under FSDP the norm covers every shard (DTensor gradients reduce across ranks)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def full(norm: torch.Tensor) -> torch.Tensor:
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip(optimizer: torch.optim.Optimizer, norm: bool = False) -> torch.Tensor | None:
+        if max_norm is None and not norm:
+            return None
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if max_norm is not None:
+            return full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grads = [p.grad for p in params if p.grad is not None]
+        return full(torch.nn.utils.get_total_norm(grads)) if grads else None
 
     return clip

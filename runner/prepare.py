@@ -19,6 +19,7 @@ Each function returns a status for ``summary.json`` ``techniques``: ``"applied"`
 from __future__ import annotations
 
 import functools
+import os
 from collections import Counter
 
 import torch
@@ -31,6 +32,26 @@ from runner.errors import ConfigError
 from runner.parallel import repeated_blocks
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
+    """``trainer.deterministic=true``: the same seed gives bit-identical weights, run after run.
+
+    ``torch.use_deterministic_algorithms(True)`` (an operation without a deterministic implementation raises
+    instead of running), cuDNN's deterministic algorithms without autotuning, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+    (set before CUDA's first cuBLAS call when the environment has none). DataLoader workers are seeded from the
+    run's seeded generator either way (runner/data/loading.py). PyTorch "Reproducibility",
+    https://pytorch.org/docs/stable/notes/randomness.html. Sets every flag either way, so an earlier job in the
+    same process cannot leak it.
+
+    Returns:
+        ``{"deterministic": "applied"}`` when on, else ``{}``.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    return {"deterministic": "applied"} if enabled else {}
 
 
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]:

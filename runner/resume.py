@@ -47,11 +47,13 @@ def settings(cfg) -> dict[str, Any]:
     if c["every_minutes"] is not None and (not isinstance(c["every_minutes"], (int, float))
                                            or isinstance(c["every_minutes"], bool) or c["every_minutes"] <= 0):
         raise bad("every_minutes", "must be a number of minutes > 0 or null")
-    for key in ("at_end", "async"):
+    for key in ("at_end", "async", "keep_best"):
         if not isinstance(c[key], bool):
             raise bad(key, "must be true or false")
     if not isinstance(c["resume"], str) or not c["resume"]:
         raise bad("resume", "must be auto, never or the path of a checkpoint folder")
+    if not isinstance(c["best_metric"], str) or not c["best_metric"]:
+        raise bad("best_metric", "must be the name of a metric the task reports, e.g. eval_loss or eval_accuracy")
     signals = c["signals"]
     if isinstance(signals, str) or not all(isinstance(s, str) for s in (signals or [])):
         raise bad("signals", "must be a list of signal names such as [SIGTERM,SIGUSR1] (or [] for none)")

@@ -7,6 +7,7 @@ of the interval's loss and step timings (``_PerRank``), so a resumed run continu
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -39,13 +40,16 @@ class TrainState:
     restart_lost_time_s: float = 0.0  # s from each resumed checkpoint's write to the resume (redone work, restart)
     interval_skipped: int = 0  # steps of this log interval skipped (trainer.max_skipped_fraction)
     pending_eval: int | None = None  # the step whose evaluation a signal cut short: redone first on resume
+    stopped_early: str | None = None  # why trainer.early_stopping ended the run: a resumed run trains no further
+    monitors: dict[str, Any] = field(default_factory=dict)  # early stopping's and keep_best's counters (monitor.Watch)
+    grad_norm: torch.Tensor | None = None  # this log step's gradient norm, on the device until the row reads it
 
     #: the fields that are the same on every rank; the rest (loss_sum, timings) is saved per rank
     SHARED = ("step", "epoch", "batch_in_epoch", "train_time_s", "eval_time_s", "time_to_target_s", "train_loss",
               "eval", "interval_steps", "last_finite", "skipped_steps", "checkpoint_time_s", "restarts",
-              "restart_lost_time_s", "interval_skipped", "pending_eval")
+              "restart_lost_time_s", "interval_skipped", "pending_eval", "stopped_early", "monitors")
     #: what a field missing from an older checkpoint's state means
-    ADDED_LATER = {"interval_skipped": 0, "pending_eval": None}
+    ADDED_LATER = {"interval_skipped": 0, "pending_eval": None, "stopped_early": None, "monitors": {}}
 
 
 class SharedState:
@@ -65,7 +69,7 @@ class SharedState:
         if fields.get("last_finite") is not None:
             fields["last_finite"] = tuple(fields["last_finite"])
         for k in TrainState.SHARED:
-            setattr(self.state, k, fields[k] if k in fields else TrainState.ADDED_LATER[k])
+            setattr(self.state, k, fields[k] if k in fields else copy.deepcopy(TrainState.ADDED_LATER[k]))
 
 
 class PerRankState:

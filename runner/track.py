@@ -198,10 +198,10 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     The first row, ``measurement``, says what the speed figures cover, or why they are blank (all warm-up)."""
     keys = ["measurement", "samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90",
             "data_wait_fraction", "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss",
-            "eval_accuracy", "eval_loss", "eval_bits_per_char", "time_to_target_s", "train_time_s", "eval_time_s",
-            "checkpoint_time_s", "restarts", "skipped_steps",
+            "eval_accuracy", "eval_loss", "eval_bits_per_char", "eval_accuracy_ema", "eval_loss_ema", "stopped_early",
+            "time_to_target_s", "train_time_s", "eval_time_s", "checkpoint_time_s", "restarts", "skipped_steps",
             "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
-    rows = [(k, _fmt(summary[k])) for k in keys if k in summary and (k != "skipped_steps" or summary[k])] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
+    rows = [(k, _fmt(summary[k])) for k in keys if k in summary and (k not in ("skipped_steps", "stopped_early") or summary[k])] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
     width = max(len(k) for k, _ in rows)
     print(f"\nsummary ({job_dir / 'summary.json'})")
     for k, v in rows:

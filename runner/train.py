@@ -28,12 +28,14 @@ from runner import (
     data as data_mod,
     debug,
     distributed,
+    ema as ema_mod,
     hardware,
     launch,
     loop_guards as guards,
     machine_load,
     measure,
     models,
+    monitor,
     optim,
     parallel,
     precision,
@@ -48,7 +50,7 @@ from runner.config import global_batch_size
 from runner.data import text
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.state import PerRankState, SharedState, TrainState
-from runner.track import NullTracker, Tracker, git_sha, job_folder, sweep_group
+from runner.track import NullTracker, Tracker, git_sha, job_folder, sweep_group, write_json_atomic
 from runner.validate import validate
 
 
@@ -115,15 +117,20 @@ class Parts:
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
     gate: slice_gate.SliceGate | None = None  # the interleaved launcher's pause point (runner/slice_gate.py)
+    ema: ema_mod.EMA | None = None  # trainer.ema_decay: the moving average of the weights (runner/ema.py)
+    early: monitor.Watch | None = None  # trainer.early_stopping (runner/monitor.py)
+    patience: int = 0
+    best: monitor.Watch | None = None  # checkpoint.keep_best
 
 
 def checkpoint_state(state: TrainState, parts: Parts) -> dict[str, Any]:
     """What a checkpoint holds, as DCP Stateful objects: model + optimizer (sharded under FSDP), LR schedule,
     GradScaler, the shared ``TrainState`` (step, epoch, position in the epoch, measured time, ...) and each
     rank's RNG, loss share and timings."""
-    return {"model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
+    held = {"model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
             "scheduler": parts.scheduler, "scaler": parts.amp.scaler, "train": SharedState(state),
             "rank": PerRankState(state, parts.env.rank)}
+    return held | ({"ema": parts.ema} if parts.ema is not None else {})
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
@@ -150,6 +157,9 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
                 fit(state, parts, profiler)
             if parts.at_end:  # the weights first: a final checkpoint that fails (a full disk) does not lose them
                 checkpoint.save_weights(parts.model, parts.job_dir / "model.safetensors", env.is_main)
+                if parts.ema is not None:
+                    with parts.ema.swapped():
+                        checkpoint.save_weights(parts.model, parts.job_dir / "model_ema.safetensors", env.is_main)
             try:
                 if parts.at_end:
                     save_checkpoint(state, parts)
@@ -190,7 +200,11 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                               f"(it reports {', '.join(task.metrics)}); use a target of those")
     skipped = task.skipped(cfg)  # switches that do not apply to this task: recorded, never applied
     techniques = dict(skipped)
-    techniques |= prepare.apply_cudnn_benchmark(cfg.cudnn_benchmark and "cudnn_benchmark" not in skipped, env.device)
+    techniques |= prepare.apply_deterministic(t.deterministic, env.device)
+    benchmark = cfg.cudnn_benchmark and "cudnn_benchmark" not in skipped
+    techniques |= prepare.apply_cudnn_benchmark(benchmark and not t.deterministic, env.device)
+    if benchmark and t.deterministic:
+        techniques["cudnn_benchmark"] = "skipped: trainer.deterministic=true (autotuning picks algorithms by timing)"
     channels_last = cfg.channels_last and "channels_last" not in skipped
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
@@ -224,14 +238,22 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     techniques |= amp.techniques
     clip = optim.gradient_clipping(cfg.optimizer.clip_grad_norm, model, amp.scaler)  # recorded by optim.build
 
-    state = TrainState(eval=dict.fromkeys(task.metrics), loss_sum=torch.zeros((), device=env.device))
+    ema = ema_mod.EMA(model, t.ema_decay, t.ema_warmup, t.ema_every) if t.ema_decay is not None else None
+    reported = tuple(task.metrics) + (tuple(f"{m}_ema" for m in task.metrics) if ema is not None else ())
+    early, patience = monitor.early_stopping(t.early_stopping, reported)
+    ck = resume.settings(cfg.checkpoint)
+    best = monitor.best_checkpoint(ck, reported)
+    if ema is not None:
+        techniques["ema"] = "applied"
+        details["ema"] = {"decay": t.ema_decay, "warmup": t.ema_warmup, "every": t.ema_every,
+                          "update_ms": round(ema.measure_update_ms(env.device), 4)}
+    state = TrainState(eval=dict.fromkeys(reported), loss_sum=torch.zeros((), device=env.device))
     # the speed doctor's GPU window: the last warm-up steps on CUDA (no figure includes them), never beside
     # debug=profile's own profiler
     profile_steps = GPU_PROFILE_STEPS if t.doctor and cfg.debug.name == "off" else 0
     meter = measure.Meter(env.device, t.warmup_steps, plan.global_batch, task.tokens_per_sample(data), state.timings,
                           gpu_profile_steps=profile_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    ck = resume.settings(cfg.checkpoint)
     point = _agree(lambda: resume.find_resume_point(ck["resume"], job_dir, resolved, plan.total_steps), env)
     if point.path is not None and point.meta.get("world_size", env.world_size) != env.world_size:
         raise ConfigError(f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes and "
@@ -255,9 +277,12 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                   flops_per_sample=flops, techniques=techniques, details=details, resolved=resolved,
                   checkpointer=checkpointer, at_end=ck["at_end"],
                   preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
-                  gate=slice_gate.current())
+                  gate=slice_gate.current(), ema=ema, early=early, patience=patience, best=best)
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)
+        for watch, key in ((early, "early_stopping"), (best, "best")):
+            if watch is not None:
+                watch.restore(state.monitors.get(key))
         state.restart_lost_time_s += max(0.0, time.time() - float(point.meta.get("time", time.time())))
     if point.path is not None or point.stale_rows:  # an earlier attempt stopped early: counted outside checkpoints
         state.restarts = _agree(lambda: resume.record_restart(job_dir, state.restarts), env)
@@ -307,7 +332,7 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
         evaluate(state, parts)
     batches = _batches(p.data.train, state)
     segment_start = time.perf_counter()
-    while state.step < plan.total_steps:
+    while state.step < plan.total_steps and state.stopped_early is None:
         if p.gate is not None and p.gate.due(state.step):  # interleaved: a slice ended; wait, untimed, for the next
             state.train_time_s += measure.wall_clock(p.env.device) - segment_start
             p.meter.pause()
@@ -330,7 +355,10 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             if found is None:
                 raise
             raise found from e
-        p.clip(p.optimizer)
+        logging = (state.step + 1) % plan.log_every == 0 or state.step + 1 == plan.total_steps
+        norm = p.clip(p.optimizer, logging)  # the norm before clipping: on the device, read at the log step
+        if logging:
+            state.grad_norm = norm
         if plan.skip_nonfinite and not guards.finite_gradients(p.model):  # one sync per step, only when asked for
             state.skipped_steps += 1
             state.interval_skipped += 1
@@ -343,6 +371,8 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
         profiler.step()
         state.step += 1
         state.interval_steps += 1
+        if p.ema is not None:
+            p.ema.update(state.step)
         last = state.step == plan.total_steps
         if state.step % plan.log_every == 0 or last:
             p.meter.log_started()
@@ -356,6 +386,7 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             p.meter.pause()  # the machine-load window covers training only
             if evaluating:
                 stop = not evaluate(state, parts) or stop  # False: a signal cut it short (one process)
+                last = last or state.stopped_early is not None
             if stop or (save and not (last and p.at_end)):  # the end-of-run checkpoint follows the loop
                 save_checkpoint(state, parts)
             if stop:
@@ -383,8 +414,12 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
     """One ``metrics.jsonl`` row: the global batch's mean loss over the interval (one ``.item()``), the LR,
     the meter's interval figures and peak memory."""
     distributed.all_reduce_mean(state.loss_sum, parts.env)  # the global batch's loss, not rank 0's share
-    state.train_loss = state.loss_sum.item() / state.interval_steps  # host-device sync, only at log steps
+    read = [state.loss_sum] + ([state.grad_norm.detach().float()] if state.grad_norm is not None else [])
+    values = torch.stack(read).tolist()  # host-device sync, only at log steps: loss and gradient norm at once
+    state.train_loss = values[0] / state.interval_steps
+    grad_norm = values[1] if len(values) > 1 else None
     state.loss_sum.zero_()
+    state.grad_norm = None
     if parts.plan.skip_nonfinite:
         guards.check_skipped(state, parts, state.interval_skipped, state.interval_steps)
     state.interval_steps = state.interval_skipped = 0
@@ -394,7 +429,7 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
     else:
         state.last_finite = (state.step, state.train_loss)
     parts.tracker.log({"step": state.step, "epoch": state.epoch, "loss": state.train_loss, "lr": lr,
-                       **parts.meter.flush(), "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
+                       **({"grad_norm": grad_norm} if grad_norm is not None else {}), **parts.meter.flush(), "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
 
 
 def evaluate(state: TrainState, parts: Parts) -> bool:
@@ -409,12 +444,15 @@ def evaluate(state: TrainState, parts: Parts) -> bool:
     started = time.perf_counter()
     p = parts
     batches = len(p.data.eval) if p.plan.eval_max_batches is None else min(len(p.data.eval), p.plan.eval_max_batches)
-    p.tracker.note(f"step {state.step}: evaluating ({batches} batches per rank)")
-    loader = guards.InterruptibleBatches(p.data.eval, lambda: p.preemption.received is not None,
-                                         p.plan.eval_max_batches, p.env, p.preemption)
-    figures = p.task.evaluate(p.model, loader, p.amp.autocast, p.plan.eval_max_batches, p.env)
+    p.tracker.note(f"step {state.step}: evaluating ({batches} batches per rank"
+                   + (", the weights and their EMA)" if p.ema is not None else ")"))
+    figures = _evaluate_once(parts)
+    if figures is not None and p.ema is not None:
+        with p.ema.swapped():
+            averaged = _evaluate_once(parts)
+        figures = None if averaged is None else figures | {f"{k}_ema": v for k, v in averaged.items()}
     state.eval_time_s += time.perf_counter() - started
-    if getattr(loader, "interrupted", False):
+    if figures is None:
         state.pending_eval = state.step
         return False
     state.eval, state.pending_eval = figures, None
@@ -422,7 +460,40 @@ def evaluate(state: TrainState, parts: Parts) -> bool:
         state.time_to_target_s = state.train_time_s
     p.tracker.log({"step": state.step, "epoch": state.epoch, **state.eval})
     guards.check_evaluation(state, parts)
+    _watch(state, parts)
     return True
+
+
+def _evaluate_once(parts: Parts) -> dict[str, float] | None:
+    """The task's metrics of the model's current weights; None when a signal cut the evaluation short."""
+    p = parts
+    loader = guards.InterruptibleBatches(p.data.eval, lambda: p.preemption.received is not None,
+                                         p.plan.eval_max_batches, p.env, p.preemption)
+    figures = p.task.evaluate(p.model, loader, p.amp.autocast, p.plan.eval_max_batches, p.env)
+    return None if getattr(loader, "interrupted", False) else figures
+
+
+def _watch(state: TrainState, parts: Parts) -> None:
+    """After an evaluation: keep the best weights (``checkpoint.keep_best``) and decide early stopping
+    (runner/monitor.py); their counters go into ``state.monitors`` (the checkpoint's)."""
+    p = parts
+    if p.best is not None and p.best.observe(state.eval, state.step):
+        best_dir = p.job_dir / "best"
+        if p.env.is_main:
+            best_dir.mkdir(exist_ok=True)
+        checkpoint.save_weights(p.model, best_dir / "model.safetensors", p.env.is_main)
+        if p.env.is_main:
+            write_json_atomic(best_dir / "best.json", {"metric": p.best.metric, "value": p.best.best,
+                                                       "step": state.step, "epoch": state.epoch})
+        state.monitors["best"] = p.best.as_dict()
+    elif p.best is not None:
+        state.monitors["best"] = p.best.as_dict()
+    if p.early is not None:
+        p.early.observe(state.eval, state.step)
+        state.monitors["early_stopping"] = p.early.as_dict()
+        if p.early.since_best >= p.patience:
+            state.stopped_early = monitor.stop_reason(p.early, p.patience)
+            p.tracker.note(f"step {state.step}: early stopping: {state.stopped_early}")
 
 
 def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
@@ -466,6 +537,10 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "restart_lost_time_s": state.restart_lost_time_s,
         "skipped_steps": state.skipped_steps,
         "steps": state.step,
+        "stopped_early": state.stopped_early,  # why trainer.early_stopping ended the run, or null
+        "best": {**p.best.as_dict(), "metric": p.best.metric, "weights": "best/model.safetensors"} if p.best else None,
+        "ema_update_ms": p.details["ema"]["update_ms"] if p.ema is not None else None,
+        "deterministic": t.deterministic,
         "warmup_steps": min(t.warmup_steps, state.step),
         "measured_steps": figures["measured_steps"],
         "measured_time_s": figures["measured_time_s"],  # samples_per_sec = global batch x measured_steps / this

@@ -121,8 +121,10 @@ def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool 
     assert not (killed / "summary.json").exists()
     resumed = run(command(killed, overrides, distributed), tmp_path)
     assert "resumed from" in resumed.stdout
-    a, b = load_file(str(straight / "model.safetensors")), load_file(str(killed / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for weights in ("model.safetensors", "model_ema.safetensors", "best/model.safetensors"):
+        if weights == "model.safetensors" or (straight / weights).exists():  # the EMA's and the best: when kept
+            a, b = load_file(str(straight / weights)), load_file(str(killed / weights))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), weights
     assert rows(straight) == rows(killed)  # the same per-step losses, and no row twice
     assert_same(optimizer_state(straight), optimizer_state(killed))
     summary = read_summary(killed)
@@ -135,7 +137,9 @@ def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool 
     [],  # the plain DataLoader
     ["dataloader.num_workers=2", "memory.accumulate_steps=2"],  # worker processes; 8 steps per epoch: mid-epoch
     ["dataloader=device", "data.augment=true", "data.normalize=true"],  # on-device data, random crop + flip
-], ids=["loader", "workers-accumulation", "on-device-augment"])
+    # the moving average of the weights (its warm-up count too) and the best weights continue exactly
+    ["trainer.ema_decay=0.8", "trainer.ema_warmup=true", "checkpoint.keep_best=true", "trainer.eval_every=4"],
+], ids=["loader", "workers-accumulation", "on-device-augment", "ema-best"])
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, case):
     assert_exact_resume(tmp_path, [*JOB, *case])
@@ -152,8 +156,9 @@ def test_killed_fsdp_language_model_resumes_exactly(tmp_path):
     corpus.write_text((REPO_ROOT / "README.md").read_text()[:40000])
     lm = ["+experiment=shakespeare_char", f"data.path={corpus}", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
           "data.block_size=16", "optimizer.base_batch_size=8", "scheduler.warmup_steps=2", "trainer.eval_every=8",
-          "task.sample_tokens=20"]
+          "task.sample_tokens=20", "trainer.ema_decay=0.9"]  # the EMA sharded like the parameters
     summary = assert_exact_resume(tmp_path, [*lm, *STEPS, "distributed=fsdp"], distributed=True)
+    assert "eval_loss_ema" in summary and summary["techniques"]["ema"] == "applied"
     assert summary["parameters"]["dtensor_count"] > 0
     assert (tmp_path / "straight" / "samples.txt").read_text() == (tmp_path / "killed" / "samples.txt").read_text()
 
