@@ -114,6 +114,26 @@ def test_memory_bound_near_the_device_limit(fraction, found):
                                           ["dataloader.batch_size=32", "memory.accumulate_steps=2"]]
 
 
+@pytest.mark.parametrize("update_ms, every, found", [(2.0, 1, False), (2.5, 1, True), (5.0, 2, True), (5.0, 4, False)])
+def test_an_ema_costing_more_than_its_threshold_suggests_updating_less_often_with_the_same_horizon(update_ms, every,
+                                                                                                   found):
+    s = summary({"trainer.ema_decay": 0.999, "trainer.ema_every": every}, ema_update_ms=update_ms)  # 50 ms steps
+    findings = [f for f in diagnose(s) if "EMA" in f.evidence]
+    assert bool(findings) == found
+    if found:
+        (ema_every, ema_decay), = overrides(findings[0])
+        n = int(ema_every.split("=")[1])
+        assert n > every and float(ema_decay.split("=")[1]) == pytest.approx(0.999 ** (n / every), rel=1e-5)
+
+
+def test_gradient_norm_spikes_are_warned_about_with_clipping_suggested():
+    rows = [{"step": 10 * i, "loss": 1.0, "grad_norm": 1.0 + 0.1 * (i % 3)} for i in range(1, 9)]
+    assert "gradient spikes" not in categories(diagnose(summary(), metrics=rows))
+    rows.append({"step": 90, "loss": 3.0, "grad_norm": 25.0})
+    spikes, = [f for f in diagnose(summary(), metrics=rows) if f.category == "gradient spikes"]
+    assert "step 90" in spikes.evidence and ["optimizer.clip_grad_norm=1.0"] in overrides(spikes)
+
+
 def test_debug_tools_lead_and_near_ceiling_says_nothing_big_is_left():
     findings = diagnose(summary({"debug.name": "anomaly"}, data_wait_fraction=0.5, mfu=doctor.MFU_HIGH))
     assert categories(findings) == ["debug tools on", "input-bound", "near the hardware ceiling"]

@@ -30,12 +30,18 @@ CPU_FLOPS_PER_THREAD_MIN = 1e9
 MEMORY_FRACTION_MAX = 0.85
 #: MFU of 50 %: about the best dense training reaches (PaLM 46 %, Megatron-LM ~50 %); little is left.
 MFU_HIGH = 0.5
+#: The EMA's update (trainer.ema_decay) above 5 % of the step: updating every N-th step with decay**N keeps the
+#: average's horizon (about 1 / (1 - decay) steps) at 1/N of the cost.
+EMA_STEP_FRACTION_MAX = 0.05
+#: A log row's gradient norm above 10x the median of the rows before it (at least 5 of them): a loss spike
+#: in the making (the LLM trainers' reason to log the norm; clipping at ~1 is their fix).
+GRAD_NORM_SPIKE = 10.0
 #: Default step count of --verify runs when the job set no trainer.max_steps (an epoch would be long):
 #: enough measured steps for a median after the job's warm-up.
 VERIFY_MEASURED_STEPS = 30
 
 CATEGORIES = ("untrustworthy", "not measured", "debug tools on", "input-bound", "host/launch-bound",
-              "sync/overhead-bound", "memory-bound", "near the hardware ceiling")
+              "sync/overhead-bound", "memory-bound", "near the hardware ceiling", "gradient spikes")
 #: Datasets the doctor may send to the device (``dataloader=device``): runner's in-memory list
 #: (``runner.IN_MEMORY_DATA``) less ``custom``, whose data goes there only when it is whole tensors (a
 #: TensorDataset), which a summary cannot tell.
@@ -143,6 +149,13 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
     if peak and limit and peak / limit >= MEMORY_FRACTION_MAX:
         findings.append(_memory_bound(config, peak, limit, cuda))
 
+    ema = _ema_cost(summary, config)
+    if ema is not None:
+        findings.append(ema)
+    spikes = _gradient_spikes(config, metrics)
+    if spikes is not None:
+        findings.append(spikes)
+
     mfu = _num(summary.get("mfu"))
     if mfu is not None and mfu >= MFU_HIGH:
         findings.append(Finding("near the hardware ceiling", f"MFU {mfu:.0%} of the device's dense peak: nothing "
@@ -224,6 +237,43 @@ def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda
     elif not cuda and mode is None:
         sugg.append(Suggestion(["compile=default"], "fused kernels, fewer Python-level ops (compiling takes time)"))
     return Finding("sync/overhead-bound", "; ".join(evidence), score, sugg)
+
+
+def _ema_cost(summary: dict[str, Any], config: dict[str, Any]) -> Finding | None:
+    """The EMA update's share of the step (``ema_update_ms``, timed at build), when above ``EMA_STEP_FRACTION_MAX``."""
+    update_ms, step_ms = _num(summary.get("ema_update_ms")), _num(summary.get("step_time_ms_median"))
+    decay, every = _get(config, "trainer.ema_decay"), int(_get(config, "trainer.ema_every", 1) or 1)
+    if not update_ms or not step_ms or not decay or update_ms / every / step_ms < EMA_STEP_FRACTION_MAX:
+        return None
+    share = update_ms / every / step_ms
+    n = every * math.ceil(share / 0.01)  # about 1 % of the step
+    return Finding("sync/overhead-bound", f"the EMA of the weights takes {update_ms:.3g} ms every {every} step(s), "
+                                          f"{share:.0%} of a {step_ms:.3g} ms step", share,
+                   [Suggestion([f"trainer.ema_every={n}", f"trainer.ema_decay={decay ** (n / every):.6g}"],
+                               f"update the average every {n} steps with the decay that keeps its horizon")])
+
+
+def _gradient_spikes(config: dict[str, Any], metrics: list[dict[str, Any]]) -> Finding | None:
+    """Log rows whose ``grad_norm`` exceeds ``GRAD_NORM_SPIKE`` x the median of the rows before them."""
+    norms = [(r["step"], r["grad_norm"]) for r in metrics if _num(r.get("grad_norm")) is not None]
+    spikes = []
+    for i in range(5, len(norms)):
+        before = sorted(n for _, n in norms[:i])
+        median = before[len(before) // 2]
+        if median > 0 and norms[i][1] > GRAD_NORM_SPIKE * median:
+            spikes.append((norms[i][0], norms[i][1], median))
+    if not spikes:
+        return None
+    step, norm, median = max(spikes, key=lambda s: s[1] / s[2])
+    clip = _get(config, "optimizer.clip_grad_norm")
+    sugg = ([Suggestion(["optimizer.clip_grad_norm=1.0"], "clip the global gradient norm (GPT-2/3, Llama: 1.0)")]
+            if clip is None else [])
+    lr = _get(config, "optimizer.lr")
+    if lr:
+        sugg.append(Suggestion([f"optimizer.lr={lr / 2:g}"], "a smaller step size"))
+    return Finding("gradient spikes", f"{len(spikes)} log row(s) with a gradient norm above {GRAD_NORM_SPIKE:g}x the "
+                                      f"median before it (worst: {norm:.3g} at step {step}, median {median:.3g}); "
+                                      "not a speed problem, a stability one", 0.0, sugg)
 
 
 def _memory_bound(config: dict[str, Any], peak: float, limit: float, cuda: bool) -> Finding:
