@@ -68,10 +68,10 @@ class EMA:
         them); after it, its own again. Costs one copy of the averaged tensors for the duration."""
         own = [t.detach().clone() for t in self.live]
         try:
-            torch._foreach_copy_(self.live, self.average)
+            _copy(self.live, self.average)
             yield
         finally:
-            torch._foreach_copy_(self.live, own)
+            _copy(self.live, own)
 
     def measure_update_ms(self, device: torch.device, repeats: int = 5) -> float:
         """The time of one update in ms (median of ``repeats``, the device drained), taken while the average
@@ -106,3 +106,9 @@ class EMA:
                 if loaded[name] is not tensor:
                     tensor.copy_(loaded[name])
         self.updates = int(state["updates"])
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``target.copy_(source)`` pairwise, one by one: DTensor (FSDP2) has no sharding rule for ``_foreach_copy_``."""
+    for target, source in zip(targets, sources):
+        target.detach().copy_(source)
