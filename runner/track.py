@@ -112,7 +112,8 @@ def _fmt(value: Any) -> str:
 
 
 class Tracker:
-    """Rank 0's outputs for one job: metrics rows, console progress, optional W&B run, the summary."""
+    """Rank 0's outputs for one job: metrics rows, console progress, the loggers `logger=` picks (W&B, TensorBoard,
+    MLflow, metrics.csv: ``runner.loggers``), the summary."""
 
     def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None,
                  resume_step: int | None = None, wandb_run_id: str | None = None, mlflow_run_id: str | None = None):
