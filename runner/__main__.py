@@ -22,11 +22,12 @@ def _refuse_misspelt_keys() -> None:
     +trainer.max_step=3", advice runner then refuses (the key would be ignored). Its compose errors pass through
     ``hydra._internal.utils.run_and_report`` (Hydra 1.3), wrapped here so that such an error prints runner's one
     ``error:`` line with the close declared key instead (``runner.validate.misspelt_override``), exit status 2;
-    every other error is Hydra's as before."""
+    likewise an unknown logger (``logger=foo``) or a setting of a logger the run does not pick
+    (``runner.validate.logger_override_error``). Every other error is Hydra's as before."""
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException
 
-    from runner.validate import misspelt_override
+    from runner.validate import logger_override_error, misspelt_override
 
     report = getattr(hydra_utils, "run_and_report", None)
     if report is None:  # another Hydra: its own message stays
@@ -36,8 +37,10 @@ def _refuse_misspelt_keys() -> None:
         def translated():
             try:
                 return func()
-            except ConfigCompositionException as e:
-                message = misspelt_override(e)
+            except (ConfigCompositionException, AssertionError) as e:
+                message = logger_override_error(e, sys.argv[1:])
+                if message is None and isinstance(e, ConfigCompositionException):
+                    message = misspelt_override(e)
                 if message is None:
                     raise
                 print(f"error: {message}", file=sys.stderr)

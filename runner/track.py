@@ -1,4 +1,5 @@
-"""Where figures go: ``metrics.jsonl`` + ``summary.json`` in the job folder, the console, and W&B.
+"""Where figures go: ``metrics.jsonl`` + ``summary.json`` in the job folder, the console, and the loggers
+``logger=`` picks (one or several): W&B, TensorBoard, MLflow, ``metrics.csv``.
 
 Only rank 0 tracks; other ranks get ``NullTracker``. Files are written atomically (temp file + rename)
 so a crash never leaves a half-written ``summary.json``.
@@ -22,8 +23,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner import REPO_ROOT
+from runner.config import logger_names
 
-# metrics.jsonl key -> W&B key (panel prefix); rows are logged against the step metric "trainer/step".
+# metrics.jsonl key -> logger key (panel prefix), for every logger (W&B, TensorBoard, MLflow); W&B logs the rows
+# against the step metric "trainer/step", the others against the optimizer step itself.
 WANDB_KEYS = {
     "samples_per_sec": "perf/samples_per_sec",
     "tokens_per_sec": "perf/tokens_per_sec",
@@ -37,7 +40,20 @@ WANDB_KEYS = {
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
     "eval_bits_per_char": "eval/bits_per_char",
+    "grad_norm": "train/grad_norm",
+    "eval_loss_ema": "eval/loss_ema",
+    "eval_accuracy_ema": "eval/accuracy_ema",
 }
+
+
+def panel_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row's figures under their logger keys (``WANDB_KEYS``); keys it does not map and nulls left out."""
+    return {WANDB_KEYS[k]: v for k, v in row.items() if k in WANDB_KEYS and v is not None}
+
+
+def summary_figures(summary: dict[str, Any]) -> dict[str, float]:
+    """The summary's top-level numbers (``samples_per_sec``, ``eval_accuracy``, ...; no bools, no nulls)."""
+    return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def finite_or_none(obj: Any) -> Any:
@@ -96,10 +112,11 @@ def _fmt(value: Any) -> str:
 
 
 class Tracker:
-    """Rank 0's outputs for one job: metrics rows, console progress, optional W&B run, the summary."""
+    """Rank 0's outputs for one job: metrics rows, console progress, the loggers `logger=` picks (W&B, TensorBoard,
+    MLflow, metrics.csv: ``runner.loggers``), the summary."""
 
     def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None,
-                 resume_step: int | None = None, wandb_run_id: str | None = None):
+                 resume_step: int | None = None, wandb_run_id: str | None = None, mlflow_run_id: str | None = None):
         self.job_dir = job_dir
         job_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it already; a direct train() call may not
         self.total_steps = total_steps
@@ -117,13 +134,30 @@ class Tracker:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        names = logger_names(cfg.logger)
         self.wandb = (_start_wandb(cfg.logger, job_dir, resolved, sweep_group, wandb_run_id)
-                      if cfg.logger.name == "wandb" else None)
+                      if "wandb" in names else None)
+        from runner import loggers
+
+        self.mlflow = (loggers.MLflowLogger(cfg.logger, job_dir, resolved, sweep_group, mlflow_run_id)
+                       if "mlflow" in names else None)
+        self.loggers: list[Any] = []  # the loggers besides W&B, each with log(row), finish(summary), abort(code)
+        if "tensorboard" in names:
+            self.loggers.append(loggers.TensorBoardLogger(job_dir / "tensorboard", resolved, resume_step))
+        if self.mlflow is not None:
+            self.loggers.append(self.mlflow)
+        if "csv" in names:
+            self.loggers.append(loggers.CSVLogger(job_dir / "metrics.csv", resume_step))
 
     @property
     def wandb_run_id(self) -> str | None:
         """The W&B run's id (kept in checkpoints, so a resumed run continues the same W&B run)."""
         return self.wandb.id if self.wandb is not None else None
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run's id (kept in checkpoints, so a resumed run continues the same MLflow run)."""
+        return self.mlflow.run_id if self.mlflow is not None else None
 
     def log(self, row: dict[str, Any]) -> None:
         """Record one log-interval row (step, loss, samples_per_sec, ...); the keys are metrics.jsonl's."""
@@ -142,8 +176,9 @@ class Tracker:
                 if row.get(k) is not None]
             print(" | ".join(parts), flush=True)
         if self.wandb is not None:
-            self.wandb.log({WANDB_KEYS[k]: v for k, v in row.items() if k in WANDB_KEYS and v is not None}
-                           | {"trainer/step": row["step"]})
+            self.wandb.log(panel_figures(row) | {"trainer/step": row["step"]})
+        for logger in self.loggers:
+            logger.log(row)
 
     def note(self, message: str) -> None:
         """A line on the console between the figures (e.g. that a long evaluation is running); not a metric."""
@@ -153,7 +188,7 @@ class Tracker:
             print(message, flush=True)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Write ``summary.json``, print the summary table, close the W&B run."""
+        """Write ``summary.json``, print the summary table, give every logger the summary and close it."""
         if self.bar is not None:
             self.bar.close()
         self._metrics.close()
@@ -163,14 +198,19 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.summary.update({k: v for k, v in summary.items() if k != "config"})
             self.wandb.finish()
+        for logger in self.loggers:
+            logger.finish(summary)
 
     def abort(self, exit_code: int = 1) -> None:
-        """Close files and the W&B run after a failure or a preemption (no summary is written)."""
+        """Close files and every logger's run after a failure or a preemption (no summary is written);
+        ``exit_code`` says which (``runner.preempt.EXIT_PREEMPTED`` for a preemption, 130 for Ctrl-C)."""
         if self.bar is not None:
             self.bar.close()
         self._metrics.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
+        for logger in self.loggers:
+            logger.abort(exit_code)
 
 
 class NullTracker:
@@ -189,6 +229,7 @@ class NullTracker:
         pass
 
     wandb_run_id = None
+    mlflow_run_id = None
 
 
 def print_summary(summary: dict[str, Any], job_dir: Path) -> None:

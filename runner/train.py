@@ -172,6 +172,9 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
             parts.checkpointer.finish()
             parts.tracker.abort(exit_code=preempt.EXIT_PREEMPTED)
             raise
+        except KeyboardInterrupt:  # a second Ctrl-C: stopped by the user, not failed (MLflow: KILLED)
+            parts.tracker.abort(exit_code=130)
+            raise
         except BaseException:
             parts.tracker.abort()
             raise
@@ -261,7 +264,7 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
                           f"start fresh with checkpoint.resume=never in a new folder")
     tracker = (Tracker(job_dir, cfg, resolved, plan.total_steps, sweep_group(),
                        resume_step=point.step if point.stale_rows else None,
-                       wandb_run_id=point.meta.get("wandb_run_id"))
+                       wandb_run_id=point.meta.get("wandb_run_id"), mlflow_run_id=point.meta.get("mlflow_run_id"))
                if env.is_main else NullTracker())
     if data.vocab is not None and point.path is not None:  # data.path may move, but must hold the same text
         _agree(lambda: text.check_vocab(data.vocab, cfg.data.path, point.meta, point.path), env)
@@ -312,6 +315,7 @@ def save_checkpoint(state: TrainState, parts: Parts) -> None:
     p.meter.flush()  # pending timing marks become figures of the state being saved
     parallel.sync_ddp_buffers(p.model, p.env)  # one copy of a replicated buffer is kept: make it rank 0's
     meta = {"config": p.resolved, "world_size": p.env.world_size, "wandb_run_id": p.tracker.wandb_run_id,
+            "mlflow_run_id": p.tracker.mlflow_run_id,
             "time": time.time(), "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
             **({"vocab": p.data.vocab} if p.data.vocab is not None else {})}
     before = p.checkpointer.time_s

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import CHOICES, check_choice
+from runner.config import CHOICES, LOGGER_PACKAGES, LOGGERS, check_choice, logger_names
 from runner.errors import ConfigError
 
 
@@ -51,6 +51,47 @@ def validate(cfg: DictConfig) -> None:
     for key in CHOICES:  # every closed option list (runner/config.py), so a bad value stops before anything is built
         check_choice(key, OmegaConf.select(cfg, key))
     _refuse_undeclared_keys(cfg)
+    check_logger_packages(logger_names(cfg.logger))
+
+
+def check_logger_packages(names: list[str]) -> None:
+    """Refuse a logger whose package is not installed (``logger=mlflow`` without mlflow), before training.
+
+    Raises:
+        ConfigError: naming the logger, the package and the pip command that installs it.
+    """
+    import importlib.util
+
+    for name in names:
+        module, pip = LOGGER_PACKAGES[name]
+        try:
+            found = module is None or importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken install, or a module without a spec
+            found = False
+        if not found:
+            raise ConfigError(f"logger={name} needs the {module} package, which is not installed: {pip}; "
+                              f"or drop {name} from logger=")
+
+
+def logger_override_error(exc: BaseException, overrides: list[str]) -> str | None:
+    """One line for Hydra's compose error about a logger: an unknown one (``logger=foo``, ``logger=[wandb,foo]``:
+    "Could not find/load 'logger/foo'"), or a setting of a logger the run does not pick
+    (``logger.mlflow.tracking_uri=...`` without ``logger=mlflow``: its node is null, and OmegaConf fails with an
+    AssertionError). None for any other error."""
+    import re
+
+    unknown = re.search(r"Could not (?:find|load) 'logger/([^']+)'", str(exc))
+    if unknown:
+        return (f"logger={unknown[1]} is not a logger; pick one of {', '.join(LOGGERS)} (logger=tensorboard), "
+                f"several as a list (logger=[wandb,tensorboard]) or logger=none")
+    if isinstance(exc, AssertionError) and "Unexpected type for root" in str(exc):
+        for override in overrides:
+            key = override.lstrip("+~").split("=", 1)[0]
+            parts = key.split(".")
+            if len(parts) > 2 and parts[0] == "logger" and parts[1] in LOGGERS:
+                return (f"{key} is a setting of logger={parts[1]}, which this run does not pick; add {parts[1]} "
+                        f"to the loggers (logger={parts[1]}, or logger=[wandb,{parts[1]}] for several)")
+    return None
 
 
 def _refuse_undeclared_keys(cfg: DictConfig) -> None:

@@ -36,6 +36,9 @@ SKIPPED = {
     "torchrun ": "several processes (tests/test_distributed.py runs torchrun)", "scripts/": "a launch script (torchrun)",
     "python -m runner.torchrun ": "several processes (tests/test_resume.py)", "curl ": "downloads",
     "python -c ": "a snippet, not a runner command",
+    "tensorboard ": "TensorBoard's viewer (tests/test_loggers.py reads the event files)",
+    "mlflow ": "MLflow's viewer (tests/test_loggers.py reads the store)",
+    "MLFLOW_TRACKING_URI=": "needs an MLflow tracking server (tests/test_loggers.py starts one)",
 }
 
 #: Arguments that make a line skip even as a composition: why.

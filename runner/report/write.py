@@ -228,7 +228,7 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
         doc.write_text(text)
         written += [doc, image]
     logger = (baseline.jobs[0].summary or {}).get("config", {}).get("logger", {})
-    if use_wandb and logger.get("name") == "wandb":
+    if use_wandb and (logger.get("wandb") is not None or logger.get("name") == "wandb"):  # name: older sweeps
         written.append(Path(log_to_wandb(rows, sweep, logger, written[2])))
     return written
 

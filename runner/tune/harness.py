@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import global_batch_size
+from runner.config import LOGGERS, global_batch_size
 from runner.errors import ConfigError
 
 NO_PROFILER = types.SimpleNamespace(step=lambda: None)  # fit() steps a profiler; tuning runs none
@@ -100,7 +100,7 @@ def with_overrides(cfg: DictConfig, **changes: Any) -> DictConfig:
     """A copy of ``cfg`` quiet for tuning (no W&B, no console rows, never resumes) with ``changes`` applied
     (dotted keys written with ``__``: ``dataloader__batch_size=64``); ``cfg`` itself is left as it was."""
     out = copy.deepcopy(cfg)
-    settings = {"logger.name": "none", "trainer.progress": "off", "checkpoint.resume": "never"}
+    settings = {**{f"logger.{name}": None for name in LOGGERS}, "trainer.progress": "off", "checkpoint.resume": "never"}
     settings |= {k.replace("__", "."): v for k, v in changes.items()}
     for key, value in settings.items():
         OmegaConf.update(out, key, value, merge=False)

@@ -29,6 +29,7 @@ class RangeRecorder:
     loss exceeds ``diverge_factor`` x its best or is not finite (fastai's ``LRFinder``)."""
 
     wandb_run_id = None
+    mlflow_run_id = None
 
     def __init__(self, steps: int, beta: float, diverge_factor: float):
         self.steps, self.beta, self.diverge_factor = steps, beta, diverge_factor
