@@ -36,6 +36,7 @@ SKIPPED = {
     "torchrun ": "several processes (tests/test_distributed.py runs torchrun)", "scripts/": "a launch script (torchrun)",
     "python -m runner.torchrun ": "several processes (tests/test_resume.py)", "curl ": "downloads",
     "python -c ": "a snippet, not a runner command",
+    "python -m runner.data.tokens ": "writes token files (tests/test_tokens.py runs prepare and its CLI)",
 }
 
 #: Arguments that make a line skip even as a composition: why.
