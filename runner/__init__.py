@@ -40,11 +40,12 @@ if not OmegaConf.has_resolver("runner_data_root"):
 
 
 #: The ``data.name`` values whose data has an in-memory form, so ``dataloader.on_device`` (``dataloader=device``)
-#: applies: every built-in but imagefolder (read from image files one by one). ``custom`` is tried: its data goes
+#: applies: every built-in but imagefolder (read from image files one by one; ``tokens`` is memory-mapped, and
+#: on_device loads its files whole). ``custom`` is tried: its data goes
 #: on the device when it is whole tensors (a TensorDataset or a Subset of one), else ``on_device_data`` is
 #: recorded as skipped. Defined here, torch-free, for the ``${runner_in_memory:}`` resolver below (composing a
 #: config imports no torch); ``runner.data`` re-exports it, and tests/test_data.py checks its sources agree.
-IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "custom")
+IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "tokens", "custom")
 
 #: First round of ``ablation.repeats=auto``: enough repeats for a first interval (runner/ablation.py adds rounds).
 AUTO_FIRST_ROUND = 3

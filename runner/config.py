@@ -35,7 +35,7 @@ from runner.tool_config import AblationConfig, InterleaveConfig, TuneConfig
 #: null. The schemas keep these fields plain strings: a bad value stops in ``validate`` with one ``error:`` line
 #: naming the choices (an Enum field would also change what the composed config and summary.json hold).
 CHOICES: dict[str, tuple[str | None, ...]] = {
-    "data.name": ("mnist", "cifar10", "imagefolder", "synthetic", "text", "custom"),
+    "data.name": ("mnist", "cifar10", "imagefolder", "synthetic", "text", "tokens", "custom"),
     "scheduler.name": ("constant", "onecycle", "cosine", "cyclic"),
     "precision.name": ("fp32", "amp", "bf16", "tf32"),
     "distributed.name": ("none", "ddp", "fsdp", "dp"),
@@ -172,6 +172,22 @@ class TextDataConfig(DataConfig):
 
     name: str = "text"
     path: Optional[str] = None
+    block_size: int = 256
+    train_size: Optional[int] = None  # random windows per epoch; null: train tokens // block_size
+    normalize: bool = False  # an image technique: nothing to normalize in token ids
+
+
+@dataclass
+class TokensDataConfig(DataConfig):
+    """``data=tokens``: nanoGPT's ``train.bin``/``val.bin`` (flat token ids, memory-mapped); windows of
+    ``block_size`` tokens sampled as ``data=text``'s (``runner.data.tokens``)."""
+
+    name: str = "tokens"
+    train_path: Optional[str] = None  # required: the training split's .bin
+    val_path: Optional[str] = None  # required: the validation split's .bin
+    vocab_size: Optional[int] = None  # required: the number of token ids (the model's vocabulary); ids below it
+    dtype: str = "uint16"  # the ids' type in the files: uint16 (nanoGPT) or uint32
+    tokenizer: Optional[str] = None  # a tiktoken encoding (gpt2) to decode samples.txt; null: token ids
     block_size: int = 256
     train_size: Optional[int] = None  # random windows per epoch; null: train tokens // block_size
     normalize: bool = False  # an image technique: nothing to normalize in token ids
@@ -472,7 +488,8 @@ GROUP_SCHEMAS = {
 #: Groups whose options extend a more specific schema than ``base_<group>``: ``base_<name>`` per entry.
 OPTION_SCHEMAS = {
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig},
-    "data": {"image_data": ImageDataConfig, "custom_data": CustomDataConfig, "text_data": TextDataConfig},
+    "data": {"image_data": ImageDataConfig, "custom_data": CustomDataConfig, "text_data": TextDataConfig,
+             "tokens_data": TokensDataConfig},
     "model": {"gpt": GPTConfig, "hf_causal_lm": HFCausalLMConfig},
     "task": {"language_model": LanguageModelTaskConfig},
 }

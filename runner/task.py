@@ -28,7 +28,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner import distributed, gpt, hf, parallel
-from runner.data import text
 from runner.errors import ConfigError
 
 #: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
@@ -134,7 +133,8 @@ class LanguageModel:
     character with ``data=text``). Throughput: tokens/s = samples/s x T; FLOPs per token likewise.
     After training, ``sample_tokens`` tokens generated from ``sample_prompt`` (``temperature``, ``top_k``;
     nanoGPT's ``sample.py``, https://github.com/karpathy/nanoGPT/blob/master/sample.py) are written to
-    ``samples.txt``, decoded with the data's vocabulary. Bits per character: the loss in base 2, the
+    ``samples.txt``, decoded with the data's ``Codec`` (``data=tokens`` without a tokenizer: the token ids;
+    ``runner.data.tokens``). Bits per character: the loss in base 2, the
     figure character-level language models are compared by (e.g. Graves 2013, https://arxiv.org/abs/1308.0850).
     """
 
@@ -162,15 +162,17 @@ class LanguageModel:
                 "eval_bits_per_char": loss / math.log(2)}
 
     def model_kwargs(self, data) -> dict[str, int]:
-        if data.vocab is None:
-            raise ConfigError("task=language_model needs token data (data=text data.path=<file>), but this data "
-                              "yields labelled samples; use data=text or task=classification")
-        return {"vocab_size": len(data.vocab)}
+        if data.codec is None:
+            raise ConfigError("task=language_model needs token data (data=text data.path=<file>, or data=tokens "
+                              "data.train_path=<train.bin> ...), but this data yields labelled samples; use data=text, "
+                              "data=tokens or task=classification")
+        return {"vocab_size": data.codec.vocab_size}
 
     def check(self, model, data) -> None:
         """Raises ConfigError: windows longer than the model's context (``block_size``, or a Hugging Face
         config's position count), a vocabulary the model does not share, a bad sampling setting, or a prompt
-        with characters the text never uses."""
+        the data's ``Codec`` cannot encode (characters the text never uses; ``data=tokens``: not token ids
+        below ``data.vocab_size``, or text without a tokenizer)."""
         block, (context, where) = data.sample_shape[0], hf.context_length(model)
         if context is not None and block > context:
             fix = where if where.startswith("model.") else (f"model.block_size with model=hf_causal_lm, or "
@@ -178,16 +180,15 @@ class LanguageModel:
             raise ConfigError(f"data.block_size={block} is longer than the model's context {where}={context}; "
                               f"lower data.block_size or raise {fix}")
         vocab_size = hf.vocab_size(model)
-        if vocab_size is not None and vocab_size != len(data.vocab):
-            raise ConfigError(f"the model's vocab_size={vocab_size} differs from the {len(data.vocab)} tokens of "
-                              f"data.path; drop model.vocab_size (it follows the data)")
+        if vocab_size is not None and vocab_size != data.codec.vocab_size:
+            where = "data.path" if data.vocab is not None else "data.vocab_size"
+            raise ConfigError(f"the model's vocab_size={vocab_size} differs from the {data.codec.vocab_size} tokens of "
+                              f"{where}; drop model.vocab_size (it follows the data)")
         if self.sample_tokens < 0 or self.temperature <= 0 or (self.top_k is not None and self.top_k < 1):
             raise ConfigError(f"task.sample_tokens={self.sample_tokens} must be >= 0, task.temperature="
                               f"{self.temperature} > 0 and task.top_k={self.top_k} >= 1 or null")
-        unknown = sorted(set(self.sample_prompt) - set(data.vocab))
-        if self.sample_tokens and (not self.sample_prompt or unknown):
-            raise ConfigError(f"task.sample_prompt={self.sample_prompt!r} must be non-empty text made of characters "
-                              f"of data.path (these are not: {unknown!r})")
+        if self.sample_tokens:
+            data.codec.encode(self.sample_prompt)  # raises ConfigError for a prompt the data cannot encode
 
     def tokens_per_sample(self, data) -> int:
         return data.sample_shape[0]
@@ -208,7 +209,7 @@ class LanguageModel:
         if not self.sample_tokens:
             return
         plain = parallel.unwrap(model)
-        prompt = torch.tensor([text.encode(self.sample_prompt, data.vocab)], device=env.device)
+        prompt = torch.tensor([data.codec.encode(self.sample_prompt)], device=env.device)
         generator = torch.Generator(env.device).manual_seed(seed)
         plain.eval()
         with torch.compiler.set_stance("force_eager"):
@@ -216,4 +217,4 @@ class LanguageModel:
                                context=data.sample_shape[0])
         plain.train()
         if env.is_main:
-            (job_dir / "samples.txt").write_text(text.decode(out[0].tolist(), data.vocab), encoding="utf-8")
+            (job_dir / "samples.txt").write_text(data.codec.decode(out[0].tolist()), encoding="utf-8")

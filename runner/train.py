@@ -270,6 +270,8 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
         _agree(lambda: text.check_vocab(data.vocab, cfg.data.path, point.meta, point.path), env)
     if env.is_main and data.vocab is not None:
         text.save_vocab(data.vocab, job_dir)
+    if env.is_main and data.codec is not None and data.codec.note:
+        print(f"note: {data.codec.note}", flush=True)  # data=tokens: why samples.txt holds token ids
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     checkpointer = checkpoint.Checkpointer(job_dir / checkpoint.FOLDER, every_steps=ck["every_steps"],

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text, run_cli
 from runner import REPO_ROOT, data as data_mod, distributed, hardware, models, precision, prepare
 from runner.config import CHOICES, GROUP_SCHEMAS
+from runner.data import tokens
 from runner.errors import ConfigError
 from runner.train import train, validate
 
@@ -83,6 +84,10 @@ def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
     extra = DATA_OVERRIDES.get(option, lambda r: [])(roots) if group == "data" else []
     if (group, option) in LANGUAGE_MODEL:
         extra = [*TINY_GPT, f"data.path={roots['text']}"]
+    if (group, option) == ("data", "tokens"):  # the tiny GPT on token files written from the same text
+        bins = tokens.prepare(roots["text"], tmp_path / "bins")
+        extra = [*(o for o in TINY_GPT if o != "data=text"), f"data.train_path={bins['train_path']}",
+                 f"data.val_path={bins['val_path']}", f"data.vocab_size={bins['vocab_size']}"]
     if (group, option) == ("model", "hf_causal_lm"):  # TINY_GPT's sizes are GPT2Config's names too
         pytest.importorskip("transformers")
         extra = [*(o for o in TINY_GPT if o != "model=gpt"), f"data.path={roots['text']}"]
@@ -195,7 +200,7 @@ def test_every_option_list_is_checked_once_before_anything_is_built(key):
 
 
 def test_the_data_option_list_is_what_the_builder_knows():
-    assert set(CHOICES["data.name"]) == {*data_mod.IMAGE_DATASETS, "text", "custom"}
+    assert set(CHOICES["data.name"]) == {*data_mod.IMAGE_DATASETS, "text", "tokens", "custom"}
 
 
 def _schema_of(option: dict):

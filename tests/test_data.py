@@ -16,6 +16,7 @@ import torch
 from conftest import compose_cfg, job_dirs, read_summary, run_cli
 from runner import REPO_ROOT, data as data_mod
 from runner.config import CHOICES
+from runner.data import tokens
 from runner.distributed import setup
 from runner.errors import ConfigError
 from runner.train import train
@@ -190,9 +191,12 @@ def test_synthetic_is_made_once_and_reproducible():
 def test_the_in_memory_list_is_what_the_sources_give(tiny_cifar, tiny_imagefolder, tiny_text, mnist_copy):
     """``IN_MEMORY_DATA`` (read by the ``${runner_in_memory:}`` resolver of the presets) names exactly the data
     whose source has an in-memory form, so ``dataloader=device`` can act on it."""
+    bins = tokens.prepare(tiny_text, tiny_text.parent / "bins")
     overrides = {"mnist": [f"data.root={mnist_copy}"], "cifar10": [f"data.root={tiny_cifar}"],
                  "imagefolder": [f"data.root={tiny_imagefolder}", "data.image_size=16"], "synthetic": [],
                  "text": [f"data.path={tiny_text}", "data.block_size=16"],
+                 "tokens": [f"data.train_path={bins['train_path']}", f"data.val_path={bins['val_path']}",
+                            f"data.vocab_size={bins['vocab_size']}", "data.block_size=16"],
                  "custom": ["data._target_=user_data.tabular"]}
     assert set(overrides) == set(CHOICES["data.name"]) and set(data_mod.IN_MEMORY_DATA) <= set(overrides)
     for name, more in overrides.items():

@@ -39,6 +39,7 @@ SKIPPED = {
     "tensorboard ": "TensorBoard's viewer (tests/test_loggers.py reads the event files)",
     "mlflow ": "MLflow's viewer (tests/test_loggers.py reads the store)",
     "MLFLOW_TRACKING_URI=": "needs an MLflow tracking server (tests/test_loggers.py starts one)",
+    "python -m runner.data.tokens ": "writes token files (tests/test_tokens.py runs prepare and its CLI)",
 }
 
 #: Arguments that make a line skip even as a composition: why.

@@ -1,9 +1,9 @@
-"""Datasets and loaders: the built-in image sets, character text or the user's own datasets, behind a
+"""Datasets and loaders: the built-in image sets, character text, token files or the user's own datasets, behind a
 ``DataLoader`` or held whole on the device.
 
 ``build`` returns train/eval iterables that yield ``(x, y)`` already on the run's device: for the built-in
 image sets ``x`` is a float32 batch of shape ``(B, C, H, W)`` (normalized when ``data.normalize``); for
-``data=custom`` it is the batch of whatever the user's items hold, ``(B, *S)``; for ``data=text`` ``x`` and
+``data=custom`` it is the batch of whatever the user's items hold, ``(B, *S)``; for ``data=text``/``tokens`` ``x`` and
 ``y`` are int64 token windows ``(B, block_size)``; otherwise ``y`` is an int64 ``(B,)``. The host->device
 copy happens inside the iterable, so the engine's data-wait figure includes it.
 
@@ -11,7 +11,11 @@ Where each concern lives:
 
 - ``source``: ``Source``, what every data source returns -- datasets and facts, never loaders.
 - ``images``: the built-in image sets (``IMAGE_DATASETS``: one function each), their transforms and ``STATS``.
-- ``text``: ``data=text`` -- corpus, vocabulary, ``TokenWindows`` and the on-device ``OnDeviceWindows``.
+- ``text``: ``data=text`` -- corpus, vocabulary, ``TokenWindows`` and the on-device ``OnDeviceWindows``;
+  ``windows_source``, the sampling both token sources share.
+- ``tokens``: ``data=tokens`` -- nanoGPT's ``.bin`` files memory-mapped (``TokenFile``), their checks, the
+  optional tiktoken decoding, and ``python -m runner.data.tokens prepare`` (imported on use: ``python -m``
+  runs it as a script).
 - ``custom``: ``data=custom`` -- the user's ``data._target_`` function, its checks and the class-count rule.
 - ``loading``: ``assemble``, the one function that turns a ``Source`` into loaders (on the device or from
   host ``DataLoader``s), checks the training loader is not empty and makes the example batch; ``Data``.
@@ -56,15 +60,20 @@ __all__ = [
 
 
 def source_for(data_cfg: DictConfig) -> Source:
-    """The ``Source`` of ``data.name``: ``text_source``, ``custom_source`` or ``image_source`` (``IMAGE_DATASETS``).
+    """The ``Source`` of ``data.name``: ``text_source``, ``tokens.tokens_source``, ``custom_source`` or
+    ``image_source`` (``IMAGE_DATASETS``).
 
     Raises:
         ConfigError: an unknown ``data.name``, or whatever that source raises.
     """
     name = data_cfg.name
-    check_choice("data.name", name)  # the built-ins of IMAGE_DATASETS, text and custom
+    check_choice("data.name", name)  # the built-ins of IMAGE_DATASETS, text, tokens and custom
     if name == "text":
         return text_source(data_cfg)
+    if name == "tokens":
+        from runner.data.tokens import tokens_source  # on use: python -m runner.data.tokens must import it first
+
+        return tokens_source(data_cfg)
     if name == "custom":
         return custom_source(data_cfg)
     return image_source(data_cfg)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from runner.data.batches import DeviceIterable, OnDeviceLoader, SkippableSampler
-from runner.data.source import Source
+from runner.data.source import Codec, Source, character_codec
 from runner.data.text import OnDeviceWindows
 from runner.errors import ConfigError
 
@@ -26,7 +26,8 @@ class Data:
     """What the engine needs from the data: two iterables plus what the model must fit.
 
     ``example`` is one batch of 2 samples on the device (inputs, targets), the shape and dtype of real
-    batches, for counting FLOPs. ``vocab`` (token data only) maps token id -> text.
+    batches, for counting FLOPs. ``vocab`` (character data only) maps token id -> text; ``codec`` (every token
+    data) holds the vocabulary size and reads ids as text (a ``vocab`` alone gives its ``character_codec``).
     """
 
     train: "DeviceIterable"
@@ -39,11 +40,16 @@ class Data:
     example: tuple[torch.Tensor, torch.Tensor]
     vocab: list[str] | None = None
     item: torch.Tensor | None = None  # the first training input as the dataset returns it (CPU); None for tokens
+    codec: Codec | None = None  # token data: vocabulary size, ids <-> text
+
+    def __post_init__(self):
+        if self.codec is None and self.vocab is not None:
+            self.codec = character_codec(self.vocab)
 
     @property
     def model_kwargs(self) -> dict[str, int]:
         """The constructor arguments the data dictates: ``vocab_size`` for token data, else ``num_classes``."""
-        return {"vocab_size": len(self.vocab)} if self.vocab is not None else {"num_classes": self.num_classes}
+        return {"vocab_size": self.codec.vocab_size} if self.codec is not None else {"num_classes": self.num_classes}
 
 
 @dataclass
@@ -184,7 +190,7 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
         raise ConfigError(f"dataloader.batch_size={bs} is larger than this rank's training set "
                           f"({len(source.train) // env.world_size} samples); lower it")
     if tokens:
-        example = tuple(torch.randint(0, len(source.vocab), (2, *shape), device=device) for _ in range(2))
+        example = tuple(torch.randint(0, source.codec.vocab_size, (2, *shape), device=device) for _ in range(2))
     else:
         example = (torch.randn(2, *shape, device=device), torch.randint(0, source.num_classes, (2,), device=device))
     return Data(
@@ -198,4 +204,5 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
         example=example,
         vocab=source.vocab,
         item=source.item,
+        codec=source.codec,
     )

@@ -4,7 +4,8 @@ The recipe of nanoGPT's ``data/shakespeare_char/prepare.py`` and ``train.py``'s 
 (https://github.com/karpathy/nanoGPT): the vocabulary is the sorted set of the text's characters, token
 id = index in it; the first 90 % of the tokens train, the last 10 % validate; a training sample is a
 random window of ``block_size`` tokens ``x`` and the same window shifted by one, ``y`` (the next token
-at every position). ``text_source`` returns these parts as a ``Source``; ``runner.data.loading`` assembles
+at every position). ``text_source`` returns these parts as a ``Source`` (``windows_source``, which
+``data=tokens``, ``runner.data.tokens``, shares); ``runner.data.loading`` assembles
 the loaders (``OnDeviceWindows`` on the device, a ``DataLoader`` over ``TokenWindows`` on the host).
 """
 
@@ -117,8 +118,10 @@ def decode(ids: list[int], vocab: list[str]) -> str:
 
 
 class TokenWindows(Dataset):
-    """Windows of a 1-D token tensor: item i = ``(tokens[s : s+block], tokens[s+1 : s+block+1])``, s = i x stride.
+    """Windows of a 1-D token sequence: item i = ``(tokens[s : s+block], tokens[s+1 : s+block+1])``, s = i x stride.
 
+    ``tokens``: an int64 ``(N,)`` tensor (``data=text``), or anything with ``len`` whose slices are int64
+    tensors (``data=tokens``: a memory-mapped ``runner.data.tokens.TokenFile``, read one window at a time).
     ``stride=1`` (training): every start position, drawn at random by the sampler; ``stride=block_size``
     (evaluation): consecutive windows that tile the split once. Items are int64 ``(block_size,)`` views.
     """
@@ -178,14 +181,35 @@ class OnDeviceWindows:
             yield window[:, :-1], window[:, 1:]
 
 
+def windows_source(name: str, train_tokens, val_tokens, block_size: int, train_size: int | None, *,
+                   in_memory, vocab: list[str] | None = None, codec=None) -> Source:
+    """The ``Source`` of a token corpus, shared by ``data=text`` and ``data=tokens``: nanoGPT's sampling.
+
+    Training: ``train_size`` random windows of ``block_size`` + 1 tokens per epoch (null: train tokens //
+    block_size), drawn by the loader assembly (``draws_per_epoch``; each rank its own seeded draw).
+    Evaluation: the consecutive windows that tile ``val_tokens``, the same every time (strided over the
+    ranks). Both are ``TokenWindows`` over ``train_tokens``/``val_tokens`` (int64 ``(N,)`` tensors or
+    ``TokenFile``s), so two corpora with the same token ids give the same windows for the same seed.
+
+    Args:
+        in_memory: ``Source.in_memory`` for ``dataloader.on_device``: a callable returning
+            ``(train int64 (N,), val int64 (M,))`` host tensors.
+        vocab: characters (``data=text``); codec: a ``Codec`` (``data=tokens``). One of the two.
+    """
+    return Source(name=name, train=TokenWindows(train_tokens, block_size),
+                  eval=TokenWindows(val_tokens, block_size, stride=block_size), sample_shape=(block_size,),
+                  layout="tokens", in_memory=in_memory,
+                  draws_per_epoch=train_size or len(train_tokens) // block_size, vocab=vocab, codec=codec)
+
+
 def text_source(cfg: DictConfig) -> Source:
     """``data=text``: character tokens of ``data.path`` (``read_corpus``), windows of ``data.block_size``.
 
     Training: ``data.train_size`` random windows per epoch (null: train tokens // block_size, so an epoch
     sees about as many tokens as the split holds), each rank its own seeded draw (``draws_per_epoch``).
     Evaluation: the consecutive windows that tile the validation split, the same every time, strided over
-    the ranks. ``dataloader.on_device``: both splits on the device, one gather per batch (``OnDeviceWindows``);
-    otherwise a ``DataLoader`` over ``TokenWindows`` with the host-loading techniques.
+    the ranks (``windows_source``). ``dataloader.on_device``: both splits on the device, one gather per batch
+    (``OnDeviceWindows``); otherwise a ``DataLoader`` over ``TokenWindows`` with the host-loading techniques.
     ``data.normalize``/``augment`` are image techniques: the language-model task records them as skipped.
 
     Raises:
@@ -193,8 +217,5 @@ def text_source(cfg: DictConfig) -> Source:
     """
     tokens, vocab = read_corpus(cfg.path)
     train_tokens, val_tokens = split(tokens, cfg.block_size, cfg.path)
-    block = cfg.block_size
-    return Source(name="text", train=TokenWindows(train_tokens, block),
-                  eval=TokenWindows(val_tokens, block, stride=block), sample_shape=(block,), layout="tokens",
-                  in_memory=lambda: (train_tokens, val_tokens),
-                  draws_per_epoch=cfg.train_size or len(train_tokens) // block, vocab=vocab)
+    return windows_source("text", train_tokens, val_tokens, cfg.block_size, cfg.train_size,
+                          in_memory=lambda: (train_tokens, val_tokens), vocab=vocab)
