@@ -243,7 +243,8 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
                               f"corrupt or truncated; {WEIGHTS[weights][1]}, so train the job again") from e
         raise ConfigError(f"{path} does not fit the job's model {cfg.model._target_} "
                           f"({str(e).splitlines()[0][:300]} ...): the file holds another model's weights, or the "
-                          f"overrides changed model.*; evaluate with the job's own model settings") from e
+                          f"overrides changed the model's shape (model.*, or data with other channels, classes or "
+                          f"vocabulary than the job's); evaluate with the job's model and data of the same kind") from e
     except Exception as e:  # noqa: BLE001 - safetensors' reader raises its own SafetensorError (and OSError)
         raise ConfigError(f"cannot read {path} as safetensors weights ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:300] if str(e) else ''}): the file is corrupt or truncated; "

@@ -147,7 +147,7 @@ def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] 
 
     from runner.task import logits_of
 
-    model = r.model.float()
+    model = r.model.float().to(memory_format=torch.contiguous_format)  # a portable layout, whatever the job used
     x = example_input(r.data)
     with torch.no_grad():
         expected = logits_of(model(x)).float()

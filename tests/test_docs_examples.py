@@ -36,6 +36,8 @@ SKIPPED = {
     "torchrun ": "several processes (tests/test_distributed.py runs torchrun)", "scripts/": "a launch script (torchrun)",
     "python -m runner.torchrun ": "several processes (tests/test_resume.py)", "curl ": "downloads",
     "python -c ": "a snippet, not a runner command",
+    "python -m runner.evaluate ": "a finished job's evaluation (tests/test_evaluate_export.py runs it)",
+    "python -m runner.export ": "a finished job's export (tests/test_evaluate_export.py runs it)",
 }
 
 #: Arguments that make a line skip even as a composition: why.

@@ -17,23 +17,37 @@ import torch
 from conftest import TINY, job_dirs, make_tiny_cifar, read_summary, run_cli
 from runner import REPO_ROOT
 
-pytestmark = pytest.mark.xdist_group("evaluate_export")  # one worker: the job is trained once
-
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> Path:
-    """A finished tiny job's folder (summary.json, model.safetensors, .hydra/), trained by the CLI."""
-    root = tmp_path_factory.mktemp("job")
-    proc = run_cli(*TINY, "trainer.doctor=false", cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def job(tmp_path_factory, worker_id) -> Path:
+    """A finished tiny job's folder (summary.json, model.safetensors, .hydra/), trained by the CLI once per session:
+    pytest-xdist workers share it through the session's base folder, the first one trains under a file lock (the
+    pattern of pytest-xdist's docs; its xdist_group marks do not keep a module on one worker here)."""
+    from filelock import FileLock
+
+    if worker_id == "master":
+        root = tmp_path_factory.mktemp("job")
+        train_job(root)
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "evaluate_export_job"
+        with FileLock(f"{root}.lock"):
+            if not root.is_dir():
+                train_job(root)
     [folder] = job_dirs(root)
     assert (folder / "model.safetensors").is_file()
     return folder
 
 
+def train_job(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    proc = run_cli(*TINY, "trainer.doctor=false", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def copy_job(job: Path, dest: Path) -> Path:
     """The job folder's files that evaluate/export read (.hydra/, summary.json, weights) in ``dest``."""
-    shutil.copytree(job, dest, ignore=shutil.ignore_patterns("checkpoints", "eval-*.json", "model.pt2", "model.onnx*"))
+    shutil.copytree(job, dest, ignore=shutil.ignore_patterns("checkpoints", "eval-*.json", "model.pt2", "model.onnx*",
+                                                         ".export-*"))
     return dest
 
 
@@ -107,7 +121,7 @@ def test_export_torch_runs_as_the_trained_model(job):
     x = torch.randn(5, 3, 16, 16)  # another batch size than the example's 2: the batch dimension is dynamic
     with torch.no_grad():
         torch.testing.assert_close(exported(x), trained_model(job)(x), rtol=1e-5, atol=1e-6)
-    assert not list(job.glob(".export-*"))
+    assert not list(job.glob(".export-*/model.pt2"))  # the temporary folder is gone
 
 
 @pytest.mark.slow  # the ONNX exporter and onnxruntime: ~15 s on 2 cores (`pytest -m slow` runs it)
