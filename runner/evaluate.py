@@ -65,7 +65,7 @@ def weights_file(folder: Path, weights: str, cfg: DictConfig | None = None) -> P
 
 
 def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
-    """The job's group choices (``data: synthetic``, ...; Hydra's own groups left out) and the config search path
+    """The job's group choices (``data: synthetic``, ...; Hydra's own and nested groups left out) and the config search path
     its command added, from ``.hydra/hydra.yaml`` (empty when absent)."""
     path = folder / ".hydra" / "hydra.yaml"
     if not path.is_file():
@@ -73,7 +73,7 @@ def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
     try:
         hydra = OmegaConf.load(path).hydra
         choices = {str(g): str(o) for g, o in hydra.runtime.choices.items()
-                   if o is not None and not str(g).startswith("hydra/") and g != "experiment"}
+                   if o is not None and "/" not in str(g) and g != "experiment"}  # runner's top-level groups
         cwd = Path(str(hydra.runtime.cwd))
         searchpath = []
         for entry in [str(p) for p in hydra.searchpath] + [f"{s.schema}://{s.path}" for s in hydra.runtime.config_sources
@@ -159,8 +159,10 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
     try:
         cfg = OmegaConf.merge(typed, {k: v for k, v in saved.items() if k not in switched})
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{saved_path} does not fit runner's config schema ({e}); it was written by another "
-                          f"version of runner: evaluate it with that version") from e
+        raise ConfigError(f"{saved_path} does not fit runner's config schema for the job's groups "
+                          f"({', '.join(f'{g}={o}' for g, o in choices.items())}): {e}. It was written by another "
+                          f"version of runner (evaluate it with that version), or .hydra/hydra.yaml is missing or "
+                          f"edited") from e
     OmegaConf.set_struct(cfg, True)
     from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra's own override application
 
@@ -233,6 +235,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     channels_last = cfg.channels_last and "channels_last" not in skipped
     data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed,
                           memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    _check_vocabulary(folder, data.vocab, cfg)
     model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item)
     task.check(model, data)
     try:
@@ -255,6 +258,28 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     model.eval()
     amp = precision.build(cfg.precision, env.device)
     return Rebuilt(folder, cfg, env, task, data, model, amp, weights, path, overrides)
+
+
+def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) -> None:
+    """Token data: the text's vocabulary must be the job's (``vocab.json``), or token ids would mean other
+    characters (the same count scrambles the model silently).
+
+    Raises:
+        ConfigError: naming ``data.path``, the job's ``vocab.json`` and the fix.
+    """
+    import json
+
+    saved_path = folder / "vocab.json"
+    if vocab is None or not saved_path.is_file():
+        return
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if list(saved) != list(vocab):
+        raise ConfigError(f"data.path={cfg.data.path} has a vocabulary of {len(vocab)} characters that differs from "
+                          f"the {len(saved)} of the job's {saved_path}: its token ids would mean other characters; "
+                          f"evaluate on the text the job trained on, or on text with exactly its characters")
 
 
 def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
@@ -287,6 +312,7 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
               "eval_max_batches": t.eval_max_batches, "batches": batches, "device": str(r.env.device),
               "precision": r.cfg.precision.name, "eval_time_s": elapsed, "torch_version": torch.__version__}
     path = Path(out) if out is not None else r.folder / f"eval-{weights}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, record)
     record["path"] = str(path)
     return record
