@@ -125,6 +125,11 @@ def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] 
     """Export job ``folder``'s model (``--weights``) in format ``fmt`` (``torch`` or ``onnx``) next to its weights
     file, and check the exported model's output on the example input against the trained model's.
 
+    ``torch``: ``torch.export.export(model, (x,), dynamic_shapes=...)`` + ``torch.export.save`` -> ``.pt2``
+    (https://pytorch.org/docs/stable/export.html); ``onnx``: ``torch.onnx.export(model, (x,), path, dynamo=True)``
+    -> ``.onnx`` (https://pytorch.org/docs/stable/onnx_export.html). ``x`` is ``example_input``: ``(2, *item
+    shape)``, batch dimension dynamic when the model allows; outputs ``(2, classes)`` or ``(2, T, vocab)`` logits.
+
     Returns the ``Exported`` record (path, input shape and dtype, whether the batch is dynamic, the largest
     absolute difference, or why the check was skipped).
 
