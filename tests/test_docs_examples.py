@@ -40,6 +40,8 @@ SKIPPED = {
     "mlflow ": "MLflow's viewer (tests/test_loggers.py reads the store)",
     "MLFLOW_TRACKING_URI=": "needs an MLflow tracking server (tests/test_loggers.py starts one)",
     "python -m runner.data.tokens ": "writes token files (tests/test_tokens.py runs prepare and its CLI)",
+    "python -m runner.evaluate ": "a finished job's evaluation (tests/test_evaluate_export.py runs it)",
+    "python -m runner.export ": "a finished job's export (tests/test_evaluate_export.py runs it)",
 }
 
 #: Arguments that make a line skip even as a composition: why.
