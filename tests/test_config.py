@@ -238,6 +238,8 @@ def test_yaml_options_set_only_what_differs_from_their_schema():
 
     found = {}
     for group in GROUP_SCHEMAS:
+        if group == "logger":  # its options fill the nodes logger.<name> (@package), typed by LoggerConfig's fields
+            continue
         for path in sorted((REPO_ROOT / "conf" / group).glob("*.yaml")):
             option = yaml.safe_load(path.read_text()) or {}
             schema = _schema_of(option)
