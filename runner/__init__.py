@@ -92,7 +92,7 @@ _RESOLVERS = {
 
 def _config_groups() -> str:
     """``${runner_config_groups:}``: the group list of ``python -m runner --help`` (conf/hydra/help/runner.yaml)."""
-    from runner.config import config_groups_help  # imported on use: this module stays light
+    from runner.config_help import config_groups_help  # imported on use: this module stays light
 
     return config_groups_help()
 

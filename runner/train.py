@@ -29,6 +29,7 @@ from runner import (
     debug,
     distributed,
     ema as ema_mod,
+    evaluation,
     hardware,
     launch,
     loop_guards as guards,
@@ -50,7 +51,7 @@ from runner.config import global_batch_size
 from runner.data import text
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.state import PerRankState, SharedState, TrainState
-from runner.track import NullTracker, Tracker, git_sha, job_folder, sweep_group, write_json_atomic
+from runner.track import NullTracker, Tracker, git_sha, job_folder, sweep_group
 from runner.validate import validate
 
 
@@ -335,7 +336,7 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
     """
     p, plan = parts, parts.plan
     if state.pending_eval == state.step and state.step:  # a signal cut this step's evaluation short: redo it
-        evaluate(state, parts)
+        evaluation.evaluate(state, parts)
     batches = _batches(p.data.train, state)
     segment_start = time.perf_counter()
     while state.step < plan.total_steps and state.stopped_early is None:
@@ -391,7 +392,7 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             state.train_time_s += measure.wall_clock(p.env.device) - segment_start  # queued kernels count as training
             p.meter.pause()  # the machine-load window covers training only
             if evaluating:
-                stop = not evaluate(state, parts) or stop  # False: a signal cut it short (one process)
+                stop = not evaluation.evaluate(state, parts) or stop  # False: a signal cut it short (one process)
                 last = last or state.stopped_early is not None
             if stop or (save and not (last and p.at_end)):  # the end-of-run checkpoint follows the loop
                 save_checkpoint(state, parts)
@@ -436,70 +437,6 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
         state.last_finite = (state.step, state.train_loss)
     parts.tracker.log({"step": state.step, "epoch": state.epoch, "loss": state.train_loss, "lr": lr,
                        **({"grad_norm": grad_norm} if grad_norm is not None else {}), **parts.meter.flush(), "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
-
-
-def evaluate(state: TrainState, parts: Parts) -> bool:
-    """Run the task's evaluation (outside the timed steps), log it, and date the first one meeting the
-    targets: ``time_to_target_s`` = training time until then, evaluations excluded. It stops at a batch
-    boundary when a signal arrives (every rank at the same batch: ``loop_guards.InterruptibleBatches``): nothing is logged, ``state.pending_eval`` marks the step (its
-    checkpoint redoes the evaluation on resume) and False is returned; True otherwise.
-
-    Raises:
-        TrainingDiverged: a non-finite evaluation loss (``loop_guards.check_evaluation``).
-    """
-    started = time.perf_counter()
-    p = parts
-    batches = len(p.data.eval) if p.plan.eval_max_batches is None else min(len(p.data.eval), p.plan.eval_max_batches)
-    p.tracker.note(f"step {state.step}: evaluating ({batches} batches per rank"
-                   + (", the weights and their EMA)" if p.ema is not None else ")"))
-    figures = _evaluate_once(parts)
-    if figures is not None and p.ema is not None:
-        with p.ema.swapped():
-            averaged = _evaluate_once(parts)
-        figures = None if averaged is None else figures | {f"{k}_ema": v for k, v in averaged.items()}
-    state.eval_time_s += time.perf_counter() - started
-    if figures is None:
-        state.pending_eval = state.step
-        return False
-    state.eval, state.pending_eval = figures, None
-    if state.time_to_target_s is None and p.plan.reached(state.eval):
-        state.time_to_target_s = state.train_time_s
-    p.tracker.log({"step": state.step, "epoch": state.epoch, **state.eval})
-    guards.check_evaluation(state, parts)
-    _watch(state, parts)
-    return True
-
-
-def _evaluate_once(parts: Parts) -> dict[str, float] | None:
-    """The task's metrics of the model's current weights; None when a signal cut the evaluation short."""
-    p = parts
-    loader = guards.InterruptibleBatches(p.data.eval, lambda: p.preemption.received is not None,
-                                         p.plan.eval_max_batches, p.env, p.preemption)
-    figures = p.task.evaluate(p.model, loader, p.amp.autocast, p.plan.eval_max_batches, p.env)
-    return None if getattr(loader, "interrupted", False) else figures
-
-
-def _watch(state: TrainState, parts: Parts) -> None:
-    """After an evaluation: keep the best weights (``checkpoint.keep_best``) and decide early stopping
-    (runner/monitor.py); their counters go into ``state.monitors`` (the checkpoint's)."""
-    p = parts
-    if p.best is not None and p.best.observe(state.eval, state.step):
-        best_dir = p.job_dir / "best"
-        if p.env.is_main:
-            best_dir.mkdir(exist_ok=True)
-        checkpoint.save_weights(p.model, best_dir / "model.safetensors", p.env.is_main)
-        if p.env.is_main:
-            write_json_atomic(best_dir / "best.json", {"metric": p.best.metric, "value": p.best.best,
-                                                       "step": state.step, "epoch": state.epoch})
-        state.monitors["best"] = p.best.as_dict()
-    elif p.best is not None:
-        state.monitors["best"] = p.best.as_dict()
-    if p.early is not None:
-        p.early.observe(state.eval, state.step)
-        state.monitors["early_stopping"] = p.early.as_dict()
-        if p.early.since_best >= p.patience:
-            state.stopped_early = monitor.stop_reason(p.early, p.patience)
-            p.tracker.note(f"step {state.step}: early stopping: {state.stopped_early}")
 
 
 def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
