@@ -12,10 +12,8 @@ import io
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,64 +22,15 @@ from omegaconf import DictConfig
 
 from runner import REPO_ROOT
 from runner.config import logger_names
-
-# metrics.jsonl key -> logger key (panel prefix), for every logger (W&B, TensorBoard, MLflow); W&B logs the rows
-# against the step metric "trainer/step", the others against the optimizer step itself.
-WANDB_KEYS = {
-    "samples_per_sec": "perf/samples_per_sec",
-    "tokens_per_sec": "perf/tokens_per_sec",
-    "step_time_ms": "perf/step_time_ms",
-    "data_wait_ms": "perf/data_wait_ms",
-    "peak_memory_mb": "perf/peak_memory_mb",
-    "loss": "train/loss",
-    "lr": "train/lr",
-    "epoch": "train/epoch",
-    "eval_accuracy": "eval/accuracy",
-    "eval_loss": "eval/loss",
-    "eval_perplexity": "eval/perplexity",
-    "eval_bits_per_char": "eval/bits_per_char",
-    "grad_norm": "train/grad_norm",
-    "eval_loss_ema": "eval/loss_ema",
-    "eval_accuracy_ema": "eval/accuracy_ema",
-}
-
-
-def panel_figures(row: dict[str, Any]) -> dict[str, Any]:
-    """A metrics row's figures under their logger keys (``WANDB_KEYS``); keys it does not map and nulls left out."""
-    return {WANDB_KEYS[k]: v for k, v in row.items() if k in WANDB_KEYS and v is not None}
-
-
-def summary_figures(summary: dict[str, Any]) -> dict[str, float]:
-    """The summary's top-level numbers (``samples_per_sec``, ``eval_accuracy``, ...; no bools, no nulls)."""
-    return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def finite_or_none(obj: Any) -> Any:
-    """``obj`` with every NaN/inf float replaced by None (recursively through dicts, lists and tuples), so it
-    serializes as strict JSON: ``NaN`` is not JSON and most parsers reject it."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_none(v) for v in obj]
-    return obj
-
-
-def to_json(obj: Any, **kwargs: Any) -> str:
-    """Strict JSON (RFC 8259): non-finite floats become null, anything else unknown its ``str``."""
-    return json.dumps(finite_or_none(obj), allow_nan=False, default=str, **kwargs)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as strict JSON to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX), so
-    a crash or a full disk never leaves a half-written file under the final name."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(to_json(obj, indent=2) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+from runner.records import (  # noqa: F401 - finite_or_none, to_json, write_json_atomic: runner.track's API too
+    WANDB_KEYS,
+    finite_or_none,
+    panel_figures,
+    reachable,
+    summary_figures,
+    to_json,
+    write_json_atomic,
+)
 
 
 def drop_rows_after(path: Path, step: int) -> None:
@@ -317,17 +266,6 @@ def wandb_api_key() -> str | None:
             return wandb.api.api_key
     except Exception:  # noqa: BLE001 - a broken settings file means "no key", never a failed run
         return None
-
-
-def reachable(url: str, timeout_s: float = 3.0) -> bool:
-    """Whether a TCP connection to ``url``'s host and port opens within ``timeout_s`` seconds."""
-    parsed = urllib.parse.urlsplit(url if "//" in url else f"https://{url}")
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 _offline_notice_shown = False  # the offline notice is printed once per process (once per sweep)

@@ -16,7 +16,8 @@ from conftest import compose_cfg, metrics_rows
 from runner import data as data_mod, hardware, measure, task as task_mod
 from runner.train import train
 
-ROW_KEYS = {"step", "epoch", "loss", "lr", "samples_per_sec", "step_time_ms", "data_wait_ms", "peak_memory_mb"}
+ROW_KEYS = {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_sec", "step_time_ms", "data_wait_ms",
+            "peak_memory_mb"}
 
 
 class ScriptedClock:
@@ -180,6 +181,7 @@ def test_metrics_rows_have_the_issue_keys(tmp_path):
     assert [r["step"] for r in train_rows] == [2, 4, 6] and [r["step"] for r in eval_rows] == [3, 6]
     for r in train_rows:
         assert set(r) == ROW_KEYS and math.isfinite(r["loss"]) and r["lr"] > 0 and r["peak_memory_mb"] > 0
+        assert r["grad_norm"] > 0
     assert train_rows[0]["samples_per_sec"] is None  # step 2's row covers only the warm-up step
     for r in train_rows[1:]:
         assert r["samples_per_sec"] > 0 and r["step_time_ms"] > 0 and r["data_wait_ms"] >= 0
