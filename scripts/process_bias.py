@@ -1,0 +1,102 @@
+"""Do identical training processes run at different speeds? (issue 17: the interleaved A/A's bias)
+
+    python scripts/process_bias.py --processes 4 --passes 20 [--start spawn|fork] [--rehome] [--threads N]
+
+K processes train the same MnistCNN on the same fixed batch (no data loading, no runner engine) and take turns
+in slices of ``--steps`` steps after a quarter-slice of unmeasured resume steps: every process once per pass,
+in a random order (RMIT, as ``hydra/launcher=interleaved`` does). It prints each process's median samples/s and
+each process against the first as the mean log ratio over the passes with its standard error: a firm ratio away
+from 1 between processes of one configuration is a process-level bias that pairing in time cannot cancel.
+
+``--rehome`` clones the parameters and the optimizer state and returns freed memory to the OS (``malloc_trim``)
+before every slice: if the bias came from where a process's memory landed, this would spread it over slices.
+Measure alone on the machine; nothing else may train meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import multiprocessing as mp
+import random
+import statistics
+import time
+
+
+def worker(connection, rehome: bool, threads: int | None) -> None:
+    import torch
+
+    from runner.models import MnistCNN
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = MnistCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    libc = ctypes.CDLL("libc.so.6")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(5):
+        step()
+    connection.send("ready")
+    while (steps := connection.recv()) is not None:
+        if rehome:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data = p.data.clone()
+                for state in optimizer.state.values():
+                    for key, value in list(state.items()):
+                        if torch.is_tensor(value):
+                            state[key] = value.clone()
+            libc.malloc_trim(0)
+        for _ in range(steps // 4):
+            step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        connection.send(steps * 64 / (time.perf_counter() - started))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--passes", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=60, help="measured steps per slice")
+    parser.add_argument("--start", choices=("spawn", "fork"), default="spawn")
+    parser.add_argument("--rehome", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each process")
+    args = parser.parse_args()
+    ctx = mp.get_context(args.start)
+    connections = []
+    for _ in range(args.processes):
+        mine, theirs = ctx.Pipe()
+        ctx.Process(target=worker, args=(theirs, args.rehome, args.threads)).start()
+        connections.append(mine)
+    for c in connections:
+        c.recv()
+    rng, results = random.Random(0), [[] for _ in connections]
+    for _ in range(args.passes):
+        order = list(range(len(connections)))
+        rng.shuffle(order)
+        for i in order:
+            connections[i].send(args.steps)
+            results[i].append(connections[i].recv())
+    for c in connections:
+        c.send(None)
+    medians = [statistics.median(r) for r in results]
+    print(f"{args.start}{' rehome' if args.rehome else ''}: medians {[round(m) for m in medians]} samples/s, "
+          f"spread {max(medians) / min(medians) - 1:.1%}")
+    for i in range(1, len(results)):
+        logs = [math.log(a / b) for a, b in zip(results[i], results[0])]
+        se = statistics.stdev(logs) / math.sqrt(len(logs))
+        print(f"  process {i} / process 0: x{math.exp(statistics.mean(logs)):.3f} (2 s.e. ±{2 * se:.1%})")
+
+
+if __name__ == "__main__":
+    main()
