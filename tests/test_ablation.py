@@ -133,6 +133,7 @@ def test_leave_one_in_and_out_are_mirror_images(tech):
     assert {k: off[k] for k in keys} == {k: base[k] for k in keys}
 
 
+@pytest.mark.slow
 def test_every_difference_between_the_presets_is_a_technique_of_the_ablation():
     base, fast = variant("baseline"), variant("fast")
     explained = set().union(*(diff(fast, variant(f"fast-{t}")) for t in LEAVE_OUT))
@@ -604,6 +605,7 @@ def test_repeats_auto_through_the_cli_adds_a_round_and_stops_at_max_repeats(tmp_
 
 @pytest.mark.parametrize("bad,message", [("ablation.repeats=often", "ablation.repeats='often'"),
                                          ("ablation.target_ci=0", "ablation.target_ci=0.0")])
+@pytest.mark.slow
 def test_bad_repeats_on_the_command_line_stop_before_any_job(tmp_path, bad, message):
     extra = ["ablation.repeats=auto"] if "target_ci" in bad else []
     proc = run_cli("-m", "+experiment=ablation", *TINY, *extra, bad, cwd=tmp_path, env={"PYTHONPATH": str(REPO_ROOT)},

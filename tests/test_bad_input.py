@@ -385,6 +385,7 @@ def test_bad_data_mid_training_is_one_message_naming_the_item(tmp_path, kind, wo
 
 
 # ----------------------------------------------------------------------------- runner.log holds the run's log
+@pytest.mark.slow
 def test_runner_log_holds_the_console_the_summary_the_doctor_and_errors(tmp_path):
     from conftest import job_dirs
 

@@ -85,6 +85,7 @@ def test_module_in_the_run_folder_not_found_elsewhere(tmp_path):
     assert list((elsewhere / "outputs").rglob("summary.json")) == []
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_on_custom_data(tmp_path):
     """Under torchrun each rank imports my_data from the run folder, draws its DistributedSampler share of
     the same data, and the replicas stay identical."""

@@ -261,6 +261,7 @@ def test_a_failing_rank_s_traceback_reaches_torchrun_s_summary(tmp_path):
     assert not list((root / "outputs").rglob("summary.json"))
 
 
+@pytest.mark.slow
 def test_distributed_none_under_torchrun_is_refused(tmp_path):
     root = make_root(tmp_path)
     proc = torchrun(*TINY, cwd=root)  # distributed=none by default

@@ -6,13 +6,15 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import metrics_rows, read_summary, run_cli
+from conftest import metrics_rows, read_summary, run_cli, run_tiny
 from runner.ema import EMA
+from runner.errors import ConfigError
 from runner.monitor import Watch
 
 #: a tiny CPU job through the CLI: 12 steps, a row every 2 steps, an evaluation every 4 on the same 2 batches
@@ -70,13 +72,14 @@ def test_ema_through_the_cli_evaluates_both_weights_and_writes_model_ema(tmp_pat
 
 
 def test_every_log_row_has_the_gradient_norm_before_clipping(tmp_path):
-    proc, folder = cli(tmp_path, "clipped", "optimizer.clip_grad_norm=0.01", "trainer.log_every=1")
+    short = ["trainer.log_every=1", "trainer.max_steps=4"]
+    proc, folder = cli(tmp_path, "clipped", "optimizer.clip_grad_norm=0.01", *short)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, plain = cli(tmp_path, "plain", "trainer.log_every=1")
+    proc, plain = cli(tmp_path, "plain", *short)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for f in (folder, plain):
         norms = [r["grad_norm"] for r in metrics_rows(f) if "loss" in r]
-        assert len(norms) == 12 and all(n > 0 for n in norms)
+        assert len(norms) == 4 and all(n > 0 for n in norms)
     # step 1's norm comes before any clipping changed the weights' path: the same in both runs, above the clip
     first = [next(r["grad_norm"] for r in metrics_rows(f) if "loss" in r) for f in (folder, plain)]
     assert first[0] > 0.01 and first[0] == pytest.approx(first[1], rel=1e-5)
@@ -119,7 +122,8 @@ def test_the_watch_improves_by_more_than_min_delta_in_either_direction():
 
 
 def test_deterministic_runs_are_bit_identical_and_say_so(tmp_path):
-    job = ["trainer.deterministic=true", "dataloader.num_workers=2", "data.augment=true", "cudnn_benchmark=true"]
+    job = ["trainer.deterministic=true", "dataloader.num_workers=2", "data.augment=true", "cudnn_benchmark=true",
+           "trainer.max_steps=4"]
     folders = []
     for name in ("a", "b"):
         proc, folder = cli(tmp_path, name, *job)
@@ -132,16 +136,27 @@ def test_deterministic_runs_are_bit_identical_and_say_so(tmp_path):
     assert summary["techniques"]["cudnn_benchmark"].startswith("skipped: trainer.deterministic=true")
 
 
+def test_a_metric_the_task_does_not_report_stops_the_cli_with_one_message(tmp_path):
+    proc, folder = cli(tmp_path, "bad", "trainer.early_stopping.metric=eval_bleu")
+    assert proc.returncode == 2
+    assert "error: trainer.early_stopping.metric=eval_bleu: the task does not report it; it reports eval_accuracy, " \
+           "eval_loss" in proc.stderr, proc.stderr[-2000:]
+    assert not (folder / "summary.json").exists()
+
+
 @pytest.mark.parametrize("overrides, says", [
-    (["trainer.early_stopping.metric=eval_bleu"], "trainer.early_stopping.metric=eval_bleu: the task does not report"),
     (["trainer.early_stopping.metric=eval_loss_ema"], "trainer.early_stopping.metric=eval_loss_ema: the task does not"),
     (["checkpoint.keep_best=true", "checkpoint.best_metric=accuracy"], "checkpoint.best_metric=accuracy"),
     (["trainer.ema_decay=1.5"], "trainer.ema_decay=1.5 must be in (0, 1)"),
-    (["trainer.early_stopping.mode=up"], "trainer.early_stopping.mode"),
     (["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.patience=0"], "patience=0 must be >= 1"),
+    (["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.min_delta=-1"], "min_delta=-1.0 must be >= 0"),
 ])
-def test_bad_settings_stop_with_one_message_naming_the_key(tmp_path, overrides, says):
-    proc, folder = cli(tmp_path, "bad", *overrides)
-    assert proc.returncode != 0
-    assert says in proc.stderr, proc.stderr[-2000:]
-    assert not (folder / "summary.json").exists()
+def test_bad_settings_stop_before_training_naming_the_key(tmp_path, overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        run_tiny(tmp_path / "job", *overrides)
+    assert not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_an_unknown_early_stopping_mode_is_refused_before_training(tmp_path):
+    proc, _ = cli(tmp_path, "bad", "trainer.early_stopping.mode=up")
+    assert proc.returncode == 2 and "trainer.early_stopping.mode" in proc.stderr

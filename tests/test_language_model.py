@@ -342,6 +342,7 @@ def test_on_device_text_in_the_engine(tiny_text, tmp_path, spy):
     assert s["steps"] == 4 and math.isfinite(s["eval_loss"])
 
 
+@pytest.mark.slow
 def test_compile_on_the_gpt(tiny_text, tmp_path, spy):
     from torch._dynamo.utils import counters
 

@@ -163,6 +163,7 @@ def test_metrics_csv_has_every_metrics_row_under_the_union_of_their_keys(three_l
 # ------------------------------------------------------------------------------- several loggers, W&B too
 
 
+@pytest.mark.slow
 def test_wandb_and_tensorboard_together(tmp_path):
     pytest.importorskip("tensorboard")
     from test_wandb import read_run, wandb_files
@@ -181,6 +182,7 @@ def test_wandb_and_tensorboard_together(tmp_path):
 # ------------------------------------------------------------------------------------------------- resume
 
 
+@pytest.mark.slow
 def test_a_preempted_mlflow_run_ends_killed_and_the_resumed_job_continues_it(tmp_path):
     """SIGTERM checkpoints and stops (exit 75): the MLflow run ends KILLED; the same command resumes from the
     checkpoint into the same MLflow run (its id is kept in the checkpoint), which then ends FINISHED with the
@@ -227,6 +229,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_an_unreachable_mlflow_server_falls_back_to_the_local_store(tmp_path):
     pytest.importorskip("mlflow")
     proc = run_cli(*JOB, "logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9", cwd=tmp_path)

@@ -105,6 +105,7 @@ def test_cli_value_that_does_not_fit_the_annotation_is_one_error_line(tmp_path):
     assert list((tmp_path / "outputs").rglob("summary.json")) == []
 
 
+@pytest.mark.slow
 def test_schemas_are_not_offered_as_models_and_typing_one_is_one_error(tmp_path):
     """``base_model`` (the schema every model option extends) is no choice: Hydra's option lists leave it out,
     and ``model=base_model`` typed anyway stops with one error line, not a MissingMandatoryValue traceback."""
@@ -120,6 +121,7 @@ def test_schemas_are_not_offered_as_models_and_typing_one_is_one_error(tmp_path)
     assert list((tmp_path / "outputs").rglob("summary.json")) == []
 
 
+@pytest.mark.slow
 def test_cli_typo_in_a_constructor_argument_stops_before_training(tmp_path):
     proc = run_cli("model=mlp", "model.widht=64", "data=synthetic", "trainer.device=cpu", "logger=none",
                    cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"})
@@ -233,6 +235,7 @@ def test_missing_weights_file_says_where_to_put_it(torch_home):
     assert "https://download.pytorch.org/models/resnet18-f37072fd.pth" in msg and f"put it at {path}" in msg
 
 
+@pytest.mark.slow
 def test_missing_weights_file_through_the_cli(tmp_path):
     home = tmp_path / "home"
     proc = run_cli("model=resnet18", "model.weights=IMAGENET1K_V1", "data=synthetic", "data.num_classes=2",
