@@ -42,8 +42,8 @@ class EMA:
         self.model, self.decay, self.warmup, self.every = model, decay, warmup, every
         named = list(parallel.unwrap(model).named_parameters()) + list(parallel.unwrap(model).named_buffers())
         self.names = [n for n, t in named if t.is_floating_point()]
-        self.live = [t for n, t in named if t.is_floating_point()]
-        self.average = [t.detach().clone() for t in self.live]
+        self.live = [t.detach() for n, t in named if t.is_floating_point()]  # views of the model's tensors, made once
+        self.average = [t.clone() for t in self.live]
         self.updates = 0
 
     def decay_now(self) -> float:
@@ -58,7 +58,7 @@ class EMA:
         if step % self.every:
             return
         weight = 1.0 - self.decay_now()
-        torch._foreach_lerp_(self.average, [t.detach() for t in self.live], weight)
+        torch._foreach_lerp_(self.average, self.live, weight)
         self.updates += 1
 
     @contextlib.contextmanager
@@ -66,7 +66,7 @@ class EMA:
     def swapped(self) -> Iterator[None]:
         """Inside the block the model holds the averaged weights (in place: a compiled or wrapped model sees
         them); after it, its own again. Costs one copy of the averaged tensors for the duration."""
-        own = [t.detach().clone() for t in self.live]
+        own = [t.clone() for t in self.live]
         try:
             _copy(self.live, self.average)
             yield
@@ -86,7 +86,7 @@ class EMA:
             drain()
             started = time.perf_counter()
             with torch.no_grad():
-                torch._foreach_lerp_(self.average, [t.detach() for t in self.live], 1.0 - self.decay)
+                torch._foreach_lerp_(self.average, self.live, 1.0 - self.decay)
             drain()
             times.append((time.perf_counter() - started) * 1e3)
         self.updates = saved
@@ -111,4 +111,4 @@ class EMA:
 def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``target.copy_(source)`` pairwise, one by one: DTensor (FSDP2) has no sharding rule for ``_foreach_copy_``."""
     for target, source in zip(targets, sources):
-        target.detach().copy_(source)
+        target.copy_(source)

@@ -120,8 +120,8 @@ def gradient_clipping(max_norm: float | None, model: torch.nn.Module, scaler: to
     loss-scaled ones; PyTorch AMP examples, https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping).
 
     ``clip(optimizer, norm=False)`` returns the global L2 norm before clipping as a 0-dim tensor on the device (no
-    host sync): always when clipping (``clip_grad_norm_`` computes it anyway), else only when ``norm`` is true
-    (the loop asks at log steps: the metrics row's ``grad_norm``), and None otherwise. ``max_norm`` None: nothing
+    host sync) when ``norm`` is true (the loop asks at log steps: the metrics row's ``grad_norm``; when clipping,
+    ``clip_grad_norm_`` computes it anyway), and None otherwise. ``max_norm`` None: nothing
     is clipped. Under FSDP the norm covers every shard (DTensor gradients reduce across ranks)."""
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -133,7 +133,8 @@ def gradient_clipping(max_norm: float | None, model: torch.nn.Module, scaler: to
             return None
         scaler.unscale_(optimizer)
         if max_norm is not None:
-            return full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return full(total) if norm else None  # full_tensor is a collective under FSDP: only when asked for
         grads = [p.grad for p in params if p.grad is not None]
         return full(torch.nn.utils.get_total_norm(grads)) if grads else None
 
