@@ -15,6 +15,10 @@ import torch
 from torch.utils.data import DataLoader
 
 
+#: epoch e's generators are seeded with first seed + this x e (``DeviceIterable.set_epoch``, ``OnDeviceLoader``)
+EPOCH_SEED_STRIDE = 1_000_003
+
+
 class DeviceIterable:
     """Wrap a batch iterable so it yields tensors on ``device`` in ``memory_format``.
 
@@ -47,7 +51,7 @@ class DeviceIterable:
         if hasattr(target, "set_epoch"):
             target.set_epoch(epoch)
         for g, first_seed in self._generators:
-            g.manual_seed(first_seed + 1_000_003 * epoch)
+            g.manual_seed(first_seed + EPOCH_SEED_STRIDE * epoch)
         self._skip = skip
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -104,8 +108,9 @@ class SkippableSampler(torch.utils.data.Sampler):
 class OnDeviceLoader:
     """Technique 2b (airbench, hlb-CIFAR10): the dataset lives on the device as a uint8 tensor.
 
-    Each epoch draws one permutation (same seed on every rank, then this rank's strided share, like
-    DistributedSampler), and each batch is gathered, converted to float, augmented with a random crop
+    Each epoch draws one permutation: in one process the host DataLoader's (the same batches as without
+    ``on_device``), over several ranks DistributedSampler's (same seed on every rank, then this rank's strided
+    share), and each batch is gathered, converted to float, augmented with a random crop
     (zero padding 4) and horizontal flip, and normalized, all on the device. With ``as_images=False``
     (``data=custom``) batches are gathered and yielded as they are stored.
 
@@ -138,7 +143,14 @@ class OnDeviceLoader:
 
     def __iter__(self):
         n = len(self.labels)
-        if self.shuffle:
+        if self.shuffle and self.world_size == 1:
+            # the host loader's order (runner/data/loading.py host_loader), so moving the data to the device
+            # changes no batch: its generator, reseeded per epoch as DeviceIterable.set_epoch does, gives the
+            # DataLoader its workers' base seed, then RandomSampler the epoch's permutation
+            g = torch.Generator().manual_seed(self.seed + EPOCH_SEED_STRIDE * self.epoch)
+            torch.empty((), dtype=torch.int64).random_(generator=g)
+            order = torch.randperm(n, generator=g)
+        elif self.shuffle:  # DistributedSampler's order: one permutation per epoch, seeded with seed + epoch
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(n, generator=g)
         else:
