@@ -424,6 +424,7 @@ class TrainerConfig:
     ema_every: int = 1  # update the average after every N-th optimizer step
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic: bit-identical reruns
+    num_threads: Optional[int] = None  # CPU intra-op threads (torch.set_num_threads); null = torch's default
 
 
 #: ``checkpoint.*`` (runner/checkpoint.py). A plain node rather than a dataclass because ``async`` is a Python

@@ -54,6 +54,34 @@ def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
     return {"deterministic": "applied"} if enabled else {}
 
 
+#: torch's intra-op thread count when this module was imported: what ``trainer.num_threads=null`` restores
+DEFAULT_NUM_THREADS = torch.get_num_threads()
+
+
+def apply_num_threads(num_threads: int | None) -> dict[str, str]:
+    """``trainer.num_threads``: the CPU's intra-op threads (``torch.set_num_threads``; PyTorch "CPU threading
+    and TorchScript inference", https://pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html).
+
+    torch's default is one thread per physical core; fewer can be faster when other work (DataLoader workers,
+    another process) shares the cores, and ``python -m runner.tune speed`` measures it. null restores the
+    default this process started with, so an earlier job in the same process cannot leak its setting.
+
+    Returns:
+        ``{"num_threads": "applied"}`` when set, else ``{}``.
+
+    Raises:
+        ConfigError: a count below 1.
+    """
+    if num_threads is None:
+        torch.set_num_threads(DEFAULT_NUM_THREADS)
+        return {}
+    if num_threads < 1:
+        raise ConfigError(f"trainer.num_threads={num_threads} must be >= 1 (or null for torch's default, "
+                          f"{DEFAULT_NUM_THREADS} here)")
+    torch.set_num_threads(num_threads)
+    return {"num_threads": "applied"}
+
+
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]:
     """Technique 6: let cuDNN time its convolution algorithms on the first batch of each input shape and
     keep the fastest (``torch.backends.cudnn.benchmark``; PyTorch "Performance Tuning Guide",

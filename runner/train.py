@@ -205,6 +205,7 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     skipped = task.skipped(cfg)  # switches that do not apply to this task: recorded, never applied
     techniques = dict(skipped)
     techniques |= prepare.apply_deterministic(t.deterministic, env.device)
+    techniques |= prepare.apply_num_threads(t.num_threads)
     benchmark = cfg.cudnn_benchmark and "cudnn_benchmark" not in skipped
     techniques |= prepare.apply_cudnn_benchmark(benchmark and not t.deterministic, env.device)
     if benchmark and t.deterministic:
