@@ -115,6 +115,19 @@ def test_an_unpaired_comparison_of_the_same_slices_misses_the_effect():
     assert paired.job_comparisons(r)["B"]["verdict"] == "faster"
 
 
+def test_a_job_against_the_reference_copy_cancels_a_slow_reference_process():
+    """``record.versus``: B against A' per pass. A reference process 20 % slower for its whole life (a process
+    bias, not drift) makes B and A' both look faster than A; B against A' shows B's true 5 %."""
+    r = _drifting_record(effect=1.05, drift=0.15, passes=12, seed=1)
+    for s in r["slices"]:
+        if s["job"] == "A":
+            s["samples_per_sec"] *= 0.8
+    c = record.compare(r)
+    assert c["A'"].ci_low > 1.2 and c["B"].ci_low > 1.25  # both "beat" the slow reference
+    assert record.versus(r, "B", "A'").speedup == pytest.approx(1.05, rel=0.01)
+    assert record.versus(r, "B", "missing") is None
+
+
 def test_the_minimum_detectable_effect_and_the_equivalence_margin():
     c = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
     margin = stats.equivalence_margin(c)

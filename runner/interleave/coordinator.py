@@ -91,7 +91,13 @@ def _job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str 
 class Conductor:
     """Runs the jobs of one interleaved sweep (see the module docstring); ``run`` returns when all finished."""
 
-    def __init__(self, jobs: list[Job], settings: DictConfig, sweep: Path, reference: str, aa: str | None):
+    def __init__(self, jobs: list[Job], settings: DictConfig, sweep: Path, reference: str, aa: str | None,
+                 retire: Any = None):
+        """``retire``: optional ``retire(comparisons) -> names``, asked after every pass from the
+        ``interleave.min_passes``-th on with ``record.compare`` of the slices so far; the jobs it names finish at
+        once and leave the passes (racing: the speed tuner retires candidates firmly slower than their
+        reference, so the others get the time)."""
+        self.retire = retire
         self.jobs = {j.name: j for j in jobs}
         self.s = settings
         self.sweep = sweep
@@ -266,6 +272,13 @@ class Conductor:
                 if stop.requested:
                     break
             elapsed = time.perf_counter() - started
+            if self.retire is not None and p + 1 >= self.s.min_passes:
+                for name in self.retire(record_mod.compare(self._snapshot())):
+                    job = self.jobs.get(name)
+                    if job is not None and job.status == "resident" and job.reference is not None:
+                        print(f"interleave: {name} retired after {p + 1} passes (firmly slower than "
+                              f"{job.reference})", flush=True)
+                        self._finish(job)
             self.write()
             widest = self._progress(group, p, resident, elapsed)
             if stop.requested:

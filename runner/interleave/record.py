@@ -87,6 +87,13 @@ def chained(record: dict[str, Any], name: str, target: str, confidence: float | 
     return stats.paired(sums, confidence or record.get("settings", {}).get("confidence", 0.95))
 
 
+def versus(record: dict[str, Any], name: str, other: str, confidence: float | None = None) -> stats.Paired | None:
+    """``name`` against ``other`` when both are compared with the same reference (a job against the reference's
+    copy A'): per pass, ``name``'s paired log ratio minus ``other``'s; None below 2 passes that measured both."""
+    diffs = [d[name] - d[other] for d in _pass_ratios(record).values() if name in d and other in d]
+    return stats.paired(diffs, confidence or record.get("settings", {}).get("confidence", 0.95))
+
+
 def aa_comparison(record: dict[str, Any]) -> stats.Paired | None:
     """The reference against its copy (A'): the sweep's own noise, or None without a copy."""
     aa = record.get("aa")
