@@ -513,7 +513,9 @@ def register_configs() -> None:
     """Store the schemas: ``config_schema`` for the primary config, ``base_<group>`` per group, and the
     specific ones (``base_sgd``, ``base_image_data``, ``base_custom_data``, ...); ``OPEN`` ones unlocked."""
     cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=RunnerConfig)
+    root = OmegaConf.structured(RunnerConfig)
+    OmegaConf.set_struct(root.tune.switches, False)  # the speed tuner's own switches: names the user picks
+    cs.store(name="config_schema", node=root)
     schemas = [(group, group, schema) for group, schema in GROUP_SCHEMAS.items()]
     schemas += [(group, name, schema) for group, named in OPTION_SCHEMAS.items() for name, schema in named.items()]
     for group, name, schema in schemas:

@@ -7,7 +7,7 @@ Training (``runner.train``) never reads them; they are nodes of the primary conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -53,7 +53,7 @@ class InterleaveConfig:
 
 @dataclass
 class TuneConfig:
-    """``tune.*``: the settings of ``python -m runner.tune batch_size|lr|dataloader`` (runner/tune/); training
+    """``tune.*``: the settings of ``python -m runner.tune batch_size|lr|dataloader|speed`` (runner/tune/); training
     (``python -m runner``) never reads them. Values are checked by ``runner.tune.check_settings``."""
 
     # batch_size and dataloader: each configuration trains this many steps with the run's own engine
@@ -76,5 +76,16 @@ class TuneConfig:
     prefetch_factors: Optional[list[int]] = None  # null: [2, 4] on CUDA, [2] on a CPU (only with workers > 0)
     loader_batches: int = 30  # batches timed on the loader alone, after warmup_steps batches
     tolerance: float = 0.05  # pick the fewest workers within this fraction of the best samples/s
+    # speed: greedy forward selection over the speed switches, measured interleaved (runner/tune/speed.py)
+    budget_minutes: float = 20.0  # measuring time of the whole search (a quarter kept for the verification);
+    # start-up and compilation of each round's processes come on top
+    allow: str = "speed"  # speed: switches that keep the recipe | recipe: also a 2x/4x micro-batch, LR scaled
+    only: Optional[list[str]] = None  # try only these built-in switches (names as the report lists them)
+    switches: dict[str, Any] = field(default_factory=dict)  # your own candidates: name -> {dotted.key: value}
+    guard_steps: int = 50  # steps each candidate trains from your weights and batches before it is measured
+    guard_tolerance: float = 0.02  # reject a candidate whose loss departs more than this (relative) from yours
+    min_speedup: float = 1.0  # a switch is kept when its interval's low end is above this
+    target_ci: float = 0.05  # a round stops once every interval is within +-this (or its time is spent)
+    slice_seconds: float = 1.0  # each round's slices (interleave.slice_steps, when set, wins)
 
 

@@ -243,4 +243,4 @@ def test_a_new_tuner_is_one_registry_entry(tmp_path, monkeypatch, capsys):
     assert "| 2 | 3.0 | **<- recommended** |" in (tmp_path / "fake.md").read_text()
     assert sorted(p.name for p in tmp_path.glob("fake.*")) == ["fake.csv", "fake.json", "fake.md", "fake.png"]
     assert capsys.readouterr().out.strip().endswith("override: fake.x=2")
-    assert "  fake         a tuner for this test" in usage() and "{batch_size,lr,dataloader,fake}" in usage()
+    assert "  fake         a tuner for this test" in usage() and "{batch_size,lr,dataloader,speed,fake}" in usage()

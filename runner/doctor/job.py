@@ -145,7 +145,16 @@ def render(findings: list[Finding], job: Job, warnings_shown: bool = False) -> s
         lines.append("  (host/launch-bound is a CUDA check: a CPU run has no GPU to idle)")
     if any(sug.overrides for f in findings for sug in f.suggestions):
         lines.append(f"  measure them: python -m runner.doctor {shlex.quote(str(job.folder))} --verify")
+    lines.append(f"  or let the speed tuner find and verify the fastest combination: {tune_command(job)}")
     return "\n".join(lines)
+
+
+def tune_command(job: Job) -> str:
+    """``python -m runner.tune speed`` with the job's overrides (runner/tune/speed.py): one process, as the tuner
+    measures; its pick applies to a distributed job too."""
+    config_dirs = [p.removeprefix("file://") for p in job.searchpath if p.startswith("file://")]
+    prefix = ["python", "-m", "runner.tune", "speed"] + [a for d in config_dirs for a in ("--config-dir", d)]
+    return shlex.join(prefix + [o for o in job.overrides if not o.startswith(("distributed=", "hydra."))])
 
 
 def report(folder: Path, warnings_shown: bool = False) -> str:

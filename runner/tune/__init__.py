@@ -3,6 +3,7 @@
     python -m runner.tune batch_size [overrides]   # the fastest micro-batch that leaves a memory margin
     python -m runner.tune lr [overrides]           # the LR range test (Smith 2017; fastai's lr_find)
     python -m runner.tune dataloader [overrides]   # num_workers x pin_memory x prefetch_factor
+    python -m runner.tune speed [overrides]        # the fastest combination of speed switches, verified
 
 The overrides are ``python -m runner``'s: the config is composed by the same ``@hydra.main`` (same search
 path, ``--config-dir``, presets), and every configuration is built by the engine's own ``runner.train.build``
@@ -34,7 +35,7 @@ from omegaconf import DictConfig
 
 from runner.config import register_configs
 from runner.errors import ConfigError
-from runner.tune import batch_size, dataloader, lr
+from runner.tune import batch_size, dataloader, lr, speed
 from runner.tune.batch_size import memory_budget_mb, tune_batch_size
 from runner.tune.dataloader import default_grid, tune_dataloader
 from runner.tune.harness import (
@@ -58,6 +59,7 @@ TUNERS: dict[str, Tuner] = {t.name: t for t in (
     batch_size.TUNER,
     lr.TUNER,
     dataloader.TUNER,
+    speed.TUNER,
 )}
 
 

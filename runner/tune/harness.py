@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config import LOGGERS, global_batch_size
 from runner.errors import ConfigError
 
+GUARD_MIN_STEPS = 5  # tune.guard_steps: at least one step per window of the speed tuner's guard
 NO_PROFILER = types.SimpleNamespace(step=lambda: None)  # fit() steps a profiler; tuning runs none
 
 #: ``(key, header, format)`` of one column of a tuner's printed and markdown tables (format: ``format()``'s
@@ -89,6 +90,14 @@ def check_settings(t: DictConfig) -> None:
          "must be a non-empty list of numbers >= 1, or null"),
         (t.loader_batches >= 1, "tune.loader_batches", t.loader_batches, "must be >= 1"),
         (0 <= t.tolerance < 1, "tune.tolerance", t.tolerance, "must be in [0, 1)"),
+        (t.budget_minutes > 0, "tune.budget_minutes", t.budget_minutes, "must be > 0"),
+        (t.allow in ("speed", "recipe"), "tune.allow", t.allow, "must be speed or recipe"),
+        (t.guard_steps >= GUARD_MIN_STEPS, "tune.guard_steps", t.guard_steps,
+         f"must be >= {GUARD_MIN_STEPS} (the guard compares the loss curves over 5 windows)"),
+        (t.guard_tolerance > 0, "tune.guard_tolerance", t.guard_tolerance, "must be > 0 (relative, e.g. 0.02)"),
+        (t.min_speedup >= 1, "tune.min_speedup", t.min_speedup, "must be >= 1 (a switch must not be slower)"),
+        (0 < t.target_ci < 1, "tune.target_ci", t.target_ci, "must be in (0, 1), e.g. 0.05"),
+        (t.slice_seconds > 0, "tune.slice_seconds", t.slice_seconds, "must be > 0"),
     ]
     for ok, key, value, rule in checks:
         if not ok:
@@ -370,9 +379,16 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
     md_path.write_text("\n".join(md))
     png_path = out / f"{kind}.png"
     plot(tuner, result, png_path)
+    extra = []
+    for name, text in result.get("files", {}).items():  # a tuner's own files, e.g. speed's experiment/tuned.yaml
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        extra.append(path)
     json_path = out / f"{kind}.json"
-    write_json_atomic(json_path, {"tuner": kind, **result, "tune": OmegaConf.to_container(cfg.tune)})
-    return [csv_path, md_path, png_path, json_path]
+    write_json_atomic(json_path, {"tuner": kind, **{k: v for k, v in result.items() if k != "files"},
+                                  "tune": OmegaConf.to_container(cfg.tune)})
+    return [csv_path, md_path, png_path, json_path, *extra]
 
 
 # ------------------------------------------------------------------------------------------- entry

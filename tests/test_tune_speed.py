@@ -1,0 +1,148 @@
+"""``python -m runner.tune speed``: the candidates that apply, the numerics guard, the greedy search measured by
+interleaved resident processes, the verification and the preset it writes (runner/tune/speed.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import TINY, TINY_GPT, compose_cfg, read_csv, run_cli
+from runner import tune
+from runner.errors import ConfigError
+from runner.tune import speed
+
+#: a short search: 4 passes of 3-step slices per round, a 10-step guard
+QUICK = ["tune.guard_steps=10", "interleave.slice_steps=3", "interleave.min_passes=4", "interleave.max_passes=4",
+         "interleave.resume_steps=1", "tune.budget_minutes=6"]
+
+
+def names(switches):
+    return {s.name for s in switches}
+
+
+def test_candidates_follow_the_job_and_the_hardware(tmp_path):
+    import torch
+
+    cpu = torch.device("cpu")
+    image, notes = speed.switches(compose_cfg(), cpu)
+    assert {"compile", "fused_optimizer", "channels_last", "on_device_data"} <= names(image)
+    assert not {"amp", "tf32", "cudnn_benchmark", "pinned_memory", "batch_x2"} & names(image)  # CUDA only / recipe
+    assert any(n.startswith("set_to_none: already on") for n in notes)
+    text = tmp_path / "input.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    lm, _ = speed.switches(compose_cfg(*TINY_GPT, f"data.path={text}", "optimizer.set_to_none=false"), cpu)
+    assert "channels_last" not in names(lm) and "set_to_none" in names(lm)  # an image technique; off in this job
+    recipe, _ = speed.switches(compose_cfg("dataloader.batch_size=8"), cpu, allow="recipe")
+    by_name = {s.name: s for s in recipe}
+    assert by_name["batch_x2"].changes == {"dataloader.batch_size": 16, "optimizer.lr_scaling": "linear"}
+    assert by_name["batch_x2"].recipe and not by_name["on_device_data"].arithmetic
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["tune.only=[compile,warp_drive]"], ["tune.only", "warp_drive", "compile"]),
+    (["tune.switches={mine: {no_such_key: 1}}"], ["tune.switches.mine", "no_such_key", "not a key"]),
+    (["tune.switches={compile: {channels_last: true}}"], ["tune.switches.compile", "built-in"]),
+    (["tune.guard_tolerance=0"], ["tune.guard_tolerance=0"]),
+    (["tune.allow=everything"], ["tune.allow=everything", "speed or recipe"]),
+])
+def test_bad_speed_settings_are_refused(tmp_path, overrides, words):
+    with pytest.raises(ConfigError) as caught:
+        tune.run("speed", compose_cfg(*overrides), tmp_path)
+    assert all(w in str(caught.value) for w in words), str(caught.value)
+
+
+def test_departure_compares_mean_losses_at_the_same_samples():
+    curve = [3.0 - 0.02 * i for i in range(50)]
+    assert speed.departure(curve, curve, 16, 16) == 0.0
+    assert speed.departure(curve, [v * 1.05 for v in curve], 16, 16) == pytest.approx(0.05)
+    # a 2x batch takes half the steps to the same samples: its losses are compared window by window there
+    assert speed.departure(curve, curve[::2][:25], 16, 32) < 0.01
+    assert speed.departure(curve, [*curve[:-1], math.nan], 16, 16) == math.inf
+
+
+def test_the_guard_rejects_a_switch_that_changes_what_is_learned(tmp_path):
+    # lr 50 changes the arithmetic and what is learned; the foreach kernel changes neither beyond rounding. With no
+    # measuring time left after the guard (budget 0.01 min) the search stops there.
+    cfg = compose_cfg("tune.only=[foreach_optimizer]", "tune.switches={broken: {optimizer.lr: 50.0}}",
+                      "tune.guard_steps=10", "tune.budget_minutes=0.01")
+    result = tune.run("speed", cfg, tmp_path / "out")
+    guard = {r["switch"]: r for r in result["rows"] if r["stage"] == "guard"}
+    assert guard["broken"]["verdict"].startswith("rejected") and guard["broken"]["guard_departure"] > 0.02
+    assert guard["foreach_optimizer"]["verdict"] == "passed" and guard["foreach_optimizer"]["guard_departure"] < 0.02
+    assert result["override"] == "(no change)" and result["recommended"]["switches"] == []
+
+
+def test_on_device_batches_are_the_loaders_batches():
+    """What lets the guard skip on-device data: in one process the batches on the device are the DataLoader's,
+    epoch after epoch and after a resume's skip."""
+    from runner import distributed
+    from runner.data import build
+
+    batches = []
+    for on_device in (False, True):
+        cfg = compose_cfg("data=mnist", "data.train_size=256", f"dataloader.on_device={str(on_device).lower()}")
+        data = build(cfg.data, cfg.dataloader, distributed.setup(cfg.distributed, "cpu"), seed=3)
+        seen = []
+        for epoch, skip in ((0, 0), (1, 0), (2, 3)):
+            data.train.set_epoch(epoch, skip=skip)
+            x, y = next(iter(data.train))
+            seen.append((x.sum().item(), y.tolist()))
+        batches.append(seen)
+    assert [labels for _, labels in batches[0]] == [labels for _, labels in batches[1]]
+    assert [b[0] for b in batches[0]] == pytest.approx([b[0] for b in batches[1]], rel=1e-5)
+
+
+def test_no_switch_that_helps_means_no_change(tmp_path):
+    # the only candidate, anomaly detection, slows every step: measured, not kept, and the answer is "no change"
+    out = tmp_path / "out"
+    proc = run_cli("speed", "--out", str(out), *TINY, *QUICK, "tune.only=[]",
+                   "tune.switches={anomaly: {debug.name: anomaly}}", cwd=tmp_path, module="runner.tune", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_csv(out / "speed.csv")
+    measured = [r for r in rows if r["stage"] == "round 1"]
+    assert [r["switch"] for r in measured] == ["anomaly"] and float(measured[0]["speedup"]) < 1
+    assert measured[0]["verdict"] != "helps"
+    assert proc.stdout.strip().splitlines()[-1] == "override: (no change)"
+    assert "switches: none (no change)" in (out / "experiment" / "tuned.yaml").read_text()
+    assert (out / "rounds" / "round1" / "interleave.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_switch_that_helps_is_picked_verified_and_written_as_a_preset(tmp_path):
+    # the job runs with anomaly detection on; turning it off is a large, sure speed-up that computes the same
+    out = tmp_path / "out"
+    # 1-second slices (tune.slice_seconds), 20 passes: a tiny job's few-step slices are too noisy for a firm verdict
+    longer = ["interleave.slice_steps=null", "interleave.min_passes=20", "interleave.max_passes=20"]
+    proc = run_cli("speed", "--out", str(out), *TINY, *QUICK, *longer, "debug=anomaly", "tune.only=[]",
+                   "tune.switches={debug_off: {debug.name: 'off'}}", cwd=tmp_path, module="runner.tune", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "speed.json").read_text())
+    assert result["recommended"]["switches"] == ["debug_off"] and result["recommended"]["ci_low"] > 1
+    verification = {r["switch"]: r for r in result["rows"] if r["stage"] == "verification"}
+    assert verification["debug_off"]["verdict"] == "helps"
+    assert any(k.startswith("+experiment=") for k in verification)  # the fast preset, head to head
+    preset = (out / "experiment" / "tuned.yaml").read_text()
+    assert preset.startswith("# @package _global_") and "debug:\n  name: 'off'" in preset
+    # the preset is usable as the README says: python -m runner +experiment=tuned --config-dir <out>
+    shown = run_cli(*TINY, "debug=anomaly", "+experiment=tuned", "--config-dir", str(out), "--cfg", "job",
+                    cwd=tmp_path, timeout=120)
+    assert shown.returncode == 0 and "name: 'off'" in shown.stdout, shown.stderr[-2000:]
+
+
+def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
+    """``trainer.num_threads`` (the speed tuner's ``half_threads``): set for the run, recorded, and a later job
+    in the same process with null gets torch's default back."""
+    import torch
+
+    from conftest import run_tiny
+    from runner import prepare
+
+    summary = run_tiny(tmp_path / "one", "trainer.num_threads=1")
+    assert summary["techniques"]["num_threads"] == "applied" and torch.get_num_threads() == 1
+    summary = run_tiny(tmp_path / "default")
+    assert "num_threads" not in summary["techniques"] and torch.get_num_threads() == prepare.DEFAULT_NUM_THREADS
+    with pytest.raises(ConfigError, match=r"trainer.num_threads=0 must be >= 1"):
+        run_tiny(tmp_path / "bad", "trainer.num_threads=0")
+    assert not (tmp_path / "bad" / "summary.json").exists()
