@@ -1,6 +1,6 @@
 """Do identical training processes run at different speeds? (issue 17: the interleaved A/A's bias)
 
-    python scripts/process_bias.py --processes 4 --passes 20 [--start spawn|fork] [--rehome] [--threads N]
+    python scripts/process_bias.py --processes 4 --passes 20 [--start spawn|fork] [--rehome] [--threads N] [--pin]
 
 K processes train the same MnistCNN on the same fixed batch (no data loading, no runner engine) and take turns
 in slices of ``--steps`` steps after a quarter-slice of unmeasured resume steps: every process once per pass,
@@ -19,12 +19,26 @@ import argparse
 import ctypes
 import math
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
 
 
-def worker(connection, rehome: bool, threads: int | None) -> None:
+def pin_threads() -> None:
+    """The main thread on the first CPU, every other thread (torch's intra-op workers) on the rest: the same
+    placement in every process. The hypothesis tested: the hypervisor steals unequal time from the vCPUs
+    (here 27 % of cpu0, 16 % of cpu1 over 10 s) and Linux keeps a waking thread where it last ran, so a process
+    whose main thread settled on the more-stolen vCPU would be slower for its whole life."""
+    cpus = sorted(os.sched_getaffinity(0))
+    main = os.getpid()
+    others = sorted(int(t) for t in os.listdir("/proc/self/task") if int(t) != main)
+    os.sched_setaffinity(main, {cpus[0]})
+    for i, tid in enumerate(others):
+        os.sched_setaffinity(tid, {cpus[1:][i % (len(cpus) - 1)]})
+
+
+def worker(connection, rehome: bool, threads: int | None, pin: bool = False) -> None:
     import torch
 
     from runner.models import MnistCNN
@@ -46,6 +60,8 @@ def worker(connection, rehome: bool, threads: int | None) -> None:
         step()
     connection.send("ready")
     while (steps := connection.recv()) is not None:
+        if pin:
+            pin_threads()
         if rehome:
             with torch.no_grad():
                 for p in model.parameters():
@@ -71,12 +87,14 @@ def main() -> None:
     parser.add_argument("--start", choices=("spawn", "fork"), default="spawn")
     parser.add_argument("--rehome", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each process")
+    parser.add_argument("--pin", action="store_true", help="pin_threads before every slice: the main thread on "
+                        "the first CPU, the others on the rest, in every process")
     args = parser.parse_args()
     ctx = mp.get_context(args.start)
     connections = []
     for _ in range(args.processes):
         mine, theirs = ctx.Pipe()
-        ctx.Process(target=worker, args=(theirs, args.rehome, args.threads)).start()
+        ctx.Process(target=worker, args=(theirs, args.rehome, args.threads, args.pin)).start()
         connections.append(mine)
     for c in connections:
         c.recv()
@@ -90,7 +108,7 @@ def main() -> None:
     for c in connections:
         c.send(None)
     medians = [statistics.median(r) for r in results]
-    print(f"{args.start}{' rehome' if args.rehome else ''}: medians {[round(m) for m in medians]} samples/s, "
+    print(f"{args.start}{' rehome' if args.rehome else ''}{' pin' if args.pin else ''}: medians {[round(m) for m in medians]} samples/s, "
           f"spread {max(medians) / min(medians) - 1:.1%}")
     for i in range(1, len(results)):
         logs = [math.log(a / b) for a, b in zip(results[i], results[0])]
