@@ -5,6 +5,12 @@ loss-curve plot.
     python scripts/bench_gpt.py                                  # CPU: +experiment=shakespeare_char
     python scripts/bench_gpt.py --preset shakespeare_char_gpu    # GPU: nanoGPT's GPU configuration
     python scripts/bench_gpt.py --steps 200 --out /tmp/gpt.md    # a shorter try
+    python scripts/bench_gpt.py --tuned outputs/tune/speed/<date>_<time>   # and the speed tuner's pick
+
+With ``--tuned DIR`` (a ``python -m runner.tune speed`` folder, which holds ``experiment/tuned.yaml``) two more
+runs follow: the recipe with the pick (``'+experiment=[<recipe>,tuned]' --config-dir DIR``), and the same with
+evaluation at nanoGPT's cost (``trainer.eval_max_batches=20``: 20 batches per evaluation, as its
+``--eval_iters=20``), whose wall time is comparable with nanoGPT's own ``train.py``.
 
 Each run is a plain ``python -m runner`` process (``logger=none``); the figures come from its
 ``summary.json`` and ``metrics.jsonl``: validation loss, time to the preset's ``trainer.target_loss``
@@ -28,9 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(name: str, experiment: str, extra: list[str], folder: Path) -> dict:
-    cmd = [sys.executable, "-m", "runner", f"+experiment={experiment}", "logger=none", "trainer.progress=lines",
-           f"hydra.run.dir={folder}", *extra]
+def run(name: str, experiment: str, extra: list[str], folder: Path, config_dir: Path | None = None) -> dict:
+    search = ["--config-dir", str(config_dir)] if config_dir else []
+    cmd = [sys.executable, "-m", "runner", *search, f"+experiment={experiment}", "logger=none",
+           "trainer.progress=lines", f"hydra.run.dir={folder}", *extra]
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -40,6 +47,8 @@ def run(name: str, experiment: str, extra: list[str], folder: Path) -> dict:
     summary = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     shown = " ".join(shlex.quote(c) for c in ["python", "-m", "runner", *cmd[3:-1 - len(extra)], *extra])
+    if config_dir:
+        shown = shown.replace(shlex.quote(str(config_dir)), "<tuned>")
     return {"name": name, "command": shown, "summary": summary, "rows": rows, "wall_s": wall,
             "load": (load_before, os.getloadavg()[0]), "samples": (folder / "samples.txt").read_text()[:300]}
 
@@ -76,7 +85,9 @@ def main() -> None:
     p.add_argument("--preset", default="shakespeare_char", help="the recipe: an experiment preset")
     p.add_argument("--steps", type=int, default=None, help="override trainer.max_steps (default: the preset's)")
     p.add_argument("--out", type=Path, default=None, help="the report (default docs/benchmarks/gpt-<cpu|gpu>.md)")
-    p.add_argument("overrides", nargs="*", help="extra overrides for both runs, e.g. data.path=...")
+    p.add_argument("--tuned", type=Path, default=None,
+                   help="a python -m runner.tune speed folder: also run the recipe with its experiment/tuned.yaml")
+    p.add_argument("overrides", nargs="*", help="extra overrides for every run, e.g. data.path=...")
     args = p.parse_args()
     gpu = "gpu" in args.preset
     out = args.out or REPO / "docs" / "benchmarks" / f"gpt-{'gpu' if gpu else 'cpu'}.md"
@@ -84,6 +95,13 @@ def main() -> None:
     scratch = REPO / "outputs" / "bench_gpt" / time.strftime("%Y-%m-%d_%H-%M-%S")
     results = [run("recipe", args.preset, extra, scratch / "recipe"),
                run("recipe + fast", f"[fast,{args.preset}]", extra, scratch / "fast")]
+    if args.tuned:
+        tuned = args.tuned.resolve()
+        if not (tuned / "experiment" / "tuned.yaml").is_file():
+            sys.exit(f"--tuned {args.tuned}: no experiment/tuned.yaml there; give a python -m runner.tune speed folder")
+        results += [run("recipe + tuned", f"[{args.preset},tuned]", extra, scratch / "tuned", tuned),
+                    run("recipe + tuned, 20 eval batches", f"[{args.preset},tuned]",
+                        [*extra, "trainer.eval_max_batches=20"], scratch / "tuned-eval20", tuned)]
     target = results[0]["summary"]["config"]["trainer"]["target_loss"]
     image = out.with_suffix(".png")
     plot(results, target, image)
@@ -95,7 +113,7 @@ def main() -> None:
         f"{platform.python_version()}; runner {s0['git_sha']}.",
         "",
         f"Command: `python scripts/bench_gpt.py {' '.join(sys.argv[1:])}`".replace("  ", " ").rstrip() + " — it runs "
-        "the two jobs below one after the other and writes this file.",
+        f"the {len(results)} jobs below one after the other and writes this file.",
         "",
         "| run | command | validation loss | time to val. loss "
         f"{target} | tokens/s | step time (median, ms) | peak memory (MiB) | wall time (s) | load average before/after |",
@@ -109,6 +127,11 @@ def main() -> None:
             f"{fmt(s['peak_memory_mb'], ',.0f')} | {r['wall_s']:.0f} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
     fast = results[1]["summary"]
     t0, t1 = s0["time_to_target_s"], fast["time_to_target_s"]
+    for r in results[2:3]:
+        s2 = r["summary"]
+        lines += ["", f"Speed-up of the tuned switches ({r['name']}): tokens/s ×{s2['tokens_per_sec'] / s0['tokens_per_sec']:.2f}, "
+                  f"median step time ×{s0['step_time_ms_median'] / s2['step_time_ms_median']:.2f}; validation loss "
+                  f"{s2['eval_loss']:.4f} vs the recipe's {s0['eval_loss']:.4f} ({s2['eval_loss'] - s0['eval_loss']:+.4f})."]
     lines += [
         "",
         f"![loss curves]({image.name})",
