@@ -14,7 +14,6 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader
 
-
 #: epoch e's generators are seeded with first seed + this x e (``DeviceIterable.set_epoch``, ``OnDeviceLoader``)
 EPOCH_SEED_STRIDE = 1_000_003
 

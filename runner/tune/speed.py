@@ -498,7 +498,6 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
         measure_round(r, rounds_dir / f"round{len(rounds) + 1}", settings)
         rounds.append(r)
         for s in remaining:
-            c = r.comparisons.get(s.name)
             rows.append({"stage": f"round {len(rounds)}", "switch": s.name, "on_top_of": base, **_figures(r, s.name)})
         winners = [s for s in remaining if helps(r, s.name, t.min_speedup)]
         if not winners:
