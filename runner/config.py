@@ -8,14 +8,12 @@ https://hydra.cc/docs/tutorials/structured_config/schema/).
 Fields that are *not* constructor arguments (``lr_scaling``, ``cifar_stem``, ...) are listed in
 ``RUNNER_KEYS`` of the module that consumes the group; everything else is passed to ``_target_``.
 
-Two nodes are open to keys no schema declares, because they carry the arguments of a user's own callable:
-``model`` (any constructor argument: ``model.width=64``) and ``data`` when ``data=custom`` (any argument
-of the dataset function: ``data.n_features=20``). Their schemas are stored with the struct flag off
-(``open_node``), so ``key=value`` adds such a key without Hydra's ``+``, while the declared fields stay
-typed (``model.cifar_stem=abc`` still fails at compose time). The builders then check the extra keys
-against the callable's signature before calling it (``runner.targets.check_arguments``), so a typo
-(``model.widht=64``) stops before training with the valid names. Every other group stays closed: a typo
-such as ``trainer.max_step`` fails at compose time.
+Nodes open to keys no schema declares carry a user's own arguments: ``model`` (``model.width=64``), ``data``
+when ``data=custom`` (``data.n_features=20``) and ``tune.switches``. They are stored with the struct flag off
+(``open_node``), so ``key=value`` adds a key without Hydra's ``+`` while declared fields stay typed. The
+builders check the extra keys against the callable's signature (``runner.targets.check_arguments``), so a typo
+(``model.widht=64``) stops before training with the valid names. Every other node stays closed: a typo such
+as ``trainer.max_step`` fails at compose time.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ round (speed-up, interval, verdict, the guard's loss and departure), and ``exper
 a preset, ``python -m runner '+experiment=[<yours>,tuned]' --config-dir <out>``. Each round's processes and
 ``interleave.json`` stay in ``<out>/rounds/``.
 
+Layout: the candidates in runner/tune/switches.py, the guard in runner/tune/guard.py, the rounds, the search
+and the outputs here.
+
 Runs in one process (the measured jobs are its children); under torchrun it refuses: measure a single
 process's job, then apply the pick to the distributed run.
 """
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import math
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,243 +50,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
-from runner.tune.harness import NO_PROFILER, Tuner, fmt, for_tuning, free_memory, is_oom, pyplot, say
-
-#: optimizers that have a fused kernel (torch.optim; others record ``optimizer_fused`` as skipped)
-FUSED = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD", "torch.optim.Adagrad")
-#: windows of the samples seen in which the guard compares the mean losses
-GUARD_WINDOWS = 5
-
-
-@dataclass(frozen=True)
-class Switch:
-    """One candidate: ``name`` (the table's), ``changes`` (dotted key -> value, applied to the run config),
-    ``group`` (switches of one group exclude each other: one compile mode, one optimizer kernel, one
-    precision), ``recipe`` (True: it changes the recipe, only with ``tune.allow=recipe``) and ``arithmetic``
-    (False for the switches that move data or syncs and compute the same thing on the same batches: on-device
-    data, loader workers, pinning, fewer syncs, ``set_to_none``; the guard skips them)."""
-
-    name: str
-    changes: dict[str, Any]
-    group: str | None = None
-    recipe: bool = False
-    arithmetic: bool = True  # False: it only moves data or work (same batches, same operations): not guarded
-
-    @property
-    def overrides(self) -> list[str]:
-        """The command-line form: ``["compile.mode=default", ...]``."""
-        return [f"{k}={_value(v)}" for k, v in self.changes.items()]
-
-
-def _value(v: Any) -> str:
-    return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
-
-
-def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch], list[str]]:
-    """The built-in switches that apply to ``cfg`` on ``device`` and are not already on, and one note per
-    switch left out and why (for the report).
-
-    Args:
-        cfg: the composed run config (the user's job).
-        device: ``torch.device`` the job runs on.
-        allow: ``speed`` (the recipe stays: same batch, LR, schedule) or ``recipe`` (also the micro-batch).
-    """
-    import torch
-
-    from runner import IN_MEMORY_DATA, hardware
-
-    cuda = device.type == "cuda"
-    image = not _is_language_model(cfg)
-    out: list[Switch] = []
-    notes: list[str] = []
-
-    def offer(switch: Switch, applies: bool, why_not: str) -> None:
-        already = all(OmegaConf.select(cfg, k) == v for k, v in switch.changes.items())
-        if already:
-            notes.append(f"{switch.name}: already on in your configuration")
-        elif not applies:
-            notes.append(f"{switch.name}: not a candidate ({why_not})")
-        else:
-            out.append(switch)
-
-    mode = cfg.compile.mode
-    offer(Switch("compile", {"compile.mode": "default"}, "compile"), mode is None or cuda, "")
-    for m in ("max-autotune", "reduce-overhead"):
-        offer(Switch(f"compile_{m.replace('-', '_')}", {"compile.mode": m}, "compile"), cuda,
-              "its kernels and CUDA graphs pay off on a GPU; on a CPU it mostly adds compile time")
-    target = cfg.optimizer._target_
-    offer(Switch("fused_optimizer", {"optimizer.impl": "fused"}, "optimizer_impl"), target in FUSED,
-          f"{target} has no fused kernel")
-    offer(Switch("foreach_optimizer", {"optimizer.impl": "foreach"}, "optimizer_impl"),
-          target.startswith("torch.optim."), f"{target} is not a torch.optim optimizer")
-    dl = cfg.dataloader
-    in_memory = cfg.data.name in IN_MEMORY_DATA
-    offer(Switch("on_device_data", {"dataloader.on_device": True}, "data", arithmetic=False), in_memory,
-          f"data={cfg.data.name} has no in-memory form")
-    if not dl.on_device:
-        workers = min(4, hardware.cpu_cores())
-        offer(Switch("loader_workers", {"dataloader.num_workers": workers, "dataloader.persistent_workers": True},
-                     arithmetic=False),
-              dl.num_workers == 0, "")
-        offer(Switch("pinned_memory", {"dataloader.pin_memory": True, "dataloader.non_blocking": True},
-                     arithmetic=False), cuda,
-              "pinned memory speeds up host-to-GPU copies only")
-    precision = cfg.precision.name
-    bf16 = (cuda and torch.cuda.is_bf16_supported()) or (not cuda and hardware.cpu_has_native_bf16())
-    fp32 = precision in ("fp32", "tf32")
-    offer(Switch("bf16", {"precision.name": "bf16"}, "precision"), fp32 and bf16,
-          "your precision is already reduced" if not fp32 else "this device has no native bf16")
-    offer(Switch("amp", {"precision.name": "amp"}, "precision"), fp32 and cuda,
-          "fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)")
-    ampere = cuda and torch.cuda.get_device_capability(device)[0] >= 8
-    offer(Switch("tf32", {"precision.name": "tf32"}, "precision"), precision == "fp32" and ampere,
-          "TF32 needs an NVIDIA GPU of compute capability 8.0 or newer")
-    offer(Switch("channels_last", {"channels_last": True}), image, "an image technique; the inputs are token ids")
-    offer(Switch("cudnn_benchmark", {"cudnn_benchmark": True}), image and cuda,
-          "cuDNN autotuning exists on CUDA only, for image models")
-    offer(Switch("set_to_none", {"optimizer.set_to_none": True}, arithmetic=False), True, "")
-    offer(Switch("fewer_syncs", {"trainer.log_every": 50}, arithmetic=False), cfg.trainer.log_every < 50,
-          f"trainer.log_every={cfg.trainer.log_every} already syncs at most every 50 steps")
-    threads = max(1, hardware.cpu_cores() // 2)
-    offer(Switch("half_threads", {"trainer.num_threads": threads}),
-          not cuda and threads != torch.get_num_threads(), "CPU threads matter on a CPU job only"
-          if cuda else "one core: no fewer threads to try")
-    if allow == "recipe":
-        b = int(dl.batch_size)
-        scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
-        for k in (2, 4):
-            offer(Switch(f"batch_x{k}", {"dataloader.batch_size": k * b, "optimizer.lr_scaling": scaling},
-                         "batch", recipe=True), True, "")
-    else:
-        notes.append("recipe changes (a larger micro-batch with the LR scaled) not tried: tune.allow=speed")
-    return out, notes
-
-
-def _is_language_model(cfg: DictConfig) -> bool:
-    return "LanguageModel" in str(cfg.task.get("_target_", "")) or cfg.task.get("name") == "language_model"
-
-
-def chosen(cfg: DictConfig, t: DictConfig, device) -> tuple[list[Switch], list[str]]:
-    """The candidates of this search: the built-in ``switches`` (narrowed by ``tune.only``) and
-    ``tune.switches``.
-
-    Raises:
-        ConfigError: ``tune.only`` names a switch that does not exist; ``tune.switches`` holds a change whose
-            key is not in the run config, or a name of a built-in switch.
-    """
-    builtin, notes = switches(cfg, device, t.allow)
-    known = {s.name for s in builtin} | {n.split(":")[0] for n in notes}
-    if t.only is not None:
-        unknown = [n for n in t.only if n not in known]
-        if unknown:
-            raise ConfigError(f"tune.only={list(t.only)}: no switch named {', '.join(unknown)}; the switches of this "
-                              f"job: {', '.join(sorted(known))}")
-        builtin = [s for s in builtin if s.name in t.only]
-    own = []
-    for name, changes in (t.switches or {}).items():
-        if name in known:
-            raise ConfigError(f"tune.switches.{name}: a built-in switch has that name; name yours differently")
-        if not OmegaConf.is_dict(changes) or not changes:
-            raise ConfigError(f"tune.switches.{name} must map config keys to values, e.g. "
-                              f"{{optimizer.impl: fused}}")
-        for key in changes:
-            if OmegaConf.select(cfg, str(key), default="<missing>") == "<missing>":
-                raise ConfigError(f"tune.switches.{name}: {key} is not a key of the run config")
-        own.append(Switch(str(name), {str(k): OmegaConf.to_container(changes)[k] for k in changes}))
-    return builtin + own, notes
-
-
-def applied(cfg: DictConfig, chosen_switches: list[Switch]) -> DictConfig:
-    """A copy of ``cfg`` with every switch's changes."""
-    out = copy.deepcopy(cfg)
-    for s in chosen_switches:
-        for key, value in s.changes.items():
-            OmegaConf.update(out, key, value, merge=False)
-    return out
-
-
-# ------------------------------------------------------------------------------------------- the guard
-
-
-class LossRecorder:
-    """A tracker that keeps each logged training loss (``log_every=1``: one per optimizer step)."""
-
-    wandb_run_id = None
-    mlflow_run_id = None
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def log(self, row: dict[str, Any]) -> None:
-        if "loss" in row:
-            self.losses.append(float(row["loss"]))
-
-    def note(self, message: str) -> None:
-        pass
-
-    def abort(self, exit_code: int = 1) -> None:
-        pass
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        pass
-
-
-def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[float] | None, str]:
-    """The training loss of each of the first ``steps`` optimizer steps of ``cfg`` (built by the engine, same
-    seed, so the same initial weights and batches as any other configuration of the job), and a note:
-    ``""``, ``"out of memory"`` (then None) or ``"loss not finite"``."""
-    import torch
-
-    from runner import train as engine
-    from runner.errors import TrainingDiverged
-
-    if cfg.compile.mode is not None:
-        torch._dynamo.reset()
-    recorder, note = LossRecorder(), ""
-    parts = state = None
-    try:
-        parts, state = engine.build(cfg, env, Path(tempfile.mkdtemp(prefix="guard-", dir=job_dir)))
-        parts.tracker.abort()
-        parts = for_tuning(parts, steps, 0, log_every=1, tracker=recorder)
-        engine.fit(state, parts, NO_PROFILER)
-    except TrainingDiverged:
-        note = "loss not finite"
-    except Exception as e:  # noqa: BLE001 - out of memory rejects the candidate; anything else is re-raised
-        if not is_oom(e):
-            raise
-        return None, "out of memory"
-    finally:
-        parts = state = None
-        free_memory(env.device)
-    return recorder.losses, note
-
-
-def departure(reference: list[float], losses: list[float], ref_batch: int, batch: int,
-              windows: int = GUARD_WINDOWS) -> float:
-    """How far ``losses`` departs from ``reference``: the largest relative difference of their mean losses
-    over ``windows`` equal parts of the samples both have seen (so a run with another batch size is
-    compared at the same samples). ``inf`` for a loss that is not finite or a curve that is too short.
-
-    Args:
-        reference, losses: per-step training losses (nats); ``ref_batch``, ``batch``: their global batch sizes.
-    """
-    seen = min(len(reference) * ref_batch, len(losses) * batch)
-    if seen == 0 or not all(math.isfinite(v) for v in losses):
-        return math.inf
-    worst = 0.0
-    for w in range(windows):
-        low, high = seen * w / windows, seen * (w + 1) / windows
-
-        def mean(curve: list[float], b: int) -> float | None:
-            inside = [v for i, v in enumerate(curve) if low <= i * b < high]
-            return sum(inside) / len(inside) if inside else None
-
-        a, c = mean(reference, ref_batch), mean(losses, batch)
-        if a is None or c is None:
-            continue
-        worst = max(worst, abs(c - a) / abs(a) if a else abs(c))
-    return worst
-
+from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
+from runner.tune.harness import Tuner, fmt, pyplot, say
+from runner.tune.switches import Switch, applied, chosen, is_language_model, switches
 
 # ------------------------------------------------------------------------------------------- measuring
 
@@ -302,7 +70,7 @@ def job_config(cfg: DictConfig) -> DictConfig:
              "trainer.early_stopping.metric": None, "checkpoint.resume": "never", "checkpoint.at_end": False,
              "checkpoint.every_steps": None, "checkpoint.every_minutes": None, "checkpoint.keep_best": False,
              "ablation.isolate": False}
-    if _is_language_model(cfg):
+    if is_language_model(cfg):
         quiet["task.sample_tokens"] = 0
     for key, value in quiet.items():
         if OmegaConf.select(out, key, default="<missing>") != "<missing>":

@@ -1,0 +1,97 @@
+"""The speed tuner's numerics guard (runner/tune/speed.py): the first steps' losses of a configuration, trained
+from the same weights and batches as the user's, and how far a loss curve departs from another."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.tune.harness import NO_PROFILER, for_tuning, free_memory, is_oom
+
+#: windows of the samples seen in which the guard compares the mean losses
+GUARD_WINDOWS = 5
+
+
+
+class LossRecorder:
+    """A tracker that keeps each logged training loss (``log_every=1``: one per optimizer step)."""
+
+    wandb_run_id = None
+    mlflow_run_id = None
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def log(self, row: dict[str, Any]) -> None:
+        if "loss" in row:
+            self.losses.append(float(row["loss"]))
+
+    def note(self, message: str) -> None:
+        pass
+
+    def abort(self, exit_code: int = 1) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        pass
+
+
+def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[float] | None, str]:
+    """The training loss of each of the first ``steps`` optimizer steps of ``cfg`` (built by the engine, same
+    seed, so the same initial weights and batches as any other configuration of the job), and a note:
+    ``""``, ``"out of memory"`` (then None) or ``"loss not finite"``."""
+    import torch
+
+    from runner import train as engine
+    from runner.errors import TrainingDiverged
+
+    if cfg.compile.mode is not None:
+        torch._dynamo.reset()
+    recorder, note = LossRecorder(), ""
+    parts = state = None
+    try:
+        parts, state = engine.build(cfg, env, Path(tempfile.mkdtemp(prefix="guard-", dir=job_dir)))
+        parts.tracker.abort()
+        parts = for_tuning(parts, steps, 0, log_every=1, tracker=recorder)
+        engine.fit(state, parts, NO_PROFILER)
+    except TrainingDiverged:
+        note = "loss not finite"
+    except Exception as e:  # noqa: BLE001 - out of memory rejects the candidate; anything else is re-raised
+        if not is_oom(e):
+            raise
+        return None, "out of memory"
+    finally:
+        parts = state = None
+        free_memory(env.device)
+    return recorder.losses, note
+
+
+def departure(reference: list[float], losses: list[float], ref_batch: int, batch: int,
+              windows: int = GUARD_WINDOWS) -> float:
+    """How far ``losses`` departs from ``reference``: the largest relative difference of their mean losses
+    over ``windows`` equal parts of the samples both have seen (so a run with another batch size is
+    compared at the same samples). ``inf`` for a loss that is not finite or a curve that is too short.
+
+    Args:
+        reference, losses: per-step training losses (nats); ``ref_batch``, ``batch``: their global batch sizes.
+    """
+    seen = min(len(reference) * ref_batch, len(losses) * batch)
+    if seen == 0 or not all(math.isfinite(v) for v in losses):
+        return math.inf
+    worst = 0.0
+    for w in range(windows):
+        low, high = seen * w / windows, seen * (w + 1) / windows
+
+        def mean(curve: list[float], b: int) -> float | None:
+            inside = [v for i, v in enumerate(curve) if low <= i * b < high]
+            return sum(inside) / len(inside) if inside else None
+
+        a, c = mean(reference, ref_batch), mean(losses, batch)
+        if a is None or c is None:
+            continue
+        worst = max(worst, abs(c - a) / abs(a) if a else abs(c))
+    return worst

@@ -1,0 +1,162 @@
+"""The speed tuner's candidates (runner/tune/speed.py): the switches that apply to a job on its hardware, the
+user's own (``tune.switches``), and a config with switches applied."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import ConfigError
+
+#: optimizers that have a fused kernel (torch.optim; others record ``optimizer_fused`` as skipped)
+FUSED = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD", "torch.optim.Adagrad")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One candidate: ``name`` (the table's), ``changes`` (dotted key -> value, applied to the run config),
+    ``group`` (switches of one group exclude each other: one compile mode, one optimizer kernel, one
+    precision), ``recipe`` (True: it changes the recipe, only with ``tune.allow=recipe``) and ``arithmetic``
+    (False for the switches that move data or syncs and compute the same thing on the same batches: on-device
+    data, loader workers, pinning, fewer syncs, ``set_to_none``; the guard skips them)."""
+
+    name: str
+    changes: dict[str, Any]
+    group: str | None = None
+    recipe: bool = False
+    arithmetic: bool = True  # False: it only moves data or work (same batches, same operations): not guarded
+
+    @property
+    def overrides(self) -> list[str]:
+        """The command-line form: ``["compile.mode=default", ...]``."""
+        return [f"{k}={_value(v)}" for k, v in self.changes.items()]
+
+
+def _value(v: Any) -> str:
+    return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
+
+
+def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch], list[str]]:
+    """The built-in switches that apply to ``cfg`` on ``device`` and are not already on, and one note per
+    switch left out and why (for the report).
+
+    Args:
+        cfg: the composed run config (the user's job).
+        device: ``torch.device`` the job runs on.
+        allow: ``speed`` (the recipe stays: same batch, LR, schedule) or ``recipe`` (also the micro-batch).
+    """
+    import torch
+
+    from runner import IN_MEMORY_DATA, hardware
+
+    cuda = device.type == "cuda"
+    image = not is_language_model(cfg)
+    out: list[Switch] = []
+    notes: list[str] = []
+
+    def offer(switch: Switch, applies: bool, why_not: str) -> None:
+        already = all(OmegaConf.select(cfg, k) == v for k, v in switch.changes.items())
+        if already:
+            notes.append(f"{switch.name}: already on in your configuration")
+        elif not applies:
+            notes.append(f"{switch.name}: not a candidate ({why_not})")
+        else:
+            out.append(switch)
+
+    mode = cfg.compile.mode
+    offer(Switch("compile", {"compile.mode": "default"}, "compile"), mode is None or cuda, "")
+    for m in ("max-autotune", "reduce-overhead"):
+        offer(Switch(f"compile_{m.replace('-', '_')}", {"compile.mode": m}, "compile"), cuda,
+              "its kernels and CUDA graphs pay off on a GPU; on a CPU it mostly adds compile time")
+    target = cfg.optimizer._target_
+    offer(Switch("fused_optimizer", {"optimizer.impl": "fused"}, "optimizer_impl"), target in FUSED,
+          f"{target} has no fused kernel")
+    offer(Switch("foreach_optimizer", {"optimizer.impl": "foreach"}, "optimizer_impl"),
+          target.startswith("torch.optim."), f"{target} is not a torch.optim optimizer")
+    dl = cfg.dataloader
+    in_memory = cfg.data.name in IN_MEMORY_DATA
+    offer(Switch("on_device_data", {"dataloader.on_device": True}, "data", arithmetic=False), in_memory,
+          f"data={cfg.data.name} has no in-memory form")
+    if not dl.on_device:
+        workers = min(4, hardware.cpu_cores())
+        offer(Switch("loader_workers", {"dataloader.num_workers": workers, "dataloader.persistent_workers": True},
+                     arithmetic=False),
+              dl.num_workers == 0, "")
+        offer(Switch("pinned_memory", {"dataloader.pin_memory": True, "dataloader.non_blocking": True},
+                     arithmetic=False), cuda,
+              "pinned memory speeds up host-to-GPU copies only")
+    precision = cfg.precision.name
+    bf16 = (cuda and torch.cuda.is_bf16_supported()) or (not cuda and hardware.cpu_has_native_bf16())
+    fp32 = precision in ("fp32", "tf32")
+    offer(Switch("bf16", {"precision.name": "bf16"}, "precision"), fp32 and bf16,
+          "your precision is already reduced" if not fp32 else "this device has no native bf16")
+    offer(Switch("amp", {"precision.name": "amp"}, "precision"), fp32 and cuda,
+          "fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)")
+    ampere = cuda and torch.cuda.get_device_capability(device)[0] >= 8
+    offer(Switch("tf32", {"precision.name": "tf32"}, "precision"), precision == "fp32" and ampere,
+          "TF32 needs an NVIDIA GPU of compute capability 8.0 or newer")
+    offer(Switch("channels_last", {"channels_last": True}), image, "an image technique; the inputs are token ids")
+    offer(Switch("cudnn_benchmark", {"cudnn_benchmark": True}), image and cuda,
+          "cuDNN autotuning exists on CUDA only, for image models")
+    offer(Switch("set_to_none", {"optimizer.set_to_none": True}, arithmetic=False), True, "")
+    offer(Switch("fewer_syncs", {"trainer.log_every": 50}, arithmetic=False), cfg.trainer.log_every < 50,
+          f"trainer.log_every={cfg.trainer.log_every} already syncs at most every 50 steps")
+    threads = max(1, hardware.cpu_cores() // 2)
+    offer(Switch("half_threads", {"trainer.num_threads": threads}),
+          not cuda and threads != torch.get_num_threads(), "CPU threads matter on a CPU job only"
+          if cuda else "one core: no fewer threads to try")
+    if allow == "recipe":
+        b = int(dl.batch_size)
+        scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
+        for k in (2, 4):
+            offer(Switch(f"batch_x{k}", {"dataloader.batch_size": k * b, "optimizer.lr_scaling": scaling},
+                         "batch", recipe=True), True, "")
+    else:
+        notes.append("recipe changes (a larger micro-batch with the LR scaled) not tried: tune.allow=speed")
+    return out, notes
+
+
+def is_language_model(cfg: DictConfig) -> bool:
+    return "LanguageModel" in str(cfg.task.get("_target_", "")) or cfg.task.get("name") == "language_model"
+
+
+def chosen(cfg: DictConfig, t: DictConfig, device) -> tuple[list[Switch], list[str]]:
+    """The candidates of this search: the built-in ``switches`` (narrowed by ``tune.only``) and
+    ``tune.switches``.
+
+    Raises:
+        ConfigError: ``tune.only`` names a switch that does not exist; ``tune.switches`` holds a change whose
+            key is not in the run config, or a name of a built-in switch.
+    """
+    builtin, notes = switches(cfg, device, t.allow)
+    known = {s.name for s in builtin} | {n.split(":")[0] for n in notes}
+    if t.only is not None:
+        unknown = [n for n in t.only if n not in known]
+        if unknown:
+            raise ConfigError(f"tune.only={list(t.only)}: no switch named {', '.join(unknown)}; the switches of this "
+                              f"job: {', '.join(sorted(known))}")
+        builtin = [s for s in builtin if s.name in t.only]
+    own = []
+    for name, changes in (t.switches or {}).items():
+        if name in known:
+            raise ConfigError(f"tune.switches.{name}: a built-in switch has that name; name yours differently")
+        if not OmegaConf.is_dict(changes) or not changes:
+            raise ConfigError(f"tune.switches.{name} must map config keys to values, e.g. "
+                              f"{{optimizer.impl: fused}}")
+        for key in changes:
+            if OmegaConf.select(cfg, str(key), default="<missing>") == "<missing>":
+                raise ConfigError(f"tune.switches.{name}: {key} is not a key of the run config")
+        own.append(Switch(str(name), {str(k): OmegaConf.to_container(changes)[k] for k in changes}))
+    return builtin + own, notes
+
+
+def applied(cfg: DictConfig, chosen_switches: list[Switch]) -> DictConfig:
+    """A copy of ``cfg`` with every switch's changes."""
+    out = copy.deepcopy(cfg)
+    for s in chosen_switches:
+        for key, value in s.changes.items():
+            OmegaConf.update(out, key, value, merge=False)
+    return out
