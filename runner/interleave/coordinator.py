@@ -328,6 +328,19 @@ class Conductor:
         write_json_atomic(self.sweep / record_mod.FILE, snapshot)
 
 
+def conduct(conductor: Conductor) -> None:
+    """Run ``conductor`` with Ctrl-C handled (``Stop``): the first stops after the current slice and every job
+    finishes; a second kills the jobs, writes ``interleave.json`` with what was measured and re-raises
+    KeyboardInterrupt for the caller to report."""
+    with Stop() as stop:
+        try:
+            conductor.run(stop)
+        except KeyboardInterrupt:
+            conductor.kill()
+            conductor.write()
+            raise
+
+
 def _variant(cfg: DictConfig) -> dict[str, Any]:
     a = cfg.get("ablation") or {}
     return {"variant": a.get("variant"), "repeat": a.get("repeat", 0)} if a.get("variant") else {}

@@ -75,7 +75,7 @@ class InterleavedLauncher(Launcher):
         return self._conduct(sweep, job_overrides, initial_job_idx, returns, prepared)
 
     def _conduct(self, sweep: Path, job_overrides, first: int, returns: list, prepared: list) -> list[JobReturn]:
-        from runner.interleave.coordinator import Conductor, Job, Stop
+        from runner.interleave.coordinator import Conductor, Job, conduct
         from runner.report.load import kind_of
 
         ablation = any(job and job[0].ablation.variant for job in prepared)
@@ -102,15 +102,12 @@ class InterleavedLauncher(Launcher):
         conductor = Conductor(jobs, self.config.interleave, sweep, reference, aa)
         print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
               f"each in its own process; the others wait while one trains", flush=True)
-        with Stop() as stop:
-            try:
-                conductor.run(stop)
-            except KeyboardInterrupt:
-                conductor.kill()
-                conductor.write()
-                print("interleave: killed; interleave.json holds what was measured; `python -m runner.report "
-                      f"{sweep}` writes its report", file=sys.stderr, flush=True)
-                sys.exit(130)
+        try:
+            conduct(conductor)
+        except KeyboardInterrupt:
+            print("interleave: killed; interleave.json holds what was measured; `python -m runner.report "
+                  f"{sweep}` writes its report", file=sys.stderr, flush=True)
+            sys.exit(130)
         for ret, job in zip([*returns, copy_ret], [*prepared, copy_job]):
             summary_path = job[1] / "summary.json" if job else None
             value = None

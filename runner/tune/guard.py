@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner.track import NullTracker
 from runner.tune.harness import NO_PROFILER, for_tuning, free_memory, is_oom
 
 #: windows of the samples seen in which the guard compares the mean losses
@@ -17,11 +18,9 @@ GUARD_WINDOWS = 5
 
 
 
-class LossRecorder:
-    """A tracker that keeps each logged training loss (``log_every=1``: one per optimizer step)."""
-
-    wandb_run_id = None
-    mlflow_run_id = None
+class LossRecorder(NullTracker):
+    """A tracker that keeps each logged training loss (``log_every=1``: one per optimizer step); every other
+    call does nothing (``runner.track.NullTracker``)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -29,15 +28,6 @@ class LossRecorder:
     def log(self, row: dict[str, Any]) -> None:
         if "loss" in row:
             self.losses.append(float(row["loss"]))
-
-    def note(self, message: str) -> None:
-        pass
-
-    def abort(self, exit_code: int = 1) -> None:
-        pass
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        pass
 
 
 def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[float] | None, str]:

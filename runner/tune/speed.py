@@ -103,7 +103,7 @@ def measure_round(r: Round, folder: Path, settings: DictConfig) -> Round:
     round), ``r.aa``, ``r.samples_per_sec`` (each job's median slice) and ``r.failed`` (a job that crashed, e.g.
     out of memory: name -> status). Ctrl-C stops the round after the current slice."""
     from runner.interleave import record as record_mod, stats
-    from runner.interleave.coordinator import Conductor, Job, Stop
+    from runner.interleave.coordinator import Conductor, Job, conduct
 
     folder.mkdir(parents=True, exist_ok=True)
     aa = f"{r.reference}-aa"
@@ -112,19 +112,13 @@ def measure_round(r: Round, folder: Path, settings: DictConfig) -> Round:
     jobs += [Job(name, job_config(c), folder / name, r.reference) for name, c in r.jobs.items() if name != r.reference]
     s = copy.deepcopy(settings)
     s.max_minutes = r.minutes
+
     def retire(comparisons: dict[str, Any]) -> list[str]:  # racing: firmly slower candidates stop early
         names = [n for n in comparisons if n != aa and comparisons[n] is not None]
         verdicts = stats.verdicts([comparisons[n] for n in names], s.confidence)
         return [n for n, v in zip(names, verdicts) if v == stats.HURTS]
 
-    conductor = Conductor(jobs, s, folder, r.reference, aa, retire=retire)
-    with Stop() as stop:
-        try:
-            conductor.run(stop)
-        except KeyboardInterrupt:
-            conductor.kill()
-            conductor.write()
-            raise
+    conduct(Conductor(jobs, s, folder, r.reference, aa, retire=retire))
     record = record_mod.load(folder) or {"jobs": {}, "slices": []}
     comparisons = record_mod.compare(record)
     r.aa = comparisons.pop(aa, None)
