@@ -128,6 +128,77 @@ def test_a_job_against_the_reference_copy_cancels_a_slow_reference_process():
     assert record.versus(r, "B", "missing") is None
 
 
+def _biased_record(effect: float, bias_sd: float, processes: int, passes: int = 15, seed: int = 0) -> dict:
+    """A sweep of configurations A (the reference), A' (A again) and B (``effect`` x faster), each in
+    ``processes`` processes taking turns in random order (RMIT), on a machine drifting by ±15 % over minutes
+    with 1 % noise per slice; every process is ``exp(N(0, bias_sd))`` x faster or slower for its whole life
+    (the process-level bias measured on this project's VM)."""
+    rng = random.Random(seed)
+    jobs, bias = {}, {}
+    for config, ref in (("A", None), ("A'", "A"), ("B", "A")):
+        for p in range(processes):
+            name = config if p == 0 else f"{config}-p{p}"
+            jobs[name] = {"config": config, "reference": ref, "group": None if ref is None else 1,
+                          "status": "measured"}
+            bias[name] = math.exp(rng.gauss(0, bias_sd))
+    phase, slices, t = rng.uniform(0, 2 * math.pi), [], 0
+    for p in range(passes):
+        order = list(jobs)
+        rng.shuffle(order)
+        for i, name in enumerate(order):
+            t += 1
+            speed = 100 * (1 + 0.15 * math.sin(2 * math.pi * t / 40 + phase)) * bias[name]
+            speed *= effect if jobs[name]["config"] == "B" else 1.0
+            slices.append({"group": 1, "pass": p, "position": i, "job": name, "pairs_with": None, "steps": 10,
+                           "seconds": 1.0, "samples_per_sec": speed * math.exp(rng.gauss(0, 0.01)), "time": t})
+    return {"reference": "A", "aa": "A'", "settings": {"confidence": 0.95, "processes": processes}, "jobs": jobs,
+            "slices": slices}
+
+
+def test_with_one_process_per_configuration_a_process_bias_is_called_an_effect():
+    """Why the process is the unit of replication: with one process each, the paired interval covers drift in
+    time only, and a 6 % process bias makes most A/As a firm "faster" or "slower"."""
+    false_aa = 0
+    for seed in range(20):
+        r = _biased_record(effect=1.0, bias_sd=0.06, processes=1, seed=seed)
+        assert not record.replicated(r)
+        false_aa += not paired.job_comparisons(r)["A'"]["verdict"].startswith("no effect larger than")
+    assert false_aa >= 10
+
+
+def test_several_processes_per_configuration_carry_the_process_bias_into_the_interval():
+    """With 4 processes per configuration the A/A is called at about the test's level (5 %), and a 25 % effect
+    is still found; every process of a configuration gets its configuration's figures in the report."""
+    false_aa = found = 0
+    for seed in range(40):
+        r = _biased_record(effect=1.25, bias_sd=0.06, processes=4, seed=seed)
+        c = paired.job_comparisons(r)
+        false_aa += not c["A'"]["verdict"].startswith("no effect larger than")
+        found += c["B"]["verdict"] == "faster"
+        assert c["B-p3"] == c["B"] and c["A-p1"]["verdict"] == "reference"
+    assert false_aa <= 5 and found >= 30
+    comparison = record.compare(r)
+    assert set(comparison) == {"A'", "B"} and comparison["B"].n == 8 and comparison["B"].df == 9  # 3 x (4 - 1)
+    assert record.versus(r, "B", "A'").speedup == pytest.approx(comparison["B"].speedup / comparison["A'"].speedup)
+    assert record.chained(r, "B", "A") == comparison["B"]
+
+
+def test_process_means_remove_the_drift_of_each_pass():
+    """Two processes of one configuration, the machine twice as fast in the second pass: each process's figure
+    is its speed relative to the reference's processes in the same pass, so the drift is gone."""
+    jobs = {"A": {"config": "A", "reference": None}, "A-p1": {"config": "A", "reference": None},
+            "B": {"config": "B", "reference": "A"}, "B-p1": {"config": "B", "reference": "A"}}
+    speeds = {0: {"A": 100, "A-p1": 100, "B": 110, "B-p1": 121}, 1: {"A": 200, "A-p1": 200, "B": 220, "B-p1": 242}}
+    slices = [{"group": 1, "pass": p, "position": i, "job": j, "samples_per_sec": v}
+              for p, row in speeds.items() for i, (j, v) in enumerate(row.items())]
+    means = record.process_means({"reference": "A", "jobs": jobs, "slices": slices})
+    assert means["A"] == pytest.approx(0) and means["B"] == pytest.approx(math.log(1.1))
+    assert means["B-p1"] == pytest.approx(math.log(1.21))
+    sd, df = stats.pooled_spread([[means["A"], means["A-p1"]], [means["B"], means["B-p1"]]])
+    assert df == 2 and sd == pytest.approx(math.log(1.1) / 2)  # sqrt((0 + 2 (log 1.1 / 2)^2) / 2)
+    assert stats.between_processes([0.1], [], sd, df) is None and stats.between_processes([0.1], [0.0], sd, 0) is None
+
+
 def test_the_minimum_detectable_effect_and_the_equivalence_margin():
     c = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
     margin = stats.equivalence_margin(c)
@@ -143,6 +214,8 @@ SWEEP = [o for o in TINY if not o.startswith("trainer.max_steps")] + [
 
 def _sweep(tmp_path: Path, *overrides: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "disabled"}
+    if not any(o.startswith("interleave.processes=") for o in overrides):
+        overrides = (*overrides, "interleave.processes=1")  # one process per configuration unless a test says
     return subprocess.Popen([sys.executable, "-m", "runner", "-m", "hydra/launcher=interleaved", *SWEEP, *overrides,
                              f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
@@ -170,6 +243,57 @@ def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     assert rows["1"]["design"] == "interleaved" and rows["1"]["ci_low"] and rows["1"]["verdict"]
     assert rows["0"]["verdict"] == "reference" and "A/A" in rows["0-aa"]["verdict"]
     assert (sweep / "1" / "summary.json").is_file() and "Noise (A/A)" in (sweep / "report.md").read_text()
+
+
+def test_every_configuration_runs_in_several_processes(tmp_path):
+    """``interleave.processes=2``: each configuration (seed 0, seed 1, the reference's copy) in two processes with
+    folders of their own; the report compares configurations between processes and gives every process its
+    configuration's figures."""
+    proc = _sweep(tmp_path, "trainer.seed=0,1", "interleave.processes=2")
+    sweep = tmp_path / "sweep"
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    r = record.load(sweep)
+    assert record.configs(r) == {"0": ["0", "0-p1"], "1": ["1", "1-p1"], "0-aa": ["0-aa", "0-aa-p1"]}
+    assert {s["job"] for s in r["slices"]} == set(r["jobs"])  # every process measured
+    assert all((sweep / name / "summary.json").is_file() for name in r["jobs"])
+    rows = {row["job"]: row for row in csv.DictReader((sweep / "report.csv").open())}
+    assert rows["1-p1"]["speedup"] == rows["1"]["speedup"] != "" and rows["0-p1"]["verdict"] == "reference"
+    assert "2 processes" in (sweep / "report.md").read_text()
+
+
+def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tmp_path):
+    """``+experiment=ablation ablation.design=interleaved interleave.processes=2``: each variant's processes are
+    its repeats (``<variant>/r0``, ``r1``), the baseline's copy A' follows them (``baseline/r2``, ``r3``), and
+    the report's row carries the comparison between processes."""
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    tiny = [o for o in SWEEP if not o.startswith("dataloader.batch_size")]
+    proc = subprocess.run([sys.executable, "-m", "runner", "-m", "+experiment=ablation", "ablation.design=interleaved",
+                           "ablation/variant=baseline,baseline+set_to_none", "optimizer.base_batch_size=16", *tiny,
+                           "interleave.processes=2", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env,
+                          text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sweep = tmp_path / "sweep"
+    r = record.load(sweep)
+    assert record.configs(r) == {"baseline/r0": ["baseline/r0", "baseline/r1"],
+                                 "baseline+set_to_none/r0": ["baseline+set_to_none/r0", "baseline+set_to_none/r1"],
+                                 "baseline/r2": ["baseline/r2", "baseline/r3"]}
+    assert r["aa"] == "baseline/r2" and record.replicated(r)
+    rows = {row["configuration"]: row for row in csv.DictReader((sweep / "report.csv").open())}
+    row = rows["baseline+set_to_none"]
+    assert row["design"] == "interleaved" and row["speedup_ci_low"], (row, r["jobs"], proc.stdout[-3000:])
+    assert float(row["speedup_ci_low"]) < float(row["speedup"]) < float(row["speedup_ci_high"])
+    assert "2 resident processes per configuration" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["interleave.processes=0"], "interleave.processes=0"),
+    (["interleave.processes=3", "interleave.order=abba"], "interleave.order=abba")])
+def test_bad_process_settings_are_refused_before_any_job(tmp_path, settings, message):
+    proc = _sweep(tmp_path, "trainer.seed=0,1", *settings)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2 and f"error: {message}" in out, out
+    assert not (tmp_path / "sweep" / "0").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")

@@ -44,18 +44,24 @@ from runner.track import write_json_atomic
 
 @dataclass
 class Job:
-    """One job of the sweep: its name (folder relative to the sweep), resolved config, folder and reference
-    (None for a reference of the whole sweep); the conductor fills the rest."""
+    """One process of the sweep: its name (folder relative to the sweep), resolved config, folder, reference
+    (the configuration it is compared with; None for the sweep's reference) and ``config``, the configuration
+    it runs (the name of that configuration's first process; None: its own name; ``interleave.processes`` > 1
+    runs each configuration in several processes); the conductor fills the rest."""
 
     name: str
     cfg: DictConfig
     folder: Path
     reference: str | None
+    config: str | None = None
     process: Any = None
     connection: Any = None
     status: str = "pending"  # pending | resident | measured | failed (exit N) | ended early
     report: dict[str, Any] = field(default_factory=dict)  # the job's last message (runner/slice_gate.py)
     group: int | None = None
+
+    def __post_init__(self) -> None:
+        self.config = self.config or self.name
 
 
 class Stop:
@@ -216,7 +222,7 @@ class Conductor:
     def run(self, stop: Stop) -> None:
         """Admit, calibrate, measure group after group and finish every job (the module docstring); returns
         early, with the record written, when the sweep's reference fails to start. Ctrl-C: ``stop``."""
-        refs = [j for j in self.jobs.values() if j.reference is None or self._is_reference(j.name)]
+        refs = [j for j in self.jobs.values() if j.reference is None or self._is_reference(j.config)]
         members = [j for j in self.jobs.values() if j not in refs]
         budget_s = 60 * self.s.max_minutes
         for job in refs:
@@ -257,6 +263,9 @@ class Conductor:
             for j in resident:
                 if j.status == "resident" and j.reference is not None:
                     by_ref.setdefault(j.reference, []).append(j.name)
+            for j in resident:  # further processes of a reference: scheduled beside its first
+                if j.status == "resident" and j.reference is None and j.config != j.name and j.config in by_ref:
+                    by_ref[j.config].append(j.name)
             if j_ref_missing := [r for r in by_ref if self.jobs[r].status != "resident"]:
                 why = f"the reference {j_ref_missing[0]} {self.jobs[j_ref_missing[0]].status}"
                 break
@@ -274,10 +283,12 @@ class Conductor:
             elapsed = time.perf_counter() - started
             if self.retire is not None and p + 1 >= self.s.min_passes:
                 for name in self.retire(record_mod.compare(self._snapshot())):
-                    job = self.jobs.get(name)
-                    if job is not None and job.status == "resident" and job.reference is not None:
+                    processes = [j for j in self.jobs.values() if j.config == name and j.status == "resident"
+                                 and j.reference is not None]
+                    if processes:
                         print(f"interleave: {name} retired after {p + 1} passes (firmly slower than "
-                              f"{job.reference})", flush=True)
+                              f"{processes[0].reference})", flush=True)
+                    for job in processes:
                         self._finish(job)
             self.write()
             widest = self._progress(group, p, resident, elapsed)
@@ -300,7 +311,7 @@ class Conductor:
         """Print the pass's line; return the widest relative half-width among the group's comparisons (None if
         one has no interval yet)."""
         comparisons = record_mod.compare(self._snapshot())
-        names = [j.name for j in resident if j.reference is not None and j.status == "resident"]
+        names = list(dict.fromkeys(j.config for j in resident if j.reference is not None and j.status == "resident"))
         widths = {n: comparisons.get(n).half_width if comparisons.get(n) else None for n in names}
         aa = comparisons.get(self.record["aa"]) if self.record["aa"] else None
         known = {n: w for n, w in widths.items() if w is not None}
@@ -314,7 +325,7 @@ class Conductor:
 
     def _snapshot(self) -> dict[str, Any]:
         jobs = {j.name: {"folder": str(j.folder.relative_to(self.sweep)) if j.folder.is_relative_to(self.sweep)
-                         else str(j.folder), "reference": j.reference, "group": j.group, "status": j.status,
+                         else str(j.folder), "config": j.config, "reference": j.reference, "group": j.group, "status": j.status,
                          "footprint_mb": j.report.get("footprint_mb"), "steps": j.report.get("step")}
                 for j in self.jobs.values()}
         return {**self.record, "slice_steps": self.slice_steps, "jobs": jobs, "slices": self.slices,

@@ -61,6 +61,10 @@ class InterleavedLauncher(Launcher):
             return basic.launch(job_overrides, initial_job_idx)
         if cfg.ablation.design not in ("interleaved", "rounds"):  # rounds matters to an ablation only
             _refuse(f"ablation.design={cfg.ablation.design!r}: choose interleaved or rounds")
+        from runner.interleave.schedule import settings_problem
+
+        if problem := settings_problem(cfg.interleave):
+            _refuse(problem)
         from hydra.core.utils import configure_log, setup_globals
 
         setup_globals()
@@ -82,14 +86,15 @@ class InterleavedLauncher(Launcher):
         ref_index = self._reference_index(prepared, ablation)
         ref_cfg, ref_folder = prepared[ref_index]
         reference = _name(ref_folder, sweep)
+        k = self.config.interleave.processes
         copy_overrides = list(job_overrides[ref_index])
         if ablation:
-            copy_overrides = [o for o in copy_overrides if not o.startswith("ablation.repeat=")] + ["ablation.repeat=1"]
+            copy_overrides = _repeat(copy_overrides, k)
         subdir = None if ablation else f"{reference}-aa"
         copy_ret, copy_job = self._prepare(copy_overrides, first + len(job_overrides), subdir)
         by_variant = {job[0].ablation.variant: _name(job[1], sweep) for job in prepared if job}
-        jobs = []
-        for job in [*prepared, copy_job]:
+        jobs, index = [], first + len(job_overrides) + 1
+        for overrides, job in [*zip(job_overrides, prepared), (copy_overrides, copy_job)]:
             if job is None:
                 continue
             cfg, folder = job
@@ -98,10 +103,18 @@ class InterleavedLauncher(Launcher):
             if ablation and ref and kind_of(cfg.ablation.variant) == "leave-one-out" and "fast" in by_variant:
                 ref = by_variant["fast"]
             jobs.append(Job(name, cfg, folder, ref))
+            start = cfg.ablation.repeat if ablation else 0
+            for r in range(1, k):  # further processes of the same configuration (the unit of replication)
+                more = _repeat(list(overrides), start + r) if ablation else list(overrides)
+                _, extra = self._prepare(more, index, None if ablation else f"{name}-p{r}")
+                index += 1
+                if extra is not None:
+                    jobs.append(Job(_name(extra[1], sweep), extra[0], extra[1], ref, config=name))
         aa = _name(copy_job[1], sweep) if copy_job else None
         conductor = Conductor(jobs, self.config.interleave, sweep, reference, aa)
+        per = f"{k} processes per configuration" if k > 1 else "each in its own process"
         print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
-              f"each in its own process; the others wait while one trains", flush=True)
+              f"{per}; the others wait while one trains", flush=True)
         try:
             conduct(conductor)
         except KeyboardInterrupt:
@@ -165,6 +178,11 @@ def _resolve_job(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     job_cfg.ablation.isolate = False
     job_cfg.trainer.progress = "off"  # the conductor prints one line per pass
     return job_cfg, folder
+
+
+def _repeat(overrides: list[str], repeat: int) -> list[str]:
+    """An ablation job's overrides with ``ablation.repeat`` set (its folder ``<variant>/r<repeat>``)."""
+    return [o for o in overrides if not o.startswith("ablation.repeat=")] + [f"ablation.repeat={repeat}"]
 
 
 def _name(folder: Path, sweep: Path) -> str:

@@ -6,8 +6,11 @@ stopped by Ctrl-C or a crash still has a record of every slice it measured. Its 
 - ``design``: ``"interleaved"``; ``reference``: the sweep's reference job; ``aa``: its copy (A'), or None;
   ``settings``: the ``interleave.*`` values; ``slice_steps``: optimizer steps per slice; ``started``,
   ``finished`` (``time.time()`` s), ``stopped`` (why each group stopped measuring).
-- ``jobs``: name -> ``{"folder", "reference", "group", "status", "footprint_mb", "steps"}``; the name is the
-  job's folder relative to the sweep folder; ``status`` is ``measured``, ``failed (exit N)``, ``not run: ...``.
+- ``jobs``: name -> ``{"folder", "config", "reference", "group", "status", "footprint_mb", "steps"}``; the name
+  is the job's folder relative to the sweep folder; ``config`` names the configuration the process runs (the
+  name of its first process; with ``interleave.processes`` = k each configuration runs in k processes);
+  ``reference`` is the configuration it is compared with; ``status`` is ``measured``, ``failed (exit N)``,
+  ``not run: ...``.
 - ``slices``: one entry per measured slice: ``group``, ``pass``, ``position`` (in the pass), ``job``,
   ``pairs_with`` (the position of the reference slice it pairs with, None for a reference slice), ``steps``,
   ``seconds`` (the engine's training time of the slice), ``samples_per_sec`` and ``time`` (its end).
@@ -40,6 +43,49 @@ def load(sweep: Path) -> dict[str, Any] | None:
         raise ValueError(f"{path} cannot be read ({e}); run the sweep again") from e
 
 
+def configs(record: dict[str, Any]) -> dict[str, list[str]]:
+    """Configuration -> the names of its processes (one each unless ``interleave.processes`` > 1)."""
+    out: dict[str, list[str]] = {}
+    for name, job in record["jobs"].items():
+        out.setdefault(job.get("config") or name, []).append(name)
+    return out
+
+
+def replicated(record: dict[str, Any]) -> bool:
+    """True when some configuration ran in more than one process: comparisons are then between processes."""
+    return any(len(names) > 1 for names in configs(record).values())
+
+
+def process_means(record: dict[str, Any]) -> dict[str, float]:
+    """Process -> its mean log samples/s relative to the sweep reference's processes in the same pass: per
+    (group, pass), ``log x - mean(log r)`` over the reference configuration's slices of that pass; passes without
+    a reference slice are left out (the reference's processes are resident throughout)."""
+    reference = set(configs(record).get(record["reference"], [record["reference"]]))
+    by_pass: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for s in record.get("slices", []):
+        if s.get("samples_per_sec"):
+            by_pass.setdefault((s["group"], s["pass"]), []).append(s)
+    sums: dict[str, list[float]] = {}
+    for slices in by_pass.values():
+        ref = [math.log(s["samples_per_sec"]) for s in slices if s["job"] in reference]
+        if not ref:
+            continue
+        centre = sum(ref) / len(ref)
+        for s in slices:
+            sums.setdefault(s["job"], []).append(math.log(s["samples_per_sec"]) - centre)
+    return {name: sum(v) / len(v) for name, v in sums.items()}
+
+
+def _between(record: dict[str, Any], confidence: float | None) -> Any:
+    """``compare(a, b)`` for a replicated record: configuration ``a`` against ``b`` (``stats.between_processes``,
+    the spread pooled over every configuration of the sweep)."""
+    level = confidence or record.get("settings", {}).get("confidence", 0.95)
+    means, groups = process_means(record), configs(record)
+    per_config = {c: [means[n] for n in names if n in means] for c, names in groups.items()}
+    sd, df = stats.pooled_spread(list(per_config.values()))
+    return lambda a, b: stats.between_processes(per_config.get(a, []), per_config.get(b, []), sd, df, level)
+
+
 def _pass_ratios(record: dict[str, Any]) -> dict[tuple[int, int], dict[str, float]]:
     """(group, pass) -> job -> ``log(job samples/s ÷ its reference's in the paired slice)``, in order of
     measurement; slices without a measured partner are left out."""
@@ -65,8 +111,13 @@ def log_ratios(record: dict[str, Any]) -> dict[str, list[float]]:
 
 
 def compare(record: dict[str, Any], confidence: float | None = None) -> dict[str, stats.Paired | None]:
-    """Each compared job's paired comparison with its own reference (``stats.paired``); None below 2 pairs."""
+    """Each compared configuration's comparison with its own reference: ``stats.paired`` over passes (None below
+    2 pairs), or with several processes per configuration ``stats.between_processes`` (keyed by configuration)."""
     level = confidence or record.get("settings", {}).get("confidence", 0.95)
+    if replicated(record):
+        between = _between(record, level)
+        return {c: between(c, record["jobs"][names[0]]["reference"]) for c, names in configs(record).items()
+                if record["jobs"][names[0]].get("reference") is not None}
     ratios = log_ratios(record)
     return {name: stats.paired(ratios.get(name, []), level) for name, job in record["jobs"].items()
             if job.get("reference") is not None}
@@ -75,7 +126,11 @@ def compare(record: dict[str, Any], confidence: float | None = None) -> dict[str
 def chained(record: dict[str, Any], name: str, target: str, confidence: float | None = None) -> stats.Paired | None:
     """``name`` against ``target`` when ``name``'s reference is itself compared with ``target`` (a
     leave-one-out job against the baseline, through the fast preset): per pass, the sum of the two paired log
-    ratios of that pass; None when the chain does not reach ``target`` or has fewer than 2 passes."""
+    ratios of that pass; None when the chain does not reach ``target`` or has fewer than 2 passes. With several
+    processes per configuration, every process is measured against the sweep's reference, so ``name`` is
+    compared with ``target`` directly."""
+    if replicated(record):
+        return _between(record, confidence)(name, target)
     jobs, chain = record["jobs"], [name]
     while chain[-1] != target:
         ref = jobs.get(chain[-1], {}).get("reference")
@@ -89,7 +144,10 @@ def chained(record: dict[str, Any], name: str, target: str, confidence: float | 
 
 def versus(record: dict[str, Any], name: str, other: str, confidence: float | None = None) -> stats.Paired | None:
     """``name`` against ``other`` when both are compared with the same reference (a job against the reference's
-    copy A'): per pass, ``name``'s paired log ratio minus ``other``'s; None below 2 passes that measured both."""
+    copy A'): per pass, ``name``'s paired log ratio minus ``other``'s; None below 2 passes that measured both.
+    With several processes per configuration: the two configurations' processes compared directly."""
+    if replicated(record):
+        return _between(record, confidence)(name, other)
     diffs = [d[name] - d[other] for d in _pass_ratios(record).values() if name in d and other in d]
     return stats.paired(diffs, confidence or record.get("settings", {}).get("confidence", 0.95))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 ORDERS = ("rmit", "abba", "random")
 
@@ -74,3 +75,13 @@ def pass_order(members: dict[str, list[str]], pass_index: int, order: str, rng: 
         return slots
     last = len(slots) - 1
     return [Slot(s.job, None if s.pairs_with is None else last - s.pairs_with) for s in reversed(slots)]
+
+
+def settings_problem(s: Any) -> str | None:
+    """One line naming the bad ``interleave.*`` value (``s``: the node) and the fix, or None."""
+    if not isinstance(s.processes, int) or s.processes < 1:
+        return f"interleave.processes={s.processes!r}: give the processes per configuration, e.g. 3 (1: one each)"
+    if s.processes > 1 and s.order != "rmit":
+        return (f"interleave.order={s.order} pairs each job with one reference slice; with interleave.processes="
+                f"{s.processes} every process trains once per pass: use interleave.order=rmit or interleave.processes=1")
+    return None

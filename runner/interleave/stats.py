@@ -7,6 +7,12 @@ is close to normal on the log scale, so the estimate is ``exp(mean d)`` with a S
 ``exp(mean d ± t_{n-1} · sd/√n)`` (the paired t-test on log ratios; Student 1908) and a two-sided p-value
 for "no effect".
 
+Pairing cancels drift in time, not a property of one process: on a shared VM identical processes differ by
+5-15 % for their whole life. With ``interleave.processes`` > 1 every configuration runs in several processes
+and the process is the unit of replication (a nested design): ``between_processes`` compares configurations
+by their processes' means with a two-sample t interval whose spread, ``pooled_spread``, is measured between
+the processes of each configuration.
+
 Verdicts over a sweep are one family: Holm's step-down procedure (Holm 1979, "A simple sequentially
 rejective multiple test procedure", Scand. J. Statist. 6) keeps the chance of any false "helps"/"hurts"
 below ``1 - confidence`` and rejects at least what Bonferroni rejects.
@@ -85,7 +91,8 @@ def t_quantile(p: float, df: int) -> float:
 class Paired:
     """One comparison: ``speedup`` = exp(mean log ratio) (x > 1: the job is faster than its reference),
     its interval ``ci_low``..``ci_high`` at ``confidence``, the two-sided ``p_value`` of "no effect", the
-    number of pairs ``n`` and ``se_log`` (the standard error of the mean log ratio)."""
+    number of pairs ``n`` (of processes, for ``between_processes``), ``se_log`` (the standard error of the mean
+    log ratio) and ``df``, the t distribution's degrees of freedom (None: ``n - 1``)."""
 
     speedup: float
     ci_low: float
@@ -94,6 +101,7 @@ class Paired:
     n: int
     se_log: float
     confidence: float
+    df: int | None = None
 
     @property
     def half_width(self) -> float:
@@ -122,6 +130,45 @@ def paired(log_ratios: Sequence[float], confidence: float = 0.95) -> Paired | No
     t = t_quantile(1 - (1 - confidence) / 2, n - 1)
     p = 1.0 if se == 0 and mean == 0 else 0.0 if se == 0 else 2 * (1 - t_cdf(abs(mean) / se, n - 1))
     return Paired(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, n, se, confidence)
+
+
+def pooled_spread(process_means: Sequence[Sequence[float]]) -> tuple[float, int]:
+    """The standard deviation of process means about their configuration's mean, pooled over configurations
+    (one-way ANOVA's within-group mean square), and its degrees of freedom, sum(k - 1) over configurations of
+    k processes; ``(nan, 0)`` when no configuration has two processes."""
+    squares, df = 0.0, 0
+    for means in process_means:
+        if len(means) > 1:
+            centre = sum(means) / len(means)
+            squares += sum((m - centre) ** 2 for m in means)
+            df += len(means) - 1
+    return (math.sqrt(squares / df), df) if df else (math.nan, 0)
+
+
+def between_processes(job: Sequence[float], reference: Sequence[float], sd: float, df: int,
+                      confidence: float = 0.95) -> Paired | None:
+    """A configuration against its reference when the *process* is the unit of replication: ``job`` and
+    ``reference`` hold one value per process, its mean log samples/s relative to the reference's processes in
+    the same passes (drift in time removed), and ``sd``/``df`` come from ``pooled_spread`` over the sweep. The
+    estimate is exp(mean(job) - mean(reference)) with the two-sample t interval
+    ``± t_df · sd · sqrt(1/k_job + 1/k_ref)``. Identical processes of one configuration can differ by 5-15 % for
+    their whole life on a shared VM (docs/ablation.md), which pairing in time cannot cancel; this interval
+    carries that spread (a nested design: slices within processes, processes within configurations). None
+    without a process on either side or without a spread (``df`` 0).
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1).
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must lie in (0, 1), e.g. 0.95")
+    if not job or not reference or df < 1 or not math.isfinite(sd):
+        return None
+    mean = sum(job) / len(job) - sum(reference) / len(reference)
+    se = sd * math.sqrt(1 / len(job) + 1 / len(reference))
+    t = t_quantile(1 - (1 - confidence) / 2, df)
+    p = 1.0 if se == 0 and mean == 0 else 0.0 if se == 0 else 2 * (1 - t_cdf(abs(mean) / se, df))
+    return Paired(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, len(job) + len(reference),
+                  se, confidence, df)
 
 
 def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
@@ -164,6 +211,6 @@ def equivalence_margin(c: Paired) -> float:
 def minimum_detectable(aa: Paired, power: float = 0.8) -> float:
     """The smallest effect (relative, e.g. 0.02 = 2 %) a comparison with the A/A's standard error and pairs
     would call at the A/A's level with probability ``power``: exp((t_{1-α/2} + t_power) · se) - 1."""
-    df = aa.n - 1
+    df = aa.df if aa.df is not None else aa.n - 1
     z = t_quantile(1 - (1 - aa.confidence) / 2, df) + t_quantile(power, df)
     return math.exp(z * aa.se_log) - 1

@@ -111,9 +111,15 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                              "no CUDA context)", "exec": "`python -m runner`"}.get(record.get("job_process"), "")
     interleaved = record.get("interleave")
     if interleaved:
-        lines.append(f"| measurement | interleaved: one resident process per configuration (the baseline twice: "
-                     f"A and A'), taking turns in slices of {interleaved.get('slice_steps')} step(s); every "
-                     f"figure is a paired ratio of adjacent slices (below) |")
+        k = interleaved.get("settings", {}).get("processes") or 1
+        if k > 1:
+            lines.append(f"| measurement | interleaved: {k} resident processes per configuration (the baseline "
+                         f"twice: A and A'), taking turns in slices of {interleaved.get('slice_steps')} step(s); "
+                         f"configurations are compared between their processes (below) |")
+        else:
+            lines.append(f"| measurement | interleaved: one resident process per configuration (the baseline twice: "
+                         f"A and A'), taking turns in slices of {interleaved.get('slice_steps')} step(s); every "
+                         f"figure is a paired ratio of adjacent slices (below) |")
     else:
         lines.append(f"| measurement | {', '.join(map(str, repeats))} repeat(s) per configuration (the repeat is "
                      f"the sweep's outer loop); every job: {step_text}, warm-up excluded from every figure; one "

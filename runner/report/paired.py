@@ -33,7 +33,7 @@ def _interval(c: paired_stats.Paired, invert: bool = False) -> Interval:
 
 def _word(verdict: str, c: paired_stats.Paired | None, faster: str, slower: str) -> str:
     if c is None:
-        return "no interval (fewer than 2 pairs)"
+        return "no interval (fewer than 2 pairs or processes)"
     if verdict == paired_stats.HELPS:
         return faster
     if verdict == paired_stats.HURTS:
@@ -46,6 +46,7 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     every job of a plain interleaved sweep (the reference: speed-up 1, verdict ``reference``)."""
     comparisons = record_mod.compare(record)
     aa = record.get("aa")
+    config_of = {name: job.get("config") or name for name, job in record["jobs"].items()}
     family = [n for n in comparisons if n != aa]
     verdicts = dict(zip(family, paired_stats.verdicts([comparisons[n] for n in family],
                                                       record["settings"].get("confidence", 0.95))))
@@ -53,14 +54,15 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
         verdicts[aa] = paired_stats.verdicts([comparisons[aa]])[0]
     out: dict[str, dict[str, Any]] = {}
     for name, job in record["jobs"].items():
-        c = comparisons.get(name)
+        config = config_of[name]
+        c = comparisons.get(config)
         if job.get("reference") is None:
             out[name] = {"speedup": 1.0, "ci_low": None, "ci_high": None, "verdict": "reference", "design": DESIGN,
                          "pairs": None, "reference": None}
             continue
         out[name] = {"speedup": c and c.speedup, "ci_low": c and c.ci_low, "ci_high": c and c.ci_high,
-                     "verdict": _word(verdicts.get(name, ""), c, "faster", "slower") + (
-                         " (A/A: the reference's copy)" if name == aa else ""),
+                     "verdict": _word(verdicts.get(config, ""), c, "faster", "slower") + (
+                         " (A/A: the reference's copy)" if config == aa else ""),
                      "design": DESIGN, "pairs": c and c.n, "reference": job["reference"]}
     return out
 
@@ -127,6 +129,10 @@ def _resume(record: dict[str, Any]) -> str:
     return "/".join(str(v) for v in sorted(steps)) or "0"
 
 
+def _units(record: dict[str, Any]) -> str:
+    return "processes" if record_mod.replicated(record) else "pairs"
+
+
 def noise_lines(record: dict[str, Any]) -> list[str]:
     """Markdown: how the interleaved sweep measured, its A/A interval and minimum detectable effect."""
     s, aa = record["settings"], record_mod.aa_comparison(record)
@@ -138,16 +144,29 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
     passes = {}
     for sl in record.get("slices", []):
         passes[sl["group"]] = max(passes.get(sl["group"], 0), sl["pass"] + 1)
+    level, order = s.get("confidence", 0.95), ORDER_TEXT.get(s.get("order"), "")
+    if record_mod.replicated(record):
+        order = "In each pass every process trained one slice, in a fresh random order (randomized multiple " \
+                "interleaved trials)."
+        df = sum(len(names) - 1 for names in record_mod.configs(record).values())
+        statistic = (
+            f"Every configuration ran in {s.get('processes')} processes (the process is the unit of replication: "
+            f"identical processes can differ by 5-15 % for their whole life). A process's figure is its mean log "
+            f"samples/s relative to the reference's processes in the same passes, so drift slower than a pass "
+            f"cancels; a speed-up is exp(difference of the configurations' means over their processes) with a "
+            f"{level:.0%} two-sample t interval whose spread is pooled between the processes of every configuration "
+            f"({df} degrees of freedom)")
+    else:
+        statistic = (
+            "A job's figure per pass is the ratio of its slice's samples/s to its reference's paired slice (the "
+            "paired ratio), so drift slower than a pass cancels. A speed-up is exp(mean log ratio) over the passes "
+            f"with a {level:.0%} Student-t interval (paired t-test on log ratios)")
     lines = [
         "## How this sweep was measured: interleaved", "",
         f"Every job was resident in its own process; the jobs took turns training {record.get('slice_steps')} "
         f"optimizer step(s) per slice (after {_resume(record)} unmeasured step(s)) while the others waited "
-        f"(blocked on a pipe: no core, no GPU work). {ORDER_TEXT.get(s.get('order'), '')} A job's figure per "
-        f"pass is the ratio of its slice's samples/s to its reference's paired slice (the paired ratio), so "
-        f"drift slower than a pass cancels. A speed-up is exp(mean log ratio) over the passes with a "
-        f"{s.get('confidence', 0.95):.0%} Student-t interval (paired t-test on log ratios); verdicts use Holm's "
-        f"step-down procedure over the sweep's comparisons (family-wise error "
-        f"{1 - s.get('confidence', 0.95):.0%}).", "",
+        f"(blocked on a pipe: no core, no GPU work). {order} {statistic}; verdicts "
+        f"use Holm's step-down procedure over the sweep's comparisons (family-wise error {1 - level:.0%}).", "",
         f"- References (resident throughout): {', '.join(f'`{r}`' for r in refs)}",
     ]
     for g in sorted(groups):
@@ -165,7 +184,7 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
     if aa is not None:
         mde = paired_stats.minimum_detectable(aa)
         lines += [f"**Noise (A/A):** the reference against its copy `{record.get('aa')}`: "
-                  f"{record_mod.describe(aa)} over {aa.n} pairs (±{aa.half_width:.1%}). The smallest effect this "
+                  f"{record_mod.describe(aa)} over {aa.n} {_units(record)} (±{aa.half_width:.1%}). The smallest effect this "
                   f"sweep detects with 80 % power at its level is about ±{mde:.1%}; a verdict of \"no effect larger "
                   f"than ±X %\" means the interval lies within 1 ± X.", ""]
     else:

@@ -107,9 +107,10 @@ def measure_round(r: Round, folder: Path, settings: DictConfig) -> Round:
 
     folder.mkdir(parents=True, exist_ok=True)
     aa = f"{r.reference}-aa"
-    jobs = [Job(r.reference, job_config(r.jobs[r.reference]), folder / r.reference, None),
-            Job(aa, job_config(r.jobs[r.reference]), folder / aa, r.reference)]
-    jobs += [Job(name, job_config(c), folder / name, r.reference) for name, c in r.jobs.items() if name != r.reference]
+    configs = [(r.reference, r.jobs[r.reference], None), (aa, r.jobs[r.reference], r.reference)]
+    configs += [(name, c, r.reference) for name, c in r.jobs.items() if name != r.reference]
+    jobs = [Job(name if p == 0 else f"{name}-p{p}", job_config(c), folder / (name if p == 0 else f"{name}-p{p}"),
+                ref, config=name) for name, c, ref in configs for p in range(settings.processes)]
     s = copy.deepcopy(settings)
     s.max_minutes = r.minutes
 
@@ -128,10 +129,12 @@ def measure_round(r: Round, folder: Path, settings: DictConfig) -> Round:
     r.verdicts = dict(zip(names, stats.verdicts([comparisons[n] for n in names], s.confidence)))
     for name, job in record["jobs"].items():
         if job["status"] not in ("measured",):
-            r.failed[name] = job["status"]
-        rates = sorted(x["samples_per_sec"] for x in record["slices"] if x["job"] == name and x["samples_per_sec"])
+            r.failed.setdefault(job.get("config") or name, job["status"])
+    for config, processes in record_mod.configs(record).items():
+        rates = sorted(x["samples_per_sec"] for x in record["slices"]
+                       if x["job"] in processes and x["samples_per_sec"])
         if rates:
-            r.samples_per_sec[name] = rates[len(rates) // 2]
+            r.samples_per_sec[config] = rates[len(rates) // 2]
     r.stopped = list(record.get("stopped", []))
     return r
 
@@ -192,6 +195,10 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     if env.distributed:
         raise ConfigError("python -m runner.tune speed measures a single process: run it without torchrun (same "
                           "overrides, distributed=none) and apply its pick to the distributed job")
+    from runner.interleave.schedule import settings_problem
+
+    if problem := settings_problem(cfg.interleave):
+        raise ConfigError(problem)
     t = cfg.tune
     started = time.perf_counter()
     budget_s = 60 * t.budget_minutes
