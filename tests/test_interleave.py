@@ -199,6 +199,20 @@ def test_process_means_remove_the_drift_of_each_pass():
     assert stats.between_processes([0.1], [], sd, df) is None and stats.between_processes([0.1], [0.0], sd, 0) is None
 
 
+def test_the_processes_of_one_configuration_start_spread_over_the_start_up(tmp_path):
+    """Processes started back to back can share a speed for life, so the conductor starts the first process of
+    every configuration (the reference's first), then the second of each, and so on."""
+    from omegaconf import OmegaConf
+
+    from runner.interleave.coordinator import Conductor, Job
+
+    jobs = [Job(name, None, tmp_path / name, ref, config=config) for name, ref, config in [
+        ("B", "A", "B"), ("B-p1", "A", "B"), ("A", None, "A"), ("A-p1", None, "A"), ("A'", "A", "A'"),
+        ("A'-p1", "A", "A'"), ("C", "A", "C")]]
+    conductor = Conductor(jobs, OmegaConf.create({"seed": 0, "slice_steps": 2}), tmp_path, "A", "A'")
+    assert [j.name for j in conductor.start_order()] == ["A", "B", "A'", "C", "A-p1", "B-p1", "A'-p1"]
+
+
 def test_the_minimum_detectable_effect_and_the_equivalence_margin():
     c = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
     margin = stats.equivalence_margin(c)

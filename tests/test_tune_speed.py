@@ -63,13 +63,17 @@ def test_departure_compares_mean_losses_at_the_same_samples():
 
 
 def test_the_guard_rejects_a_switch_that_changes_what_is_learned(tmp_path):
-    # lr 50 changes the arithmetic and what is learned; the foreach kernel changes neither beyond rounding. With no
-    # measuring time left after the guard (budget 0.01 min) the search stops there.
-    cfg = compose_cfg("tune.only=[foreach_optimizer]", "tune.switches={broken: {optimizer.lr: 50.0}}",
+    # lr 50 changes the arithmetic and what is learned; the foreach kernel changes neither beyond rounding; a
+    # trillion synthetic images (768 TB) cannot be allocated: a real out-of-memory error (the CPU allocator's),
+    # which rejects that candidate while the search goes on. With no measuring time left after the guard (budget
+    # 0.01 min) the search stops there.
+    cfg = compose_cfg("tune.only=[foreach_optimizer]",
+                      "tune.switches={broken: {optimizer.lr: 50.0}, huge: {data.train_size: 1000000000000}}",
                       "tune.guard_steps=10", "tune.budget_minutes=0.01")
     result = tune.run("speed", cfg, tmp_path / "out")
     guard = {r["switch"]: r for r in result["rows"] if r["stage"] == "guard"}
     assert guard["broken"]["verdict"].startswith("rejected") and guard["broken"]["guard_departure"] > 0.02
+    assert guard["huge"]["verdict"] == "rejected (out of memory)"
     assert guard["foreach_optimizer"]["verdict"] == "passed" and guard["foreach_optimizer"]["guard_departure"] < 0.02
     assert result["override"] == "(no change)" and result["recommended"]["switches"] == []
 

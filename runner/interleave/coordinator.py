@@ -223,34 +223,53 @@ class Conductor:
         """Admit, calibrate, measure group after group and finish every job (the module docstring); returns
         early, with the record written, when the sweep's reference fails to start. Ctrl-C: ``stop``."""
         refs = [j for j in self.jobs.values() if j.reference is None or self._is_reference(j.config)]
-        members = [j for j in self.jobs.values() if j not in refs]
+        order = self.start_order()
+        pending = [j for j in order if j not in refs]
         budget_s = 60 * self.s.max_minutes
-        for job in refs:
-            if not self._start(job) and job.name == self.reference:
-                self.stopped.append(f"the reference {job.name} {job.status}")
-                self.write()
-                return
+        admitted: list[Job] = []  # the first group: started between the references, while they fit
+        for job in order:
+            if job in refs:
+                if not self._start(job) and job.name == self.reference:
+                    self.stopped.append(f"the reference {job.name} {job.status}")
+                    self.write()
+                    return
+            elif pending and pending[0] is job and not stop.requested and (
+                    not admitted or self._fits([j for j in refs if j.status == "resident"] + admitted)):
+                self._admit(pending.pop(0), 1, admitted)
         self._calibrate(self.jobs[self.reference])
-        group = 0
-        pending = list(members)
-        while pending and not stop.requested:
-            group += 1
-            resident = [j for j in refs if j.status == "resident"]
-            admitted: list[Job] = []
-            while pending and (not admitted or self._fits(resident + admitted)) and not stop.requested:
-                job = pending.pop(0)
-                job.group = group
-                print(f"interleave: group {group}: starting {job.name}", flush=True)
-                if self._start(job):
-                    admitted.append(job)
+        group = 1
+        while (admitted or pending) and not stop.requested:
+            if not admitted:  # the next group (the first was admitted between the references)
+                while pending and not stop.requested and (
+                        not admitted or self._fits([j for j in refs if j.status == "resident"] + admitted)):
+                    self._admit(pending.pop(0), group, admitted)
             share = budget_s - self.measuring_s
             group_budget = share * len(admitted) / (len(admitted) + len(pending)) if admitted else 0.0
             self._measure(group, [j for j in refs if j.status == "resident"] + admitted, group_budget, stop)
             for job in admitted:
                 self._finish(job)
+            admitted, group = [], group + 1
         for job in refs:
             self._finish(job)
         self.write()
+
+    def start_order(self) -> list[Job]:
+        """The order in which processes start: the first process of every configuration (the reference's first),
+        then the second of every configuration, and so on. Processes started back to back can share a speed for
+        their whole life (measured: a configuration's three processes started one after another sat within 4 %
+        of each other while the configurations started before and after them read 10-15 % apart), so the
+        processes of one configuration are spread over the start-up instead of started together."""
+        by_config: dict[str, list[Job]] = {}
+        for job in sorted(self.jobs.values(), key=lambda j: j.config != self.reference):
+            by_config.setdefault(job.config, []).append(job)
+        rounds = max((len(js) for js in by_config.values()), default=0)
+        return [js[r] for r in range(rounds) for js in by_config.values() if r < len(js)]
+
+    def _admit(self, job: Job, group: int, admitted: list[Job]) -> None:
+        job.group = group
+        print(f"interleave: group {group}: starting {job.name}", flush=True)
+        if self._start(job):
+            admitted.append(job)
 
     def _is_reference(self, name: str) -> bool:
         return any(j.reference == name for j in self.jobs.values())
