@@ -85,7 +85,8 @@ class TuneConfig:
     only: Optional[list[str]] = None  # try only these built-in switches (names as the report lists them)
     switches: dict[str, Any] = field(default_factory=dict)  # your own candidates: name -> {dotted.key: value}
     guard_steps: int = 50  # steps each candidate trains from your weights and batches before it is measured
-    guard_tolerance: float = 0.02  # reject a candidate whose loss departs more than this (relative) from yours
+    guard_tolerance: float = 0.02  # reject a candidate whose loss departs from yours (relative) more than this and
+    # more than yours does under another seed (trainer.seed + 1)
     min_speedup: float = 1.0  # a switch is kept when its interval's low end is above this
     target_ci: float = 0.05  # a round stops once every interval is within +-this (or its time is spent)
     slice_seconds: float = 1.0  # each round's slices (interleave.slice_steps, when set, wins)

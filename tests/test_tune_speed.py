@@ -74,6 +74,10 @@ def test_the_guard_rejects_a_switch_that_changes_what_is_learned(tmp_path):
     guard = {r["switch"]: r for r in result["rows"] if r["stage"] == "guard"}
     assert guard["broken"]["verdict"].startswith("rejected") and guard["broken"]["guard_departure"] > 0.02
     assert guard["huge"]["verdict"] == "rejected (out of memory)"
+    # the tolerance: yours under another seed (the spread of equally good runs), at least tune.guard_tolerance
+    spread = guard["(yours, trainer.seed + 1)"]["guard_departure"]
+    assert 0 < spread < guard["broken"]["guard_departure"] and "the tolerance" in guard["(yours, trainer.seed + 1)"][
+        "verdict"]
     assert guard["foreach_optimizer"]["verdict"] == "passed" and guard["foreach_optimizer"]["guard_departure"] < 0.02
     assert result["override"] == "(no change)" and result["recommended"]["switches"] == []
 
