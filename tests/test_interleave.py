@@ -213,6 +213,37 @@ def test_the_processes_of_one_configuration_start_spread_over_the_start_up(tmp_p
     assert [j.name for j in conductor.start_order()] == ["A", "B", "A'", "C", "A-p1", "B-p1", "A'-p1"]
 
 
+def test_admission_keeps_room_for_the_references_still_to_start(tmp_path):
+    """References start whatever the memory (every group is measured beside them), in the round-robin order,
+    so a job admitted before the reference's later processes must leave room for them too. Each process here
+    takes 1000 MB of 5800 MB: admitting while 1.5 x one footprint is free (as before) would start B, C, B-p1
+    between the references and then A-p2 into 200 MB less than there is (the out-of-memory killer's turn)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from runner.interleave.coordinator import Conductor, Job
+
+    jobs = [Job(name, None, tmp_path / name, None if config == "A" else "A", config=config)
+            for config in "ABC" for name in (config, f"{config}-p1", f"{config}-p2")]
+    conductor = Conductor(jobs, OmegaConf.create({"seed": 0, "slice_steps": 2, "memory_margin": 1.5,
+                                                  "max_resident": None}), tmp_path, "A", None)
+    started: list[str] = []
+
+    def start(job):
+        started.append(job.name)
+        job.status, job.report = "resident", {"footprint_mb": 1000.0, "available_mb": 5800.0 - 1000 * len(started)}
+        return True
+
+    conductor._start = start
+    refs = [j for j in jobs if j.reference is None]
+    order = conductor.start_order()
+    pending = [j for j in order if j not in refs]
+    admitted = conductor._start_first_group(refs, order, pending, SimpleNamespace(requested=False))
+    assert [j.name for j in admitted] == ["B"] and started == ["A", "B", "A-p1", "A-p2"]  # 1800 MB left
+    assert [j.name for j in pending] == ["C", "B-p1", "C-p1", "B-p2", "C-p2"]  # the next groups
+
+
 def test_the_minimum_detectable_effect_and_the_equivalence_margin():
     c = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
     margin = stats.equivalence_margin(c)

@@ -4,10 +4,11 @@
 
 1. **Admits** jobs, one at a time, each forked from the job server (runner/ablation.py: torch and runner
    imported once) into a new session (a terminal's Ctrl-C reaches the conductor only), built, and warmed up
-   for its ``trainer.warmup_steps`` (at least one step) while every other job waits. References come first
-   and stay resident to the end. Another job is admitted while the free memory the last job reported
-   exceeds ``interleave.memory_margin`` x the largest footprint so far (and fewer than
-   ``interleave.max_resident`` are resident): the jobs that fit form a *group*.
+   for its ``trainer.warmup_steps`` (at least one step) while every other job waits. References start
+   whatever the memory, in the start order (``start_order``), and stay resident to the end. Another job is
+   admitted while the free memory the last job reported exceeds ``interleave.memory_margin`` x the largest
+   footprint so far x (1 + the references still to start), and fewer than ``interleave.max_resident`` are
+   resident or still to start: the jobs that fit form a *group*.
 2. **Calibrates** the slice once, on the sweep's reference: ``interleave.slice_steps``, or the steps that
    take about ``interleave.slice_seconds``. Every job of the sweep trains the same steps per slice, each slice
    after ``interleave.resume_steps`` unmeasured steps (a job that waited a whole pass runs slower at first,
@@ -204,12 +205,14 @@ class Conductor:
                 job.status = "killed (Ctrl-C)"
 
     # ---------------------------------------------------------------------------------------------- passes
-    def _fits(self, resident: list[Job]) -> bool:
-        if self.s.max_resident is not None and len(resident) >= self.s.max_resident:
+    def _fits(self, resident: list[Job], refs_to_come: int = 0) -> bool:
+        """Whether one more job may start beside ``resident`` while ``refs_to_come`` references (which start
+        whatever the memory) are still to start: room for all of them, each the largest footprint so far."""
+        if self.s.max_resident is not None and len(resident) + refs_to_come >= self.s.max_resident:
             return False
         footprint = max((j.report.get("footprint_mb") or 0.0 for j in resident), default=0.0)
         free = next((j.report.get("available_mb") for j in reversed(resident) if j.report.get("available_mb")), None)
-        return free is None or free > self.s.memory_margin * footprint
+        return free is None or free > self.s.memory_margin * footprint * (1 + refs_to_come)
 
     def _calibrate(self, reference: Job) -> None:
         if self.slice_steps is None:
@@ -226,16 +229,10 @@ class Conductor:
         order = self.start_order()
         pending = [j for j in order if j not in refs]
         budget_s = 60 * self.s.max_minutes
-        admitted: list[Job] = []  # the first group: started between the references, while they fit
-        for job in order:
-            if job in refs:
-                if not self._start(job) and job.name == self.reference:
-                    self.stopped.append(f"the reference {job.name} {job.status}")
-                    self.write()
-                    return
-            elif pending and pending[0] is job and not stop.requested and (
-                    not admitted or self._fits([j for j in refs if j.status == "resident"] + admitted)):
-                self._admit(pending.pop(0), 1, admitted)
+        admitted = self._start_first_group(refs, order, pending, stop)
+        if admitted is None:
+            self.write()
+            return
         self._calibrate(self.jobs[self.reference])
         group = 1
         while (admitted or pending) and not stop.requested:
@@ -252,6 +249,22 @@ class Conductor:
         for job in refs:
             self._finish(job)
         self.write()
+
+    def _start_first_group(self, refs: list[Job], order: list[Job], pending: list[Job], stop: Stop) -> list[Job] | None:
+        """Start the references in ``order`` and admit between them, while they fit (``_fits``, with room kept
+        for the references still to start), the first group, taken from the front of ``pending``. Returns the
+        group, or None when the sweep's reference failed to start (the reason is in ``self.stopped``)."""
+        admitted: list[Job] = []
+        for position, job in enumerate(order):
+            if job in refs:
+                if not self._start(job) and job.name == self.reference:
+                    self.stopped.append(f"the reference {job.name} {job.status}")
+                    return None
+            elif pending and pending[0] is job and not stop.requested and (not admitted or self._fits(
+                    [j for j in refs if j.status == "resident"] + admitted,
+                    refs_to_come=sum(j in refs for j in order[position + 1:]))):
+                self._admit(pending.pop(0), 1, admitted)
+        return admitted
 
     def start_order(self) -> list[Job]:
         """The order in which processes start: the first process of every configuration (the reference's first),
