@@ -76,6 +76,7 @@ def ablation_first_round(repeats, max_repeats, design: str = "rounds") -> int:
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
 #                                            dataloader.on_device works (IN_MEMORY_DATA above)
 #   ${runner_first_round:${ablation.repeats},${ablation.max_repeats},${ablation.design}}   ablation_first_round above
+#   ${runner_by_design:${ablation.design},A,B}  A under ablation.design=interleaved, else B (rounds)
 def _if_cuda(device, then, otherwise):
     from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
 
@@ -87,6 +88,7 @@ _RESOLVERS = {
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in IN_MEMORY_DATA,
     "runner_first_round": ablation_first_round,
+    "runner_by_design": lambda design, interleaved, rounds: interleaved if design == "interleaved" else rounds,
 }
 
 

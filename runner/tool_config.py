@@ -15,7 +15,8 @@ from typing import Any, Optional
 class AblationConfig:
     """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/); see runner/ablation.py."""
 
-    design: str = "rounds"  # rounds: jobs one after another, repeats | interleaved: resident jobs taking turns (runner/interleave/)
+    design: str = "interleaved"  # interleaved: resident processes taking turns (runner/interleave/) | rounds: jobs one
+    # after another, repeats
     repeats: Any = 3  # design=rounds: times each configuration runs (the sweep's outer loop), or "auto": see target_ci
     target_ci: float = 0.05  # repeats=auto: add rounds until every effect's 95 % CI is within +-this (relative)
     max_repeats: int = 10  # repeats=auto: stop adding rounds at this many repeats
@@ -48,7 +49,9 @@ class InterleaveConfig:
     max_minutes: float = 30.0  # the measuring time of the whole sweep (setup excluded); then it stops
     order: str = "rmit"  # rmit: each job once per pass, random order | abba: R J J R, reversed every other pass | random
     seed: int = 0  # the order's random generator (random order, and the shuffle of jobs between references)
-    memory_margin: float = 1.5  # admit another job only while free memory > this x the largest job's footprint
+    memory_margin: float = 3.0  # admit another job only while free memory > this x the largest job's footprint:
+    # the job itself, and room for the resident ones to grow (loader workers, allocator caches; at 1.5 a
+    # 33-process resnet18/CIFAR ablation met the out-of-memory killer)
     max_resident: Optional[int] = None  # at most this many jobs resident at once (null: as memory allows)
     confidence: float = 0.95  # of every interval; verdicts: Holm's step-down over the sweep at 1 - confidence
 

@@ -76,7 +76,8 @@ def test_sweep_lists_every_variant_and_repeat_is_the_outer_loop():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["+experiment=ablation", "ablation.repeats=2"], return_hydra_config=True)
+        cfg = compose("config", overrides=["+experiment=ablation", "ablation.design=rounds", "ablation.repeats=2"],
+                      return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert list(params)[0] == "ablation.repeat"
     swept = [v.strip() for v in params["ablation/variant"].split(",")]
@@ -92,8 +93,19 @@ def test_sweep_lists_every_variant_and_repeat_is_the_outer_loop():
                                              (["ablation.repeats=auto", "ablation.max_repeats=2"], 2)])
 def test_the_first_round_of_repeats(overrides, first):
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["+experiment=ablation", *overrides], return_hydra_config=True)
+        cfg = compose("config", overrides=["+experiment=ablation", "ablation.design=rounds", *overrides],
+                      return_hydra_config=True)
     assert cfg.hydra.sweeper.params["ablation.repeat"] == f"range(0,{first})"
+    assert cfg.trainer.max_steps == 11  # every job measures the same few steps
+
+
+def test_the_ablation_is_interleaved_by_default():
+    """One multirun job per configuration (the launcher adds its processes), each capped only by time: the
+    conductor stops the jobs when interleave.max_minutes is spent."""
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=ablation"], return_hydra_config=True)
+    assert cfg.ablation.design == "interleaved" and cfg.hydra.sweeper.params["ablation.repeat"] == "range(0,1)"
+    assert cfg.hydra.launcher._target_.endswith("InterleavedLauncher") and cfg.trainer.max_steps >= 100_000
 
 
 @pytest.mark.parametrize("repeats,max_repeats", [("often", 10), (0, 10), (True, 10), ("auto", 1)])
@@ -419,7 +431,8 @@ def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     # the presets set the batch and log_every themselves: keep TINY's out of their way
     tiny = [o for o in TINY if not o.startswith(("trainer.log_every", "trainer.max_steps", "trainer.warmup_steps",
                                                  "dataloader.batch_size", "data.train_size"))]
-    proc = run_cli("-m", "+experiment=ablation", *tiny, "trainer.max_steps=5", "trainer.warmup_steps=2",
+    proc = run_cli("-m", "+experiment=ablation", "ablation.design=rounds", *tiny, "trainer.max_steps=5",
+                   "trainer.warmup_steps=2",
                    "ablation.repeats=1", "compile=off",  # torch.compile would take minutes on a CPU
                    # batch 16; baseline+big_batch's 4 x 16 exceeds the 48 training samples and fails: the sweep goes on
                    "optimizer.base_batch_size=16", "data.train_size=48",
@@ -560,7 +573,7 @@ def test_each_job_of_the_sweep_is_one_console_line_with_its_figure(tmp_path):
     """The ablation's jobs train with trainer.progress=off (conf/experiment/ablation.yaml): no per-step lines,
     summary tables or doctor per job (a 12-job sweep printed 533 lines), but one line each with its figures."""
     tiny = [o for o in TINY if not o.startswith("trainer.progress")]  # the preset's own setting
-    proc = run_cli("-m", "+experiment=ablation", *tiny, "compile=off", "ablation.repeats=1",
+    proc = run_cli("-m", "+experiment=ablation", "ablation.design=rounds", *tiny, "compile=off", "ablation.repeats=1",
                    "ablation/variant=baseline,baseline+set_to_none", cwd=tmp_path, timeout=300,
                    env={"PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -575,7 +588,8 @@ def test_each_job_of_the_sweep_is_one_console_line_with_its_figure(tmp_path):
 @pytest.mark.slow
 def test_repeats_auto_through_the_cli_adds_a_round_and_stops_at_max_repeats(tmp_path):
     """Two cheap variants, TINY jobs, an unreachable target: 3 repeats, one more round (repeat 3), stop."""
-    proc = run_cli("-m", "+experiment=ablation", *TINY, "compile=off", "ablation.repeats=auto",
+    proc = run_cli("-m", "+experiment=ablation", "ablation.design=rounds", *TINY, "compile=off",
+                   "ablation.repeats=auto",
                    "ablation.max_repeats=4", "ablation.target_ci=1e-9", "ablation/variant=baseline,baseline+set_to_none",
                    cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -608,7 +622,8 @@ def test_repeats_auto_through_the_cli_adds_a_round_and_stops_at_max_repeats(tmp_
 @pytest.mark.slow
 def test_bad_repeats_on_the_command_line_stop_before_any_job(tmp_path, bad, message):
     extra = ["ablation.repeats=auto"] if "target_ci" in bad else []
-    proc = run_cli("-m", "+experiment=ablation", *TINY, *extra, bad, cwd=tmp_path, env={"PYTHONPATH": str(REPO_ROOT)},
+    proc = run_cli("-m", "+experiment=ablation", "ablation.design=rounds", *TINY, *extra, bad, cwd=tmp_path,
+                   env={"PYTHONPATH": str(REPO_ROOT)},
                    timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}") and "Traceback" not in proc.stderr
     assert not list(tmp_path.rglob("summary.json"))

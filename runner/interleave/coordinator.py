@@ -6,19 +6,23 @@
    imported once) into a new session (a terminal's Ctrl-C reaches the conductor only), built, and warmed up
    for its ``trainer.warmup_steps`` (at least one step) while every other job waits. References start
    whatever the memory, in the start order (``start_order``), and stay resident to the end. Another job is
-   admitted while the free memory the last job reported exceeds ``interleave.memory_margin`` x the largest
-   footprint so far x (1 + the references still to start), and fewer than ``interleave.max_resident`` are
-   resident or still to start: the jobs that fit form a *group*.
+   admitted while the free memory the last job reported exceeds the largest footprint so far x
+   (``interleave.memory_margin`` + the references still to start), and fewer than ``interleave.max_resident``
+   are resident or still to start: the jobs that fit form a *group*.
 2. **Calibrates** the slice once, on the sweep's reference: ``interleave.slice_steps``, or the steps that
    take about ``interleave.slice_seconds``. Every job of the sweep trains the same steps per slice, each slice
    after ``interleave.resume_steps`` unmeasured steps (a job that waited a whole pass runs slower at first,
    while the reference runs every third slice: without them, the reference against its own copy read x0.67).
-3. **Measures** the group pass after pass (runner/interleave/schedule.py gives the order and the pairs),
+3. **Settles** the group: every resident job trains one slice, not measured. The references wait through each
+   group's start-up (minutes, while other processes import, build and compile), and their first slices after
+   it read x0.43-0.88 of their later ones, against x0.94-0.96 for the jobs just started (the resnet18/CIFAR
+   ablation, docs/ablation.md): without it, every comparison of the group leans towards "faster".
+4. **Measures** the group pass after pass (runner/interleave/schedule.py gives the order and the pairs),
    printing one line per pass, until every comparison in the group is within ``±interleave.target_ci``
    (after ``interleave.min_passes``), the group's share of ``interleave.max_minutes`` is spent,
    ``interleave.max_passes`` is reached, or Ctrl-C. Then the group's jobs finish (final evaluation,
    ``summary.json``) and the next group is admitted beside the references.
-4. Writes ``interleave.json`` (runner/interleave/record.py) after every pass.
+5. Writes ``interleave.json`` (runner/interleave/record.py) after every pass.
 
 A job that crashes is reported (``failed.json`` in its folder) and the others go on; when a reference
 crashes, its group stops. A first Ctrl-C stops after the current slice and finishes every job (the report is
@@ -207,12 +211,15 @@ class Conductor:
     # ---------------------------------------------------------------------------------------------- passes
     def _fits(self, resident: list[Job], refs_to_come: int = 0) -> bool:
         """Whether one more job may start beside ``resident`` while ``refs_to_come`` references (which start
-        whatever the memory) are still to start: room for all of them, each the largest footprint so far."""
+        whatever the memory) are still to start: the least free memory a resident job reported (the latest, as
+        memory only fills while jobs start) must exceed the largest footprint so far x (``interleave.memory_margin``
+        + ``refs_to_come``)."""
         if self.s.max_resident is not None and len(resident) + refs_to_come >= self.s.max_resident:
             return False
         footprint = max((j.report.get("footprint_mb") or 0.0 for j in resident), default=0.0)
-        free = next((j.report.get("available_mb") for j in reversed(resident) if j.report.get("available_mb")), None)
-        return free is None or free > self.s.memory_margin * footprint * (1 + refs_to_come)
+        reports = [j.report["available_mb"] for j in resident if j.report.get("available_mb")]
+        free = min(reports, default=None)  # the latest report (a reference started after the group's last job)
+        return free is None or free > footprint * (self.s.memory_margin + refs_to_come)
 
     def _calibrate(self, reference: Job) -> None:
         if self.slice_steps is None:
@@ -290,6 +297,9 @@ class Conductor:
     def _measure(self, group: int, resident: list[Job], budget_s: float, stop: Stop) -> None:
         started = time.perf_counter()
         why = None
+        for job in resident:  # a settling pass, not measured: each job waited while the group started
+            if job.status == "resident" and not stop.requested:
+                self._slice(job, self.slice_steps)
         for p in range(self.s.max_passes):
             by_ref: dict[str, list[str]] = {}
             for j in resident:

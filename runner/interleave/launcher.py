@@ -1,14 +1,14 @@
 """``hydra/launcher=interleaved``: a Hydra launcher that measures a sweep's jobs side by side in time.
 
-``python -m runner -m hydra/launcher=interleaved trainer.seed=0,1`` (any sweep; ``+experiment=ablation`` uses
-and ``+experiment=ablation ablation.design=interleaved``) prepares every job the way Hydra's basic launcher would (its folder, ``.hydra/``, the config
+``python -m runner -m hydra/launcher=interleaved trainer.seed=0,1`` (any sweep; ``+experiment=ablation`` selects it)
+prepares every job the way Hydra's basic launcher would (its folder, ``.hydra/``, the config
 resolved in the job's context), adds a copy of the reference job (A', the sweep's own noise), and hands the
 jobs to the conductor (runner/interleave/coordinator.py), which keeps them resident and lets them take turns.
 Each job's figure relative to its reference is the paired ratio of adjacent slices (runner/interleave/stats.py);
 the report (``report.md``/``report.csv``, runner/report/) is written at the end, also after Ctrl-C.
 
-An ablation (``+experiment=ablation``, which selects this launcher) runs as before, in rounds of repeats
-through Hydra's basic launcher, unless ``ablation.design=interleaved``.
+An ablation (``+experiment=ablation``) is interleaved by default; ``ablation.design=rounds`` hands its rounds of
+repeats to Hydra's basic launcher.
 
 Hydra instantiates launchers only from the ``hydra_plugins`` namespace, whose modules it finds by scanning
 installed packages, which an editable install does not expose (a ``package-dir`` mapping is invisible to
