@@ -169,7 +169,7 @@ def technique_status(kind: str | None, own: dict[str, str], baseline: dict[str, 
         skipped = [k for k, v in own.items() if v != "applied"]
         text = "; ".join(p for p in ("applied: " + ", ".join(applied) if applied else "",
                                      "skipped: " + ", ".join(skipped) if skipped else "") if p)
-        return text or "none", False
+        return text or ("no status recorded" if kind == "fast" else "none"), False
     if not changed:
         return "no status recorded", False
     return "; ".join(f"{k}: {v}" for k, v in changed.items()), all(v.startswith("skipped") for v in changed.values())

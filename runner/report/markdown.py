@@ -132,7 +132,7 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                      f"(±{baseline.speedup_ci.half_width:.0%}); baseline repeats {min(baseline.runs):.4g}–"
                      f"{max(baseline.runs):.4g} samples/s |")
     lines.append("")
-    if len(steps) > 1:
+    if len(steps) > 1 and not interleaved:  # interleaved: slices, not a fixed step count, are the measurement
         lines += [f"**Warning:** the jobs measured different step counts ({step_text}); rerun with one "
                   f"trainer.max_steps / trainer.warmup_steps.", ""]
     cores = machine.get("cpu_cores")
@@ -147,6 +147,12 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                   f"measured (summary.json `warnings`; e.g. {first.variant} r{first.repeat}: "
                   f"{first.summary['warnings'][0]}): their figures are slower and noisier than on a quiet machine.",
                   ""]
+    unfinished = [j for j in jobs if j.summary and j.summary.get("unfinished")]
+    if unfinished:
+        lines += [f"**Warning:** {len(unfinished)} job(s) were killed before they wrote summary.json (e.g. "
+                  f"`{unfinished[0].folder}`; the sweep did not finish: a hard kill or a lost machine): their "
+                  f"samples/s and step time come from their measured slices in interleave.json, and they have no "
+                  f"evaluation, memory or technique figures.", ""]
     if min(repeats) < 2 and not interleaved:
         lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
                   "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]

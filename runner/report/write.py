@@ -101,7 +101,8 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(shown) + 1.6))
     y = list(range(len(shown)))
     ax.barh(y, [r.speedup - 1 for r in shown], left=1.0, color=[colors.get(r.verdict, "0.65") for r in shown])
-    with_ci = [(i, r) for i, r in zip(y, shown) if r.speedup_ci is not None]
+    # the baseline's interval is its copy's (the A/A), drawn as the band below: it need not contain 1
+    with_ci = [(i, r) for i, r in zip(y, shown) if r.speedup_ci is not None and r.kind != "baseline"]
     if with_ci:
         ax.errorbar([r.speedup for _, r in with_ci], [i for i, _ in with_ci], fmt="none", ecolor="black",
                     elinewidth=0.8, capsize=2, xerr=[[r.speedup - r.speedup_ci.low for _, r in with_ci],
@@ -175,6 +176,22 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
     return str(where)
 
 
+def _rows(sweep: Path, jobs: list[Job], seed: int, resamples: int) -> tuple[list[Row], dict | None]:
+    """The report's rows of ``sweep`` and its interleaved record (None for rounds): under the interleaved design
+    the paired figures of its slices replace the repeats' bootstrap (runner/report/paired.py), and ``jobs``
+    gains the jobs killed before their summary (``paired.unfinished_jobs``)."""
+    try:
+        interleaved = record_file.load(sweep)
+    except ValueError as e:
+        raise ReportError(str(e)) from e
+    if interleaved:
+        jobs += paired.unfinished_jobs(sweep, interleaved, jobs)
+    rows = build_rows(jobs, seed, resamples)
+    if interleaved:
+        paired.apply_to_rows(rows, interleaved)
+    return rows, interleaved
+
+
 def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, seed: int = stats.SEED,
                  resamples: int = stats.RESAMPLES, replication: Path | None = None) -> list[Path]:
     """Write report.md, report.csv, jobs.csv and speedup.png of an ablation sweep into ``sweep`` (and
@@ -193,15 +210,10 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
     """
     sweep = Path(sweep)
     jobs = load_jobs(sweep)
-    rows = build_rows(jobs, seed, resamples)
+    rows, interleaved = _rows(sweep, jobs, seed, resamples)
     baseline = next(r for r in rows if r.configuration == "baseline")
     record = load_record(sweep)
-    try:
-        interleaved = record_file.load(sweep)
-    except ValueError as e:
-        raise ReportError(str(e)) from e
-    if interleaved:  # the paired figures of adjacent slices replace the repeats' bootstrap (runner/report/paired.py)
-        paired.apply_to_rows(rows, interleaved)
+    if interleaved:
         record["interleave"] = interleaved
     written = [sweep / "report.md", sweep / "report.csv", sweep / "speedup.png", sweep / "jobs.csv"]
     plot(rows, written[2])
@@ -217,12 +229,12 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
                         title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
         text = text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1)
         if replication is not None:
-            other = build_rows(load_jobs(Path(replication)), seed, resamples)
+            other, _ = _rows(Path(replication), load_jobs(Path(replication)), seed, resamples)
             rec = load_record(Path(replication))
             table, _ = agreement(rows, other)
             text += (f"\n## Replication: an independent second sweep of the same job\n\n"
                      f"`{rec.get('command', '(command not recorded)')}` in `{replication}`, ran "
-                     f"{rec.get('started', '?')} to {rec.get('finished', '?')}; load average (1 min) "
+                     f"{rec.get('started', '?')} to {rec.get('finished') or '? (it did not record its end: killed)'}; load average (1 min) "
                      f"{(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
                      f"{rec.get('load_average_1min_at_end', '?')} at the end.\n\n{table}\n")
         doc.write_text(text)
