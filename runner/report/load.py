@@ -5,7 +5,8 @@ An ablation sweep (``python -m runner -m +experiment=ablation``) holds one ``sum
 measured, ``not_run.json``/``failed.json`` for jobs that did not, and ``ablation.json`` for the machine
 and command. A configuration (a *variant*) is ``baseline``, ``fast``, ``baseline+<technique>`` (the
 technique on alone: leave-one-in) or ``fast-<technique>`` (the technique off in the fast preset:
-leave-one-out).
+leave-one-out). An interleaved sweep killed hard after its last slice (SIGKILL, a lost machine) leaves jobs
+without a summary; ``unfinished_jobs`` makes theirs from their slices in ``interleave.json``.
 
 Bad input (no such folder, no summaries, a corrupt summary, two sweeps in one folder) raises
 ``ReportError``; ``python -m runner.report`` prints ``error: <message>`` and exits with status 2.
@@ -18,6 +19,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from runner.report.stats import Interval
 from runner.report.sweep import job_times, sweep_command
@@ -134,6 +137,46 @@ def load_jobs(sweep: Path) -> list[Job]:
         raise ReportError(f"{sweep} holds no summary.json; is it the sweep folder of `python -m runner -m "
                           f"+experiment=ablation` (outputs/ablation/<date>/<time>), and did its jobs finish?")
     return sorted(jobs.values(), key=lambda j: (j.repeat, j.variant))
+
+
+def unfinished_jobs(sweep: Path, record: dict[str, Any], jobs: list[Job]) -> list[Job]:
+    """Jobs of ``record`` that measured slices but left no summary.json, failed.json or not_run.json in
+    ``sweep`` (their process was killed before the coordinator's last message: SIGKILL, a machine restart,
+    the out-of-memory killer), each with a summary made of its slices: ``samples_per_sec`` (samples ÷ seconds
+    over its measured slices), ``step_time_ms_median`` (the median slice's seconds per step, in ms),
+    ``steps_measured`` and ``unfinished: true``. It has no evaluation, memory or technique figures.
+
+    Raises:
+        ReportError: a job folder without a readable ``.hydra/config.yaml`` naming ``ablation.variant``.
+    """
+    known = {str(j.folder) for j in jobs}
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for s in record.get("slices", []):
+        by_job.setdefault(s["job"], []).append(s)
+    out = []
+    for name, job in record["jobs"].items():
+        slices = by_job.get(name)
+        if name in known or not slices:
+            continue
+        path = sweep / job.get("folder", name) / ".hydra" / "config.yaml"
+        try:
+            cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            ablation = cfg["ablation"]
+            variant = ablation["variant"]
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise ReportError(f"{path} cannot be read or names no ablation.variant ({e}); delete that job "
+                              f"folder from interleave.json's jobs or run the sweep again") from e
+        seconds = sum(s["seconds"] for s in slices)
+        samples = sum(s["samples_per_sec"] * s["seconds"] for s in slices)
+        per_step = sorted(1000 * s["seconds"] / s["steps"] for s in slices)
+        summary = {"samples_per_sec": samples / seconds, "step_time_ms_median": per_step[len(per_step) // 2],
+                   "steps_measured": sum(s["steps"] for s in slices), "unfinished": True, "config": cfg}
+        folder = Path(job.get("folder", name))
+        unfinished = Job(variant, int(ablation.get("repeat", 0)), folder, ablation.get("kind"),
+                         ablation.get("technique"), summary)
+        unfinished.times = job_times(sweep / folder, None)
+        out.append(unfinished)
+    return out
 
 
 def kind_of(variant: str) -> str:

@@ -10,8 +10,6 @@ slice's samples/s and which reference slice it pairs with. From it:
 - ``apply_to_rows``: the same for an ablation's rows (runner/report/rows.py): the speed-up against the
   baseline (a leave-one-out configuration through the fast preset, pass by pass) and the effect against
   the row's own reference replace the repeat-based bootstrap figures.
-- ``unfinished_jobs``: the jobs of a sweep killed hard (SIGKILL, a lost machine) before they wrote
-  ``summary.json``: their figures come from their slices, so the report still has every configuration.
 - ``noise_lines``: the sweep's A/A interval (the reference against its copy), the minimum detectable effect
   at its level, and how the sweep ran (groups, slices, why it stopped), as markdown.
 """
@@ -19,57 +17,12 @@ slice's samples/s and which reference slice it pairs with. From it:
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from runner.interleave import record as record_mod, stats as paired_stats
-from runner.report.load import Job, ReportError
 from runner.report.stats import Interval
-from runner.report.sweep import job_times
 
 DESIGN = "interleaved"
-
-
-def unfinished_jobs(sweep: Path, record: dict[str, Any], jobs: list[Job]) -> list[Job]:
-    """Jobs of ``record`` that measured slices but left no summary.json, failed.json or not_run.json in
-    ``sweep`` (their process was killed before the coordinator's last message: SIGKILL, a machine restart,
-    the out-of-memory killer), each with a summary made of its slices: ``samples_per_sec`` (samples ÷ seconds
-    over its measured slices), ``step_time_ms_median`` (the median slice's seconds per step, in ms),
-    ``steps_measured`` and ``unfinished: true``. It has no evaluation, memory or technique figures.
-
-    Raises:
-        ReportError: a job folder without a readable ``.hydra/config.yaml`` naming ``ablation.variant``.
-    """
-    known = {str(j.folder) for j in jobs}
-    by_job: dict[str, list[dict[str, Any]]] = {}
-    for s in record.get("slices", []):
-        by_job.setdefault(s["job"], []).append(s)
-    out = []
-    for name, job in record["jobs"].items():
-        slices = by_job.get(name)
-        if name in known or not slices:
-            continue
-        path = sweep / job.get("folder", name) / ".hydra" / "config.yaml"
-        try:
-            cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-            ablation = cfg["ablation"]
-            variant = ablation["variant"]
-        except (OSError, KeyError, TypeError, ValueError) as e:
-            raise ReportError(f"{path} cannot be read or names no ablation.variant ({e}); delete that job "
-                              f"folder from interleave.json's jobs or run the sweep again") from e
-        seconds = sum(s["seconds"] for s in slices)
-        samples = sum(s["samples_per_sec"] * s["seconds"] for s in slices)
-        per_step = sorted(1000 * s["seconds"] / s["steps"] for s in slices)
-        summary = {"samples_per_sec": samples / seconds, "step_time_ms_median": per_step[len(per_step) // 2],
-                   "steps_measured": sum(s["steps"] for s in slices), "unfinished": True, "config": cfg}
-        folder = Path(job.get("folder", name))
-        unfinished = Job(variant, int(ablation.get("repeat", 0)), folder, ablation.get("kind"),
-                         ablation.get("technique"), summary)
-        unfinished.times = job_times(sweep / folder, None)
-        out.append(unfinished)
-    return out
 
 
 def _interval(c: paired_stats.Paired, invert: bool = False) -> Interval:

@@ -24,7 +24,7 @@ from typing import Any
 
 from runner.interleave import record as record_file
 from runner.report import paired, stats
-from runner.report.load import Job, ReportError, Row, load_jobs, load_record
+from runner.report.load import Job, ReportError, Row, load_jobs, load_record, unfinished_jobs
 from runner.report.markdown import agreement, markdown, reading
 from runner.report.rows import build_rows
 from runner.report.stats import HELPS, HURTS
@@ -179,13 +179,13 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
 def _rows(sweep: Path, jobs: list[Job], seed: int, resamples: int) -> tuple[list[Row], dict | None]:
     """The report's rows of ``sweep`` and its interleaved record (None for rounds): under the interleaved design
     the paired figures of its slices replace the repeats' bootstrap (runner/report/paired.py), and ``jobs``
-    gains the jobs killed before their summary (``paired.unfinished_jobs``)."""
+    gains the jobs killed before their summary (``runner.report.load.unfinished_jobs``)."""
     try:
         interleaved = record_file.load(sweep)
     except ValueError as e:
         raise ReportError(str(e)) from e
     if interleaved:
-        jobs += paired.unfinished_jobs(sweep, interleaved, jobs)
+        jobs += unfinished_jobs(sweep, interleaved, jobs)
     rows = build_rows(jobs, seed, resamples)
     if interleaved:
         paired.apply_to_rows(rows, interleaved)
