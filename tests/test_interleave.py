@@ -302,6 +302,9 @@ def test_every_configuration_runs_in_several_processes(tmp_path):
     assert record.configs(r) == {"0": ["0", "0-p1"], "1": ["1", "1-p1"], "0-aa": ["0-aa", "0-aa-p1"]}
     assert {s["job"] for s in r["slices"]} == set(r["jobs"])  # every process measured
     assert all((sweep / name / "summary.json").is_file() for name in r["jobs"])
+    for name, job in r["jobs"].items():  # besides its warm-up (1 step) and measured slices: one settling slice
+        measured = sum(s["steps"] + s["resume_steps"] for s in r["slices"] if s["job"] == name)
+        assert job["steps"] == 1 + r["slice_steps"] + measured, (name, job, measured)
     rows = {row["job"]: row for row in csv.DictReader((sweep / "report.csv").open())}
     assert rows["1-p1"]["speedup"] == rows["1"]["speedup"] != "" and rows["0-p1"]["verdict"] == "reference"
     assert "2 processes" in (sweep / "report.md").read_text()

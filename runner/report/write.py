@@ -176,20 +176,24 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
     return str(where)
 
 
-def _rows(sweep: Path, jobs: list[Job], seed: int, resamples: int) -> tuple[list[Row], dict | None]:
-    """The report's rows of ``sweep`` and its interleaved record (None for rounds): under the interleaved design
-    the paired figures of its slices replace the repeats' bootstrap (runner/report/paired.py), and ``jobs``
-    gains the jobs killed before their summary (``runner.report.load.unfinished_jobs``)."""
+def _load(sweep: Path) -> tuple[list[Job], dict | None]:
+    """``sweep``'s jobs and its interleaved record (None for rounds); the jobs include those killed before their
+    summary, from their slices (``runner.report.load.unfinished_jobs``)."""
+    jobs = load_jobs(sweep)
     try:
         interleaved = record_file.load(sweep)
     except ValueError as e:
         raise ReportError(str(e)) from e
-    if interleaved:
-        jobs += unfinished_jobs(sweep, interleaved, jobs)
+    return jobs + (unfinished_jobs(sweep, interleaved, jobs) if interleaved else []), interleaved
+
+
+def _rows(jobs: list[Job], interleaved: dict | None, seed: int, resamples: int) -> list[Row]:
+    """The report's rows: under the interleaved design the paired figures of the slices replace the repeats'
+    bootstrap (runner/report/paired.py)."""
     rows = build_rows(jobs, seed, resamples)
     if interleaved:
         paired.apply_to_rows(rows, interleaved)
-    return rows, interleaved
+    return rows
 
 
 def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, seed: int = stats.SEED,
@@ -209,8 +213,8 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
         ReportError: see ``load_jobs`` and ``build_rows`` (of ``sweep`` or of ``replication``).
     """
     sweep = Path(sweep)
-    jobs = load_jobs(sweep)
-    rows, interleaved = _rows(sweep, jobs, seed, resamples)
+    jobs, interleaved = _load(sweep)
+    rows = _rows(jobs, interleaved, seed, resamples)
     baseline = next(r for r in rows if r.configuration == "baseline")
     record = load_record(sweep)
     if interleaved:
@@ -229,7 +233,7 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
                         title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
         text = text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1)
         if replication is not None:
-            other, _ = _rows(Path(replication), load_jobs(Path(replication)), seed, resamples)
+            other = _rows(*_load(Path(replication)), seed, resamples)
             rec = load_record(Path(replication))
             table, _ = agreement(rows, other)
             text += (f"\n## Replication: an independent second sweep of the same job\n\n"
