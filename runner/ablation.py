@@ -280,7 +280,7 @@ class AblationCallback(Callback):
     ``ablation.json`` is a further round of that sweep and is only appended to its ``multiruns`` list.
     ``on_multirun_end`` adds the end time and load average, adds rounds while ``ablation.repeats=auto``
     asks for them (``auto_repeat``) and writes the report; a round launched by ``auto_repeat`` leaves
-    the report to the sweep that launched it. A report that cannot be made (no summaries, no baseline)
+    the report to the sweep that launched it (and under torchrun, ranks > 0 leave it to rank 0). A report that cannot be made (no summaries, no baseline)
     prints one ``error:`` line and exits with status 1. Bad ``ablation.repeats`` (neither a number nor
     ``auto``), ``ablation.max_repeats`` or ``ablation.target_ci`` print one ``error:`` line and exit with
     status 2 before any job runs (Hydra turns exceptions from callbacks into warnings).
@@ -311,6 +311,10 @@ class AblationCallback(Callback):
         write_json_atomic(path, record)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from runner.launch import discover
+
+        if discover().rank != 0:  # under torchrun, ranks > 0 swept in a scratch folder: rank 0 reports
+            return
         a = config.ablation
         sweep = Path(config.hydra.sweep.dir)
         path = sweep / "ablation.json"

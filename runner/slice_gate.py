@@ -17,8 +17,9 @@ The messages (plain dicts, pickled by ``Connection.send``):
 - launcher -> job: ``{"steps": n}`` (train n more steps, then wait again) or ``{"steps": 0}`` (finish:
   one last step, the final evaluation and ``summary.json``, as if ``trainer.max_steps`` were reached).
 
-A job with several ranks (DDP under torchrun) pauses as a whole: rank 0 holds the pipe and broadcasts
-each command to the other ranks, which wait in the collective.
+A job with several ranks (DDP under torchrun) pauses as a whole: each rank talks to its own rank's conductor
+(runner/interleave/ranks.py: rank 0's decides, the others relay its commands), and rank 0's command is also
+broadcast over the job's process group: whatever a rank's conductor sent, the job's ranks train the same steps.
 
 The design follows randomized multiple interleaved trials (Abedi & Brecht, "Conducting repeatable
 experiments in highly variable cloud computing environments", ICPE 2017) and duet benchmarking (Bulej et
@@ -95,11 +96,9 @@ class SliceGate:
             EOFError: the launcher is gone (its end of the pipe closed): the job stops instead of training on
                 alone.
         """
-        steps = 0
-        if env.is_main:
-            self.connection.send({"step": step, "train_time_s": train_time_s, "global_batch": global_batch,
-                                  "footprint_mb": footprint_mb(env.device), "available_mb": available_mb(env.device)})
-            steps = int(self.connection.recv()["steps"])
+        self.connection.send({"step": step, "train_time_s": train_time_s, "global_batch": global_batch,
+                              "footprint_mb": footprint_mb(env.device), "available_mb": available_mb(env.device)})
+        steps = int(self.connection.recv()["steps"])
         if env.distributed:
             steps = distributed.broadcast_object(steps, env)
         self.next_wait = step + steps

@@ -429,3 +429,45 @@ def test_fsdp_bf16_trains_a_batchnorm_model(tmp_path):
     assert summary["techniques"]["fsdp_mixed_precision"] == "applied"
     assert summary["train_loss"] == summary["train_loss"]  # not NaN
     assert summary["parameters"]["dtensor_count"] == summary["parameters"]["count"]
+
+
+# ------------------------------------------------------------------------ interleaved sweeps under torchrun
+
+INTERLEAVED = ["-m", "hydra/launcher=interleaved", *[o for o in TINY if not o.startswith("trainer.max_steps")],
+               "trainer.max_steps=2000", "interleave.slice_steps=2", "interleave.resume_steps=1",
+               "interleave.min_passes=2", "interleave.max_passes=2", "interleave.processes=1"]
+
+
+def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_path):
+    """``torchrun --nproc-per-node=2 -m runner -m hydra/launcher=interleaved distributed=ddp trainer.seed=0,1``:
+    each job (seed 0, seed 1, the reference's copy) is a 2-rank DDP job whose ranks were forked by the two ranks'
+    conductors and paused together: rank 1's conductor mirrored rank 0's every start, slice and finish (a rank
+    one step ahead or behind would hang DDP's all-reduce until distributed.timeout_s fails the job). Rank 0 alone
+    writes the record and the report; rank 1 leaves nothing behind."""
+    root = make_root(tmp_path)
+    sweep = root / "sweep"
+    proc = torchrun(*INTERLEAVED, "distributed=ddp", "distributed.timeout_s=60", "trainer.seed=0,1",
+                    f"hydra.sweep.dir={sweep}", cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    from runner.interleave import record
+
+    r = record.load(sweep)
+    assert set(r["jobs"]) == {"0", "1", "0-aa"} and {j["status"] for j in r["jobs"].values()} == {"measured"}
+    for name, job in r["jobs"].items():
+        summary = read_summary(sweep / name)
+        assert summary["world_size"] == 2, summary
+        measured = sum(s["steps"] + s["resume_steps"] for s in r["slices"] if s["job"] == name)
+        assert job["steps"] == 1 + r["slice_steps"] + measured, (name, job, measured)  # warm-up, settling, measured
+    assert {s["pass"] for s in r["slices"]} == {0, 1}
+    assert (sweep / "report.csv").is_file() and proc.stdout.count("interleave: 3 jobs") == 1  # rank 0 prints
+    assert "each of 2 ranks (torchrun)" in proc.stdout
+    assert not list((root / "tmp").glob("runner-rank*")), "rank 1 left its scratch sweep behind"
+
+
+def test_an_interleaved_sweep_under_torchrun_needs_distributed_jobs(tmp_path):
+    root = make_root(tmp_path)
+    proc = torchrun(*INTERLEAVED, "trainer.seed=0,1", f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
+    assert proc.returncode != 0
+    assert "distributed=none: every job of an interleaved sweep under torchrun runs on all the ranks; add " \
+           "distributed=ddp" in proc.stderr, proc.stderr[-3000:]
+    assert not (root / "sweep" / "0").exists()  # refused before any job was prepared

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 
 import pytest
 
@@ -12,6 +13,7 @@ from conftest import TINY, TINY_GPT, compose_cfg, read_csv, run_cli
 from runner import tune
 from runner.errors import ConfigError
 from runner.tune import speed
+from test_distributed import TORCHRUN, child_env
 
 #: a short search: 4 passes of 3-step slices per round, a 10-step guard
 QUICK = ["tune.guard_steps=10", "interleave.slice_steps=3", "interleave.min_passes=4", "interleave.max_passes=4",
@@ -154,3 +156,23 @@ def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.num_threads=0 must be >= 1"):
         run_tiny(tmp_path / "bad", "trainer.num_threads=0")
     assert not (tmp_path / "bad" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_path):
+    """``torchrun --nproc-per-node=2 -m runner.tune speed distributed=ddp``: the guard trains on both ranks, every
+    measured job of every round is a 2-rank DDP job (rank 1's conductor mirrors rank 0's), and each rank reaches
+    the same recommendation from rank 0's figures (the harness gathers the ranks' and fails if they differ)."""
+    out = tmp_path / "out"
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner.tune", "speed", "--out", str(out),
+           "distributed=ddp", "distributed.timeout_s=120", *TINY, *QUICK, "tune.only=[]",
+           "tune.switches={anomaly: {debug.name: anomaly}}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads((out / "speed.json").read_text())
+    assert result["world_size"] == 2 and result["ranks"][0] == result["ranks"][1] == result["recommended"]
+    assert [r["switch"] for r in result["rows"] if r["stage"] == "round 1"] == ["anomaly"]
+    summaries = sorted((out / "rounds").glob("*/*/summary.json"))
+    assert {p.parent.parent.name for p in summaries} == {"round1", "verification"}
+    assert all(json.loads(p.read_text())["world_size"] == 2 for p in summaries), summaries
+    assert proc.stdout.count("override: ") == 1  # rank 0 prints

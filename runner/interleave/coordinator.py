@@ -24,6 +24,9 @@
    ``summary.json``) and the next group is admitted beside the references.
 5. Writes ``interleave.json`` (runner/interleave/record.py) after every pass.
 
+Under torchrun every rank runs a conductor that forks its own rank of each job; rank 0's runs the steps above and
+tells the others each start, slice and finish before it acts (runner/interleave/ranks.py).
+
 A job that crashes is reported (``failed.json`` in its folder) and the others go on; when a reference
 crashes, its group stops. A first Ctrl-C stops after the current slice and finishes every job (the report is
 written from what was measured); a second one kills the jobs.
@@ -90,25 +93,30 @@ class Stop:
         signal.signal(signal.SIGINT, self._previous)
 
 
-def _job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str | None) -> None:
-    """The body of a job process: leave the terminal's process group, install the slice gate, train."""
+def _job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str | None,
+              env: dict[str, str]) -> None:
+    """The body of a job process: leave the terminal's process group, install the slice gate, train (with
+    ``env`` added to the environment: under torchrun, the job's own rendezvous port, runner/interleave/ranks.py)."""
     os.setsid()
     from runner import ablation, slice_gate
 
     slice_gate.install(connection)
-    ablation._train_forked(cfg, job_dir, {}, start_method)
+    ablation._train_forked(cfg, job_dir, env, start_method)
 
 
 class Conductor:
     """Runs the jobs of one interleaved sweep (see the module docstring); ``run`` returns when all finished."""
 
     def __init__(self, jobs: list[Job], settings: DictConfig, sweep: Path, reference: str, aa: str | None,
-                 retire: Any = None):
+                 retire: Any = None, ranks: Any = None):
         """``retire``: optional ``retire(comparisons) -> names``, asked after every pass from the
         ``interleave.min_passes``-th on with ``record.compare`` of the slices so far; the jobs it names finish at
         once and leave the passes (racing: the speed tuner retires candidates firmly slower than their
-        reference, so the others get the time)."""
+        reference, so the others get the time). ``ranks``: under torchrun, this conductor's place among the
+        ranks' conductors (``runner.interleave.ranks.Ranks``): rank 0's runs the sweep and tells the others
+        what to do to their processes of each job (``ranks.follow``); None with one process."""
         self.retire = retire
+        self.ranks = ranks
         self.jobs = {j.name: j for j in jobs}
         self.s = settings
         self.sweep = sweep
@@ -124,17 +132,30 @@ class Conductor:
     # ------------------------------------------------------------------------------------------- processes
     def _start(self, job: Job) -> bool:
         """Fork ``job``, wait for its first message and warm it up; False when it failed on the way."""
+        port = None
+        if self.ranks is not None:  # under torchrun: the job's own rendezvous, the same port on every rank
+            from runner.interleave.ranks import free_port
+
+            port = free_port()
+            self.ranks.tell(("spawn", job.name, port))
+        warmup = max(int(job.cfg.trainer.warmup_steps), 1)
+        return self._spawn(job, port) and self._slice(job, warmup) is not None
+
+    def _spawn(self, job: Job, port: int | None) -> bool:
+        """Fork ``job`` from the job server (rendezvous at ``port`` under torchrun) and wait for its first
+        message; False when it ended on the way."""
         from runner import ablation
+        from runner.interleave.ranks import job_env
 
         ctx = ablation._job_server()
         mine, theirs = ctx.Pipe()
         job.process = ctx.Process(target=_job_body, name=f"interleave {job.name}",
-                                  args=(job.cfg, str(job.folder), theirs, ctx.get_start_method()))
+                                  args=(job.cfg, str(job.folder), theirs, ctx.get_start_method(),
+                                        job_env(port) if port is not None else {}))
         job.process.start()
         theirs.close()
         job.connection, job.status = mine, "resident"
-        warmup = max(int(job.cfg.trainer.warmup_steps), 1)
-        return self._receive(job) is not None and self._slice(job, warmup) is not None
+        return self._receive(job) is not None
 
     def _receive(self, job: Job) -> dict[str, Any] | None:
         try:
@@ -146,6 +167,8 @@ class Conductor:
 
     def _slice(self, job: Job, steps: int) -> dict[str, Any] | None:
         """Let ``job`` train ``steps`` steps; returns its figures (steps, seconds, samples/s), None if it ended."""
+        if self.ranks is not None:
+            self.ranks.tell(("slice", job.name, steps))
         before = job.report
         try:
             job.connection.send({"steps": steps})
@@ -184,6 +207,8 @@ class Conductor:
         """Tell a resident ``job`` to finish (one last step, final evaluation, summary.json) and wait for it."""
         if job.status != "resident":
             return
+        if self.ranks is not None:
+            self.ranks.tell(("finish", job.name))
         try:
             job.connection.send({"steps": 0})
         except (BrokenPipeError, OSError):
@@ -217,6 +242,7 @@ class Conductor:
         if self.s.max_resident is not None and len(resident) + refs_to_come >= self.s.max_resident:
             return False
         footprint = max((j.report.get("footprint_mb") or 0.0 for j in resident), default=0.0)
+        footprint *= self.ranks.per_node if self.ranks is not None else 1  # a job's ranks on this node
         reports = [j.report["available_mb"] for j in resident if j.report.get("available_mb")]
         free = min(reports, default=None)  # the latest report (a reference started after the group's last job)
         return free is None or free > footprint * (self.s.memory_margin + refs_to_come)
@@ -385,12 +411,21 @@ def conduct(conductor: Conductor) -> None:
     """Run ``conductor`` with Ctrl-C handled (``Stop``): the first stops after the current slice and every job
     finishes; a second kills the jobs, writes ``interleave.json`` with what was measured and re-raises
     KeyboardInterrupt for the caller to report."""
+    from runner.interleave.ranks import END, follow
+
+    ranks = conductor.ranks
     with Stop() as stop:
         try:
+            if ranks is not None and not ranks.leader:
+                follow(conductor)  # rank 0's conductor decides; a first Ctrl-C reaches it too
+                return
             conductor.run(stop)
+            if ranks is not None:
+                ranks.tell(END)
         except KeyboardInterrupt:
             conductor.kill()
-            conductor.write()
+            if ranks is None or ranks.leader:
+                conductor.write()
             raise
 
 

@@ -10,6 +10,10 @@ the report (``report.md``/``report.csv``, runner/report/) is written at the end,
 An ablation (``+experiment=ablation``) is interleaved by default; ``ablation.design=rounds`` hands its rounds of
 repeats to Hydra's basic launcher.
 
+Under torchrun (``torchrun --nproc-per-node N -m runner -m hydra/launcher=interleaved distributed=ddp ...``)
+every job runs as a DDP job of the N ranks, all of whose processes pause together: rank 0's conductor decides
+and the other ranks' conductors mirror it (runner/interleave/ranks.py); rank 0 writes the record and the report.
+
 Hydra instantiates launchers only from the ``hydra_plugins`` namespace, whose modules it finds by scanning
 installed packages, which an editable install does not expose (a ``package-dir`` mapping is invisible to
 ``pkgutil``). ``register`` therefore enters this class into Hydra's plugin registry under
@@ -65,6 +69,7 @@ class InterleavedLauncher(Launcher):
 
         if problem := settings_problem(cfg.interleave):
             _refuse(problem)
+        ranks = _ranks(cfg)
         from hydra.core.utils import configure_log, setup_globals
 
         setup_globals()
@@ -76,9 +81,10 @@ class InterleavedLauncher(Launcher):
             ret, job = self._prepare(list(overrides), initial_job_idx + i)
             returns.append(ret)
             prepared.append(job)
-        return self._conduct(sweep, job_overrides, initial_job_idx, returns, prepared)
+        return self._conduct(sweep, job_overrides, initial_job_idx, returns, prepared, ranks)
 
-    def _conduct(self, sweep: Path, job_overrides, first: int, returns: list, prepared: list) -> list[JobReturn]:
+    def _conduct(self, sweep: Path, job_overrides, first: int, returns: list, prepared: list,
+                 ranks: Any) -> list[JobReturn]:
         from runner.interleave.coordinator import Conductor, Job, conduct
         from runner.report.load import kind_of
 
@@ -111,16 +117,23 @@ class InterleavedLauncher(Launcher):
                 if extra is not None:
                     jobs.append(Job(_name(extra[1], sweep), extra[0], extra[1], ref, config=name))
         aa = _name(copy_job[1], sweep) if copy_job else None
-        conductor = Conductor(jobs, self.config.interleave, sweep, reference, aa)
+        conductor = Conductor(jobs, self.config.interleave, sweep, reference, aa, ranks=ranks)
         per = f"{k} processes per configuration" if k > 1 else "each in its own process"
-        print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
-              f"{per}; the others wait while one trains", flush=True)
+        if ranks is not None:
+            per += f", each of {ranks.world_size} ranks (torchrun)"
+        if ranks is None or ranks.leader:
+            print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
+                  f"{per}; the others wait while one trains", flush=True)
         try:
             conduct(conductor)
         except KeyboardInterrupt:
             print("interleave: killed; interleave.json holds what was measured; `python -m runner.report "
                   f"{sweep}` writes its report", file=sys.stderr, flush=True)
             sys.exit(130)
+        if ranks is not None and not ranks.leader:  # rank 0 holds the figures and writes the report
+            for ret in [*returns, copy_ret]:
+                ret.status, ret.return_value = JobStatus.COMPLETED, None
+            return returns
         for ret, job in zip([*returns, copy_ret], [*prepared, copy_job]):
             summary_path = job[1] / "summary.json" if job else None
             value = None
@@ -161,6 +174,25 @@ class InterleavedLauncher(Launcher):
                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
         job = ret._return_value if ret.status == JobStatus.COMPLETED else None
         return ret, job
+
+
+def _ranks(cfg: DictConfig):
+    """Under torchrun, this rank's conductor's place among the ranks' (runner/interleave/ranks.py); None with one
+    process. Every job of the sweep then runs as a job of all the ranks, so it must be distributed."""
+    from runner import launch
+    from runner.interleave.ranks import Ranks
+
+    layout = launch.discover()
+    if layout.world_size == 1:
+        return None
+    if cfg.distributed.name not in ("ddp", "fsdp"):
+        _refuse(f"launched as {layout.world_size} processes ({layout.launcher}) but distributed="
+                f"{cfg.distributed.name}: every job of an interleaved sweep under torchrun runs on all the ranks; "
+                f"add distributed=ddp (or fsdp)")
+    if layout.launcher != "torchrun":
+        _refuse(f"an interleaved sweep of {layout.world_size} processes runs under torchrun only ({layout.launcher} "
+                f"tasks cannot share its rendezvous); start it with torchrun, or as one process")
+    return Ranks.join(cfg.distributed.timeout_s)
 
 
 def _resolve_job(cfg: DictConfig) -> tuple[DictConfig, Path] | None:

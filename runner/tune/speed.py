@@ -35,8 +35,11 @@ a preset, ``python -m runner '+experiment=[<yours>,tuned]' --config-dir <out>``.
 Layout: the candidates in runner/tune/switches.py, the guard in runner/tune/guard.py, the rounds, the search
 and the outputs here.
 
-Runs in one process (the measured jobs are its children); under torchrun it refuses: measure a single
-process's job, then apply the pick to the distributed run.
+The measured jobs are the tuner's children. Under torchrun (``torchrun --nproc-per-node N -m runner.tune speed
+distributed=ddp ...``) every round's job is a DDP job of the N ranks: rank 0's conductor decides and the
+other ranks' conductors mirror it (runner/interleave/ranks.py), the guard trains on all ranks, and every
+figure a decision rests on (the guard's loss curves, each round's record, the time left) is rank 0's,
+broadcast, so the ranks agree on every decision.
 """
 
 from __future__ import annotations
@@ -94,15 +97,18 @@ class Round:
     samples_per_sec: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)  # the round's interleave.json (rank 0's)
 
 
-def measure_round(r: Round, folder: Path, settings: DictConfig) -> Round:
+def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = None) -> Round:
     """Measure ``r``'s jobs side by side with the interleaved conductor (runner/interleave/coordinator.py):
     each job resident in its own process, slices in random order per pass, the reference's copy as A', until
     every interval is within ``settings.target_ci`` or ``r.minutes`` of measuring are spent. Fills
     ``r.comparisons`` (name -> ``stats.Paired`` against the reference, or None), ``r.verdicts`` (Holm over the
     round), ``r.aa``, ``r.samples_per_sec`` (each job's median slice) and ``r.failed`` (a job that crashed, e.g.
-    out of memory: name -> status). Ctrl-C stops the round after the current slice."""
+    out of memory: name -> status) and ``r.record`` (the conductor's ``interleave.json``). Ctrl-C stops the
+    round after the current slice. ``ranks``: under torchrun (runner/interleave/ranks.py), every rank's
+    conductor mirrors rank 0's, and every rank gets rank 0's record."""
     from runner.interleave import record as record_mod, stats
     from runner.interleave.coordinator import Conductor, Job, conduct
 
@@ -120,8 +126,10 @@ def measure_round(r: Round, folder: Path, settings: DictConfig) -> Round:
         verdicts = stats.verdicts([comparisons[n] for n in names], s.confidence)
         return [n for n, v in zip(names, verdicts) if v == stats.HURTS]
 
-    conduct(Conductor(jobs, s, folder, r.reference, aa, retire=retire))
-    record = record_mod.load(folder) or {"jobs": {}, "slices": []}
+    conduct(Conductor(jobs, s, folder, r.reference, aa, retire=retire, ranks=ranks))
+    record = record_mod.load(folder) if ranks is None or ranks.leader else None
+    record = (ranks.share(record) if ranks is not None else record) or {"jobs": {}, "slices": []}
+    r.record = record
     comparisons = record_mod.compare(record)
     r.aa = comparisons.pop(aa, None)
     r.comparisons = comparisons
@@ -191,16 +199,19 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     ``tuned_yaml`` (the preset's text).
 
     Raises:
-        ConfigError: under torchrun; bad ``tune.*`` values (``tune.only``, ``tune.switches``).
+        ConfigError: bad ``tune.*`` values (``tune.only``, ``tune.switches``); your configuration cannot train.
     """
-    if env.distributed:
-        raise ConfigError("python -m runner.tune speed measures a single process: run it without torchrun (same "
-                          "overrides, distributed=none) and apply its pick to the distributed job")
+    from runner.interleave.ranks import Ranks
     from runner.interleave.schedule import settings_problem
 
     if problem := settings_problem(cfg.interleave):
         raise ConfigError(problem)
     t = cfg.tune
+    ranks = Ranks.join(cfg.distributed.timeout_s) if env.distributed else None
+
+    def agreed(value: Any) -> Any:  # what rank 0 measured or decided, on every rank
+        return ranks.share(value) if ranks is not None else value
+
     started = time.perf_counter()
     budget_s = 60 * t.budget_minutes
     out = Path(job_dir)
@@ -218,13 +229,13 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     def guard(sw: list[Switch]) -> tuple[float, float | None, str]:
         c = applied(cfg, [s for s in sw if s.arithmetic])
         steps = max(1, math.ceil(t.guard_steps * batch_of(cfg) / batch_of(c)))
-        losses, note = loss_curve(c, env, out, steps)
+        losses, note = agreed(loss_curve(c, env, out, steps))
         if losses is None:
             return math.inf, None, note
         tail = losses[-max(1, len(losses) // GUARD_WINDOWS):]
         return departure(reference, losses, batch_of(cfg), batch_of(c)), sum(tail) / len(tail), note
 
-    reference, ref_note = loss_curve(cfg, env, out, t.guard_steps)
+    reference, ref_note = agreed(loss_curve(cfg, env, out, t.guard_steps))
     if reference is None or ref_note:
         raise ConfigError(f"your configuration cannot train its first {t.guard_steps} steps here ({ref_note}); "
                           f"fix that before tuning its speed")
@@ -235,7 +246,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     # runs on the same batches drift apart as training amplifies any difference in rounding (a fused optimizer's
     # 0.9 % on resnet18/CIFAR in 50 steps), so a fixed tolerance alone rejected bf16 and compile there
     other = with_overrides(cfg, trainer__seed=int(cfg.trainer.seed or 0) + 1)
-    seed_curve, seed_note = loss_curve(other, env, out, t.guard_steps)
+    seed_curve, seed_note = agreed(loss_curve(other, env, out, t.guard_steps))
     spread = 0.0 if seed_curve is None or seed_note else departure(reference, seed_curve, batch_of(cfg), batch_of(cfg))
     tolerance = max(t.guard_tolerance, spread)
     rows.append({"stage": "guard", "switch": "(yours, trainer.seed + 1)", "guard_departure": spread,
@@ -268,7 +279,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     remaining = list(passed)
     rounds: list[Round] = []
     while remaining:
-        left = budget_s - (time.perf_counter() - started) - reserve_s
+        left = agreed(budget_s - (time.perf_counter() - started) - reserve_s)
         if left < 60:
             notes.append(f"the search stopped with {len(remaining)} candidate(s) unmeasured on top of the pick: "
                          f"tune.budget_minutes={t.budget_minutes:g} spent")
@@ -277,7 +288,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
         jobs = {"incumbent": applied(cfg, incumbent), **{s.name: applied(cfg, [*incumbent, s]) for s in remaining}}
         r = Round(f"round {len(rounds) + 1}: on top of {base}", "incumbent", jobs, minutes=left / 2 / 60)
         say(env, f"speed: {r.title}: {len(remaining)} candidate(s), up to {r.minutes:.1f} min of measuring")
-        measure_round(r, rounds_dir / f"round{len(rounds) + 1}", settings)
+        measure_round(r, rounds_dir / f"round{len(rounds) + 1}", settings, ranks)
         rounds.append(r)
         for s in remaining:
             rows.append({"stage": f"round {len(rounds)}", "switch": s.name, "on_top_of": base, **_figures(r, s.name)})
@@ -314,12 +325,12 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
         verify_jobs["fast"] = fast
     verified = None
     if len(verify_jobs) > 1:
-        spent = time.perf_counter() - started
+        spent = agreed(time.perf_counter() - started)
         minutes = max(1.0, (budget_s - spent) / 60)
         v = Round("verification", "yours", verify_jobs, minutes=minutes)
         say(env, f"speed: verification: your configuration, {'the pick (' + pick_name + '), ' if pick_name else ''}"
                  f"{'+experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min")
-        measure_round(v, rounds_dir / "verification", settings)
+        measure_round(v, rounds_dir / "verification", settings, ranks)
         rounds.append(v)
         for name in verify_jobs:
             if name != "yours":
@@ -331,7 +342,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
         if incumbent and fast is not None:
             from runner.interleave import record as record_mod
 
-            head = record_mod.versus(record_mod.load(rounds_dir / "verification") or {"slices": []}, "pick", "fast")
+            head = record_mod.versus(v.record or {"slices": []}, "pick", "fast")
             if head is not None:
                 notes.append(f"the pick against +experiment=fast, head to head: {_describe(head)}")
         if incumbent and not helps(v, "pick", t.min_speedup):
