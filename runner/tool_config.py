@@ -82,7 +82,7 @@ class TuneConfig:
     loader_batches: int = 30  # batches timed on the loader alone, after warmup_steps batches
     tolerance: float = 0.05  # pick the fewest workers within this fraction of the best samples/s
     # speed: greedy forward selection over the speed switches, measured interleaved (runner/tune/speed.py)
-    budget_minutes: float = 20.0  # measuring time of the whole search (a quarter kept for the verification);
+    budget_minutes: float = 20.0  # measuring time of the whole search (a quarter kept for the verification); the guard,
     # start-up and compilation of each round's processes come on top
     allow: str = "speed"  # speed: switches that keep the recipe | recipe: also a 2x/4x micro-batch, LR scaled
     only: Optional[list[str]] = None  # try only these built-in switches (names as the report lists them)

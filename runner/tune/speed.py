@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +97,7 @@ class Round:
     failed: dict[str, str] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)  # the round's interleave.json (rank 0's)
+    measured_s: float = 0.0  # seconds spent measuring (start-ups excluded)
 
 
 def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = None) -> Round:
@@ -126,7 +126,9 @@ def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = Non
         verdicts = stats.verdicts([comparisons[n] for n in names], s.confidence)
         return [n for n, v in zip(names, verdicts) if v == stats.HURTS]
 
-    conduct(Conductor(jobs, s, folder, r.reference, aa, retire=retire, ranks=ranks))
+    conductor = Conductor(jobs, s, folder, r.reference, aa, retire=retire, ranks=ranks)
+    conduct(conductor)
+    r.measured_s = conductor.measuring_s
     record = record_mod.load(folder) if ranks is None or ranks.leader else None
     record = (ranks.share(record) if ranks is not None else record) or {"jobs": {}, "slices": []}
     r.record = record
@@ -212,8 +214,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     def agreed(value: Any) -> Any:  # what rank 0 measured or decided, on every rank
         return ranks.share(value) if ranks is not None else value
 
-    started = time.perf_counter()
-    budget_s = 60 * t.budget_minutes
+    budget_s = 60 * t.budget_minutes  # of measuring: the guard, start-ups and compilation come on top
     out = Path(job_dir)
     rounds_dir = _rounds_folder(out)
     candidates, notes = chosen(cfg, t, env.device)
@@ -279,7 +280,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     remaining = list(passed)
     rounds: list[Round] = []
     while remaining:
-        left = agreed(budget_s - (time.perf_counter() - started) - reserve_s)
+        left = agreed(budget_s - sum(r.measured_s for r in rounds) - reserve_s)
         if left < 60:
             notes.append(f"the search stopped with {len(remaining)} candidate(s) unmeasured on top of the pick: "
                          f"tune.budget_minutes={t.budget_minutes:g} spent")
@@ -325,7 +326,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
         verify_jobs["fast"] = fast
     verified = None
     if len(verify_jobs) > 1:
-        spent = agreed(time.perf_counter() - started)
+        spent = agreed(sum(r.measured_s for r in rounds))
         minutes = max(1.0, (budget_s - spent) / 60)
         v = Round("verification", "yours", verify_jobs, minutes=minutes)
         say(env, f"speed: verification: your configuration, {'the pick (' + pick_name + '), ' if pick_name else ''}"
