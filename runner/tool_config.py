@@ -53,6 +53,8 @@ class InterleaveConfig:
     # the job itself, and room for the resident ones to grow (loader workers, allocator caches; at 1.5 a
     # 33-process resnet18/CIFAR ablation met the out-of-memory killer)
     max_resident: Optional[int] = None  # at most this many jobs resident at once (null: as memory allows)
+    fallback_pairs: int = 4  # a job with no room beside its reference (or killed for memory there) is measured
+    # after the groups in this many pairs of fresh processes (reference, job; ABBA): the rounds design
     confidence: float = 0.95  # of every interval; verdicts: Holm's step-down over the sweep at 1 - confidence
 
 

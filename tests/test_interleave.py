@@ -411,3 +411,76 @@ def test_ctrl_c_stops_after_the_slice_and_leaves_a_report(tmp_path):
     assert all(job["status"] == "measured" for job in r["jobs"].values()), r["jobs"]
     assert all((sweep / name / "summary.json").is_file() for name in r["jobs"])
     assert (sweep / "report.md").is_file() and json.loads((sweep / "1" / "summary.json").read_text())["steps"] > 0
+
+
+OOM_MODEL = """
+import os
+
+import torch
+from torch import nn
+
+
+class Fine(nn.Sequential):
+    def __init__(self, num_classes: int = 10):
+        super().__init__(nn.Flatten(), nn.Linear(3 * 16 * 16, num_classes))
+
+
+FORWARDS = 0
+
+
+class OutOfMemoryOnce(Fine):
+    # raises CUDA's out-of-memory error in its first training step while ./oom-once exists (removing it); the
+    # process's first training forward is the FLOP count's, which tolerates any error
+
+    def forward(self, x):
+        global FORWARDS
+        FORWARDS += self.training
+        if self.training and FORWARDS == 2 and os.path.exists("oom-once"):
+            os.remove("oom-once")
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return super().forward(x)
+"""
+
+
+def _rounds_checks(sweep: Path, r: dict, job: str) -> dict:
+    """What every job measured by the fallback shows; returns the report's rows."""
+    assert r["jobs"][job]["design"] == "rounds" and r["jobs"][job]["group"] == "rounds", r["jobs"][job]
+    assert r["jobs"][job]["status"] == "measured"
+    pairs = [s for s in r["slices"] if s["job"] == job]
+    assert len(pairs) == 2 and all(s["group"] == "rounds" and s["pairs_with"] is not None for s in pairs)
+    assert (sweep / job / "summary.json").is_file() and not (sweep / job / "failed.json").exists()
+    assert not list(sweep.rglob("rounds/*/summary.json"))  # a fresh run's summary is not taken for a job
+    rows = {row["job"]: row for row in csv.DictReader((sweep / "report.csv").open())}
+    assert rows[job]["design"] == "rounds" and rows[job]["ci_low"] and rows[job]["speedup"], rows[job]
+    assert rows["0"]["design"] == "interleaved"
+    assert "Measured in rounds instead" in (sweep / "report.md").read_text()
+    return rows
+
+
+def test_a_job_with_no_room_beside_its_reference_is_measured_in_rounds(tmp_path):
+    """``interleave.max_resident=1``: nothing fits beside the reference, so its copy and seed 1 are measured after
+    the groups in pairs of fresh processes (the rounds design, ABBA), and the report says which design measured what."""
+    proc = _sweep(tmp_path, "trainer.seed=0,1", "interleave.max_resident=1", "interleave.fallback_pairs=2")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    sweep = tmp_path / "sweep"
+    r = record.load(sweep)
+    rows = _rounds_checks(sweep, r, "1")
+    _rounds_checks(sweep, r, "0-aa")
+    order = [[s["job"] for s in r["slices"] if s["pass"] == p] for p in range(2)]
+    assert order[0][0] == "0" and order[1][0] != "0"  # the reference first, then the job first: ABBA
+    assert "A/A" in rows["0-aa"]["verdict"] and "no room beside the references" in out
+
+
+def test_a_job_that_runs_out_of_memory_beside_the_others_is_measured_in_rounds(tmp_path):
+    """A job whose first step raises CUDA's out-of-memory error while resident beside the reference exits with
+    EXIT_OUT_OF_MEMORY, and is measured again after the groups in fresh processes (where it has the memory)."""
+    (tmp_path / "oom_model.py").write_text(OOM_MODEL)
+    (tmp_path / "oom-once").touch()
+    proc = _sweep(tmp_path, "model._target_=oom_model.Fine,oom_model.OutOfMemoryOnce", "interleave.fallback_pairs=2")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    assert not (tmp_path / "oom-once").exists() and "OutOfMemoryError" in out
+    sweep = tmp_path / "sweep"
+    _rounds_checks(sweep, record.load(sweep), "1")
+    assert "out of memory when it started beside the others" in out

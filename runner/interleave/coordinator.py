@@ -23,6 +23,10 @@
    ``interleave.max_passes`` is reached, or Ctrl-C. Then the group's jobs finish (final evaluation,
    ``summary.json``) and the next group is admitted beside the references.
 5. Writes ``interleave.json`` (runner/interleave/record.py) after every pass.
+6. **Falls back to rounds** for jobs that had no room beside the references (not even alone: free memory under
+   one footprint, or ``interleave.max_resident`` reached) or died for memory there (exit status
+   ``EXIT_OUT_OF_MEMORY`` or SIGKILL): once the references have finished, each such configuration runs in
+   ``interleave.fallback_pairs`` pairs of fresh processes, reference and job, ABBA (``_rounds``).
 
 Under torchrun every rank runs a conductor that forks its own rank of each job; rank 0's runs the steps above and
 tells the others each start, slice and finish before it acts (runner/interleave/ranks.py).
@@ -49,6 +53,13 @@ from runner.interleave import record as record_mod
 from runner.interleave.schedule import pass_order
 from runner.track import write_json_atomic
 
+#: A job process's exit status after a CUDA out-of-memory error (the kernel's out-of-memory killer: -9, SIGKILL).
+EXIT_OUT_OF_MEMORY = 4
+#: A fallback run's measured slice, in slices: each run is one figure, so it is longer than an interleaved slice.
+ROUNDS_SLICES = 4
+#: What a fallback run's ``summary.json`` is renamed to (the reports take every ``summary.json`` for a job).
+RUN_SUMMARY = "run-summary.json"
+
 
 @dataclass
 class Job:
@@ -66,7 +77,9 @@ class Job:
     connection: Any = None
     status: str = "pending"  # pending | resident | measured | failed (exit N) | ended early
     report: dict[str, Any] = field(default_factory=dict)  # the job's last message (runner/slice_gate.py)
-    group: int | None = None
+    group: int | str | None = None  # the group it was resident in; "rounds": measured by the fallback
+    design: str = "interleaved"  # interleaved | rounds (it could not be resident beside its reference)
+    out_of_memory: bool = False  # it failed for want of memory (the fallback measures it again, in rounds)
 
     def __post_init__(self) -> None:
         self.config = self.config or self.name
@@ -98,10 +111,18 @@ def _job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str 
     """The body of a job process: leave the terminal's process group, install the slice gate, train (with
     ``env`` added to the environment: under torchrun, the job's own rendezvous port, runner/interleave/ranks.py)."""
     os.setsid()
+    import torch
+
     from runner import ablation, slice_gate
 
     slice_gate.install(connection)
-    ablation._train_forked(cfg, job_dir, env, start_method)
+    try:
+        ablation._train_forked(cfg, job_dir, env, start_method)
+    except torch.OutOfMemoryError:
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(EXIT_OUT_OF_MEMORY)
 
 
 class Conductor:
@@ -125,6 +146,7 @@ class Conductor:
         self.slices: list[dict[str, Any]] = []
         self.slice_steps: int | None = settings.slice_steps
         self.stopped: list[str] = []
+        self.fallback: list[Job] = []  # jobs to measure in rounds after the groups (``_defer``)
         self.record: dict[str, Any] = {"design": "interleaved", "reference": reference, "aa": aa,
                                        "settings": dict(settings), "started": time.time(), "finished": None}
         self.measuring_s = 0.0
@@ -223,6 +245,7 @@ class Conductor:
     def _failed(job: Job, code: int | None) -> None:
         """Record a failed job: its status and ``failed.json`` (what the reports list), as ``ablation.run_job`` does."""
         job.status = f"failed (exit {code})"
+        job.out_of_memory = code in (EXIT_OUT_OF_MEMORY, -signal.SIGKILL)
         write_json_atomic(job.folder / "failed.json", {**_variant(job.cfg), "returncode": code, "design": "interleaved"})
 
     def kill(self) -> None:
@@ -234,18 +257,19 @@ class Conductor:
                 job.status = "killed (Ctrl-C)"
 
     # ---------------------------------------------------------------------------------------------- passes
-    def _fits(self, resident: list[Job], refs_to_come: int = 0) -> bool:
+    def _fits(self, resident: list[Job], refs_to_come: int = 0, margin: float | None = None) -> bool:
         """Whether one more job may start beside ``resident`` while ``refs_to_come`` references (which start
         whatever the memory) are still to start: the least free memory a resident job reported (the latest, as
         memory only fills while jobs start) must exceed the largest footprint so far x (``interleave.memory_margin``
-        + ``refs_to_come``)."""
+        + ``refs_to_come``); ``margin`` replaces ``interleave.memory_margin`` (1: room for the job itself)."""
         if self.s.max_resident is not None and len(resident) + refs_to_come >= self.s.max_resident:
             return False
         footprint = max((j.report.get("footprint_mb") or 0.0 for j in resident), default=0.0)
         footprint *= self.ranks.per_node if self.ranks is not None else 1  # a job's ranks on this node
         reports = [j.report["available_mb"] for j in resident if j.report.get("available_mb")]
         free = min(reports, default=None)  # the latest report (a reference started after the group's last job)
-        return free is None or free > footprint * (self.s.memory_margin + refs_to_come)
+        margin = self.s.memory_margin if margin is None else margin
+        return free is None or free > footprint * (margin + refs_to_come)
 
     def _calibrate(self, reference: Job) -> None:
         if self.slice_steps is None:
@@ -270,17 +294,28 @@ class Conductor:
         group = 1
         while (admitted or pending) and not stop.requested:
             if not admitted:  # the next group (the first was admitted between the references)
-                while pending and not stop.requested and (
-                        not admitted or self._fits([j for j in refs if j.status == "resident"] + admitted)):
+                while pending and not stop.requested:
+                    here = [j for j in refs if j.status == "resident"] + admitted
+                    if admitted and not self._fits(here):
+                        break
+                    if not admitted and not self._fits(here, margin=1.0):  # not even alone beside the references
+                        self._defer(pending.pop(0), "no room beside the references")
+                        continue
                     self._admit(pending.pop(0), group, admitted)
+                if not admitted:
+                    break
             share = budget_s - self.measuring_s
             group_budget = share * len(admitted) / (len(admitted) + len(pending)) if admitted else 0.0
             self._measure(group, [j for j in refs if j.status == "resident"] + admitted, group_budget, stop)
             for job in admitted:
                 self._finish(job)
+                if job.out_of_memory:
+                    self._defer(job, "out of memory beside the others")
             admitted, group = [], group + 1
         for job in refs:
             self._finish(job)
+        if self.fallback and not stop.requested:
+            self._rounds(self.fallback, stop)
         self.write()
 
     def _start_first_group(self, refs: list[Job], order: list[Job], pending: list[Job], stop: Stop) -> list[Job] | None:
@@ -293,9 +328,9 @@ class Conductor:
                 if not self._start(job) and job.name == self.reference:
                     self.stopped.append(f"the reference {job.name} {job.status}")
                     return None
-            elif pending and pending[0] is job and not stop.requested and (not admitted or self._fits(
+            elif pending and pending[0] is job and not stop.requested and self._fits(
                     [j for j in refs if j.status == "resident"] + admitted,
-                    refs_to_come=sum(j in refs for j in order[position + 1:]))):
+                    refs_to_come=sum(j in refs for j in order[position + 1:]), margin=None if admitted else 1.0):
                 self._admit(pending.pop(0), 1, admitted)
         return admitted
 
@@ -316,6 +351,8 @@ class Conductor:
         print(f"interleave: group {group}: starting {job.name}", flush=True)
         if self._start(job):
             admitted.append(job)
+        elif job.out_of_memory:
+            self._defer(job, "out of memory when it started beside the others")
 
     def _is_reference(self, name: str) -> bool:
         return any(j.reference == name for j in self.jobs.values())
@@ -375,6 +412,76 @@ class Conductor:
         self.stopped.append(f"group {group}: {why}")
         print(f"interleave: group {group} stopped: {why}", flush=True)
 
+    # ------------------------------------------------------------------------------------------- the fallback
+    def _defer(self, job: Job, why: str) -> None:
+        """``job`` cannot be resident beside its reference: it is measured in rounds after the groups."""
+        job.group, job.design, job.status = "rounds", "rounds", "pending"
+        self.fallback.append(job)
+        print(f"interleave: {job.name}: {why}; measured in rounds after the groups", flush=True)
+
+    def _rounds(self, fallback: list[Job], stop: Stop) -> None:
+        """The fallback for jobs that could not be resident beside their reference (``_defer``), run once the
+        groups and the references have finished and freed their memory: per configuration, ``interleave.
+        fallback_pairs`` passes, each a fresh process of the reference and then of the job (the order reversed
+        every other pass: ABBA), each trained through its warm-up and one settling slice, then measured over one
+        slice of ``ROUNDS_SLICES`` x the sweep's slice steps. A pass's job slice pairs with its reference slice
+        (group ``"rounds"`` in ``interleave.json``), so the statistic is the sweep's own; the passes are minutes
+        apart, not seconds, so drift cancels less well than between resident jobs. The job's processes take the
+        passes in turn; each run writes into ``<folder>/rounds/pass<N>`` (its summary as ``RUN_SUMMARY``) and the
+        last one's summary becomes the job's ``summary.json``."""
+        import shutil
+
+        by_config: dict[str, list[Job]] = {}
+        for job in fallback:
+            by_config.setdefault(job.config, []).append(job)
+        passes = 0
+        for config, processes in by_config.items():
+            processes.sort(key=lambda j: j.name)
+            reference = self.jobs[processes[0].reference]
+            print(f"interleave: rounds: {config} against {reference.name}, {self.s.fallback_pairs} pair(s) of fresh "
+                  f"processes", flush=True)
+            for i in range(self.s.fallback_pairs):
+                if stop.requested:
+                    return
+                job = processes[i % len(processes)]
+                pair = [reference, job] if i % 2 == 0 else [job, reference]
+                figures = {}
+                for position, template in enumerate(pair):
+                    run = Job(template.name, template.cfg, template.folder / "rounds" / f"pass{passes}",
+                              template.reference, config=template.config)
+                    result = self._fresh_run(run)
+                    if result is not None:
+                        figures[template.name] = position
+                        self.slices.append({"group": "rounds", "pass": passes, "position": position,
+                                            "job": template.name, "pairs_with": None, **result, "resume_steps": 0,
+                                            "time": time.time(), "design": "rounds"})
+                    elif template is job:
+                        job.status = run.status
+                for sl in self.slices[-len(figures):] if figures else []:
+                    if sl["job"] == job.name and reference.name in figures:
+                        sl["pairs_with"] = figures[reference.name]
+                passes += 1
+                self.write()
+            for job in processes:
+                runs = sorted((job.folder / "rounds").glob(f"pass*/{RUN_SUMMARY}"), key=lambda p: p.stat().st_mtime)
+                if runs:
+                    shutil.copyfile(runs[-1], job.folder / "summary.json")
+                    (job.folder / "failed.json").unlink(missing_ok=True)
+                    job.status = "measured"
+                elif job.status == "pending":
+                    job.status = "not run (the fallback's passes went to its other processes)"
+
+    def _fresh_run(self, run: Job) -> dict[str, Any] | None:
+        """Start ``run``, let it settle for a slice, measure one slice of ``ROUNDS_SLICES`` slices, finish it."""
+        if not self._start(run) or self._slice(run, self.slice_steps) is None:
+            return None
+        figures = self._slice(run, ROUNDS_SLICES * self.slice_steps)
+        self._finish(run)
+        summary = run.folder / "summary.json"
+        if summary.is_file():  # the reports read every summary.json under the sweep as a job of its own
+            summary.rename(run.folder / RUN_SUMMARY)
+        return figures if run.status == "measured" else None
+
     def _progress(self, group: int, p: int, resident: list[Job], elapsed: float) -> float | None:
         """Print the pass's line; return the widest relative half-width among the group's comparisons (None if
         one has no interval yet)."""
@@ -394,7 +501,8 @@ class Conductor:
     def _snapshot(self) -> dict[str, Any]:
         jobs = {j.name: {"folder": str(j.folder.relative_to(self.sweep)) if j.folder.is_relative_to(self.sweep)
                          else str(j.folder), "config": j.config, "reference": j.reference, "group": j.group, "status": j.status,
-                         "footprint_mb": j.report.get("footprint_mb"), "steps": j.report.get("step")}
+                         "footprint_mb": j.report.get("footprint_mb"), "steps": j.report.get("step"),
+                         "design": j.design}
                 for j in self.jobs.values()}
         return {**self.record, "slice_steps": self.slice_steps, "jobs": jobs, "slices": self.slices,
                 "stopped": self.stopped}

@@ -10,10 +10,13 @@ stopped by Ctrl-C or a crash still has a record of every slice it measured. Its 
   is the job's folder relative to the sweep folder; ``config`` names the configuration the process runs (the
   name of its first process; with ``interleave.processes`` = k each configuration runs in k processes);
   ``reference`` is the configuration it is compared with; ``status`` is ``measured``, ``failed (exit N)``,
-  ``not run: ...``.
+  ``not run: ...``; ``design`` is ``interleaved``, or ``rounds`` for a job that had no room beside its
+  reference (or was killed for memory there) and was measured after the groups in pairs of fresh processes
+  (its ``group`` is ``"rounds"``).
 - ``slices``: one entry per measured slice: ``group``, ``pass``, ``position`` (in the pass), ``job``,
   ``pairs_with`` (the position of the reference slice it pairs with, None for a reference slice), ``steps``,
-  ``seconds`` (the engine's training time of the slice), ``samples_per_sec`` and ``time`` (its end).
+  ``seconds`` (the engine's training time of the slice), ``samples_per_sec`` and ``time`` (its end); the
+  fallback's runs are slices of group ``"rounds"``, one pass per pair, with ``"design": "rounds"``.
 """
 
 from __future__ import annotations

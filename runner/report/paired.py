@@ -57,13 +57,13 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
         config = config_of[name]
         c = comparisons.get(config)
         if job.get("reference") is None:
-            out[name] = {"speedup": 1.0, "ci_low": None, "ci_high": None, "verdict": "reference", "design": DESIGN,
-                         "pairs": None, "reference": None}
+            out[name] = {"speedup": 1.0, "ci_low": None, "ci_high": None, "verdict": "reference",
+                         "design": job.get("design", DESIGN), "pairs": None, "reference": None}
             continue
         out[name] = {"speedup": c and c.speedup, "ci_low": c and c.ci_low, "ci_high": c and c.ci_high,
                      "verdict": _word(verdicts.get(config, ""), c, "faster", "slower") + (
                          " (A/A: the reference's copy)" if config == aa else ""),
-                     "design": DESIGN, "pairs": c and c.n, "reference": job["reference"]}
+                     "design": job.get("design", DESIGN), "pairs": c and c.n, "reference": job["reference"]}
     return out
 
 
@@ -79,7 +79,7 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
     for name, row in named.items():
         if name not in record["jobs"]:
             continue
-        row.design = DESIGN
+        row.design = record["jobs"][name].get("design", DESIGN)
         if row.kind == "baseline":
             continue
         own = comparisons.get(name)
@@ -141,6 +141,7 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
     for name, job in jobs.items():
         groups.setdefault(job.get("group"), []).append(name)
     refs = groups.pop(None, [])
+    fallback = groups.pop("rounds", [])
     passes = {}
     for sl in record.get("slices", []):
         passes[sl["group"]] = max(passes.get(sl["group"], 0), sl["pass"] + 1)
@@ -172,6 +173,12 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
     for g in sorted(groups):
         lines.append(f"- Group {g}: {len(groups[g])} job(s), {passes.get(g, 0)} pass(es): "
                      + ", ".join(f"`{n}`" for n in groups[g]))
+    if fallback:
+        pairs = sum(1 for sl in record.get("slices", []) if sl["group"] == "rounds" and sl.get("pairs_with") is not None)
+        lines.append("- Measured in rounds instead (no room beside the references, or out of memory there): "
+                     + ", ".join(f"`{n}`" for n in fallback) + f"; {pairs} pair(s) of fresh processes in all, each "
+                     "the reference and then the job (reversed every other pair), minutes apart: the `design` "
+                     "column says `rounds`")
     lines += [f"- Stopped: {'; '.join(record.get('stopped') or ['(still running)'])}"]
     if record.get("started") and record.get("finished"):
         lines.append(f"- Ran {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['started']))} to "
