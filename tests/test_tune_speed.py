@@ -176,3 +176,47 @@ def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_pat
     assert {p.parent.parent.name for p in summaries} == {"round1", "verification"}
     assert all(json.loads(p.read_text())["world_size"] == 2 for p in summaries), summaries
     assert proc.stdout.count("override: ") == 1  # rank 0 prints
+
+
+def _verification(rates: dict[str, float], passes: int = 8, noise: float = 0.02) -> "speed.Round":
+    """A verification round read from a synthetic record: each configuration's samples/s (``yours`` is the
+    reference, ``yours-aa`` its copy), one slice per pass each, with ±``noise`` per slice and a drift shared by
+    the whole pass (which pairing cancels)."""
+    import random
+
+    rng = random.Random(0)
+    jobs = {name: {"config": name, "reference": None if name == "yours" else "yours", "group": 1,
+                   "status": "measured"} for name in rates}
+    slices = []
+    for p in range(passes):
+        drift = 1 + 0.2 * math.sin(p)
+        for position, (name, rate) in enumerate(rates.items()):
+            slices.append({"group": 1, "pass": p, "position": position, "job": name,
+                           "pairs_with": None if name == "yours" else 0,
+                           "samples_per_sec": rate * drift * (1 + rng.uniform(-noise, noise))})
+    record = {"reference": "yours", "aa": "yours-aa", "settings": {"confidence": 0.95}, "jobs": jobs, "slices": slices}
+    r = speed.Round("verification", "yours", {}, minutes=0.0)
+    return speed.read_round(r, record, "yours-aa", 0.95)
+
+
+def test_the_pick_with_the_hopefuls_is_chosen_only_when_firmly_faster_than_the_pick():
+    # resnet18/CIFAR: bf16 alone x1.64, with compile and channels_last x2.0 -> the extended pick wins
+    v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 164.0, "extended": 200.0})
+    assert speed.choose(v, ["pick", "extended"], 1.0) == "extended"
+    # the hopefuls add nothing firm: the pick, with fewer switches to keep
+    v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 164.0, "extended": 165.0})
+    assert speed.choose(v, ["pick", "extended"], 1.0) == "pick"
+    # nothing firmly faster than yours: no change, even where the point estimates are above 1
+    v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 100.5, "extended": 101.0}, noise=0.05)
+    assert speed.choose(v, ["pick", "extended"], 1.0) is None
+
+
+def test_hopefuls_read_faster_are_not_slower_and_one_per_group():
+    rates = {"yours": 100.0, "yours-aa": 100.0, "compile": 107.0, "compile_max": 109.0, "channels_last": 112.0,
+             "foreach": 94.0}
+    r = _verification(rates, passes=3, noise=0.005)
+    candidates = [speed.Switch("compile", {}, group="compile"), speed.Switch("compile_max", {}, group="compile"),
+                  speed.Switch("channels_last", {}), speed.Switch("foreach", {}, group="optimizer")]
+    assert {s.name for s in speed.hopefuls(r, candidates)} == {"compile_max", "channels_last"}
+    r.failed["channels_last"] = "failed (exit 4)"
+    assert {s.name for s in speed.hopefuls(r, candidates)} == {"compile_max"}

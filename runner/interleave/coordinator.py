@@ -26,7 +26,7 @@
 6. **Falls back to rounds** for jobs that had no room beside the references (not even alone: free memory under
    one footprint, or ``interleave.max_resident`` reached) or died for memory there (exit status
    ``EXIT_OUT_OF_MEMORY`` or SIGKILL): once the references have finished, each such configuration runs in
-   ``interleave.fallback_pairs`` pairs of fresh processes, reference and job, ABBA (``_rounds``).
+   ``interleave.fallback_pairs`` pairs of fresh processes, reference and job, ABBA (runner/interleave/fallback.py).
 
 Under torchrun every rank runs a conductor that forks its own rank of each job; rank 0's runs the steps above and
 tells the others each start, slice and finish before it acts (runner/interleave/ranks.py).
@@ -55,10 +55,6 @@ from runner.track import write_json_atomic
 
 #: A job process's exit status after a CUDA out-of-memory error (the kernel's out-of-memory killer: -9, SIGKILL).
 EXIT_OUT_OF_MEMORY = 4
-#: A fallback run's measured slice, in slices: each run is one figure, so it is longer than an interleaved slice.
-ROUNDS_SLICES = 4
-#: What a fallback run's ``summary.json`` is renamed to (the reports take every ``summary.json`` for a job).
-RUN_SUMMARY = "run-summary.json"
 
 
 @dataclass
@@ -315,7 +311,9 @@ class Conductor:
         for job in refs:
             self._finish(job)
         if self.fallback and not stop.requested:
-            self._rounds(self.fallback, stop)
+            from runner.interleave.fallback import measure_in_rounds
+
+            measure_in_rounds(self, self.fallback, stop)
         self.write()
 
     def _start_first_group(self, refs: list[Job], order: list[Job], pending: list[Job], stop: Stop) -> list[Job] | None:
@@ -418,69 +416,6 @@ class Conductor:
         job.group, job.design, job.status = "rounds", "rounds", "pending"
         self.fallback.append(job)
         print(f"interleave: {job.name}: {why}; measured in rounds after the groups", flush=True)
-
-    def _rounds(self, fallback: list[Job], stop: Stop) -> None:
-        """The fallback for jobs that could not be resident beside their reference (``_defer``), run once the
-        groups and the references have finished and freed their memory: per configuration, ``interleave.
-        fallback_pairs`` passes, each a fresh process of the reference and then of the job (the order reversed
-        every other pass: ABBA), each trained through its warm-up and one settling slice, then measured over one
-        slice of ``ROUNDS_SLICES`` x the sweep's slice steps. A pass's job slice pairs with its reference slice
-        (group ``"rounds"`` in ``interleave.json``), so the statistic is the sweep's own; the passes are minutes
-        apart, not seconds, so drift cancels less well than between resident jobs. The job's processes take the
-        passes in turn; each run writes into ``<folder>/rounds/pass<N>`` (its summary as ``RUN_SUMMARY``) and the
-        last one's summary becomes the job's ``summary.json``."""
-        import shutil
-
-        by_config: dict[str, list[Job]] = {}
-        for job in fallback:
-            by_config.setdefault(job.config, []).append(job)
-        passes = 0
-        for config, processes in by_config.items():
-            processes.sort(key=lambda j: j.name)
-            reference = self.jobs[processes[0].reference]
-            print(f"interleave: rounds: {config} against {reference.name}, {self.s.fallback_pairs} pair(s) of fresh "
-                  f"processes", flush=True)
-            for i in range(self.s.fallback_pairs):
-                if stop.requested:
-                    return
-                job = processes[i % len(processes)]
-                pair = [reference, job] if i % 2 == 0 else [job, reference]
-                figures = {}
-                for position, template in enumerate(pair):
-                    run = Job(template.name, template.cfg, template.folder / "rounds" / f"pass{passes}",
-                              template.reference, config=template.config)
-                    result = self._fresh_run(run)
-                    if result is not None:
-                        figures[template.name] = position
-                        self.slices.append({"group": "rounds", "pass": passes, "position": position,
-                                            "job": template.name, "pairs_with": None, **result, "resume_steps": 0,
-                                            "time": time.time(), "design": "rounds"})
-                    elif template is job:
-                        job.status = run.status
-                for sl in self.slices[-len(figures):] if figures else []:
-                    if sl["job"] == job.name and reference.name in figures:
-                        sl["pairs_with"] = figures[reference.name]
-                passes += 1
-                self.write()
-            for job in processes:
-                runs = sorted((job.folder / "rounds").glob(f"pass*/{RUN_SUMMARY}"), key=lambda p: p.stat().st_mtime)
-                if runs:
-                    shutil.copyfile(runs[-1], job.folder / "summary.json")
-                    (job.folder / "failed.json").unlink(missing_ok=True)
-                    job.status = "measured"
-                elif job.status == "pending":
-                    job.status = "not run (the fallback's passes went to its other processes)"
-
-    def _fresh_run(self, run: Job) -> dict[str, Any] | None:
-        """Start ``run``, let it settle for a slice, measure one slice of ``ROUNDS_SLICES`` slices, finish it."""
-        if not self._start(run) or self._slice(run, self.slice_steps) is None:
-            return None
-        figures = self._slice(run, ROUNDS_SLICES * self.slice_steps)
-        self._finish(run)
-        summary = run.folder / "summary.json"
-        if summary.is_file():  # the reports read every summary.json under the sweep as a job of its own
-            summary.rename(run.folder / RUN_SUMMARY)
-        return figures if run.status == "measured" else None
 
     def _progress(self, group: int, p: int, resident: list[Job], elapsed: float) -> float | None:
         """Print the pass's line; return the widest relative half-width among the group's comparisons (None if

@@ -22,18 +22,21 @@ CPU ran at x0.93 of its recipe with it). This tuner measures instead, on the job
    interval's low end above ``tune.min_speedup``) joins the incumbent; candidates measured no faster are
    dropped (racing: López-Ibáñez et al., "The irace package", 2016); the next round measures the rest on
    top of the new incumbent, so interactions are measured, not assumed. It ends when nothing helps, no
-   candidate is left or the search's share of ``tune.budget_minutes`` is spent.
-4. **Verification.** Your configuration, its copy, the pick and ``+experiment=fast`` run head to head: the
-   pick is recommended only when it is firmly faster than your configuration; otherwise the answer is
-   "no change". The pick is never slower than what you run.
+   candidate is left or the search's share of ``tune.budget_minutes`` is spent. When it ends because nothing
+   was firmly faster, the last round's *hopefuls* (faster, not firmly: ``rounds.hopefuls``) are kept aside:
+   effects of 5-15 % are rarely firm in a short round on a noisy machine, and several of them add up.
+4. **Verification.** Your configuration, its copy, the pick, the pick with the hopefuls and
+   ``+experiment=fast`` run head to head. A configuration is recommended only when it is firmly faster than
+   yours, the one with the hopefuls only when it is also firmly faster than the pick (``rounds.choose``);
+   otherwise the answer is "no change". The pick is never slower than what you run.
 
 Outputs (``harness.write_outputs``): ``speed.csv``/``.md``/``.png``/``.json`` with every candidate of every
 round (speed-up, interval, verdict, the guard's loss and departure), and ``experiment/tuned.yaml``: the pick as
 a preset, ``python -m runner '+experiment=[<yours>,tuned]' --config-dir <out>``. Each round's processes and
 ``interleave.json`` stay in ``<out>/rounds/``.
 
-Layout: the candidates in runner/tune/switches.py, the guard in runner/tune/guard.py, the rounds, the search
-and the outputs here.
+Layout: the candidates in runner/tune/switches.py, the guard in runner/tune/guard.py, the rounds and the
+decisions on them in runner/tune/rounds.py, the search and the outputs here.
 
 The measured jobs are the tuner's children. Under torchrun (``torchrun --nproc-per-node N -m runner.tune speed
 distributed=ddp ...``) every round's job is a DDP job of the N ranks: rank 0's conductor decides and the
@@ -46,7 +49,6 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,113 +57,8 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
 from runner.tune.harness import Tuner, fmt, pyplot, say, with_overrides
-from runner.tune.switches import Switch, applied, chosen, is_language_model, switches
-
-# ------------------------------------------------------------------------------------------- measuring
-
-
-def job_config(cfg: DictConfig) -> DictConfig:
-    """``cfg`` resolved and made a measured job of a round: trains until told to finish (no step limit, no
-    evaluation but one batch at the end, no checkpoint, no logger, no samples, no doctor, no early stop)."""
-    from runner.config import LOGGERS
-
-    out = copy.deepcopy(cfg)
-    OmegaConf.resolve(out)
-    quiet = {**{f"logger.{name}": None for name in LOGGERS}, "trainer.progress": "off", "trainer.max_steps": 10**9,
-             "trainer.eval_every": 10**9, "trainer.eval_max_batches": 1, "trainer.doctor": False,
-             "trainer.target_loss": None, "trainer.target_accuracy": None,
-             "trainer.early_stopping.metric": None, "checkpoint.resume": "never", "checkpoint.at_end": False,
-             "checkpoint.every_steps": None, "checkpoint.every_minutes": None, "checkpoint.keep_best": False,
-             "ablation.isolate": False}
-    if is_language_model(cfg):
-        quiet["task.sample_tokens"] = 0
-    for key, value in quiet.items():
-        if OmegaConf.select(out, key, default="<missing>") != "<missing>":
-            OmegaConf.update(out, key, value, merge=False)
-    return out
-
-
-@dataclass
-class Round:
-    """One interleaved measurement: ``jobs`` (name -> config) against ``reference`` (a name of ``jobs``)."""
-
-    title: str
-    reference: str
-    jobs: dict[str, DictConfig]
-    minutes: float
-    comparisons: dict[str, Any] = field(default_factory=dict)
-    verdicts: dict[str, str] = field(default_factory=dict)
-    aa: Any = None
-    vs_copy: dict[str, Any] = field(default_factory=dict)  # name -> stats.Paired against the reference's copy A'
-    samples_per_sec: dict[str, float] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    stopped: list[str] = field(default_factory=list)
-    record: dict[str, Any] = field(default_factory=dict)  # the round's interleave.json (rank 0's)
-    measured_s: float = 0.0  # seconds spent measuring (start-ups excluded)
-
-
-def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = None) -> Round:
-    """Measure ``r``'s jobs side by side with the interleaved conductor (runner/interleave/coordinator.py):
-    each job resident in its own process, slices in random order per pass, the reference's copy as A', until
-    every interval is within ``settings.target_ci`` or ``r.minutes`` of measuring are spent. Fills
-    ``r.comparisons`` (name -> ``stats.Paired`` against the reference, or None), ``r.verdicts`` (Holm over the
-    round), ``r.aa``, ``r.samples_per_sec`` (each job's median slice) and ``r.failed`` (a job that crashed, e.g.
-    out of memory: name -> status) and ``r.record`` (the conductor's ``interleave.json``). Ctrl-C stops the
-    round after the current slice. ``ranks``: under torchrun (runner/interleave/ranks.py), every rank's
-    conductor mirrors rank 0's, and every rank gets rank 0's record."""
-    from runner.interleave import record as record_mod, stats
-    from runner.interleave.coordinator import Conductor, Job, conduct
-
-    folder.mkdir(parents=True, exist_ok=True)
-    aa = f"{r.reference}-aa"
-    configs = [(r.reference, r.jobs[r.reference], None), (aa, r.jobs[r.reference], r.reference)]
-    configs += [(name, c, r.reference) for name, c in r.jobs.items() if name != r.reference]
-    jobs = [Job(name if p == 0 else f"{name}-p{p}", job_config(c), folder / (name if p == 0 else f"{name}-p{p}"),
-                ref, config=name) for name, c, ref in configs for p in range(settings.processes)]
-    s = copy.deepcopy(settings)
-    s.max_minutes = r.minutes
-
-    def retire(comparisons: dict[str, Any]) -> list[str]:  # racing: firmly slower candidates stop early
-        names = [n for n in comparisons if n != aa and comparisons[n] is not None]
-        verdicts = stats.verdicts([comparisons[n] for n in names], s.confidence)
-        return [n for n, v in zip(names, verdicts) if v == stats.HURTS]
-
-    conductor = Conductor(jobs, s, folder, r.reference, aa, retire=retire, ranks=ranks)
-    conduct(conductor)
-    r.measured_s = conductor.measuring_s
-    record = record_mod.load(folder) if ranks is None or ranks.leader else None
-    record = (ranks.share(record) if ranks is not None else record) or {"jobs": {}, "slices": []}
-    r.record = record
-    comparisons = record_mod.compare(record)
-    r.aa = comparisons.pop(aa, None)
-    r.comparisons = comparisons
-    r.vs_copy = {n: record_mod.versus(record, n, aa) for n in comparisons}
-    names = list(comparisons)
-    r.verdicts = dict(zip(names, stats.verdicts([comparisons[n] for n in names], s.confidence)))
-    for name, job in record["jobs"].items():
-        if job["status"] not in ("measured",):
-            r.failed.setdefault(job.get("config") or name, job["status"])
-    for config, processes in record_mod.configs(record).items():
-        rates = sorted(x["samples_per_sec"] for x in record["slices"]
-                       if x["job"] in processes and x["samples_per_sec"])
-        if rates:
-            r.samples_per_sec[config] = rates[len(rates) // 2]
-    r.stopped = list(record.get("stopped", []))
-    return r
-
-
-def helps(r: Round, name: str, min_speedup: float) -> bool:
-    """True when ``name`` is firmly faster than the round's reference: Holm's verdict is "helps", its interval's
-    low end exceeds ``min_speedup``, and it is faster than the reference's copy A' too (interval above 1). The
-    last is a guard against the process itself: on a shared VM two processes of one configuration can differ
-    by 10-30 % for their whole life (docs/ablation.md), so an unlucky reference process would make every
-    candidate look faster; beating both copies makes that unlikely."""
-    from runner.interleave.stats import HELPS
-
-    c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
-    return (c is not None and r.verdicts.get(name) == HELPS and c.ci_low > min_speedup
-            and (r.aa is None or (copy_c is not None and copy_c.ci_low > 1)))
-
+from runner.tune.rounds import Round, choose, helps, hopefuls, job_config, measure_round, read_round
+from runner.tune.switches import Switch, applied, chosen, switches
 
 # ------------------------------------------------------------------------------------------- the fast preset
 
@@ -279,6 +176,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     incumbent: list[Switch] = []
     remaining = list(passed)
     rounds: list[Round] = []
+    extra: list[Switch] = []  # the last round's hopefuls: faster on top of the pick, not firmly
     while remaining:
         left = agreed(budget_s - sum(r.measured_s for r in rounds) - reserve_s)
         if left < 60:
@@ -296,6 +194,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
         winners = [s for s in remaining if helps(r, s.name, t.min_speedup)]
         if not winners:
             notes.append(f"round {len(rounds)}: no candidate was firmly faster than {base}")
+            extra = hopefuls(r, remaining)
             break
         best = max(winners, key=lambda s: r.comparisons[s.name].speedup)
         incumbent.append(best)
@@ -305,51 +204,67 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
                      and s.name not in r.failed]
 
     # 3. the pick's own guard (the switches together), then the verification against yours and fast
-    while any(s.arithmetic for s in incumbent):
-        dep, loss, note = guard(incumbent)
+    def guarded(sw: list[Switch], what: str) -> bool:
+        if not any(s.arithmetic for s in sw):
+            return True
+        dep, loss, note = guard(sw)
         ok = dep <= tolerance
-        rows.append({"stage": "guard", "switch": "+".join(s.name for s in incumbent), "guard_loss": loss,
+        rows.append({"stage": "guard", "switch": "+".join(s.name for s in sw), "guard_loss": loss,
                      "guard_departure": dep, "verdict": "passed" if ok else "rejected"})
-        if ok:
-            break
-        notes.append(f"the switches together ({'+'.join(s.name for s in incumbent)}) depart {fmt(dep, '.1%')} from "
-                     f"your loss curve: {incumbent[-1].name} dropped")
+        if not ok:
+            notes.append(f"{what} ({'+'.join(s.name for s in sw)}) departs {fmt(dep, '.1%')} from your loss curve")
+        return ok
+
+    while incumbent and not guarded(incumbent, "the pick's switches together"):
+        notes.append(f"{incumbent[-1].name} dropped from the pick")
         incumbent.pop()
+    if extra and not guarded([*incumbent, *extra], "the pick with the last round's hopefuls"):
+        extra = []
     fast, fast_note = fast_config()
     if fast is None:
         notes.append(f"+experiment=fast not compared: {fast_note}")
-    pick_name = "+".join(s.name for s in incumbent) or None
-    verify_jobs = {"yours": cfg}
-    if incumbent:
-        verify_jobs["pick"] = applied(cfg, incumbent)
+    options = {name: sw for name, sw in (("pick", incumbent), ("extended", [*incumbent, *extra]))
+               if sw and (name == "pick" or extra)}
+    label = {name: "+".join(s.name for s in sw) for name, sw in options.items()}
+    verify_jobs = {"yours": cfg, **{name: applied(cfg, sw) for name, sw in options.items()}}
     if fast is not None:
         verify_jobs["fast"] = fast
-    verified = None
+    verified, chosen_name = None, None
     if len(verify_jobs) > 1:
         spent = agreed(sum(r.measured_s for r in rounds))
         minutes = max(1.0, (budget_s - spent) / 60)
+        from runner.interleave import record as record_mod
+
         v = Round("verification", "yours", verify_jobs, minutes=minutes)
-        say(env, f"speed: verification: your configuration, {'the pick (' + pick_name + '), ' if pick_name else ''}"
-                 f"{'+experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min")
+        shown = ", ".join(f"the {'pick' if n == 'pick' else 'pick with the hopefuls'} ({label[n]})" for n in options)
+        say(env, f"speed: verification: your configuration{', ' + shown if shown else ''}"
+                 f"{', +experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min")
         measure_round(v, rounds_dir / "verification", settings, ranks)
         rounds.append(v)
         for name in verify_jobs:
             if name != "yours":
-                rows.append({"stage": "verification", "switch": pick_name if name == "pick" else fast_note,
-                             "on_top_of": "yours", **_figures(v, name)})
+                rows.append({"stage": "verification", "switch": label.get(name, fast_note), "on_top_of": "yours",
+                             **_figures(v, name)})
         rows.append({"stage": "verification", "switch": "(yours, A/A)", "on_top_of": "yours",
                      **_paired_cells(v.aa), "verdict": "noise"})
-        verified = v.comparisons.get("pick") if incumbent else None
-        if incumbent and fast is not None:
-            from runner.interleave import record as record_mod
-
-            head = record_mod.versus(v.record or {"slices": []}, "pick", "fast")
-            if head is not None:
-                notes.append(f"the pick against +experiment=fast, head to head: {_describe(head)}")
-        if incumbent and not helps(v, "pick", t.min_speedup):
-            notes.append(f"the pick {pick_name} was not firmly faster than your configuration head to head "
-                         f"({_describe(verified)}): no change recommended")
-            incumbent = []
+        chosen_name = choose(v, list(options), t.min_speedup)
+        if "extended" in options:
+            head = record_mod.versus(v.record or {"slices": []}, "extended", "pick") if "pick" in options else None
+            notes.append(f"the pick with the last round's hopefuls ({label['extended']})"
+                         + (f" against the pick alone, head to head: {_describe(head)}" if head else "")
+                         + f": {'recommended' if chosen_name == 'extended' else 'not recommended'}")
+        for name in options:
+            if name != chosen_name and not helps(v, name, t.min_speedup):
+                notes.append(f"{label[name]} was not firmly faster than your configuration head to head "
+                             f"({_describe(v.comparisons.get(name))})")
+        if chosen_name is not None:
+            verified = v.comparisons.get(chosen_name)
+            if fast is not None:
+                head = record_mod.versus(v.record or {"slices": []}, chosen_name, "fast")
+                if head is not None:
+                    notes.append(f"the pick against +experiment=fast, head to head: {_describe(head)}")
+    incumbent = options.get(chosen_name, []) if chosen_name else []
+    pick_name = "+".join(s.name for s in incumbent) or None
     recommended = {"switches": [s.name for s in incumbent],
                    "changes": {k: v for s in incumbent for k, v in s.changes.items()},
                    "speedup": verified.speedup if incumbent and verified else 1.0,
@@ -467,4 +382,4 @@ TUNER = Tuner(
 )
 
 __all__ = ["TUNER", "Switch", "switches", "chosen", "applied", "loss_curve", "departure", "job_config", "Round",
-           "measure_round", "helps", "fast_config", "tune_speed", "tuned_yaml"]
+           "measure_round", "read_round", "helps", "hopefuls", "choose", "fast_config", "tune_speed", "tuned_yaml"]
