@@ -10,8 +10,10 @@ import csv
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +216,12 @@ def tiny_cifar(tmp_path) -> Path:
 @pytest.fixture
 def tiny_imagefolder(tmp_path) -> Path:
     return make_tiny_imagefolder(tmp_path / "images")
+
+
+@pytest.fixture
+def short_tmp():
+    """A short TMPDIR for runs that start the job server: multiprocessing's forkserver binds a Unix socket in the
+    temp folder, whose path may hold 107 bytes at most, and pytest-xdist's temporary folders are longer."""
+    path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -438,7 +438,7 @@ INTERLEAVED = ["-m", "hydra/launcher=interleaved", *[o for o in TINY if not o.st
                "interleave.min_passes=2", "interleave.max_passes=2", "interleave.processes=1"]
 
 
-def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_path):
+def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_path, short_tmp):
     """``torchrun --nproc-per-node=2 -m runner -m hydra/launcher=interleaved distributed=ddp trainer.seed=0,1``:
     each job (seed 0, seed 1, the reference's copy) is a 2-rank DDP job whose ranks were forked by the two ranks'
     conductors and paused together: rank 1's conductor mirrored rank 0's every start, slice and finish (a rank
@@ -446,8 +446,10 @@ def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_pat
     writes the record and the report; rank 1 leaves nothing behind."""
     root = make_root(tmp_path)
     sweep = root / "sweep"
-    proc = torchrun(*INTERLEAVED, "distributed=ddp", "distributed.timeout_s=60", "trainer.seed=0,1",
-                    f"hydra.sweep.dir={sweep}", cwd=root, timeout=300)
+    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner", *INTERLEAVED,
+                           "distributed=ddp", "distributed.timeout_s=60", "trainer.seed=0,1", f"hydra.sweep.dir={sweep}"],
+                          cwd=root, env=child_env(root, TMPDIR=str(short_tmp)), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     from runner.interleave import record
 
@@ -461,7 +463,7 @@ def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_pat
     assert {s["pass"] for s in r["slices"]} == {0, 1}
     assert (sweep / "report.csv").is_file() and proc.stdout.count("interleave: 3 jobs") == 1  # rank 0 prints
     assert "each of 2 ranks (torchrun)" in proc.stdout
-    assert not list((root / "tmp").glob("runner-rank*")), "rank 1 left its scratch sweep behind"
+    assert not list(short_tmp.glob("runner-rank*")), "rank 1 left its scratch sweep behind"
 
 
 def test_an_interleaved_sweep_under_torchrun_needs_distributed_jobs(tmp_path):

@@ -159,7 +159,7 @@ def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
 
 
 @pytest.mark.slow
-def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_path):
+def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_path, short_tmp):
     """``torchrun --nproc-per-node=2 -m runner.tune speed distributed=ddp``: the guard trains on both ranks, every
     measured job of every round is a 2-rank DDP job (rank 1's conductor mirrors rank 0's), and each rank reaches
     the same recommendation from rank 0's figures (the harness gathers the ranks' and fails if they differ)."""
@@ -167,7 +167,8 @@ def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_pat
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner.tune", "speed", "--out", str(out),
            "distributed=ddp", "distributed.timeout_s=120", *TINY, *QUICK, "tune.only=[]",
            "tune.switches={anomaly: {debug.name: anomaly}}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path, TMPDIR=str(short_tmp)), capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads((out / "speed.json").read_text())
     assert result["world_size"] == 2 and result["ranks"][0] == result["ranks"][1] == result["recommended"]
