@@ -116,7 +116,30 @@ def _quote(value: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- the job server
+#: The longest path a Unix socket may have on Linux (``sun_path`` holds 108 bytes with the final NUL)
+_UNIX_SOCKET_PATH_MAX = 107
+
+
+def check_socket_dir() -> None:
+    """Raise ConfigError when the forkserver's socket would not fit in a Unix socket path.
+
+    The server listens on ``<temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX`` (``multiprocessing.util.get_temp_dir``
+    under ``TMPDIR``); a longer path fails deep inside ``multiprocessing`` with "AF_UNIX path too long".
+    """
+    from multiprocessing import util
+
+    socket = os.path.join(util.get_temp_dir(), "listener-XXXXXXXX")
+    if len(os.fsencode(socket)) > _UNIX_SOCKET_PATH_MAX:
+        raise ConfigError(
+            f"the job server's socket would be {socket!r} ({len(os.fsencode(socket))} bytes), longer than the "
+            f"{_UNIX_SOCKET_PATH_MAX} bytes a Unix socket path may hold: set TMPDIR to a shorter folder (e.g. "
+            f"TMPDIR=/tmp)")
+
+
 def _job_server() -> Any:
+    """multiprocessing's forkserver context, preloading ``SERVER_PRELOAD``; ConfigError when ``TMPDIR`` is too
+    long for its socket."""
+    check_socket_dir()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(SERVER_PRELOAD)  # only read when the server starts
     return ctx
@@ -292,6 +315,8 @@ class AblationCallback(Callback):
             ablation_first_round(a.repeats, a.max_repeats, a.design)
             if a.repeats == "auto" and not a.target_ci > 0:
                 raise ValueError(f"ablation.target_ci={a.target_ci}: give the relative half-width to reach, e.g. 0.05")
+            if a.isolate and a.preload:
+                check_socket_dir()  # a ConfigError (a ValueError) here, not a traceback from the first job
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)

@@ -257,8 +257,8 @@ SWEEP = [o for o in TINY if not o.startswith("trainer.max_steps")] + [
     "trainer.max_steps=2000", "interleave.slice_steps=2", "interleave.min_passes=2", "interleave.max_passes=3"]
 
 
-def _sweep(tmp_path: Path, *overrides: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "disabled"}
+def _sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    env = env or {**os.environ, "WANDB_MODE": "disabled"}
     if not any(o.startswith("interleave.processes=") for o in overrides):
         overrides = (*overrides, "interleave.processes=1")  # one process per configuration unless a test says
     return subprocess.Popen([sys.executable, "-m", "runner", "-m", "hydra/launcher=interleaved", *SWEEP, *overrides,
@@ -363,6 +363,16 @@ def test_bad_process_settings_are_refused_before_any_job(tmp_path, settings, mes
     proc = _sweep(tmp_path, "trainer.seed=0,1", *settings)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 2 and f"error: {message}" in out, out
+    assert not (tmp_path / "sweep" / "0").exists()
+
+
+def test_a_temp_folder_too_long_for_the_job_servers_socket_is_refused_with_the_fix(tmp_path):
+    """multiprocessing's forkserver binds a Unix socket under TMPDIR (107 bytes at most): named, before any job."""
+    long_tmp = tmp_path / ("t" * 90)
+    long_tmp.mkdir()
+    proc = _sweep(tmp_path, "trainer.seed=0,1", env={**os.environ, "WANDB_MODE": "disabled", "TMPDIR": str(long_tmp)})
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2 and "set TMPDIR to a shorter folder" in out and "Traceback" not in out, out
     assert not (tmp_path / "sweep" / "0").exists()
 
 

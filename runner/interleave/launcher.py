@@ -69,6 +69,13 @@ class InterleavedLauncher(Launcher):
 
         if problem := settings_problem(cfg.interleave):
             _refuse(problem)
+        from runner.ablation import check_socket_dir
+        from runner.errors import ConfigError
+
+        try:
+            check_socket_dir()  # every job is forked from the job server
+        except ConfigError as e:
+            _refuse(str(e))
         ranks = _ranks(cfg)
         from hydra.core.utils import configure_log, setup_globals
 
