@@ -221,3 +221,17 @@ def test_hopefuls_read_faster_are_not_slower_and_one_per_group():
     assert {s.name for s in speed.hopefuls(r, candidates)} == {"compile_max", "channels_last"}
     r.failed["channels_last"] = "failed (exit 4)"
     assert {s.name for s in speed.hopefuls(r, candidates)} == {"compile_max"}
+
+
+def test_the_console_table_shows_every_decision_however_many_rounds():
+    """The harness thins long tables on the console (the LR finder's hundreds of points); the speed tuner's rows
+    are each a decision, so a long search still shows its verification against +experiment=fast."""
+    from runner.tune.harness import markdown_table
+
+    rows = [{"stage": f"round {i // 7 + 1}", "switch": f"s{i}", "speedup": 1.0} for i in range(21)]
+    rows += [{"stage": "verification", "switch": "s0", "speedup": 1.2},
+             {"stage": "verification", "switch": "+experiment=fast", "speedup": 1.1},
+             {"stage": "verification", "switch": "(yours, A/A)", "speedup": 1.0}]
+    table = markdown_table(speed.TUNER, rows, {"switches": ["s0"]}, max_rows=speed.TUNER.console_rows)
+    assert len(table.splitlines()) == 2 + len(rows) and "+experiment=fast" in table and "| s13 |" in table
+    assert "**<- recommended**" in table.splitlines()[2 + 21]

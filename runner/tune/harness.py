@@ -47,6 +47,8 @@ class Tuner:
         columns: the table's columns; a column no row has a value for is left out.
         is_pick: ``is_pick(row, recommended)``: the row the table marks as recommended.
         plot: ``plot(result) -> matplotlib Figure`` (draw with ``pyplot()``); the harness saves and closes it.
+        console_rows: the console shows about this many of the rows (every k-th and the pick; the markdown file
+            has them all); None: every row (each row a decision, as the speed tuner's).
     """
 
     name: str
@@ -55,6 +57,7 @@ class Tuner:
     columns: list[Column]
     is_pick: Callable[[dict, dict], bool]
     plot: Callable[[dict[str, Any]], Any]
+    console_rows: int | None = 15
 
 
 # ------------------------------------------------------------------------------------------- settings
@@ -425,7 +428,7 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
             raise RuntimeError(f"the ranks recommend different settings: {result['ranks']}")
         if env.is_main:
             paths = write_outputs(tuner, result, cfg, out)
-            print(f"\n{markdown_table(tuner, result['rows'], result['recommended'], max_rows=15)}\n")
+            print(f"\n{markdown_table(tuner, result['rows'], result['recommended'], max_rows=tuner.console_rows)}\n")
             for note in result["notes"]:
                 print(note if note.startswith("warning:") else f"note: {note}")
             print(f"\nwrote {', '.join(p.name for p in paths)} in {out}")

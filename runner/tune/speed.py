@@ -379,6 +379,7 @@ TUNER = Tuner(
              ("guard_loss", "loss at guard_steps", ".4f"), ("guard_departure", "departure", ".2%")],
     is_pick=_is_pick,
     plot=_plot,
+    console_rows=None,  # every row is a decision: the console shows the verification against fast too
 )
 
 __all__ = ["TUNER", "Switch", "switches", "chosen", "applied", "loss_curve", "departure", "job_config", "Round",
