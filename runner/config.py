@@ -88,9 +88,8 @@ class ModelConfig:
     _target_: str = MISSING
     cifar_stem: bool = False  # resnets: 3x3 stride-1 stem, no max-pool (for 32x32 inputs)
     drop_bias_before_bn: bool = False  # technique 15: remove conv/linear bias that feeds a BatchNorm
-    # torchvision weights: a name of the builder's weights enum (IMAGENET1K_V1, DEFAULT) or a full one
-    # (ResNet18_Weights.IMAGENET1K_V1), read from torchvision's cache ($TORCH_HOME/hub/checkpoints);
-    # the classification head is then replaced by a fresh one for the data's class count
+    # torchvision weights: a weights enum name (IMAGENET1K_V1, DEFAULT) or a full one (ResNet18_Weights.IMAGENET1K_V1)
+    # from torchvision's cache ($TORCH_HOME/hub/checkpoints); the classification head is then a fresh one
     weights: Optional[str] = None
     freeze_backbone: bool = False  # with weights: train only the new head (requires_grad=False elsewhere)
 
@@ -106,6 +105,7 @@ class GPTConfig(ModelConfig):
     block_size: int = 256  # longest context (tokens); gpt.yaml: ${data.block_size}
     dropout: float = 0.0
     bias: bool = False  # biases in Linear and LayerNorm layers
+    upcast_attention: bool = False  # attention in fp32 under bf16/fp16 autocast (runner/gpt.py: faster on CPUs)
 
 
 @dataclass

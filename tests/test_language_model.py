@@ -54,6 +54,29 @@ def test_gpt_is_causal():
     assert not torch.allclose(model(x)[:, 10:], model(y)[:, 10:])
 
 
+@pytest.mark.parametrize("upcast", [False, True])
+def test_upcast_attention_runs_the_attention_in_fp32_under_bf16_autocast(monkeypatch, upcast):
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(gpt.F, "scaled_dot_product_attention", recording)
+    model = tiny_gpt(upcast_attention=upcast)
+    x = torch.randint(0, 11, (3, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    logits.float().sum().backward()  # the fp32 attention's backward flows into the bf16 projections
+    want = (torch.float32,) * 3 + (False,) if upcast else (torch.bfloat16,) * 3 + (True,)
+    assert seen == [want] * 2 and logits.dtype == torch.bfloat16
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    seen.clear()
+    model(x)  # without autocast nothing changes: fp32 throughout
+    assert seen == [(torch.float32,) * 3 + (False,)] * 2
+
+
 def test_gpt_init_follows_nanogpt():
     model = tiny_gpt(n_layer=8, n_embd=256, n_head=4)
     proj = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith("c_proj.weight")])

@@ -36,6 +36,14 @@ def test_candidates_follow_the_job_and_the_hardware(tmp_path):
     text.write_text("To be, or not to be, that is the question.\n" * 40)
     lm, _ = speed.switches(compose_cfg(*TINY_GPT, f"data.path={text}", "optimizer.set_to_none=false"), cpu)
     assert "channels_last" not in names(lm) and "set_to_none" in names(lm)  # an image technique; off in this job
+    from runner import hardware
+
+    if hardware.cpu_has_native_bf16():  # bf16, and bf16 with the GPT's attention in fp32: one precision each
+        by_lm = {s.name: s for s in lm}
+        assert by_lm["bf16_upcast_attention"].changes == {"precision.name": "bf16", "model.upcast_attention": True}
+        assert by_lm["bf16_upcast_attention"].group == by_lm["bf16"].group == "precision"
+        assert "bf16_upcast_attention" not in names(image)
+        assert any(n.startswith("bf16_upcast_attention: not a candidate (the model has no upcast") for n in notes)
     recipe, _ = speed.switches(compose_cfg("dataloader.batch_size=8"), cpu, allow="recipe")
     by_name = {s.name: s for s in recipe}
     assert by_name["batch_x2"].changes == {"dataloader.batch_size": 16, "optimizer.lr_scaling": "linear"}
