@@ -47,8 +47,8 @@ class Tuner:
         columns: the table's columns; a column no row has a value for is left out.
         is_pick: ``is_pick(row, recommended)``: the row the table marks as recommended.
         plot: ``plot(result) -> matplotlib Figure`` (draw with ``pyplot()``); the harness saves and closes it.
-        console_rows: the console shows about this many of the rows (every k-th and the pick; the markdown file
-            has them all); None: every row (each row a decision, as the speed tuner's).
+        console_rows: the console shows about this many of the rows (every k-th and the pick), the markdown file
+            twice as many (the CSV all); None: every row in both (each row a decision, as the speed tuner's).
     """
 
     name: str
@@ -376,7 +376,7 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
         writer.writerows([{k: ("" if r.get(k) is None else r.get(k)) for k in keys} for r in rows])
     md = [f"# runner.tune {kind}", "", f"model `{cfg.model._target_}`, data `{cfg.data.name}`, device "
           f"{result['device']}, {result['world_size']} process(es)", "",
-          markdown_table(tuner, rows, rec, max_rows=30), "",
+          markdown_table(tuner, rows, rec, max_rows=tuner.console_rows and 2 * tuner.console_rows), "",
           f"**override:** `{result['override']}`", "", *[f"- {n}" for n in result["notes"]], ""]
     md_path = out / f"{kind}.md"
     md_path.write_text("\n".join(md))
