@@ -288,6 +288,12 @@ def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     assert rows["1"]["design"] == "interleaved" and rows["1"]["ci_low"] and rows["1"]["verdict"]
     assert rows["0"]["verdict"] == "reference" and "A/A" in rows["0-aa"]["verdict"]
     assert (sweep / "1" / "summary.json").is_file() and "Noise (A/A)" in (sweep / "report.md").read_text()
+    # the reference waited through both groups: its setup is fork to first step (its job.json), not that wait
+    from runner.report.sweep import job_times
+
+    times = job_times(sweep / "0", json.loads((sweep / "0" / "summary.json").read_text()))
+    assert times["setup_s"] == json.loads((sweep / "0" / "job.json").read_text())["setup_s"] > 0
+    assert times["setup_s"] < 0.5 * (times["wall_s"] - times["train_s"])
 
 
 def test_every_configuration_runs_in_several_processes(tmp_path):

@@ -170,10 +170,18 @@ class Conductor:
         job.process = ctx.Process(target=_job_body, name=f"interleave {job.name}",
                                   args=(job.cfg, str(job.folder), theirs, ctx.get_start_method(),
                                         job_env(port) if port is not None else {}))
+        started = time.time()
         job.process.start()
         theirs.close()
         job.connection, job.status = mine, "resident"
-        return self._receive(job) is not None
+        if self._receive(job) is None:
+            return False
+        # its setup (fork, data, model, FLOP count: up to the first step's gate), for the report: the job's wall
+        # time is its resident time, most of it waiting for its turn (runner/report/sweep.py job_times)
+        if self.ranks is None or self.ranks.leader:
+            write_json_atomic(job.folder / "job.json", {"started": started, "setup_s": time.time() - started,
+                                                        "design": "interleaved"})
+        return True
 
     def _receive(self, job: Job) -> dict[str, Any] | None:
         try:

@@ -15,8 +15,10 @@ Fixed cost per job (``job_times``), from what the job folder holds (the engine's
 everything before the first step (process start and imports where the job has its own process,
 dataset load, model build, the FLOP count, the W&B start) plus the few milliseconds of bookkeeping
 after the last. The job start is ``job.json``'s ``started`` where the ablation wrote one (the parent
-times its child), else the time Hydra wrote ``<job>/.hydra/config.yaml``. Times are wall-clock file
-and ``time.time()`` stamps of one machine (s).
+times its child), else the time Hydra wrote ``<job>/.hydra/config.yaml``. An interleaved job spends most of
+its life waiting for its turn, so its ``job.json`` (written by ``hydra/launcher=interleaved``) holds
+``setup_s`` itself: fork to the first step. Times are wall-clock file and ``time.time()`` stamps of one
+machine (s).
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def job_times(folder: Path, summary: dict[str, Any] | None) -> dict[str, float |
     train, evaluation = _num(summary.get("train_time_s")), _num(summary.get("eval_time_s"))
     written = (folder / "summary.json").stat().st_mtime if (folder / "summary.json").is_file() and summary else None
     setup = teardown = None
-    if started is not None and written is not None and train is not None:
+    if _num(record.get("setup_s")) is not None:  # an interleaved job: its coordinator timed it to the first step
+        setup = _num(record.get("setup_s"))
+    elif started is not None and written is not None and train is not None:
         setup = written - started - train - (evaluation or 0.0)
         setup = setup if setup >= 0 else None  # clocks that disagree say nothing
     if finished is not None and written is not None:
