@@ -31,6 +31,7 @@ def test_candidates_follow_the_job_and_the_hardware(tmp_path):
     image, notes = speed.switches(compose_cfg(), cpu)
     assert {"compile", "fused_optimizer", "channels_last", "on_device_data"} <= names(image)
     assert not {"amp", "tf32", "cudnn_benchmark", "pinned_memory", "batch_x2"} & names(image)  # CUDA only / recipe
+    assert "compile_max_autotune" in names(image) and "compile_reduce_overhead" not in names(image)  # CUDA graphs
     assert any(n.startswith("set_to_none: already on") for n in notes)
     text = tmp_path / "input.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 40)
