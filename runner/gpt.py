@@ -27,8 +27,9 @@ class CausalSelfAttention(nn.Module):
     One fused ``c_attn`` projection gives queries, keys and values for all ``n_head`` heads (head size
     ``n_embd // n_head``); position t attends to positions <= t only (``is_causal=True``).
 
-    ``upcast_attention`` (the name diffusers gives the same switch): under bf16/fp16 autocast, the attention
-    itself (softmax(QK^T)V and its backward) runs in fp32 while the projections stay in the autocast dtype.
+    ``upcast_attention`` (the name diffusers gives the same switch): when queries, keys and values are bf16/fp16
+    (autocast, or bf16 weights), the attention itself (softmax(QK^T)V and its backward) runs in fp32 while the
+    projections stay in the low precision.
     Measured with torch 2.15 on a 2-core Xeon (AVX-512, AMX), forward + backward of
     ``scaled_dot_product_attention`` per call: at nanoGPT's CPU shape (B=12, 4 heads, T=64, head size 32) fp32
     0.9 ms, bf16 4.3 ms (the bf16 backward alone 6.5x fp32's); at (12, 6, 256, 64) 22 vs 21 ms; at
@@ -52,9 +53,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # (B, heads, T, head size)
                    for z in self.c_attn(x).split(c, dim=2))
         p = self.dropout if self.training else 0.0
-        if self.upcast_attention and q.dtype != torch.float32:
+        if self.upcast_attention and q.dtype != torch.float32:  # back to q's dtype for c_proj's bf16 weights
             with torch.autocast(q.device.type, enabled=False):
-                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=p, is_causal=True)
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=p,
+                                                   is_causal=True).to(q.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, c)))

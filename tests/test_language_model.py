@@ -75,6 +75,8 @@ def test_upcast_attention_runs_the_attention_in_fp32_under_bf16_autocast(monkeyp
     seen.clear()
     model(x)  # without autocast nothing changes: fp32 throughout
     assert seen == [(torch.float32,) * 3 + (False,)] * 2
+    # bf16 weights without autocast (FSDP's mixed precision): the fp32 attention's output goes back to bf16
+    assert model.to(torch.bfloat16)(x).dtype == torch.bfloat16
 
 
 def test_gpt_init_follows_nanogpt():
