@@ -79,8 +79,8 @@ def job_times(folder: Path, summary: dict[str, Any] | None) -> dict[str, float |
     train, evaluation = _num(summary.get("train_time_s")), _num(summary.get("eval_time_s"))
     written = (folder / "summary.json").stat().st_mtime if (folder / "summary.json").is_file() and summary else None
     setup = teardown = None
-    if _num(record.get("setup_s")) is not None:  # an interleaved job: its coordinator timed it to the first step
-        setup = _num(record.get("setup_s"))
+    if (timed := _num(record.get("setup_s"))) is not None:  # an interleaved job: its coordinator timed it
+        setup = timed
     elif started is not None and written is not None and train is not None:
         setup = written - started - train - (evaluation or 0.0)
         setup = setup if setup >= 0 else None  # clocks that disagree say nothing
