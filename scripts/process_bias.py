@@ -1,8 +1,10 @@
 """Do identical training processes run at different speeds? (issue 17: the interleaved A/A's bias)
 
-    python scripts/process_bias.py --processes 4 --passes 20 [--start spawn|fork] [--rehome] [--threads N] [--pin]
+    python scripts/process_bias.py --processes 4 --passes 20 [--model mnist|gpt] [--bf16] [--no-onednn]
+                                   [--start spawn|fork] [--rehome] [--threads N] [--pin]
 
-K processes train the same MnistCNN on the same fixed batch (no data loading, no runner engine) and take turns
+K processes train the same model (the MnistCNN, or ``--model gpt``: the Shakespeare recipe's 4-layer GPT, batch
+12 x 64 tokens) on the same fixed batch (no data loading, no runner engine) and take turns
 in slices of ``--steps`` steps after a quarter-slice of unmeasured resume steps: every process once per pass,
 in a random order (RMIT, as ``hydra/launcher=interleaved`` does). It prints each process's median samples/s and
 each process against the first as the mean log ratio over the passes with its standard error: a firm ratio away
@@ -10,7 +12,11 @@ from 1 between processes of one configuration is a process-level bias that pairi
 
 ``--rehome`` clones the parameters and the optimizer state and returns freed memory to the OS (``malloc_trim``)
 before every slice: if the bias came from where a process's memory landed, this would spread it over slices.
-Measure alone on the machine; nothing else may train meanwhile.
+``--no-onednn`` turns PyTorch's oneDNN (mkldnn) backend off in every process (``torch.backends.mkldnn.enabled``):
+convolutions fall back to PyTorch's own kernels; ``--bf16`` runs the forward pass under bf16 autocast (on a CPU,
+its matmuls go through oneDNN). Environment variables reach every process too, e.g.
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` (oneDNN builds every primitive afresh at every call) or
+``MALLOC_MMAP_THRESHOLD_=131072`` (glibc maps every large buffer afresh). Measure alone on the machine; nothing else may train meanwhile.
 """
 
 from __future__ import annotations
@@ -38,31 +44,50 @@ def pin_threads() -> None:
         os.sched_setaffinity(tid, {cpus[1:][i % (len(cpus) - 1)]})
 
 
-def worker(connection, rehome: bool, threads: int | None, pin: bool = False) -> None:
+def evict_onednn_primitives(torch) -> None:
+    """Fill oneDNN's primitive cache (an LRU of ONEDNN_PRIMITIVE_CACHE_CAPACITY entries, 1024 by default) with
+    reorders of 1100 distinct shapes, so the step's own primitives are built afresh at its next call."""
+    for k in range(1, 1101):
+        torch.ones(1, k).to_mkldnn()
+
+
+def worker(connection, options: argparse.Namespace) -> None:
     import torch
 
-    from runner.models import MnistCNN
-
-    if threads:
-        torch.set_num_threads(threads)
+    if options.no_onednn:
+        torch.backends.mkldnn.enabled = False
+    if options.threads:
+        torch.set_num_threads(options.threads)
     torch.manual_seed(0)
-    model = MnistCNN()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    if options.model == "gpt":
+        from runner.gpt import GPT
+
+        model = GPT(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))
+    else:
+        from runner.models import MnistCNN
+
+        model = MnistCNN()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    items = y.numel()  # samples (MnistCNN) or tokens (GPT) per step
     libc = ctypes.CDLL("libc.so.6")
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.bf16):
+            logits = model(x)
+        torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), y.flatten()).backward()
         optimizer.step()
 
     for _ in range(5):
         step()
     connection.send("ready")
     while (steps := connection.recv()) is not None:
-        if pin:
+        if options.pin:
             pin_threads()
-        if rehome:
+        if options.rehome:
             with torch.no_grad():
                 for p in model.parameters():
                     p.data = p.data.clone()
@@ -71,12 +96,14 @@ def worker(connection, rehome: bool, threads: int | None, pin: bool = False) -> 
                         if torch.is_tensor(value):
                             state[key] = value.clone()
             libc.malloc_trim(0)
+        if options.evict:
+            evict_onednn_primitives(torch)
         for _ in range(steps // 4):
             step()
         started = time.perf_counter()
         for _ in range(steps):
             step()
-        connection.send(steps * 64 / (time.perf_counter() - started))
+        connection.send(steps * items / (time.perf_counter() - started))
 
 
 def main() -> None:
@@ -84,6 +111,11 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--steps", type=int, default=60, help="measured steps per slice")
+    parser.add_argument("--model", choices=("mnist", "gpt"), default="mnist")
+    parser.add_argument("--bf16", action="store_true", help="the forward pass under bf16 autocast")
+    parser.add_argument("--no-onednn", action="store_true", help="torch.backends.mkldnn.enabled = False")
+    parser.add_argument("--evict", action="store_true", help="evict oneDNN's cached primitives before every "
+                        "slice, so each slice's are built afresh")
     parser.add_argument("--start", choices=("spawn", "fork"), default="spawn")
     parser.add_argument("--rehome", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each process")
@@ -94,7 +126,7 @@ def main() -> None:
     connections = []
     for _ in range(args.processes):
         mine, theirs = ctx.Pipe()
-        ctx.Process(target=worker, args=(theirs, args.rehome, args.threads, args.pin)).start()
+        ctx.Process(target=worker, args=(theirs, args)).start()
         connections.append(mine)
     for c in connections:
         c.recv()
@@ -108,7 +140,9 @@ def main() -> None:
     for c in connections:
         c.send(None)
     medians = [statistics.median(r) for r in results]
-    print(f"{args.start}{' rehome' if args.rehome else ''}{' pin' if args.pin else ''}: medians {[round(m) for m in medians]} samples/s, "
+    flags = [name for name in ("bf16", "no_onednn", "evict", "rehome", "pin") if getattr(args, name)]
+    unit = "tokens/s" if args.model == "gpt" else "samples/s"
+    print(f"{args.model} {args.start} {' '.join(flags)}: medians {[round(m) for m in medians]} {unit}, "
           f"spread {max(medians) / min(medians) - 1:.1%}")
     for i in range(1, len(results)):
         logs = [math.log(a / b) for a, b in zip(results[i], results[0])]
