@@ -27,6 +27,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import signal
 import statistics
 import time
 
@@ -52,6 +53,9 @@ def evict_onednn_primitives(torch) -> None:
 
 
 def worker(connection, options: argparse.Namespace) -> None:
+    # Die with the parent (prctl PR_SET_PDEATHSIG = 1, SIGTERM): a killed parent otherwise leaves its workers
+    # alive and busy, and they would skew whatever is measured next.
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
     import torch
 
     if options.no_onednn:
