@@ -16,7 +16,8 @@ before every slice: if the bias came from where a process's memory landed, this 
 convolutions fall back to PyTorch's own kernels; ``--bf16`` runs the forward pass under bf16 autocast (on a CPU,
 its matmuls go through oneDNN). Environment variables reach every process too, e.g.
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` (oneDNN builds every primitive afresh at every call) or
-``MALLOC_MMAP_THRESHOLD_=131072`` (glibc maps every large buffer afresh). Measure alone on the machine; nothing else may train meanwhile.
+``MALLOC_MMAP_THRESHOLD_=131072`` (glibc maps every large buffer afresh). Measure alone on the machine;
+nothing else may train meanwhile.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def pin_threads() -> None:
         os.sched_setaffinity(tid, {cpus[1:][i % (len(cpus) - 1)]})
 
 
-def evict_onednn_primitives(torch) -> None:
+def evict_onednn_primitives() -> None:
     """Fill oneDNN's primitive cache (an LRU of ONEDNN_PRIMITIVE_CACHE_CAPACITY entries, 1024 by default) with
     reorders of 1100 distinct shapes, so the step's own primitives are built afresh at its next call."""
+    import torch
+
     for k in range(1, 1101):
         torch.ones(1, k).to_mkldnn()
 
@@ -55,7 +58,8 @@ def evict_onednn_primitives(torch) -> None:
 def worker(connection, options: argparse.Namespace) -> None:
     # Die with the parent (prctl PR_SET_PDEATHSIG = 1, SIGTERM): a killed parent otherwise leaves its workers
     # alive and busy, and they would skew whatever is measured next.
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.prctl(1, signal.SIGTERM)
     import torch
 
     if options.no_onednn:
@@ -76,7 +80,6 @@ def worker(connection, options: argparse.Namespace) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     items = y.numel()  # samples (MnistCNN) or tokens (GPT) per step
-    libc = ctypes.CDLL("libc.so.6")
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -101,7 +104,7 @@ def worker(connection, options: argparse.Namespace) -> None:
                             state[key] = value.clone()
             libc.malloc_trim(0)
         if options.evict:
-            evict_onednn_primitives(torch)
+            evict_onednn_primitives()
         for _ in range(steps // 4):
             step()
         started = time.perf_counter()
