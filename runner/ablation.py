@@ -22,6 +22,8 @@ What makes its figures comparable and trustworthy lives here:
 - ``ablation.requires=cuda``: a variant that can only differ from its reference on CUDA (the cuDNN
   autotuner; the leave-one-out of the CUDA-only bigger batch) is not run elsewhere; ``not_run.json`` in
   its folder says why, and the report lists it.
+- A variant whose technique the task skips (an image technique on a language model, ``_no_op_reason``) is
+  its reference's configuration again: it is not run either, and its ``not_run.json`` says so.
 - ``ablation.repeats=auto``: Hydra's sweeper enumerates its jobs up front, so a sweep cannot decide to
   run more of them. Instead the first multirun runs min(3, ``ablation.max_repeats``) repeats, and
   ``AblationCallback.on_multirun_end`` (``auto_repeat``) then launches further rounds, each an ordinary
@@ -58,6 +60,10 @@ from runner.track import write_json_atomic
 
 #: What a job that did not train returns to Hydra (``__main__`` reads ``samples_per_sec``).
 _NO_FIGURES = {"samples_per_sec": None}
+#: The configuration keys an ablation technique (``ablation.technique``) switches, for the ones a task may skip
+#: (``Task.skipped``): on a language model these image techniques leave the job as its reference was
+TECHNIQUE_KEYS = {"channels_last": ("channels_last",), "cudnn_benchmark": ("cudnn_benchmark",),
+                  "drop_bias": ("model.drop_bias_before_bn",), "normalize": ("data.normalize",)}
 #: What the job server imports once, before it forks any job (importing them runs no torch op and starts
 #: no thread). torch._dynamo is imported lazily by the FLOP count of every job: ~2.5 s each on 2 cores.
 SERVER_PRELOAD = ["torch._dynamo", "runner.train", "runner.ablation"]
@@ -92,10 +98,44 @@ def run_job(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any] | No
         write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": reason})
         print(f"ablation: {a.variant} r{a.repeat} not run: {reason}", flush=True)
         return dict(_NO_FIGURES)
+    no_op = _no_op_reason(cfg)
+    if no_op is not None:
+        if folder is None:
+            raise ConfigError(f"ablation variant {a.variant} does nothing here and no job folder is known to record that")
+        write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": no_op})
+        print(f"ablation: {a.variant} r{a.repeat} not run: {no_op}", flush=True)
+        return dict(_NO_FIGURES)
     if not a.isolate or hydra_cfg is None or job_dir is not None or not _is_multirun(hydra_cfg):
         return None
     return _run_in_child(cfg, folder, list(hydra_cfg.overrides.task), Path(hydra_cfg.sweep.dir).name,
                          f"{a.variant}/r{a.repeat}")
+
+
+def _no_op_reason(cfg: DictConfig) -> str | None:
+    """Why this leave-one-in or leave-one-out variant is its reference's configuration on this job, or None.
+
+    A technique the task skips (``Task.skipped``: channels_last or input normalization on a language model,
+    whose inputs are token ids) changes nothing, so measuring it would only spend the sweep's minutes on a
+    second copy of the reference. It is a no-op when switching each of its keys (``TECHNIQUE_KEYS``) on adds
+    a skipped technique to the task's list."""
+    from runner import task as task_mod
+
+    a = cfg.ablation
+    keys = TECHNIQUE_KEYS.get(a.get("technique"))
+    if not keys or a.get("kind") not in ("leave-one-in", "leave-one-out") or "task" not in cfg:
+        return None
+    task = task_mod.build(cfg.task)
+    reasons = []
+    for key in keys:
+        on, off = copy.deepcopy(cfg), copy.deepcopy(cfg)
+        OmegaConf.update(on, key, True, force_add=True)
+        OmegaConf.update(off, key, False, force_add=True)
+        added = [r for status, r in task.skipped(on).items() if status not in task.skipped(off)]
+        if not added:
+            return None
+        reasons += added
+    what = "; ".join(r.removeprefix("skipped: ") for r in reasons)
+    return f"does nothing on this job ({what}): the same configuration as its reference"
 
 
 def _hydra_config():
