@@ -152,7 +152,8 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
         df = sum(len(names) - 1 for names in record_mod.configs(record).values())
         statistic = (
             f"Every configuration ran in {s.get('processes')} processes (the process is the unit of replication: "
-            f"identical processes can differ by 5-15 % for their whole life). A process's figure is its mean log "
+            f"identical processes can differ for their whole life, on a shared CPU VM by up to 25 % where "
+            f"oneDNN runs the kernels and by a few per cent elsewhere). A process's figure is its mean log "
             f"samples/s relative to the reference's processes in the same passes, so drift slower than a pass "
             f"cancels; a speed-up is exp(difference of the configurations' means over their processes) with a "
             f"{level:.0%} two-sample t interval whose spread is pooled between the processes of every configuration "
