@@ -678,6 +678,10 @@ def test_a_replication_must_reproduce_every_firm_verdict():
     assert text.count("| yes |") == 2 and text.count("| — |") == 1  # compile: shown, not counted
     text, disagree = agreement(a, rows(amp="no measurable effect", compile="hurts"))  # ckpt not run there
     assert disagree == ["amp", "ckpt"] and "disagrees on 2 of the 2" in text and "not run" in text
+    cuda = Row("cudnn", "leave-one-in", "cudnn", verdict="not run: needs CUDA", effect=None)
+    text, disagree = agreement([*a, cuda], [*rows(amp="helps", compile="helps", ckpt="hurts"), cuda])
+    assert disagree == [] and "| cudnn |" not in text and text.endswith("for the same reason (the ranking above "
+                                                                         "says why): cudnn.")
 
 
 def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_path):

@@ -255,17 +255,22 @@ def agreement(rows: list[Row], replication: list[Row], name: str = "replication"
     sweeps, and whether they agree) and the configurations where this sweep's verdict is firm (``FIRM``:
     helps, hurts, faster, slower) and the replication's differs -- the disagreements that matter. A
     configuration this sweep calls "no measurable effect" may come out either way in the other (its
-    interval contains 1), so it is shown but not counted against agreement.
+    interval contains 1), so it is shown but not counted against agreement. Configurations that neither sweep
+    measured, for the same reason (not run: needs CUDA, or a no-op on this job), are named in one line under the
+    table instead of a row each.
     """
     theirs = {r.configuration: r for r in replication}
     lines = [f"| configuration | effect [95 % CI], this sweep | verdict | effect [95 % CI], {name} | verdict | "
              f"agree |", "|---|---:|---|---:|---|---|"]
-    disagree = []
+    disagree, unmeasured = [], []
     for r in rows:
         if r.kind == "baseline":
             continue
         o = theirs.get(r.configuration)
         same = o is not None and o.verdict == r.verdict
+        if same and r.effect is None and o.effect is None:  # not run in either, for the same reason
+            unmeasured.append(r.configuration)
+            continue
         if r.verdict in FIRM and not same:
             disagree.append(r.configuration)
         mark = "yes" if same else ("**no**" if r.verdict in FIRM else "—")
@@ -277,6 +282,9 @@ def agreement(rows: list[Row], replication: list[Row], name: str = "replication"
             f"({', '.join(FIRM)})." if not disagree else
             f"The {name} disagrees on {len(disagree)} of the {len(firm)} configurations this sweep gives a firm "
             f"verdict: {', '.join(disagree)}.")
+    if unmeasured:
+        lines += ["", f"Not measured in either sweep, for the same reason (the ranking above says why): "
+                      f"{', '.join(unmeasured)}."]
     return "\n".join([head, "", *lines]), disagree
 
 
