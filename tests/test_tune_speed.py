@@ -113,6 +113,8 @@ def test_on_device_batches_are_the_loaders_batches():
     assert [b[0] for b in batches[0]] == pytest.approx([b[0] for b in batches[1]], rel=1e-5)
 
 
+@pytest.mark.slow  # its verdict rests on measured speed in 3-step slices: the other pytest worker's load read
+# anomaly detection as x2.2 and x1.7 faster in two CI runs of six; `pytest -m slow` runs it alone
 def test_no_switch_that_helps_means_no_change(tmp_path):
     # the only candidate, anomaly detection, slows every step: measured, not kept, and the answer is "no change"
     out = tmp_path / "out"
