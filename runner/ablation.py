@@ -72,8 +72,9 @@ SERVER_PRELOAD = ["torch._dynamo", "runner.train", "runner.ablation"]
 def run_job(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any] | None:
     """Handle an ablation job before anything is built; None means "train it here, in this process".
 
-    - A variant with ``ablation.requires=cuda`` on a job that will not use CUDA: writes
-      ``<job_dir>/not_run.json`` (variant, repeat, reason) and returns ``{"samples_per_sec": None}``.
+    - A variant with ``ablation.requires=cuda`` on a job that will not use CUDA, or one that does nothing on
+      this job (``_no_op_reason``): writes ``<job_dir>/not_run.json`` (variant, repeat, reason) and returns
+      ``{"samples_per_sec": None}``.
     - Inside a Hydra multirun with ``ablation.isolate=true``: trains the job in a fresh process (see the
       module docstring), writes ``<job_dir>/job.json`` (its start and end, ``time.time()`` s, and exit
       status) and returns the child's ``summary.json``; when the child fails, writes
@@ -91,19 +92,14 @@ def run_job(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any] | No
         raise ConfigError(f"ablation.requires={a.requires!r} must be null or 'cuda'")
     hydra_cfg = _hydra_config()
     folder = job_dir or (Path(hydra_cfg.runtime.output_dir) if hydra_cfg is not None else None)
-    if a.requires == "cuda" and not hardware.uses_cuda(str(cfg.trainer.device)):
+    reason = (f"needs CUDA; this job runs on trainer.device={cfg.trainer.device} without CUDA"
+              if a.requires == "cuda" and not hardware.uses_cuda(str(cfg.trainer.device)) else _no_op_reason(cfg))
+    if reason is not None:  # recorded, not run: the report lists it with its reason
         if folder is None:
-            raise ConfigError(f"ablation variant {a.variant} needs CUDA and no job folder is known to record that")
-        reason = f"needs CUDA; this job runs on trainer.device={cfg.trainer.device} without CUDA"
+            raise ConfigError(f"ablation variant {a.variant} is not run here ({reason}) and no job folder is known "
+                              f"to record that")
         write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": reason})
         print(f"ablation: {a.variant} r{a.repeat} not run: {reason}", flush=True)
-        return dict(_NO_FIGURES)
-    no_op = _no_op_reason(cfg)
-    if no_op is not None:
-        if folder is None:
-            raise ConfigError(f"ablation variant {a.variant} does nothing here and no job folder is known to record that")
-        write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": no_op})
-        print(f"ablation: {a.variant} r{a.repeat} not run: {no_op}", flush=True)
         return dict(_NO_FIGURES)
     if not a.isolate or hydra_cfg is None or job_dir is not None or not _is_multirun(hydra_cfg):
         return None
