@@ -8,12 +8,12 @@ https://hydra.cc/docs/tutorials/structured_config/schema/).
 Fields that are *not* constructor arguments (``lr_scaling``, ``cifar_stem``, ...) are listed in
 ``RUNNER_KEYS`` of the module that consumes the group; everything else is passed to ``_target_``.
 
-Nodes open to keys no schema declares carry a user's own arguments: ``model`` (``model.width=64``), ``data``
-when ``data=custom`` (``data.n_features=20``) and ``tune.switches``. They are stored with the struct flag off
-(``open_node``), so ``key=value`` adds a key without Hydra's ``+`` while declared fields stay typed. The
-builders check the extra keys against the callable's signature (``runner.targets.check_arguments``), so a typo
-(``model.widht=64``) stops before training with the valid names. Every other node stays closed: a typo such
-as ``trainer.max_step`` fails at compose time.
+Nodes open to keys no schema declares carry a user's own arguments: ``model`` (``model.width=64``), ``data`` when
+``data=custom`` (``data.n_features=20``) and ``tune.switches``. They are stored with the struct flag off
+(``open_node``), so ``key=value`` adds a key without Hydra's ``+`` while declared fields stay typed. The builders
+check the extra keys against the callable's signature (``runner.targets.check_arguments``), so a typo
+(``model.widht=64``) stops before training with the valid names. Every other node stays closed: a typo such as
+``trainer.max_step`` fails at compose time.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ CHOICES: dict[str, tuple[str | None, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.progress": ("auto", "bar", "lines", "off"),
     "trainer.on_nonfinite": ("stop", "skip"),
+    "trainer.host_allocator": ("reuse", "system"),
     "trainer.early_stopping.mode": ("auto", "min", "max"),
 }
-#: What null means, where a list allows it (appended to the message of a bad value).
-_NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode": "compile=off",
+_NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode": "compile=off",  # what null means
                "optimizer.impl": "torch's default"}
 
 
@@ -423,10 +423,10 @@ class TrainerConfig:
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic: bit-identical reruns
     num_threads: Optional[int] = None  # CPU intra-op threads (torch.set_num_threads); null = torch's default
+    host_allocator: str = "reuse"  # CHOICES: reuse (glibc keeps freed memory; runner/prepare.py) | system
 
 
-#: ``checkpoint.*`` (runner/checkpoint.py). A plain node rather than a dataclass because ``async`` is a Python
-#: keyword; ``runner.resume.settings`` checks every value's type and range with a message naming the key.
+#: ``checkpoint.*`` (runner/checkpoint.py): a plain node (``async`` is a keyword), checked by runner.resume.settings
 CHECKPOINT_DEFAULTS: dict[str, Any] = {
     "every_steps": None,  # save after every N optimizer steps; null = off
     "every_minutes": 30,  # save when this much wall time passed since the last save (rank 0's clock); null = off

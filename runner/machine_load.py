@@ -9,6 +9,7 @@ the speed doctor reads first: rerun on a quiet machine before trusting any figur
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any
 
@@ -45,7 +46,7 @@ class LoadWindow:
         self.device = device
         self.running = False
         self.wall_s = self.cpu_s = self.children_cpu_s = 0.0
-        self.on_cpu_ns = self.wait_ns = self.steal = self.ticks = 0
+        self.on_cpu_ns = self.wait_ns = self.steal = self.ticks = self.minor_faults = 0
         self.sched_known = self.ticks_known = self.children_known = True
         self.load_start: float | None = None
         self.load_end: float | None = None
@@ -56,7 +57,7 @@ class LoadWindow:
 
     def _snapshot(self) -> tuple:
         return (time.perf_counter(), time.process_time(), hardware.thread_schedule_ns(), hardware.cpu_ticks(),
-                hardware.children_cpu_s())
+                hardware.children_cpu_s(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
     def _note_load(self) -> float | None:
         load = hardware.load_average()
@@ -79,9 +80,10 @@ class LoadWindow:
     def pause(self) -> None:
         if not self.running:
             return
-        (w0, c0, s0, t0, k0), (w1, c1, s1, t1, k1) = self._edge, self._snapshot()
+        (w0, c0, s0, t0, k0, f0), (w1, c1, s1, t1, k1, f1) = self._edge, self._snapshot()
         self.running = False
         self.wall_s += w1 - w0
+        self.minor_faults += f1 - f0
         self.cpu_s += c1 - c0
         if s0 is None or s1 is None:
             self.sched_known = False
@@ -104,9 +106,10 @@ class LoadWindow:
         if self.running and time.perf_counter() - self._last_sample >= LOAD_SAMPLE_S:
             self._note_load()
 
-    def record(self, threads: int, workers: int, data_wait_s: float) -> dict[str, Any]:
+    def record(self, threads: int, workers: int, data_wait_s: float, steps: int) -> dict[str, Any]:
         """The window's figures (summary.json ``machine_load``); ``threads`` = ``torch.get_num_threads()``,
-        ``workers`` = DataLoader worker processes, ``data_wait_s`` = measured data wait inside the window.
+        ``workers`` = DataLoader worker processes, ``data_wait_s`` = measured data wait inside the window,
+        ``steps`` = the measured steps in it.
 
         Keys: ``window_s``; ``cpu_cores`` (this process's affinity), ``threads``, ``workers``;
         ``load_average_1min_start``/``_end``/``_max`` (as the ablation report's ``load_average_1min``);
@@ -117,7 +120,10 @@ class LoadWindow:
         threads, the Python thread between ops) or a short window meets coarse clock ticks;
         ``busy_cores_computing`` = CPU time / (window - data wait);
         ``run_queue_wait_fraction`` = threads' run-queue wait / (their CPU time + that wait);
-        ``steal_fraction`` = steal ticks / all ticks of all CPUs; ``gpu`` (NVML, CUDA only) or None.
+        ``steal_fraction`` = steal ticks / all ticks of all CPUs; ``gpu`` (NVML, CUDA only) or None;
+        ``minor_page_faults_per_step``: pages this process faulted in per step (``getrusage`` ``ru_minflt``),
+        about 0 once the allocators reuse their memory, thousands when freed buffers go back to the OS and
+        return as fresh pages (``trainer.host_allocator``, runner/prepare.py).
         Fractions are None where the OS does not report them.
         """
         window = self.wall_s
@@ -148,6 +154,7 @@ class LoadWindow:
                                         if self.sched_known and sched_total > 0 else None),
             "steal_fraction": self.steal / self.ticks if self.ticks_known and self.ticks > 0 else None,
             "gpu": gpu,
+            "minor_page_faults_per_step": self.minor_faults / steps if steps else None,
         }
 
 

@@ -282,7 +282,8 @@ class Meter:
         measured step ran; call after ``pause`` at the end of training."""
         if self._window_pending:
             return None
-        return self.load.record(threads, workers, sum(self.data_wait_ms[self._first_own:]) / 1e3)
+        own = self.data_wait_ms[self._first_own:]  # one entry per measured step
+        return self.load.record(threads, workers, sum(own) / 1e3, len(own))
 
 
 # ------------------------------------------------------------------------------ the GPU between its kernels

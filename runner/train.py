@@ -206,6 +206,7 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     techniques = dict(skipped)
     techniques |= prepare.apply_deterministic(t.deterministic, env.device)
     techniques |= prepare.apply_num_threads(t.num_threads)
+    host_allocator = prepare.apply_host_allocator(t.host_allocator)  # before the first tensor is built
     benchmark = cfg.cudnn_benchmark and "cudnn_benchmark" not in skipped
     techniques |= prepare.apply_cudnn_benchmark(benchmark and not t.deterministic, env.device)
     if benchmark and t.deterministic:
@@ -220,6 +221,7 @@ def build(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[Parts, 
     flops = measure.flops_per_sample(model, data.example, task.loss)
     amp = precision.build(cfg.precision, env.device)  # before the wrapper: FSDP all-gathers in its compute dtype
     model, applied, details = prepare.prepare(model, cfg, env, amp, skip=skipped)
+    details["host_allocator"] = host_allocator
     seed_everything(t.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
 

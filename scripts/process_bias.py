@@ -28,6 +28,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import resource
 import signal
 import statistics
 import time
@@ -55,6 +56,16 @@ def evict_onednn_primitives() -> None:
         torch.ones(1, k).to_mkldnn()
 
 
+def keep_freed_memory(libc) -> None:
+    """glibc's mallopt: buffers up to 32 MiB from the heap instead of fresh mappings (M_MMAP_THRESHOLD, -3),
+    and freed heap memory kept instead of returned to the OS (M_TRIM_THRESHOLD, -1), so a step's buffers reuse
+    the pages of the last step's instead of page-faulting fresh ones in."""
+    libc.mallopt(-3, 32 * 1024 * 1024)
+    libc.mallopt(-1, 2**31 - 1)
+    if os.environ.get("NO_MMAP"):
+        libc.mallopt(-4, 0)
+
+
 def worker(connection, options: argparse.Namespace) -> None:
     # Die with the parent (prctl PR_SET_PDEATHSIG = 1, SIGTERM): a killed parent otherwise leaves its workers
     # alive and busy, and they would skew whatever is measured next.
@@ -62,6 +73,8 @@ def worker(connection, options: argparse.Namespace) -> None:
     libc.prctl(1, signal.SIGTERM)
     import torch
 
+    if options.mallopt:
+        keep_freed_memory(libc)
     if options.no_onednn:
         torch.backends.mkldnn.enabled = False
     if options.threads:
@@ -73,6 +86,12 @@ def worker(connection, options: argparse.Namespace) -> None:
         model = GPT(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x, y = torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))
+    elif options.model == "resnet18":
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x, y = torch.randn(options.batch, 3, 32, 32), torch.randint(0, 10, (options.batch,))
     else:
         from runner.models import MnistCNN
 
@@ -107,10 +126,12 @@ def worker(connection, options: argparse.Namespace) -> None:
             evict_onednn_primitives()
         for _ in range(steps // 4):
             step()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started = time.perf_counter()
         for _ in range(steps):
             step()
-        connection.send(steps * items / (time.perf_counter() - started))
+        elapsed = time.perf_counter() - started
+        connection.send((steps * items / elapsed, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps))
 
 
 def main() -> None:
@@ -118,13 +139,15 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--steps", type=int, default=60, help="measured steps per slice")
-    parser.add_argument("--model", choices=("mnist", "gpt"), default="mnist")
+    parser.add_argument("--model", choices=("mnist", "gpt", "resnet18"), default="mnist")
     parser.add_argument("--bf16", action="store_true", help="the forward pass under bf16 autocast")
     parser.add_argument("--no-onednn", action="store_true", help="torch.backends.mkldnn.enabled = False")
     parser.add_argument("--evict", action="store_true", help="evict oneDNN's cached primitives before every "
                         "slice, so each slice's are built afresh")
     parser.add_argument("--start", choices=("spawn", "fork"), default="spawn")
     parser.add_argument("--rehome", action="store_true")
+    parser.add_argument("--mallopt", action="store_true", help="keep_freed_memory in each process")
+    parser.add_argument("--batch", type=int, default=64, help="resnet18's batch size")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each process")
     parser.add_argument("--pin", action="store_true", help="pin_threads before every slice: the main thread on "
                         "the first CPU, the others on the rest, in every process")
@@ -138,19 +161,23 @@ def main() -> None:
     for c in connections:
         c.recv()
     rng, results = random.Random(0), [[] for _ in connections]
+    fault_counts = [[] for _ in connections]
     for _ in range(args.passes):
         order = list(range(len(connections)))
         rng.shuffle(order)
         for i in order:
             connections[i].send(args.steps)
-            results[i].append(connections[i].recv())
+            speed, faults = connections[i].recv()
+            results[i].append(speed)
+            fault_counts[i].append(faults)
     for c in connections:
         c.send(None)
     medians = [statistics.median(r) for r in results]
-    flags = [name for name in ("bf16", "no_onednn", "evict", "rehome", "pin") if getattr(args, name)]
+    flags = [name for name in ("bf16", "no_onednn", "evict", "rehome", "pin", "mallopt") if getattr(args, name)]
     unit = "tokens/s" if args.model == "gpt" else "samples/s"
     print(f"{args.model} {args.start} {' '.join(flags)}: medians {[round(m) for m in medians]} {unit}, "
-          f"spread {max(medians) / min(medians) - 1:.1%}")
+          f"spread {max(medians) / min(medians) - 1:.1%}; minor page faults per step "
+          f"{[round(statistics.median(f)) for f in fault_counts]}")
     for i in range(1, len(results)):
         logs = [math.log(a / b) for a, b in zip(results[i], results[0])]
         se = statistics.stdev(logs) / math.sqrt(len(logs))

@@ -87,7 +87,8 @@ def test_activation_checkpointing_recomputes_the_hf_blocks(tiny_text, tmp_path, 
     monkeypatch.setattr(GPT2Block, "forward", counted)
     s = run_hf(tmp_path, tiny_text, "memory=checkpointing", "precision=bf16")
     assert s["techniques"]["activation_checkpointing"] == "applied" and s["techniques"]["bf16"] == "applied"
-    assert s["technique_details"] == {"checkpointed_blocks": ["GPT2Block"], "checkpointed_modules": 2}
+    assert {k: v for k, v in s["technique_details"].items() if k != "host_allocator"} == {
+        "checkpointed_blocks": ["GPT2Block"], "checkpointed_modules": 2}
     blocks = list(spy.model.transformer.h)
     assert all(isinstance(b, CheckpointWrapper) and isinstance(b._checkpoint_wrapped_module, GPT2Block)
                for b in blocks)

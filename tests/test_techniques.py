@@ -515,5 +515,5 @@ def test_switches_combine(tmp_path, spy, monkeypatch):
                        "gradient_accumulation", "drop_bias_before_bn", "channels_last", "anomaly_detection"}
     assert len(spy.steps) == 3 and math.isfinite(summary["train_loss"])
     assert all(c.out_dtype == torch.bfloat16 and c.x_channels_last for c in spy.calls)
-    assert summary["technique_details"] == {"biases_removed": 2, "checkpointed_blocks": ["ConvBlock"],
-                                            "checkpointed_modules": 2}
+    details = {k: v for k, v in summary["technique_details"].items() if k != "host_allocator"}  # the machine's
+    assert details == {"biases_removed": 2, "checkpointed_blocks": ["ConvBlock"], "checkpointed_modules": 2}
