@@ -9,6 +9,20 @@ class ConfigError(ValueError):
     """
 
 
+def deterministic_refusal(e: BaseException) -> ConfigError | None:
+    """PyTorch's refusal, under ``torch.use_deterministic_algorithms(True)`` (``trainer.deterministic=true``), of an
+    operation that has no deterministic kernel on the device (a ``RuntimeError`` raised when the step first reaches
+    it: on CUDA, a CNN's adaptive average pooling backward), as one ``ConfigError`` naming the operation and the
+    fix; ``None`` for any other error."""
+    marker = " does not have a deterministic implementation"
+    if not isinstance(e, RuntimeError) or marker not in str(e):
+        return None
+    op = str(e).split(marker)[0].split()[-1]
+    return ConfigError(f"trainer.deterministic=true: this job's step runs {op}, which has no deterministic kernel "
+                       f"on this device, so no run of it can be bit-identical; use trainer.deterministic=false, or "
+                       f"a model without that operation")
+
+
 class TrainingDiverged(RuntimeError):
     """The loss or the gradients became NaN/inf (``trainer.on_nonfinite=stop``): the message names the step, the
     last finite loss and the usual fixes. ``python -m runner`` prints it and exits with status 3; no summary

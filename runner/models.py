@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from runner import CONF_DIR, hf, targets
-from runner.errors import ConfigError
+from runner.errors import ConfigError, deterministic_refusal
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +322,8 @@ def check_forward(model: nn.Module, example: torch.Tensor, num_classes: int) -> 
         with torch.inference_mode():
             out = model(batch)
     except Exception as e:  # noqa: BLE001 - whatever the model raises, the cause is the input
+        if (refusal := deterministic_refusal(e)) is not None:  # ... unless it is trainer.deterministic's
+            raise refusal from e
         raise ConfigError(f"the model does not take the data's inputs: items of shape {tuple(example.shape)} "
                           f"({example.dtype}; a batch is {tuple(batch.shape)}), but {_first_layer(model)}. The "
                           f"first forward failed with {type(e).__name__}: {_first_line(e)}. "

@@ -18,6 +18,7 @@ Each function returns a status for ``summary.json`` ``techniques``: ``"applied"`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -30,7 +31,7 @@ from torch import nn
 
 from runner import models, parallel
 from runner.config import check_choice
-from runner.errors import ConfigError
+from runner.errors import ConfigError, deterministic_refusal
 from runner.parallel import repeated_blocks
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -54,6 +55,23 @@ def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
     return {"deterministic": "applied"} if enabled else {}
+
+
+@contextlib.contextmanager
+def deterministic_or_refused(enabled: bool):
+    """Around the training loop: with ``trainer.deterministic=true``, PyTorch's refusal of an operation that has
+    no deterministic kernel on this device becomes one message naming the operation and the key.
+
+    Raises:
+        ConfigError: the refused operation, and the fix (``runner.errors.deterministic_refusal``).
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        refusal = deterministic_refusal(e) if enabled else None
+        if refusal is None:
+            raise
+        raise refusal from e
 
 
 #: torch's intra-op thread count when this module was imported: what ``trainer.num_threads=null`` restores

@@ -155,7 +155,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
         try:
             with debug.build(cfg.debug, parts.job_dir, env.device) as (profiler, status), parts.preemption:
                 parts.techniques |= status
-                fit(state, parts, profiler)
+                with prepare.deterministic_or_refused(cfg.trainer.deterministic):
+                    fit(state, parts, profiler)
             if parts.at_end:  # the weights first: a final checkpoint that fails (a full disk) does not lose them
                 checkpoint.save_weights(parts.model, parts.job_dir / "model.safetensors", env.is_main)
                 if parts.ema is not None:

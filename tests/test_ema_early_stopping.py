@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import metrics_rows, read_summary, run_cli, run_tiny
+from conftest import cuda_only, metrics_rows, read_summary, run_cli, run_tiny
 from runner.ema import EMA
 from runner.errors import ConfigError
 from runner.monitor import Watch
@@ -57,8 +57,9 @@ def test_ema_every_updates_only_every_nth_step():
     assert ema.updates == 2
 
 
-def test_ema_through_the_cli_evaluates_both_weights_and_writes_model_ema(tmp_path):
-    proc, folder = cli(tmp_path, "ema", "trainer.ema_decay=0.5")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])])
+def test_ema_through_the_cli_evaluates_both_weights_and_writes_model_ema(tmp_path, device):
+    proc, folder = cli(tmp_path, "ema", "trainer.ema_decay=0.5", f"trainer.device={device}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(folder)
     evals = [r for r in metrics_rows(folder) if "eval_loss" in r]
@@ -134,6 +135,19 @@ def test_deterministic_runs_are_bit_identical_and_say_so(tmp_path):
     summary = read_summary(folders[0])
     assert summary["deterministic"] is True and summary["techniques"]["deterministic"] == "applied"
     assert summary["techniques"]["cudnn_benchmark"].startswith("skipped: trainer.deterministic=true")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])  # refused in the model's first check, or in the loop
+def test_deterministic_with_an_operation_that_has_no_deterministic_kernel_names_it(tmp_path, where):
+    says = "trainer.deterministic=true: this job's step runs put_, which has no deterministic kernel on this device"
+    model = ["model._target_=user_data.ScatterNet", f"+model.where={where}"]
+    try:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            run_tiny(tmp_path / "scatter", "trainer.deterministic=true", *model)
+    finally:
+        torch.use_deterministic_algorithms(False)  # the refused job stopped before a next job could reset it
+    assert not (tmp_path / "scatter" / "summary.json").exists()
+    assert run_tiny(tmp_path / "free", *model)["steps"] == 4  # the same job, not deterministic, runs
 
 
 def test_a_metric_the_task_does_not_report_stops_the_cli_with_one_message(tmp_path):

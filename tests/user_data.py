@@ -2,7 +2,8 @@
 
 Good ones return ``(train_dataset, eval_dataset)``; the ``bad_*`` ones each break one rule that
 ``runner.data.custom_datasets`` must turn into a ConfigError. ``FixedContextLM`` is a user's own language
-model (``model._target_=user_data.FixedContextLM``).
+model (``model._target_=user_data.FixedContextLM``); ``ScatterNet`` an image model whose step runs an operation
+with no deterministic kernel.
 """
 
 from __future__ import annotations
@@ -143,3 +144,38 @@ class FixedContextLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
+
+
+def _put_with_a_repeated_index(device: torch.device) -> None:
+    index = torch.zeros(2, dtype=torch.long, device=device)
+    torch.zeros(1, device=device).put_(index, torch.ones(2, device=device))
+
+
+class _PutInBackward(torch.autograd.Function):
+    """The identity, whose backward runs ``_put_with_a_repeated_index``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        _put_with_a_repeated_index(grad.device)
+        return grad
+
+
+class ScatterNet(nn.Module):
+    """A linear classifier of ``(B, 3, 16, 16)`` images -> logits ``(B, num_classes)`` whose forward or backward
+    (``where``) also runs ``Tensor.put_`` with a repeated index: an operation with no deterministic kernel on a
+    CPU, as a CNN's adaptive average pooling backward has none on CUDA (``trainer.deterministic=true`` must name
+    it)."""
+
+    def __init__(self, num_classes: int = 10, in_features: int = 3 * 16 * 16, where: str = "backward"):
+        super().__init__()
+        self.fc, self.where = nn.Linear(in_features, num_classes), where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "forward":
+            _put_with_a_repeated_index(x.device)
+        logits = self.fc(x.flatten(1))
+        return _PutInBackward.apply(logits) if self.where == "backward" else logits
