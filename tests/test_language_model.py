@@ -479,8 +479,9 @@ def test_gpt_attention_uses_the_flash_kernel_on_cuda():
 @pytest.mark.gpu
 @cuda_only
 def test_gpu_preset_runs_on_the_device(tiny_text, tmp_path):
-    s = train(compose_cfg("+experiment=shakespeare_char_gpu", f"data.path={tiny_text}", "trainer.device=cuda",
-                          "trainer.max_steps=20", "trainer.eval_every=10", "data.block_size=64",
+    # data=text first: compose_cfg then leaves out the tiny image job's data.* keys
+    s = train(compose_cfg("data=text", "+experiment=shakespeare_char_gpu", f"data.path={tiny_text}",
+                          "trainer.device=cuda", "trainer.max_steps=20", "trainer.eval_every=10", "data.block_size=64",
                           "scheduler.warmup_steps=2", "dataloader.batch_size=16"), job_dir=tmp_path)
     assert s["device"] == "cuda" and s["techniques"]["bf16"] == "applied"
     assert s["techniques"]["on_device_data"] == "applied" and s["mfu"] is not None and s["mfu"] > 0

@@ -180,6 +180,18 @@ def test_amp_on_cuda_is_fp16_with_a_grad_scaler(tmp_path, spy):
 
 @pytest.mark.gpu
 @cuda_only
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")  # a skipped first step
+def test_the_cuda_scaler_skips_the_step_with_inf_gradients(tmp_path, spy):
+    # fp16 gradients overflow (max 65504) with a loss scale of 2**24: GradScaler.step must not call optimizer.step
+    summary = run_precision(tmp_path, "precision=amp", "trainer.device=cuda", f"precision.init_scale={2.0**24}",
+                            "trainer.max_steps=1", "trainer.warmup_steps=0")
+    assert summary["techniques"]["amp"] == "applied" and summary["steps"] == 1
+    assert spy.steps == [] and changed(spy) == []  # the weights got no inf/NaN
+    assert spy.scaler_used.get_scale() == 2.0**23  # backoff_factor 0.5
+
+
+@pytest.mark.gpu
+@cuda_only
 def test_tf32_on_cuda(tmp_path):
     summary = run_precision(tmp_path, "precision=tf32", "trainer.device=cuda")
     expected = "applied" if torch.cuda.get_device_capability()[0] >= 8 else None

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_summary, run_cli
+from conftest import cuda_only, read_summary, run_cli
 from runner import REPO_ROOT, checkpoint as ck
 
 #: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
@@ -143,6 +143,21 @@ def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool 
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, case):
     assert_exact_resume(tmp_path, [*JOB, *case])
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("case", [
+    [],  # the plain DataLoader: pageable batches copied to the GPU
+    ["dataloader=device", "data.augment=true", "precision=amp"],  # on-device data (CUDA generator), the GradScaler
+], ids=["loader", "on-device-amp"])
+def test_killed_cuda_run_resumes_exactly(tmp_path, case):
+    """On CUDA the checkpoint must carry the CUDA generator's state and the GradScaler's scale; deterministic
+    kernels (``trainer.deterministic=true``) make the straight and the resumed run comparable bit for bit. The
+    MLP: every op of its step has a deterministic CUDA kernel (a CNN's adaptive pooling backward has none)."""
+    summary = assert_exact_resume(tmp_path, [*JOB, "model=mlp", "trainer.device=cuda", "trainer.deterministic=true",
+                                             *case])
+    assert "cuda" in str(summary["device"])
 
 
 @pytest.mark.slow

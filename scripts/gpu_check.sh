@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs (the `device` tool of this project's workplace, or any CUDA machine):
+# the CUDA tests, then the measured GPU targets, each step under its own time limit so that one hang costs
+# only its own minutes. Logs and every run's summary.json go to $OUT (default /tmp/gpu_check); the last
+# thing printed is one table of the figures.
+#
+#   bash scripts/gpu_check.sh              # all parts
+#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests gpt resnet50 resnet18 gpt_compile_modes overhead suite
+#   TESTS_K='resume' bash scripts/gpu_check.sh tests   # only the CUDA tests matching a -k expression
+#
+# Needs hydra-core, omegaconf and antlr4-python3-runtime importable; where they are carried as wheels in .whl/
+# (a machine with no package index), they are installed into /tmp/site first. Tiny Shakespeare is read from
+# $GPT_TEXT (default .gpu/data/tinyshakespeare/input.txt, else ../shared/data/tinyshakespeare/input.txt).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+LOGS=/tmp/gpu_check_logs
+RUNS=/tmp/gpu_check_runs
+mkdir -p "$OUT" "$LOGS" "$RUNS"
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ! python3 -c "import hydra" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+GPT_TEXT=${GPT_TEXT:-.gpu/data/tinyshakespeare/input.txt}
+[ -f "$GPT_TEXT" ] || GPT_TEXT=../shared/data/tinyshakespeare/input.txt
+GPT_TEXT=$(realpath "$GPT_TEXT")
+parts=${*:-smoke tests gpt resnet50 resnet18 gpt_compile_modes overhead suite}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader
+python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
+
+# step NAME SECONDS CMD...: run CMD under a time limit, log to $LOGS/NAME.log, print its status and tail
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0; t0=$(date +%s)
+  timeout --signal=INT --kill-after=20 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+  grep -E "error|Error|FAILED|passed|failed|skipped" "$LOGS/$name.log" | grep -v "^  " | tail -n 12
+  # what has been measured so far comes back even if a later step runs past the call's limit
+  tar czf "$OUT/logs.tgz" --exclude='*.safetensors' --exclude=checkpoints --exclude='*.pt' \
+    -C /tmp "$(basename "$LOGS")" "$(basename "$RUNS")" 2>/dev/null
+}
+run() {  # run NAME SECONDS OVERRIDES...: one python -m runner job on CUDA into $RUNS/NAME
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 -m runner trainer.device=cuda logger=none trainer.progress=lines \
+    hydra.run.dir="$RUNS/$name" "$@"
+}
+has() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
+
+if has smoke; then
+  run smoke_amp_pinned 120 precision=amp dataloader=pinned trainer.max_steps=300  # the README's second command
+fi
+if has tests; then
+  kargs=(); [ -n "${TESTS_K:-}" ] && kargs=(-k "$TESTS_K")
+  step tests_gpu 300 python3 -m pytest -m gpu -n 0 -p no:cacheprovider --continue-on-collection-errors -q -rA \
+    --timeout 240 tests "${kargs[@]}"
+fi
+if has gpt; then
+  # nanoGPT's GPU recipe (6 x 384, block 256, batch 64, 5000 steps): the validation loss target 1.47
+  run gpt_compile 420 +experiment=shakespeare_char_gpu data.path="$GPT_TEXT" compile=default
+fi
+if has resnet50; then
+  # 224 x 224 synthetic images (random labels): compute alone, the tuned configuration against the baseline.
+  # bf16, not fast's fp16: fp16 evaluation of a BatchNorm net on random labels overflows (eval loss ~4,500 in fp32)
+  r50=(model=resnet50 data=synthetic "data.shape=[3,224,224]" data.train_size=4096 data.eval_size=256
+       trainer.eval_max_batches=1)
+  run r50_baseline 120 +experiment=baseline "${r50[@]}" trainer.max_steps=40 trainer.warmup_steps=10
+  run r50_fast_bf16 200 +experiment=fast precision=bf16 "${r50[@]}" trainer.max_steps=80 trainer.warmup_steps=15
+  run r50_fast_bf16_nocompile 120 +experiment=fast precision=bf16 compile=off "${r50[@]}" trainer.max_steps=60 \
+    trainer.warmup_steps=10
+fi
+if has resnet18; then
+  r18=(model=resnet18 model.cifar_stem=true data=synthetic data.train_size=50000 data.eval_size=512
+       trainer.eval_max_batches=1 +experiment=fast precision=bf16 dataloader.batch_size=512)
+  run r18_fast_bf16 150 "${r18[@]}" trainer.max_steps=150 trainer.warmup_steps=20
+  run r18_fast_bf16_nocompile 100 "${r18[@]}" compile=off trainer.max_steps=150 trainer.warmup_steps=20
+fi
+if has gpt_compile_modes; then
+  # the GPU recipe's first 600 steps: compile's default mode against CUDA graphs (reduce-overhead)
+  for mode in default reduce-overhead; do
+    run "gpt600_$mode" 120 +experiment=shakespeare_char_gpu data.path="$GPT_TEXT" compile=$mode \
+      trainer.max_steps=600 trainer.eval_every=600 trainer.warmup_steps=20
+  done
+fi
+if has overhead; then
+  step overhead 240 python3 scripts/bench_overhead.py --device cuda --cases resnet18 gpt --rounds 5 \
+    --out "$LOGS/overhead.md"
+fi
+if has suite; then
+  # the whole suite with CUDA visible (what `trainer.device=auto` does in the tests)
+  step suite 420 python3 -m pytest -n 8 -p no:cacheprovider --continue-on-collection-errors -q --timeout 300 tests
+fi
+
+# the figures, one row per run
+python3 - "$RUNS" <<'PY' | tee "$LOGS/figures.txt"
+import json, pathlib, sys
+keys = ["samples_per_sec", "tokens_per_sec", "step_time_ms_median", "mfu", "achieved_tflops", "gpu_idle_fraction", "peak_memory_mb", "data_wait_fraction",
+        "eval_loss", "eval_accuracy", "time_to_target_s", "steps", "train_time_s"]
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*/summary.json")):
+    s = json.loads(p.read_text())
+    row = {k: s.get(k) for k in keys if s.get(k) is not None}
+    skipped = {k: v for k, v in (s.get("techniques") or {}).items() if str(v).startswith("skipped")}
+    print(p.parent.name, json.dumps(row))
+    if skipped:
+        print("   skipped:", json.dumps(skipped)[:400])
+PY
