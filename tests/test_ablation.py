@@ -385,6 +385,20 @@ def test_report_files_from_synthetic_summaries(tmp_path):
     assert "## Reading" in text and "amp (on alone, ×2.00 [1.81–2.21])" in text and "](ablation-test.png)" in text
 
 
+def test_the_reading_lists_an_equivalence_margin_as_no_measurable_effect():
+    from runner.report.load import Row
+    from runner.report.markdown import reading
+    from runner.report.stats import Interval
+
+    rows = [Row("baseline+set_to_none", "leave-one-in", "set_to_none", effect=1.02, verdict="no effect larger than ±9.5%",
+                effect_ci=Interval(1.02, 0.93, 1.11, 0.95, 2, 2)),
+            Row("baseline+checkpointing", "leave-one-in", "checkpointing", effect=0.76, verdict="hurts",
+                effect_ci=Interval(0.76, 0.70, 0.84, 0.95, 2, 2))]
+    text = reading(rows)  # the interleaved design's wording of "no measurable effect"
+    assert "- **No measurable effect:** set_to_none (on alone, ×1.02 [0.93–1.11])" in text, text
+    assert "- **Hurt:** checkpointing (on alone, ×0.76 [0.70–0.84])" in text
+
+
 def test_report_shows_each_jobs_fixed_cost_and_the_sweeps_time(tmp_path):
     sweep = write_sweep(tmp_path / "sweep", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
     now = time.time()

@@ -252,6 +252,19 @@ def test_the_minimum_detectable_effect_and_the_equivalence_margin():
     assert stats.paired([0.1]) is None  # one pair: no interval
 
 
+def test_an_interval_apart_from_1_that_holm_does_not_call_says_so():
+    from runner.report import paired as report_paired
+
+    weak = stats.paired([0.05, 0.01, 0.06, 0.02, 0.0, 0.04])  # x1.03 [1.005-1.056]: p 0.027 on its own
+    null = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
+    alone, in_family = stats.verdicts([weak])[0], stats.verdicts([weak, null, null, null, null])[0]
+    assert alone == stats.HELPS and in_family == stats.NO_EFFECT  # Holm's threshold for 5 comparisons: 0.01
+    assert report_paired._word(alone, weak, "faster", "slower") == "faster"
+    said = report_paired._word(in_family, weak, "faster", "slower")
+    assert said == "no effect larger than ±5.7% (faster by its own interval, not firm after Holm)", said
+    assert report_paired._word(in_family, null, "faster", "slower").endswith("%")  # an interval around 1: no note
+
+
 # ------------------------------------------------------------------------------------------- real sweeps
 SWEEP = [o for o in TINY if not o.startswith("trainer.max_steps")] + [
     "trainer.max_steps=2000", "interleave.slice_steps=2", "interleave.min_passes=2", "interleave.max_passes=3"]

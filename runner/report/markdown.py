@@ -157,8 +157,10 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
         lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
                   "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]
 
-    method = "\n".join(paired.noise_lines(interleaved)) if interleaved else _interval_text(rows, resamples, seed)
-    lines += ["## Configurations ranked by speed-up", "", method, "",
+    # interleaved: how the sweep measured is a section of its own, before the table; rounds: a paragraph above it
+    method = [] if interleaved else [_interval_text(rows, resamples, seed), ""]
+    lines += [*(paired.noise_lines(interleaved) if interleaved else []), "## Configurations ranked by speed-up", "",
+              *method,
               "| rank | configuration | speed-up × | 95 % CI | effect × | effect 95 % CI | verdict | samples/s | "
               "step ms | data wait | peak MiB (Δ) | final loss | setup s | techniques (applied / skipped) |",
               "|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -226,9 +228,11 @@ def reading(rows: list[Row]) -> str:
     """A generated first reading for ``--doc``: which techniques helped, hurt, did nothing, were skipped."""
     groups: dict[str, list[str]] = {HELPS: [], HURTS: [], NO_EFFECT: [], "skipped here": [], NO_INTERVAL: []}
     for r in rows:
-        if r.technique and r.verdict in groups:
+        # an interleaved sweep words it as an equivalence margin ("no effect larger than ±X%")
+        key = NO_EFFECT if r.verdict.startswith("no effect larger than") else r.verdict
+        if r.technique and key in groups:
             where = "on alone" if r.kind == "leave-one-in" else "off in fast"
-            groups[r.verdict].append(f"{r.technique} ({where}, ×{r.effect:.2f} [{_ci_text(r.effect_ci)}])"
+            groups[key].append(f"{r.technique} ({where}, ×{r.effect:.2f} [{_ci_text(r.effect_ci)}])"
                                      if r.effect else f"{r.technique} ({where})")
     fast = next((r for r in rows if r.configuration == "fast"), None)
     lines = ["## Reading", ""]

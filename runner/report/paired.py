@@ -16,6 +16,7 @@ slice's samples/s and which reference slice it pairs with. From it:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -25,9 +26,13 @@ from runner.report.stats import Interval
 DESIGN = "interleaved"
 
 
+def _inverted(c: paired_stats.Paired) -> paired_stats.Paired:
+    """``c`` read the other way round (reference ÷ job): a leave-one-out row shows what the technique buys in fast."""
+    return dataclasses.replace(c, speedup=1 / c.speedup, ci_low=1 / c.ci_high, ci_high=1 / c.ci_low)
+
+
 def _interval(c: paired_stats.Paired, invert: bool = False) -> Interval:
-    if invert:
-        return Interval(1 / c.speedup, 1 / c.ci_high, 1 / c.ci_low, c.confidence, c.n, c.n)
+    c = _inverted(c) if invert else c
     return Interval(c.speedup, c.ci_low, c.ci_high, c.confidence, c.n, c.n)
 
 
@@ -38,7 +43,10 @@ def _word(verdict: str, c: paired_stats.Paired | None, faster: str, slower: str)
         return faster
     if verdict == paired_stats.HURTS:
         return slower
-    return f"no effect larger than ±{paired_stats.equivalence_margin(c):.1%}"
+    said = f"no effect larger than ±{paired_stats.equivalence_margin(c):.1%}"
+    if c.ci_low > 1 or c.ci_high < 1:  # apart from 1 by its own interval, not after Holm's step-down over the sweep
+        said += f" ({faster if c.ci_low > 1 else slower} by its own interval, not firm after Holm)"
+    return said
 
 
 def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -98,7 +106,7 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
         if row.kind == "leave-one-out" and verdict in (paired_stats.HELPS, paired_stats.HURTS):
             verdict = paired_stats.HURTS if verdict == paired_stats.HELPS else paired_stats.HELPS  # fast ÷ this
         faster, slower = ("faster", "slower") if row.kind == "fast" else (paired_stats.HELPS, paired_stats.HURTS)
-        row.verdict = _word(verdict, c, faster, slower)
+        row.verdict = _word(verdict, _inverted(c) if row.kind == "leave-one-out" and c else c, faster, slower)
     aa = record_mod.aa_comparison(record)
     base = named.get(next((n for n in named if named[n].kind == "baseline"), ""), None)
     if base is not None:
@@ -152,8 +160,8 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
         df = sum(len(names) - 1 for names in record_mod.configs(record).values())
         statistic = (
             f"Every configuration ran in {s.get('processes')} processes (the process is the unit of replication: "
-            f"identical processes can differ for their whole life, on a shared CPU VM by up to 25 % where "
-            f"oneDNN runs the kernels and by a few per cent elsewhere). A process's figure is its mean log "
+            f"identical processes can differ for their whole life; on this project's CPU VM by up to 25 % with "
+            f"glibc's malloc as it comes, by about 2 % with trainer.host_allocator=reuse, the default). A process's figure is its mean log "
             f"samples/s relative to the reference's processes in the same passes, so drift slower than a pass "
             f"cancels; a speed-up is exp(difference of the configurations' means over their processes) with a "
             f"{level:.0%} two-sample t interval whose spread is pooled between the processes of every configuration "
