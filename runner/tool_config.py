@@ -38,7 +38,8 @@ class InterleaveConfig:
 
     reference: Optional[int] = None  # the sweep's reference job (its index in the sweep); null = the first job
     processes: int = 3  # processes per configuration: the process is the unit of replication (identical processes
-    # differ for their whole life: up to 25 % on a CPU VM under oneDNN); 1 = one each, intervals over passes
+    # can differ for their whole life: on a CPU VM up to 25 % with glibc's malloc as it comes, about 2 % with
+    # trainer.host_allocator=reuse, the default); 1 = one each, intervals over passes
     slice_steps: Optional[int] = None  # optimizer steps per slice; null = about slice_seconds of the reference's
     slice_seconds: float = 4.0  # the length of a slice when slice_steps is null (calibrated on the reference)
     resume_steps: Optional[int] = None  # unmeasured steps before each slice (a job idle for a pass runs slower at

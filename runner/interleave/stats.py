@@ -7,9 +7,9 @@ is close to normal on the log scale, so the estimate is ``exp(mean d)`` with a S
 ``exp(mean d ± t_{n-1} · sd/√n)`` (the paired t-test on log ratios; Student 1908) and a two-sided p-value
 for "no effect".
 
-Pairing cancels drift in time, not a property of one process: on a shared VM identical processes differ for
-their whole life (on this project's CPU VM by up to 25 % where oneDNN runs the kernels, convolutions;
-by a few per cent where it does not, docs/ablation.md). With ``interleave.processes`` > 1 every configuration runs in several processes
+Pairing cancels drift in time, not a property of one process: on a shared VM identical processes can differ for
+their whole life (on this project's CPU VM by up to 25 % with glibc's malloc as it comes, by how many pages each
+faults in per step; about 2 % with ``trainer.host_allocator=reuse``, the default; docs/ablation.md). With ``interleave.processes`` > 1 every configuration runs in several processes
 and the process is the unit of replication (a nested design): ``between_processes`` compares configurations
 by their processes' means with a two-sample t interval whose spread, ``pooled_spread``, is measured between
 the processes of each configuration.
@@ -153,7 +153,8 @@ def between_processes(job: Sequence[float], reference: Sequence[float], sd: floa
     the same passes (drift in time removed), and ``sd``/``df`` come from ``pooled_spread`` over the sweep. The
     estimate is exp(mean(job) - mean(reference)) with the two-sample t interval
     ``± t_df · sd · sqrt(1/k_job + 1/k_ref)``. Identical processes of one configuration can differ by up to 25 %
-    for their whole life on a shared VM (docs/ablation.md), which pairing in time cannot cancel; this interval
+    for their whole life on a shared VM (docs/ablation.md; about 2 % with the default host allocator), which
+    pairing in time cannot cancel; this interval
     carries that spread (a nested design: slices within processes, processes within configurations). None
     without a process on either side or without a spread (``df`` 0).
 
