@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs (the `device` tool of this project's workplace, or any CUDA machine):
 # the CUDA tests, then the measured GPU targets, each step under its own time limit so that one hang costs
-# only its own minutes. Logs and every run's summary.json go to $OUT (default /tmp/gpu_check); the last
+# only its own minutes. Logs and every run's summary.json go to $OUT/logs.tgz (default /tmp/gpu_check_out); the last
 # thing printed is one table of the figures.
 #
 #   bash scripts/gpu_check.sh              # all parts
@@ -13,9 +13,10 @@
 # $GPT_TEXT (default .gpu/data/tinyshakespeare/input.txt, else ../shared/data/tinyshakespeare/input.txt).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_check}
-LOGS=/tmp/gpu_check_logs
-RUNS=/tmp/gpu_check_runs
+OUT=${OUT:-/tmp/gpu_check_out}
+WORK=/tmp/gpu_check/$(date +%Y%m%d-%H%M%S)  # a fresh folder per invocation: a rerun never meets finished runs
+LOGS=$WORK/logs
+RUNS=$WORK/runs
 mkdir -p "$OUT" "$LOGS" "$RUNS"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .whl ] && ! python3 -c "import hydra" 2>/dev/null; then
@@ -39,8 +40,8 @@ step() {
   echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
   grep -E "error|Error|FAILED|passed|failed|skipped" "$LOGS/$name.log" | grep -v "^  " | tail -n 12
   # what has been measured so far comes back even if a later step runs past the call's limit
-  tar czf "$OUT/logs.tgz" --exclude='*.safetensors' --exclude=checkpoints --exclude='*.pt' \
-    -C /tmp "$(basename "$LOGS")" "$(basename "$RUNS")" 2>/dev/null
+  tar czf "$OUT/logs.tgz" --exclude='*.safetensors' --exclude=checkpoints --exclude='*.pt' -C "$WORK" logs runs \
+    2>/dev/null
 }
 run() {  # run NAME SECONDS OVERRIDES...: one python -m runner job on CUDA into $RUNS/NAME
   local name=$1 limit=$2; shift 2
