@@ -253,16 +253,45 @@ def test_the_minimum_detectable_effect_and_the_equivalence_margin():
 
 
 def test_an_interval_apart_from_1_that_holm_does_not_call_says_so():
-    from runner.report import paired as report_paired
-
     weak = stats.paired([0.05, 0.01, 0.06, 0.02, 0.0, 0.04])  # x1.03 [1.005-1.056]: p 0.027 on its own
     null = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
     alone, in_family = stats.verdicts([weak])[0], stats.verdicts([weak, null, null, null, null])[0]
     assert alone == stats.HELPS and in_family == stats.NO_EFFECT  # Holm's threshold for 5 comparisons: 0.01
-    assert report_paired._word(alone, weak, "faster", "slower") == "faster"
-    said = report_paired._word(in_family, weak, "faster", "slower")
+    assert paired._word(alone, weak, "faster", "slower") == "faster"
+    said = paired._word(in_family, weak, "faster", "slower")
     assert said == "no effect larger than ±5.7% (faster by its own interval, not firm after Holm)", said
-    assert report_paired._word(in_family, null, "faster", "slower").endswith("%")  # an interval around 1: no note
+    assert paired._word(in_family, null, "faster", "slower").endswith("%")  # an interval around 1: no note
+
+
+def test_a_leave_one_out_rows_note_and_margin_read_the_way_the_row_shows_it():
+    """fast without channels_last is slower than fast (x0.93 [0.88-0.99] on its own, not firm after Holm over 7
+    comparisons): the row shows what channels_last buys in fast, x1.07 [1.01-1.14], so it "helps", and its margin
+    is that interval's."""
+    from runner.report.load import Job, Row
+
+    means = {"baseline": (0.0, 0.0), "fast": (math.log(2) + 0.02, math.log(2) - 0.02),
+             "fast-channels_last": (math.log(2) - 0.05, math.log(2) - 0.09),
+             **{f"baseline+{k}": (0.02, -0.02) for k in "abcde"}}  # five leave-one-in rows of no effect
+    reference = {"baseline": None, "fast-channels_last": "fast/r0"}
+    jobs, slices = {}, []
+    for config, values in means.items():
+        for i, m in enumerate(values):
+            jobs[f"{config}/r{i}"] = {"config": f"{config}/r0", "reference": reference.get(config, "baseline/r0"),
+                                      "status": "measured"}
+            slices.append({"group": 1, "pass": 0, "position": len(slices), "job": f"{config}/r{i}",
+                           "samples_per_sec": 100 * math.exp(m)})
+    r = {"reference": "baseline/r0", "aa": None, "settings": {"confidence": 0.95, "processes": 2}, "jobs": jobs,
+         "slices": slices}
+    own = record.compare(r)["fast-channels_last/r0"]
+    assert own.ci_high < 1 and 0.0083 < own.p_value < 0.05  # apart from 1 alone; Holm's step needs 0.05 / 6
+    kinds = {"baseline": "baseline", "fast": "fast", "fast-channels_last": "leave-one-out"}
+    rows = [Row(c, kinds.get(c, "leave-one-in"), None if c in ("baseline", "fast") else c.split("+")[-1].split("-")[-1],
+                jobs=[Job(c, 0, Path(f"{c}/r0"))]) for c in means]
+    paired.apply_to_rows(rows, r)
+    row = next(x for x in rows if x.configuration == "fast-channels_last")
+    assert 1 < row.effect_ci.low < row.effect < row.effect_ci.high
+    margin = math.ceil(1000 * (row.effect_ci.high - 1)) / 10
+    assert row.verdict == f"no effect larger than ±{margin:.1f}% (helps by its own interval, not firm after Holm)"
 
 
 # ------------------------------------------------------------------------------------------- real sweeps
@@ -350,7 +379,11 @@ def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tm
     row = rows["baseline+set_to_none"]
     assert row["design"] == "interleaved" and row["speedup_ci_low"], (row, r["jobs"], proc.stdout[-3000:])
     assert float(row["speedup_ci_low"]) < float(row["speedup"]) < float(row["speedup_ci_high"])
-    assert "2 resident processes per configuration" in (sweep / "report.md").read_text()
+    md = (sweep / "report.md").read_text()
+    assert "2 resident processes per configuration" in md
+    # how the sweep measured is its own section, before the ranked table (not inside its heading)
+    assert md.index("## How this sweep was measured") < md.index("## Configurations ranked by speed-up") \
+        < md.index("| rank | configuration |")
     # --replication reads the other sweep's interleaved figures too (it once read its bootstrap over repeats)
     from runner.report.write import write_report
 
