@@ -13,7 +13,13 @@ def deterministic_refusal(e: BaseException) -> ConfigError | None:
     """PyTorch's refusal, under ``torch.use_deterministic_algorithms(True)`` (``trainer.deterministic=true``), of an
     operation that has no deterministic kernel on the device (a ``RuntimeError`` raised when the step first reaches
     it: on CUDA, a CNN's adaptive average pooling backward), as one ``ConfigError`` naming the operation and the
-    fix; ``None`` for any other error."""
+    fix; ``None`` for any other error. Which operations lack a deterministic kernel: PyTorch's
+    ``torch.use_deterministic_algorithms`` page,
+    https://pytorch.org/docs/stable/generated/torch.use_deterministic_algorithms.html.
+
+    Returns:
+        The ``ConfigError`` to raise in place of ``e``, or ``None`` when ``e`` is not such a refusal.
+    """
     marker = " does not have a deterministic implementation"
     if not isinstance(e, RuntimeError) or marker not in str(e):
         return None

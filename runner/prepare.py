@@ -60,7 +60,9 @@ def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
 @contextlib.contextmanager
 def deterministic_or_refused(enabled: bool):
     """Around the training loop: with ``trainer.deterministic=true``, PyTorch's refusal of an operation that has
-    no deterministic kernel on this device becomes one message naming the operation and the key.
+    no deterministic kernel on this device becomes one message naming the operation and the key (PyTorch
+    "Reproducibility", https://pytorch.org/docs/stable/notes/randomness.html). Costs nothing per step: it wraps the
+    whole loop once.
 
     Raises:
         ConfigError: the refused operation, and the fix (``runner.errors.deterministic_refusal``).

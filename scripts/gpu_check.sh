@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs (the `device` tool of this project's workplace, or any CUDA machine):
 # the CUDA tests, then the measured GPU targets, each step under its own time limit so that one hang costs
-# only its own minutes. Logs and every run's summary.json go to $OUT/logs.tgz (default /tmp/gpu_check_out); the last
-# thing printed is one table of the figures.
+# only its own minutes. Logs and every run's summary.json go to $OUT/logs.tgz (default /tmp/gpu_check_out);
+# the last thing printed is one table of the figures.
 #
 #   bash scripts/gpu_check.sh              # all parts
 #   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests gpt resnet50 resnet18 gpt_compile_modes overhead suite
@@ -97,8 +97,8 @@ fi
 # the figures, one row per run
 python3 - "$RUNS" <<'PY' | tee "$LOGS/figures.txt"
 import json, pathlib, sys
-keys = ["samples_per_sec", "tokens_per_sec", "step_time_ms_median", "mfu", "achieved_tflops", "gpu_idle_fraction", "peak_memory_mb", "data_wait_fraction",
-        "eval_loss", "eval_accuracy", "time_to_target_s", "steps", "train_time_s"]
+keys = ["samples_per_sec", "tokens_per_sec", "step_time_ms_median", "mfu", "achieved_tflops", "gpu_idle_fraction",
+        "peak_memory_mb", "data_wait_fraction", "eval_loss", "eval_accuracy", "time_to_target_s", "steps", "train_time_s"]
 for p in sorted(pathlib.Path(sys.argv[1]).glob("*/summary.json")):
     s = json.loads(p.read_text())
     row = {k: s.get(k) for k in keys if s.get(k) is not None}

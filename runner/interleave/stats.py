@@ -9,10 +9,10 @@ for "no effect".
 
 Pairing cancels drift in time, not a property of one process: on a shared VM identical processes can differ for
 their whole life (on this project's CPU VM by up to 25 % with glibc's malloc as it comes, by how many pages each
-faults in per step; about 2 % with ``trainer.host_allocator=reuse``, the default; docs/ablation.md). With ``interleave.processes`` > 1 every configuration runs in several processes
-and the process is the unit of replication (a nested design): ``between_processes`` compares configurations
-by their processes' means with a two-sample t interval whose spread, ``pooled_spread``, is measured between
-the processes of each configuration.
+faults in per step; about 2 % with ``trainer.host_allocator=reuse``, the default; docs/ablation.md). With
+``interleave.processes`` > 1 every configuration runs in several processes and the process is the unit of
+replication (a nested design): ``between_processes`` compares configurations by their processes' means with a
+two-sample t interval whose spread, ``pooled_spread``, is measured between the processes of each configuration.
 
 Verdicts over a sweep are one family: Holm's step-down procedure (Holm 1979, "A simple sequentially
 rejective multiple test procedure", Scand. J. Statist. 6) keeps the chance of any false "helps"/"hurts"
@@ -151,11 +151,10 @@ def between_processes(job: Sequence[float], reference: Sequence[float], sd: floa
     """A configuration against its reference when the *process* is the unit of replication: ``job`` and
     ``reference`` hold one value per process, its mean log samples/s relative to the reference's processes in
     the same passes (drift in time removed), and ``sd``/``df`` come from ``pooled_spread`` over the sweep. The
-    estimate is exp(mean(job) - mean(reference)) with the two-sample t interval
-    ``± t_df · sd · sqrt(1/k_job + 1/k_ref)``. Identical processes of one configuration can differ by up to 25 %
-    for their whole life on a shared VM (docs/ablation.md; about 2 % with the default host allocator), which
-    pairing in time cannot cancel; this interval
-    carries that spread (a nested design: slices within processes, processes within configurations). None
+    estimate is exp(mean(job) - mean(reference)) with the two-sample t interval ``± t_df · sd · sqrt(1/k_job +
+    1/k_ref)``. Identical processes of one configuration can differ by up to 25 % for their whole life on a shared
+    VM (docs/ablation.md; about 2 % with the default host allocator), which pairing in time cannot cancel; this
+    interval carries that spread (a nested design: slices within processes, processes within configurations). None
     without a process on either side or without a spread (``df`` 0).
 
     Raises:

@@ -161,9 +161,9 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
         statistic = (
             f"Every configuration ran in {s.get('processes')} processes (the process is the unit of replication: "
             f"identical processes can differ for their whole life; on this project's CPU VM by up to 25 % with "
-            f"glibc's malloc as it comes, by about 2 % with trainer.host_allocator=reuse, the default). A process's figure is its mean log "
-            f"samples/s relative to the reference's processes in the same passes, so drift slower than a pass "
-            f"cancels; a speed-up is exp(difference of the configurations' means over their processes) with a "
+            f"glibc's malloc as it comes, by about 2 % with trainer.host_allocator=reuse, the default). A process's "
+            f"figure is its mean log samples/s relative to the reference's processes in the same passes, so drift "
+            f"slower than a pass cancels; a speed-up is exp(difference of the configurations' means over their processes) with a "
             f"{level:.0%} two-sample t interval whose spread is pooled between the processes of every configuration "
             f"({df} degrees of freedom)")
     else:
