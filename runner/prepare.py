@@ -121,8 +121,8 @@ def apply_host_allocator(name: str) -> str:
     per step). On this project's CPU, identical resnet18/CIFAR processes then differ by 5 % and MNIST CNN
     processes by up to 25 %, whole processes at a time (docs/ablation.md, "Where the process levels come
     from"). ``reuse`` serves buffers up to 32 MiB from the heap (``M_MMAP_THRESHOLD``) and keeps freed heap
-    memory (``M_TRIM_THRESHOLD``): no page faults in the steady state, processes within 2 %, and 6-10 %
-    faster. The same idea as PyTorch's tuning guide's advice to preload jemalloc or TCMalloc ("Performance
+    memory (``M_TRIM_THRESHOLD``): no page faults in the steady state, processes within 2 %, and faster
+    (MNIST CNN, interleaved: ``system`` ran at x0.90 [0.88-0.93] of ``reuse``, docs/training.md). The same idea as PyTorch's tuning guide's advice to preload jemalloc or TCMalloc ("Performance
     Tuning Guide", https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#switch-memory-allocator),
     without a library to install; the cost is that the process keeps its peak heap resident. ``system``:
     glibc's defaults. Tensors on a GPU are unaffected (PyTorch's CUDA caching allocator already reuses).
