@@ -5,8 +5,16 @@
 # the last thing printed is one table of the figures.
 #
 #   bash scripts/gpu_check.sh              # all parts
-#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests gpt resnet50 resnet18 gpt_compile_modes overhead suite
+#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests tune_gpt aa_gpt race tune_r18 gpt resnet50 resnet18
+#                                          #          gpt_compile_modes overhead suite
 #   TESTS_K='resume' bash scripts/gpu_check.sh tests   # only the CUDA tests matching a -k expression
+#   DRY=1 bash scripts/gpu_check.sh tune_gpt aa_gpt race   # the same steps on the CPU at toy sizes (CI runs this)
+#
+# The agenda (issue "On the GPU"), in priority order: tune_gpt (python -m runner.tune speed on the GPT GPU recipe),
+# aa_gpt (an interleaved sweep compile=default,reduce-overhead x trainer.seed=0,1 with its A/A copy), race
+# (nanoGPT's own train.py, the recipe and the tuner's pick, each to validation loss 1.47; needs nanoGPT's
+# train.py, model.py, configurator.py, config/ and its prepared data/shakespeare_char/ in $NANOGPT, default
+# .gpu/nanogpt), tune_r18 (the tuner on ResNet-18 with the CIFAR stem).
 #
 # Needs hydra-core, omegaconf and antlr4-python3-runtime importable; where they are carried as wheels in .whl/
 # (a machine with no package index), they are installed into /tmp/site first. Tiny Shakespeare is read from
@@ -14,7 +22,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
-WORK=/tmp/gpu_check/$(date +%Y%m%d-%H%M%S)  # a fresh folder per invocation: a rerun never meets finished runs
+WORK=/tmp/gpu_check/$(date +%Y%m%d-%H%M%S)-$$  # a fresh folder per invocation: a rerun never meets finished runs
 LOGS=$WORK/logs
 RUNS=$WORK/runs
 mkdir -p "$OUT" "$LOGS" "$RUNS"
@@ -26,10 +34,21 @@ fi
 GPT_TEXT=${GPT_TEXT:-.gpu/data/tinyshakespeare/input.txt}
 [ -f "$GPT_TEXT" ] || GPT_TEXT=../shared/data/tinyshakespeare/input.txt
 GPT_TEXT=$(realpath "$GPT_TEXT")
-parts=${*:-smoke tests gpt resnet50 resnet18 gpt_compile_modes overhead suite}
+parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt resnet50 resnet18 gpt_compile_modes overhead suite}
+NANOGPT=${NANOGPT:-.gpu/nanogpt}
+DRY=${DRY:-}
+DEV=cuda
+gpt_toy=(); r18_toy=(); tune_minutes=1.4; aa_minutes=0.8
+if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
+  DEV=cpu; tune_minutes=0.6; aa_minutes=0.3
+  gpt_toy=(model.n_layer=1 model.n_head=2 model.n_embd=32 data.block_size=32 optimizer.base_batch_size=8)
+  r18_toy=(model=mlp "data.shape=[3,8,8]")
+fi
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader
-python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
+if [ -z "$DRY" ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
+fi
 
 # step NAME SECONDS CMD...: run CMD under a time limit, log to $LOGS/NAME.log, print its status and tail
 step() {
@@ -45,7 +64,7 @@ step() {
 }
 run() {  # run NAME SECONDS OVERRIDES...: one python -m runner job on CUDA into $RUNS/NAME
   local name=$1 limit=$2; shift 2
-  step "$name" "$limit" python3 -m runner trainer.device=cuda logger=none trainer.progress=lines \
+  step "$name" "$limit" python3 -m runner trainer.device=$DEV logger=none trainer.progress=lines \
     hydra.run.dir="$RUNS/$name" "$@"
 }
 has() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
@@ -57,6 +76,43 @@ if has tests; then
   kargs=(); [ -n "${TESTS_K:-}" ] && kargs=(-k "$TESTS_K")
   step tests_gpu 300 python3 -m pytest -m gpu -n 0 -p no:cacheprovider --continue-on-collection-errors -q -rA \
     --timeout 240 tests "${kargs[@]}"
+fi
+gpt_gpu=(+experiment=shakespeare_char_gpu data.path="$GPT_TEXT" trainer.device=$DEV logger=none "${gpt_toy[@]}")
+if has tune_gpt; then
+  # (tune.budget_minutes=1.4: one round of about 30 s and the verification; below 1.34 no round fits)
+  # the speed tuner on the GPT GPU recipe (compile off, bf16, the corpus on the device, fused syncs already):
+  # compile's two modes and the fused optimizer (max-autotune left out: its autotuning alone takes minutes)
+  only='[compile,compile_reduce_overhead,fused_optimizer]'; [ -n "$DRY" ] && only='[compile,fused_optimizer]'
+  step tune_gpt 220 python3 -m runner.tune speed --out "$RUNS/tune_gpt" "${gpt_gpu[@]}" "tune.only=$only" \
+    tune.budget_minutes=$tune_minutes interleave.processes=1
+  cat "$RUNS/tune_gpt/speed.md" >>"$LOGS/tune_gpt.log" 2>/dev/null
+fi
+if has aa_gpt; then
+  # interleaved: compile=default against reduce-overhead, each under two seeds, with the reference's copy (A/A)
+  modes=default,reduce-overhead; [ -n "$DRY" ] && modes=off,default
+  step aa_gpt 150 python3 -m runner -m hydra/launcher=interleaved "${gpt_gpu[@]}" compile=$modes trainer.seed=0,1 \
+    trainer.max_steps=1000000 trainer.eval_every=1000000 trainer.eval_max_batches=1 interleave.processes=1 \
+    interleave.slice_seconds=1 interleave.max_minutes=$aa_minutes hydra.sweep.dir="$RUNS/aa_gpt"
+  cat "$RUNS/aa_gpt/report.md" >>"$LOGS/aa_gpt.log" 2>/dev/null
+fi
+if has race; then
+  # nanoGPT's own train.py, runner's recipe (compile=default, as nanoGPT compiles) and the tuner's pick, each from a
+  # cold start with empty compile caches to its first validation loss <= 1.47, alternated (scripts/bench_nanogpt.py)
+  dry=(); target=1.47; [ -n "$DRY" ] && { dry=(--dry-run); target=3.9; }
+  # (its table goes straight to $OUT: it comes back even if the call's own limit stops the script)
+  step race 210 python3 scripts/bench_nanogpt.py --nanogpt "$NANOGPT" --device cuda "${dry[@]}" --target $target \
+    --repeats 1 --limit-s 120 --data "$GPT_TEXT" --tuned "$RUNS/tune_gpt" --out "$OUT/race.md"
+fi
+if has tune_r18; then
+  # the speed tuner on ResNet-18 with the CIFAR stem, 32 x 32 synthetic images, batch 512, fp32 as it comes
+  r18=(model=resnet18 model.cifar_stem=true); [ -n "$DRY" ] && r18=("${r18_toy[@]}")
+  r18+=(data=synthetic data.train_size=50000 data.eval_size=512 trainer.eval_max_batches=1 dataloader.batch_size=512
+        trainer.device=$DEV logger=none)
+  only='[compile,bf16,channels_last,on_device_data,fused_optimizer,cudnn_benchmark]'
+  [ -n "$DRY" ] && only='[compile,on_device_data,fused_optimizer]'
+  step tune_r18 200 python3 -m runner.tune speed --out "$RUNS/tune_r18" "${r18[@]}" "tune.only=$only" \
+    tune.budget_minutes=$tune_minutes interleave.processes=1
+  cat "$RUNS/tune_r18/speed.md" >>"$LOGS/tune_r18.log" 2>/dev/null
 fi
 if has gpt; then
   # nanoGPT's GPU recipe (6 x 384, block 256, batch 64, 5000 steps): the validation loss target 1.47

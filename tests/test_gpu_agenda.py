@@ -1,0 +1,40 @@
+"""scripts/gpu_check.sh's dry run: the GPU agenda's steps (the speed tuner on the GPT and on an image job, the
+interleaved A/A sweep, the race to a validation loss) run on the CPU at toy sizes, so the script a lent GPU
+runs cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tarfile
+
+import pytest
+
+from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_agenda_dry_run(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "mind"]
+    corpus.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9)) for i in range(4000)))
+    out = tmp_path / "out"
+    env = os.environ | {"DRY": "1", "OUT": str(out), "GPT_TEXT": str(corpus), "NANOGPT": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "tune_gpt", "aa_gpt", "race", "tune_r18"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
+    assert status == {"tune_gpt": "0", "aa_gpt": "0", "race": "0", "tune_r18": "0"}, proc.stdout[-4000:]
+
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = tar.getnames()
+        assert "runs/tune_gpt/experiment/tuned.yaml" in names  # the race's tuned run reads this
+        assert "runs/tune_r18/speed.md" in names
+        assert "runs/aa_gpt/report.md" in names
+        report = tar.extractfile("runs/aa_gpt/report.md").read().decode()
+    assert "**Noise (A/A):** the reference against its copy `0-aa`" in report
+    race = (out / "race.md").read_text()
+    assert "| runner recipe (compile=default) |" in race and "| runner recipe + tuned |" in race
+    assert "nanoGPT" not in race.split("|---")[1]  # no nanoGPT checkout here: left out, not failed
