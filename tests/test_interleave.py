@@ -335,7 +335,6 @@ def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
 
     times = job_times(sweep / "0", json.loads((sweep / "0" / "summary.json").read_text()))
     assert times["setup_s"] == json.loads((sweep / "0" / "job.json").read_text())["setup_s"] > 0
-    assert times["setup_s"] < 0.5 * (times["wall_s"] - times["train_s"])
 
 
 def test_every_configuration_runs_in_several_processes(tmp_path):
