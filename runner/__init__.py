@@ -47,36 +47,11 @@ if not OmegaConf.has_resolver("runner_data_root"):
 #: config imports no torch); ``runner.data`` re-exports it, and tests/test_data.py checks its sources agree.
 IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "tokens", "custom")
 
-#: First round of ``ablation.repeats=auto``: enough repeats for a first interval (runner/ablation.py adds rounds).
-AUTO_FIRST_ROUND = 3
-
-
-def ablation_first_round(repeats, max_repeats, design: str = "rounds") -> int:
-    """Repeats of an ablation sweep's first multirun: ``repeats``, or for ``auto`` min(3, ``max_repeats``);
-    1 under ``design=interleaved`` (one resident process per configuration, measured over many slices).
-
-    Raises:
-        ValueError: ``repeats`` is neither a whole number >= 1 nor ``auto``, or ``auto`` with
-            ``max_repeats`` < 2 (an interval needs two repeats).
-    """
-    if design == "interleaved":
-        return 1
-    if repeats == "auto":
-        if not isinstance(max_repeats, int) or max_repeats < 2:
-            raise ValueError(f"ablation.max_repeats={max_repeats!r}: ablation.repeats=auto needs at least 2")
-        return min(AUTO_FIRST_ROUND, max_repeats)
-    if isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1:
-        return repeats
-    raise ValueError(f"ablation.repeats={repeats!r}: give a number of repeats (>= 1) or auto")
-
-
 # Hardware-aware presets (conf/experiment/fast.yaml): a YAML file cannot see the hardware, these can.
 #   ${runner_if_cuda:${trainer.device},A,B}  A when the job will run on CUDA, else B
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
 #                                            dataloader.on_device works (IN_MEMORY_DATA above)
-#   ${runner_first_round:${ablation.repeats},${ablation.max_repeats},${ablation.design}}   ablation_first_round above
-#   ${runner_by_design:${ablation.design},A,B}  A under ablation.design=interleaved, else B (rounds)
 def _if_cuda(device, then, otherwise):
     from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
 
@@ -87,8 +62,6 @@ _RESOLVERS = {
     "runner_if_cuda": _if_cuda,
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in IN_MEMORY_DATA,
-    "runner_first_round": ablation_first_round,
-    "runner_by_design": lambda design, interleaved, rounds: interleaved if design == "interleaved" else rounds,
 }
 
 

@@ -10,11 +10,11 @@ from omegaconf import DictConfig
 from runner import CONF_DIR
 from runner.config import register_configs
 from runner.errors import ConfigError, Preempted, TrainingDiverged
-from runner.interleave.launcher import register as register_interleaved_launcher
+from runner.interleaved import register as register_interleaved_launcher
 from runner.launch import prepare_process, record_if_elastic
 
 register_configs()
-register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleave/launcher.py)
+register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleaved.py)
 
 
 def _refuse_misspelt_keys() -> None:
@@ -69,14 +69,12 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _train(cfg: DictConfig) -> float | None:
-    from runner import ablation
     from runner.preempt import EXIT_PREEMPTED
     from runner.track import sweep_group
     from runner.train import train  # imported here so `--help` and compose errors stay fast
 
     try:
-        # an ablation job runs in a fresh process (or not at all off CUDA); anything else trains here
-        summary = ablation.run_job(cfg) or train(cfg)
+        summary = train(cfg)
         if cfg.trainer.doctor and cfg.ablation.variant is None:
             _diagnose(warnings_shown=cfg.trainer.progress != "off")
         return summary["samples_per_sec"]

@@ -109,13 +109,13 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
             if layout.launcher == "srun":
                 os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
                 os.environ.setdefault("MASTER_PORT", str(layout.master_port))
-            dist.init_process_group(backend, store=_attempt_store(layout, timeout), rank=layout.rank,
+            dist.init_process_group(backend, store=attempt_store(layout, timeout), rank=layout.rank,
                                     world_size=layout.world_size, timeout=timeout, device_id=device_id)
     return Env(rank=layout.rank, local_rank=layout.local_rank, world_size=layout.world_size, nodes=layout.nodes,
                device=dev, launcher=layout.launcher)
 
 
-def _attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
+def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
     """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each
     restart of the worker group (``TORCHELASTIC_RESTART_COUNT``).
 

@@ -19,7 +19,7 @@ from runner import checkpoint, preempt
 from runner.errors import Preempted, TrainingDiverged
 from runner.state import TrainState
 
-Parts = Any  # runner.train.Parts (train imports this module, so not the other way round)
+Parts = Any  # runner.build.Parts (the engine imports this module, so not the other way round)
 
 
 def finite_gradients(model: torch.nn.Module) -> bool:

@@ -436,17 +436,7 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
         raise ConfigError("model.freeze_backbone=true trains only a pretrained model's new head; set "
                           "model.weights=<torchvision weights name> too (or leave freeze_backbone=false)")
     builder = targets.locate("model._target_", cfg._target_)
-    kwargs = {k: v for k, v in targets.plain(cfg).items() if k not in RUNNER_KEYS and k != "_target_"}
-    for key, value in data_kwargs.items():
-        if key in kwargs:
-            what = "the model's class count" if key == "num_classes" else "the model's vocabulary size"
-            where = "set data.num_classes instead" if key == "num_classes" else "it is the text's character count"
-            raise ConfigError(f"model.{key}={kwargs[key]} cannot be set: {what} follows the data ({value}); {where}")
-    targets.check_arguments("model", builder, kwargs, RUNNER_KEYS)
-    names, any_name = targets.parameters(builder)
-    hf.fill_nested_config(kwargs, data_kwargs, names, any_name)
-    if example is not None and "in_features" in names and "in_features" not in kwargs:
-        kwargs["in_features"] = math.prod(example.shape)
+    kwargs, names, any_name = _constructor_kwargs(cfg, builder, data_kwargs, example)
     num_classes = data_kwargs.get("num_classes")
     fresh: list[nn.Module] = []  # layers runner creates with random weights: never frozen
     if cfg.weights:
@@ -462,6 +452,48 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model._target_={cfg._target_!r} returned a {type(model).__name__}, not a torch "
                               f"nn.Module")
+    fresh += _fit_to_images(model, cfg, in_channels, example)
+    if cfg.freeze_backbone:
+        model.requires_grad_(False)
+        for module in fresh:
+            module.requires_grad_(True)
+    if example is not None and num_classes is not None:
+        check_forward(model, example, num_classes)
+    return model
+
+
+def _constructor_kwargs(cfg: DictConfig, builder, data_kwargs: dict[str, int],
+                        example: torch.Tensor | None) -> tuple[dict, set, bool]:
+    """The constructor's keyword arguments from the config (``in_features`` from the example when it takes it),
+    checked against its signature; its parameter names, and whether it takes any keyword.
+
+    Raises:
+        ConfigError: ``model.num_classes``/``model.vocab_size`` set (they follow the data), an argument the
+            signature lacks.
+    """
+    kwargs = {k: v for k, v in targets.plain(cfg).items() if k not in RUNNER_KEYS and k != "_target_"}
+    for key, value in data_kwargs.items():
+        if key in kwargs:
+            what = "the model's class count" if key == "num_classes" else "the model's vocabulary size"
+            where = "set data.num_classes instead" if key == "num_classes" else "it is the text's character count"
+            raise ConfigError(f"model.{key}={kwargs[key]} cannot be set: {what} follows the data ({value}); {where}")
+    targets.check_arguments("model", builder, kwargs, RUNNER_KEYS)
+    names, any_name = targets.parameters(builder)
+    hf.fill_nested_config(kwargs, data_kwargs, names, any_name)
+    if example is not None and "in_features" in names and "in_features" not in kwargs:
+        kwargs["in_features"] = math.prod(example.shape)
+    return kwargs, names, any_name
+
+
+def _fit_to_images(model: nn.Module, cfg: DictConfig, in_channels: int | None,
+                   example: torch.Tensor | None) -> list[nn.Module]:
+    """``cifar_stem`` (a 3x3/1 stem without pooling, He et al. 2016 section 4.2) and the first ``Conv2d`` rebuilt
+    for ``in_channels`` when the items are images; returns the layers built fresh (never frozen).
+
+    Raises:
+        ConfigError: ``cifar_stem`` on a model without ``conv1``/``maxpool`` or on data that are not images.
+    """
+    fresh: list[nn.Module] = []
     if cfg.cifar_stem:
         if not (hasattr(model, "conv1") and hasattr(model, "maxpool")) or in_channels is None:
             raise ConfigError(f"model.cifar_stem=true needs a torchvision ResNet on images; {cfg._target_} has no "
@@ -478,10 +510,4 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
             setattr(parent, name, new)
             if not cfg.weights:
                 fresh.append(new)
-    if cfg.freeze_backbone:
-        model.requires_grad_(False)
-        for module in fresh:
-            module.requires_grad_(True)
-    if example is not None and num_classes is not None:
-        check_forward(model, example, num_classes)
-    return model
+    return fresh

@@ -1,4 +1,4 @@
-"""The pause point between optimizer steps that the interleaved launcher drives (runner/interleave/).
+"""The pause point between optimizer steps that the interleaved launcher drives (runner/compare/).
 
 Under ``hydra/launcher=interleaved`` every job of a sweep is resident in its own process and the jobs take
 turns: one trains for a *slice* (a number of optimizer steps) while the others wait. The launcher talks to
@@ -18,8 +18,11 @@ The messages (plain dicts, pickled by ``Connection.send``):
   one last step, the final evaluation and ``summary.json``, as if ``trainer.max_steps`` were reached).
 
 A job with several ranks (DDP under torchrun) pauses as a whole: each rank talks to its own rank's conductor
-(runner/interleave/ranks.py: rank 0's decides, the others relay its commands), and rank 0's command is also
+(runner/compare/ranks.py: rank 0's decides, the others relay its commands), and rank 0's command is also
 broadcast over the job's process group: whatever a rank's conductor sent, the job's ranks train the same steps.
+
+The comparison's job process (runner/compare/process.py) makes the ``SliceGate`` on its end of the pipe and
+hands it to ``runner.train.train(cfg, job_dir, gate=...)``; every other run has none.
 
 The design follows randomized multiple interleaved trials (Abedi & Brecht, "Conducting repeatable
 experiments in highly variable cloud computing environments", ICPE 2017) and duet benchmarking (Bulej et
@@ -35,21 +38,6 @@ from typing import Any
 import torch
 
 from runner import distributed
-
-#: The gate of this process, installed by the launcher's job body before ``runner.train.train`` runs.
-_installed: "SliceGate | None" = None
-
-
-def install(connection: Any) -> None:
-    """Make the engine of this process pause at slice ends, driven through ``connection`` (a
-    ``multiprocessing`` Connection whose other end the launcher holds)."""
-    global _installed
-    _installed = SliceGate(connection)
-
-
-def current() -> "SliceGate | None":
-    """The installed gate, or None (every run not started by the interleaved launcher)."""
-    return _installed
 
 
 def footprint_mb(device: torch.device) -> float:

@@ -1,5 +1,5 @@
 """The settings of runner's tools, as structured-config schemas: ``ablation.*`` (runner/ablation.py),
-``interleave.*`` (runner/interleave/: ``hydra/launcher=interleaved``) and ``tune.*`` (runner/tune/).
+``interleave.*`` (runner/compare/: ``hydra/launcher=interleaved``) and ``tune.*`` (runner/tune/).
 
 Training (``runner.train``) never reads them; they are nodes of the primary config (runner/config.py
 ``RunnerConfig``) so that a misspelt or mistyped key fails at compose time like any other.
@@ -15,24 +15,17 @@ from typing import Any, Optional
 class AblationConfig:
     """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/); see runner/ablation.py."""
 
-    design: str = "interleaved"  # interleaved: resident processes taking turns (runner/interleave/) | rounds: jobs one
-    # after another, repeats
-    repeats: Any = 3  # design=rounds: times each configuration runs (the sweep's outer loop), or "auto": see target_ci
-    target_ci: float = 0.05  # repeats=auto: add rounds until every effect's 95 % CI is within +-this (relative)
-    max_repeats: int = 10  # repeats=auto: stop adding rounds at this many repeats
-    preload: bool = True  # isolate: fork each job from a server that imported torch/runner (false: exec python)
-    repeat: int = 0  # this job's repeat index, 0 .. repeats-1 (swept)
+    repeat: int = 0  # this job's process of its configuration, 0 .. interleave.processes-1 (folder <variant>/r<repeat>)
     variant: Optional[str] = None  # this job's configuration, e.g. baseline, baseline+amp, fast-amp
     kind: Optional[str] = None  # baseline | leave-one-in | fast | leave-one-out
     technique: Optional[str] = None  # the technique the variant switches on (leave-one-in) or off (leave-one-out)
     requires: Optional[str] = None  # cuda: the variant is not run (recorded as not run) on other devices
-    isolate: bool = True  # inside a multirun, train each job in a fresh process (clean memory/compile state)
 
 
 @dataclass
 class InterleaveConfig:
     """``interleave.*``: the interleaved launcher (``python -m runner -m hydra/launcher=interleaved <sweep>``;
-    runner/interleave/). Every job of the sweep is resident in its own process; they take turns training for
+    runner/compare/). Every job of the sweep is resident in its own process; they take turns training for
     a slice while the others wait, and each job's samples/s is compared with its reference's in the adjacent
     slice (a paired ratio), pass after pass, until the intervals are tight or the time is spent."""
 

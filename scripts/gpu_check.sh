@@ -38,11 +38,14 @@ parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt resnet50 resnet18 gpt_c
 NANOGPT=${NANOGPT:-.gpu/nanogpt}
 DRY=${DRY:-}
 DEV=cuda
-gpt_toy=(); r18_toy=(); tune_minutes=1.4; aa_minutes=0.8
+gpt_toy=(); r18_toy=(); tune_minutes=1.4; aa_minutes=0.8; quick=(); scale=1
 if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
-  DEV=cpu; tune_minutes=0.6; aa_minutes=0.3
+  # (the tuners' budgets leave no time for a round: their guard and verification run; slices of 4 steps; the
+  # steps' time limits x3, for a CI machine busy with other tests)
+  DEV=cpu; tune_minutes=0.3; aa_minutes=0.1; scale=3
   gpt_toy=(model.n_layer=1 model.n_head=2 model.n_embd=32 data.block_size=32 optimizer.base_batch_size=8)
   r18_toy=(model=mlp "data.shape=[3,8,8]")
+  quick=(interleave.slice_steps=4 interleave.min_passes=2 tune.guard_steps=10)
 fi
 
 if [ -z "$DRY" ]; then
@@ -52,7 +55,7 @@ fi
 
 # step NAME SECONDS CMD...: run CMD under a time limit, log to $LOGS/NAME.log, print its status and tail
 step() {
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(( $2 * scale )); shift 2
   local t0; t0=$(date +%s)
   timeout --signal=INT --kill-after=20 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
@@ -84,7 +87,7 @@ if has tune_gpt; then
   # compile's two modes and the fused optimizer (max-autotune left out: its autotuning alone takes minutes)
   only='[compile,compile_reduce_overhead,fused_optimizer]'; [ -n "$DRY" ] && only='[compile,fused_optimizer]'
   step tune_gpt 220 python3 -m runner.tune speed --out "$RUNS/tune_gpt" "${gpt_gpu[@]}" "tune.only=$only" \
-    tune.budget_minutes=$tune_minutes interleave.processes=1
+    tune.budget_minutes=$tune_minutes interleave.processes=1 "${quick[@]}"
   cat "$RUNS/tune_gpt/speed.md" >>"$LOGS/tune_gpt.log" 2>/dev/null
 fi
 if has aa_gpt; then
@@ -92,7 +95,8 @@ if has aa_gpt; then
   modes=default,reduce-overhead; [ -n "$DRY" ] && modes=off,default
   step aa_gpt 150 python3 -m runner -m hydra/launcher=interleaved "${gpt_gpu[@]}" compile=$modes trainer.seed=0,1 \
     trainer.max_steps=1000000 trainer.eval_every=1000000 trainer.eval_max_batches=1 interleave.processes=1 \
-    interleave.slice_seconds=1 interleave.max_minutes=$aa_minutes hydra.sweep.dir="$RUNS/aa_gpt"
+    interleave.slice_seconds=1 interleave.max_minutes=$aa_minutes "${quick[@]}" \
+    hydra.sweep.dir="$RUNS/aa_gpt"
   cat "$RUNS/aa_gpt/report.md" >>"$LOGS/aa_gpt.log" 2>/dev/null
 fi
 if has race; then
@@ -111,7 +115,7 @@ if has tune_r18; then
   only='[compile,bf16,channels_last,on_device_data,fused_optimizer,cudnn_benchmark]'
   [ -n "$DRY" ] && only='[compile,on_device_data,fused_optimizer]'
   step tune_r18 200 python3 -m runner.tune speed --out "$RUNS/tune_r18" "${r18[@]}" "tune.only=$only" \
-    tune.budget_minutes=$tune_minutes interleave.processes=1
+    tune.budget_minutes=$tune_minutes interleave.processes=1 "${quick[@]}"
   cat "$RUNS/tune_r18/speed.md" >>"$LOGS/tune_r18.log" 2>/dev/null
 fi
 if has gpt; then

@@ -451,7 +451,7 @@ def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_pat
                           cwd=root, env=child_env(root, TMPDIR=str(short_tmp)), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    from runner.interleave import record
+    from runner.compare import record
 
     r = record.load(sweep)
     assert set(r["jobs"]) == {"0", "1", "0-aa"} and {j["status"] for j in r["jobs"].values()} == {"measured"}

@@ -1,4 +1,4 @@
-"""The interleaved launcher (runner/interleave/): its statistic on drifting data, its pass order, and real sweeps:
+"""The interleaved launcher (runner/compare/): its statistic on drifting data, its pass order, and real sweeps:
 waiting jobs idle, groups form, a crashed job is reported while the others go on, Ctrl-C leaves a report."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, compose_cfg
-from runner.interleave import record, stats
-from runner.interleave.schedule import pass_order
+from runner.compare import record, stats
+from runner.compare.schedule import pass_order
 from runner.report import paired
 
 
@@ -108,10 +109,10 @@ def test_an_unpaired_comparison_of_the_same_slices_misses_the_effect():
     r = _drifting_record(effect=1.05, drift=0.15, passes=12, seed=3)
     a = [s["samples_per_sec"] for s in r["slices"] if s["job"] == "A"]
     b = [s["samples_per_sec"] for s in r["slices"] if s["job"] == "B"]
-    from runner.report.stats import ratio_interval
-
-    unpaired = ratio_interval(b, a)
-    assert unpaired.low < 1 < unpaired.high
+    la, lb = [math.log(v) for v in a], [math.log(v) for v in b]  # Welch's two-sample t on log samples/s
+    se = math.sqrt(statistics.variance(la) / len(la) + statistics.variance(lb) / len(lb))
+    diff, t = statistics.mean(lb) - statistics.mean(la), stats.t_quantile(0.975, len(la) + len(lb) - 2)
+    assert math.exp(diff - t * se) < 1 < math.exp(diff + t * se)
     assert paired.job_comparisons(r)["B"]["verdict"] == "faster"
 
 
@@ -123,8 +124,8 @@ def test_a_job_against_the_reference_copy_cancels_a_slow_reference_process():
         if s["job"] == "A":
             s["samples_per_sec"] *= 0.8
     c = record.compare(r)
-    assert c["A'"].ci_low > 1.2 and c["B"].ci_low > 1.25  # both "beat" the slow reference
-    assert record.versus(r, "B", "A'").speedup == pytest.approx(1.05, rel=0.01)
+    assert c["A'"].low > 1.2 and c["B"].low > 1.25  # both "beat" the slow reference
+    assert record.versus(r, "B", "A'").estimate == pytest.approx(1.05, rel=0.01)
     assert record.versus(r, "B", "missing") is None
 
 
@@ -179,7 +180,7 @@ def test_several_processes_per_configuration_carry_the_process_bias_into_the_int
     assert false_aa <= 5 and found >= 30
     comparison = record.compare(r)
     assert set(comparison) == {"A'", "B"} and comparison["B"].n == 8 and comparison["B"].df == 9  # 3 x (4 - 1)
-    assert record.versus(r, "B", "A'").speedup == pytest.approx(comparison["B"].speedup / comparison["A'"].speedup)
+    assert record.versus(r, "B", "A'").estimate == pytest.approx(comparison["B"].estimate / comparison["A'"].estimate)
     assert record.chained(r, "B", "A") == comparison["B"]
 
 
@@ -202,15 +203,12 @@ def test_process_means_remove_the_drift_of_each_pass():
 def test_the_processes_of_one_configuration_start_spread_over_the_start_up(tmp_path):
     """Processes started back to back can share a speed for life, so the conductor starts the first process of
     every configuration (the reference's first), then the second of each, and so on."""
-    from omegaconf import OmegaConf
-
-    from runner.interleave.coordinator import Conductor, Job
+    from runner.compare import Job, admission
 
     jobs = [Job(name, None, tmp_path / name, ref, config=config) for name, ref, config in [
         ("B", "A", "B"), ("B-p1", "A", "B"), ("A", None, "A"), ("A-p1", None, "A"), ("A'", "A", "A'"),
         ("A'-p1", "A", "A'"), ("C", "A", "C")]]
-    conductor = Conductor(jobs, OmegaConf.create({"seed": 0, "slice_steps": 2}), tmp_path, "A", "A'")
-    assert [j.name for j in conductor.start_order()] == ["A", "B", "A'", "C", "A-p1", "B-p1", "A'-p1"]
+    assert [j.name for j in admission.start_order(jobs, "A")] == ["A", "B", "A'", "C", "A-p1", "B-p1", "A'-p1"]
 
 
 def test_admission_keeps_room_for_the_references_still_to_start(tmp_path):
@@ -222,7 +220,8 @@ def test_admission_keeps_room_for_the_references_still_to_start(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from runner.interleave.coordinator import Conductor, Job
+    from runner.compare import Job, admission
+    from runner.compare.conductor import Conductor
 
     jobs = [Job(name, None, tmp_path / name, None if config == "A" else "A", config=config)
             for config in "ABC" for name in (config, f"{config}-p1", f"{config}-p2")]
@@ -230,14 +229,18 @@ def test_admission_keeps_room_for_the_references_still_to_start(tmp_path):
                                                   "max_resident": None}), tmp_path, "A", None)
     started: list[str] = []
 
-    def start(job):
-        started.append(job.name)
-        job.status, job.report = "resident", {"footprint_mb": 1000.0, "available_mb": 5800.0 - 1000 * len(started)}
-        return True
+    def starter(job):
+        def start():
+            started.append(job.name)
+            job.status, job.report = "resident", {"footprint_mb": 1000.0,
+                                                  "available_mb": 5800.0 - 1000 * len(started)}
+            return True
+        return start
 
-    conductor._start = start
+    for job in jobs:
+        job.start = starter(job)  # the process itself is not needed: what it reports is
     refs = [j for j in jobs if j.reference is None]
-    order = conductor.start_order()
+    order = admission.start_order(jobs, "A")
     pending = [j for j in order if j not in refs]
     admitted = conductor._start_first_group(refs, order, pending, SimpleNamespace(requested=False))
     assert [j.name for j in admitted] == ["B", "C"] and started == ["A", "B", "C", "A-p1", "A-p2"]  # 800 MB left
@@ -247,7 +250,7 @@ def test_admission_keeps_room_for_the_references_still_to_start(tmp_path):
 def test_the_minimum_detectable_effect_and_the_equivalence_margin():
     c = stats.paired([0.01, -0.01, 0.02, -0.02, 0.0, 0.01])
     margin = stats.equivalence_margin(c)
-    assert c.ci_low >= 1 - margin and c.ci_high <= 1 + margin and margin < 0.03
+    assert c.low >= 1 - margin and c.high <= 1 + margin and margin < 0.03
     assert 0 < stats.minimum_detectable(c) < 0.05
     assert stats.paired([0.1]) is None  # one pair: no interval
 
@@ -283,7 +286,7 @@ def test_a_leave_one_out_rows_note_and_margin_read_the_way_the_row_shows_it():
     r = {"reference": "baseline/r0", "aa": None, "settings": {"confidence": 0.95, "processes": 2}, "jobs": jobs,
          "slices": slices}
     own = record.compare(r)["fast-channels_last/r0"]
-    assert own.ci_high < 1 and 0.0083 < own.p_value < 0.05  # apart from 1 alone; Holm's step needs 0.05 / 6
+    assert own.high < 1 and 0.0083 < own.p_value < 0.05  # apart from 1 alone; Holm's step needs 0.05 / 6
     kinds = {"baseline": "baseline", "fast": "fast", "fast-channels_last": "leave-one-out"}
     rows = [Row(c, kinds.get(c, "leave-one-in"), None if c in ("baseline", "fast") else c.split("+")[-1].split("-")[-1],
                 jobs=[Job(c, 0, Path(f"{c}/r0"))]) for c in means]
@@ -433,21 +436,20 @@ def test_a_waiting_job_uses_no_cpu_until_its_slice(tmp_path):
     train, it does, and told to finish, it writes its summary."""
     from omegaconf import OmegaConf
 
-    from runner.interleave.coordinator import Conductor, Job
+    from runner.compare import Job
 
     cfg = compose_cfg("trainer.max_steps=1000", "interleave.slice_steps=20")
     OmegaConf.resolve(cfg)
     job = Job("a", cfg, tmp_path / "a", None)
     job.folder.mkdir()
-    conductor = Conductor([job], cfg.interleave, tmp_path, "a", None)
-    assert conductor._start(job), job.status  # forked, built, warmed up; now waiting
+    assert job.start(), job.status  # forked, built, warmed up; now waiting
     pid = job.process.pid
     before = _cpu_s(pid)
     time.sleep(1.0)
     waited = _cpu_s(pid) - before
-    figures = conductor._slice(job, 20)
+    figures = job.slice(20)
     trained = _cpu_s(pid) - before - waited
-    conductor._finish(job)
+    job.finish()
     assert waited < 0.03, f"a waiting job used {waited:.3f} s of CPU in 1 s"
     assert trained > 0.05 and figures["steps"] == 20 and figures["samples_per_sec"] > 0
     assert job.status == "measured" and (job.folder / "summary.json").is_file()
@@ -545,3 +547,35 @@ def test_a_job_that_runs_out_of_memory_beside_the_others_is_measured_in_rounds(t
     sweep = tmp_path / "sweep"
     _rounds_checks(sweep, record.load(sweep), "1")
     assert "out of memory when it started beside the others" in out
+
+
+# ------------------------------------------------------------------------------------------- the service's face
+def test_plan_runs_every_configuration_in_its_processes_beside_the_references_copy(tmp_path):
+    from runner import compare
+
+    jobs, aa = compare.plan({"mine": None, "fast": None}, "mine", tmp_path, processes=2)
+    assert aa == "mine-aa"
+    assert [(j.name, j.config, j.reference) for j in jobs] == [
+        ("mine", "mine", None), ("mine-p1", "mine", None), ("mine-aa", "mine-aa", "mine"),
+        ("mine-aa-p1", "mine-aa", "mine"), ("fast", "fast", "mine"), ("fast-p1", "fast", "mine")]
+    assert all(j.folder == tmp_path / j.name for j in jobs)
+    with pytest.raises(KeyError):
+        compare.plan({"mine": None}, "theirs", tmp_path)
+
+
+def test_read_gives_each_configuration_its_interval_holms_verdict_and_the_aa():
+    """What every client reads (the tuner's rounds, the doctor's --verify): B is 5 % faster under 15 % drift, A'
+    is A again; the A/A is kept apart from the family and gives the minimum detectable effect."""
+    from runner import compare
+
+    r = _drifting_record(effect=1.05, drift=0.15, passes=12, seed=0)
+    for name in r["jobs"]:
+        r["jobs"][name]["config"] = name
+    result = compare.read(r)
+    assert result.reference == "A" and result.aa_name == "A'" and set(result.intervals) == {"B"}
+    assert result.verdicts == {"B": compare.HELPS} and result.intervals["B"].low > 1
+    assert result.aa.low < 1 < result.aa.high and 0 < result.minimum_detectable < 0.05
+    assert result.versus("B", "A'").estimate == pytest.approx(1.05, rel=0.02)
+    assert set(result.samples_per_sec) == {"A", "A'", "B"} and result.failed == {}
+    r["jobs"]["B"]["status"] = "failed (exit 4)"
+    assert compare.read(r).failed == {"B": "failed (exit 4)"}

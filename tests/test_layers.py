@@ -1,9 +1,13 @@
-"""runner's import graph: arrows only point down (docs/design.md: entry -> engine -> parts -> leaves).
+"""runner's import graph: arrows only point down (docs/design.md: tools -> the comparison service -> the engine
+-> parts -> leaves).
 
 Every ``import`` of a runner module counts, including those inside function bodies (the ones that hid
 cycles before: prepare <-> distributed, ablation <-> report), read from the source with ``ast`` so nothing
 is imported here. Subpackages (``runner.data``, ``runner.tune``, ...) are walked too: a module is named by
-its dotted path, a package by its ``__init__``, and a relative import is resolved against its package.
+its dotted path, a package by its ``__init__``, and a relative import is resolved against its package. Cycles
+are looked for twice: between modules, and between the package's top-level units (a subpackage counted as one),
+where a cycle through three modules of three packages (report -> interleave -> ablation -> report, before
+runner/compare/) shows.
 """
 
 from __future__ import annotations
@@ -15,15 +19,24 @@ from runner import PACKAGE_DIR
 
 #: Modules that must import no other runner module (only torch and the standard library, or nothing).
 LEAVES = {"runner.errors", "runner.hardware"}
-#: The package's size rule (docs/design.md): a module past this many lines is split by concern.
+#: The package's size rules (docs/design.md): a module past this many lines is split by concern, a function past
+#: this many lines by step.
 MAX_MODULE_LINES = 520
+MAX_FUNCTION_LINES = 80
+#: The tools: what a user runs on top of the engine. The engine never imports them.
+TOOLS = ("runner.ablation", "runner.interleaved", "runner.tune", "runner.doctor", "runner.report", "runner.evaluate",
+         "runner.export")
+#: The comparison service the tools share (runner/compare/): below every tool, above the engine.
+SERVICE = "runner.compare"
+#: The entry points, which may import anything.
+ENTRIES = ("runner.__main__", "runner.torchrun")
 
 
-def runner_modules() -> dict[str, Path]:
+def runner_modules(package_dir: Path = PACKAGE_DIR) -> dict[str, Path]:
     """Every module of the runner package, subpackages included, by dotted name (a package by its ``__init__``)."""
     modules = {}
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
@@ -37,12 +50,12 @@ def _resolve(node: ast.ImportFrom, name: str, path: Path) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def runner_imports() -> dict[str, set[str]]:
+def runner_imports(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
     """For every module of the runner package, the runner modules it imports anywhere in its source.
 
     ``import runner.a.b`` and ``from runner.a import b`` both count as importing ``runner.a.b`` (and the
     packages on the way, whose ``__init__`` runs first)."""
-    modules = runner_modules()
+    modules = runner_modules(package_dir)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()
@@ -76,32 +89,76 @@ def test_relative_imports_resolve_to_their_package(tmp_path):
     assert _resolve(third, "runner.data", init) == "runner"
 
 
-def test_the_import_graph_has_no_cycle():
-    graph = runner_imports()
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (node -> the nodes it imports) as ``[a, b, ..., a]``, or None."""
     done: set[str] = set()
 
-    def visit(name: str, path: list[str]) -> None:
+    def visit(name: str, path: list[str]) -> list[str] | None:
         if name in path:
-            cycle = path[path.index(name):] + [name]
-            raise AssertionError("import cycle: " + " -> ".join(cycle))
+            return path[path.index(name):] + [name]
         if name in done:
-            return
-        for dep in sorted(graph[name]):
-            visit(dep, path + [name])
+            return None
+        for dep in sorted(graph.get(name, ())):
+            if cycle := visit(dep, path + [name]):
+                return cycle
         done.add(name)
+        return None
 
     for name in sorted(graph):
-        visit(name, [])
+        if cycle := visit(name, []):
+            return cycle
+    return None
+
+
+def unit(module: str) -> str:
+    """The top-level unit a module belongs to: ``runner.compare.stats`` -> ``runner.compare``, ``runner.train`` ->
+    itself; the package ``runner`` (its ``__init__``) is its own unit."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` collapsed to top-level units; ``runner`` itself (the package's ``__init__``: constants and
+    resolvers that every import of a submodule runs first, whose own runner imports happen at call time) is left
+    out."""
+    out: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        if name == "runner":
+            continue
+        out.setdefault(unit(name), set()).update(unit(d) for d in deps if d != "runner" and unit(d) != unit(name))
+    return out
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = find_cycle(runner_imports())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    graph = package_graph(runner_imports())
+    assert {"runner.compare", "runner.report", "runner.tune", "runner.ablation"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "a cycle between packages: " + " -> ".join(cycle or [])
+
+
+def test_a_cycle_between_packages_is_found_where_the_modules_have_none(tmp_path):
+    """The cycle of 54356f9: report/paired.py imported interleave/record.py, interleave/coordinator.py the
+    ablation, and the ablation the report: no module imports one that imports it back."""
+    root = tmp_path / "runner"
+    files = {"__init__.py": "", "report/__init__.py": "", "report/paired.py": "from runner.interleave import record\n",
+             "interleave/__init__.py": "", "interleave/record.py": "",
+             "interleave/coordinator.py": "from runner import ablation\n", "ablation.py": "import runner.report.paired\n"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    graph = runner_imports(root)
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == ["runner.ablation", "runner.report", "runner.interleave",
+                                                "runner.ablation"]
 
 
 def test_the_leaves_import_no_runner_module():
     graph = runner_imports()
     assert {leaf: graph[leaf] for leaf in LEAVES} == {leaf: set() for leaf in LEAVES}
-
-
-def _imports_within(graph: dict[str, set[str]], prefix: str) -> set[str]:
-    """What the modules named ``prefix`` or under it import."""
-    return set().union(*(deps for name, deps in graph.items() if name == prefix or name.startswith(prefix + ".")))
 
 
 def test_the_process_layer_knows_nothing_of_the_wrappers_and_prepare():
@@ -110,16 +167,38 @@ def test_the_process_layer_knows_nothing_of_the_wrappers_and_prepare():
     assert "runner.prepare" not in graph["runner.parallel"]
 
 
-def test_the_engine_never_imports_the_tools_built_on_it():
-    """The ablation launcher, tuners, doctor and reports call the engine; the engine never calls them, and the
-    report (which the ablation launcher uses to decide its rounds) never imports the launcher."""
-    graph = runner_imports()
-    tools = {m for m in graph for t in ("runner.ablation", "runner.tune", "runner.doctor", "runner.report")
-             if m == t or m.startswith(t + ".")}
-    engine = {"runner.train", "runner.data", "runner.task", "runner.prepare", "runner.measure", "runner.track"}
-    for module in engine & set(graph):
-        assert not (_imports_within(graph, module) & tools), (module, _imports_within(graph, module) & tools)
-    assert "runner.ablation" not in _imports_within(graph, "runner.report")
+def test_every_unit_is_a_tool_the_service_an_entry_or_the_engine():
+    units = set(package_graph(runner_imports()))
+    named = set(TOOLS) | {SERVICE} | set(ENTRIES)
+    assert named <= units, named - units  # a tool renamed or gone: the lists above name it
+    engine = units - named
+    assert {"runner.train", "runner.data", "runner.task", "runner.measure", "runner.slice_gate"} <= engine
+
+
+def test_the_engine_never_imports_the_service_or_the_tools_built_on_it():
+    """The tools call the comparison service and the engine; the service calls the engine; the engine calls
+    neither. The report reads what the service measured and never imports a tool that writes it."""
+    graph = package_graph(runner_imports())
+    above = set(TOOLS) | {SERVICE}
+    for name, deps in graph.items():
+        if name in above or name in ENTRIES:
+            continue
+        assert not deps & above, (name, deps & above)
+    assert not graph[SERVICE] & set(TOOLS), graph[SERVICE] & set(TOOLS)
+    assert not graph["runner.report"] & (set(TOOLS) - {"runner.report"}), graph["runner.report"]
+
+
+def test_no_function_is_too_long_to_read():
+    """A function past ``MAX_FUNCTION_LINES`` (its definition to its last line, docstring included) is split by
+    step, so that each reads in one screen."""
+    long = {}
+    for name, path in runner_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{name}.{node.name}"] = lines
+    assert not long, f"split by step: {long}"
 
 
 def test_no_module_is_too_long_to_read():

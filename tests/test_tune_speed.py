@@ -213,8 +213,10 @@ def _verification(rates: dict[str, float], passes: int = 8, noise: float = 0.02)
                            "pairs_with": None if name == "yours" else 0,
                            "samples_per_sec": rate * drift * (1 + rng.uniform(-noise, noise))})
     record = {"reference": "yours", "aa": "yours-aa", "settings": {"confidence": 0.95}, "jobs": jobs, "slices": slices}
+    from runner import compare
+
     r = speed.Round("verification", "yours", {}, minutes=0.0)
-    return speed.read_round(r, record, "yours-aa", 0.95)
+    return speed.read_round(r, compare.read(record, 0.95))
 
 
 def test_the_pick_with_the_hopefuls_is_chosen_only_when_firmly_faster_than_the_pick():

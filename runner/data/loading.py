@@ -151,24 +151,8 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
         if isinstance(memory, str):
             techniques["on_device_data"] = f"skipped: {memory}"
             memory = None
-    if memory is not None and tokens:
-        (train_tokens, eval_tokens), block = memory, shape[0]
-        g = torch.Generator(device).manual_seed(seed + env.rank)
-        starts = (torch.arange(len(source.eval), device=device) * block)[env.rank::env.world_size]
-        train = OnDeviceWindows(train_tokens.to(device), block, bs, num_batches=per_rank // bs, generator=g)
-        evaluation = OnDeviceWindows(eval_tokens.to(device), block, bs, starts=starts)
-    elif memory is not None:
-        (tx, ty), (ex, ey) = memory
-        mean, std = source.mean, source.std
-        if mean is not None and len(mean) != tx.shape[1]:  # one statistic for every channel (synthetic)
-            mean, std = mean * tx.shape[1], std * tx.shape[1]
-        common = dict(mean=mean, std=std, seed=seed, rank=env.rank, world_size=env.world_size,
-                      as_images=source.layout == "images")
-        train = OnDeviceLoader(tx.to(device), ty.to(device), bs, shuffle=True, augment=source.augment,
-                               drop_last=loader_cfg.drop_last, **common)
-        evaluation = OnDeviceLoader(ex.to(device), ey.to(device), bs, shuffle=False, augment=False,
-                                    drop_last=False, **common)
     if memory is not None:
+        train, evaluation = _on_device(source, memory, loader_cfg, env, seed, per_rank)
         techniques["on_device_data"] = "applied"
         non_blocking = False
     else:
@@ -189,10 +173,6 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
                               f"epoch; lower it or raise data.train_size")
         raise ConfigError(f"dataloader.batch_size={bs} is larger than this rank's training set "
                           f"({len(source.train) // env.world_size} samples); lower it")
-    if tokens:
-        example = tuple(torch.randint(0, source.codec.vocab_size, (2, *shape), device=device) for _ in range(2))
-    else:
-        example = (torch.randn(2, *shape, device=device), torch.randint(0, source.num_classes, (2,), device=device))
     return Data(
         train=DeviceIterable(train, device, non_blocking, memory_format),
         eval=DeviceIterable(evaluation, device, non_blocking, memory_format),
@@ -201,8 +181,38 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
         sample_shape=shape,
         train_samples=source.train_samples,
         techniques=techniques,
-        example=example,
+        example=_example(source, device),
         vocab=source.vocab,
         item=source.item,
         codec=source.codec,
     )
+
+
+def _on_device(source: Source, memory, loader_cfg: DictConfig, env, seed: int, per_rank: int | None) -> tuple:
+    """The train and eval iterables gathered on ``env.device`` from ``memory``, the source's in-memory form:
+    token windows (``OnDeviceWindows``: ``per_rank`` random windows per epoch) or whole tensors
+    (``OnDeviceLoader``: shuffled, augmented on the device, this rank's share)."""
+    device, bs, shape = env.device, loader_cfg.batch_size, source.sample_shape
+    if source.layout == "tokens":
+        (train_tokens, eval_tokens), block = memory, shape[0]
+        g = torch.Generator(device).manual_seed(seed + env.rank)
+        starts = (torch.arange(len(source.eval), device=device) * block)[env.rank::env.world_size]
+        return (OnDeviceWindows(train_tokens.to(device), block, bs, num_batches=per_rank // bs, generator=g),
+                OnDeviceWindows(eval_tokens.to(device), block, bs, starts=starts))
+    (tx, ty), (ex, ey) = memory
+    mean, std = source.mean, source.std
+    if mean is not None and len(mean) != tx.shape[1]:  # one statistic for every channel (synthetic)
+        mean, std = mean * tx.shape[1], std * tx.shape[1]
+    common = dict(mean=mean, std=std, seed=seed, rank=env.rank, world_size=env.world_size,
+                  as_images=source.layout == "images")
+    return (OnDeviceLoader(tx.to(device), ty.to(device), bs, shuffle=True, augment=source.augment,
+                           drop_last=loader_cfg.drop_last, **common),
+            OnDeviceLoader(ex.to(device), ey.to(device), bs, shuffle=False, augment=False, drop_last=False, **common))
+
+
+def _example(source: Source, device: torch.device) -> tuple:
+    """2 random samples of the batches' shape and dtype on ``device`` (token data: int64 ids and targets)."""
+    shape = source.sample_shape
+    if source.layout == "tokens":
+        return tuple(torch.randint(0, source.codec.vocab_size, (2, *shape), device=device) for _ in range(2))
+    return torch.randn(2, *shape, device=device), torch.randint(0, source.num_classes, (2,), device=device)

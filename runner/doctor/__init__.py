@@ -25,10 +25,10 @@ The categories, in the order they are checked:
 - **memory-bound**: peak memory near the device's: bf16, activation checkpointing, gradient accumulation;
 - **near the hardware ceiling**: MFU high: nothing big left.
 
-Thresholds are the module constants below, each with why. ``--verify`` runs the job and each suggestion
-(short runs, in fresh processes forked one after the other from the ablation's job server, the repeat
-as the outer loop) and reports the speed-up of each over the job's own rerun: a ratio of medians with
-its bootstrap interval and verdict (``runner.report.stats``, as the ablation report).
+Thresholds are the module constants below, each with why. ``--verify`` measures the job's own rerun and each
+suggestion interleaved, as the ablation and the speed tuner do (runner/compare/: resident processes taking
+turns in slices, a copy of the rerun as the A/A), and reports the speed-up of each over the rerun with its
+interval and Holm's verdict.
 
 Where each part lives: ``diagnosis`` (the thresholds, ``Finding``, ``diagnose``), ``job`` (reading a job folder,
 the command to paste, ``render``), ``verify`` (``--verify``), ``cli`` (``python -m runner.doctor``).
@@ -51,18 +51,9 @@ from runner.doctor.diagnosis import (
     diagnose,
 )
 from runner.doctor.job import Job, command, load_job, merge_overrides, render, report
-from runner.doctor.verify import (
-    VERIFY_FIXED,
-    Trial,
-    compose_job,
-    verify,
-    verify_plan,
-    verify_steps,
-    verify_table,
-)
+from runner.doctor.verify import VERIFY_FIXED, VERIFY_MINUTES, Trial, compose_job, verify, verify_plan, verify_table
 
 __all__ = ["CATEGORIES", "CPU_FLOPS_PER_THREAD_MIN", "DATA_WAIT_FRACTION_MAX", "GPU_IDLE_FRACTION_MAX",
            "LOG_TIME_FRACTION_MAX", "MEMORY_FRACTION_MAX", "MFU_HIGH", "SYNCS_PER_STEP_MAX", "VERIFY_FIXED",
-           "VERIFY_MEASURED_STEPS", "Finding", "Job", "Suggestion", "Trial", "command", "compose_job", "diagnose",
-           "load_job", "main", "merge_overrides", "render", "report", "verify", "verify_plan", "verify_steps",
-           "verify_table"]
+           "VERIFY_MEASURED_STEPS", "VERIFY_MINUTES", "Finding", "Job", "Suggestion", "Trial", "command", "compose_job",
+           "diagnose", "load_job", "main", "merge_overrides", "render", "report", "verify", "verify_plan", "verify_table"]

@@ -1,43 +1,36 @@
-"""``--verify``: rerun the job and each suggestion in fresh processes and measure what each buys."""
+"""``--verify``: measure what each suggestion buys, interleaved beside the job's own rerun (runner/compare/)."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from runner.doctor.diagnosis import VERIFY_MEASURED_STEPS, Finding, _get, _num
-from runner.doctor.job import Job, _read_json, command, merge_overrides
+from runner.doctor.diagnosis import Finding
+from runner.doctor.job import Job, command, merge_overrides
 from runner.errors import ConfigError
-from runner.report import stats
 
-#: What every --verify run adds to the job's overrides: quiet, short, no files beyond the figures.
-VERIFY_FIXED = ["logger=none", "trainer.progress=off", "trainer.doctor=false", "checkpoint.at_end=false",
-                "checkpoint.every_steps=null", "checkpoint.every_minutes=null", "checkpoint.resume=never",
-                "trainer.eval_max_batches=1"]
+#: What every --verify run adds to the job's overrides (runner.compare.measured_job quiets the rest).
+VERIFY_FIXED = ["logger=none", "trainer.progress=off", "trainer.doctor=false"]
+#: Measuring time of --verify by default (minutes, start-ups excluded): enough passes for an interval on a CPU.
+VERIFY_MINUTES = 1.0
 
 
 @dataclass
 class Trial:
-    """One configuration of --verify: its label, overrides added to the job's, and each repeat's samples/s
-    (None for a run that failed or measured nothing)."""
+    """One configuration of --verify: its label, the overrides added to the job's, its folder (its name in the
+    comparison), its median samples/s per slice, and what it buys over the job's rerun (``interval``: a
+    ``runner.compare.Interval``, None for the rerun itself or without two passes) and the verdict."""
 
     label: str
     overrides: list[str]
     folder: str
-    runs: list[float | None] = field(default_factory=list)
-    speedup: float | None = None
-    interval: stats.Interval | None = None
+    samples_per_sec: float | None = None
+    interval: object = None
     verdict: str = ""
 
     @property
-    def measured(self) -> list[float]:
-        return [r for r in self.runs if r is not None]
-
-    @property
-    def median(self) -> float | None:
-        return statistics.median(self.measured) if self.measured else None
+    def speedup(self) -> float | None:
+        return self.interval.estimate if self.interval is not None else (1.0 if self.verdict == "reference" else None)
 
 
 def verify_plan(job: Job, findings: list[Finding], top: int | None = None) -> list[Trial]:
@@ -52,21 +45,6 @@ def verify_plan(job: Job, findings: list[Finding], top: int | None = None) -> li
                 seen.add(key)
                 trials.append(Trial(" ".join(sug.overrides), list(sug.overrides), f"s{len(trials)}"))
     return trials if top is None else trials[:top + 1]
-
-
-def verify_steps(job: Job, steps: int | None) -> int:
-    """Steps of each --verify run: ``steps``, else the job's ``trainer.max_steps``, else its warm-up +
-    ``VERIFY_MEASURED_STEPS``.
-
-    Raises:
-        ConfigError: a step count that leaves nothing measured after the warm-up.
-    """
-    warmup = int(_get(job.config, "trainer.warmup_steps", 0) or 0)
-    chosen = steps or _get(job.config, "trainer.max_steps") or warmup + VERIFY_MEASURED_STEPS
-    if chosen <= warmup:
-        raise ConfigError(f"--steps {chosen} leaves no measured step after the job's trainer.warmup_steps={warmup}; "
-                          f"give --steps {warmup + VERIFY_MEASURED_STEPS}")
-    return int(chosen)
 
 
 def compose_job(job: Job, overrides: list[str]):
@@ -93,96 +71,104 @@ def compose_job(job: Job, overrides: list[str]):
     return cfg
 
 
-def verify(job: Job, findings: list[Finding], steps: int | None = None, repeats: int = 3,
-           out: Path | None = None, top: int | None = None) -> tuple[list[Trial], Path]:
-    """Run the job and each suggestion (the first ``top``) ``repeats`` times (repeat = outer loop) for ``verify_steps`` steps,
-    each in a fresh process forked from the ablation's job server (``runner.ablation.fork_train``), in
-    the folder the doctor runs in (never the job's recorded folder: a module planted there would run); then each suggestion's speed-up over the job's rerun: median samples/s ÷
-    the rerun's median, its 95 % bootstrap interval and verdict (``runner.report.stats``; with one repeat no
-    interval). Writes ``verify.json`` and ``verify.md`` into ``out`` (default
+def verify(job: Job, findings: list[Finding], steps: int | None = None, repeats: int = 1,
+           minutes: float = VERIFY_MINUTES, out: Path | None = None, top: int | None = None) -> tuple[list[Trial], Path]:
+    """Measure the job and each suggestion (the first ``top``) interleaved (``runner.compare.compare``): each
+    configuration resident in ``repeats`` processes forked from the job server, taking turns in slices of
+    ``steps`` steps (default: about ``interleave.slice_seconds`` of the job's rerun), with a copy of the rerun as
+    the A/A, for ``minutes`` of measuring. Each suggestion's figure is its samples/s ÷ the rerun's in the paired
+    slices, with its interval and Holm's verdict. Runs in the folder the doctor runs in (never the job's recorded
+    folder: a module planted there would run). Writes ``verify.json`` and ``verify.md`` into ``out`` (default
     ``<job>/doctor-verify/<date>_<time>``).
 
     Raises:
-        ConfigError: a multi-process job (verify runs one process), bad ``repeats``/``steps``, overrides
-            that do not compose, or the job's own rerun measuring nothing.
+        ConfigError: a multi-process job (verify runs one process), bad ``repeats``/``steps``/``minutes``/``top``,
+            overrides that do not compose, or the job's own rerun measuring nothing.
     """
-    from runner.ablation import fork_train
+    import time
 
-    if repeats < 1:
-        raise ConfigError(f"--repeats {repeats}: give 1 or more (3 for an interval)")
-    if top is not None and top < 1:
-        raise ConfigError(f"--top {top}: give 1 or more (or leave it out: every suggestion)")
-    if (job.summary.get("world_size") or 1) > 1:
-        raise ConfigError(f"{job.folder} ran on {job.summary['world_size']} processes; --verify reruns one "
-                          f"process: measure under torchrun with `python -m runner -m +experiment=ablation`")
-    n_steps = verify_steps(job, steps)
+    from omegaconf import OmegaConf
+
+    from runner import compare
+    from runner.tool_config import InterleaveConfig
+
+    _check_options(job, steps, repeats, minutes, top)
     trials = verify_plan(job, findings, top)
     if len(trials) == 1:
         raise ConfigError(f"the diagnosis of {job.folder} suggests no override to verify")
     out = Path(out) if out else job.folder / "doctor-verify" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    out.mkdir(parents=True, exist_ok=True)
-    configs = {t.folder: compose_job(job, merge_overrides(job.overrides, [*t.overrides, f"trainer.max_steps={n_steps}",
-                                                                          *VERIFY_FIXED]))
+    configs = {t.folder: compare.measured_job(compose_job(job, merge_overrides(job.overrides, [*t.overrides,
+                                                                                                *VERIFY_FIXED])))
                for t in trials}  # every configuration composes before anything runs
-    print(f"verify: {len(trials)} configurations x {repeats} repeat(s), {n_steps} steps each, into {out}", flush=True)
+    settings = OmegaConf.structured(InterleaveConfig(processes=repeats, slice_steps=steps, max_minutes=minutes))
+    print(f"verify: {len(trials)} configurations, {repeats} process(es) each, interleaved for up to {minutes:g} "
+          f"min of measuring, into {out}", flush=True)
     if job.cwd is not None and job.cwd.resolve() != Path.cwd().resolve():
         # Never import from (or chdir into) a folder the doctor was not started in: a job folder may come from
         # someone else, and a module planted there would run. Relative paths and the user's modules resolve here.
         print(f"verify: the job ran from {job.cwd}; its relative paths and own modules (data._target_, "
               f"model._target_) resolve from here, {Path.cwd()}. To rerun it as it ran: cd {job.cwd}", flush=True)
-    for repeat in range(repeats):
-        for t in trials:
-            folder = (out / t.folder / f"r{repeat}").resolve()
-            status = fork_train(configs[t.folder], folder, {}, f"doctor {t.folder}/r{repeat}")
-            summary = folder / "summary.json"
-            sps = _num(_read_json(summary).get("samples_per_sec")) if status == 0 and summary.is_file() else None
-            t.runs.append(sps)
-            print(f"verify: {t.label} r{repeat}: " + (f"{sps:,.1f} samples/s" if sps else
-                                                      f"no figure (exit status {status})"), flush=True)
-    base = trials[0]
-    if base.median is None:
-        raise ConfigError(f"the job's own rerun measured nothing (see its output above and {out / base.folder}); "
-                          f"nothing to compare against")
+    result = compare.compare(configs, trials[0].folder, out, settings)
     for t in trials:
-        if t.median is None:
-            t.verdict = "failed (see its folder)"
+        t.samples_per_sec = result.samples_per_sec.get(t.folder)
+        if t is trials[0]:
+            t.verdict = "reference" if t.samples_per_sec else "failed (see its folder)"
             continue
-        t.speedup = t.median / base.median
-        if t is base:
-            t.verdict = "reference"
-            continue
-        t.interval = stats.ratio_interval(t.measured, base.measured, name=t.label, reference_name=base.label)
-        t.verdict = stats.verdict(t.interval)
-    _write_verify(job, trials, n_steps, repeats, out)
+        t.interval = result.intervals.get(t.folder)
+        t.verdict = (result.verdicts.get(t.folder) or "no interval (fewer than 2 passes)") if t.samples_per_sec \
+            else f"failed ({result.failed.get(t.folder, 'no figure')}; see its folder)"
+    if trials[0].samples_per_sec is None:
+        raise ConfigError(f"the job's own rerun measured nothing (see its output above and {out / trials[0].folder}); "
+                          f"nothing to compare against")
+    _write_verify(job, trials, result, out)
     return trials, out
+
+
+def _check_options(job: Job, steps: int | None, repeats: int, minutes: float, top: int | None) -> None:
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: give 1 or more processes per configuration")
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps {steps}: give 1 or more steps per slice (or leave it out: about 4 s of the job)")
+    if not minutes > 0:
+        raise ConfigError(f"--minutes {minutes}: give the measuring time in minutes, e.g. 1")
+    if top is not None and top < 1:
+        raise ConfigError(f"--top {top}: give 1 or more (or leave it out: every suggestion)")
+    if (job.summary.get("world_size") or 1) > 1:
+        raise ConfigError(f"{job.folder} ran on {job.summary['world_size']} processes; --verify reruns one "
+                          f"process: measure under torchrun with `python -m runner -m +experiment=ablation`")
 
 
 def verify_table(trials: list[Trial]) -> list[str]:
     """The --verify result as markdown table lines (also what the console shows)."""
-    lines = ["| configuration | samples/s (median) | runs | × the job's rerun | 95 % CI | verdict |",
-             "|---|---:|---:|---:|---|---|"]
+    lines = ["| configuration | samples/s (median slice) | × the job's rerun | 95 % CI | verdict |",
+             "|---|---:|---:|---|---|"]
     for t in trials:
-        ci = f"[{t.interval.low:.2f}, {t.interval.high:.2f}]" if t.interval else "–"
-        med = f"{t.median:,.1f}" if t.median is not None else "–"
-        ratio = f"{t.speedup:.2f}" if t.speedup is not None else "–"
-        lines.append(f"| {t.label} | {med} | {len(t.measured)}/{len(t.runs)} | {ratio} | {ci} | {t.verdict} |")
+        ci = f"[{t.interval.low:.3f}, {t.interval.high:.3f}]" if t.interval else "–"
+        sps = f"{t.samples_per_sec:,.1f}" if t.samples_per_sec is not None else "–"
+        ratio = f"{t.speedup:.3f}" if t.speedup is not None else "–"
+        lines.append(f"| {t.label} | {sps} | {ratio} | {ci} | {t.verdict} |")
     return lines
 
 
-def _write_verify(job: Job, trials: list[Trial], steps: int, repeats: int, out: Path) -> None:
+def _write_verify(job: Job, trials: list[Trial], result, out: Path) -> None:
+    from runner.compare import record as record_mod
     from runner.track import write_json_atomic
 
-    record = {"job": str(job.folder), "steps": steps, "repeats": repeats, "command": command(job, []),
-              "trials": [{"label": t.label, "overrides": t.overrides, "folder": t.folder, "samples_per_sec": t.runs,
-                          "median_samples_per_sec": t.median, "speedup": t.speedup,
+    aa = result.aa
+    record = {"job": str(job.folder), "command": command(job, []), "design": result.design,
+              "aa": {"speedup": aa.estimate, "ci_low": aa.low, "ci_high": aa.high} if aa else None,
+              "minimum_detectable": result.minimum_detectable, "stopped": result.stopped,
+              "trials": [{"label": t.label, "overrides": t.overrides, "folder": t.folder,
+                          "samples_per_sec": t.samples_per_sec, "speedup": t.speedup,
                           "ci_low": t.interval.low if t.interval else None,
                           "ci_high": t.interval.high if t.interval else None, "verdict": t.verdict,
                           "command": command(job, t.overrides)} for t in trials]}
     write_json_atomic(out / "verify.json", record)
+    noise = (f"The job's rerun against its own copy (A/A): {record_mod.describe(aa)}; effects below about "
+             f"±{result.minimum_detectable:.1%} are not resolved." if aa else "No A/A interval (fewer than 2 passes).")
     text = [f"# What the doctor's suggestions buy: {job.folder}", "",
-            f"Each configuration ran {repeats} time(s) for {steps} steps (the job's warm-up left out), one fresh "
-            f"process each, repeats as the outer loop. Speed-up = median samples/s ÷ the job's rerun's; 95 % "
-            f"bootstrap interval of that ratio ({stats.RESAMPLES:,} resamples, runner/report/stats.py); helps/hurts "
-            f"when the whole interval lies above/below 1.", "", *verify_table(trials), ""]
+            "Every configuration was resident in its own process and they took turns in slices, pass after pass "
+            "(runner/compare/); a suggestion's speed-up is the mean log ratio of its samples/s to the job's rerun "
+            "in the paired slices, with its 95 % Student-t interval; verdicts are Holm's over the suggestions.",
+            "", noise, "", *verify_table(trials), "", f"Stopped: {'; '.join(result.stopped)}", ""]
     (out / "verify.md").write_text("\n".join(text))
-

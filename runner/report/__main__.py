@@ -12,14 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from runner.report import stats
 from runner.report.load import ReportError, is_ablation
 from runner.report.sweep import SweepError, load_sweep, load_warning, write_plain_report
 from runner.report.write import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runner.report SWEEP [--doc PATH [--replication SWEEP2]] [--no-wandb] [--seed N] [--resamples N]``.
+    """``python -m runner.report SWEEP [--doc PATH [--replication SWEEP2]] [--no-wandb]``.
 
     Returns the exit status: 0, or 2 for a folder that cannot be reported (``ReportError``, ``SweepError``:
     the message is printed as ``error: ...``); bad arguments exit with argparse's status 2.
@@ -32,12 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replication", type=Path, help="with --doc: an independent second ablation sweep of the "
                                                         "same job; the document gets the agreement table")
     parser.add_argument("--no-wandb", action="store_true", help="do not log the W&B table even if the jobs used W&B")
-    parser.add_argument("--seed", type=int, default=stats.SEED, help="bootstrap seed (default %(default)s)")
-    parser.add_argument("--resamples", type=int, default=stats.RESAMPLES,
-                        help="bootstrap resamples (default %(default)s)")
     args = parser.parse_args(argv)
-    if args.resamples < 100:
-        parser.error(f"--resamples {args.resamples}: use at least 100")
     try:
         if args.sweep.is_dir() and not is_ablation(args.sweep):
             if args.doc:
@@ -49,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.replication and not args.doc:
                 raise ReportError("--replication adds the agreement table to the document: give --doc PATH too")
-            written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb, seed=args.seed,
-                                   resamples=args.resamples, replication=args.replication)
+            written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb,
+                                   replication=args.replication)
     except (ReportError, SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from runner.report.stats import Interval
+from runner.compare.stats import Interval
 from runner.report.sweep import job_times, sweep_command
 
 
@@ -53,28 +53,28 @@ class Job:
 
 @dataclass
 class Row:
-    """One configuration: its jobs' figures (medians over repeats) and how it compares (runner/report/rows.py)."""
+    """One configuration: its jobs' figures (medians over its processes) and how it compares (runner/report/rows.py)."""
 
     configuration: str
     kind: str | None
     technique: str | None
     jobs: list[Job] = field(default_factory=list)
-    runs: list[float] = field(default_factory=list)  # samples/s of each measured repeat
-    speedup: float | None = None  # median / the baseline's median
-    speedup_ci: Interval | None = None  # of the speed-up, against the baseline's repeats
+    runs: list[float] = field(default_factory=list)  # samples/s of each measured process
+    speedup: float | None = None  # against the baseline (runner/report/paired.py), or median / the baseline's median
+    speedup_ci: Interval | None = None  # of the speed-up, from the interleaved record
     effect: float | None = None  # what the technique buys: x >1 helps (see runner/report/rows.py)
-    effect_ci: Interval | None = None  # of the effect, against the reference's repeats
+    effect_ci: Interval | None = None  # of the effect, against the row's own reference
     verdict: str = ""
     rank: int | None = None
     status: str = ""  # applied/skipped of the techniques this row switches
     all_skipped: bool = False
     figures: dict[str, float | None] = field(default_factory=dict)
     peak_change_pct: float | None = None
-    design: str = "rounds"  # how the figures were measured: rounds (repeats) | interleaved (runner/report/paired.py)
+    design: str = ""  # how the figures were measured: interleaved | rounds (the fallback, runner/compare/fallback.py)
 
     @property
     def median(self) -> float | None:
-        """The median samples/s over the measured repeats, None without one."""
+        """The median samples/s over the measured processes, None without one."""
         return statistics.median(self.runs) if self.runs else None
 
 

@@ -2,7 +2,7 @@
 ``--doc`` (``reading``) and the agreement table of ``--replication`` (``agreement``).
 
 Every figure is printed with its unit in the column name (samples/s, ms, MiB, s); speed-ups and effects are
-dimensionless factors with their simultaneous 95 % bootstrap intervals (runner/report/rows.py). A figure
+dimensionless factors with their 95 % intervals from the paired slices (runner/report/paired.py). A figure
 the sweep lacks is printed as ``–``.
 """
 
@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runner.report import paired, stats
+from runner.compare.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
+from runner.report import paired
 from runner.report.load import Job, Row
-from runner.report.rows import count_verdicts
-from runner.report.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
 from runner.report.sweep import budget_lines
 
 
@@ -37,58 +36,36 @@ def describe(machine: dict[str, Any]) -> str:
     return "; ".join(p for p in parts if p) or "(not recorded)"
 
 
-#: The report's paragraph on the method (Efron & Tibshirani 1993 bootstrap; Bonferroni, Dunn 1961), formatted
-#: with the sweep's resamples, seed, number of verdicts ``m``, per-interval level and tail (%).
-INTERVAL_TEXT = (
-    "How the intervals are computed: a speed-up is a ratio of medians over repeats (this configuration's "
-    "median samples/s ÷ its reference's). Its confidence interval is a bootstrap percentile interval "
-    "(Efron & Tibshirani 1993, ch. 13): the repeats of both configurations are resampled with replacement, "
-    "independently, {resamples:,} times (seed {seed}), the ratio of the resamples' medians is taken each "
-    "time, and the interval runs between the percentiles that leave {tail:.3g} % of them out on each side. "
-    "The intervals are simultaneous 95 % intervals: the sweep gives {m} verdicts at once, so each interval is "
-    "computed at {level:.2%} (Bonferroni, 1 − 0.05/{m}; Dunn 1961), and all of them hold together with "
-    "probability at least 95 %; at 95 % each, about one verdict in twenty would be a chance result that an "
-    "independent sweep does not reproduce. With 3 repeats an interval is in practice [slowest ÷ fastest "
-    "reference repeat, fastest ÷ slowest reference repeat]; more repeats narrow it. "
-    "*Effect* = what the technique buys (>1: faster with it): on alone, this ÷ the baseline; off in the "
-    "fast preset (leave-one-out), fast ÷ this. Verdict: **helps** when the effect's whole interval lies "
-    "above 1, **hurts** when it lies below 1, **no measurable effect** when it contains 1. Only "
-    "configurations whose speed-up interval lies above 1 are ranked.")
-
-
-def _auto_text(record: dict[str, Any]) -> str | None:
-    auto = record.get("auto")
-    if not auto:
-        return None
-    rounds = auto.get("rounds") or []
-    extra = "; ".join(f"repeat {r['repeat']}: {len(r['variants'])} configuration(s)" for r in rounds) or "none"
-    return (f"ablation.repeats=auto: first round {auto.get('first_round')} repeat(s), then further rounds until "
-            f"every effect's interval is within ±{auto.get('target_ci', 0):.1%} or {auto.get('max_repeats')} "
-            f"repeats; extra rounds: {extra}; stopped: {auto.get('stopped', '?')}")
-
-
 def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, Any], image: str,
-             title: str = "Ablation report: what each technique buys", seed: int = stats.SEED,
-             resamples: int = stats.RESAMPLES) -> str:
+             title: str = "Ablation report: what each technique buys") -> str:
     """report.md's text (also the body of ``--doc``): the sweep's record (command, machine, load, job,
-    measurement, noise), warnings (different step counts, a busy machine, a single repeat), the rows ranked by
-    speed-up, what each technique buys, what was skipped and why, where the sweep's time went (s) and the plot.
+    measurement), warnings (a busy machine, jobs killed before their summary), how the sweep measured and its
+    noise, the rows ranked by speed-up, what each technique buys, what was skipped and why, where the sweep's time
+    went (s) and the plot.
 
     Args:
         rows: from ``build_rows`` (a baseline among them); jobs: from ``load_jobs``.
-        record: ``load_record(sweep)``; image: the plot's path relative to the written file.
-        seed, resamples: the bootstrap's, printed in the method paragraph (``INTERVAL_TEXT``).
+        record: ``load_record(sweep)``, with the interleaved record under ``"interleave"``; image: the plot's path
+            relative to the written file.
 
     Raises:
         StopIteration: ``rows`` has no baseline (``build_rows`` never returns such rows).
     """
+    interleaved = record.get("interleave")
+    lines = [f"# {title}", "", *_record_lines(rows, sweep, record), "", *_warning_lines(jobs, record),
+             *(paired.noise_lines(interleaved) if interleaved else []),  # how the sweep measured: before the table
+             *_ranked_lines(rows), "", *_technique_lines(rows), *_skipped_lines(rows, jobs), ""]
+    lines += budget_lines([j.times for j in jobs], _sweep_wall_s(record), "ablation.json: start to end")
+    lines += [*_job_lines(jobs), "", "## Plot", "", f"![speed-up over the baseline]({image})", ""]
+    return "\n".join(lines)
+
+
+def _record_lines(rows: list[Row], sweep: Path, record: dict[str, Any]) -> list[str]:
+    """The table of what ran: command, folder, machine, load, dates, the job, how it was measured."""
     baseline = next(r for r in rows if r.configuration == "baseline")
-    measured = [j.summary for j in jobs if j.summary and j.summary.get("samples_per_sec")]
     base_cfg = baseline.jobs[0].summary["config"] if baseline.jobs[0].summary else {}
-    steps = sorted({(s.get("warmup_steps"), s.get("measured_steps")) for s in measured}, key=str)
-    repeats = sorted({len(r.runs) for r in rows if r.runs})
     machine = record.get("machine") or {}
-    lines = [f"# {title}", "", "| | |", "|---|---|"]
+    lines = ["| | |", "|---|---|"]
     lines.append(f"| command | `{record.get('command', '(not recorded)')}` |")
     lines.append(f"| sweep folder | `{sweep}` |")
     note = f" ({record['machine_note']})" if record.get("machine_note") else ""
@@ -106,9 +83,6 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
     lines.append(f"| job | model `{model.get('_target_')}`{stem}, data `{data.get('name')}`, optimizer "
                  f"`{base_cfg.get('optimizer', {}).get('_target_')}`, baseline batch "
                  f"{_f(baseline.figures.get('batch_size'), '.0f')}, device {dev} |")
-    step_text = ", ".join(f"{w} warm-up + {m} measured steps" for w, m in steps)
-    process = {"forkserver": "forked from a job server that has imported torch and runner (no torch op run, "
-                             "no CUDA context)", "exec": "`python -m runner`"}.get(record.get("job_process"), "")
     interleaved = record.get("interleave")
     if interleaved:
         k = interleaved.get("settings", {}).get("processes") or 1
@@ -121,23 +95,20 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                          f"A and A'), taking turns in slices of {interleaved.get('slice_steps')} step(s); every "
                          f"figure is a paired ratio of adjacent slices (below) |")
     else:
-        lines.append(f"| measurement | {', '.join(map(str, repeats))} repeat(s) per configuration (the repeat is "
-                     f"the sweep's outer loop); every job: {step_text}, warm-up excluded from every figure; one "
-                     f"fresh process per job{': ' + process if process else ''} |")
-    auto = _auto_text(record)
-    if auto:
-        lines.append(f"| repeats | {auto} |")
-    if baseline.speedup_ci is not None and not interleaved:
-        lines.append(f"| noise | the baseline against itself: simultaneous 95 % interval {_ci_text(baseline.speedup_ci)} "
-                     f"(±{baseline.speedup_ci.half_width:.0%}); baseline repeats {min(baseline.runs):.4g}–"
-                     f"{max(baseline.runs):.4g} samples/s |")
-    lines.append("")
-    if len(steps) > 1 and not interleaved:  # interleaved: slices, not a fixed step count, are the measurement
-        lines += [f"**Warning:** the jobs measured different step counts ({step_text}); rerun with one "
-                  f"trainer.max_steps / trainer.warmup_steps.", ""]
+        lines.append("| measurement | not interleaved (no interleave.json): each job measured on its own, so no "
+                     "interval, no verdict and no rank |")
+    return lines
+
+
+def _warning_lines(jobs: list[Job], record: dict[str, Any]) -> list[str]:
+    """Warnings: a machine busy at the start or while jobs measured, jobs killed before their summary."""
+    machine = record.get("machine") or {}
+    load = machine.get("load_average_1min")
+    measured = [j.summary for j in jobs if j.summary and j.summary.get("samples_per_sec")]
+    lines: list[str] = []
     cores = machine.get("cpu_cores")
-    if load[0] is not None and cores and load[0] > cores / 2:
-        lines += [f"**Warning:** the machine was busy when the sweep started (load average {load[0]} on {cores} "
+    if load is not None and cores and load > cores / 2:
+        lines += [f"**Warning:** the machine was busy when the sweep started (load average {load} on {cores} "
                   f"cores): other processes share the cores, so figures are slower and noisier than on a quiet "
                   f"machine. Rerun when it is quiet for figures to publish.", ""]
     noisy = [j for j in jobs if j.summary and j.summary.get("warnings")]
@@ -153,15 +124,13 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                   f"`{unfinished[0].folder}`; the sweep did not finish: a hard kill or a lost machine): their "
                   f"samples/s and step time come from their measured slices in interleave.json, and they have no "
                   f"evaluation, memory or technique figures.", ""]
-    if min(repeats) < 2 and not interleaved:
-        lines += ["**Warning:** a configuration ran once: with a single repeat there is no confidence interval, "
-                  "so no verdict and no rank. Use ablation.repeats=3 or more (or ablation.repeats=auto).", ""]
+    return lines
 
-    # interleaved: how the sweep measured is a section of its own, before the table; rounds: a paragraph above it
-    method = [] if interleaved else [_interval_text(rows, resamples, seed), ""]
-    lines += [*(paired.noise_lines(interleaved) if interleaved else []), "## Configurations ranked by speed-up", "",
-              *method,
-              "| rank | configuration | speed-up × | 95 % CI | effect × | effect 95 % CI | verdict | samples/s | "
+
+def _ranked_lines(rows: list[Row]) -> list[str]:
+    """The table of the rows, ranked by speed-up, with their intervals, verdicts and figures."""
+    lines = ["## Configurations ranked by speed-up", "",
+             "| rank | configuration | speed-up × | 95 % CI | effect × | effect 95 % CI | verdict | samples/s | "
               "step ms | data wait | peak MiB (Δ) | final loss | setup s | techniques (applied / skipped) |",
               "|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -177,7 +146,12 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
                      f"{_f(fig.get('step_time_ms_median'), ',.1f')} | {_f(fig.get('data_wait_fraction'), '.1%')} | "
                      f"{peak_text} | {_f(fig.get('final_loss'), '.3f')} | {_f(fig.get('setup_s'), '.1f')} | "
                      f"{status} |")
-    lines += ["", "## What each technique buys", "",
+    return lines
+
+
+def _technique_lines(rows: list[Row]) -> list[str]:
+    """What each technique buys, on alone and off in the fast preset."""
+    lines = ["## What each technique buys", "",
               "Effect × (95 % interval), verdict.", "",
               "| technique | on alone (baseline + it) | off in fast (fast − it) |", "|---|---|---|"]
     by_technique: dict[str, dict[str, Row]] = {}
@@ -191,6 +165,12 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
             cells.append("(not in the sweep)" if r is None else (
                 f"×{r.effect:.2f} ({_ci_text(r.effect_ci)}), {r.verdict}" if r.effect is not None else r.verdict))
         lines.append(f"| {tech} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def _skipped_lines(rows: list[Row], jobs: list[Job]) -> list[str]:
+    """What was skipped on this machine and why, and the configurations that measured nothing."""
+    lines: list[str] = []
     skipped = sorted({(k, v) for j in jobs if j.summary for k, v in (j.summary.get("techniques") or {}).items()
                       if v.startswith("skipped")})
     if skipped:
@@ -198,8 +178,12 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
     problems = [r for r in rows if not r.runs]
     if problems:
         lines += ["", "## Not measured", ""] + [f"- {r.configuration}: {r.verdict}" for r in problems]
-    lines += [""] + budget_lines([j.times for j in jobs], _sweep_wall_s(record), "ablation.json: start to end")
-    lines += ["Per job (jobs.csv has every figure): setup = process start, imports, dataset load, model build "
+    return lines
+
+
+def _job_lines(jobs: list[Job]) -> list[str]:
+    """Per job: its samples/s and where its wall time went."""
+    lines = ["Per job (jobs.csv has every figure): setup = process start, imports, dataset load, model build "
               "and FLOP count, before the first step.", "",
               "| configuration | repeat | samples/s | job s | setup s | training s | measured s | eval s |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -208,15 +192,7 @@ def markdown(rows: list[Row], jobs: list[Job], sweep: Path, record: dict[str, An
         lines.append(f"| {j.variant} | {j.repeat} | {_f(j.samples_per_sec, ',.1f')} | {_f(t.get('wall_s'), '.1f')} | "
                      f"{_f(t.get('setup_s'), '.1f')} | {_f(t.get('train_s'), '.1f')} | "
                      f"{_f(t.get('measured_s'), '.1f')} | {_f(t.get('eval_s'), '.1f')} |")
-    lines += ["", "## Plot", "", f"![speed-up over the baseline]({image})", ""]
-    return "\n".join(lines)
-
-
-def _interval_text(rows: list[Row], resamples: int, seed: int) -> str:
-    """``INTERVAL_TEXT`` with the sweep's number of verdicts and the per-interval level they imply."""
-    m = count_verdicts(rows)
-    level = stats.simultaneous_confidence(m)
-    return INTERVAL_TEXT.format(resamples=resamples, seed=seed, m=m, level=level, tail=100 * (1 - level) / 2)
+    return lines
 
 
 def _sweep_wall_s(record: dict[str, Any]) -> float | None:
@@ -249,7 +225,7 @@ def reading(rows: list[Row]) -> str:
 
 
 #: verdicts a replication must reproduce (a firm claim); "no measurable effect" may turn either way
-FIRM = (stats.HELPS, stats.HURTS, "faster", "slower")
+FIRM = (HELPS, HURTS, "faster", "slower")
 
 
 def agreement(rows: list[Row], replication: list[Row], name: str = "replication") -> tuple[str, list[str]]:

@@ -1,6 +1,6 @@
 """The figures of an interleaved sweep (``hydra/launcher=interleaved``) in its reports.
 
-A sweep measured by the interleaved launcher holds ``interleave.json`` (runner/interleave/record.py): every
+A sweep measured by the interleaved launcher holds ``interleave.json`` (runner/compare/record.py): every
 slice's samples/s and which reference slice it pairs with. From it:
 
 - ``job_comparisons``: per job, the paired speed-up over its reference with its 95 % interval, the verdict
@@ -9,43 +9,32 @@ slice's samples/s and which reference slice it pairs with. From it:
   ``design``.
 - ``apply_to_rows``: the same for an ablation's rows (runner/report/rows.py): the speed-up against the
   baseline (a leave-one-out configuration through the fast preset, pass by pass) and the effect against
-  the row's own reference replace the repeat-based bootstrap figures.
+  the row's own reference replace the point figures, with Holm's verdicts and the ranks.
 - ``noise_lines``: the sweep's A/A interval (the reference against its copy), the minimum detectable effect
   at its level, and how the sweep ran (groups, slices, why it stopped), as markdown.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
-from runner.interleave import record as record_mod, stats as paired_stats
-from runner.report.stats import Interval
+from runner.compare import record as record_mod, stats as paired_stats
+from runner.compare.stats import NO_INTERVAL, Interval
 
 DESIGN = "interleaved"
 
 
-def _inverted(c: paired_stats.Paired) -> paired_stats.Paired:
-    """``c`` read the other way round (reference ÷ job): a leave-one-out row shows what the technique buys in fast."""
-    return dataclasses.replace(c, speedup=1 / c.speedup, ci_low=1 / c.ci_high, ci_high=1 / c.ci_low)
-
-
-def _interval(c: paired_stats.Paired, invert: bool = False) -> Interval:
-    c = _inverted(c) if invert else c
-    return Interval(c.speedup, c.ci_low, c.ci_high, c.confidence, c.n, c.n)
-
-
-def _word(verdict: str, c: paired_stats.Paired | None, faster: str, slower: str) -> str:
+def _word(verdict: str, c: Interval | None, faster: str, slower: str) -> str:
     if c is None:
-        return "no interval (fewer than 2 pairs or processes)"
+        return NO_INTERVAL
     if verdict == paired_stats.HELPS:
         return faster
     if verdict == paired_stats.HURTS:
         return slower
     said = f"no effect larger than ±{paired_stats.equivalence_margin(c):.1%}"
-    if c.ci_low > 1 or c.ci_high < 1:  # apart from 1 by its own interval, not after Holm's step-down over the sweep
-        said += f" ({faster if c.ci_low > 1 else slower} by its own interval, not firm after Holm)"
+    if c.low > 1 or c.high < 1:  # apart from 1 by its own interval, not after Holm's step-down over the sweep
+        said += f" ({faster if c.low > 1 else slower} by its own interval, not firm after Holm)"
     return said
 
 
@@ -68,7 +57,7 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
             out[name] = {"speedup": 1.0, "ci_low": None, "ci_high": None, "verdict": "reference",
                          "design": job.get("design", DESIGN), "pairs": None, "reference": None}
             continue
-        out[name] = {"speedup": c and c.speedup, "ci_low": c and c.ci_low, "ci_high": c and c.ci_high,
+        out[name] = {"speedup": c and c.estimate, "ci_low": c and c.low, "ci_high": c and c.high,
                      "verdict": _word(verdicts.get(config, ""), c, "faster", "slower") + (
                          " (A/A: the reference's copy)" if config == aa else ""),
                      "design": job.get("design", DESIGN), "pairs": c and c.n, "reference": job["reference"]}
@@ -83,7 +72,7 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
     comparisons = record_mod.compare(record)
     baseline = record["reference"]
     named = {str(j.folder): r for r in rows for j in r.jobs if j.repeat == 0}
-    effects: dict[str, paired_stats.Paired | None] = {}
+    effects: dict[str, Interval | None] = {}
     for name, row in named.items():
         if name not in record["jobs"]:
             continue
@@ -93,10 +82,9 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
         own = comparisons.get(name)
         to_base = own if record["jobs"][name].get("reference") == baseline else record_mod.chained(
             record, name, baseline, confidence)
-        row.speedup_ci = _interval(to_base) if to_base else None
-        row.speedup = to_base.speedup if to_base else row.speedup
-        invert = row.kind == "leave-one-out"
-        row.effect_ci = _interval(own, invert) if own else None
+        row.speedup_ci = to_base
+        row.speedup = to_base.estimate if to_base else row.speedup
+        row.effect_ci = (own.inverted() if row.kind == "leave-one-out" else own) if own else None
         row.effect = row.effect_ci.estimate if own else None
         if not row.all_skipped:
             effects[name] = own
@@ -106,12 +94,12 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
         if row.kind == "leave-one-out" and verdict in (paired_stats.HELPS, paired_stats.HURTS):
             verdict = paired_stats.HURTS if verdict == paired_stats.HELPS else paired_stats.HELPS  # fast ÷ this
         faster, slower = ("faster", "slower") if row.kind == "fast" else (paired_stats.HELPS, paired_stats.HURTS)
-        row.verdict = _word(verdict, _inverted(c) if row.kind == "leave-one-out" and c else c, faster, slower)
+        row.verdict = _word(verdict, c.inverted() if row.kind == "leave-one-out" and c else c, faster, slower)
     aa = record_mod.aa_comparison(record)
     base = named.get(next((n for n in named if named[n].kind == "baseline"), ""), None)
     if base is not None:
         base.speedup, base.effect = 1.0, 1.0
-        base.speedup_ci = _interval(aa) if aa else None
+        base.speedup_ci = aa
     rows.sort(key=lambda r: (r.speedup is None, -(r.speedup or 0), r.configuration))
     rank = 0
     for row in rows:
@@ -121,7 +109,7 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
             row.rank = rank
 
 
-#: The pass order (``interleave.order``, runner/interleave/schedule.py) in one sentence.
+#: The pass order (``interleave.order``, runner/compare/schedule.py) in one sentence.
 ORDER_TEXT = {
     "rmit": "In each pass every job, the references included, trained one slice, in a fresh random order "
             "(randomized multiple interleaved trials), and each job pairs with its reference's slice of that pass.",

@@ -330,7 +330,7 @@ def write_plain_report(sweep: Path) -> list[Path]:
     """
     from omegaconf import OmegaConf
 
-    from runner.interleave import record as record_file
+    from runner.compare import record as record_file
     from runner.report import paired
 
     jobs = _sorted(load_sweep(sweep))

@@ -1,7 +1,7 @@
 """Writing an ablation sweep's report into its folder (``write_report``):
 
 - ``report.md`` and ``report.csv``: one row per configuration, ranked by speed-up: median samples/s,
-  speed-up over the baseline with its simultaneous 95 % bootstrap confidence interval, what the technique buys
+  speed-up over the baseline with its 95 % interval from the paired slices, what the technique buys
   (its *effect*, with its interval) and the verdict that follows, step time, data-wait fraction, peak
   memory and its change, the final loss, the fixed cost per job, and what was applied or skipped;
 - ``jobs.csv``: one row per job: samples/s and where its wall time went (``setup_s`` before the first
@@ -22,15 +22,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from runner.interleave import record as record_file
-from runner.report import paired, stats
+from runner.compare import record as record_file
+from runner.compare.stats import HELPS, HURTS
+from runner.report import paired
 from runner.report.load import Job, ReportError, Row, load_jobs, load_record, unfinished_jobs
 from runner.report.markdown import agreement, markdown, reading
 from runner.report.rows import build_rows
-from runner.report.stats import HELPS, HURTS
 
-#: Columns of report.csv and of the W&B table, in order. Intervals are simultaneous 95 % bootstrap percentile
-#: intervals; ``effect_ci_half_width`` is relative (0.05 = ±5 %).
+#: Columns of report.csv and of the W&B table, in order. Intervals are 95 % intervals from the paired slices
+#: (runner/compare/stats.py); ``effect_ci_half_width`` is relative (0.05 = ±5 %); ``repeats``: measured processes.
 CSV_COLUMNS = [
     "rank", "configuration", "kind", "technique", "repeats", "batch_size", "samples_per_sec_median",
     "samples_per_sec_min", "samples_per_sec_max", "speedup", "speedup_ci_low", "speedup_ci_high",
@@ -55,7 +55,7 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
             r.speedup, s and s.low, s and s.high, r.effect, e and e.low, e and e.high, e and e.half_width,
             r.verdict, fig.get("step_time_ms_median"), fig.get("data_wait_fraction"), fig.get("peak_memory_mb"),
             r.peak_change_pct, fig.get("final_loss"), fig.get("train_loss"), fig.get("setup_s"), fig.get("wall_s"),
-            r.status, e and e.low, e and e.high, "interleaved" if r.design == "interleaved" else "rounds",
+            r.status, e and e.low, e and e.high, r.design,
         ])
     return out
 
@@ -87,7 +87,7 @@ def write_jobs_csv(jobs: list[Job], path: Path) -> None:
 
 def plot(rows: list[Row], path: Path) -> None:
     """``speedup.png``: one horizontal bar per measured configuration, from 1.0 (the baseline) to its
-    speed-up, a whisker for its simultaneous 95 % bootstrap interval (none with one repeat), and the baseline's
+    speed-up, a whisker for its 95 % interval (none without one), and the baseline's
     interval against itself (what noise alone gives) as a grey band. The x axis is logarithmic when the
     speed-ups span more than 8x, so 0.5x and 2x look alike."""
     import matplotlib
@@ -120,7 +120,7 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.set_yticks(y, [r.configuration for r in shown], fontsize=8)
-    ax.set_xlabel("speed-up over the baseline (x, ratio of median samples/s; whiskers: simultaneous 95 % bootstrap CI)")
+    ax.set_xlabel("speed-up over the baseline (x, paired samples/s ratio; whiskers: 95 % CI)")
     ax.set_title("green: helps, red: hurts, grey: no measurable effect, no interval or skipped", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -177,7 +177,7 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
 
 
 def _load(sweep: Path) -> tuple[list[Job], dict | None]:
-    """``sweep``'s jobs and its interleaved record (None for rounds); the jobs include those killed before their
+    """``sweep``'s jobs and its interleaved record (None without one); the jobs include those killed before their
     summary, from their slices (``runner.report.load.unfinished_jobs``)."""
     jobs = load_jobs(sweep)
     try:
@@ -187,25 +187,23 @@ def _load(sweep: Path) -> tuple[list[Job], dict | None]:
     return jobs + (unfinished_jobs(sweep, interleaved, jobs) if interleaved else []), interleaved
 
 
-def _rows(jobs: list[Job], interleaved: dict | None, seed: int, resamples: int) -> list[Row]:
-    """The report's rows: under the interleaved design the paired figures of the slices replace the repeats'
-    bootstrap (runner/report/paired.py)."""
-    rows = build_rows(jobs, seed, resamples)
+def _rows(jobs: list[Job], interleaved: dict | None) -> list[Row]:
+    """The report's rows, with the paired figures of the slices where the sweep has an interleaved record
+    (runner/report/paired.py)."""
+    rows = build_rows(jobs)
     if interleaved:
         paired.apply_to_rows(rows, interleaved)
     return rows
 
 
-def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, seed: int = stats.SEED,
-                 resamples: int = stats.RESAMPLES, replication: Path | None = None) -> list[Path]:
+def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
+                 replication: Path | None = None) -> list[Path]:
     """Write report.md, report.csv, jobs.csv and speedup.png of an ablation sweep into ``sweep`` (and
     ``doc`` if given); log the W&B table when the jobs' logger was W&B. Returns the written paths.
 
     Args:
         doc: also write the report as a document there (``reading`` added, plot copied next to it as .png).
         use_wandb: log the W&B table when the jobs' logger was W&B (``log_to_wandb``).
-        seed, resamples: of the bootstrap (runner/report/stats.py, Efron & Tibshirani 1993); the defaults
-            make the report reproducible.
         replication: with ``doc``, an independent second sweep of the same job: the document gets the
             ``agreement`` table.
 
@@ -214,14 +212,14 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
     """
     sweep = Path(sweep)
     jobs, interleaved = _load(sweep)
-    rows = _rows(jobs, interleaved, seed, resamples)
+    rows = _rows(jobs, interleaved)
     baseline = next(r for r in rows if r.configuration == "baseline")
     record = load_record(sweep)
     if interleaved:
         record["interleave"] = interleaved
     written = [sweep / "report.md", sweep / "report.csv", sweep / "speedup.png", sweep / "jobs.csv"]
     plot(rows, written[2])
-    written[0].write_text(markdown(rows, jobs, sweep, record, "speedup.png", seed=seed, resamples=resamples))
+    written[0].write_text(markdown(rows, jobs, sweep, record, "speedup.png"))
     write_csv(rows, written[1])
     write_jobs_csv(jobs, written[3])
     if doc is not None:
@@ -229,11 +227,11 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True, s
         doc.parent.mkdir(parents=True, exist_ok=True)
         image = doc.with_suffix(".png")
         shutil.copyfile(written[2], image)
-        text = markdown(rows, jobs, sweep, record, image.name, seed=seed, resamples=resamples,
+        text = markdown(rows, jobs, sweep, record, image.name,
                         title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
         text = text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1)
         if replication is not None:
-            other = _rows(*_load(Path(replication)), seed, resamples)
+            other = _rows(*_load(Path(replication)))
             rec = load_record(Path(replication))
             table, _ = agreement(rows, other)
             text += (f"\n## Replication: an independent second sweep of the same job\n\n"

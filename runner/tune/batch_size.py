@@ -92,6 +92,26 @@ def tune_batch_size(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"the job does not fit at the smallest batch size tried, dataloader.batch_size="
                           f"{t.start_batch_size}: it {why}. Lower tune.start_batch_size, raise "
                           f"tune.max_memory_fraction, or save memory (precision=bf16, memory=checkpointing)")
+    stop = _search(first, t, measure, fits)
+    best = max((r for r in rows if fits(r)), key=lambda r: r["samples_per_sec"])
+    note, lr = _lr_note(cfg, best["batch_size"], env.world_size)
+    limit_line = (f"memory limit: {limit:,.0f} MiB ({limit_text})" if limit is not None
+                  else f"memory limit: {limit_text}")
+    return {"recommended": {"batch_size": best["batch_size"], "samples_per_sec": best["samples_per_sec"],
+                            "peak_memory_mb": best["peak_memory_mb"], "lr": lr},
+            "override": f"dataloader.batch_size={best['batch_size']}",
+            "rows": rows, "memory_limit_mb": limit,
+            "notes": [f"{limit_line}; peak memory is "
+                      + ("torch.cuda.max_memory_allocated" if env.device.type == "cuda" else
+                         "the process's peak RSS during the steps (DataLoader workers not counted)"),
+                      stop, note,
+                      f"each size: {trial_steps(t)} of the run's own loop"]}
+
+
+def _search(first: dict[str, Any], t: DictConfig, measure, fits) -> str:
+    """Double from ``first`` (a size that fits) while each size fits and is faster than the last, up to the cap;
+    then bisect between the last good and the first bad or slower size (``tune.search_steps``). ``measure(size,
+    phase)`` measures and records a size. Returns why the doubling stopped."""
     cap = min(t.max_batch_size, max(first["train_samples"], t.start_batch_size))
     good, bad, stop = first, None, f"reached tune.max_batch_size={t.max_batch_size}"
     if cap < t.max_batch_size:
@@ -106,32 +126,19 @@ def tune_batch_size(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
                                                       else row["status"].replace("_", " ")))
             break
         good = row
-    if bad is not None:
-        for _ in range(t.search_steps):
-            lo, hi = good["batch_size"], bad
-            mid = (lo + hi) // 2
-            if lo >= 64:
-                mid -= mid % 8
-            if not lo < mid < hi:
-                break
-            row = measure(mid, "search")
-            if fits(row) and row["samples_per_sec"] > good["samples_per_sec"]:
-                good = row
-            else:
-                bad = mid
-    best = max((r for r in rows if fits(r)), key=lambda r: r["samples_per_sec"])
-    note, lr = _lr_note(cfg, best["batch_size"], env.world_size)
-    limit_line = (f"memory limit: {limit:,.0f} MiB ({limit_text})" if limit is not None
-                  else f"memory limit: {limit_text}")
-    return {"recommended": {"batch_size": best["batch_size"], "samples_per_sec": best["samples_per_sec"],
-                            "peak_memory_mb": best["peak_memory_mb"], "lr": lr},
-            "override": f"dataloader.batch_size={best['batch_size']}",
-            "rows": rows, "memory_limit_mb": limit,
-            "notes": [f"{limit_line}; peak memory is "
-                      + ("torch.cuda.max_memory_allocated" if env.device.type == "cuda" else
-                         "the process's peak RSS during the steps (DataLoader workers not counted)"),
-                      stop, note,
-                      f"each size: {trial_steps(t)} of the run's own loop"]}
+    for _ in range(t.search_steps if bad is not None else 0):
+        lo, hi = good["batch_size"], bad
+        mid = (lo + hi) // 2
+        if lo >= 64:
+            mid -= mid % 8
+        if not lo < mid < hi:
+            break
+        row = measure(mid, "search")
+        if fits(row) and row["samples_per_sec"] > good["samples_per_sec"]:
+            good = row
+        else:
+            bad = mid
+    return stop
 
 
 def is_pick(row: dict, rec: dict) -> bool:

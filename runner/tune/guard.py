@@ -36,7 +36,7 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[fl
     ``""``, ``"out of memory"`` (then None) or ``"loss not finite"``."""
     import torch
 
-    from runner import train as engine
+    from runner import build as builder, train as engine
     from runner.errors import TrainingDiverged
 
     if cfg.compile.mode is not None:
@@ -44,8 +44,7 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[fl
     recorder, note = LossRecorder(), ""
     parts = state = None
     try:
-        parts, state = engine.build(cfg, env, Path(tempfile.mkdtemp(prefix="guard-", dir=job_dir)))
-        parts.tracker.abort()
+        parts, state = builder.build_parts(cfg, env, Path(tempfile.mkdtemp(prefix="guard-", dir=job_dir)))
         parts = for_tuning(parts, steps, 0, log_every=1, tracker=recorder)
         engine.fit(state, parts, NO_PROFILER)
     except TrainingDiverged:

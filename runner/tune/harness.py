@@ -201,7 +201,7 @@ def loader_seconds(parts, warmup: int, batches: int) -> float:
     from runner import measure, train as engine
     from runner.state import TrainState
 
-    it = engine._batches(parts.data.train, TrainState())
+    it = engine.batches(parts.data.train, TrainState())
     for _ in range(warmup):
         next(it)
     start = measure.wall_clock(parts.env.device)
@@ -232,7 +232,7 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     """
     import torch
 
-    from runner import machine_load, measure, train as engine
+    from runner import build as builder, machine_load, measure, train as engine
     from runner.errors import TrainingDiverged
 
     if cfg.compile.mode is not None:
@@ -242,8 +242,7 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     oom, figures, peak, loader_s, train_samples, tokens = False, None, 0.0, 0.0, 0, None
     steps = t.warmup_steps + t.measure_steps
     try:
-        parts, state = engine.build(cfg, env, Path(tempfile.mkdtemp(prefix="trial-", dir=job_dir)))
-        parts.tracker.abort()  # closes the metrics file build() opened (logger=none: no W&B run)
+        parts, state = builder.build_parts(cfg, env, Path(tempfile.mkdtemp(prefix="trial-", dir=job_dir)))
         parts = for_tuning(parts, steps, t.warmup_steps, log_every=steps)
         train_samples = parts.data.train_samples // env.world_size
         tokens = parts.task.tokens_per_sample(parts.data)

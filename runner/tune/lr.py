@@ -15,27 +15,23 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.errors import ConfigError
+from runner.track import NullTracker
 from runner.tune.harness import NO_PROFILER, Tuner, for_tuning, pyplot, with_overrides
 
 
-class _RampDone(Exception):
-    """Raised by the recorder to end the range test (ramp complete or loss diverged) on every rank alike."""
-
-
-class RangeRecorder:
+class RangeRecorder(NullTracker):
     """The range test's tracker: records each optimizer step's LR and (all-reduced) loss as ``fit`` logs them,
     smooths the loss with a bias-corrected EMA (fastai's ``SmoothenValue``: avg = beta avg + (1 - beta) loss,
-    smoothed = avg / (1 - beta^n)) and ends the test (``_RampDone``) after ``steps`` steps or once the smoothed
-    loss exceeds ``diverge_factor`` x its best or is not finite (fastai's ``LRFinder``)."""
-
-    wandb_run_id = None
-    mlflow_run_id = None
+    smoothed = avg / (1 - beta^n)) and ends the test (``should_stop``, the engine's stop hook) after ``steps``
+    steps or once the smoothed loss exceeds ``diverge_factor`` x its best or is not finite (fastai's
+    ``LRFinder``); every other call does nothing (``runner.track.NullTracker``)."""
 
     def __init__(self, steps: int, beta: float, diverge_factor: float):
         self.steps, self.beta, self.diverge_factor = steps, beta, diverge_factor
         self.points: list[dict[str, Any]] = []
         self.avg, self.count, self.best = 0.0, 0, math.inf
         self.stop = "ramp complete"
+        self.done = False
 
     def record(self, step: int, lr: float, loss: float) -> None:
         if math.isfinite(loss):
@@ -51,22 +47,17 @@ class RangeRecorder:
             self.stop = (f"stopped at step {step} (lr {lr:.3g}): the smoothed loss {smoothed:.4g} exceeds "
                          f"{self.diverge_factor:g} x its best {self.best:.4g}" if math.isfinite(smoothed)
                          else f"stopped at step {step} (lr {lr:.3g}): the loss is not finite")
-            raise _RampDone
+            self.done = True
         if step >= self.steps:
-            raise _RampDone
+            self.done = True
 
     def log(self, row: dict[str, Any]) -> None:
-        if "loss" in row:
+        if "loss" in row and not self.done:
             self.record(row["step"], row["lr"], row["loss"])
 
-    def note(self, message: str) -> None:
-        pass
-
-    def abort(self, exit_code: int = 1) -> None:
-        pass
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        pass
+    def should_stop(self, state: Any) -> str | None:
+        """The engine's stop hook (``Parts.stop``): why the test ends after this step, or None."""
+        return self.stop if self.done else None
 
 
 def steepest(lrs: list[float], losses: list[float]) -> int:
@@ -158,19 +149,14 @@ def lr_range_test(parts, min_lr: float, max_lr: float, steps: int, smoothing: fl
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] = min_lr
         ramp = LambdaLR(optimizer, lambda i: ratio ** (min(i, steps - 1) / (steps - 1)))
-        run = for_tuning(parts, steps, 0, log_every=1, tracker=recorder, scheduler=ramp)
+        run = for_tuning(parts, steps, 0, log_every=1, tracker=recorder, scheduler=ramp, stop=recorder.should_stop)
         state = TrainState(eval=dict.fromkeys(parts.task.metrics),
                                   loss_sum=torch.zeros((), device=parts.env.device))
         try:
             engine.fit(state, run, NO_PROFILER)
-        except _RampDone:
-            pass
         except TrainingDiverged:  # the loss became NaN/inf (trainer.on_nonfinite=stop): the same on every rank
             i = state.step - 1
-            try:
-                recorder.record(state.step, min_lr * ratio ** (i / (steps - 1)), math.nan)
-            except _RampDone:
-                pass
+            recorder.record(state.step, min_lr * ratio ** (i / (steps - 1)), math.nan)
     finally:
         model.load_state_dict(saved_model)
         optimizer.load_state_dict(saved_optimizer)
@@ -204,14 +190,11 @@ def tune_lr(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     Raises:
         ConfigError: the range test has too few usable points (``lr_range_test``), or the run's config is bad.
     """
-    from runner import optim, train as engine
+    from runner import build as builder, optim
 
     t = cfg.tune
-    parts, _ = engine.build(with_overrides(cfg), env, job_dir)
-    try:
-        result = lr_range_test(parts, t.min_lr, t.max_lr, t.steps, t.smoothing, t.diverge_factor)
-    finally:
-        parts.tracker.abort()
+    parts, _ = builder.build_parts(with_overrides(cfg), env, job_dir)
+    result = lr_range_test(parts, t.min_lr, t.max_lr, t.steps, t.smoothing, t.diverge_factor)
     factor = optim.scaled_lr(cfg.optimizer, parts.plan.global_batch) / cfg.optimizer.lr if cfg.optimizer.lr else 1.0
     setting = result.steepest_lr / factor
     notes = [result.stop,

@@ -1,59 +1,37 @@
 """The speed tuner's rounds (runner/tune/speed.py): each an interleaved, paired measurement of candidate
 configurations against a reference, and what the search reads from it.
 
-- ``job_config``: a configuration made a measured job (no step limit, no evaluation, no checkpoint, no logger).
-- ``measure_round``: the jobs resident side by side (runner/interleave/), racing out the firmly slower ones.
-- ``read_round``: the comparisons, Holm's verdicts, failures and median speeds from the round's record.
+- ``measure_round``: the jobs compared side by side (runner/compare/), racing out the firmly slower ones.
+- ``read_round``: the comparisons, Holm's verdicts, failures and median speeds it measured.
 - ``helps``, ``hopefuls``, ``choose``: the decisions the greedy search and its verification take on them.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from runner.tune.switches import Switch, is_language_model
+from runner.tune.switches import Switch
 
 # ------------------------------------------------------------------------------------------- measuring
 
 
-def job_config(cfg: DictConfig) -> DictConfig:
-    """``cfg`` resolved and made a measured job of a round: trains until told to finish (no step limit, no
-    evaluation but one batch at the end, no checkpoint, no logger, no samples, no doctor, no early stop)."""
-    from runner.config import LOGGERS
-
-    out = copy.deepcopy(cfg)
-    OmegaConf.resolve(out)
-    quiet = {**{f"logger.{name}": None for name in LOGGERS}, "trainer.progress": "off", "trainer.max_steps": 10**9,
-             "trainer.eval_every": 10**9, "trainer.eval_max_batches": 1, "trainer.doctor": False,
-             "trainer.target_loss": None, "trainer.target_accuracy": None,
-             "trainer.early_stopping.metric": None, "checkpoint.resume": "never", "checkpoint.at_end": False,
-             "checkpoint.every_steps": None, "checkpoint.every_minutes": None, "checkpoint.keep_best": False,
-             "ablation.isolate": False}
-    if is_language_model(cfg):
-        quiet["task.sample_tokens"] = 0
-    for key, value in quiet.items():
-        if OmegaConf.select(out, key, default="<missing>") != "<missing>":
-            OmegaConf.update(out, key, value, merge=False)
-    return out
-
-
 @dataclass
 class Round:
-    """One interleaved measurement: ``jobs`` (name -> config) against ``reference`` (a name of ``jobs``)."""
+    """One interleaved measurement: ``jobs`` (name -> config) against ``reference`` (a name of ``jobs``); the rest
+    is what ``measure_round`` read from it (runner/compare/ ``Comparisons``)."""
 
     title: str
     reference: str
     jobs: dict[str, DictConfig]
     minutes: float
-    comparisons: dict[str, Any] = field(default_factory=dict)
+    comparisons: dict[str, Any] = field(default_factory=dict)  # name -> compare.Interval against the reference
     verdicts: dict[str, str] = field(default_factory=dict)
     aa: Any = None
-    vs_copy: dict[str, Any] = field(default_factory=dict)  # name -> stats.Paired against the reference's copy A'
+    vs_copy: dict[str, Any] = field(default_factory=dict)  # name -> compare.Interval against the reference's copy A'
     samples_per_sec: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)
@@ -62,61 +40,39 @@ class Round:
 
 
 def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = None) -> Round:
-    """Measure ``r``'s jobs side by side with the interleaved conductor (runner/interleave/coordinator.py):
-    each job resident in its own process, slices in random order per pass, the reference's copy as A', until
-    every interval is within ``settings.target_ci`` or ``r.minutes`` of measuring are spent. Fills
-    ``r.comparisons`` (name -> ``stats.Paired`` against the reference, or None), ``r.verdicts`` (Holm over the
-    round), ``r.aa``, ``r.samples_per_sec`` (each job's median slice) and ``r.failed`` (a job that crashed, e.g.
-    out of memory: name -> status) and ``r.record`` (the conductor's ``interleave.json``). Ctrl-C stops the
-    round after the current slice. ``ranks``: under torchrun (runner/interleave/ranks.py), every rank's
-    conductor mirrors rank 0's, and every rank gets rank 0's record."""
-    from runner.interleave import record as record_mod, stats
-    from runner.interleave.coordinator import Conductor, Job, conduct
+    """Measure ``r``'s jobs side by side (``runner.compare.compare``: each a measured job resident in its own
+    process, slices in random order per pass, the reference's copy as A'), until every interval is within
+    ``settings.target_ci`` or ``r.minutes`` of measuring are spent, racing out the candidates firmly slower than
+    the reference. Fills ``r`` (``read_round``). Ctrl-C stops the round after the current slice. ``ranks``: under
+    torchrun (runner/compare/ranks.py), every rank's conductor mirrors rank 0's, and every rank gets rank 0's
+    figures."""
+    from runner import compare
 
-    folder.mkdir(parents=True, exist_ok=True)
     aa = f"{r.reference}-aa"
-    configs = [(r.reference, r.jobs[r.reference], None), (aa, r.jobs[r.reference], r.reference)]
-    configs += [(name, c, r.reference) for name, c in r.jobs.items() if name != r.reference]
-    jobs = [Job(name if p == 0 else f"{name}-p{p}", job_config(c), folder / (name if p == 0 else f"{name}-p{p}"),
-                ref, config=name) for name, c, ref in configs for p in range(settings.processes)]
-    s = copy.deepcopy(settings)
-    s.max_minutes = r.minutes
 
     def retire(comparisons: dict[str, Any]) -> list[str]:  # racing: firmly slower candidates stop early
         names = [n for n in comparisons if n != aa and comparisons[n] is not None]
-        verdicts = stats.verdicts([comparisons[n] for n in names], s.confidence)
-        return [n for n, v in zip(names, verdicts) if v == stats.HURTS]
+        verdicts = compare.stats.verdicts([comparisons[n] for n in names], settings.confidence)
+        return [n for n, v in zip(names, verdicts) if v == compare.HURTS]
 
-    conductor = Conductor(jobs, s, folder, r.reference, aa, retire=retire, ranks=ranks)
-    conduct(conductor)
-    r.measured_s = conductor.measuring_s
-    record = record_mod.load(folder) if ranks is None or ranks.leader else None
-    record = (ranks.share(record) if ranks is not None else record) or {"jobs": {}, "slices": []}
-    return read_round(r, record, aa, s.confidence)
+    configs = {name: compare.measured_job(c) for name, c in r.jobs.items()}
+    return read_round(r, compare.compare(configs, r.reference, folder, settings, minutes=r.minutes, retire=retire,
+                                         ranks=ranks))
 
 
-def read_round(r: Round, record: dict[str, Any], aa: str, confidence: float) -> Round:
-    """Fill ``r``'s figures from its conductor's ``record`` (``interleave.json``; ``aa``: the reference's copy):
-    the comparisons with the reference and with the copy, Holm's verdicts at ``confidence``, failures, each
-    configuration's median slice and why it stopped. Returns ``r``."""
-    from runner.interleave import record as record_mod, stats
-
-    r.record = record
-    comparisons = record_mod.compare(record)
-    r.aa = comparisons.pop(aa, None)
-    r.comparisons = comparisons
-    r.vs_copy = {n: record_mod.versus(record, n, aa) for n in comparisons}
-    names = list(comparisons)
-    r.verdicts = dict(zip(names, stats.verdicts([comparisons[n] for n in names], confidence)))
-    for name, job in record["jobs"].items():
-        if job["status"] not in ("measured",):
-            r.failed.setdefault(job.get("config") or name, job["status"])
-    for config, processes in record_mod.configs(record).items():
-        rates = sorted(x["samples_per_sec"] for x in record["slices"]
-                       if x["job"] in processes and x["samples_per_sec"])
-        if rates:
-            r.samples_per_sec[config] = rates[len(rates) // 2]
-    r.stopped = list(record.get("stopped", []))
+def read_round(r: Round, result: Any) -> Round:
+    """Fill ``r``'s figures from what its comparison measured (``runner.compare.Comparisons``): the intervals
+    against the reference and against its copy, Holm's verdicts, failures, each configuration's median slice and
+    why it stopped. Returns ``r``."""
+    r.record = result.record
+    r.comparisons = dict(result.intervals)
+    r.aa = result.aa
+    r.vs_copy = {n: result.versus(n, result.aa_name) for n in r.comparisons} if result.aa_name else {}
+    r.verdicts = dict(result.verdicts)
+    r.failed = dict(result.failed)
+    r.samples_per_sec = dict(result.samples_per_sec)
+    r.stopped = list(result.stopped)
+    r.measured_s = result.measured_s
     return r
 
 
@@ -126,11 +82,11 @@ def helps(r: Round, name: str, min_speedup: float) -> bool:
     last is a guard against the process itself: on a shared VM two processes of one configuration can differ
     by 10-30 % for their whole life (docs/ablation.md), so an unlucky reference process would make every
     candidate look faster; beating both copies makes that unlikely."""
-    from runner.interleave.stats import HELPS
+    from runner.compare.stats import HELPS
 
     c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
-    return (c is not None and r.verdicts.get(name) == HELPS and c.ci_low > min_speedup
-            and (r.aa is None or (copy_c is not None and copy_c.ci_low > 1)))
+    return (c is not None and r.verdicts.get(name) == HELPS and c.low > min_speedup
+            and (r.aa is None or (copy_c is not None and copy_c.low > 1)))
 
 
 def hopefuls(r: Round, candidates: list[Switch]) -> list[Switch]:
@@ -140,15 +96,15 @@ def hopefuls(r: Round, candidates: list[Switch]) -> list[Switch]:
     5-15 % are rarely firm in a short round, and several of them add up: on resnet18/CIFAR, compile x1.07 and
     channels_last x1.12 on top of bf16, neither firm, left the pick bf16 alone at x0.83 of +experiment=fast. So
     the pick plus these is measured head to head too (``choose``)."""
-    from runner.interleave.stats import HURTS
+    from runner.compare.stats import HURTS
 
     best: dict[str, Switch] = {}
     for s in candidates:
         c = r.comparisons.get(s.name)
-        if c is None or s.name in r.failed or c.speedup <= 1 or r.verdicts.get(s.name) == HURTS:
+        if c is None or s.name in r.failed or c.estimate <= 1 or r.verdicts.get(s.name) == HURTS:
             continue
         key = s.group or s.name
-        if key not in best or c.speedup > r.comparisons[best[key].name].speedup:
+        if key not in best or c.estimate > r.comparisons[best[key].name].estimate:
             best[key] = s
     return list(best.values())
 
@@ -157,14 +113,14 @@ def choose(v: Round, names: list[str], min_speedup: float) -> str | None:
     """Of the verification's configurations ``names`` (fewest switches first), the one to recommend: those
     firmly faster than your configuration (``helps``); of two, the one with more switches only when it is
     firmly faster than the other head to head (fewer switches otherwise: fewer things to keep). None: no change."""
-    from runner.interleave import record as record_mod
+    from runner.compare import record as record_mod
 
     good = [n for n in names if helps(v, n, min_speedup)]
     if not good:
         return None
     pick = good[0]
     for other in good[1:]:
-        head = record_mod.versus(v.record or {"slices": []}, other, pick)
-        if head is not None and head.ci_low > 1:
+        head = record_mod.versus(v.record or {"slices": [], "jobs": {}}, other, pick)
+        if head is not None and head.low > 1:
             pick = other
     return pick

@@ -13,11 +13,11 @@ CPU ran at x0.93 of its recipe with it). This tuner measures instead, on the job
    curve departs from yours (relative, in any fifth of the samples seen) by more than yours departs under another
    seed (``trainer.seed + 1``: another initialization and batch order, the spread of equally good runs) and more
    than ``tune.guard_tolerance`` is rejected before any speed is measured (``guard``).
-3. **Greedy forward selection by interleaved, paired measurement** (runner/interleave/). Round 1 measures
+3. **Greedy forward selection by interleaved, paired measurement** (runner/compare/). Round 1 measures
    each candidate on top of your configuration; every round, the candidates and the incumbent are resident
    processes taking turns in slices of about ``tune.slice_seconds`` (1 s: on a noisy machine, the shorter the
    slices, the closer in time the paired slices, the more drift cancels), a copy of the incumbent (A')
-   measures the round's own noise, and each verdict is Holm's over the round (runner/interleave/stats.py);
+   measures the round's own noise, and each verdict is Holm's over the round (runner/compare/stats.py);
    a candidate firmly slower is retired from the round after ``interleave.min_passes`` passes. The candidate that helps most (its
    interval's low end above ``tune.min_speedup``) joins the incumbent; candidates measured no faster are
    dropped (racing: López-Ibáñez et al., "The irace package", 2016); the next round measures the rest on
@@ -40,7 +40,7 @@ decisions on them in runner/tune/rounds.py, the search and the outputs here.
 
 The measured jobs are the tuner's children. Under torchrun (``torchrun --nproc-per-node N -m runner.tune speed
 distributed=ddp ...``) every round's job is a DDP job of the N ranks: rank 0's conductor decides and the
-other ranks' conductors mirror it (runner/interleave/ranks.py), the guard trains on all ranks, and every
+other ranks' conductors mirror it (runner/compare/ranks.py), the guard trains on all ranks, and every
 figure a decision rests on (the guard's loss curves, each round's record, the time left) is rank 0's,
 broadcast, so the ranks agree on every decision.
 """
@@ -57,7 +57,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
 from runner.tune.harness import Tuner, fmt, pyplot, say, with_overrides
-from runner.tune.rounds import Round, choose, helps, hopefuls, job_config, measure_round, read_round
+from runner.tune.rounds import Round, choose, helps, hopefuls, measure_round, read_round
 from runner.tune.switches import Switch, applied, chosen, switches
 
 # ------------------------------------------------------------------------------------------- the fast preset
@@ -100,202 +100,249 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     Raises:
         ConfigError: bad ``tune.*`` values (``tune.only``, ``tune.switches``); your configuration cannot train.
     """
-    from runner.interleave.ranks import Ranks
-    from runner.interleave.schedule import settings_problem
+    from runner.compare.schedule import settings_problem
 
     if problem := settings_problem(cfg.interleave):
         raise ConfigError(problem)
-    t = cfg.tune
-    ranks = Ranks.join(cfg.distributed.timeout_s) if env.distributed else None
-
-    def agreed(value: Any) -> Any:  # what rank 0 measured or decided, on every rank
-        return ranks.share(value) if ranks is not None else value
-
-    budget_s = 60 * t.budget_minutes  # of measuring: the guard, start-ups and compilation come on top
-    out = Path(job_dir)
-    rounds_dir = _rounds_folder(out)
-    candidates, notes = chosen(cfg, t, env.device)
+    search = _Search(cfg, env, Path(job_dir))
+    candidates, search.notes = chosen(cfg, cfg.tune, env.device)
     say(env, f"speed: {len(candidates)} candidate(s): {', '.join(s.name for s in candidates) or 'none'}")
-    rows: list[dict[str, Any]] = []
+    search.guard_reference()
+    incumbent, extra = search.select(search.guard_candidates(candidates))
+    while incumbent and not search.guarded(incumbent, "the pick's switches together"):
+        search.notes.append(f"{incumbent[-1].name} dropped from the pick")
+        incumbent.pop()
+    if extra and not search.guarded([*incumbent, *extra], "the pick with the last round's hopefuls"):
+        extra = []
+    picked, verified = search.verify(incumbent, extra)
+    return search.result(picked, verified)
 
-    # 1. the guard: every candidate's first guard_steps against the user's configuration
-    from runner.config import global_batch_size
 
+class _Search:
+    """The state of one search (``tune_speed``): the run config, the rows and notes of the report, the rounds
+    measured so far and the guard's reference curve and tolerance. Under torchrun every figure a decision rests on
+    is rank 0's (``agreed``)."""
+
+    def __init__(self, cfg: DictConfig, env, out: Path):
+        from runner.compare.ranks import Ranks
+
+        self.cfg, self.env, self.out, self.t = cfg, env, out, cfg.tune
+        self.ranks = Ranks.join(cfg.distributed.timeout_s) if env.distributed else None
+        self.budget_s = 60 * self.t.budget_minutes  # of measuring: the guard, start-ups and compilation on top
+        self.rounds_dir = _rounds_folder(out)
+        self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.rounds: list[Round] = []
+        self.reference: list[float] = []
+        self.tolerance = self.t.guard_tolerance
+        self.settings = copy.deepcopy(cfg.interleave)
+        self.settings.target_ci = self.t.target_ci
+        self.settings.slice_seconds = self.t.slice_seconds
+
+    def agreed(self, value: Any) -> Any:
+        """What rank 0 measured or decided, on every rank."""
+        return self.ranks.share(value) if self.ranks is not None else value
+
+    @staticmethod
     def batch_of(c: DictConfig) -> int:
+        from runner.config import global_batch_size
+
         return global_batch_size(c.dataloader.batch_size, c.memory.accumulate_steps, 1)
 
-    def guard(sw: list[Switch]) -> tuple[float, float | None, str]:
-        c = applied(cfg, [s for s in sw if s.arithmetic])
-        steps = max(1, math.ceil(t.guard_steps * batch_of(cfg) / batch_of(c)))
-        losses, note = agreed(loss_curve(c, env, out, steps))
+    # ----------------------------------------------------------------------------------------- 1. the guard
+    def guard(self, sw: list[Switch]) -> tuple[float, float | None, str]:
+        """How far ``sw``'s loss curve departs from yours over the guard's samples, its last losses' mean, a note."""
+        c = applied(self.cfg, [s for s in sw if s.arithmetic])
+        steps = max(1, math.ceil(self.t.guard_steps * self.batch_of(self.cfg) / self.batch_of(c)))
+        losses, note = self.agreed(loss_curve(c, self.env, self.out, steps))
         if losses is None:
             return math.inf, None, note
         tail = losses[-max(1, len(losses) // GUARD_WINDOWS):]
-        return departure(reference, losses, batch_of(cfg), batch_of(c)), sum(tail) / len(tail), note
+        return departure(self.reference, losses, self.batch_of(self.cfg), self.batch_of(c)), sum(tail) / len(tail), note
 
-    reference, ref_note = agreed(loss_curve(cfg, env, out, t.guard_steps))
-    if reference is None or ref_note:
-        raise ConfigError(f"your configuration cannot train its first {t.guard_steps} steps here ({ref_note}); "
-                          f"fix that before tuning its speed")
-    ref_tail = reference[-max(1, len(reference) // GUARD_WINDOWS):]
-    rows.append({"stage": "guard", "switch": "(yours)", "guard_loss": sum(ref_tail) / len(ref_tail),
-                 "guard_departure": 0.0, "verdict": "reference"})
-    # the spread of equally good runs: yours under another seed (another initialization and batch order). Two
-    # runs on the same batches drift apart as training amplifies any difference in rounding (a fused optimizer's
-    # 0.9 % on resnet18/CIFAR in 50 steps), so a fixed tolerance alone rejected bf16 and compile there
-    other = with_overrides(cfg, trainer__seed=int(cfg.trainer.seed or 0) + 1)
-    seed_curve, seed_note = agreed(loss_curve(other, env, out, t.guard_steps))
-    spread = 0.0 if seed_curve is None or seed_note else departure(reference, seed_curve, batch_of(cfg), batch_of(cfg))
-    tolerance = max(t.guard_tolerance, spread)
-    rows.append({"stage": "guard", "switch": "(yours, trainer.seed + 1)", "guard_departure": spread,
-                 "guard_loss": seed_curve and sum(seed_curve[-len(ref_tail):]) / len(ref_tail),
-                 "verdict": f"the tolerance: {tolerance:.2%} (the larger of this and tune.guard_tolerance)"})
-    say(env, f"speed: guard: your configuration under another seed departs {fmt(spread, '.2%')}; a candidate may "
-             f"depart up to {tolerance:.2%}")
-    passed: list[Switch] = []
-    for s in candidates:
-        if not s.arithmetic:
-            rows.append({"stage": "guard", "switch": s.name, "verdict": "not needed (same batches, same arithmetic)"})
-            passed.append(s)
-            continue
-        dep, loss, note = guard([s])
-        ok = dep <= tolerance
-        why = note or f"loss departs {fmt(dep, '.1%')}"
-        rows.append({"stage": "guard", "switch": s.name, "guard_loss": loss, "guard_departure": dep,
-                     "verdict": "passed" if ok else f"rejected ({why})"})
-        say(env, f"speed: guard {s.name}: loss after {t.guard_steps} steps {fmt(loss, '.4f')}, departs "
-                 f"{fmt(dep, '.2%')} -> {'passed' if ok else 'REJECTED'}")
-        if ok:
-            passed.append(s)
+    def guard_reference(self) -> None:
+        """Your loss curve, and the tolerance: the larger of ``tune.guard_tolerance`` and how far yours departs under
+        another seed (another initialization and batch order: the spread of equally good runs). Two runs on the
+        same batches drift apart as training amplifies any difference in rounding (a fused optimizer's 0.9 % on
+        resnet18/CIFAR in 50 steps), so a fixed tolerance alone rejected bf16 and compile there."""
+        t, cfg = self.t, self.cfg
+        reference, ref_note = self.agreed(loss_curve(cfg, self.env, self.out, t.guard_steps))
+        if reference is None or ref_note:
+            raise ConfigError(f"your configuration cannot train its first {t.guard_steps} steps here ({ref_note}); "
+                              f"fix that before tuning its speed")
+        self.reference = reference
+        ref_tail = reference[-max(1, len(reference) // GUARD_WINDOWS):]
+        self.rows.append({"stage": "guard", "switch": "(yours)", "guard_loss": sum(ref_tail) / len(ref_tail),
+                          "guard_departure": 0.0, "verdict": "reference"})
+        other = with_overrides(cfg, trainer__seed=int(cfg.trainer.seed or 0) + 1)
+        seed_curve, seed_note = self.agreed(loss_curve(other, self.env, self.out, t.guard_steps))
+        spread = 0.0 if seed_curve is None or seed_note else departure(reference, seed_curve, self.batch_of(cfg),
+                                                                       self.batch_of(cfg))
+        self.tolerance = max(t.guard_tolerance, spread)
+        self.rows.append({"stage": "guard", "switch": "(yours, trainer.seed + 1)", "guard_departure": spread,
+                          "guard_loss": seed_curve and sum(seed_curve[-len(ref_tail):]) / len(ref_tail),
+                          "verdict": f"the tolerance: {self.tolerance:.2%} (the larger of this and "
+                                     f"tune.guard_tolerance)"})
+        say(self.env, f"speed: guard: your configuration under another seed departs {fmt(spread, '.2%')}; a candidate "
+                      f"may depart up to {self.tolerance:.2%}")
 
-    # 2. greedy forward selection, one interleaved round per switch added
-    settings = copy.deepcopy(cfg.interleave)
-    settings.target_ci = t.target_ci
-    settings.slice_seconds = t.slice_seconds
-    reserve_s = 0.25 * budget_s  # for the verification
-    incumbent: list[Switch] = []
-    remaining = list(passed)
-    rounds: list[Round] = []
-    extra: list[Switch] = []  # the last round's hopefuls: faster on top of the pick, not firmly
-    while remaining:
-        left = agreed(budget_s - sum(r.measured_s for r in rounds) - reserve_s)
-        if left < 60:
-            notes.append(f"the search stopped with {len(remaining)} candidate(s) unmeasured on top of the pick: "
-                         f"tune.budget_minutes={t.budget_minutes:g} spent")
-            break
-        base = "yours" if not incumbent else "+".join(s.name for s in incumbent)
-        jobs = {"incumbent": applied(cfg, incumbent), **{s.name: applied(cfg, [*incumbent, s]) for s in remaining}}
-        r = Round(f"round {len(rounds) + 1}: on top of {base}", "incumbent", jobs, minutes=left / 2 / 60)
-        say(env, f"speed: {r.title}: {len(remaining)} candidate(s), up to {r.minutes:.1f} min of measuring")
-        measure_round(r, rounds_dir / f"round{len(rounds) + 1}", settings, ranks)
-        rounds.append(r)
-        for s in remaining:
-            rows.append({"stage": f"round {len(rounds)}", "switch": s.name, "on_top_of": base, **_figures(r, s.name)})
-        winners = [s for s in remaining if helps(r, s.name, t.min_speedup)]
-        if not winners:
-            notes.append(f"round {len(rounds)}: no candidate was firmly faster than {base}")
-            extra = hopefuls(r, remaining)
-            break
-        best = max(winners, key=lambda s: r.comparisons[s.name].speedup)
-        incumbent.append(best)
-        say(env, f"speed: {r.title}: {best.name} helps most ({_describe(r.comparisons[best.name])}); kept")
-        remaining = [s for s in remaining if s is not best and (best.group is None or s.group != best.group)
-                     and r.comparisons.get(s.name) is not None and r.comparisons[s.name].speedup > 1
-                     and s.name not in r.failed]
+    def guard_candidates(self, candidates: list[Switch]) -> list[Switch]:
+        """The candidates whose first ``tune.guard_steps`` stay within the tolerance of yours (or that change no
+        arithmetic)."""
+        passed: list[Switch] = []
+        for s in candidates:
+            if not s.arithmetic:
+                self.rows.append({"stage": "guard", "switch": s.name,
+                                  "verdict": "not needed (same batches, same arithmetic)"})
+                passed.append(s)
+                continue
+            dep, loss, note = self.guard([s])
+            ok = dep <= self.tolerance
+            why = note or f"loss departs {fmt(dep, '.1%')}"
+            self.rows.append({"stage": "guard", "switch": s.name, "guard_loss": loss, "guard_departure": dep,
+                              "verdict": "passed" if ok else f"rejected ({why})"})
+            say(self.env, f"speed: guard {s.name}: loss after {self.t.guard_steps} steps {fmt(loss, '.4f')}, departs "
+                          f"{fmt(dep, '.2%')} -> {'passed' if ok else 'REJECTED'}")
+            if ok:
+                passed.append(s)
+        return passed
 
-    # 3. the pick's own guard (the switches together), then the verification against yours and fast
-    def guarded(sw: list[Switch], what: str) -> bool:
+    def guarded(self, sw: list[Switch], what: str) -> bool:
+        """The guard on switches together (the pick); a row, and a note when it fails."""
         if not any(s.arithmetic for s in sw):
             return True
-        dep, loss, note = guard(sw)
-        ok = dep <= tolerance
-        rows.append({"stage": "guard", "switch": "+".join(s.name for s in sw), "guard_loss": loss,
-                     "guard_departure": dep, "verdict": "passed" if ok else "rejected"})
+        dep, loss, note = self.guard(sw)
+        ok = dep <= self.tolerance
+        self.rows.append({"stage": "guard", "switch": "+".join(s.name for s in sw), "guard_loss": loss,
+                          "guard_departure": dep, "verdict": "passed" if ok else "rejected"})
         if not ok:
-            notes.append(f"{what} ({'+'.join(s.name for s in sw)}) departs {fmt(dep, '.1%')} from your loss curve")
+            self.notes.append(f"{what} ({'+'.join(s.name for s in sw)}) departs {fmt(dep, '.1%')} from your loss curve")
         return ok
 
-    while incumbent and not guarded(incumbent, "the pick's switches together"):
-        notes.append(f"{incumbent[-1].name} dropped from the pick")
-        incumbent.pop()
-    if extra and not guarded([*incumbent, *extra], "the pick with the last round's hopefuls"):
-        extra = []
-    fast, fast_note = fast_config()
-    if fast is None:
-        notes.append(f"+experiment=fast not compared: {fast_note}")
-    options = {name: sw for name, sw in (("pick", incumbent), ("extended", [*incumbent, *extra]))
-               if sw and (name == "pick" or extra)}
-    label = {name: "+".join(s.name for s in sw) for name, sw in options.items()}
-    verify_jobs = {"yours": cfg, **{name: applied(cfg, sw) for name, sw in options.items()}}
-    if fast is not None:
-        verify_jobs["fast"] = fast
-    verified, chosen_name = None, None
-    if len(verify_jobs) > 1:
-        spent = agreed(sum(r.measured_s for r in rounds))
-        minutes = max(1.0, (budget_s - spent) / 60)
-        from runner.interleave import record as record_mod
+    # ----------------------------------------------------------------------------- 2. greedy forward selection
+    def select(self, remaining: list[Switch]) -> tuple[list[Switch], list[Switch]]:
+        """One interleaved round per switch added (the module docstring); returns the pick and the last round's
+        hopefuls (faster on top of the pick, not firmly)."""
+        incumbent: list[Switch] = []
+        reserve_s = 0.25 * self.budget_s  # for the verification
+        while remaining:
+            left = self.agreed(self.budget_s - sum(r.measured_s for r in self.rounds) - reserve_s)
+            if left < 60:
+                self.notes.append(f"the search stopped with {len(remaining)} candidate(s) unmeasured on top of the "
+                                  f"pick: tune.budget_minutes={self.t.budget_minutes:g} spent")
+                break
+            base = "yours" if not incumbent else "+".join(s.name for s in incumbent)
+            jobs = {"incumbent": applied(self.cfg, incumbent),
+                    **{s.name: applied(self.cfg, [*incumbent, s]) for s in remaining}}
+            r = Round(f"round {len(self.rounds) + 1}: on top of {base}", "incumbent", jobs, minutes=left / 2 / 60)
+            say(self.env, f"speed: {r.title}: {len(remaining)} candidate(s), up to {r.minutes:.1f} min of measuring")
+            measure_round(r, self.rounds_dir / f"round{len(self.rounds) + 1}", self.settings, self.ranks)
+            self.rounds.append(r)
+            for s in remaining:
+                self.rows.append({"stage": f"round {len(self.rounds)}", "switch": s.name, "on_top_of": base,
+                                  **_figures(r, s.name)})
+            winners = [s for s in remaining if helps(r, s.name, self.t.min_speedup)]
+            if not winners:
+                self.notes.append(f"round {len(self.rounds)}: no candidate was firmly faster than {base}")
+                return incumbent, hopefuls(r, remaining)
+            best = max(winners, key=lambda s: r.comparisons[s.name].estimate)
+            incumbent.append(best)
+            say(self.env, f"speed: {r.title}: {best.name} helps most ({_describe(r.comparisons[best.name])}); kept")
+            remaining = [s for s in remaining if s is not best and (best.group is None or s.group != best.group)
+                         and r.comparisons.get(s.name) is not None and r.comparisons[s.name].estimate > 1
+                         and s.name not in r.failed]
+        return incumbent, []
 
-        v = Round("verification", "yours", verify_jobs, minutes=minutes)
+    # ------------------------------------------------------------------------------------------ 3. verification
+    def verify(self, incumbent: list[Switch], extra: list[Switch]) -> tuple[list[Switch], Any]:
+        """Yours, its copy, the pick, the pick with the hopefuls and ``+experiment=fast`` head to head; returns the
+        switches recommended (none: no change) and their interval against yours."""
+        fast, fast_note = fast_config()
+        if fast is None:
+            self.notes.append(f"+experiment=fast not compared: {fast_note}")
+        options = {name: sw for name, sw in (("pick", incumbent), ("extended", [*incumbent, *extra]))
+                   if sw and (name == "pick" or extra)}
+        label = {name: "+".join(s.name for s in sw) for name, sw in options.items()}
+        jobs = {"yours": self.cfg, **{name: applied(self.cfg, sw) for name, sw in options.items()}}
+        if fast is not None:
+            jobs["fast"] = fast
+        if len(jobs) == 1:
+            return [], None
+        minutes = max(1.0, (self.budget_s - self.agreed(sum(r.measured_s for r in self.rounds))) / 60)
+        v = Round("verification", "yours", jobs, minutes=minutes)
         shown = ", ".join(f"the {'pick' if n == 'pick' else 'pick with the hopefuls'} ({label[n]})" for n in options)
-        say(env, f"speed: verification: your configuration{', ' + shown if shown else ''}"
-                 f"{', +experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min")
-        measure_round(v, rounds_dir / "verification", settings, ranks)
-        rounds.append(v)
-        for name in verify_jobs:
+        say(self.env, f"speed: verification: your configuration{', ' + shown if shown else ''}"
+                      f"{', +experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min")
+        measure_round(v, self.rounds_dir / "verification", self.settings, self.ranks)
+        self.rounds.append(v)
+        for name in jobs:
             if name != "yours":
-                rows.append({"stage": "verification", "switch": label.get(name, fast_note), "on_top_of": "yours",
-                             **_figures(v, name)})
-        rows.append({"stage": "verification", "switch": "(yours, A/A)", "on_top_of": "yours",
-                     **_paired_cells(v.aa), "verdict": "noise"})
-        chosen_name = choose(v, list(options), t.min_speedup)
-        if "extended" in options:
-            head = record_mod.versus(v.record or {"slices": []}, "extended", "pick") if "pick" in options else None
-            notes.append(f"the pick with the last round's hopefuls ({label['extended']})"
-                         + (f" against the pick alone, head to head: {_describe(head)}" if head else "")
-                         + f": {'recommended' if chosen_name == 'extended' else 'not recommended'}")
-        for name in options:
-            if name != chosen_name and not helps(v, name, t.min_speedup):
-                notes.append(f"{label[name]} was not firmly faster than your configuration head to head "
-                             f"({_describe(v.comparisons.get(name))})")
-        if chosen_name is not None:
-            verified = v.comparisons.get(chosen_name)
-            if fast is not None:
-                head = record_mod.versus(v.record or {"slices": []}, chosen_name, "fast")
-                if head is not None:
-                    notes.append(f"the pick against +experiment=fast, head to head: {_describe(head)}")
-    incumbent = options.get(chosen_name, []) if chosen_name else []
-    pick_name = "+".join(s.name for s in incumbent) or None
-    recommended = {"switches": [s.name for s in incumbent],
-                   "changes": {k: v for s in incumbent for k, v in s.changes.items()},
-                   "speedup": verified.speedup if incumbent and verified else 1.0,
-                   "ci_low": verified.ci_low if incumbent and verified else None,
-                   "ci_high": verified.ci_high if incumbent and verified else None}
-    if incumbent:
-        override = " ".join(o for s in incumbent for o in s.overrides)
-        notes.insert(0, f"the pick {pick_name}: ×{verified.speedup:.3f} [{verified.ci_low:.3f}–{verified.ci_high:.3f}] "
-                        f"your configuration's samples/s, measured head to head")
-    else:
-        override = "(no change)"
-        notes.insert(0, "no change: no switch made your job firmly faster on this machine")
-    biased = [r for r in rounds if r.aa is not None and (r.aa.ci_low > 1 or r.aa.ci_high < 1)]
-    if biased:
-        notes.insert(1, "warning: " + "; ".join(f"{r.title.split(':')[0]}: your configuration against its own copy "
-                                                  f"read {_describe(r.aa)}" for r in biased)
-                     + ": the round's own noise check failed, so its verdicts are less sure than their intervals "
-                       "say (a switch is kept only when it beats both copies; more processes per configuration, "
-                       "interleave.processes, widen the intervals to what the machine does)")
-    if rounds and rounds[-1].aa is not None:
-        from runner.interleave.stats import minimum_detectable
+                self.rows.append({"stage": "verification", "switch": label.get(name, fast_note), "on_top_of": "yours",
+                                  **_figures(v, name)})
+        self.rows.append({"stage": "verification", "switch": "(yours, A/A)", "on_top_of": "yours",
+                          **_paired_cells(v.aa), "verdict": "noise"})
+        chosen_name = choose(v, list(options), self.t.min_speedup)
+        self._verification_notes(v, options, label, chosen_name, fast is not None)
+        if chosen_name is None:
+            return [], None
+        return options[chosen_name], v.comparisons.get(chosen_name)
 
-        notes.append(f"noise: your configuration against its own copy read {_describe(rounds[-1].aa)}; effects below "
-                     f"about {minimum_detectable(rounds[-1].aa):.1%} could not be resolved")
-    notes.append(f"measured by interleaved slices of resident processes (runner/interleave/), "
-                 f"slices of {settings.slice_seconds:g} s (tune.slice_seconds); the guard: {t.guard_steps} steps, tolerance "
-                 f"{tolerance:.1%} (yours under another seed, at least tune.guard_tolerance); the rounds' processes and interleave.json: {rounds_dir}")
-    return {"recommended": recommended, "override": override, "rows": rows, "notes": notes,
-            "rounds": [{"title": r.title, "aa": _paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
-                       for r in rounds],
-            "files": {"experiment/tuned.yaml": tuned_yaml(incumbent, recommended)}}
+    def _verification_notes(self, v: Round, options: dict, label: dict, chosen_name: str | None, fast: bool) -> None:
+        from runner.compare import record as record_mod
+
+        record = v.record or {"slices": [], "jobs": {}}
+        if "extended" in options:
+            head = record_mod.versus(record, "extended", "pick") if "pick" in options else None
+            self.notes.append(f"the pick with the last round's hopefuls ({label['extended']})"
+                              + (f" against the pick alone, head to head: {_describe(head)}" if head else "")
+                              + f": {'recommended' if chosen_name == 'extended' else 'not recommended'}")
+        for name in options:
+            if name != chosen_name and not helps(v, name, self.t.min_speedup):
+                self.notes.append(f"{label[name]} was not firmly faster than your configuration head to head "
+                                  f"({_describe(v.comparisons.get(name))})")
+        if chosen_name is not None and fast:
+            head = record_mod.versus(record, chosen_name, "fast")
+            if head is not None:
+                self.notes.append(f"the pick against +experiment=fast, head to head: {_describe(head)}")
+
+    # ----------------------------------------------------------------------------------------------- the result
+    def result(self, picked: list[Switch], verified: Any) -> dict[str, Any]:
+        """The harness's result (``tune_speed``'s return value) for the recommended switches ``picked``."""
+        recommended = {"switches": [s.name for s in picked],
+                       "changes": {k: v for s in picked for k, v in s.changes.items()},
+                       "speedup": verified.estimate if picked and verified else 1.0,
+                       "ci_low": verified.low if picked and verified else None,
+                       "ci_high": verified.high if picked and verified else None}
+        notes = self.notes
+        if picked:
+            override = " ".join(o for s in picked for o in s.overrides)
+            notes.insert(0, f"the pick {'+'.join(s.name for s in picked)}: ×{verified.estimate:.3f} "
+                            f"[{verified.low:.3f}–{verified.high:.3f}] your configuration's samples/s, measured head "
+                            f"to head")
+        else:
+            override = "(no change)"
+            notes.insert(0, "no change: no switch made your job firmly faster on this machine")
+        biased = [r for r in self.rounds if r.aa is not None and (r.aa.low > 1 or r.aa.high < 1)]
+        if biased:
+            notes.insert(1, "warning: " + "; ".join(f"{r.title.split(':')[0]}: your configuration against its own "
+                                                      f"copy read {_describe(r.aa)}" for r in biased)
+                         + ": the round's own noise check failed, so its verdicts are less sure than their intervals "
+                           "say (a switch is kept only when it beats both copies; more processes per configuration, "
+                           "interleave.processes, widen the intervals to what the machine does)")
+        if self.rounds and self.rounds[-1].aa is not None:
+            from runner.compare.stats import minimum_detectable
+
+            aa = self.rounds[-1].aa
+            notes.append(f"noise: your configuration against its own copy read {_describe(aa)}; effects below about "
+                         f"{minimum_detectable(aa):.1%} could not be resolved")
+        notes.append(f"measured by interleaved slices of resident processes (runner/compare/), slices of "
+                     f"{self.settings.slice_seconds:g} s (tune.slice_seconds); the guard: {self.t.guard_steps} steps, "
+                     f"tolerance {self.tolerance:.1%} (yours under another seed, at least tune.guard_tolerance); the "
+                     f"rounds' processes and interleave.json: {self.rounds_dir}")
+        return {"recommended": recommended, "override": override, "rows": self.rows, "notes": notes,
+                "rounds": [{"title": r.title, "aa": _paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
+                           for r in self.rounds],
+                "files": {"experiment/tuned.yaml": tuned_yaml(picked, recommended)}}
 
 
 def _rounds_folder(job_dir: Path) -> Path:
@@ -309,22 +356,22 @@ def _rounds_folder(job_dir: Path) -> Path:
 
 
 def _paired_cells(c) -> dict[str, Any]:
-    return {"speedup": c.speedup, "ci_low": c.ci_low, "ci_high": c.ci_high} if c else {}
+    return {"speedup": c.estimate, "ci_low": c.low, "ci_high": c.high} if c else {}
 
 
 def _figures(r: Round, name: str) -> dict[str, Any]:
-    from runner.interleave.stats import HELPS
+    from runner.compare.stats import HELPS
 
     c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
     verdict = r.failed.get(name) if name in r.failed and c is None else r.verdicts.get(name) or "not measured"
-    if verdict == HELPS and r.aa is not None and not (copy_c and copy_c.ci_low > 1):
+    if verdict == HELPS and r.aa is not None and not (copy_c and copy_c.low > 1):
         verdict = "helps vs the reference, not vs its copy"
     return {**_paired_cells(c), "verdict": verdict, "samples_per_sec": r.samples_per_sec.get(name),
-            "vs_copy": copy_c.speedup if copy_c else None, "aa_speedup": r.aa.speedup if r.aa else None}
+            "vs_copy": copy_c.estimate if copy_c else None, "aa_speedup": r.aa.estimate if r.aa else None}
 
 
 def _describe(c) -> str:
-    return f"×{c.speedup:.3f} [{c.ci_low:.3f}–{c.ci_high:.3f}]" if c else "no interval"
+    return f"×{c.estimate:.3f} [{c.low:.3f}–{c.high:.3f}]" if c else "no interval"
 
 
 def tuned_yaml(picked: list[Switch], recommended: dict[str, Any]) -> str:
@@ -382,5 +429,5 @@ TUNER = Tuner(
     console_rows=None,  # every row is a decision: the console shows the verification against fast too
 )
 
-__all__ = ["TUNER", "Switch", "switches", "chosen", "applied", "loss_curve", "departure", "job_config", "Round",
+__all__ = ["TUNER", "Switch", "switches", "chosen", "applied", "loss_curve", "departure", "Round",
            "measure_round", "read_round", "helps", "hopefuls", "choose", "fast_config", "tune_speed", "tuned_yaml"]

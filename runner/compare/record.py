@@ -1,6 +1,6 @@
-"""``interleave.json``: what an interleaved sweep measured, and the comparisons it supports.
+"""``interleave.json``: what an interleaved comparison measured, and the comparisons it supports.
 
-The coordinator (runner/interleave/coordinator.py) rewrites the file after every pass (atomically), so a sweep
+The conductor (runner/compare/conductor.py) rewrites the file after every pass (atomically), so a sweep
 stopped by Ctrl-C or a crash still has a record of every slice it measured. Its keys:
 
 - ``design``: ``"interleaved"``; ``reference``: the sweep's reference job; ``aa``: its copy (A'), or None;
@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.interleave import stats
+from runner.compare import stats
 
 FILE = "interleave.json"
 
@@ -113,7 +113,7 @@ def log_ratios(record: dict[str, Any]) -> dict[str, list[float]]:
     return out
 
 
-def compare(record: dict[str, Any], confidence: float | None = None) -> dict[str, stats.Paired | None]:
+def compare(record: dict[str, Any], confidence: float | None = None) -> dict[str, stats.Interval | None]:
     """Each compared configuration's comparison with its own reference: ``stats.paired`` over passes (None below
     2 pairs), or with several processes per configuration ``stats.between_processes`` (keyed by configuration)."""
     level = confidence or record.get("settings", {}).get("confidence", 0.95)
@@ -126,7 +126,7 @@ def compare(record: dict[str, Any], confidence: float | None = None) -> dict[str
             if job.get("reference") is not None}
 
 
-def chained(record: dict[str, Any], name: str, target: str, confidence: float | None = None) -> stats.Paired | None:
+def chained(record: dict[str, Any], name: str, target: str, confidence: float | None = None) -> stats.Interval | None:
     """``name`` against ``target`` when ``name``'s reference is itself compared with ``target`` (a
     leave-one-out job against the baseline, through the fast preset): per pass, the sum of the two paired log
     ratios of that pass; None when the chain does not reach ``target`` or has fewer than 2 passes. With several
@@ -145,7 +145,7 @@ def chained(record: dict[str, Any], name: str, target: str, confidence: float | 
     return stats.paired(sums, confidence or record.get("settings", {}).get("confidence", 0.95))
 
 
-def versus(record: dict[str, Any], name: str, other: str, confidence: float | None = None) -> stats.Paired | None:
+def versus(record: dict[str, Any], name: str, other: str, confidence: float | None = None) -> stats.Interval | None:
     """``name`` against ``other`` when both are compared with the same reference (a job against the reference's
     copy A'): per pass, ``name``'s paired log ratio minus ``other``'s; None below 2 passes that measured both.
     With several processes per configuration: the two configurations' processes compared directly."""
@@ -155,12 +155,12 @@ def versus(record: dict[str, Any], name: str, other: str, confidence: float | No
     return stats.paired(diffs, confidence or record.get("settings", {}).get("confidence", 0.95))
 
 
-def aa_comparison(record: dict[str, Any]) -> stats.Paired | None:
+def aa_comparison(record: dict[str, Any]) -> stats.Interval | None:
     """The reference against its copy (A'): the sweep's own noise, or None without a copy."""
     aa = record.get("aa")
     return compare(record).get(aa) if aa else None
 
 
-def describe(c: stats.Paired | None) -> str:
+def describe(c: stats.Interval | None) -> str:
     """``"×1.003 [0.981–1.026]"`` or ``"no interval"``."""
-    return f"×{c.speedup:.3f} [{c.ci_low:.3f}–{c.ci_high:.3f}]" if c else "no interval"
+    return f"×{c.estimate:.3f} [{c.low:.3f}–{c.high:.3f}]" if c else "no interval"

@@ -1,15 +1,14 @@
-"""The interleaved sweep's fallback to rounds: jobs that could not be resident beside their reference.
+"""The interleaved comparison's fallback to rounds: jobs that could not be resident beside their reference.
 
 A job that had no room beside the references (not even alone: free memory under one footprint, or
 ``interleave.max_resident`` reached) or died for memory there (a CUDA out-of-memory error: exit status
-``coordinator.EXIT_OUT_OF_MEMORY``; the kernel's out-of-memory killer: SIGKILL) is deferred by the conductor
-(runner/interleave/coordinator.py) and measured here once the groups and the references have finished, in
+``process.EXIT_OUT_OF_MEMORY``; the kernel's out-of-memory killer: SIGKILL) is deferred by the conductor
+(runner/compare/conductor.py) and measured here once the groups and the references have finished, in
 pairs of fresh processes: the rounds design, with the sweep's own paired statistic.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import time
 from typing import Any
@@ -21,7 +20,7 @@ RUN_SUMMARY = "run-summary.json"
 
 
 def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
-    """The fallback for jobs that could not be resident beside their reference (``Conductor._defer``), run once the
+    """The fallback for jobs that could not be resident beside their reference (``Conductor.defer``), run once the
     groups and the references have finished and freed their memory: per configuration, ``interleave.
     fallback_pairs`` passes, each a fresh process of the reference and then of the job (the order reversed
     every other pass: ABBA), each trained through its warm-up and one settling slice, then measured over one
@@ -29,8 +28,8 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
     (group ``"rounds"`` in ``interleave.json``), so the statistic is the sweep's own; the passes are minutes
     apart, not seconds, so drift cancels less well than between resident jobs. The job's processes take the
     passes in turn; each run writes into ``<folder>/rounds/pass<N>`` (its summary as ``RUN_SUMMARY``) and the
-    last one's summary becomes the job's ``summary.json``. ``conductor``: the sweep's ``Conductor``; ``fallback``:
-    its deferred ``Job``s; ``stop``: its Ctrl-C flag (``Stop``)."""
+    last one's summary becomes the job's ``summary.json``. ``conductor``: the comparison's ``Conductor``;
+    ``fallback``: its deferred ``Job``s; ``stop``: its Ctrl-C flag (``Stop``)."""
     by_config: dict[str, list[Any]] = {}
     for job in fallback:
         by_config.setdefault(job.config, []).append(job)
@@ -38,18 +37,17 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
     for config, processes in by_config.items():
         processes.sort(key=lambda j: j.name)
         reference = conductor.jobs[processes[0].reference]
-        print(f"interleave: rounds: {config} against {reference.name}, {conductor.s.fallback_pairs} pair(s) of fresh "
+        print(f"interleave: rounds: {config} against {reference.name}, {conductor.settings.fallback_pairs} pair(s) of fresh "
               f"processes", flush=True)
-        for i in range(conductor.s.fallback_pairs):
+        for i in range(conductor.settings.fallback_pairs):
             if stop.requested:
                 return
             job = processes[i % len(processes)]
             pair = [reference, job] if i % 2 == 0 else [job, reference]
             figures = {}
             for position, template in enumerate(pair):
-                run = dataclasses.replace(template, folder=template.folder / "rounds" / f"pass{passes}", process=None,
-                                          connection=None, status="pending", report={}, group="rounds")
-                result = fresh_run(conductor, run)
+                run = template.fresh(template.folder / "rounds" / f"pass{passes}")
+                result = fresh_run(run, conductor.slice_steps)
                 if result is not None:
                     figures[template.name] = position
                     conductor.slices.append({"group": "rounds", "pass": passes, "position": position,
@@ -72,15 +70,16 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
                 job.status = "not run (the fallback's passes went to its other processes)"
         measured = sum(1 for sl in conductor.slices if sl["group"] == "rounds" and sl["job"] in
                        {p.name for p in processes} and sl["pairs_with"] is not None)
-        conductor.stopped.append(f"rounds: {config}: {measured} of {conductor.s.fallback_pairs} pair(s) measured")
+        conductor.stopped.append(f"rounds: {config}: {measured} of {conductor.settings.fallback_pairs} pair(s) measured")
 
 
-def fresh_run(conductor: Any, run: Any) -> dict[str, Any] | None:
-    """Start ``run``, let it settle for a slice, measure one slice of ``ROUNDS_SLICES`` slices, finish it."""
-    if not conductor._start(run) or conductor._slice(run, conductor.slice_steps) is None:
+def fresh_run(run: Any, slice_steps: int) -> dict[str, Any] | None:
+    """Start ``run`` (a fresh ``Job``), let it settle for a slice of ``slice_steps``, measure one slice of
+    ``ROUNDS_SLICES`` slices, finish it."""
+    if not run.start() or run.slice(slice_steps) is None:
         return None
-    figures = conductor._slice(run, ROUNDS_SLICES * conductor.slice_steps)
-    conductor._finish(run)
+    figures = run.slice(ROUNDS_SLICES * slice_steps)
+    run.finish()
     summary = run.folder / "summary.json"
     if summary.is_file():  # the reports read every summary.json under the sweep as a job of its own
         summary.rename(run.folder / RUN_SUMMARY)

@@ -1,4 +1,4 @@
-"""Interleaved sweeps under torchrun: one conductor per rank; rank 0's decides, the others mirror it.
+"""Interleaved comparisons under torchrun: one conductor per rank; rank 0's decides, the others mirror it.
 
 ``torchrun --nproc-per-node N -m runner -m hydra/launcher=interleaved distributed=ddp <sweep>`` (and
 ``python -m runner.tune speed`` under torchrun) runs the launcher on every rank, and each job of the sweep
@@ -77,7 +77,7 @@ class Ranks:
             return None
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
-            dist.init_process_group("gloo", store=distributed._attempt_store(layout, timeout), rank=layout.rank,
+            dist.init_process_group("gloo", store=distributed.attempt_store(layout, timeout), rank=layout.rank,
                                     world_size=layout.world_size, timeout=timeout)
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size // max(1, layout.nodes)))
         return cls(rank=layout.rank, world_size=layout.world_size, per_node=max(1, per_node))
@@ -108,10 +108,10 @@ def follow(conductor: Any) -> None:
         kind, name, *args = op
         job = conductor.jobs[name]
         if kind == "spawn":
-            conductor._spawn(job, args[0])
-        elif kind == "slice" and job.status == "resident":
-            conductor._slice(job, args[0])
+            job.spawn(args[0])
+        elif kind == "slice" and job.resident:
+            job.slice(args[0])
         elif kind == "finish":
-            conductor._finish(job)
+            job.finish()
     for job in conductor.jobs.values():
-        conductor._finish(job)
+        job.finish()

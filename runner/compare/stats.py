@@ -1,6 +1,6 @@
-"""The statistics of an interleaved sweep: paired ratios, their intervals, Holm's verdicts, the A/A noise.
+"""The statistics of every comparison runner makes: paired ratios, their intervals, Holm's verdicts, the A/A noise.
 
-Each pass gives every job one slice next to a slice of its reference (runner/interleave/schedule.py), so a
+Each pass gives every job one slice next to a slice of its reference (runner/compare/schedule.py), so a
 comparison is a list of paired log ratios ``d_p = log(x_p / r_p)`` (x: the job's samples/s in pass p, r:
 its reference's in the adjacent slice). Drift slower than a slice pair cancels in each ``d_p``; what is left
 is close to normal on the log scale, so the estimate is ``exp(mean d)`` with a Student-t interval
@@ -30,10 +30,12 @@ Numerical Recipes 3rd ed. §6.4) so that runner needs no SciPy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 HELPS, HURTS, NO_EFFECT = "helps", "hurts", "no measurable effect"
+#: The verdict of a comparison without an interval
+NO_INTERVAL = "no interval (fewer than 2 pairs or processes)"
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -89,15 +91,15 @@ def t_quantile(p: float, df: int) -> float:
 
 
 @dataclass(frozen=True)
-class Paired:
-    """One comparison: ``speedup`` = exp(mean log ratio) (x > 1: the job is faster than its reference),
-    its interval ``ci_low``..``ci_high`` at ``confidence``, the two-sided ``p_value`` of "no effect", the
+class Interval:
+    """One comparison's figure: ``estimate`` = exp(mean log ratio) (a factor; > 1: the job is faster than its
+    reference), its interval ``low``..``high`` at ``confidence``, the two-sided ``p_value`` of "no effect", the
     number of pairs ``n`` (of processes, for ``between_processes``), ``se_log`` (the standard error of the mean
     log ratio) and ``df``, the t distribution's degrees of freedom (None: ``n - 1``)."""
 
-    speedup: float
-    ci_low: float
-    ci_high: float
+    estimate: float
+    low: float
+    high: float
     p_value: float
     n: int
     se_log: float
@@ -107,10 +109,14 @@ class Paired:
     @property
     def half_width(self) -> float:
         """Half the interval's width relative to the estimate (0.03 = ±3 %)."""
-        return (self.ci_high - self.ci_low) / 2 / self.speedup
+        return (self.high - self.low) / 2 / self.estimate
+
+    def inverted(self) -> "Interval":
+        """The same comparison read the other way round (reference ÷ job)."""
+        return replace(self, estimate=1 / self.estimate, low=1 / self.high, high=1 / self.low)
 
 
-def paired(log_ratios: Sequence[float], confidence: float = 0.95) -> Paired | None:
+def paired(log_ratios: Sequence[float], confidence: float = 0.95) -> Interval | None:
     """The paired comparison of ``log_ratios`` (natural log of job ÷ reference samples/s, one per pass); None
     with fewer than 2 pairs (no interval exists).
 
@@ -130,7 +136,7 @@ def paired(log_ratios: Sequence[float], confidence: float = 0.95) -> Paired | No
     se = sd / math.sqrt(n)
     t = t_quantile(1 - (1 - confidence) / 2, n - 1)
     p = 1.0 if se == 0 and mean == 0 else 0.0 if se == 0 else 2 * (1 - t_cdf(abs(mean) / se, n - 1))
-    return Paired(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, n, se, confidence)
+    return Interval(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, n, se, confidence)
 
 
 def pooled_spread(process_means: Sequence[Sequence[float]]) -> tuple[float, int]:
@@ -147,7 +153,7 @@ def pooled_spread(process_means: Sequence[Sequence[float]]) -> tuple[float, int]
 
 
 def between_processes(job: Sequence[float], reference: Sequence[float], sd: float, df: int,
-                      confidence: float = 0.95) -> Paired | None:
+                      confidence: float = 0.95) -> Interval | None:
     """A configuration against its reference when the *process* is the unit of replication: ``job`` and
     ``reference`` hold one value per process, its mean log samples/s relative to the reference's processes in
     the same passes (drift in time removed), and ``sd``/``df`` come from ``pooled_spread`` over the sweep. The
@@ -168,7 +174,7 @@ def between_processes(job: Sequence[float], reference: Sequence[float], sd: floa
     se = sd * math.sqrt(1 / len(job) + 1 / len(reference))
     t = t_quantile(1 - (1 - confidence) / 2, df)
     p = 1.0 if se == 0 and mean == 0 else 0.0 if se == 0 else 2 * (1 - t_cdf(abs(mean) / se, df))
-    return Paired(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, len(job) + len(reference),
+    return Interval(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, len(job) + len(reference),
                   se, confidence, df)
 
 
@@ -186,7 +192,7 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
     return rejected
 
 
-def verdicts(comparisons: Sequence[Paired | None], confidence: float = 0.95) -> list[str]:
+def verdicts(comparisons: Sequence[Interval | None], confidence: float = 0.95) -> list[str]:
     """One verdict per comparison, Holm over those that have an interval: ``helps`` (rejected, faster),
     ``hurts`` (rejected, slower), ``no measurable effect``, or ``""`` without an interval."""
     alpha = 1 - confidence
@@ -197,19 +203,19 @@ def verdicts(comparisons: Sequence[Paired | None], confidence: float = 0.95) -> 
         if c is None:
             out.append("")
         elif next(rejected):
-            out.append(HELPS if c.speedup > 1 else HURTS)
+            out.append(HELPS if c.estimate > 1 else HURTS)
         else:
             out.append(NO_EFFECT)
     return out
 
 
-def equivalence_margin(c: Paired) -> float:
+def equivalence_margin(c: Interval) -> float:
     """The smallest X (relative, rounded up to 0.1 %) such that the interval lies within 1 ± X: "no effect
     larger than ±X %"."""
-    return math.ceil(1000 * max(1 - c.ci_low, c.ci_high - 1, 0.0)) / 1000
+    return math.ceil(1000 * max(1 - c.low, c.high - 1, 0.0)) / 1000
 
 
-def minimum_detectable(aa: Paired, power: float = 0.8) -> float:
+def minimum_detectable(aa: Interval, power: float = 0.8) -> float:
     """The smallest effect (relative, e.g. 0.02 = 2 %) a comparison with the A/A's standard error and pairs
     would call at the A/A's level with probability ``power``: exp((t_{1-α/2} + t_power) · se) - 1."""
     df = aa.df if aa.df is not None else aa.n - 1

@@ -3,16 +3,18 @@
 ``python -m runner -m hydra/launcher=interleaved trainer.seed=0,1`` (any sweep; ``+experiment=ablation`` selects it)
 prepares every job the way Hydra's basic launcher would (its folder, ``.hydra/``, the config
 resolved in the job's context), adds a copy of the reference job (A', the sweep's own noise), and hands the
-jobs to the conductor (runner/interleave/coordinator.py), which keeps them resident and lets them take turns.
-Each job's figure relative to its reference is the paired ratio of adjacent slices (runner/interleave/stats.py);
+jobs to the conductor (runner/compare/conductor.py), which keeps them resident and lets them take turns.
+Each job's figure relative to its reference is the paired ratio of adjacent slices (runner/compare/stats.py);
 the report (``report.md``/``report.csv``, runner/report/) is written at the end, also after Ctrl-C.
 
-An ablation (``+experiment=ablation``) is interleaved by default; ``ablation.design=rounds`` hands its rounds of
-repeats to Hydra's basic launcher.
+An ablation (``+experiment=ablation``) is such a sweep: its jobs are compared with the baseline (a leave-one-out
+job with the fast preset), and its report is the ablation's (runner/ablation.py).
+
+This module is the thin adapter between Hydra and runner/compare/, where the measuring happens.
 
 Under torchrun (``torchrun --nproc-per-node N -m runner -m hydra/launcher=interleaved distributed=ddp ...``)
 every job runs as a DDP job of the N ranks, all of whose processes pause together: rank 0's conductor decides
-and the other ranks' conductors mirror it (runner/interleave/ranks.py); rank 0 writes the record and the report.
+and the other ranks' conductors mirror it (runner/compare/ranks.py); rank 0 writes the record and the report.
 
 Hydra instantiates launchers only from the ``hydra_plugins`` namespace, whose modules it finds by scanning
 installed packages, which an editable install does not expose (a ``package-dir`` mapping is invisible to
@@ -57,19 +59,11 @@ class InterleavedLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         cfg = self.config
-        if cfg.ablation.variant is not None and cfg.ablation.design == "rounds":
-            from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-
-            basic = BasicLauncher()
-            basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg)
-            return basic.launch(job_overrides, initial_job_idx)
-        if cfg.ablation.design not in ("interleaved", "rounds"):  # rounds matters to an ablation only
-            _refuse(f"ablation.design={cfg.ablation.design!r}: choose interleaved or rounds")
-        from runner.interleave.schedule import settings_problem
+        from runner.compare.schedule import settings_problem
 
         if problem := settings_problem(cfg.interleave):
             _refuse(problem)
-        from runner.ablation import check_socket_dir
+        from runner.compare.server import check_socket_dir
         from runner.errors import ConfigError
 
         try:
@@ -92,7 +86,8 @@ class InterleavedLauncher(Launcher):
 
     def _conduct(self, sweep: Path, job_overrides, first: int, returns: list, prepared: list,
                  ranks: Any) -> list[JobReturn]:
-        from runner.interleave.coordinator import Conductor, Job, conduct
+        from runner import compare
+        from runner.compare import Job
         from runner.report.load import kind_of
 
         ablation = any(job and job[0].ablation.variant for job in prepared)
@@ -124,7 +119,6 @@ class InterleavedLauncher(Launcher):
                 if extra is not None:
                     jobs.append(Job(_name(extra[1], sweep), extra[0], extra[1], ref, config=name))
         aa = _name(copy_job[1], sweep) if copy_job else None
-        conductor = Conductor(jobs, self.config.interleave, sweep, reference, aa, ranks=ranks)
         per = f"{k} processes per configuration" if k > 1 else "each in its own process"
         if ranks is not None:
             per += f", each of {ranks.world_size} ranks (torchrun)"
@@ -132,7 +126,7 @@ class InterleavedLauncher(Launcher):
             print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
                   f"{per}; the others wait while one trains", flush=True)
         try:
-            conduct(conductor)
+            compare.measure(jobs, self.config.interleave, sweep, reference, aa, ranks=ranks)
         except KeyboardInterrupt:
             print("interleave: killed; interleave.json holds what was measured; `python -m runner.report "
                   f"{sweep}` writes its report", file=sys.stderr, flush=True)
@@ -184,10 +178,10 @@ class InterleavedLauncher(Launcher):
 
 
 def _ranks(cfg: DictConfig):
-    """Under torchrun, this rank's conductor's place among the ranks' (runner/interleave/ranks.py); None with one
+    """Under torchrun, this rank's conductor's place among the ranks' (runner/compare/ranks.py); None with one
     process. Every job of the sweep then runs as a job of all the ranks, so it must be distributed."""
     from runner import launch
-    from runner.interleave.ranks import Ranks
+    from runner.compare.ranks import Ranks
 
     layout = launch.discover()
     if layout.world_size == 1:
@@ -210,11 +204,10 @@ def _resolve_job(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     from runner import ablation
 
     folder = Path(HydraConfig.get().runtime.output_dir)
-    if ablation.run_job(cfg, job_dir=folder) is not None:  # e.g. a CUDA-only variant: not_run.json written
+    if ablation.not_run(cfg, folder) is not None:  # e.g. a CUDA-only variant: not_run.json written
         return None
     job_cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(job_cfg)
-    job_cfg.ablation.isolate = False
     job_cfg.trainer.progress = "off"  # the conductor prints one line per pass
     return job_cfg, folder
 

@@ -1,0 +1,199 @@
+"""One measured job: a resident process, forked from the job server, that trains when told and reports.
+
+The job side is the engine's pause point (runner/slice_gate.py): after its warm-up the job reports (its step,
+its training time so far, its footprint and the free memory) and waits on a pipe; ``{"steps": n}`` lets it
+train ``n`` steps and report again, ``{"steps": 0}`` makes it finish (one last step, the final evaluation,
+``summary.json``). This module is the other end: ``Job.spawn``, ``Job.start`` (spawn and warm up),
+``Job.slice``, ``Job.resumed_slice``, ``Job.finish`` and ``Job.kill``. Under torchrun (runner/compare/ranks.py)
+rank 0's job tells the other ranks' conductors what it is about to do to its process, before it does it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.compare import server
+from runner.track import write_json_atomic
+
+#: A job process's exit status after a CUDA out-of-memory error (the kernel's out-of-memory killer: -9, SIGKILL).
+EXIT_OUT_OF_MEMORY = 4
+
+
+def job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str | None, env: dict[str, str]) -> None:
+    """The body of a job process: leave the terminal's process group (a terminal's Ctrl-C reaches the conductor
+    only), train paused at a slice gate on its end of the pipe (with ``env`` added to the environment: under
+    torchrun, the job's own
+    rendezvous port, runner/compare/ranks.py). A CUDA out-of-memory error exits with ``EXIT_OUT_OF_MEMORY``."""
+    os.setsid()
+    import torch
+
+    from runner.slice_gate import SliceGate
+
+    try:
+        server.train_in_child(cfg, job_dir, env, start_method, gate=SliceGate(connection))
+    except torch.OutOfMemoryError:
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(EXIT_OUT_OF_MEMORY)
+
+
+@dataclass
+class Job:
+    """One process of a comparison: its name (folder relative to the comparison's folder), resolved config,
+    folder, reference (the configuration it is compared with; None for a reference) and ``config``, the
+    configuration it runs (the name of that configuration's first process; None: its own name). The rest is
+    the process's state: ``status`` is ``pending``, ``resident``, ``measured``, ``failed (exit N)`` or ``ended
+    early``; ``report`` the job's last message; ``group`` the group it was resident in (``"rounds"``: measured by
+    the fallback); ``design`` ``interleaved`` or ``rounds``; ``ranks`` this conductor's place under torchrun."""
+
+    name: str
+    cfg: DictConfig
+    folder: Path
+    reference: str | None
+    config: str | None = None
+    process: Any = None
+    connection: Any = None
+    status: str = "pending"
+    report: dict[str, Any] = field(default_factory=dict)
+    group: int | str | None = None
+    design: str = "interleaved"
+    out_of_memory: bool = False  # it failed for want of memory (the fallback measures it again, in rounds)
+    ranks: Any = None
+
+    def __post_init__(self) -> None:
+        self.config = self.config or self.name
+
+    @property
+    def resident(self) -> bool:
+        return self.status == "resident"
+
+    def fresh(self, folder: Path) -> "Job":
+        """A new, not yet started process of this job's configuration writing into ``folder`` (the fallback's
+        runs)."""
+        return Job(self.name, self.cfg, folder, self.reference, self.config, group="rounds", design=self.design,
+                   ranks=self.ranks)
+
+    def start(self) -> bool:
+        """Spawn the process (under torchrun: its own rendezvous, the same port on every rank), wait for its
+        first message and train its warm-up (``trainer.warmup_steps``, at least one step); False when it
+        failed on the way."""
+        port = None
+        if self.ranks is not None:
+            from runner.compare.ranks import free_port
+
+            port = free_port()
+            self.ranks.tell(("spawn", self.name, port))
+        warmup = max(int(self.cfg.trainer.warmup_steps), 1)
+        return self.spawn(port) and self.slice(warmup) is not None
+
+    def spawn(self, port: int | None = None) -> bool:
+        """Fork the process from the job server (rendezvous at ``port`` under torchrun) and wait for its first
+        message; writes ``job.json`` (its start and setup time, for the report); False when it ended on the way."""
+        from runner.compare.ranks import job_env
+
+        ctx = server.context()
+        mine, theirs = ctx.Pipe()
+        # the job starts its own processes (DataLoader workers) as python -m runner would: by this process's start
+        # method (fork on Linux before Python 3.14), not the server's forkserver (a dataset that does not pickle)
+        self.process = ctx.Process(target=job_body, name=f"interleave {self.name}",
+                                   args=(self.cfg, str(self.folder), theirs, multiprocessing.get_start_method(),
+                                         job_env(port) if port is not None else {}))
+        started = time.time()
+        self.process.start()
+        theirs.close()
+        self.connection, self.status = mine, "resident"
+        if self._receive() is None:
+            return False
+        # its setup (fork, data, model, FLOP count: up to the first step's gate), for the report: the job's wall
+        # time is its resident time, most of it waiting for its turn (runner/report/sweep.py job_times)
+        if self.ranks is None or self.ranks.leader:
+            write_json_atomic(self.folder / "job.json", {"started": started, "setup_s": time.time() - started,
+                                                         "design": "interleaved"})
+        return True
+
+    def slice(self, steps: int) -> dict[str, Any] | None:
+        """Let the job train ``steps`` steps; returns ``{"steps", "seconds", "samples_per_sec"}`` (the engine's
+        training time of the slice), None if it ended."""
+        if self.ranks is not None:
+            self.ranks.tell(("slice", self.name, steps))
+        before = self.report
+        try:
+            self.connection.send({"steps": steps})
+        except (BrokenPipeError, OSError):
+            self._ended()
+            return None
+        after = self._receive()
+        if after is None:
+            return None
+        seconds = after["train_time_s"] - before["train_time_s"]
+        done = after["step"] - before["step"]
+        return {"steps": done, "seconds": seconds,
+                "samples_per_sec": done * after["global_batch"] / seconds if seconds > 0 else None}
+
+    def resumed_slice(self, steps: int, resume_steps: int) -> dict[str, Any] | None:
+        """A measured slice of ``steps``: ``resume_steps`` unmeasured steps first (a job that waited a whole pass
+        runs slower for its first steps; the reference, which runs every third slice, would not), then the slice."""
+        if resume_steps and self.slice(resume_steps) is None:
+            return None
+        figures = self.slice(steps)
+        return figures and {**figures, "resume_steps": resume_steps}
+
+    def finish(self) -> None:
+        """Tell a resident job to finish (one last step, final evaluation, ``summary.json``) and wait for it."""
+        if self.status != "resident":
+            return
+        if self.ranks is not None:
+            self.ranks.tell(("finish", self.name))
+        try:
+            self.connection.send({"steps": 0})
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join()
+        if self.process.exitcode == 0:
+            self.status = "measured"
+        else:
+            self._failed(self.process.exitcode)
+
+    def kill(self) -> None:
+        """Kill the process if it is resident (a second Ctrl-C)."""
+        if self.status == "resident" and self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+            self.status = "killed (Ctrl-C)"
+
+    def _receive(self) -> dict[str, Any] | None:
+        try:
+            self.report = self.connection.recv()
+            return self.report
+        except (EOFError, OSError):
+            self._ended()
+            return None
+
+    def _ended(self) -> None:
+        """The pipe closed: the job crashed, or reached ``trainer.max_steps`` before being told to finish."""
+        self.process.join()
+        code = self.process.exitcode
+        if code == 0:
+            self.status = "ended early (trainer.max_steps reached: raise it for longer interleaving)"
+        else:
+            self._failed(code)
+            print(f"interleave: {self.name} FAILED (exit status {code}); its output is above; the others go on",
+                  file=sys.stderr, flush=True)
+
+    def _failed(self, code: int | None) -> None:
+        """Record a failure: the status and ``failed.json`` (what the reports list)."""
+        self.status = f"failed (exit {code})"
+        self.out_of_memory = code in (EXIT_OUT_OF_MEMORY, -signal.SIGKILL)
+        a = self.cfg.get("ablation") or {}
+        variant = {"variant": a.get("variant"), "repeat": a.get("repeat", 0)} if a.get("variant") else {}
+        write_json_atomic(self.folder / "failed.json", {**variant, "returncode": code, "design": "interleaved"})

@@ -1,0 +1,96 @@
+"""The job server: every measured job is a process forked from one server that imported torch and runner once.
+
+A comparison keeps its jobs in processes of their own: peak memory only grows in a process, ``torch.compile``
+caches and recompile limits carry over, and global flags (``cudnn.benchmark``, TF32) stay set, so two
+configurations sharing one process would not be measured as a user runs them. Starting ``python -m runner``
+for each would cost the interpreter's start and the imports (~4-5 s on two cores) per job. So each job is
+forked from a *server*: ``multiprocessing``'s forkserver, started on first use, which imports
+``SERVER_PRELOAD`` and then only forks. No torch op has run in it (no thread pool, no compile cache, no flag
+set) and no CUDA context exists, so each child starts as clean as ``python -m runner`` would. One difference: a
+forked child's peak RSS does not count the library pages the server loaded until the child touches them, so a
+CPU job's peak memory reads a few hundred MiB lower than in a standalone run (the same for every configuration).
+
+runner/compare/process.py forks each job from it (``context``), keeps it resident and lets it train slice by
+slice (``train_in_child`` is its body).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.errors import ConfigError
+
+#: What the server imports once, before it forks any job (importing them runs no torch op and starts no thread).
+#: torch._dynamo is imported lazily by the FLOP count of every job: ~2.5 s each on 2 cores.
+SERVER_PRELOAD = ["torch._dynamo", "runner.train", "runner.compare.process"]
+#: The longest path a Unix socket may have on Linux (``sun_path`` holds 108 bytes with the final NUL)
+UNIX_SOCKET_PATH_MAX = 107
+
+
+def check_socket_dir() -> None:
+    """Raise ConfigError when the server's socket would not fit in a Unix socket path.
+
+    The server listens on ``<temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX`` (``multiprocessing.util.get_temp_dir``
+    under ``TMPDIR``); a longer path fails deep inside ``multiprocessing`` with "AF_UNIX path too long".
+    """
+    from multiprocessing import util
+
+    socket = os.path.join(util.get_temp_dir(), "listener-XXXXXXXX")
+    if len(os.fsencode(socket)) > UNIX_SOCKET_PATH_MAX:
+        raise ConfigError(
+            f"the job server's socket would be {socket!r} ({len(os.fsencode(socket))} bytes), longer than the "
+            f"{UNIX_SOCKET_PATH_MAX} bytes a Unix socket path may hold: set TMPDIR to a shorter folder (e.g. "
+            f"TMPDIR=/tmp)")
+
+
+def context() -> Any:
+    """``multiprocessing``'s forkserver context, preloading ``SERVER_PRELOAD``.
+
+    Raises:
+        ConfigError: ``TMPDIR`` is too long for the server's socket (``check_socket_dir``).
+    """
+    check_socket_dir()
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(SERVER_PRELOAD)  # only read when the server starts
+    return ctx
+
+
+def _ready() -> None:
+    """A child that does nothing: forking it waits until the server has imported ``SERVER_PRELOAD``."""
+
+
+def start() -> float:
+    """Start the server (a no-op when it runs) and wait until it can fork; returns the seconds taken. The server
+    exits with this process."""
+    started = time.perf_counter()
+    child = context().Process(target=_ready, name="job server check")
+    child.start()
+    child.join()
+    return time.perf_counter() - started
+
+
+def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_method: str | None = None,
+                   gate: Any = None) -> None:
+    """The body of a forked job: train ``cfg`` into ``job_dir`` (paused at ``gate``, a ``runner.slice_gate.SliceGate``,
+    when given); bad input exits 2 like ``python -m runner``.
+
+    ``start_method``: the parent's ``multiprocessing`` start method. A child of the forkserver would otherwise
+    start its own processes (DataLoader workers) by forkserver too, unlike ``python -m runner`` (fork on Linux
+    before Python 3.14): slower worker start-up, and a dataset that does not pickle fails."""
+    os.environ.update(env)
+    if start_method:
+        multiprocessing.set_start_method(start_method, force=True)
+    from runner.train import train
+
+    try:
+        train(cfg, Path(job_dir), gate=gate)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
