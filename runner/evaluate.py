@@ -14,6 +14,10 @@ value, and a key the config lacks stops with the close declared key. ``trainer.e
 (the whole split) unless given. Prints the metrics and writes ``eval-<weights>.json`` (or ``--out``) into the
 job folder, atomically.
 
+The job folder is data, never code (``runner.trust``): its saved config may name only runner's own targets and
+resolvers unless ``--allow-target PREFIX`` or ``--trust`` says otherwise; anything else is refused before it is
+imported or called.
+
 ``rebuild`` and ``job_config`` are shared with ``python -m runner.export`` (runner/export.py).
 """
 
@@ -29,6 +33,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import trust
 from runner.errors import ConfigError
 
 #: ``--weights`` choice -> (file in the job folder, what writes it: the fix when it is missing).
@@ -88,7 +93,8 @@ def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
     return choices, searchpath
 
 
-def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
+               policy: trust.Policy | None = None) -> DictConfig:
     """The job's config (``<folder>/.hydra/config.yaml``, resolved) with Hydra-style ``overrides`` composed on.
 
     The saved values are laid over a config Hydra composes from runner's conf/ with the job's group choices
@@ -98,10 +104,15 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
     deletes). The saved config is resolved before the overrides apply, so the model keeps the sizes it was
     trained with (``model.block_size`` follows ``data.block_size`` only at training time).
 
+    The folder's files are checked by ``runner.trust`` under ``policy`` (default: runner's own targets and
+    resolvers, plus ``RUNNER_ALLOW_TARGETS``) before anything in them is resolved, imported or called: the saved
+    config's targets and interpolations, the recorded search path, then the composed config's targets. A target
+    given as an override here is the user's and allowed.
+
     Raises:
         ConfigError: no ``.hydra/config.yaml`` in ``folder`` (not a job folder), an unreadable config, a sweep
             (``a=1,2``), a group the job does not have (``+experiment=...``), an unknown key (with the close
-            declared one) or a value the schema refuses.
+            declared one) or a value the schema refuses; a target, resolver or search path ``policy`` refuses.
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -121,13 +132,22 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         raise ConfigError(f"{folder} is not a job folder of `python -m runner`: it has no .hydra/config.yaml (the "
                           f"config a run saves); pass a finished job's folder, outputs/<date>/<time> or "
                           f"outputs/multirun/<date>/<time>/<n>")
+    policy = policy or trust.Policy.make(folder=folder)
+    trust.check_package(folder, policy)
     try:
         saved = OmegaConf.load(saved_path)
+    except Exception as e:  # noqa: BLE001 - YAML errors: one message
+        raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
+                          f"saved for the job") from e
+    trust.check_config(saved, policy, saved_path)  # before anything is resolved: the targets first, then how
+    trust.check_interpolations(saved, policy, saved_path)
+    try:
         OmegaConf.resolve(saved)
-    except Exception as e:  # noqa: BLE001 - YAML or interpolation errors: one message
+    except Exception as e:  # noqa: BLE001 - interpolation errors: one message
         raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
                           f"saved for the job") from e
     choices, searchpath = _hydra_facts(folder)
+    trust.check_searchpath(searchpath, policy, folder / ".hydra" / "hydra.yaml")
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"} | set(choices)
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -146,6 +166,8 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
                               f"{', '.join(sorted(choices))}); set the keys you need instead (key=value)")
         else:
             keys.append(o)
+            if group.split(".")[-1] == "_target_" and not o.is_delete():
+                policy = policy.naming([o.get_value_element_as_str()])  # the user named it: allowed
     register_configs()
     composed = [f"{g}={o}" for g, o in {**choices, **switched}.items()]
     if searchpath:
@@ -164,6 +186,7 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
                           f"version of runner (evaluate it with that version), or .hydra/hydra.yaml is missing or "
                           f"edited") from e
     OmegaConf.set_struct(cfg, True)
+    trust.check_interpolations(cfg, policy, saved_path)  # the search path's configs too, before the user's keys
     from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra's own override application
 
     for o in keys:
@@ -178,6 +201,7 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"the job's config with {' '.join(overrides)} cannot be resolved: {e}") from e
+    trust.check_config(cfg, policy, saved_path)  # every target of what is built, before any is imported
     return cfg
 
 
@@ -198,11 +222,14 @@ class Rebuilt:
     overrides: list[str]
 
 
-def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = ()) -> Rebuilt:
+def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
+            policy: trust.Policy | None = None) -> Rebuilt:
     """Rebuild job ``folder`` as the engine builds it (``runner.train.build``'s order: seed, task, data, model,
     precision; channels_last when the job used it) in one process on ``trainer.device``, and load ``--weights``.
     ``trainer.eval_max_batches`` defaults to null (the whole validation split). ``torch.compile`` and the
     data-parallel wrapper are not applied: the plain model computes the same function.
+
+    ``policy``: what the job's config may name (``runner.trust``; default runner's own targets only).
 
     Raises:
         ConfigError: from ``job_config`` and ``weights_file``; any builder's bad input (a dataset that is missing,
@@ -213,7 +240,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     overrides = list(overrides)
     defaults = [] if any(o.lstrip("+~").startswith("trainer.eval_max_batches") for o in overrides) \
         else ["trainer.eval_max_batches=null"]
-    cfg = job_config(folder, defaults + overrides)  # bad input stops here, before torch is imported
+    cfg = job_config(folder, defaults + overrides, policy)  # bad input stops here, before torch is imported
     path = weights_file(folder, weights, cfg)
 
     import numpy as np
@@ -283,7 +310,7 @@ def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) ->
 
 
 def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
-             out: Path | None = None) -> dict[str, Any]:
+             out: Path | None = None, policy: trust.Policy | None = None) -> dict[str, Any]:
     """Evaluate the job in ``folder`` with ``weights`` on its validation split (or the data the overrides name)
     and write the record to ``out`` (default ``<folder>/eval-<weights>.json``, atomically via
     ``runner.track.write_json_atomic``).
@@ -296,7 +323,7 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
     Raises:
         ConfigError: see ``rebuild``.
     """
-    r = rebuild(folder, weights, overrides)
+    r = rebuild(folder, weights, overrides, policy)
     import torch
 
     from runner.track import write_json_atomic
@@ -345,6 +372,7 @@ def parse(prog: str, description: str, argv: list[str] | None, export: bool = Fa
     else:
         parser.add_argument("--out", type=Path, help="the record's file (default <job>/eval-<weights>.json)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job's config (data=..., key=value)")
+    trust.add_arguments(parser)
     return parser.parse_intermixed_args(argv)
 
 
@@ -354,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse("python -m runner.evaluate", "Evaluate a finished job's weights on its validation split "
                  "(or the data the overrides name); writes eval-<weights>.json into the job folder.", argv)
     try:
-        record = evaluate(args.job, args.weights, args.overrides, args.out)
+        policy = trust.Policy.make(args.trust, args.allow_target, args.job)
+        record = evaluate(args.job, args.weights, args.overrides, args.out, policy)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
