@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import trust
 from runner.errors import ConfigError
+from runner.records import check_weights
 
 #: ``--weights`` choice -> (file in the job folder, what writes it: the fix when it is missing).
 WEIGHTS = {
@@ -220,6 +221,7 @@ class Rebuilt:
     weights: str
     weights_path: Path
     overrides: list[str]
+    weights_verified: bool = False  # its SHA-256 matched summary.json's (False: the run recorded none)
 
 
 def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
@@ -232,9 +234,11 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     ``policy``: what the job's config may name (``runner.trust``; default runner's own targets only).
 
     Raises:
-        ConfigError: from ``job_config`` and ``weights_file``; any builder's bad input (a dataset that is missing,
-            a model that does not take the data); a weights file that cannot be read (corrupt, truncated) or does
-            not fit the model (another model's, or overrides that changed ``model.*``).
+        ConfigError: from ``job_config`` and ``weights_file``; a weights file whose SHA-256 differs from the one
+            the run recorded in ``summary.json`` (``runner.records.check_weights``: modified or corrupted); any
+            builder's bad input (a dataset that is missing, a model that does not take the data); a weights file
+            that cannot be read (corrupt, truncated) or does not fit the model (another model's, or overrides that
+            changed ``model.*``).
     """
     folder = Path(folder)
     overrides = list(overrides)
@@ -242,6 +246,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
         else ["trainer.eval_max_batches=null"]
     cfg = job_config(folder, defaults + overrides, policy)  # bad input stops here, before torch is imported
     path = weights_file(folder, weights, cfg)
+    verified = check_weights(folder, path)  # against summary.json's SHA-256: a modified file is refused
 
     import numpy as np
     import torch
@@ -284,7 +289,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
         prepare.apply_channels_last(model)
     model.eval()
     amp = precision.build(cfg.precision, env.device)
-    return Rebuilt(folder, cfg, env, task, data, model, amp, weights, path, overrides)
+    return Rebuilt(folder, cfg, env, task, data, model, amp, weights, path, overrides, verified)
 
 
 def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) -> None:
@@ -316,7 +321,8 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
     ``runner.track.write_json_atomic``).
 
     Returns the record: ``metrics`` (the task's: classification ``eval_accuracy``, ``eval_loss``; language model
-    ``eval_loss``, ``eval_perplexity``, ``eval_bits_per_char``), ``weights``, ``weights_file``, ``overrides``,
+    ``eval_loss``, ``eval_perplexity``, ``eval_bits_per_char``), ``weights``, ``weights_file``,
+    ``weights_verified`` (its SHA-256 matched the run's ``summary.json``), ``overrides``,
     ``data`` (the resolved data node), ``batch_size``, ``eval_max_batches``, ``batches`` (evaluated), ``device``,
     ``precision``, ``eval_time_s``, ``torch_version``.
 
@@ -334,7 +340,7 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
     elapsed = time.perf_counter() - started
     batches = len(r.data.eval) if t.eval_max_batches is None else min(len(r.data.eval), t.eval_max_batches)
     record = {"job": str(r.folder), "weights": weights, "weights_file": str(r.weights_path.relative_to(r.folder)),
-              "overrides": r.overrides, "metrics": metrics,
+              "weights_verified": r.weights_verified, "overrides": r.overrides, "metrics": metrics,
               "data": OmegaConf.to_container(r.cfg.data, resolve=True), "batch_size": r.cfg.dataloader.batch_size,
               "eval_max_batches": t.eval_max_batches, "batches": batches, "device": str(r.env.device),
               "precision": r.cfg.precision.name, "eval_time_s": elapsed, "torch_version": torch.__version__}

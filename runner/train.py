@@ -486,6 +486,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "steps": state.step,
         "stopped_early": state.stopped_early,  # why trainer.early_stopping ended the run, or null
         "best": {**p.best.as_dict(), "metric": p.best.metric, "weights": "best/model.safetensors"} if p.best else None,
+        "weights_sha256": checkpoint.weights_sha256(p.job_dir, p.at_end, p.ema, p.best) if env.is_main else None,
         "ema_update_ms": p.details["ema"]["update_ms"] if p.ema is not None else None,
         "deterministic": t.deterministic,
         "warmup_steps": min(t.warmup_steps, state.step),
