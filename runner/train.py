@@ -31,6 +31,7 @@ from runner import (
     ema as ema_mod,
     evaluation,
     hardware,
+    jobdir,
     launch,
     loop_guards as guards,
     machine_load,
@@ -142,8 +143,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
     """
     validate(cfg)
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
+    locked = False
     try:
         job_dir = job_dir or job_folder()
+        locked = _agree(lambda: jobdir.claim(job_dir, cfg), env)  # one run per folder (runner/jobdir.py), paths checked
         if sweep_group() is not None:  # a sweep rerun into its folder: a job that finished there is skipped
             resolved = OmegaConf.to_container(cfg, resolve=True)
             done = _agree(lambda: resume.finished_job(job_dir, resolved), env)
@@ -185,6 +188,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> dict[str, Any]:
             launch.forget_elastic_pointer()  # finished: no restart will look for this job folder again
         return summary
     finally:
+        jobdir.release(job_dir, taken=locked)  # a lock this call took (a no-op on ranks > 0: not theirs)
         distributed.teardown()
 
 
