@@ -327,8 +327,11 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
     ``precision``, ``eval_time_s``, ``torch_version``.
 
     Raises:
-        ConfigError: see ``rebuild``.
+        ConfigError: see ``rebuild``; ``out`` in a folder that cannot be made or written (checked before the
+            evaluation), or the record that cannot be written.
     """
+    if out is not None:
+        _writable(Path(out))  # before the evaluation: a place that cannot hold the record fails first
     r = rebuild(folder, weights, overrides, policy)
     import torch
 
@@ -345,10 +348,33 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
               "eval_max_batches": t.eval_max_batches, "batches": batches, "device": str(r.env.device),
               "precision": r.cfg.precision.name, "eval_time_s": elapsed, "torch_version": torch.__version__}
     path = Path(out) if out is not None else r.folder / f"eval-{weights}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, record)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, record)
+    except OSError as e:  # a read-only job folder, a full disk
+        raise ConfigError(f"cannot write {path} ({e.strerror or e}); pass --out <a file in a folder you can "
+                          f"write>") from e
     record["path"] = str(path)
     return record
+
+
+def _writable(out: Path) -> None:
+    """``--out``: its folder exists or can be made, and takes a file (probed with a temporary file, removed).
+
+    Raises:
+        ConfigError: naming ``--out``, the folder and why (``/proc/x``: no such folder can be made).
+    """
+    import tempfile
+
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give the record's file name, e.g. --out {out / 'eval.json'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write into {out.parent} ({e.strerror or e}); give a file in a folder "
+                          f"you can write") from e
 
 
 def render(record: dict[str, Any]) -> str:

@@ -187,6 +187,8 @@ BAD = {  # name: (module, arguments (job folder given), words the one error line
                                  ["model.safetensors", "modified or corrupted", "summary.json"]),
     "unknown key": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "trainer.eval_max_batchs=3"],
                     ["trainer.eval_max_batchs", "did you mean trainer.eval_max_batches"]),
+    "unwritable --out": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "--out", "/proc/x/eval.json"],
+                         ["--out /proc/x/eval.json: cannot write into /proc/x"]),
     "unknown format": ("runner.export", lambda job, f: [str(copy_job(job, f)), "--format", "tflite"],
                        ["--format tflite", "torch", "onnx"]),
     "onnx extra missing": ("runner.export", lambda job, f: [str(copy_job(job, f)), "--format", "onnx"],
