@@ -87,14 +87,19 @@ def acquire(folder: Path) -> bool:
     holds it already, or the file system does not support locks (said in one line).
 
     Raises:
-        ConfigError: another process holds it; names the holder (pid, host, start time) and the fix.
+        ConfigError: another process holds it (names the holder: pid, host, start time, command) and the fix; the
+            folder or its lock file cannot be made or opened for writing.
     """
     folder = Path(folder)
     key = str(folder.resolve())
     if key in _held:
         return False
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is not changed
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is not changed
+    except OSError as e:
+        raise ConfigError(f"cannot open the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): the job "
+                          f"folder must be a folder you can write; run into another one (hydra.run.dir)") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -265,7 +265,7 @@ def _not_from_folder(key: str, target: str, module: str, policy: Policy, source:
             if Path(place).resolve().is_relative_to(folder):
                 raise ConfigError(f"{key}={target!r} in {source}: the module {name} would be imported from inside the "
                                   f"job folder ({place}), not from the installed package; a job folder holds no code "
-                                  f"runner runs. {_how(target).capitalize()}")
+                                  f"runner runs; {_how(target)}")
 
 
 def check_package(folder: Path, policy: Policy) -> None:
