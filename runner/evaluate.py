@@ -14,6 +14,10 @@ value, and a key the config lacks stops with the close declared key. ``trainer.e
 (the whole split) unless given. Prints the metrics and writes ``eval-<weights>.json`` (or ``--out``) into the
 job folder, atomically.
 
+The job folder is data, never code (``runner.trust``): its saved config may name only runner's own targets and
+resolvers unless ``--allow-target PREFIX`` or ``--trust`` says otherwise; anything else is refused before it is
+imported or called.
+
 ``rebuild`` and ``job_config`` are shared with ``python -m runner.export`` (runner/export.py).
 """
 
@@ -29,7 +33,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import trust
 from runner.errors import ConfigError
+from runner.records import check_weights
 
 #: ``--weights`` choice -> (file in the job folder, what writes it: the fix when it is missing).
 WEIGHTS = {
@@ -88,7 +94,8 @@ def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
     return choices, searchpath
 
 
-def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
+               policy: trust.Policy | None = None) -> DictConfig:
     """The job's config (``<folder>/.hydra/config.yaml``, resolved) with Hydra-style ``overrides`` composed on.
 
     The saved values are laid over a config Hydra composes from runner's conf/ with the job's group choices
@@ -98,10 +105,15 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
     deletes). The saved config is resolved before the overrides apply, so the model keeps the sizes it was
     trained with (``model.block_size`` follows ``data.block_size`` only at training time).
 
+    The folder's files are checked by ``runner.trust`` under ``policy`` (default: runner's own targets and
+    resolvers, plus ``RUNNER_ALLOW_TARGETS``) before anything in them is resolved, imported or called: the saved
+    config's targets and interpolations, the recorded search path, then the composed config's targets. A target
+    given as an override here is the user's and allowed.
+
     Raises:
         ConfigError: no ``.hydra/config.yaml`` in ``folder`` (not a job folder), an unreadable config, a sweep
             (``a=1,2``), a group the job does not have (``+experiment=...``), an unknown key (with the close
-            declared one) or a value the schema refuses.
+            declared one) or a value the schema refuses; a target, resolver or search path ``policy`` refuses.
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -121,13 +133,22 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         raise ConfigError(f"{folder} is not a job folder of `python -m runner`: it has no .hydra/config.yaml (the "
                           f"config a run saves); pass a finished job's folder, outputs/<date>/<time> or "
                           f"outputs/multirun/<date>/<time>/<n>")
+    policy = policy or trust.Policy.make(folder=folder)
+    trust.check_package(folder, policy)
     try:
         saved = OmegaConf.load(saved_path)
+    except Exception as e:  # noqa: BLE001 - YAML errors: one message
+        raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
+                          f"saved for the job") from e
+    trust.check_config(saved, policy, saved_path)  # before anything is resolved: the targets first, then how
+    trust.check_interpolations(saved, policy, saved_path)
+    try:
         OmegaConf.resolve(saved)
-    except Exception as e:  # noqa: BLE001 - YAML or interpolation errors: one message
+    except Exception as e:  # noqa: BLE001 - interpolation errors: one message
         raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
                           f"saved for the job") from e
     choices, searchpath = _hydra_facts(folder)
+    trust.check_searchpath(searchpath, policy, folder / ".hydra" / "hydra.yaml")
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"} | set(choices)
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -146,6 +167,8 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
                               f"{', '.join(sorted(choices))}); set the keys you need instead (key=value)")
         else:
             keys.append(o)
+            if group.split(".")[-1] == "_target_" and not o.is_delete():
+                policy = policy.naming([o.get_value_element_as_str()])  # the user named it: allowed
     register_configs()
     composed = [f"{g}={o}" for g, o in {**choices, **switched}.items()]
     if searchpath:
@@ -164,6 +187,7 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
                           f"version of runner (evaluate it with that version), or .hydra/hydra.yaml is missing or "
                           f"edited") from e
     OmegaConf.set_struct(cfg, True)
+    trust.check_interpolations(cfg, policy, saved_path)  # the search path's configs too, before the user's keys
     from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra's own override application
 
     for o in keys:
@@ -178,6 +202,7 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"the job's config with {' '.join(overrides)} cannot be resolved: {e}") from e
+    trust.check_config(cfg, policy, saved_path)  # every target of what is built, before any is imported
     return cfg
 
 
@@ -196,25 +221,32 @@ class Rebuilt:
     weights: str
     weights_path: Path
     overrides: list[str]
+    weights_verified: bool = False  # its SHA-256 matched summary.json's (False: the run recorded none)
 
 
-def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = ()) -> Rebuilt:
+def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
+            policy: trust.Policy | None = None) -> Rebuilt:
     """Rebuild job ``folder`` as the engine builds it (``runner.train.build``'s order: seed, task, data, model,
     precision; channels_last when the job used it) in one process on ``trainer.device``, and load ``--weights``.
     ``trainer.eval_max_batches`` defaults to null (the whole validation split). ``torch.compile`` and the
     data-parallel wrapper are not applied: the plain model computes the same function.
 
+    ``policy``: what the job's config may name (``runner.trust``; default runner's own targets only).
+
     Raises:
-        ConfigError: from ``job_config`` and ``weights_file``; any builder's bad input (a dataset that is missing,
-            a model that does not take the data); a weights file that cannot be read (corrupt, truncated) or does
-            not fit the model (another model's, or overrides that changed ``model.*``).
+        ConfigError: from ``job_config`` and ``weights_file``; a weights file whose SHA-256 differs from the one
+            the run recorded in ``summary.json`` (``runner.records.check_weights``: modified or corrupted); any
+            builder's bad input (a dataset that is missing, a model that does not take the data); a weights file
+            that cannot be read (corrupt, truncated) or does not fit the model (another model's, or overrides that
+            changed ``model.*``).
     """
     folder = Path(folder)
     overrides = list(overrides)
     defaults = [] if any(o.lstrip("+~").startswith("trainer.eval_max_batches") for o in overrides) \
         else ["trainer.eval_max_batches=null"]
-    cfg = job_config(folder, defaults + overrides)  # bad input stops here, before torch is imported
+    cfg = job_config(folder, defaults + overrides, policy)  # bad input stops here, before torch is imported
     path = weights_file(folder, weights, cfg)
+    verified = check_weights(folder, path)  # against summary.json's SHA-256: a modified file is refused
 
     import numpy as np
     import torch
@@ -257,7 +289,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
         prepare.apply_channels_last(model)
     model.eval()
     amp = precision.build(cfg.precision, env.device)
-    return Rebuilt(folder, cfg, env, task, data, model, amp, weights, path, overrides)
+    return Rebuilt(folder, cfg, env, task, data, model, amp, weights, path, overrides, verified)
 
 
 def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) -> None:
@@ -283,20 +315,24 @@ def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) ->
 
 
 def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
-             out: Path | None = None) -> dict[str, Any]:
+             out: Path | None = None, policy: trust.Policy | None = None) -> dict[str, Any]:
     """Evaluate the job in ``folder`` with ``weights`` on its validation split (or the data the overrides name)
     and write the record to ``out`` (default ``<folder>/eval-<weights>.json``, atomically via
     ``runner.track.write_json_atomic``).
 
     Returns the record: ``metrics`` (the task's: classification ``eval_accuracy``, ``eval_loss``; language model
-    ``eval_loss``, ``eval_perplexity``, ``eval_bits_per_char``), ``weights``, ``weights_file``, ``overrides``,
+    ``eval_loss``, ``eval_perplexity``, ``eval_bits_per_char``), ``weights``, ``weights_file``,
+    ``weights_verified`` (its SHA-256 matched the run's ``summary.json``), ``overrides``,
     ``data`` (the resolved data node), ``batch_size``, ``eval_max_batches``, ``batches`` (evaluated), ``device``,
     ``precision``, ``eval_time_s``, ``torch_version``.
 
     Raises:
-        ConfigError: see ``rebuild``.
+        ConfigError: see ``rebuild``; ``out`` in a folder that cannot be made or written (checked before the
+            evaluation), or the record that cannot be written.
     """
-    r = rebuild(folder, weights, overrides)
+    if out is not None:
+        _writable(Path(out))  # before the evaluation: a place that cannot hold the record fails first
+    r = rebuild(folder, weights, overrides, policy)
     import torch
 
     from runner.track import write_json_atomic
@@ -307,15 +343,38 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
     elapsed = time.perf_counter() - started
     batches = len(r.data.eval) if t.eval_max_batches is None else min(len(r.data.eval), t.eval_max_batches)
     record = {"job": str(r.folder), "weights": weights, "weights_file": str(r.weights_path.relative_to(r.folder)),
-              "overrides": r.overrides, "metrics": metrics,
+              "weights_verified": r.weights_verified, "overrides": r.overrides, "metrics": metrics,
               "data": OmegaConf.to_container(r.cfg.data, resolve=True), "batch_size": r.cfg.dataloader.batch_size,
               "eval_max_batches": t.eval_max_batches, "batches": batches, "device": str(r.env.device),
               "precision": r.cfg.precision.name, "eval_time_s": elapsed, "torch_version": torch.__version__}
     path = Path(out) if out is not None else r.folder / f"eval-{weights}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, record)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, record)
+    except OSError as e:  # a read-only job folder, a full disk
+        raise ConfigError(f"cannot write {path} ({e.strerror or e}); pass --out <a file in a folder you can "
+                          f"write>") from e
     record["path"] = str(path)
     return record
+
+
+def _writable(out: Path) -> None:
+    """``--out``: its folder exists or can be made, and takes a file (probed with a temporary file, removed).
+
+    Raises:
+        ConfigError: naming ``--out``, the folder and why (``/proc/x``: no such folder can be made).
+    """
+    import tempfile
+
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give the record's file name, e.g. --out {out / 'eval.json'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write into {out.parent} ({e.strerror or e}); give a file in a folder "
+                          f"you can write") from e
 
 
 def render(record: dict[str, Any]) -> str:
@@ -345,6 +404,7 @@ def parse(prog: str, description: str, argv: list[str] | None, export: bool = Fa
     else:
         parser.add_argument("--out", type=Path, help="the record's file (default <job>/eval-<weights>.json)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job's config (data=..., key=value)")
+    trust.add_arguments(parser)
     return parser.parse_intermixed_args(argv)
 
 
@@ -354,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse("python -m runner.evaluate", "Evaluate a finished job's weights on its validation split "
                  "(or the data the overrides name); writes eval-<weights>.json into the job folder.", argv)
     try:
-        record = evaluate(args.job, args.weights, args.overrides, args.out)
+        policy = trust.Policy.make(args.trust, args.allow_target, args.job)
+        record = evaluate(args.job, args.weights, args.overrides, args.out, policy)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner import trust
 from runner.errors import ConfigError
 from runner.evaluate import parse, rebuild
 
@@ -121,7 +122,8 @@ def _run_exported(fmt: str, path: Path, x) -> tuple[Any, str]:
     return torch.from_numpy(out), ""
 
 
-def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] | tuple[str, ...] = ()) -> Exported:
+def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
+           policy: trust.Policy | None = None) -> Exported:
     """Export job ``folder``'s model (``--weights``) in format ``fmt`` (``torch`` or ``onnx``) next to its weights
     file, and check the exported model's output on the example input against the trained model's.
 
@@ -147,7 +149,7 @@ def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] 
             import onnxscript  # noqa: F401
         except ImportError as e:
             raise ConfigError(f"{ONNX_MISSING} ({_first_line(e)})") from e
-    r = rebuild(folder, weights, overrides)
+    r = rebuild(folder, weights, overrides, policy)  # what the job's config may name: runner.trust
     import torch
 
     from runner.task import logits_of
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse("python -m runner.export", "Export a finished job's model (torch.export or ONNX) and check the "
                  "exported model's outputs against the trained model's.", argv, export=True)
     try:
-        result = export(args.job, args.format, args.weights, args.overrides)
+        policy = trust.Policy.make(args.trust, args.allow_target, args.job)
+        result = export(args.job, args.format, args.weights, args.overrides, policy)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,10 +1,12 @@
 """How figures are written, for the console's tracker and every logger alike: strict JSON (non-finite floats as
-null), files replaced atomically, the loggers' panel names for the metrics rows, and a reachability check for a
-tracking server.
+null), files replaced atomically, the loggers' panel names for the metrics rows, a reachability check for a
+tracking server, and the SHA-256 of the weights files a run writes (``summary.json`` ``weights_sha256``), which
+``python -m runner.evaluate`` and ``runner.export`` check before they load them (``check_weights``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -81,3 +83,37 @@ def reachable(url: str, timeout_s: float = 3.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """The SHA-256 of the file at ``path`` (hex), read 4 MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_weights(folder: Path, path: Path) -> bool:
+    """Check the weights file ``path`` of job ``folder`` against the SHA-256 its run recorded in ``summary.json``
+    (``weights_sha256``, keyed by the path relative to the folder). Returns False when nothing was recorded for it
+    (a run written before runner kept checksums, or one that did not finish: nothing to check against).
+
+    Raises:
+        ConfigError: the file's SHA-256 differs from the recorded one (modified or corrupted since it was written).
+    """
+    from runner.errors import ConfigError
+
+    try:
+        summary = json.loads((Path(folder) / "summary.json").read_text())
+        recorded = (summary.get("weights_sha256") or {}).get(Path(path).relative_to(folder).as_posix())
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(recorded, str):
+        return False
+    actual = sha256_file(path)
+    if actual != recorded:
+        raise ConfigError(f"cannot read {path}: it was modified or corrupted after the run wrote it (its SHA-256 is "
+                          f"{actual[:16]}..., the run recorded {recorded[:16]}... in {Path(folder) / 'summary.json'}); "
+                          f"restore the file or train the job again")
+    return True

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint import FOLDER, META_FILE, latest, read_meta
+from runner.checkpoint import FOLDER, META_FILE, latest, read_meta, verify_digests
 from runner.errors import ConfigError
 
 #: Config keys (dotted prefixes) that may differ between a checkpoint and the run resuming from it: the run's
@@ -100,7 +100,8 @@ def find_resume_point(mode: str, job_dir: Path, resolved: dict[str, Any], total_
     - a path: that checkpoint (another job's, too).
 
     A checkpoint written with another config is refused, naming the differing keys (``MAY_CHANGE`` may
-    differ); so is one already at or past this run's last step while the folder holds its summary.
+    differ); so is one already at or past this run's last step while the folder holds its summary, and one whose
+    files no longer match its ``sha256.json`` (``runner.checkpoint.verify_digests``).
 
     Raises:
         ConfigError: each refusal above, naming the folder or keys and the fix.
@@ -132,6 +133,7 @@ def find_resume_point(mode: str, job_dir: Path, resolved: dict[str, Any], total_
     if step >= total_steps and finished and path.parent.parent == job_dir:
         raise ConfigError(f"the run in {job_dir} already finished at step {step} (trainer.max_steps allows "
                           f"{total_steps}); raise trainer.max_steps to train further, or start in a new folder")
+    verify_digests(path)  # its files as written (sha256.json), before any of them is read
     return ResumePoint(path=path, meta=meta, step=step, stale_rows=path.parent.parent == job_dir)
 
 

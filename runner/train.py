@@ -27,6 +27,7 @@ from runner import (
     distributed,
     evaluation,
     hardware,
+    jobdir,
     launch,
     loop_guards as guards,
     machine_load,
@@ -54,8 +55,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
     """
     validate(cfg)
     env = distributed.setup(cfg.distributed, cfg.trainer.device)
+    locked = False
     try:
         job_dir = job_dir or job_folder()
+        locked = agree(lambda: jobdir.claim(job_dir, cfg), env)  # one run per folder (runner/jobdir.py), paths checked
         if sweep_group() is not None:  # a sweep rerun into its folder: a job that finished there is skipped
             resolved = OmegaConf.to_container(cfg, resolve=True)
             done = agree(lambda: resume.finished_job(job_dir, resolved), env)
@@ -97,6 +100,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
             launch.forget_elastic_pointer()  # finished: no restart will look for this job folder again
         return summary
     finally:
+        jobdir.release(job_dir, taken=locked)  # a lock this call took (a no-op on ranks > 0: not theirs)
         distributed.teardown()
 
 
@@ -272,6 +276,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "steps": state.step,
         "stopped_early": state.stopped_early,  # why trainer.early_stopping ended the run, or null
         "best": {**p.best.as_dict(), "metric": p.best.metric, "weights": "best/model.safetensors"} if p.best else None,
+        "weights_sha256": checkpoint.weights_sha256(p.job_dir, p.at_end, p.ema, p.best) if env.is_main else None,
         "ema_update_ms": p.details["ema"]["update_ms"] if p.ema is not None else None,
         "deterministic": t.deterministic,
         "warmup_steps": min(t.warmup_steps, state.step),

@@ -100,6 +100,51 @@ def test_corrupt_and_foreign_checkpoints_are_refused_with_the_path(tmp_path):
         ck.read_meta(tmp_path / "nowhere")
 
 
+def garble(path, at: float = 0.5) -> None:
+    """Flip one byte of ``path``, ``at`` its length: the file keeps its size and format, its numbers change."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_resume_refuses_a_checkpoint_whose_files_changed_since_they_were_written(tmp_path):
+    """Each published checkpoint gets sha256.json (written off the loop); resuming checks it first: one changed
+    byte in the tensor data, which DCP itself would load without a word, is refused with the file named."""
+    from runner.resume import find_resume_point
+
+    model, opt = trained()
+    job = tmp_path / "job"
+    store = ck.Checkpointer(job / ck.FOLDER)
+    path = store.save(state(model, opt, 2), 2, meta={"config": {"lr": 0.1}})
+    store.finish()  # the checksums' thread is joined at the end of a run
+    digests = json.loads((path / ck.DIGEST_FILE).read_text())
+    assert set(digests) == {".metadata", ck.META_FILE, "__0_0.distcp"}
+    assert find_resume_point("auto", job, {"lr": 0.1}, 10).path == path  # intact: resumes
+    garble(path / "__0_0.distcp")
+    with pytest.raises(ConfigError, match=rf"cannot resume from {path}: {path / '__0_0.distcp'} was modified or "
+                                          rf"corrupted after the checkpoint was written"):
+        find_resume_point("auto", job, {"lr": 0.1}, 10)
+
+
+def test_dcp_loads_the_metadata_runner_checked_and_never_unpickles_it_again(tmp_path, monkeypatch):
+    """DCP's FileSystemReader unpickles .metadata with plain pickle; runner's reader hands DCP the metadata it read
+    through the allowlist unpickler, so plain pickle is never asked (here it would raise)."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    model, opt = trained()
+    store = ck.Checkpointer(tmp_path / "checkpoints")
+    path = store.save(state(model, opt, 1), 1, meta={})
+
+    class NoPlainPickle:
+        def __getattr__(self, name):
+            raise AssertionError(f"DCP called pickle.{name} on the checkpoint")
+
+    monkeypatch.setattr(dcp_fs, "pickle", NoPlainPickle())
+    restored_model, restored_opt = trained(3)
+    store.load(state(restored_model, restored_opt), path)
+    assert torch.equal(restored_model[2].weight, model[2].weight)
+
+
 def test_final_weights_are_a_plain_safetensors_state_dict(tmp_path):
     from safetensors.torch import load_file
 

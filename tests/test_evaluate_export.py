@@ -7,6 +7,7 @@ file, no final weights) and check the figures and files against the trained mode
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -73,6 +74,8 @@ def test_evaluate_reproduces_the_jobs_final_evaluation(job):
     record = json.loads((job / "eval-final.json").read_text())
     summary = read_summary(job)
     assert record["batches"] == 2 and record["weights"] == "final" and record["weights_file"] == "model.safetensors"
+    digest = hashlib.sha256((job / "model.safetensors").read_bytes()).hexdigest()  # the run recorded what it wrote
+    assert summary["weights_sha256"] == {"model.safetensors": digest} and record["weights_verified"] is True
     assert record["overrides"] == ["trainer.eval_max_batches=2"] and record["data"]["name"] == "synthetic"
     for key in ("eval_accuracy", "eval_loss"):
         assert record["metrics"][key] == pytest.approx(summary[key], rel=1e-6, abs=1e-7), key
@@ -156,6 +159,17 @@ def _corrupt_weights(job: Path, folder: Path) -> list[str]:
     return [str(folder)]
 
 
+def _garbled_weights(job: Path, folder: Path) -> list[str]:
+    """One byte of a tensor changed in model.safetensors: the file still loads (format and size intact; without the
+    checksum it evaluated with exit 0 and eval_loss 1e36), its numbers do not match what the run wrote."""
+    copy_job(job, folder)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x7F  # inside the last tensor's data, past the JSON header
+    weights.write_bytes(bytes(data))
+    return [str(folder)]
+
+
 BAD = {  # name: (module, arguments (job folder given), words the one error line must hold)
     "not a job folder": ("runner.evaluate", lambda job, f: [str(f.parents[1])], ["has no .hydra/config.yaml"]),
     "not a job folder (export)": ("runner.export", lambda job, f: [str(f.parents[1]), "--format", "torch"],
@@ -167,8 +181,14 @@ BAD = {  # name: (module, arguments (job folder given), words the one error line
     "unknown weights": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "--weights", "last"],
                         ["--weights last", "final, ema, best"]),
     "corrupt weights": ("runner.evaluate", _corrupt_weights, ["cannot read", "model.safetensors", "corrupt"]),
+    "garbled weights": ("runner.evaluate", _garbled_weights, ["model.safetensors", "modified or corrupted",
+                                                              "summary.json"]),
+    "garbled weights (export)": ("runner.export", lambda job, f: [*_garbled_weights(job, f), "--format", "torch"],
+                                 ["model.safetensors", "modified or corrupted", "summary.json"]),
     "unknown key": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "trainer.eval_max_batchs=3"],
                     ["trainer.eval_max_batchs", "did you mean trainer.eval_max_batches"]),
+    "unwritable --out": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "--out", "/proc/x/eval.json"],
+                         ["--out /proc/x/eval.json: cannot write into /proc/x"]),
     "unknown format": ("runner.export", lambda job, f: [str(copy_job(job, f)), "--format", "tflite"],
                        ["--format tflite", "torch", "onnx"]),
     "onnx extra missing": ("runner.export", lambda job, f: [str(copy_job(job, f)), "--format", "onnx"],

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import TINY, compose_cfg, job_dirs, metrics_rows, read_csv, read_summary, run_cli
 from runner import REPO_ROOT
+from runner.errors import ConfigError
 
 #: TINY, 6 steps with a row every 2 (three timed rows after the 1-step warm-up) and an evaluation at the end
 JOB = [*(o for o in TINY if o != "logger=none"), "trainer.max_steps=6", "trainer.doctor=false"]
@@ -309,3 +310,18 @@ def test_an_unknown_logger_is_one_error_line(tmp_path, override, message):
     proc = run_cli(*JOB, override, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_file_where_the_run_writes_a_folder_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    """``logger=tensorboard`` with a *file* named tensorboard in the job folder: one line, before the data and
+    the model are built (it was a FileExistsError traceback after the model)."""
+    from runner import models
+    from runner.train import train
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "tensorboard").write_text("not a folder\n")
+    monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(ConfigError, match=rf"{folder / 'tensorboard'} is a file, but the run writes TensorBoard's "
+                                          rf"event files \(logger=tensorboard\) into a folder of that name"):
+        train(compose_cfg("logger=tensorboard"), job_dir=folder)

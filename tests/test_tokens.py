@@ -235,10 +235,19 @@ def bad_case(case: str, bins: dict, tmp_path) -> tuple[list[str], list[str]]:
         return [o for o in ok if not o.startswith("data.train_path")], ["data=tokens needs data.train_path"]
     if case == "bad dtype":
         return [*ok, "data.dtype=int8"], ["data.dtype=int8", "uint16, uint32"]
+    if case == "uint32 read as uint16":  # the default dtype on a file of uint32 ids: every second uint16 is 0
+        wide = write(tmp_path / "wide.bin", np.fromfile(bins["train_path"], dtype=np.uint16), dtype=np.uint32)
+        return [*ok, f"data.train_path={wide}"], ["data.train_path=", "read as data.dtype=uint16",
+                                                  "every second id 0", "set data.dtype=uint32"]
+    if case == "empty file":
+        empty = tmp_path / "empty.bin"
+        empty.write_bytes(b"")
+        return [*ok, f"data.train_path={empty}"], ["data.train_path=", "is empty (0 bytes)"]
     raise AssertionError(case)
 
 
-BAD = ["missing file", "odd size", "id too large", "no vocab_size", "split too short", "no path", "bad dtype"]
+BAD = ["missing file", "odd size", "id too large", "no vocab_size", "split too short", "no path", "bad dtype",
+       "uint32 read as uint16", "empty file"]
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -247,7 +256,16 @@ def test_bad_input_is_one_config_error(case, bins, tmp_path):
     with pytest.raises(ConfigError) as info:
         train(compose_cfg(*overrides), job_dir=tmp_path / "job")
     assert all(w in str(info.value) for w in words) and "\n" not in str(info.value), str(info.value)
+    assert "below 0" not in str(info.value)  # an empty file is said to be empty, not fixed by a block size
     assert not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_a_text_too_short_for_any_window_says_so():
+    """A text of one character has no window of any size: the message says the text is too short, not "lower
+    data.block_size below 0"."""
+    with pytest.raises(ConfigError, match=r"data.path=t.txt holds only 1 characters: too few for a training and a "
+                                          r"validation window"):
+        text.split(torch.zeros(1, dtype=torch.int64), 4, "t.txt")
 
 
 # One CLI process each (~10 s on 2 cores): the first runs by default, the rest with `pytest -m slow` (CI budget);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def blobs(n=64):
 def test_the_doctor_never_imports_from_a_job_folder_it_was_not_started_in(tmp_path):
     """``--verify`` reruns a job. A job on the user's own dataset module (``data._target_=my_data.blobs``) ran
     from ``ran_in``; someone replaces ``ran_in/my_data.py`` with a payload. The doctor started elsewhere must not
-    import it: it says where the job ran from, and its rerun fails without running the payload."""
+    import it, even with the module allowed (``--allow-target my_data``: the user trusts *their* my_data): it says
+    where the job ran from, and its rerun fails without running the payload."""
     ran_in, elsewhere = tmp_path / "ran_in", tmp_path / "elsewhere"
     ran_in.mkdir(), elsewhere.mkdir()
     (ran_in / "my_data.py").write_text(MY_DATA)
@@ -132,8 +134,8 @@ def test_the_doctor_never_imports_from_a_job_folder_it_was_not_started_in(tmp_pa
     assert first.returncode == 0, first.stderr[-3000:]
     marker = tmp_path / "pwned-doctor"
     (ran_in / "my_data.py").write_text(f"open({str(marker)!r}, 'w')\n" + MY_DATA)
-    proc = run_cli(str(job), "--verify", "--repeats", "1", "--top", "1", cwd=elsewhere, module="runner.doctor",
-                   timeout=600)
+    proc = run_cli(str(job), "--verify", "--repeats", "1", "--top", "1", "--allow-target", "my_data", cwd=elsewhere,
+                   module="runner.doctor", timeout=600)
     assert not marker.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"cd {ran_in}" in proc.stdout + proc.stderr
 
@@ -156,3 +158,183 @@ def test_a_pickle_planted_in_a_cifar10_batch_is_refused_and_never_runs(tmp_path)
     with pytest.raises(ConfigError, match=rf"corrupt dataset file {batch}: refusing to unpickle it: .*open"):
         data_mod.build(cfg.data, cfg.dataloader, cpu, seed=0)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------ a job folder read back: data only
+#
+# python -m runner.evaluate / runner.export / runner.doctor --verify rebuild a job from the config its folder saved.
+# Each route below is a folder someone else wrote, run from the folder's parent as a user would; each must be
+# refused before its payload runs (one error line, exit 2), and run when the user says so (--trust, --allow-target).
+
+
+@pytest.fixture(scope="module")
+def finished_job(tmp_path_factory) -> Path:
+    """A finished tiny job's folder (TINY: MnistCNN on synthetic 3x16x16 images, 4 steps), trained once."""
+    root = tmp_path_factory.mktemp("trained")
+    proc = run_cli(*TINY, "trainer.doctor=false", f"hydra.run.dir={root / 'job'}", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "job"
+
+
+def planted(finished_job: Path, parent: Path, model: dict | None = None, files: dict | None = None) -> Path:
+    """A copy of the finished job as ``<parent>/run`` whose saved ``model`` node is ``model``, with ``files``
+    (name -> bytes or text) planted inside it."""
+    from omegaconf import OmegaConf
+
+    folder = parent / "run"
+    shutil.copytree(finished_job, folder, ignore=shutil.ignore_patterns("checkpoints"))
+    if model is not None:
+        saved = OmegaConf.load(folder / ".hydra" / "config.yaml")
+        saved.model = model
+        OmegaConf.save(saved, folder / ".hydra" / "config.yaml")
+    for name, content in (files or {}).items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return folder
+
+
+def read_back(module: str, parent: Path, *args: str, env: dict | None = None):
+    """``python -m <module> run ...`` from the job folder's parent, where the user stands."""
+    extra = ("--format", "torch") if module == "runner.export" else ()
+    return run_cli("run", *extra, *args, cwd=parent, module=module, env=env, timeout=300)
+
+
+def one_error_line(proc, *words: str) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), \
+        f"exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]}"
+    return lines[0]
+
+
+PAYLOAD_MODULE = """
+import torch
+open({marker!r}, "w").close()  # top-level code: runs when the module is imported
+
+
+class Net(torch.nn.Module):
+    def __init__(self, num_classes=10, in_channels=3):
+        super().__init__()
+        self.head = torch.nn.Linear(in_channels * 16 * 16, num_classes)
+
+    def forward(self, x):
+        return self.head(x.flatten(1))
+
+
+def blobs(n=32):
+    raise ValueError("the payload ran")
+"""
+
+
+@pytest.mark.parametrize("module", ["runner.evaluate", "runner.export"])
+@pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
+def test_numpy_load_of_a_pickle_in_the_folder(finished_job, tmp_path, module, trusted):
+    """``model._target_: numpy.load`` with ``allow_pickle`` on a pickle planted in the folder, its path through
+    ``${oc.env:PWD}``: the target is refused before numpy is asked to load anything."""
+    marker = tmp_path / "pwned-numpy"
+    planted(finished_job, tmp_path, model={"_target_": "numpy.load", "file": "${oc.env:PWD}/run/w.npy",
+                                           "allow_pickle": True}, files={"w.npy": pickle.dumps(Payload(marker))})
+    proc = read_back(module, tmp_path, *(["--trust"] if trusted else []), env={"PWD": str(tmp_path)})
+    if trusted:
+        assert marker.exists(), proc.stderr[-3000:]  # the user trusted the folder: its config ran as written
+        return
+    assert not marker.exists(), "the pickle's payload ran"
+    one_error_line(proc, "model._target_='numpy.load'", "--allow-target numpy.load", "--trust")
+
+
+@pytest.mark.parametrize("allow", [[], ["--allow-target", "run.payload"], ["--trust"]], ids=["refused", "allowed", "trusted"])
+def test_a_module_planted_in_the_folder_is_never_imported(finished_job, tmp_path, allow):
+    """``model._target_: run.payload.Net`` with ``payload.py`` in the folder: from its parent, Python would import
+    the folder as a namespace package and run the module's top-level code. Refused before any import."""
+    marker = tmp_path / "pwned-module"
+    planted(finished_job, tmp_path, model={"_target_": "run.payload.Net"},
+            files={"payload.py": PAYLOAD_MODULE.format(marker=str(marker))})
+    proc = read_back("runner.evaluate", tmp_path, *allow)
+    if allow:
+        assert marker.exists(), proc.stderr[-3000:]
+        return
+    assert not marker.exists(), "the planted module was imported"
+    one_error_line(proc, "model._target_='run.payload.Net'", ".hydra/config.yaml", "--allow-target run.payload")
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
+def test_builtins_open_never_truncates_a_file(finished_job, tmp_path, trusted):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious\n")
+    planted(finished_job, tmp_path, model={"_target_": "builtins.open", "file": str(victim), "mode": "w"})
+    proc = read_back("runner.evaluate", tmp_path, *(["--trust"] if trusted else []))
+    if trusted:
+        assert victim.read_text() == "", proc.stderr[-3000:]
+        return
+    assert victim.read_text() == "precious\n", "the file was truncated"
+    one_error_line(proc, "model._target_='builtins.open'")
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
+def test_pathlib_write_text_never_writes_a_file(finished_job, tmp_path, trusted):
+    """``pathlib.Path.write_text`` on a ``pathlib.Path`` built by a nested ``_target_``: through export."""
+    victim = tmp_path / "written.txt"
+    planted(finished_job, tmp_path, model={"_target_": "pathlib.Path.write_text",
+                                           "self": {"_target_": "pathlib.Path", "_args_": [str(victim)]},
+                                           "data": "pwned"})
+    proc = read_back("runner.export", tmp_path, *(["--trust"] if trusted else []))
+    if trusted:
+        assert victim.read_text() == "pwned", proc.stderr[-3000:]
+        return
+    assert not victim.exists(), "the file was written"
+    one_error_line(proc, "model._target_='pathlib.Path.write_text'")
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
+def test_the_doctor_never_imports_a_data_module_planted_in_the_folder(finished_job, tmp_path, trusted):
+    """``doctor --verify`` reruns the job from its ``overrides.yaml``: ``data._target_=run.payload.blobs`` names a
+    module inside the folder. Refused before anything is composed or run."""
+    marker = tmp_path / "pwned-doctor-data"
+    folder = planted(finished_job, tmp_path, files={"payload.py": PAYLOAD_MODULE.format(marker=str(marker))})
+    overrides = folder / ".hydra" / "overrides.yaml"
+    overrides.write_text(overrides.read_text() + "- data=custom\n- data._target_=run.payload.blobs\n- model=mlp\n")
+    proc = read_back("runner.doctor", tmp_path, "--verify", "--repeats", "1", "--top", "1", "--steps", "2",
+                     *(["--trust"] if trusted else []))
+    if trusted:
+        assert marker.exists(), proc.stderr[-3000:]
+        return
+    assert not marker.exists(), "the planted module was imported"
+    one_error_line(proc, "data._target_='run.payload.blobs'", "overrides.yaml", "--allow-target run.payload")
+    assert not (folder / "doctor-verify").exists()  # nothing ran, nothing was written
+
+
+def test_the_policy_admits_runners_own_targets_and_no_path_around_them():
+    """What runner's configs name passes; a path that leaves the allowed modules through an attribute, a method,
+    an interpolation that reads the environment, a pkg:// search path or a hydra override does not."""
+    from runner import trust
+
+    policy = trust.Policy.make(environ={})
+    for target in ("runner.models.MnistCNN", "runner.models.MLP", "runner.gpt.GPT", "runner.hf.causal_lm",
+                   "runner.task.Classification", "torchvision.models.resnet18", "torch.optim.SGD", "torch.nn.Linear",
+                   "timm.optim.Lamb", "transformers.GPT2LMHeadModel", "transformers.GPT2Config"):
+        trust.check_target("model._target_", target, policy, "config.yaml")
+    for target, words in {"runner.models.torch.load": "defined in torch",
+                          "torchvision.models._api.load_state_dict_from_url": "defined in torch.hub",
+                          "transformers.AutoModelForCausalLM.from_pretrained": "not a transformers model or config",
+                          "torch.nn.Module.load_state_dict": "not a class",
+                          "torch.load": "not one of runner's own targets"}.items():
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            trust.check_target("model._target_", target, policy, "config.yaml")
+    with pytest.raises(ConfigError, match=r"model\.config\._target_='numpy\.load'"):  # nested targets count too
+        trust.check_config({"model": {"_target_": "runner.models.MLP", "config": {"_target_": "numpy.load"}}},
+                           policy, "config.yaml")
+    allowed = trust.Policy.make(allow=["numpy"], environ={trust.ALLOW_ENV: "pathlib.Path"})
+    for target in ("numpy.load", "pathlib.Path"):
+        trust.check_target("model._target_", target, allowed, "config.yaml")
+    trust.check_target("model._target_", "numpy.load", policy.naming(["numpy.load"]), "config.yaml")
+    trust.check_interpolations({"data": {"path": "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/../shared}/t.txt",
+                                         "block": "${oc.select:data.block_size,256}"}}, policy, "config.yaml")
+    with pytest.raises(ConfigError, match=r"data\.root='\$\{oc\.env:HOME\}/x' in config\.yaml uses the resolver oc\.env:HOME"):
+        trust.check_interpolations({"data": {"root": "${oc.env:HOME}/x"}}, policy, "config.yaml")
+    with pytest.raises(ConfigError, match="pkg://"):
+        trust.check_searchpath(["pkg://run.payload"], policy, "hydra.yaml")
+    with pytest.raises(ConfigError, match="Hydra's own settings"):
+        trust.check_overrides(["hydra.searchpath=[pkg://run.payload]"], policy, "overrides.yaml")
+    for call in (lambda: trust.check_target("model._target_", "torch.load", trust.Policy(trust=True), "c"),
+                 lambda: trust.check_interpolations({"a": "${oc.env:HOME}"}, trust.Policy(trust=True), "c")):
+        call()  # --trust: as python -m runner

@@ -63,6 +63,9 @@ def split(tokens: torch.Tensor, block_size: int, path: str) -> tuple[torch.Tenso
     cut = int(TRAIN_FRACTION * len(tokens))
     train, val = tokens[:cut], tokens[cut:]
     shortest = min(len(train), len(val))
+    if shortest < 2:  # no block_size fits: say the text is too short, not "lower it below 1"
+        raise ConfigError(f"data.path={path} holds only {len(tokens)} characters: too few for a training and a "
+                          f"validation window (its last 10 % validate); use a longer text")
     if block_size >= shortest:
         raise ConfigError(f"data.block_size={block_size} does not fit in the text: its validation split (the last "
                           f"10 % of data.path={path}) has {len(val)} tokens and a window needs block_size + 1; "

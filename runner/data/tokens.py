@@ -106,16 +106,43 @@ def open_split(key: str, path: str | None, dtype: str, block_size: int, vocab_si
                           f"data.dtype={dtype}): it is not a file of {dtype} token ids or it was cut short; set "
                           f"data.dtype to the dtype it was written with (nanoGPT writes uint16) or write it again")
     count = size // item
+    if count == 0:
+        raise ConfigError(f"data.{key}={path} is empty (0 bytes): it holds no token ids; write it again ({PREPARE_HINT})")
     if count < block_size + 1:
         raise ConfigError(f"data.{key}={path} holds {count} tokens and a window needs data.block_size + 1 = "
                           f"{block_size + 1}; lower data.block_size below {count} or use a longer split")
     tokens = TokenFile(file, dtype)
+    if dtype == "uint16":
+        _refuse_uint32_halves(key, path, tokens)
     top, where = tokens.max()
     if top >= vocab_size:
         raise ConfigError(f"data.{key}={path} holds token id {top} (at token {where}), not below "
                           f"data.vocab_size={vocab_size}; set data.vocab_size to the tokenizer's vocabulary size (at "
                           f"least {top + 1}), or check data.dtype={dtype} is the dtype the file was written with")
     return tokens
+
+
+#: Tokens of a file's start looked at by ``_refuse_uint32_halves`` (128 KiB of uint16).
+HALVES_SAMPLE = 1 << 16
+
+
+def _refuse_uint32_halves(key: str, path: str, tokens: TokenFile) -> None:
+    """A file of uint32 ids read as uint16 (the default ``data.dtype``) is every id followed by its high half, 0
+    for any id below 65,536: it would train with exit 0 on every second token being 0. Read as uint16, a sample of
+    its first ``HALVES_SAMPLE`` tokens with every odd one 0 and an even one not is such a file (real text has
+    no such pattern over 64 tokens and more).
+
+    Raises:
+        ConfigError: naming ``data.<key>``, ``data.dtype`` and the fix.
+    """
+    n = min(len(tokens), HALVES_SAMPLE) // 2 * 2
+    if n < 64:
+        return
+    sample = np.asarray(tokens.memmap[:n])
+    if not sample[1::2].any() and sample[0::2].any():
+        raise ConfigError(f"data.{key}={path} read as data.dtype=uint16 has every second id 0 (all {n // 2} in its "
+                          f"first {n} tokens): it holds uint32 ids, whose high halves are those zeros; set "
+                          f"data.dtype=uint32")
 
 
 def _load_tiktoken(name: str):
