@@ -35,7 +35,8 @@ from runner.tool_config import AblationConfig, InterleaveConfig, TuneConfig
 CHOICES: dict[str, tuple[str | None, ...]] = {
     "data.name": ("mnist", "cifar10", "imagefolder", "synthetic", "text", "tokens", "custom"),
     "scheduler.name": ("constant", "onecycle", "cosine", "cyclic"),
-    "precision.name": ("fp32", "amp", "bf16", "tf32"),
+    "precision.name": ("fp32", "amp", "bf16", "tf32", "fp8", "auto"),
+    "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "distributed.name": ("none", "ddp", "fsdp", "dp"),
     "distributed.backend": (None, "gloo", "nccl", "mpi", "xccl", "ucc"),
     "debug.name": ("off", "anomaly", "profile"),
@@ -293,6 +294,7 @@ class PrecisionConfig:
     name: str = MISSING  # CHOICES["precision.name"]
     init_scale: float = 65536.0  # amp: GradScaler's initial loss scale
     growth_interval: int = 2000  # amp: steps without inf/NaN before the scale doubles
+    fp8_recipe: str = "tensorwise"  # fp8: torchao's scaling recipe, CHOICES["precision.fp8_recipe"] (runner/precision.py)
 
 
 @dataclass
@@ -372,6 +374,7 @@ class CompileConfig:
     mode: Optional[str] = None  # CHOICES["compile.mode"]; null = off (eager)
     fullgraph: bool = False
     dynamic: Optional[bool] = None
+    regional: bool = False  # compile each repeated block (GPT blocks, ResNet blocks) instead of the whole model
 
 
 @dataclass
