@@ -182,8 +182,11 @@ class TokensDataConfig(DataConfig):
     ``block_size`` tokens sampled as ``data=text``'s (``runner.data.tokens``)."""
 
     name: str = "tokens"
-    train_path: Optional[str] = None  # required: the training split's .bin
-    val_path: Optional[str] = None  # required: the validation split's .bin
+    train_path: Optional[str] = None  # the training split's .bin (required unless synthetic_tokens is set)
+    val_path: Optional[str] = None  # the validation split's .bin (required unless synthetic_tokens is set)
+    # N: with both paths null, N random ids below vocab_size (seeded) train and N // 10 validate -- for tokens/s and
+    # MFU without a corpus (nothing to learn); null: the files
+    synthetic_tokens: Optional[int] = None
     vocab_size: Optional[int] = None  # required: the number of token ids (the model's vocabulary); ids below it
     dtype: str = "uint16"  # the ids' type in the files: uint16 (nanoGPT) or uint32
     tokenizer: Optional[str] = None  # a tiktoken encoding (gpt2) to decode samples.txt; null: token ids
