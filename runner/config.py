@@ -294,7 +294,7 @@ class PrecisionConfig:
     name: str = MISSING  # CHOICES["precision.name"]
     init_scale: float = 65536.0  # amp: GradScaler's initial loss scale
     growth_interval: int = 2000  # amp: steps without inf/NaN before the scale doubles
-    fp8_recipe: str = "tensorwise"  # fp8: torchao's scaling recipe, CHOICES["precision.fp8_recipe"] (runner/precision.py)
+    fp8_recipe: str = "tensorwise"  # fp8: torchao's scaling recipe, CHOICES["precision.fp8_recipe"]
 
 
 @dataclass

@@ -69,7 +69,8 @@ def test_tf32_s_note_says_why_it_is_not_a_candidate(monkeypatch):
                                                         "changes only fp32 matmuls and convolutions)")
     assert "tf32" in names(speed.switches(compose_cfg("precision=fp32"), cuda)[0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
-    assert tf32_note(device=cuda) == "tf32: not a candidate (TF32 needs compute capability 8.0 or newer; this GPU has 7.0)"
+    assert tf32_note(device=cuda) == ("tf32: not a candidate (TF32 needs compute capability 8.0 or newer; this GPU "
+                                      "has 7.0)")
 
 
 @pytest.mark.parametrize("overrides, words", [
