@@ -163,6 +163,8 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
     amp = precision.build(cfg.precision, env.device)  # before the wrapper: FSDP all-gathers in its compute dtype
     model, applied, details = prepare.prepare(model, cfg, env, amp, skip=skipped)
     details["host_allocator"] = host_allocator
+    if amp.note:
+        details["precision"] = amp.note  # precision=auto: the dtype it picked on this device
     seed_everything(t.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
     plan = _plan(cfg, env, len(data.train))

@@ -1,19 +1,18 @@
 """Structured-config schemas: one dataclass per config group, stored in Hydra's ConfigStore.
 
-Each YAML option in ``conf/<group>/`` starts with ``defaults: [base_<group>, _self_]`` and only sets
-values, so a misspelt key or a value of the wrong type fails at compose time with Hydra's own message
-(Hydra structured-config tutorial, step 5.1:
-https://hydra.cc/docs/tutorials/structured_config/schema/).
+Each YAML option in ``conf/<group>/`` starts with ``defaults: [base_<group>, _self_]`` and only sets values, so a
+misspelt key or a value of the wrong type fails at compose time with Hydra's own message (Hydra structured-config
+tutorial, step 5.1: https://hydra.cc/docs/tutorials/structured_config/schema/).
 
-Fields that are *not* constructor arguments (``lr_scaling``, ``cifar_stem``, ...) are listed in
-``RUNNER_KEYS`` of the module that consumes the group; everything else is passed to ``_target_``.
+Fields that are *not* constructor arguments (``lr_scaling``, ``cifar_stem``, ...) are listed in ``RUNNER_KEYS`` of the
+module that consumes the group; everything else is passed to ``_target_``.
 
 Nodes open to keys no schema declares carry a user's own arguments: ``model`` (``model.width=64``), ``data`` when
 ``data=custom`` (``data.n_features=20``) and ``tune.switches``. They are stored with the struct flag off
-(``open_node``), so ``key=value`` adds a key without Hydra's ``+`` while declared fields stay typed. The builders
-check the extra keys against the callable's signature (``runner.targets.check_arguments``), so a typo
-(``model.widht=64``) stops before training with the valid names. Every other node stays closed: a typo such as
-``trainer.max_step`` fails at compose time.
+(``open_node``), so ``key=value`` adds a key without Hydra's ``+`` while declared fields stay typed. The builders check
+the extra keys against the callable's signature (``runner.targets.check_arguments``), so a typo (``model.widht=64``)
+stops before training with the valid names. Every other node stays closed: a typo such as ``trainer.max_step`` fails at
+compose time.
 """
 
 from __future__ import annotations
@@ -27,15 +26,16 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runner.errors import ConfigError
 from runner.tool_config import AblationConfig, InterleaveConfig, TuneConfig
 
-#: Every closed list of options, declared once: ``runner.validate.validate`` checks a composed config against
-#: all of them before anything is built, and the builder of each key calls ``check_choice`` with the same
-#: list, so a direct call with a bad value fails with the same message. ``None`` in a list: the key may be
-#: null. The schemas keep these fields plain strings: a bad value stops in ``validate`` with one ``error:`` line
-#: naming the choices (an Enum field would also change what the composed config and summary.json hold).
+#: Every closed list of options, declared once: ``runner.validate.validate`` checks a composed config against all of
+#: them before anything is built, and the builder of each key calls ``check_choice`` with the same list, so a direct
+#: call with a bad value fails with the same message. ``None`` in a list: the key may be null. The schemas keep these
+#: fields plain strings: a bad value stops in ``validate`` with one ``error:`` line naming the choices (an Enum field
+#: would also change what the composed config and summary.json hold).
 CHOICES: dict[str, tuple[str | None, ...]] = {
     "data.name": ("mnist", "cifar10", "imagefolder", "synthetic", "text", "tokens", "custom"),
     "scheduler.name": ("constant", "onecycle", "cosine", "cyclic"),
-    "precision.name": ("fp32", "amp", "bf16", "tf32"),
+    "precision.name": ("fp32", "amp", "bf16", "tf32", "fp8", "auto"),
+    "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "distributed.name": ("none", "ddp", "fsdp", "dp"),
     "distributed.backend": (None, "gloo", "nccl", "mpi", "xccl", "ucc"),
     "debug.name": ("off", "anomaly", "profile"),
@@ -181,8 +181,9 @@ class TokensDataConfig(DataConfig):
     ``block_size`` tokens sampled as ``data=text``'s (``runner.data.tokens``)."""
 
     name: str = "tokens"
-    train_path: Optional[str] = None  # required: the training split's .bin
-    val_path: Optional[str] = None  # required: the validation split's .bin
+    train_path: Optional[str] = None  # the training split's .bin (required unless synthetic_tokens is set)
+    val_path: Optional[str] = None  # the validation split's .bin (required unless synthetic_tokens is set)
+    synthetic_tokens: Optional[int] = None  # both paths null: N seeded random ids (N // 10 validate), for tokens/s
     vocab_size: Optional[int] = None  # required: the number of token ids (the model's vocabulary); ids below it
     dtype: str = "uint16"  # the ids' type in the files: uint16 (nanoGPT) or uint32
     tokenizer: Optional[str] = None  # a tiktoken encoding (gpt2) to decode samples.txt; null: token ids
@@ -293,6 +294,7 @@ class PrecisionConfig:
     name: str = MISSING  # CHOICES["precision.name"]
     init_scale: float = 65536.0  # amp: GradScaler's initial loss scale
     growth_interval: int = 2000  # amp: steps without inf/NaN before the scale doubles
+    fp8_recipe: str = "tensorwise"  # fp8: torchao's scaling recipe, CHOICES["precision.fp8_recipe"]
 
 
 @dataclass
@@ -372,6 +374,7 @@ class CompileConfig:
     mode: Optional[str] = None  # CHOICES["compile.mode"]; null = off (eager)
     fullgraph: bool = False
     dynamic: Optional[bool] = None
+    regional: bool = False  # compile each repeated block (GPT blocks, ResNet blocks) instead of the whole model
 
 
 @dataclass
@@ -468,17 +471,9 @@ class RunnerConfig:
 
 #: The schema of each config group (stored as ``base_<group>``); every YAML option of the group extends it.
 GROUP_SCHEMAS = {
-    "task": TaskConfig,
-    "model": ModelConfig,
-    "data": DataConfig,
-    "dataloader": DataLoaderConfig,
-    "optimizer": OptimizerConfig,
-    "scheduler": SchedulerConfig,
-    "precision": PrecisionConfig,
-    "distributed": DistributedConfig,
-    "memory": MemoryConfig,
-    "logger": LoggerConfig,
-    "compile": CompileConfig,
+    "task": TaskConfig, "model": ModelConfig, "data": DataConfig, "dataloader": DataLoaderConfig,
+    "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "precision": PrecisionConfig,
+    "distributed": DistributedConfig, "memory": MemoryConfig, "logger": LoggerConfig, "compile": CompileConfig,
     "debug": DebugConfig,
 }
 

@@ -9,28 +9,65 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Dense (no sparsity) peak TFLOP/s by compute dtype, from the vendors' data sheets. Keys are matched as
-# substrings of torch.cuda.get_device_name(), most specific first. "tf32" is used for fp32 matmuls when
-# TF32 is allowed. Override with trainer.peak_tflops.
+# Dense (no sparsity) peak TFLOP/s per GPU model and compute dtype, from the vendors' data sheets: where a sheet
+# gives a figure "with sparsity" (NVIDIA marks them *), half of it. "tf32" is used for fp32 matmuls when TF32 is
+# allowed; "fp8" is e4m3/e5m2 with fp32 accumulation. Each pattern is a regular expression searched in
+# torch.cuda.get_device_name() ignoring case; the first that matches decides, so a variant comes before its family
+# ("H100 NVL" and "H100 PCIe" before plain H100, whose SXM5 board torch names "NVIDIA H100 80GB HBM3"), and a
+# model missing a dtype has no peak for it (never another model's). Override with trainer.peak_tflops.
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
-    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
-    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
-    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
-    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
-    ("V100", {"fp16": 125.0, "fp32": 15.7}),
-    ("T4", {"fp16": 65.0, "fp32": 8.1}),
+    # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 NVL column
+    (r"H100.*NVL", {"fp8": 1670.0, "bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    # the same datasheet (its 2022 edition), H100 PCIe column
+    (r"H100.*PCIe", {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    # the same datasheet, H100 SXM column ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 ...")
+    (r"H100", {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 NVL column
+    (r"H200.*NVL", {"fp8": 1670.0, "bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    # the same datasheet, H200 SXM column ("NVIDIA H200"); the GH200 Grace Hopper Superchip datasheet gives its
+    # GPU the same figures
+    (r"H200", {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    # NVIDIA GB200 NVL72 datasheet (nvidia.com/en-us/data-center/gb200-nvl72): the rack's figures / 72 GPUs
+    (r"GB200", {"fp8": 5000.0, "bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0, "fp32": 80.0}),
+    # NVIDIA HGX B200 datasheet (nvidia.com/en-us/data-center/hgx): the 8-GPU board's figures / 8
+    (r"B200", {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "tf32": 1125.0, "fp32": 75.0}),
+    # NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100): SXM and PCIe alike; no fp8
+    (r"A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    # NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s)
+    (r"L40S", {"fp8": 733.0, "bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    # NVIDIA L4 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/l4)
+    (r"\bL4\b", {"fp8": 242.5, "bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    # NVIDIA A10 Tensor Core GPU datasheet (not the A10G, whose figures differ: unlisted)
+    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    # NVIDIA Ada GPU architecture whitepaper, appendix A (GeForce RTX 4090; tensor figures with fp32 accumulation)
+    (r"RTX 4090", {"fp8": 330.3, "bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    # NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A (GeForce RTX 3090; fp32 accumulation)
+    (r"RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+    # NVIDIA V100 Tensor Core GPU datasheet (SXM2): no bf16 or TF32 tensor cores
+    (r"V100", {"fp16": 125.0, "fp32": 15.7}),
+    # NVIDIA T4 Tensor Core GPU datasheet
+    (r"\bT4\b", {"fp16": 65.0, "fp32": 8.1}),
+    # AMD Instinct MI300X data sheet (amd.com; ROCm's torch names it "AMD Instinct MI300X"), matrix figures
+    (r"MI300X", {"fp8": 2614.9, "bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
 ]
-_DTYPE_KEY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPE_KEY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8",
+              torch.float8_e5m2: "fp8"}
+
+
+def peak_tflops(name: str, key: str) -> float | None:
+    """The dense peak TFLOP/s of the GPU that ``torch.cuda.get_device_name()`` calls ``name``, for ``key`` (``fp8``,
+    ``bf16``, ``fp16``, ``tf32``, ``fp32``): the first row of ``PEAK_TFLOPS`` whose pattern matches decides; None
+    where no row matches or that row has no figure for ``key`` (an A100 has no fp8)."""
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return peaks.get(key)
+    return None
 
 
 def uses_cuda(device: str) -> bool:
@@ -70,19 +107,17 @@ def device_name(device: torch.device) -> str:
 
 
 def peak_flops(device: torch.device, compute_dtype: torch.dtype, override_tflops: float | None) -> float | None:
-    """The device's dense peak in FLOP/s for ``compute_dtype``; None where unknown (CPUs, unlisted GPUs)."""
+    """The device's dense peak in FLOP/s for ``compute_dtype`` (fp8 dtypes: its fp8 peak; fp32 with TF32 allowed:
+    its TF32 peak) from ``PEAK_TFLOPS``, or ``override_tflops`` x 1e12; None where unknown (CPUs, unlisted GPUs)."""
     if override_tflops is not None:
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
     key = _DTYPE_KEY.get(compute_dtype, "fp32")
     if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         key = "tf32"
-    for pattern, peaks in PEAK_TFLOPS:
-        if pattern in name and key in peaks:
-            return peaks[key] * 1e12
-    return None
+    tflops = peak_tflops(torch.cuda.get_device_name(device), key)
+    return tflops * 1e12 if tflops is not None else None
 
 
 def load_average() -> float | None:
@@ -204,8 +239,10 @@ _THROTTLE_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_
 
 
 def gpu_contention(device: torch.device) -> dict[str, Any] | None:
-    """Other processes on the run's GPU and whether its clocks are throttled, through NVML (``pynvml``)
-    when it is importable; None on a CPU, without pynvml, or when NVML fails (never an error).
+    """Other processes on the run's GPU and whether its clocks are throttled, through NVML's Python bindings (the
+    module ``pynvml`` that NVIDIA's maintained ``nvidia-ml-py`` package installs: runner's ``gpu`` extra; the PyPI
+    package called ``pynvml`` is a deprecated shim over it) when importable; None on a CPU, without them, or when
+    NVML fails (never an error).
 
     Returns ``{"other_processes": n, "throttle_reasons": [names], "utilization_percent": p}`` (the
     utilization: the share of NVML's last sample period in which a kernel ran).
@@ -225,7 +262,7 @@ def gpu_contention(device: torch.device) -> dict[str, Any] | None:
         return {"other_processes": sum(p.pid != os.getpid() for p in procs),
                 "throttle_reasons": [name for bit, name in _THROTTLE_REASONS.items() if reasons & bit],
                 "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu}
-    except Exception:  # noqa: BLE001 - no pynvml, no driver, a container without NVML: no record, no failure
+    except Exception:  # noqa: BLE001 - no bindings, no driver, a container without NVML: no record, no failure
         return None
 
 

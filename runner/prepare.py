@@ -1,14 +1,17 @@
 """Model transforms, one ``apply_<technique>`` each, called in a fixed order by ``prepare``.
 
-Order (torchtitan's ``parallelize``): memory format -> bias removal -> activation checkpointing ->
-compile -> data-parallel wrapper.
+Order (torchtitan's model converters, then its ``parallelize``): memory format -> bias removal -> fp8 layers ->
+activation checkpointing -> compile -> data-parallel wrapper.
 
 1. channels_last first: it rewrites the parameters' strides, and every later step should see NHWC weights.
 2. bias removal needs the plain module tree (torch.fx traces it) before anything wraps a submodule.
-3. activation checkpointing wraps blocks; compile must see those wrappers to trace the recomputation.
-4. compile before DDP/FSDP so the wrapper's hooks see the compiled module (as torchtitan does), and
-   ``nn.Module.compile`` keeps the module and its ``state_dict`` keys unchanged.
-5. the data-parallel wrapper last: it registers gradient hooks on the final parameters.
+3. precision=fp8 swaps Linear layers for torchao's Float8Linear (``runner.precision.convert_fp8``) on the plain
+   tree, as torchtitan's float8 converter runs before it parallelizes; it turns compile on.
+4. activation checkpointing wraps blocks; compile must see those wrappers to trace the recomputation.
+5. compile before DDP/FSDP so the wrapper's hooks see the compiled module (as torchtitan does), and
+   ``nn.Module.compile`` keeps the module and its ``state_dict`` keys unchanged -- the whole model, or each
+   repeated block (``compile.regional``).
+6. the data-parallel wrapper last: it registers gradient hooks on the final parameters.
 
 ``apply_cudnn_benchmark`` is a process-wide backend flag rather than a model transform; the engine calls
 it before building anything, so cuDNN autotunes from the first step (which the warm-up excludes).
@@ -26,10 +29,10 @@ import platform
 from collections import Counter
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import models, parallel
+from runner import models, parallel, precision
 from runner.config import check_choice
 from runner.errors import ConfigError, deterministic_refusal
 from runner.parallel import repeated_blocks
@@ -269,7 +272,7 @@ def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | No
     return "applied", names, sum(isinstance(m, CheckpointWrapper) for m in model.modules())
 
 
-def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> dict[str, str]:
+def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> tuple[dict[str, str], dict[str, object]]:
     """Technique 18: ``torch.compile`` (TorchInductor fuses pointwise ops into generated kernels).
 
     Uses ``nn.Module.compile`` (in place: the module object and its ``state_dict`` keys stay the same);
@@ -279,8 +282,21 @@ def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
     CPU it falls back to the default mode and records CUDA graphs as skipped. ``max-autotune`` also
     benchmarks matmul/conv kernels (long compile). Docs: https://pytorch.org/docs/stable/generated/torch.compile.html
 
+    ``compile.regional=true`` compiles each repeated block (``repeated_blocks``: runner's GPT ``Block``, a ResNet's
+    ``BasicBlock``/``Bottleneck``; a block wrapped for activation checkpointing is compiled with its wrapper)
+    instead of the whole model, as torchtitan does by default (``apply_compile`` in its ``parallelize``, one
+    ``torch.compile`` per TransformerBlock; PyTorch recipe "Reducing torch.compile cold start compilation time with
+    regional compilation", https://pytorch.org/tutorials/recipes/regional_compilation.html): the blocks share one
+    class and their code, so dynamo traces it once and reuses the graph for the others (their parameters are
+    inputs, not constants), and the first compile is shorter, the more so the more blocks; what lies between the
+    blocks (embeddings, the head, the stem) runs eager, so the steady step may be a little slower (the 4-layer
+    Shakespeare GPT on a quiet CPU: compile x0.67, steady step x1.13; docs/benchmarks/compile-regional-cpu.md). A
+    model with no repeated blocks is compiled whole, and ``compile_regional`` records why.
+
     Returns:
-        ``{"compile": "applied"}`` plus ``"cuda_graphs"`` for ``reduce-overhead``.
+        ``(techniques, details)``: ``{"compile": "applied"}`` plus ``"cuda_graphs"`` for ``reduce-overhead`` and
+        ``"compile_regional"`` with ``compile.regional``; details ``{"compiled_blocks": n, "compiled_block_class":
+        [names]}`` when regional.
 
     Raises:
         ConfigError: ``compile.mode`` is not default, reduce-overhead or max-autotune.
@@ -296,16 +312,48 @@ def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
         else:
             status["cuda_graphs"] = "skipped: CUDA graphs need a CUDA device; compiled with mode=default"
             mode = "default"
-    model.compile(mode=mode, fullgraph=cfg.fullgraph, dynamic=cfg.dynamic)
-    return status
+    options = dict(mode=mode, fullgraph=cfg.fullgraph, dynamic=cfg.dynamic)
+    if not cfg.get("regional", False):
+        model.compile(**options)
+        return status, {}
+    names, blocks = regional_blocks(model)
+    if not blocks:
+        status["compile_regional"] = "skipped: the model has no repeated blocks to compile one by one; compiled whole"
+        model.compile(**options)
+        return status, {}
+    for block in blocks:
+        block.compile(**options)
+    status["compile_regional"] = "applied"
+    return status, {"compiled_blocks": len(blocks), "compiled_block_class": names}
+
+
+def regional_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
+    """What ``compile.regional`` compiles: the class names of the model's repeated blocks (``repeated_blocks``) and
+    every module of those classes, outermost first -- a block inside activation checkpointing's ``CheckpointWrapper``
+    is given as the wrapper, so the compiled region holds the recomputation too (torchtitan compiles after AC)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    names = repeated_blocks(model)
+    blocks: list[nn.Module] = []
+    inner: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, CheckpointWrapper) and type(m._checkpoint_wrapped_module).__name__ in names:
+            blocks.append(m)
+            inner.add(id(m._checkpoint_wrapped_module))
+        elif type(m).__name__ in names and id(m) not in inner:
+            blocks.append(m)
+    return names, blocks
 
 
 def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
     """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
 
     ``amp``: the built ``runner.precision.Precision``; the FSDP wrapper all-gathers parameters in its
-    ``compute_dtype``. ``skip``: status keys of techniques the task rules out (``Task.skipped``: channels_last
-    and drop_bias_before_bn on a language model); the engine records them, they are not applied here.
+    ``compute_dtype``; with ``amp.fp8_recipe`` set (precision=fp8 on a GPU that has it) the model's large Linear
+    layers become fp8 (``runner.precision.convert_fp8``) and compile is turned on if it was off
+    (``technique_details.fp8.compile`` says so). ``skip``: status keys of techniques the task rules out
+    (``Task.skipped``: channels_last and drop_bias_before_bn on a language model); the engine records them, they are
+    not applied here.
 
     Prints the built model's line (``models.model_report``: weights loaded, backbone frozen, trainable
     parameters) on rank 0 first, unless ``trainer.progress=off``.
@@ -327,14 +375,27 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Mo
         techniques["channels_last"] = apply_channels_last(model)
     if cfg.model.drop_bias_before_bn and "drop_bias_before_bn" not in skip:
         techniques["drop_bias_before_bn"], details["biases_removed"] = apply_drop_bias_before_bn(model)
+    compile_cfg = cfg.compile
+    if amp.fp8_recipe is not None:  # precision=fp8 where it can run (a CUDA GPU >= 8.9 with torchao)
+        techniques["fp8"], details["fp8"] = precision.convert_fp8(model, amp)
+        if techniques["fp8"] == "applied" and compile_cfg.mode is None:
+            # torchao's fp8 casts and scales are fast only fused by torch.compile; torchtitan runs fp8 compiled
+            compile_cfg = OmegaConf.merge(compile_cfg, {"mode": "default"})
+            details["fp8"]["compile"] = ("turned on by precision=fp8 (compile=off was given): torchao's fp8 casts are "
+                                         "fused only by torch.compile; mode=default")
+            if env.is_main:
+                print("note: precision=fp8 turned torch.compile on (mode=default): torchao's float8 training needs it "
+                      "to fuse its casts", flush=True)
     if cfg.memory.checkpointing:
         blocks = list(cfg.memory.checkpoint_modules) if cfg.memory.checkpoint_modules else None
         status, names, wrapped = apply_activation_checkpointing(model, blocks)
         techniques["activation_checkpointing"] = status
         details["checkpointed_blocks"] = names
         details["checkpointed_modules"] = wrapped
-    if cfg.compile.mode is not None:
-        techniques |= apply_compile(model, cfg.compile, env.device)
+    if compile_cfg.mode is not None:
+        status, compiled = apply_compile(model, compile_cfg, env.device)
+        techniques |= status
+        details |= compiled
     model, status = parallel.wrap(model, cfg.distributed, env, amp)
     techniques |= status
     return model, techniques, details

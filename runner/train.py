@@ -238,7 +238,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
     p, plan, env, t = parts, parts.plan, parts.env, parts.cfg.trainer
     p.meter.flush()
     figures = distributed.reduce_figures(p.meter.totals(), measure.peak_memory_mb(env.device), env)
-    peak = hardware.peak_flops(env.device, p.amp.compute_dtype, t.peak_tflops)
+    peak = hardware.peak_flops(env.device, p.amp.mfu_dtype, t.peak_tflops)  # fp8: its fp8 peak
     flops, sps = p.flops_per_sample, figures["samples_per_sec"]
     workers = p.cfg.dataloader.num_workers if p.data.techniques.get("num_workers") == "applied" else 0
     load = p.meter.machine_load(torch.get_num_threads(), workers)  # rank 0's machine: summary.json is rank 0's

@@ -5,8 +5,8 @@
 # the last thing printed is one table of the figures.
 #
 #   bash scripts/gpu_check.sh              # all parts
-#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests tune_gpt aa_gpt race tune_r18 gpt resnet50 resnet18
-#                                          #          gpt_compile_modes overhead suite
+#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt gpt
+#                                          #          resnet50 resnet18 gpt_compile_modes overhead suite
 #   TESTS_K='resume' bash scripts/gpu_check.sh tests   # only the CUDA tests matching a -k expression
 #   DRY=1 bash scripts/gpu_check.sh tune_gpt aa_gpt race   # the same steps on the CPU at toy sizes (CI runs this)
 #
@@ -14,10 +14,14 @@
 # aa_gpt (an interleaved sweep compile=default,reduce-overhead x trainer.seed=0,1 with its A/A copy), race
 # (nanoGPT's own train.py, the recipe and the tuner's pick, each to validation loss 1.47; needs nanoGPT's
 # train.py, model.py, configurator.py, config/ and its prepared data/shakespeare_char/ in $NANOGPT, default
-# .gpu/nanogpt), tune_r18 (the tuner on ResNet-18 with the CIFAR stem).
+# .gpu/nanogpt), tune_r18 (the tuner on ResNet-18 with the CIFAR stem), gpt2 (GPT-2 124M on synthetic tokens:
+# tokens/s and MFU, bf16 against torchao's fp8, interleaved), wide_gpt (the same on a GPT of width 2048, where fp8's
+# layer filter converts every projection).
 #
-# Needs hydra-core, omegaconf and antlr4-python3-runtime importable; where they are carried as wheels in .whl/
-# (a machine with no package index), they are installed into /tmp/site first. Tiny Shakespeare is read from
+# Needs hydra-core, omegaconf and antlr4-python3-runtime importable, and torchao for fp8 (without it fp8 is recorded
+# as skipped); where they are carried as wheels in .whl/ (a machine with no package index; torchao's built for the
+# machine's torch and Python: pip download --no-deps --only-binary=:all: --python-version 3.12 torchao==<version>),
+# they are installed into /tmp/site first. Tiny Shakespeare is read from
 # $GPT_TEXT (default .gpu/data/tinyshakespeare/input.txt, else ../shared/data/tinyshakespeare/input.txt).
 set -u
 cd "$(dirname "$0")/.."
@@ -27,24 +31,30 @@ LOGS=$WORK/logs
 RUNS=$WORK/runs
 mkdir -p "$OUT" "$LOGS" "$RUNS"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ] && ! python3 -c "import hydra" 2>/dev/null; then
+if [ -d .whl ] && { ! python3 -c "import hydra" 2>/dev/null \
+    || { compgen -G ".whl/torchao-*.whl" >/dev/null && ! python3 -c "import torchao" 2>/dev/null; }; }; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 GPT_TEXT=${GPT_TEXT:-.gpu/data/tinyshakespeare/input.txt}
 [ -f "$GPT_TEXT" ] || GPT_TEXT=../shared/data/tinyshakespeare/input.txt
 GPT_TEXT=$(realpath "$GPT_TEXT")
-parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt resnet50 resnet18 gpt_compile_modes overhead suite}
+parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt gpt resnet50 resnet18 gpt_compile_modes overhead suite}
 NANOGPT=${NANOGPT:-.gpu/nanogpt}
 DRY=${DRY:-}
 DEV=cuda
-gpt_toy=(); r18_toy=(); tune_minutes=1.4; aa_minutes=0.8; quick=(); scale=1
+gpt_toy=(); r18_toy=(); gpt2_toy=(); wide_toy=(); tune_minutes=1.4; aa_minutes=0.8; fp8_minutes=1.5
+lm_compile=default; quick=(); scale=1
 if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
   # (the tuners' budgets leave no time for a round: their guard and verification run; slices of 4 steps; the
   # steps' time limits x3, for a CI machine busy with other tests)
-  DEV=cpu; tune_minutes=0.3; aa_minutes=0.1; scale=3
+  DEV=cpu; tune_minutes=0.3; aa_minutes=0.1; fp8_minutes=0.2; lm_compile=off; scale=3
   gpt_toy=(model.n_layer=1 model.n_head=2 model.n_embd=32 data.block_size=32 optimizer.base_batch_size=8)
   r18_toy=(model=mlp "data.shape=[3,8,8]")
+  gpt2_toy=(model.n_layer=1 model.n_head=2 model.n_embd=64 data.block_size=32 data.vocab_size=512
+            data.synthetic_tokens=20000 optimizer.base_batch_size=4)
+  wide_toy=(model.n_layer=2 model.n_head=2 model.n_embd=64 data.block_size=32 data.vocab_size=512
+            data.synthetic_tokens=20000 optimizer.base_batch_size=2)
   quick=(interleave.slice_steps=4 interleave.min_passes=2 tune.guard_steps=10)
 fi
 
@@ -118,6 +128,28 @@ if has tune_r18; then
     tune.budget_minutes=$tune_minutes interleave.processes=1 "${quick[@]}"
   cat "$RUNS/tune_r18/speed.md" >>"$LOGS/tune_r18.log" 2>/dev/null
 fi
+# GPT-2 124M and the wide GPT: synthetic tokens on the device, bf16 against fp8 (torchao, tensorwise), interleaved with
+# bf16's A/A copy; both compiled (fp8 would turn compile on anyway); the first 10 steps of each process are warm-up.
+# On a CPU (DRY) fp8 is recorded as skipped (no GPU) and trains bf16, so the sweep still completes.
+lm_sweep=(trainer.max_steps=1000000 trainer.eval_every=1000000 trainer.eval_max_batches=1 trainer.warmup_steps=10
+          scheduler.warmup_steps=10 task.sample_tokens=0 memory.accumulate_steps=1 dataloader=device compile=$lm_compile
+          trainer.device=$DEV logger=none interleave.processes=1 interleave.slice_seconds=2
+          interleave.max_minutes=$fp8_minutes)
+if has gpt2; then
+  # conf/experiment/gpt2_124m.yaml (12 x 768, context 1024, micro-batch 12): llm.c reports ~468 K tokens/s per H100
+  step gpt2 330 python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,fp8 \
+    "${lm_sweep[@]}" "${gpt2_toy[@]}" hydra.sweep.dir="$RUNS/gpt2"
+  cat "$RUNS/gpt2/report.md" >>"$LOGS/gpt2.log" 2>/dev/null
+fi
+if has wide_gpt; then
+  # width 2048 (16 heads of 128), 8 layers, context 1024, micro-batch 8: ~0.5 B parameters, every projection large
+  # enough for torchao's tensorwise filter; compiled block by block (compile.regional) to keep the first compile short
+  wide=(model.n_layer=8 model.n_head=16 model.n_embd=2048 optimizer.base_batch_size=8)
+  [ -n "$DRY" ] && wide=("${wide_toy[@]}")
+  step wide_gpt 330 python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,fp8 \
+    "${lm_sweep[@]}" "${wide[@]}" compile.regional=true hydra.sweep.dir="$RUNS/wide_gpt"
+  cat "$RUNS/wide_gpt/report.md" >>"$LOGS/wide_gpt.log" 2>/dev/null
+fi
 if has gpt; then
   # nanoGPT's GPU recipe (6 x 384, block 256, batch 64, 5000 steps): the validation loss target 1.47
   run gpt_compile 420 +experiment=shakespeare_char_gpu data.path="$GPT_TEXT" compile=default
@@ -159,11 +191,14 @@ python3 - "$RUNS" <<'PY' | tee "$LOGS/figures.txt"
 import json, pathlib, sys
 keys = ["samples_per_sec", "tokens_per_sec", "step_time_ms_median", "mfu", "achieved_tflops", "gpu_idle_fraction",
         "peak_memory_mb", "data_wait_fraction", "eval_loss", "eval_accuracy", "time_to_target_s", "steps", "train_time_s"]
-for p in sorted(pathlib.Path(sys.argv[1]).glob("*/summary.json")):
+root = pathlib.Path(sys.argv[1])
+sweeps = [p for sweep in ("gpt2", "wide_gpt") for p in root.glob(f"{sweep}/*/summary.json")]  # one row per job
+for p in [*sorted(root.glob("*/summary.json")), *sorted(sweeps)]:
     s = json.loads(p.read_text())
     row = {k: s.get(k) for k in keys if s.get(k) is not None}
     skipped = {k: v for k, v in (s.get("techniques") or {}).items() if str(v).startswith("skipped")}
-    print(p.parent.name, json.dumps(row))
+    name = p.parent.name if p.parent.parent == root else f"{p.parent.parent.name}/{p.parent.name}"
+    print(name, (s.get("config") or {}).get("precision", {}).get("name", ""), json.dumps(row))
     if skipped:
         print("   skipped:", json.dumps(skipped)[:400])
 PY

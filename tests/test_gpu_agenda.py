@@ -4,6 +4,7 @@ runs cannot rot between GPU sessions."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -38,3 +39,26 @@ def test_gpu_agenda_dry_run(tmp_path):
     race = (out / "race.md").read_text()
     assert "| runner recipe (compile=default) |" in race and "| runner recipe + tuned |" in race
     assert "nanoGPT" not in race.split("|---")[1]  # no nanoGPT checkout here: left out, not failed
+
+
+def test_gpu_agenda_fp8_steps_dry_run(tmp_path):
+    """The GPT-2 124M and wide-GPT steps (bf16 against fp8, interleaved) at toy sizes: on a CPU fp8 is skipped with
+    its reason and trains bf16, and the sweep still completes with its report."""
+    out = tmp_path / "out"
+    env = os.environ | {"DRY": "1", "OUT": str(out)}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "gpt2", "wide_gpt"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
+    assert status == {"gpt2": "0", "wide_gpt": "0"}, proc.stdout[-4000:]
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = tar.getnames()
+        assert "runs/gpt2/report.md" in names and "runs/wide_gpt/report.md" in names
+        fp8 = [json.load(tar.extractfile(n)) for n in names if n.startswith("runs/") and n.endswith("summary.json")]
+    by_precision = {(s["config"]["model"]["n_layer"], s["config"]["precision"]["name"]): s for s in fp8}
+    assert {p for _, p in by_precision} == {"bf16", "fp8"}
+    for (_, name), s in by_precision.items():
+        assert s["tokens_per_sec"] > 0
+        if name == "fp8":
+            assert s["techniques"]["fp8"].startswith("skipped: fp8 matmuls need a CUDA GPU"), s["techniques"]
+    assert by_precision[(2, "bf16")]["config"]["compile"]["regional"] is True  # the wide GPT: block by block on a GPU

@@ -96,6 +96,51 @@ def test_peak_flops_known_only_where_given():
     assert hardware.peak_flops(cpu, torch.float32, 2.5) == 2.5e12
 
 
+@pytest.mark.parametrize("name, key, tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),  # how torch names the SXM5 board
+    ("NVIDIA H100 80GB HBM3", "fp8", 1979.0),
+    ("NVIDIA H100 SXM5 80GB", "tf32", 494.5),
+    ("NVIDIA H100 NVL", "bf16", 835.0),
+    ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA H100 PCIe", "fp8", 1513.0),
+    ("nvidia h100 pcie", "fp32", 51.0),  # case does not matter
+    ("NVIDIA H200", "bf16", 989.0),
+    ("NVIDIA H200 NVL", "bf16", 835.0),
+    ("NVIDIA B200", "bf16", 2250.0),
+    ("NVIDIA B200", "fp8", 4500.0),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+    ("NVIDIA A100-SXM4-40GB", "fp8", None),  # Ampere has no fp8: no peak, never another card's
+    ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA L4", "fp8", 242.5),
+    ("NVIDIA L40S", "bf16", 362.0),  # not the L4's
+    ("NVIDIA A10", "bf16", 125.0),
+    ("NVIDIA A10G", "bf16", None),  # not the A10's figures: unlisted
+    ("AMD Instinct MI300X", "bf16", 1307.4),
+    ("Tesla T4", "fp16", 65.0),
+    ("Tesla V100-SXM2-16GB", "bf16", None),
+    ("Some Future GPU", "bf16", None),
+])
+def test_peak_tflops_by_device_name(name, key, tflops):
+    assert hardware.peak_tflops(name, key) == tflops
+
+
+def test_peak_flops_of_a_gpu_follows_the_compute_dtype(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda")
+    assert hardware.peak_flops(cuda, torch.float8_e4m3fn, None) == 1979e12  # precision=fp8: the fp8 peak
+    assert hardware.peak_flops(cuda, torch.bfloat16, None) == 989e12
+    before = torch.backends.cuda.matmul.allow_tf32  # a backend flag (no attribute monkeypatch could restore)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert hardware.peak_flops(cuda, torch.float32, None) == 494.5e12
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert hardware.peak_flops(cuda, torch.float32, None) == 67e12
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 
 def test_host_memory_is_the_lower_of_the_machine_and_its_cgroup_limit(tmp_path, monkeypatch):
     """One reading of the machine's memory (the tuner's limit and summary.json's ``memory_limit_mb``): cgroup v2

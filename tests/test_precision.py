@@ -200,3 +200,43 @@ def test_tf32_on_cuda(tmp_path):
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     run_precision(tmp_path / "fp32", "precision=fp32", "trainer.device=cuda")
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+# ------------------------------------------------------------------- auto: what +experiment=fast picks
+
+
+def test_fast_uses_auto():
+    assert compose_cfg("+experiment=fast", tiny=False).precision.name == "auto"
+
+
+def fake_gpu(monkeypatch, name: str, bf16: bool) -> torch.device:
+    """``torch.cuda`` answering as the GPU ``name`` would (nothing runs on it: ``precision.build`` only builds)."""
+    monkeypatch.setattr(precision, "GradScaler", CpuGradScaler)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return torch.device("cuda")
+
+
+def test_auto_on_a_gpu_with_bf16_is_bf16_without_a_scaler(monkeypatch):
+    cuda = fake_gpu(monkeypatch, "NVIDIA H200", bf16=True)
+    prec = precision.build(compose_cfg("+experiment=fast").precision, cuda)
+    assert prec.compute_dtype == torch.bfloat16 and not prec.scaler.is_enabled()
+    assert prec.techniques == {"amp": "applied"} and "NVIDIA H200 supports bf16" in prec.note
+    assert prec.autocast.args == ("cuda",) and prec.autocast.keywords == {"dtype": torch.bfloat16}  # not opened here
+
+
+def test_auto_on_a_gpu_without_bf16_is_fp16_with_the_scaler(monkeypatch):
+    cuda = fake_gpu(monkeypatch, "Tesla V100-SXM2-16GB", bf16=False)
+    prec = precision.build(compose_cfg("precision=auto", "precision.init_scale=1024").precision, cuda)
+    assert prec.compute_dtype == torch.float16 and prec.scaler.is_enabled() and prec.scaler.get_scale() == 1024.0
+    assert prec.scaler.requested_device == "cuda" and prec.techniques == {"amp": "applied"}
+    assert prec.note == "auto: fp16 autocast + GradScaler (this GPU has no bf16)"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_on_a_cpu_is_exactly_amp(monkeypatch, native):
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    auto, amp = (precision.build(compose_cfg(f"precision={n}").precision, cpu) for n in ("auto", "amp"))
+    assert (auto.techniques, auto.compute_dtype, auto.note) == (amp.techniques, amp.compute_dtype, None)
+    assert auto.scaler.is_enabled() is amp.scaler.is_enabled() is False

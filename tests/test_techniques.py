@@ -486,6 +486,65 @@ def test_bad_compile_mode_is_a_config_error():
         prepare.apply_compile(nn.Linear(2, 2), cfg, torch.device("cpu"))
 
 
+def compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None  # nn.Module.compile, in place
+
+
+def test_regional_compile_compiles_each_block_and_not_the_model():
+    from runner.gpt import GPT
+
+    gpt = GPT(32, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    cfg = compose_cfg("compile=default", "compile.regional=true").compile
+    status, details = prepare.apply_compile(gpt, cfg, torch.device("cpu"))
+    assert status == {"compile": "applied", "compile_regional": "applied"}
+    assert details == {"compiled_blocks": 3, "compiled_block_class": ["Block"]}
+    assert all(compiled(b) for b in gpt.transformer.h) and not compiled(gpt)
+    assert not any(compiled(m) for m in gpt.modules() if type(m).__name__ != "Block")  # the head, embeddings: eager
+    resnet = models.build(compose_cfg("model=resnet18").model, {"num_classes": 10}, 3)
+    status, details = prepare.apply_compile(resnet, cfg, torch.device("cpu"))
+    assert details["compiled_blocks"] == 8 and details["compiled_block_class"] == ["BasicBlock"]
+    assert all(compiled(b) for layer in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4) for b in layer)
+    assert not compiled(resnet) and not compiled(resnet.layer1)
+    whole, _ = prepare.apply_compile(nn.Sequential(nn.Linear(2, 2)), compose_cfg("compile=default").compile,
+                                     torch.device("cpu"))
+    assert whole == {"compile": "applied"}  # compile.regional is off by default
+
+
+def test_regional_compile_wraps_checkpointed_blocks_and_falls_back_to_the_whole_model():
+    from runner.gpt import GPT
+
+    gpt = GPT(32, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    prepare.apply_activation_checkpointing(gpt, None)
+    cfg = compose_cfg("compile=default", "compile.regional=true").compile
+    _, details = prepare.apply_compile(gpt, cfg, torch.device("cpu"))
+    assert details["compiled_blocks"] == 2  # the wrappers, so the recomputation is compiled too
+    assert all(compiled(w) and type(w).__name__ == "CheckpointWrapper" for w in gpt.transformer.h)
+    assert not any(compiled(w._checkpoint_wrapped_module) for w in gpt.transformer.h)
+    mlp = TinyMLP()
+    status, details = prepare.apply_compile(mlp, cfg, torch.device("cpu"))
+    assert status["compile_regional"].startswith("skipped: the model has no repeated blocks") and details == {}
+    assert compiled(mlp)
+
+
+@pytest.mark.slow
+def test_regional_compile_traces_the_block_once_and_trains(tmp_path, tiny_text, spy):
+    from torch._dynamo.utils import counters
+
+    from conftest import TINY_GPT
+
+    torch._dynamo.reset()
+    counters.clear()
+    spy.hook = False  # keep the compiled graphs free of test hooks
+    summary = run_tiny(tmp_path, *TINY_GPT, f"data.path={tiny_text}", "model.n_layer=3", "compile=default",
+                       "compile.regional=true", "trainer.max_steps=2", "trainer.eval_max_batches=1",
+                       "task.sample_tokens=0")
+    assert summary["techniques"]["compile_regional"] == "applied" and summary["steps"] == 2
+    assert summary["technique_details"]["compiled_blocks"] == 3 and math.isfinite(summary["train_loss"])
+    # three blocks of one class: one graph for training (their parameters are inputs), one more for evaluation
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @cuda_only
 def test_compile_reduce_overhead_uses_cuda_graphs_on_cuda(tmp_path):

@@ -6,6 +6,7 @@ The files are written by the tests (``runner.data.tokens.prepare`` on the embedd
 
 from __future__ import annotations
 
+import math
 import pickle
 import sys
 
@@ -289,3 +290,52 @@ def test_the_id_check_scans_in_chunks(tmp_path, monkeypatch):
     f = tokens.TokenFile(write(tmp_path / "t.bin", ids), "uint16")
     assert f.max() == (40, 61)
     assert torch.equal(f.load(), torch.from_numpy(ids.astype(np.int64)))
+
+
+# ------------------------------------------------------------------------- synthetic tokens, the GPT-2 preset
+
+
+def test_synthetic_tokens_stand_in_for_absent_files():
+    data = build([*TINY_TOKENS, "data.synthetic_tokens=5000", "data.vocab_size=50"])
+    x, y = next(iter(data.train))
+    assert x.shape == (16, 16) and torch.equal(x[:, 1:], y[:, :-1])  # next-token windows, as from files
+    assert int(x.max()) < 50
+    a, b = tokens.synthetic_splits(5000, 50, 16)
+    assert (len(a), len(b)) == (5000, 500) and 0 <= int(a.min()) and int(a.max()) < 50
+    again = tokens.synthetic_splits(5000, 50, 16)
+    assert torch.equal(a, again[0]) and torch.equal(b, again[1])  # the same ids in every run, on every rank
+    assert len(tokens.synthetic_splits(100, 50, 16)[1]) == 17  # at least one validation window
+    with pytest.raises(ConfigError, match=r"^data.synthetic_tokens=10 is below one window"):
+        build([*TINY_TOKENS, "data.synthetic_tokens=10", "data.vocab_size=50"])
+
+
+def test_without_files_or_synthetic_tokens_the_error_names_both():
+    with pytest.raises(ConfigError, match=r"data=tokens needs data.train_path.*data.synthetic_tokens=<N>"):
+        build([*TINY_TOKENS, "data.vocab_size=50"])
+
+
+def test_the_gpt2_124m_preset_is_nanogpt_s_recipe():
+    cfg = compose_cfg("+experiment=gpt2_124m", tiny=False)
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
+    assert (cfg.data.name, cfg.data.vocab_size, cfg.data.train_path, cfg.data.synthetic_tokens) == (
+        "tokens", 50304, None, 10_000_000)
+    o = cfg.optimizer
+    assert (o._target_, o.lr, list(o.betas), o.weight_decay, o.decay_all, o.clip_grad_norm) == (
+        "torch.optim.AdamW", 6e-4, [0.9, 0.95], 0.1, False, 1.0)
+    assert (cfg.scheduler.name, cfg.scheduler.warmup_steps, cfg.scheduler.min_lr_factor) == ("cosine", 2000, 0.1)
+    assert (cfg.dataloader.batch_size, cfg.memory.accumulate_steps, cfg.trainer.max_steps) == (12, 40, 600000)
+    assert 12 * 1024 * 40 == 491_520  # tokens per optimizer step: nanoGPT's ~0.5 M
+    assert (cfg.precision.name, cfg.compile.mode) == ("bf16", "default")
+
+
+def test_the_gpt2_124m_preset_runs_on_synthetic_tokens(tmp_path):
+    cfg = compose_cfg("+experiment=gpt2_124m", "model.n_layer=1", "model.n_head=2", "model.n_embd=64",
+                      "data.block_size=32", "data.synthetic_tokens=20000", "memory.accumulate_steps=1",
+                      "scheduler.warmup_steps=1", "compile=off", "precision=fp32", "trainer.max_steps=2",
+                      "trainer.warmup_steps=0", "trainer.eval_max_batches=1", "task.sample_tokens=5",
+                      "trainer.device=cpu", "trainer.progress=off", "logger=none", tiny=False)
+    summary = train(cfg, job_dir=tmp_path)
+    assert summary["steps"] == 2 and summary["tokens_per_sec"] > 0 and summary["flops_per_token"] > 0
+    assert abs(summary["eval_loss"] - math.log(50304)) < 0.5  # random ids: nothing learnt in 2 steps
+    sample = (tmp_path / "samples.txt").read_text().split()
+    assert sample and all(w.isdigit() for w in sample)  # token ids: synthetic data has no text

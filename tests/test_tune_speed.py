@@ -51,6 +51,28 @@ def test_candidates_follow_the_job_and_the_hardware(tmp_path):
     assert by_name["batch_x2"].recipe and not by_name["on_device_data"].arithmetic
 
 
+def test_tf32_s_note_says_why_it_is_not_a_candidate(monkeypatch):
+    import torch
+
+    def tf32_note(*overrides, device=torch.device("cpu")):
+        _, notes = speed.switches(compose_cfg(*overrides), device)
+        return next(n for n in notes if n.startswith("tf32:"))
+
+    assert tf32_note() == ("tf32: not a candidate (TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this "
+                           "job runs on the CPU)")
+    assert tf32_note("precision=tf32") == "tf32: already on in your configuration"
+    # an H200 running bf16: the reason is the precision, not the GPU
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert tf32_note("precision=bf16", device=cuda) == ("tf32: not a candidate (precision=bf16 is not fp32: TF32 "
+                                                        "changes only fp32 matmuls and convolutions)")
+    assert "tf32" in names(speed.switches(compose_cfg("precision=fp32"), cuda)[0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
+    assert tf32_note(device=cuda) == ("tf32: not a candidate (TF32 needs compute capability 8.0 or newer; this GPU "
+                                      "has 7.0)")
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["tune.only=[compile,warp_drive]"], ["tune.only", "warp_drive", "compile"]),
     (["tune.switches={mine: {no_such_key: 1}}"], ["tune.switches.mine", "no_such_key", "not a key"]),

@@ -95,7 +95,8 @@ def open_split(key: str, path: str | None, dtype: str, block_size: int, vocab_si
     """
     if not path:
         raise ConfigError(f"data=tokens needs data.{key}=<a .bin of token ids> (nanoGPT's format: "
-                          f"train.bin/val.bin); {PREPARE_HINT}")
+                          f"train.bin/val.bin); {PREPARE_HINT} (or, with neither path, data.synthetic_tokens=<N> "
+                          f"trains on N random ids)")
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"data.{key}={path} does not exist or is not a file; point it at a .bin of token ids "
@@ -239,15 +240,40 @@ def codec(vocab_size: int, tokenizer: str | None) -> Codec:
     return _tiktoken_codec(vocab_size, str(tokenizer), encoding)
 
 
+#: The seed of ``data.synthetic_tokens``' ids: the same ids in every run and on every rank, whatever trainer.seed.
+SYNTHETIC_SEED = 1234
+
+
+def synthetic_splits(count: int, vocab_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``data.synthetic_tokens=count``: a training split of ``count`` ids and a validation split of ``count // 10``
+    (at least one window, ``block_size`` + 1), int64 ``(N,)`` tensors drawn uniformly below ``vocab_size`` from
+    ``SYNTHETIC_SEED``. Random ids hold nothing to learn (the loss stays near ln(vocab_size)): a stand-in that moves
+    the same tensors through the same model for tokens/s and MFU, as nanoGPT's ``bench.py`` does with
+    ``real_data = False`` (https://github.com/karpathy/nanoGPT/blob/master/bench.py).
+
+    Raises:
+        ConfigError: ``count`` smaller than one window (``block_size`` + 1).
+    """
+    if count < block_size + 1:
+        raise ConfigError(f"data.synthetic_tokens={count} is below one window of data.block_size + 1 = "
+                          f"{block_size + 1} tokens; raise it (e.g. 1000000) or lower data.block_size")
+    g = torch.Generator().manual_seed(SYNTHETIC_SEED)
+    ids = torch.randint(0, vocab_size, (count + max(count // 10, block_size + 1),), generator=g)
+    return ids[:count], ids[count:]
+
+
 def tokens_source(cfg: DictConfig) -> Source:
     """``data=tokens``: ``data.train_path``/``data.val_path`` (nanoGPT's ``.bin`` files of ``data.dtype`` ids,
     memory-mapped as ``TokenFile``s), windows of ``data.block_size`` -- sampled and evaluated as ``data=text``'s
     (``runner.data.text.windows_source``). ``dataloader.on_device`` loads both files whole onto the device,
-    as int64 (8 bytes per token); without it, batches read only their windows from the files.
+    as int64 (8 bytes per token); without it, batches read only their windows from the files. With both paths null
+    and ``data.synthetic_tokens`` set, random ids stand in for the files (``synthetic_splits``; ``samples.txt``
+    shows ids).
 
     Raises:
         ConfigError: ``data.vocab_size`` unset or < 1, ``data.dtype`` not uint16/uint32, a bad split file
-            (``open_split``), or a ``data.tokenizer`` tiktoken does not know (``codec``).
+            (``open_split``), too few ``data.synthetic_tokens``, or a ``data.tokenizer`` tiktoken does not know
+            (``codec``).
     """
     vocab_size, dtype = cfg.vocab_size, cfg.dtype
     if vocab_size is None or vocab_size < 1:
@@ -257,6 +283,12 @@ def tokens_source(cfg: DictConfig) -> Source:
     if dtype not in DTYPES:
         raise ConfigError(f"data.dtype={dtype} is not one of {', '.join(DTYPES)} (the dtype the ids were written "
                           f"with; nanoGPT writes uint16)")
+    synthetic = cfg.get("synthetic_tokens")
+    if synthetic is not None and not cfg.train_path and not cfg.val_path:
+        train_ids, val_ids = synthetic_splits(int(synthetic), vocab_size, cfg.block_size)
+        ids_codec = _ids_codec(vocab_size, f"data.synthetic_tokens={synthetic}: random ids, no text")
+        return windows_source("tokens", train_ids, val_ids, cfg.block_size, cfg.train_size,
+                              in_memory=lambda: (train_ids, val_ids), codec=ids_codec)
     train = open_split("train_path", cfg.train_path, dtype, cfg.block_size, vocab_size)
     val = open_split("val_path", cfg.val_path, dtype, cfg.block_size, vocab_size)
     return windows_source("tokens", train, val, cfg.block_size, cfg.train_size,

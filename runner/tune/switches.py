@@ -104,9 +104,13 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
           if upcast is None else "on CUDA, flash attention runs in bf16 itself; fp32 would leave it")
     offer(Switch("amp", {"precision.name": "amp"}, "precision"), fp32 and cuda,
           "fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)")
-    ampere = cuda and torch.cuda.get_device_capability(device)[0] >= 8
-    offer(Switch("tf32", {"precision.name": "tf32"}, "precision"), precision == "fp32" and ampere,
-          "TF32 needs an NVIDIA GPU of compute capability 8.0 or newer")
+    capability = torch.cuda.get_device_capability(device) if cuda else None
+    ampere = capability is not None and capability[0] >= 8
+    no_tf32 = (f"precision={precision} is not fp32: TF32 changes only fp32 matmuls and convolutions"
+               if precision != "fp32" else "TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs "
+               "on the CPU" if not cuda else f"TF32 needs compute capability 8.0 or newer; this GPU has "
+               f"{capability[0]}.{capability[1]}")
+    offer(Switch("tf32", {"precision.name": "tf32"}, "precision"), precision == "fp32" and ampere, no_tf32)
     offer(Switch("channels_last", {"channels_last": True}), image, "an image technique; the inputs are token ids")
     offer(Switch("cudnn_benchmark", {"cudnn_benchmark": True}), image and cuda,
           "cuDNN autotuning exists on CUDA only, for image models")
