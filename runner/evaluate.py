@@ -115,16 +115,29 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
             (``a=1,2``), a group the job does not have (``+experiment=...``), an unknown key (with the close
             declared one) or a value the schema refuses; a target, resolver or search path ``policy`` refuses.
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     from runner import CONF_DIR
-    from runner.config import register_configs
-    from runner.validate import misspelt_override
 
     folder = Path(folder)
+    policy = policy or trust.Policy.make(folder=folder)
+    saved, saved_path = _saved_config(folder, policy)
+    choices, searchpath = _hydra_facts(folder)
+    trust.check_searchpath(searchpath, policy, folder / ".hydra" / "hydra.yaml")
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"} | set(choices)
+    switched, keys, policy = _parse_overrides(overrides, choices, groups, policy)
+    cfg = _typed(saved, saved_path, choices, switched, searchpath)
+    trust.check_interpolations(cfg, policy, saved_path)  # the search path's configs too, before the user's keys
+    _apply(cfg, keys)
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as e:  # noqa: BLE001 - interpolation errors: one message
+        raise ConfigError(f"the job's config with {' '.join(overrides)} cannot be resolved: {e}") from e
+    trust.check_config(cfg, policy, saved_path)  # every target of what is built, before any is imported
+    return cfg
+
+
+def _saved_config(folder: Path, policy: trust.Policy) -> tuple[DictConfig, Path]:
+    """``<folder>/.hydra/config.yaml``, checked by ``runner.trust`` (the folder, the targets, then the
+    interpolations) before it is resolved."""
     saved_path = folder / ".hydra" / "config.yaml"
     if not folder.is_dir():
         raise ConfigError(f"{folder} is not a folder; pass a finished job's folder of `python -m runner`, "
@@ -133,7 +146,6 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
         raise ConfigError(f"{folder} is not a job folder of `python -m runner`: it has no .hydra/config.yaml (the "
                           f"config a run saves); pass a finished job's folder, outputs/<date>/<time> or "
                           f"outputs/multirun/<date>/<time>/<n>")
-    policy = policy or trust.Policy.make(folder=folder)
     trust.check_package(folder, policy)
     try:
         saved = OmegaConf.load(saved_path)
@@ -147,9 +159,16 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
     except Exception as e:  # noqa: BLE001 - interpolation errors: one message
         raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
                           f"saved for the job") from e
-    choices, searchpath = _hydra_facts(folder)
-    trust.check_searchpath(searchpath, policy, folder / ".hydra" / "hydra.yaml")
-    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"} | set(choices)
+    return saved, saved_path
+
+
+def _parse_overrides(overrides, choices: dict[str, str], groups: set[str],
+                     policy: trust.Policy) -> tuple[dict[str, str], list, trust.Policy]:
+    """The overrides split into group switches (``data=cifar10``) and key overrides; a ``_target_`` the user names
+    here is allowed (the returned policy)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
@@ -169,6 +188,19 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
             keys.append(o)
             if group.split(".")[-1] == "_target_" and not o.is_delete():
                 policy = policy.naming([o.get_value_element_as_str()])  # the user named it: allowed
+    return switched, keys, policy
+
+
+def _typed(saved: DictConfig, saved_path: Path, choices: dict[str, str], switched: dict[str, str],
+           searchpath: list[str]) -> DictConfig:
+    """The saved values laid over the config Hydra composes from runner's conf/ with the job's group choices (and
+    the switched ones), so every node keeps its schema."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf.errors import OmegaConfBaseException
+
+    from runner import CONF_DIR
+    from runner.config import register_configs
+
     register_configs()
     composed = [f"{g}={o}" for g, o in {**choices, **switched}.items()]
     if searchpath:
@@ -187,8 +219,15 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
                           f"version of runner (evaluate it with that version), or .hydra/hydra.yaml is missing or "
                           f"edited") from e
     OmegaConf.set_struct(cfg, True)
-    trust.check_interpolations(cfg, policy, saved_path)  # the search path's configs too, before the user's keys
+    return cfg
+
+
+def _apply(cfg: DictConfig, keys: list) -> None:
+    """The key overrides applied as Hydra applies them (``+key=`` adds, ``~key`` deletes)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra's own override application
+    from hydra.errors import HydraException
+
+    from runner.validate import misspelt_override
 
     for o in keys:
         try:
@@ -198,12 +237,6 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
             cause = e.__cause__ if e.__cause__ is not None else e
             raise ConfigError(message or f"{o.input_line} does not apply to the job's config: "
                                          f"{str(cause).splitlines()[0]}") from e
-    try:
-        OmegaConf.resolve(cfg)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"the job's config with {' '.join(overrides)} cannot be resolved: {e}") from e
-    trust.check_config(cfg, policy, saved_path)  # every target of what is built, before any is imported
-    return cfg
 
 
 @dataclass

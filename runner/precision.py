@@ -120,34 +120,9 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
         _set_tf32(False)  # autocast covers the matmuls; keep the rest true fp32
     bf16 = functools.partial(torch.autocast, kind, dtype=torch.bfloat16)
     if name == "fp8":
-        why = fp8_unavailable(device)
-        if why is None:
-            return Precision(bf16, off.scaler, torch.bfloat16, {}, fp8_recipe=cfg.fp8_recipe)
-        native = torch.cuda.is_bf16_supported() if kind == "cuda" else hardware.cpu_has_native_bf16()
-        if not native:
-            off.techniques["fp8"] = f"skipped: {why}; trained in fp32 (this device has no native bf16)"
-            return off
-        return Precision(bf16, off.scaler, torch.bfloat16, {"fp8": f"skipped: {why}; trained with bf16 autocast"})
-    note = None
-    if name == "auto":
-        if kind == "cuda" and torch.cuda.is_bf16_supported():
-            note = (f"auto: bf16 autocast, no loss scaling ({torch.cuda.get_device_name(device)} supports bf16, "
-                    f"whose range is fp32's: no fp16 overflow)")
-            return Precision(bf16, off.scaler, torch.bfloat16, {"amp": "applied"}, note=note)
-        # on a CPU exactly precision=amp, record included
-        note = "auto: fp16 autocast + GradScaler (this GPU has no bf16)" if kind == "cuda" else None
-        name = "amp"
-    if name == "amp":
-        if kind == "cuda":
-            scaler = GradScaler("cuda", init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
-            ctx = functools.partial(torch.autocast, "cuda", dtype=torch.float16)
-            return Precision(ctx, scaler, torch.float16, {"amp": "applied"}, note=note)
-        if not hardware.cpu_has_native_bf16():
-            off.techniques["amp"] = ("skipped: this CPU has no native bf16 (AVX-512-BF16/AMX); emulated bf16 "
-                                     "autocast is 14-100x slower than fp32, use precision=bf16 to force it")
-            off.note = note
-            return off
-        return Precision(bf16, off.scaler, torch.bfloat16, {"amp": "applied"}, note=note)
+        return _fp8(cfg, device, bf16, off)
+    if name in ("auto", "amp"):
+        return _mixed(name, cfg, device, bf16, off)
     # bf16, the one name left
     if kind == "cpu" and not hardware.cpu_has_native_bf16():
         warnings.warn("precision=bf16 on a CPU without native bf16: autocast is emulated and much slower "
@@ -156,6 +131,41 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
         off.techniques["bf16"] = f"skipped: {torch.cuda.get_device_name(device)} has no bf16 support"
         return off
     return Precision(bf16, off.scaler, torch.bfloat16, {"bf16": "applied"})
+
+
+def _fp8(cfg: DictConfig, device: torch.device, bf16, off: Precision) -> Precision:
+    """``precision=fp8`` (see ``build``): bf16 autocast with the recipe for ``convert_fp8``, or the reason it is
+    skipped and the bf16 (or fp32) it trains with instead."""
+    why = fp8_unavailable(device)
+    if why is None:
+        return Precision(bf16, off.scaler, torch.bfloat16, {}, fp8_recipe=cfg.fp8_recipe)
+    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else hardware.cpu_has_native_bf16()
+    if not native:
+        off.techniques["fp8"] = f"skipped: {why}; trained in fp32 (this device has no native bf16)"
+        return off
+    return Precision(bf16, off.scaler, torch.bfloat16, {"fp8": f"skipped: {why}; trained with bf16 autocast"})
+
+
+def _mixed(name: str, cfg: DictConfig, device: torch.device, bf16, off: Precision) -> Precision:
+    """``precision=amp`` and ``precision=auto`` (see ``build``)."""
+    kind, note = device.type, None
+    if name == "auto":
+        if kind == "cuda" and torch.cuda.is_bf16_supported():
+            note = (f"auto: bf16 autocast, no loss scaling ({torch.cuda.get_device_name(device)} supports bf16, "
+                    f"whose range is fp32's: no fp16 overflow)")
+            return Precision(bf16, off.scaler, torch.bfloat16, {"amp": "applied"}, note=note)
+        # on a CPU exactly precision=amp, record included
+        note = "auto: fp16 autocast + GradScaler (this GPU has no bf16)" if kind == "cuda" else None
+    if kind == "cuda":
+        scaler = GradScaler("cuda", init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+        ctx = functools.partial(torch.autocast, "cuda", dtype=torch.float16)
+        return Precision(ctx, scaler, torch.float16, {"amp": "applied"}, note=note)
+    if not hardware.cpu_has_native_bf16():
+        off.techniques["amp"] = ("skipped: this CPU has no native bf16 (AVX-512-BF16/AMX); emulated bf16 "
+                                 "autocast is 14-100x slower than fp32, use precision=bf16 to force it")
+        off.note = note
+        return off
+    return Precision(bf16, off.scaler, torch.bfloat16, {"amp": "applied"}, note=note)
 
 
 def fp8_unavailable(device: torch.device) -> str | None:

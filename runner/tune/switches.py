@@ -48,24 +48,40 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
         device: ``torch.device`` the job runs on.
         allow: ``speed`` (the recipe stays: same batch, LR, schedule) or ``recipe`` (also the micro-batch).
     """
-    import torch
-
-    from runner import IN_MEMORY_DATA, hardware
-
+    offers = _Offers(cfg)
     cuda = device.type == "cuda"
-    image = not is_language_model(cfg)
-    out: list[Switch] = []
-    notes: list[str] = []
+    _compile_and_optimizer(offers, cfg, cuda)
+    _data(offers, cfg, cuda)
+    _precision(offers, cfg, device)
+    _the_rest(offers, cfg, cuda, image=not is_language_model(cfg))
+    if allow == "recipe":
+        b = int(cfg.dataloader.batch_size)
+        scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
+        for k in (2, 4):
+            offers(Switch(f"batch_x{k}", {"dataloader.batch_size": k * b, "optimizer.lr_scaling": scaling},
+                          "batch", recipe=True), True, "")
+    else:
+        offers.notes.append("recipe changes (a larger micro-batch with the LR scaled) not tried: tune.allow=speed")
+    return offers.out, offers.notes
 
-    def offer(switch: Switch, applies: bool, why_not: str) -> None:
-        already = all(OmegaConf.select(cfg, k) == v for k, v in switch.changes.items())
-        if already:
-            notes.append(f"{switch.name}: already on in your configuration")
+
+class _Offers:
+    """The candidates offered so far (``out``) and the notes on those left out (``notes``)."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg, self.out, self.notes = cfg, [], []
+
+    def __call__(self, switch: Switch, applies: bool, why_not: str) -> None:
+        """Offer ``switch`` where it ``applies`` and is not already on; else note ``why_not``."""
+        if all(OmegaConf.select(self.cfg, k) == v for k, v in switch.changes.items()):
+            self.notes.append(f"{switch.name}: already on in your configuration")
         elif not applies:
-            notes.append(f"{switch.name}: not a candidate ({why_not})")
+            self.notes.append(f"{switch.name}: not a candidate ({why_not})")
         else:
-            out.append(switch)
+            self.out.append(switch)
 
+
+def _compile_and_optimizer(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
     mode = cfg.compile.mode
     offer(Switch("compile", {"compile.mode": "default"}, "compile"), mode is None or cuda, "")
     # max-autotune also picks among inductor's GEMM/conv templates on a CPU (the GPT recipe, interleaved: x1.137
@@ -78,10 +94,14 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
           f"{target} has no fused kernel")
     offer(Switch("foreach_optimizer", {"optimizer.impl": "foreach"}, "optimizer_impl"),
           target.startswith("torch.optim."), f"{target} is not a torch.optim optimizer")
+
+
+def _data(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
+    from runner import IN_MEMORY_DATA, hardware
+
     dl = cfg.dataloader
-    in_memory = cfg.data.name in IN_MEMORY_DATA
-    offer(Switch("on_device_data", {"dataloader.on_device": True}, "data", arithmetic=False), in_memory,
-          f"data={cfg.data.name} has no in-memory form")
+    offer(Switch("on_device_data", {"dataloader.on_device": True}, "data", arithmetic=False),
+          cfg.data.name in IN_MEMORY_DATA, f"data={cfg.data.name} has no in-memory form")
     if not dl.on_device:
         workers = min(4, hardware.cpu_cores())
         offer(Switch("loader_workers", {"dataloader.num_workers": workers, "dataloader.persistent_workers": True},
@@ -90,6 +110,14 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
         offer(Switch("pinned_memory", {"dataloader.pin_memory": True, "dataloader.non_blocking": True},
                      arithmetic=False), cuda,
               "pinned memory speeds up host-to-GPU copies only")
+
+
+def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
+    import torch
+
+    from runner import hardware
+
+    cuda = device.type == "cuda"
     precision = cfg.precision.name
     bf16 = (cuda and torch.cuda.is_bf16_supported()) or (not cuda and hardware.cpu_has_native_bf16())
     fp32 = precision in ("fp32", "tf32")
@@ -111,6 +139,13 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
                "on the CPU" if not cuda else f"TF32 needs compute capability 8.0 or newer; this GPU has "
                f"{capability[0]}.{capability[1]}")
     offer(Switch("tf32", {"precision.name": "tf32"}, "precision"), precision == "fp32" and ampere, no_tf32)
+
+
+def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
+    import torch
+
+    from runner import hardware
+
     offer(Switch("channels_last", {"channels_last": True}), image, "an image technique; the inputs are token ids")
     offer(Switch("cudnn_benchmark", {"cudnn_benchmark": True}), image and cuda,
           "cuDNN autotuning exists on CUDA only, for image models")
@@ -121,15 +156,6 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
     offer(Switch("half_threads", {"trainer.num_threads": threads}),
           not cuda and threads != torch.get_num_threads(), "CPU threads matter on a CPU job only"
           if cuda else "one core: no fewer threads to try")
-    if allow == "recipe":
-        b = int(dl.batch_size)
-        scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
-        for k in (2, 4):
-            offer(Switch(f"batch_x{k}", {"dataloader.batch_size": k * b, "optimizer.lr_scaling": scaling},
-                         "batch", recipe=True), True, "")
-    else:
-        notes.append("recipe changes (a larger micro-batch with the LR scaled) not tried: tune.allow=speed")
-    return out, notes
 
 
 def is_language_model(cfg: DictConfig) -> bool:
