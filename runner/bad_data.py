@@ -65,7 +65,8 @@ def find_bad_item(ds, shape: tuple[int, ...] | None, num_classes: int | None,
         x, y = item
         if shape is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != tuple(shape):
             return (f"training item {i}{_file_of(ds, i)} has shape {tuple(x.shape)} where the others have "
-                    f"{tuple(shape)}; every item must have one shape (resize or crop it in the dataset or its transform)")
+                    f"{tuple(shape)}; every item must have one shape (resize or crop it in the dataset or its "
+                    f"transform)")
         label = y.item() if isinstance(y, torch.Tensor) and y.numel() == 1 else y
         if num_classes is not None and isinstance(label, int) and not 0 <= label < num_classes:
             return (f"training item {i}{_file_of(ds, i)} has class index {label}, outside 0 .. {num_classes - 1} "
@@ -77,8 +78,9 @@ def diagnose(exc: BaseException, step: int, batch: int, epoch: int, loader, item
              num_classes: int | None, budget_s: float = BUDGET_S) -> ConfigError | None:
     """The ``ConfigError`` for an exception raised by optimizer step ``step`` (``batch`` of ``epoch``), or None.
 
-    Running out of memory is not the data's fault: None at once. A model output that is not logits is named first; else the training set is searched (``find_bad_item``)
-    for the item to blame. Neither found: None (the caller re-raises ``exc``)."""
+    Running out of memory is not the data's fault: None at once. A model output that is not logits is named first;
+    else the training set is searched (``find_bad_item``) for the item to blame. Neither found: None (the caller
+    re-raises ``exc``)."""
     if isinstance(exc, torch.OutOfMemoryError) or any(s in str(exc) for s in _OUT_OF_MEMORY):
         return None  # not the data's fault (and the batch-size tuner probes it: no time spent here)
     where = f"at step {step} (batch {batch} of epoch {epoch})"

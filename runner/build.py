@@ -247,9 +247,9 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
     total = parts.plan.total_steps
     point = agree(lambda: resume.find_resume_point(ck["resume"], job_dir, parts.resolved, total), env)
     if point.path is not None and point.meta.get("world_size", env.world_size) != env.world_size:
-        raise ConfigError(f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes and "
-                          f"this run has {env.world_size}; exact resume needs the same world size (same launch), or "
-                          f"start fresh with checkpoint.resume=never in a new folder")
+        raise ConfigError(f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes "
+                          f"and this run has {env.world_size}; exact resume needs the same world size (same launch), "
+                          f"or start fresh with checkpoint.resume=never in a new folder")
     tracker = (Tracker(job_dir, cfg, parts.resolved, total, sweep_group(),
                        resume_step=point.step if point.stale_rows else None,
                        wandb_run_id=point.meta.get("wandb_run_id"), mlflow_run_id=point.meta.get("mlflow_run_id"))

@@ -414,7 +414,8 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None  # override the device's dense peak for MFU
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
     progress: str = "auto"  # CHOICES["trainer.progress"]
-    on_nonfinite: str = "stop"  # stop | skip (CHOICES): a NaN/inf loss or gradient ends the run, or skips the step (counted)
+    # stop | skip (CHOICES): a NaN/inf loss or gradient ends the run, or skips the step (counted)
+    on_nonfinite: str = "stop"
     max_skipped_fraction: float = 0.5  # skip: more than this fraction of a log interval's steps skipped -> diverged
     # the speed doctor: its diagnosis after the summary, and on CUDA a profile of the last warm-up steps; false: neither
     doctor: bool = True

@@ -71,8 +71,8 @@ def weights_file(folder: Path, weights: str, cfg: DictConfig | None = None) -> P
 
 
 def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
-    """The job's group choices (``data: synthetic``, ...; Hydra's own and nested groups left out) and the config search path
-    its command added, from ``.hydra/hydra.yaml`` (empty when absent)."""
+    """The job's group choices (``data: synthetic``, ...; Hydra's own and nested groups left out) and the config
+    search path its command added, from ``.hydra/hydra.yaml`` (empty when absent)."""
     path = folder / ".hydra" / "hydra.yaml"
     if not path.is_file():
         return {}, []
@@ -82,8 +82,9 @@ def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
                    if o is not None and "/" not in str(g) and g != "experiment"}  # runner's top-level groups
         cwd = Path(str(hydra.runtime.cwd))
         searchpath = []
-        for entry in [str(p) for p in hydra.searchpath] + [f"{s.schema}://{s.path}" for s in hydra.runtime.config_sources
-                                                              if s.provider == "command-line"]:
+        for entry in [str(p) for p in hydra.searchpath] + [f"{s.schema}://{s.path}"
+                                                           for s in hydra.runtime.config_sources
+                                                           if s.provider == "command-line"]:
             scheme, _, where = entry.partition("://")
             if scheme == "file" and not Path(where).is_absolute():  # relative to the folder the job ran from
                 entry = f"file://{cwd / where}"
@@ -417,7 +418,8 @@ def render(record: dict[str, Any]) -> str:
     lines = [f"evaluated {record['job']} (--weights {record['weights']}: {record['weights_file']}) on "
              f"data={data.get('name')}" + (f" ({where})" if where and data.get("name") != "synthetic" else "")
              + f", validation split: {record['batches']} batches of {record['batch_size']}"
-             + ("" if record["eval_max_batches"] is None else f" (trainer.eval_max_batches={record['eval_max_batches']})")
+             + ("" if record["eval_max_batches"] is None
+                else f" (trainer.eval_max_batches={record['eval_max_batches']})")
              + f", {record['device']}, precision={record['precision']}"]
     width = max(len(k) for k in record["metrics"])
     lines += [f"  {k:<{width}}  {'-' if v is None else f'{v:.6g}'}" for k, v in record["metrics"].items()]

@@ -15,8 +15,9 @@ from runner.track import write_json_atomic
 def evaluate(state, parts) -> bool:
     """Run the task's evaluation (outside the timed steps), log it, and date the first one meeting the
     targets: ``time_to_target_s`` = training time until then, evaluations excluded. It stops at a batch
-    boundary when a signal arrives (every rank at the same batch: ``loop_guards.InterruptibleBatches``): nothing is logged, ``state.pending_eval`` marks the step (its
-    checkpoint redoes the evaluation on resume) and False is returned; True otherwise.
+    boundary when a signal arrives (every rank at the same batch: ``loop_guards.InterruptibleBatches``): nothing is
+    logged, ``state.pending_eval`` marks the step (its checkpoint redoes the evaluation on resume) and False is
+    returned; True otherwise.
 
     Raises:
         TrainingDiverged: a non-finite evaluation loss (``loop_guards.check_evaluation``).

@@ -45,7 +45,8 @@ TOLERANCE = {"torch": (1e-4, 1e-5), "onnx": (1e-3, 1e-4)}
 
 #: The first line of ``--format onnx`` without its packages.
 ONNX_MISSING = ("--format onnx needs the onnx extra: pip install 'runner[onnx]' (onnx and onnxscript for "
-                "torch.onnx.export(dynamo=True), onnxruntime for the check), or pip install onnx onnxscript onnxruntime")
+                "torch.onnx.export(dynamo=True), onnxruntime for the check), or pip install onnx onnxscript "
+                "onnxruntime")
 
 
 @dataclass

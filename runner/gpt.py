@@ -164,7 +164,8 @@ class GPT(nn.Module):
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None,
              context: int | None = None) -> torch.Tensor:
-    """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns ``(B, T0 + max_new_tokens)``.
+    """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns
+    ``(B, T0 + max_new_tokens)``.
 
     Works for any model whose output (or its ``.logits``, a Hugging Face ``ModelOutput``) is ``(B, T, vocab)``:
     each step feeds the last ``context`` tokens (all when None), takes the last position's logits /

@@ -273,7 +273,8 @@ def describe_machine() -> dict[str, Any]:
     physical = physical_memory_mb()
     memory_gib = round(physical / 1024, 1) if physical is not None else None
     cores = cpu_cores()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
     return {
         "cpu": cpu,
         "cpu_cores": cores,

@@ -87,7 +87,8 @@ def discover(env: Mapping[str, str] | None = None) -> Layout:
     elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env and _int(env, "SLURM_STEP_NUM_TASKS") > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
         port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else master_port_for_job(env.get("SLURM_JOB_ID", "0"))
-        layout = Layout(rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+        layout = Layout(rank=_int(env, "SLURM_PROCID"),
+                        local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
                         world_size=_int(env, "SLURM_STEP_NUM_TASKS"),
                         nodes=_int(env, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in env else 1,
                         launcher="srun", master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
@@ -257,9 +258,10 @@ def check_launcher(argv: list[str]) -> None:
         return
     missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
     if missing:
-        raise ConfigError(f"hydra/launcher=submitit_slurm submits the sweep's jobs to SLURM, but {' and '.join(missing)} "
-                          f"{'is' if len(missing) == 1 else 'are'} not on PATH here; run it on a SLURM login node, or "
-                          f"drop hydra/launcher=submitit_slurm to run the sweep on this machine")
+        raise ConfigError(f"hydra/launcher=submitit_slurm submits the sweep's jobs to SLURM, but "
+                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH here; run it "
+                          f"on a SLURM login node, or drop hydra/launcher=submitit_slurm to run the sweep on this "
+                          f"machine")
 
 
 def record_if_elastic(fn: Callable) -> Callable:

@@ -302,7 +302,8 @@ def _first_layer(model: nn.Module) -> str:
             return f"its first layer {name} = {type(m).__name__}(in_channels={m.in_channels}) expects " \
                    f"(B, {m.in_channels}, {dims})"
         if isinstance(m, nn.Embedding):
-            return f"its first layer {name} = Embedding({m.num_embeddings}) expects integer indices < {m.num_embeddings}"
+            return (f"its first layer {name} = Embedding({m.num_embeddings}) expects integer indices "
+                    f"< {m.num_embeddings}")
     return "its layers give no expected shape"
 
 
@@ -422,8 +423,8 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     head's and those of layers runner built fresh), the input check.
 
     Raises:
-        ConfigError: ``_target_`` unset (``model=base_model``), cannot be imported or called, an argument its signature lacks, the
-            constructor raises, ``model.num_classes``/``model.vocab_size`` set (they follow the data), bad
+        ConfigError: ``_target_`` unset (``model=base_model``), cannot be imported or called, an argument its signature
+            lacks, the constructor raises, ``model.num_classes``/``model.vocab_size`` set (they follow the data), bad
             ``weights`` (unknown, another architecture's, file missing or unreadable), ``cifar_stem`` on a
             non-ResNet, ``freeze_backbone`` without ``weights``, or a model that does not take the data's inputs.
     """

@@ -125,10 +125,11 @@ def apply_host_allocator(name: str) -> str:
     processes by up to 25 %, whole processes at a time (docs/ablation.md, "Where the process levels come
     from"). ``reuse`` serves buffers up to 32 MiB from the heap (``M_MMAP_THRESHOLD``) and keeps freed heap
     memory (``M_TRIM_THRESHOLD``): no page faults in the steady state, processes within 2 %, and faster
-    (MNIST CNN, interleaved: ``system`` ran at x0.90 [0.88-0.93] of ``reuse``, docs/training.md). The same idea as PyTorch's tuning guide's advice to preload jemalloc or TCMalloc ("Performance
-    Tuning Guide", https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#switch-memory-allocator),
-    without a library to install; the cost is that the process keeps its peak heap resident. ``system``:
-    glibc's defaults. Tensors on a GPU are unaffected (PyTorch's CUDA caching allocator already reuses).
+    (MNIST CNN, interleaved: ``system`` ran at x0.90 [0.88-0.93] of ``reuse``, docs/training.md). The same idea as
+    PyTorch's tuning guide's advice to preload jemalloc or TCMalloc ("Performance Tuning Guide",
+    https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#switch-memory-allocator), without a library to
+    install; the cost is that the process keeps its peak heap resident. ``system``: glibc's defaults. Tensors on a
+    GPU are unaffected (PyTorch's CUDA caching allocator already reuses).
 
     Returns:
         ``summary.json`` ``technique_details.host_allocator``: ``"reuse"``, ``"system"``, or ``"system (reuse
@@ -345,7 +346,8 @@ def regional_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
     return names, blocks
 
 
-def prepare(model: nn.Module, cfg: DictConfig, env, amp, skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
+def prepare(model: nn.Module, cfg: DictConfig, env, amp,
+            skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
     """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
 
     ``amp``: the built ``runner.precision.Precision``; the FSDP wrapper all-gathers parameters in its

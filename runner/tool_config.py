@@ -41,7 +41,8 @@ class InterleaveConfig:
     min_passes: int = 4  # passes before the intervals may stop the sweep
     max_passes: int = 200  # at most this many passes
     max_minutes: float = 30.0  # the measuring time of the whole sweep (setup excluded); then it stops
-    order: str = "rmit"  # rmit: each job once per pass, random order | abba: R J J R, reversed every other pass | random
+    order: str = "rmit"  # rmit: each job once per pass, random order | abba: R J J R, reversed every other
+    # pass | random
     seed: int = 0  # the order's random generator (random order, and the shuffle of jobs between references)
     memory_margin: float = 3.0  # admit another job only while free memory > this x the largest job's footprint:
     # the job itself, and room for the resident ones to grow (loader workers, allocator caches; at 1.5 a

@@ -191,7 +191,9 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
             "eval_accuracy", "eval_loss", "eval_bits_per_char", "eval_accuracy_ema", "eval_loss_ema", "stopped_early",
             "time_to_target_s", "train_time_s", "eval_time_s", "checkpoint_time_s", "restarts", "skipped_steps",
             "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
-    rows = [(k, _fmt(summary[k])) for k in keys if k in summary and (k not in ("skipped_steps", "stopped_early") or summary[k])] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
+    rows = ([(k, _fmt(summary[k])) for k in keys
+             if k in summary and (k not in ("skipped_steps", "stopped_early") or summary[k])]
+            + [(f"technique {k}", v) for k, v in summary["techniques"].items()])
     width = max(len(k) for k, _ in rows)
     print(f"\nsummary ({job_dir / 'summary.json'})")
     for k, v in rows:

@@ -230,7 +230,8 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
     else:
         state.last_finite = (state.step, state.train_loss)
     parts.tracker.log({"step": state.step, "epoch": state.epoch, "loss": state.train_loss, "lr": lr,
-                       **({"grad_norm": grad_norm} if grad_norm is not None else {}), **parts.meter.flush(), "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
+                       **({"grad_norm": grad_norm} if grad_norm is not None else {}), **parts.meter.flush(),
+                       "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
 
 
 def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:

@@ -19,9 +19,9 @@ configs) is not restricted.
   its path must be defined in an allowed namespace (``runner.models.torch.load`` reaches ``torch.load`` through a
   module attribute: refused), the last one a class, or a module-level function of runner's and torchvision's
   model modules (factories such as ``resnet18``); under ``transformers`` a model or config class only
-  (``AutoModel.from_pretrained`` is a method, and could run a model's own code: refused). No module of a built-in namespace
-  may come from inside the job folder (a folder named ``timm`` holding ``optim.py`` would import as a namespace
-  package where timm is not installed), and a job folder holding ``__init__.py`` (a Python package, which
+  (``AutoModel.from_pretrained`` is a method, and could run a model's own code: refused). No module of a built-in
+  namespace may come from inside the job folder (a folder named ``timm`` holding ``optim.py`` would import as a
+  namespace package where timm is not installed), and a job folder holding ``__init__.py`` (a Python package, which
   could shadow an installed one of its name) is refused (``check_package``).
 - **Interpolations** (``check_interpolations``): only runner's own resolvers (``runner_*``) and OmegaConf's
   pure ones (``RESOLVERS``) are resolved; ``oc.env`` only for runner's own variables (``RUNNER_*``, e.g.
@@ -209,9 +209,9 @@ def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, u
             return  # runner.targets.locate names the missing attribute and the close ones
         where = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
         if not isinstance(where, str) or not within(where, prefixes):
-            raise ConfigError(f"{key}={target!r} in {source} reaches {attr!r}, which is defined in {where or 'no module'}, "
-                              f"outside the allowed {', '.join(prefixes)}: a target is refused unless every step of its "
-                              f"path is; {_how(target)}")
+            raise ConfigError(f"{key}={target!r} in {source} reaches {attr!r}, which is defined in "
+                              f"{where or 'no module'}, outside the allowed {', '.join(prefixes)}: a target is refused "
+                              f"unless every step of its path is; {_how(target)}")
     if not user:
         kind = _kind(target, obj)
         if kind is not None:

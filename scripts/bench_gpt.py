@@ -116,7 +116,8 @@ def main() -> None:
         f"the {len(results)} jobs below one after the other and writes this file.",
         "",
         "| run | command | validation loss | time to val. loss "
-        f"{target} | tokens/s | step time (median, ms) | peak memory (MiB) | wall time (s) | load average before/after |",
+        f"{target} | tokens/s | step time (median, ms) | peak memory (MiB) | wall time (s) "
+        "| load average before/after |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -129,9 +130,11 @@ def main() -> None:
     t0, t1 = s0["time_to_target_s"], fast["time_to_target_s"]
     for r in results[2:3]:
         s2 = r["summary"]
-        lines += ["", f"Speed-up of the tuned switches ({r['name']}): tokens/s ×{s2['tokens_per_sec'] / s0['tokens_per_sec']:.2f}, "
+        lines += ["", f"Speed-up of the tuned switches ({r['name']}): tokens/s "
+                  f"×{s2['tokens_per_sec'] / s0['tokens_per_sec']:.2f}, "
                   f"median step time ×{s0['step_time_ms_median'] / s2['step_time_ms_median']:.2f}; validation loss "
-                  f"{s2['eval_loss']:.4f} vs the recipe's {s0['eval_loss']:.4f} ({s2['eval_loss'] - s0['eval_loss']:+.4f})."]
+                  f"{s2['eval_loss']:.4f} vs the recipe's {s0['eval_loss']:.4f} "
+                  f"({s2['eval_loss'] - s0['eval_loss']:+.4f})."]
     lines += [
         "",
         f"![loss curves]({image.name})",

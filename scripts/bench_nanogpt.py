@@ -236,7 +236,8 @@ def write(args, results: dict[str, list[dict]], started: str) -> None:
              f"Machine: {cpu} ({machine.get('cpu_cores')} cores); torch {machine.get('torch')}; "
              f"Python {platform.python_version()}; "
              f"ran {started}.", "", f"Command: `{command}` (the module docstring says what each program runs).", "",
-             "| program | wall time, median (s) | range (s) | validation loss at step 2000 (20 batches) | tokens/s (runner) |",
+             "| program | wall time, median (s) | range (s) | validation loss at step 2000 (20 batches) "
+             "| tokens/s (runner) |",
              "|---|---|---|---|---|"]
     base = statistics.median(x["wall_s"] for x in results["nanoGPT train.py"])
     for name, runs in results.items():

@@ -105,7 +105,8 @@ def runner_loop(cfg, model, batches, device) -> list[float]:
         eval=data_mod.DeviceIterable(batches[:1], device, False, torch.contiguous_format),
         num_classes=None if tokens else 10, in_channels=None if tokens else batches[0][0].shape[1],
         sample_shape=tuple(batches[0][0].shape[1:]), train_samples=len(batches) * len(batches[0][1]), techniques={},
-        example=(batches[0][0][:2], batches[0][1][:2]), vocab=["\n", *(chr(65 + i) for i in range(VOCAB - 1))] if tokens else None)
+        example=(batches[0][0][:2], batches[0][1][:2]),
+        vocab=["\n", *(chr(65 + i) for i in range(VOCAB - 1))] if tokens else None)
     originals = data_mod.build, models.build, measure.Meter
     data_mod.build = lambda *a, **k: in_memory
     models.build = lambda *a, **k: model
@@ -181,12 +182,12 @@ def main() -> None:
         f"taken. Ratio = the median over the rounds of runner ÷ raw within a round (both runs of a round "
         "share the machine's state); IQR and min–max = the spread of those per-round ratios. Target ≤ 1.01.",
         "",
-        "| model | batch | steps per run × rounds | raw ms/step (median) | runner ms/step (median) | runner − raw µs/step "
-        "| runner ÷ raw (median of rounds) | IQR | min–max |",
+        "| model | batch | steps per run × rounds | raw ms/step (median) | runner ms/step (median) "
+        "| runner − raw µs/step | runner ÷ raw (median of rounds) | IQR | min–max |",
         "|---|---|---|---|---|---|---|---|---|",
         *[f"| {r['case']} | {r['batch']} | {r['steps']} × {r['rounds']} | {r['raw_ms']:.3f} | {r['runner_ms']:.3f} | "
-          f"{(r['runner_ms'] - r['raw_ms']) * 1e3:+.0f} | **{r['ratio']:.3f}** | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "
-          f"{r['ratio_min']:.3f}–{r['ratio_max']:.3f} |" for r in results],
+          f"{(r['runner_ms'] - r['raw_ms']) * 1e3:+.0f} | **{r['ratio']:.3f}** | "
+          f"{r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | {r['ratio_min']:.3f}–{r['ratio_max']:.3f} |" for r in results],
         "",
     ]
     by_case = {r["case"]: r for r in results}

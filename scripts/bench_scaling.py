@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Samples/s of one job on 1 and 2 processes (DDP) on this machine: the figures of docs/benchmarks/scaling.md.
 
-    python scripts/bench_scaling.py [--repeats 3] [--steps 60] [--batch-size 64] [--out bench-scaling.json] [overrides...]
+    python scripts/bench_scaling.py [--repeats 3] [--steps 60] [--batch-size 64] [--out bench-scaling.json]
+        [overrides...]
 
 Layouts (processes x OpenMP threads each): 1x1, 1xC and Px1 for P = 2 (C = the cores of this machine), so the
 2-process figure is compared both with one process on one core (scaling efficiency, weak scaling: each rank

@@ -131,7 +131,8 @@ def worker(connection, options: argparse.Namespace) -> None:
         for _ in range(steps):
             step()
         elapsed = time.perf_counter() - started
-        connection.send((steps * items / elapsed, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps))
+        connection.send((steps * items / elapsed,
+                         (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps))
 
 
 def main() -> None:

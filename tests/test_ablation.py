@@ -324,7 +324,8 @@ def test_report_files_from_synthetic_summaries(tmp_path):
     sweep = write_sweep(tmp_path / "sweep")
     nr = sweep / "fast-cudnn_benchmark" / "r0"
     nr.mkdir(parents=True)
-    (nr / "not_run.json").write_text(json.dumps({"variant": "fast-cudnn_benchmark", "repeat": 0, "reason": "needs CUDA"}))
+    (nr / "not_run.json").write_text(json.dumps({"variant": "fast-cudnn_benchmark", "repeat": 0,
+                                                 "reason": "needs CUDA"}))
     doc = tmp_path / "docs" / "ablation-test.md"
     written = write_report(sweep, doc=doc)
     assert {p.name for p in written} == {"report.md", "report.csv", "speedup.png", "jobs.csv", "ablation-test.md",
@@ -365,8 +366,8 @@ def test_the_reading_lists_an_equivalence_margin_as_no_measurable_effect():
     from runner.report.load import Row
     from runner.report.markdown import reading
 
-    rows = [Row("baseline+set_to_none", "leave-one-in", "set_to_none", effect=1.02, verdict="no effect larger than ±9.5%",
-                effect_ci=Interval(1.02, 0.93, 1.11, 0.6, 8, 0.04, 0.95)),
+    rows = [Row("baseline+set_to_none", "leave-one-in", "set_to_none", effect=1.02,
+                verdict="no effect larger than ±9.5%", effect_ci=Interval(1.02, 0.93, 1.11, 0.6, 8, 0.04, 0.95)),
             Row("baseline+checkpointing", "leave-one-in", "checkpointing", effect=0.76, verdict="hurts",
                 effect_ci=Interval(0.76, 0.70, 0.84, 0.001, 8, 0.04, 0.95))]
     text = reading(rows)  # the interleaved design's wording of "no measurable effect"

@@ -264,6 +264,7 @@ def test_a_checkpoint_every_30_minutes_is_the_default_and_a_short_run_writes_non
     assert settings["every_minutes"] == 30 and "SIGINT" in settings["signals"]
     store = ck.Checkpointer(tmp_path / "c", every_minutes=settings["every_minutes"])
     start = store._last_save
-    assert not store.due(7, now=start + 29 * 60) and store.due(7, now=start + 30 * 60 + 0.01)  # (float sums: not exactly 30)
+    # (float sums: not exactly 30)
+    assert not store.due(7, now=start + 29 * 60) and store.due(7, now=start + 30 * 60 + 0.01)
     train(compose_cfg("trainer.max_steps=4", "trainer.log_every=1"), job_dir=tmp_path / "job")
     assert [p.name for p in ck.complete_checkpoints(tmp_path / "job" / "checkpoints")] == ["step_00000004"]

@@ -166,7 +166,8 @@ def test_subset_of_a_tensor_dataset_goes_on_device():
 ])
 def test_class_count_rule(overrides, target, expected):
     if target == "user_data.with_kwargs":
-        with pytest.raises(ConfigError, match="raised TypeError: tabular.. got an unexpected keyword argument 'anything'"):
+        with pytest.raises(ConfigError,
+                           match="raised TypeError: tabular.. got an unexpected keyword argument 'anything'"):
             build(*overrides, target=target)
         assert build("data.n_classes=2", target=target).num_classes == 2
         return
@@ -187,7 +188,8 @@ def test_class_count_rule(overrides, target, expected):
      r"Its parameters: n_features, n_classes, n_train, n_eval, seed"),
     ("user_data.bad_raises", [], r"raised FileNotFoundError: no such table: features_8\.csv \(called with n_features"
                                  r"|raised FileNotFoundError: no such table: features_8\.csv"),
-    ("user_data.bad_one_dataset", [], r"returned a TensorDataset; it must return a pair \(train_dataset, eval_dataset\)"),
+    ("user_data.bad_one_dataset", [], r"returned a TensorDataset; it must return a pair \(train_dataset, "
+                                      r"eval_dataset\)"),
     ("user_data.bad_iterable", [], r"its training set is a Stream, not a map-style Dataset"),
     ("user_data.bad_empty", [], r"its evaluation set is empty \(0 items\)"),
     ("user_data.bad_triples", [], r"items must be \(input, target\) pairs, but item 0 of the training set is a tuple "
@@ -196,7 +198,8 @@ def test_class_count_rule(overrides, target, expected):
     ("user_data.bad_int32_targets", [], r"torch\.int32 tensor of shape \(\).*0-d int64 tensor"),
     ("user_data.bad_shapes", [], r"training inputs have shape \(8,\) but evaluation inputs \(9,\)"),
     ("user_data.bad_no_classes", [], r"cannot tell how many classes the data has: set data\.num_classes=<C>"),
-    ("user_data.tabular", ["data.num_classes=2"], r"a target is 2 but the class count is 2 \(from data\.num_classes=2\)"),
+    ("user_data.tabular", ["data.num_classes=2"], r"a target is 2 but the class count is 2 \(from "
+                                                  r"data\.num_classes=2\)"),
     ("user_data.tabular", ["data.num_classes=0"], r"data\.num_classes=0 must be >= 1"),
 ])
 @pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it

@@ -82,7 +82,8 @@ def make_root(path: Path) -> Path:
     return path
 
 
-def torchrun(*args: str, cwd: Path, launcher: list[str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(*args: str, cwd: Path, launcher: list[str] | None = None,
+             timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [*(launcher or [*TORCHRUN, "--standalone", "--nproc-per-node=2"]), "-m", "runner", *args]
     return subprocess.run(cmd, cwd=cwd, env=child_env(cwd), capture_output=True, text=True, timeout=timeout)
 
@@ -215,7 +216,8 @@ def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
     logs = tmp_path / "logs"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--redirects=3", f"--log-dir={logs}", "-m", "runner",
            "distributed=ddp", *TINY, "trainer.max_steps=1000000", "trainer.log_every=1", "trainer.eval_every=1000000",
-           "checkpoint.signals=[]"]  # SIGTERM kills here; with checkpoint.signals it would checkpoint and stop (test_resume)
+           # SIGTERM kills here; with checkpoint.signals it would checkpoint and stop (test_resume)
+           "checkpoint.signals=[]"]
     proc = subprocess.Popen(cmd, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -349,7 +351,8 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
     env = distributed.setup(cfg.distributed, "cpu")
     try:
         torch.manual_seed(0)
-        model, _ = parallel.wrap(torch.nn.Linear(4, 2), cfg.distributed, env, precision.build(cfg.precision, env.device))
+        model, _ = parallel.wrap(torch.nn.Linear(4, 2), cfg.distributed, env,
+                                 precision.build(cfg.precision, env.device))
         calls = []
 
         def count(state, bucket):
@@ -412,7 +415,8 @@ def test_fsdp_mixed_precision_follows_the_built_precision():
     cpu = torch.device("cpu")
 
     def policy(name):
-        return parallel.fsdp_mixed_precision(precision.build(compose_cfg(f"precision={name}").precision, cpu).compute_dtype)
+        return parallel.fsdp_mixed_precision(precision.build(compose_cfg(f"precision={name}").precision,
+                                                             cpu).compute_dtype)
 
     assert policy("bf16").param_dtype == torch.bfloat16 and policy("bf16").reduce_dtype == torch.float32
     assert policy("fp32") is None and policy("tf32") is None
@@ -447,7 +451,8 @@ def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_pat
     root = make_root(tmp_path)
     sweep = root / "sweep"
     proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner", *INTERLEAVED,
-                           "distributed=ddp", "distributed.timeout_s=60", "trainer.seed=0,1", f"hydra.sweep.dir={sweep}"],
+                           "distributed=ddp", "distributed.timeout_s=60", "trainer.seed=0,1",
+                           f"hydra.sweep.dir={sweep}"],
                           cwd=root, env=child_env(root, TMPDIR=str(short_tmp)), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

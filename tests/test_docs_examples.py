@@ -33,7 +33,8 @@ SMALL = ["trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.eval_max_batc
 #: Lines that cannot run here, by their start: why.
 SKIPPED = {
     "pip ": "installs packages", "pytest": "the test suite itself", "sbatch ": "needs SLURM", "srun ": "needs SLURM",
-    "torchrun ": "several processes (tests/test_distributed.py runs torchrun)", "scripts/": "a launch script (torchrun)",
+    "torchrun ": "several processes (tests/test_distributed.py runs torchrun)",
+    "scripts/": "a launch script (torchrun)",
     "python -m runner.torchrun ": "several processes (tests/test_resume.py)", "curl ": "downloads",
     "python -c ": "a snippet, not a runner command",
     "tensorboard ": "TensorBoard's viewer (tests/test_loggers.py reads the event files)",
@@ -151,7 +152,8 @@ def run(example: Example, root: Path, *extra: str, module: str = "runner", **whe
     if module == "runner":
         args = merge_overrides(args, [*SMALL, *extra])
     proc = run_cli(*args, cwd=root, module=module, timeout=300)
-    assert proc.returncode == 0, f"{example} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"{example} failed (exit {proc.returncode}):\n"
+                                  f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     jobs = job_dirs(root) if (root / "outputs").is_dir() else []
     return proc.stdout + proc.stderr, (jobs[-1] if jobs else None)
 
@@ -266,8 +268,9 @@ def compose_example(example: Example, root: Path):
 #: and own text examples).
 RUN = {"python -m runner", "python -m runner --config-dir my_conf +experiment=mine",
        "python -m runner +experiment=shakespeare_char data.path=my.txt"}
-RUN_STARTS = ("python -m runner -m dataloader.batch_size=", "python -m runner data=custom data._target_=my_data.tabular "
-              "data.n_features", "python -m runner data=cifar10")
+RUN_STARTS = ("python -m runner -m dataloader.batch_size=",
+              "python -m runner data=custom data._target_=my_data.tabular data.n_features",
+              "python -m runner data=cifar10")
 
 
 def _composed() -> list[Example]:

@@ -20,7 +20,8 @@ from runner.monitor import Watch
 #: a tiny CPU job through the CLI: 12 steps, a row every 2 steps, an evaluation every 4 on the same 2 batches
 JOB = ["data=synthetic", "data.shape=[3,16,16]", "data.train_size=256", "data.eval_size=64", "dataloader.batch_size=16",
        "trainer.max_steps=12", "trainer.warmup_steps=1", "trainer.log_every=2", "trainer.eval_every=4",
-       "trainer.eval_max_batches=2", "trainer.progress=off", "trainer.device=cpu", "logger=none", "trainer.doctor=false"]
+       "trainer.eval_max_batches=2", "trainer.progress=off", "trainer.device=cpu", "logger=none",
+       "trainer.doctor=false"]
 
 
 def cli(tmp_path, name: str, *overrides: str):

@@ -90,8 +90,10 @@ def test_evaluate_other_weights_give_other_figures(job, tmp_path):
 
     folder = copy_job(job, tmp_path / "job")
     state = load_file(str(folder / "model.safetensors"))
-    save_file({k: v * 0.5 if v.is_floating_point() else v for k, v in state.items()}, str(folder / "model_ema.safetensors"))
-    proc = run_cli(str(folder), "--weights", "ema", "trainer.eval_max_batches=2", cwd=tmp_path, module="runner.evaluate")
+    save_file({k: v * 0.5 if v.is_floating_point() else v for k, v in state.items()},
+              str(folder / "model_ema.safetensors"))
+    proc = run_cli(str(folder), "--weights", "ema", "trainer.eval_max_batches=2", cwd=tmp_path,
+                   module="runner.evaluate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((folder / "eval-ema.json").read_text())
     assert record["weights_file"] == "model_ema.safetensors"

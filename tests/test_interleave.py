@@ -404,7 +404,8 @@ def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tm
     assert [after["baseline+set_to_none"][k] for k in ("speedup", "speedup_ci_low", "speedup_ci_high", "verdict")] \
         == [before[k] for k in ("speedup", "speedup_ci_low", "speedup_ci_high", "verdict")]
     slices = [s for s in r["slices"] if s["job"] == "baseline+set_to_none/r0"]
-    assert float(next(x for x in csv.DictReader((sweep / "jobs.csv").open()) if x["folder"] == "baseline+set_to_none/r0")
+    assert float(next(x for x in csv.DictReader((sweep / "jobs.csv").open())
+                      if x["folder"] == "baseline+set_to_none/r0")
                  ["samples_per_sec"]) == pytest.approx(
         sum(s["samples_per_sec"] * s["seconds"] for s in slices) / sum(s["seconds"] for s in slices), rel=1e-3)
     assert "2 job(s) were killed before they wrote summary.json" in (sweep / "report.md").read_text()

@@ -194,7 +194,8 @@ def test_an_interrupted_sweep_rerun_skips_finished_jobs_resumes_the_stopped_one_
     args = ["-m", *JOB, "trainer.max_steps=40", "trainer.seed=1,2,3", f"hydra.sweep.dir={sweep}"]
     proc = start(args, tmp_path)
     deadline = time.monotonic() + 240
-    while not ((sweep / "1" / "metrics.jsonl").exists() and '"step": 5,' in (sweep / "1" / "metrics.jsonl").read_text()):
+    while not ((sweep / "1" / "metrics.jsonl").exists()
+               and '"step": 5,' in (sweep / "1" / "metrics.jsonl").read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)

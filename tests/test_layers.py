@@ -146,7 +146,8 @@ def test_a_cycle_between_packages_is_found_where_the_modules_have_none(tmp_path)
     root = tmp_path / "runner"
     files = {"__init__.py": "", "report/__init__.py": "", "report/paired.py": "from runner.interleave import record\n",
              "interleave/__init__.py": "", "interleave/record.py": "",
-             "interleave/coordinator.py": "from runner import ablation\n", "ablation.py": "import runner.report.paired\n"}
+             "interleave/coordinator.py": "from runner import ablation\n",
+             "ablation.py": "import runner.report.paired\n"}
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)

@@ -256,7 +256,8 @@ def test_a_real_mlflow_server_gets_the_run(tmp_path):
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                                "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
                                "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     try:
         deadline = time.monotonic() + 90
         while not reachable(uri, timeout_s=1) and time.monotonic() < deadline and server.poll() is None:

@@ -122,7 +122,8 @@ def test_a_machine_kept_busy_by_other_processes_gets_a_warning(tmp_path):
     says its figures cannot be trusted."""
     if machine_load.hardware.thread_schedule_ns() is None:
         pytest.skip("no /proc/self/task/*/schedstat: run-queue wait is Linux-only")
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(machine_load.hardware.cpu_cores())]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(machine_load.hardware.cpu_cores())]
     try:
         time.sleep(0.3)  # let them take the cores
         s = train(tiny_mlp("trainer.max_steps=40", "trainer.log_every=20"), job_dir=tmp_path)

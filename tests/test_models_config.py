@@ -57,9 +57,10 @@ def test_torchvision_factory_arguments_reach_the_class():
                                       r"model\.hidden\?\)\. Its parameters: in_features, num_classes, hidden, depth, "
                                       r"dropout; runner's own model keys: cifar_stem, drop_bias_before_bn, weights, "
                                       r"freeze_backbone"),
-    (["model=resnet18", "model.zero_init_residul=true"], r"resnet18 has no parameter 'zero_init_residul' \(did you mean "
-                                                         r"model\.zero_init_residual\?\)\. Its parameters: progress, "
-                                                         r"num_classes, zero_init_residual, groups"),
+    (["model=resnet18", "model.zero_init_residul=true"], r"resnet18 has no parameter 'zero_init_residul' "
+                                                         r"\(did you mean model\.zero_init_residual\?\)\. Its "
+                                                         r"parameters: progress, num_classes, zero_init_residual, "
+                                                         r"groups"),
     (["model=mlp", "model.num_classes=3"], r"model\.num_classes=3 cannot be set: the model's class count follows the "
                                            r"data \(10\); set data\.num_classes instead"),
     (["model._target_=torch.nn.Linearr"], r"torch\.nn has no attribute 'Linearr' \(did you mean torch\.nn\.Linear\?\)"),
@@ -73,7 +74,8 @@ def test_torchvision_factory_arguments_reach_the_class():
                                                          r".*annotation zero_init_residual: bool; give true or false"),
     (["model=resnet18", "model.zero_init_residual=1"], r"model\.zero_init_residual=1 does not fit .*: bool"),
     (["model=resnet18", "model.groups=1.5"], r"model\.groups=1\.5 does not fit .*groups: int; give a whole number"),
-    (["model=mlp", "model.hidden=abc"], r"model\.hidden='abc' does not fit runner\.models\.MLP's annotation hidden: int"),
+    (["model=mlp", "model.hidden=abc"], r"model\.hidden='abc' does not fit runner\.models\.MLP's annotation "
+                                        r"hidden: int"),
     (["model=mlp", "model.depth=true"], r"model\.depth=True does not fit .*depth: int"),
     (["model=mlp", "model.dropout=x"], r"model\.dropout='x' does not fit .*dropout: float; give a number"),
 ])
@@ -239,7 +241,8 @@ def test_missing_weights_file_says_where_to_put_it(torch_home):
 def test_missing_weights_file_through_the_cli(tmp_path):
     home = tmp_path / "home"
     proc = run_cli("model=resnet18", "model.weights=IMAGENET1K_V1", "data=synthetic", "data.num_classes=2",
-                   "trainer.device=cpu", "logger=none", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0", "TORCH_HOME": str(home)})
+                   "trainer.device=cpu", "logger=none", cwd=tmp_path,
+                   env={"HYDRA_FULL_ERROR": "0", "TORCH_HOME": str(home)})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert str(cache_file(home)) in line and WEIGHTS.url in line

@@ -197,7 +197,8 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_exits_75(tmp_path):
     # the requeued job (same command, same folder) continues from there to the end
     resumed = run(command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False), tmp_path)
     assert f"resumed from {path}" in resumed.stdout
-    assert read_summary(folder)["steps"] == 400 and [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 401))
+    assert (read_summary(folder)["steps"] == 400
+            and [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 401)))
 
 
 @pytest.mark.slow
@@ -221,7 +222,8 @@ def test_a_restart_before_the_first_checkpoint_starts_over_and_counts(tmp_path):
     cmd = command(folder, JOB, False)
     kill_at(cmd, folder, 2)  # checkpoint 3 never written
     again = run(cmd, tmp_path)
-    assert f"started over: the earlier attempt in {folder} stopped before its first checkpoint (restart 1)" in again.stdout
+    assert (f"started over: the earlier attempt in {folder} stopped before its first checkpoint (restart 1)"
+            in again.stdout)
     assert read_summary(folder)["restarts"] == 1
     assert [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 17))
 

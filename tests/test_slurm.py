@@ -27,7 +27,8 @@ def _idle_nodes() -> int:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.SubprocessError):
         return 0
-    return sum(state.strip().rstrip("*") in ("idle", "mixed") for state in out.stdout.split()) if out.returncode == 0 else 0
+    return (sum(state.strip().rstrip("*") in ("idle", "mixed") for state in out.stdout.split())
+            if out.returncode == 0 else 0)
 
 
 _NODES = _idle_nodes()

@@ -119,7 +119,8 @@ def test_jobs_measured_on_a_busy_machine_are_flagged_in_the_report_and_on_the_co
     assert done.returncode == 0, done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith("warning: 1 of 2 measured jobs ran on a busy machine (e.g. 1: runner's threads waited")
-    assert f"**Warning:** 1 of 2 measured jobs ran on a busy machine (e.g. 1: {busy})" in (sweep / "report.md").read_text()
+    assert (f"**Warning:** 1 of 2 measured jobs ran on a busy machine (e.g. 1: {busy})"
+            in (sweep / "report.md").read_text())
     assert all(x.startswith("wrote ") for x in done.stdout.splitlines())
 
 

@@ -565,9 +565,10 @@ def test_compile_reduce_overhead_uses_cuda_graphs_on_cuda(tmp_path):
 def test_switches_combine(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     summary = run_tiny(tmp_path, "scheduler=onecycle", "dataloader=device", "data.augment=true", "data.normalize=true",
-                  "optimizer=adamw", "optimizer.impl=foreach", "optimizer.lr_scaling=sqrt", "optimizer.set_to_none=true",
-                  "optimizer.clip_grad_norm=1.0", "precision=amp", "memory=checkpointing", "memory.accumulate_steps=2",
-                  "model.drop_bias_before_bn=true", "channels_last=true", "debug=anomaly", "trainer.max_steps=3")
+                  "optimizer=adamw", "optimizer.impl=foreach", "optimizer.lr_scaling=sqrt",
+                  "optimizer.set_to_none=true", "optimizer.clip_grad_norm=1.0", "precision=amp", "memory=checkpointing",
+                  "memory.accumulate_steps=2", "model.drop_bias_before_bn=true", "channels_last=true", "debug=anomaly",
+                  "trainer.max_steps=3")
     applied = {k for k, v in summary["techniques"].items() if v == "applied"}
     assert applied == {"scheduler_onecycle", "on_device_data", "normalize", "optimizer_foreach", "lr_scaling",
                        "zero_grad_set_to_none", "clip_grad_norm", "amp", "activation_checkpointing",

@@ -45,7 +45,8 @@ def test_a_pickle_planted_in_dcp_metadata_is_refused_and_never_runs(tmp_path):
     path = store.save({"app": ck.ModelAndOptimizer(model, opt)}, 1, meta={})
     marker = tmp_path / "pwned-metadata"
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(ConfigError, match=rf"refusing to load {path / '.metadata'}.*open is not part of a DCP checkpoint's metadata"):
+    with pytest.raises(ConfigError, match=rf"refusing to load {path / '.metadata'}.*open is not part of a DCP "
+                                          rf"checkpoint's metadata"):
         store.load({"app": ck.ModelAndOptimizer(model, opt)}, path)
     assert not marker.exists()
 
@@ -242,7 +243,8 @@ def test_numpy_load_of_a_pickle_in_the_folder(finished_job, tmp_path, module, tr
     one_error_line(proc, "model._target_='numpy.load'", "--allow-target numpy.load", "--trust")
 
 
-@pytest.mark.parametrize("allow", [[], ["--allow-target", "run.payload"], ["--trust"]], ids=["refused", "allowed", "trusted"])
+@pytest.mark.parametrize("allow", [[], ["--allow-target", "run.payload"], ["--trust"]],
+                         ids=["refused", "allowed", "trusted"])
 def test_a_module_planted_in_the_folder_is_never_imported(finished_job, tmp_path, allow):
     """``model._target_: run.payload.Net`` with ``payload.py`` in the folder: from its parent, Python would import
     the folder as a namespace package and run the module's top-level code. Refused before any import."""
@@ -329,7 +331,8 @@ def test_the_policy_admits_runners_own_targets_and_no_path_around_them():
     trust.check_target("model._target_", "numpy.load", policy.naming(["numpy.load"]), "config.yaml")
     trust.check_interpolations({"data": {"path": "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/../shared}/t.txt",
                                          "block": "${oc.select:data.block_size,256}"}}, policy, "config.yaml")
-    with pytest.raises(ConfigError, match=r"data\.root='\$\{oc\.env:HOME\}/x' in config\.yaml uses the resolver oc\.env:HOME"):
+    with pytest.raises(ConfigError,
+                       match=r"data\.root='\$\{oc\.env:HOME\}/x' in config\.yaml uses the resolver oc\.env:HOME"):
         trust.check_interpolations({"data": {"root": "${oc.env:HOME}/x"}}, policy, "config.yaml")
     with pytest.raises(ConfigError, match="pkg://"):
         trust.check_searchpath(["pkg://run.payload"], policy, "hydra.yaml")

@@ -99,7 +99,8 @@ def bad_empty():
 
 def bad_triples():
     x = torch.randn(16, 8)
-    return TensorDataset(x, torch.zeros(16, dtype=torch.long), x), TensorDataset(x, torch.zeros(16, dtype=torch.long), x)
+    return (TensorDataset(x, torch.zeros(16, dtype=torch.long), x),
+            TensorDataset(x, torch.zeros(16, dtype=torch.long), x))
 
 
 def bad_float_targets():

@@ -125,7 +125,8 @@ class Conductor:
             step_s = figures["seconds"] / max(figures["steps"], 1) if figures else 1.0
             self.slice_steps = max(1, round(self.settings.slice_seconds / max(step_s, 1e-6)))
         print(f"interleave: {self.slice_steps} step(s) per slice"
-              + ("" if self.settings.slice_steps else f" (about {self.settings.slice_seconds:g} s of {self.reference})"),
+              + ("" if self.settings.slice_steps
+                 else f" (about {self.settings.slice_seconds:g} s of {self.reference})"),
               flush=True)
 
     def run(self, stop: Stop) -> None:
@@ -300,8 +301,8 @@ class Conductor:
         """The record so far (the keys of runner/compare/record.py)."""
         jobs = {j.name: {"folder": str(j.folder.relative_to(self.folder)) if j.folder.is_relative_to(self.folder)
                          else str(j.folder), "config": j.config, "reference": j.reference, "group": j.group,
-                         "status": j.status, "footprint_mb": j.report.get("footprint_mb"), "steps": j.report.get("step"),
-                         "design": j.design}
+                         "status": j.status, "footprint_mb": j.report.get("footprint_mb"),
+                         "steps": j.report.get("step"), "design": j.design}
                 for j in self.jobs.values()}
         return {**self.record, "slice_steps": self.slice_steps, "jobs": jobs, "slices": self.slices,
                 "stopped": self.stopped}

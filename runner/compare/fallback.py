@@ -37,8 +37,8 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
     for config, processes in by_config.items():
         processes.sort(key=lambda j: j.name)
         reference = conductor.jobs[processes[0].reference]
-        print(f"interleave: rounds: {config} against {reference.name}, {conductor.settings.fallback_pairs} pair(s) of fresh "
-              f"processes", flush=True)
+        print(f"interleave: rounds: {config} against {reference.name}, {conductor.settings.fallback_pairs} pair(s) "
+              f"of fresh processes", flush=True)
         for i in range(conductor.settings.fallback_pairs):
             if stop.requested:
                 return
@@ -70,7 +70,8 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
                 job.status = "not run (the fallback's passes went to its other processes)"
         measured = sum(1 for sl in conductor.slices if sl["group"] == "rounds" and sl["job"] in
                        {p.name for p in processes} and sl["pairs_with"] is not None)
-        conductor.stopped.append(f"rounds: {config}: {measured} of {conductor.settings.fallback_pairs} pair(s) measured")
+        conductor.stopped.append(f"rounds: {config}: {measured} of {conductor.settings.fallback_pairs} pair(s) "
+                                 f"measured")
 
 
 def fresh_run(run: Any, slice_steps: int) -> dict[str, Any] | None:

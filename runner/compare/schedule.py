@@ -12,10 +12,11 @@ of half. But the reference then runs every third slice while a job waits a whole
 VM a process that waited runs slower at first (measured: the reference against its own copy x0.67, and x0.83
 with a quarter-slice of unmeasured steps first). So the default, ``order="rmit"``, is randomized multiple
 interleaved trials (Abedi & Brecht, ICPE 2017): every job, references included, runs once per pass in a fresh
-random order, and a job pairs with its reference's slice of the same pass; every process waits equally long. ``order="abba"`` reverses the whole pass every other pass (J1 then pairs with the reference after
-it), so a job is measured before and after its reference equally often (the A-B-B-A design); ``"random"``
-reverses each pass with probability 1/2. The jobs between reference slices are shuffled every pass
-(seeded), so no job always follows the same neighbour.
+random order, and a job pairs with its reference's slice of the same pass; every process waits equally long.
+``order="abba"`` reverses the whole pass every other pass (J1 then pairs with the reference after it), so a job
+is measured before and after its reference equally often (the A-B-B-A design); ``"random"`` reverses each pass
+with probability 1/2. The jobs between reference slices are shuffled every pass (seeded), so no job always
+follows the same neighbour.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def settings_problem(s: Any) -> str | None:
         return f"interleave.processes={s.processes!r}: give the processes per configuration, e.g. 3 (1: one each)"
     if s.processes > 1 and s.order != "rmit":
         return (f"interleave.order={s.order} pairs each job with one reference slice; with interleave.processes="
-                f"{s.processes} every process trains once per pass: use interleave.order=rmit or interleave.processes=1")
+                f"{s.processes} every process trains once per pass: use interleave.order=rmit or "
+                f"interleave.processes=1")
     if not isinstance(s.get("fallback_pairs", 4), int) or s.get("fallback_pairs", 4) < 2:
         return (f"interleave.fallback_pairs={s.fallback_pairs!r}: a job measured in rounds needs at least 2 pairs "
                 f"for an interval, e.g. 4")

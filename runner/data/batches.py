@@ -71,7 +71,8 @@ class DeviceIterable:
 
 def _generators_of(batches) -> list[torch.Generator]:
     found = []
-    for obj in (batches, getattr(batches, "sampler", None), getattr(getattr(batches, "sampler", None), "sampler", None)):
+    for obj in (batches, getattr(batches, "sampler", None),
+                getattr(getattr(batches, "sampler", None), "sampler", None)):
         g = getattr(obj, "generator", None)
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)

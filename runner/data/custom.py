@@ -38,7 +38,8 @@ def _check_item(path: str, which: str, ds) -> tuple[torch.Tensor, object]:
     try:
         item = ds[0]
     except Exception as e:  # noqa: BLE001 - the user's __getitem__ can raise anything
-        raise ConfigError(f"data._target_={path}: reading item 0 of the {which} set raised {type(e).__name__}: {e}") from e
+        raise ConfigError(f"data._target_={path}: reading item 0 of the {which} set raised "
+                          f"{type(e).__name__}: {e}") from e
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         what = f"a {type(item).__name__}" + (f" of {len(item)} elements" if isinstance(item, (tuple, list)) else "")
         raise ConfigError(f"data._target_={path}: items must be (input, target) pairs, but item 0 of the {which} set "
@@ -69,7 +70,8 @@ def _tensor_pair(ds) -> tuple[torch.Tensor, torch.Tensor] | str:
     A ``TensorDataset`` of two tensors gives its own (no copy); a ``Subset`` of one gives the selected rows.
     """
     if isinstance(ds, TensorDataset):
-        return tuple(ds.tensors) if len(ds.tensors) == 2 else f"its TensorDataset holds {len(ds.tensors)} tensors, not 2"
+        return (tuple(ds.tensors) if len(ds.tensors) == 2
+                else f"its TensorDataset holds {len(ds.tensors)} tensors, not 2")
     if isinstance(ds, Subset):
         inner = _tensor_pair(ds.dataset)
         if isinstance(inner, str):
@@ -166,7 +168,8 @@ def custom_datasets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, torch.Tenso
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         what = type(out).__name__ + (f" of {len(out)} elements" if isinstance(out, (tuple, list)) else "")
         raise ConfigError(f"data._target_={path} returned a {what}; it must return a pair (train_dataset, "
-                          f"eval_dataset), e.g. `return TensorDataset(x_train, y_train), TensorDataset(x_eval, y_eval)`")
+                          f"eval_dataset), e.g. `return TensorDataset(x_train, y_train), "
+                          f"TensorDataset(x_eval, y_eval)`")
     for which, ds in zip(("training", "evaluation"), out):
         if isinstance(ds, IterableDataset) or not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
             raise ConfigError(f"data._target_={path}: its {which} set is a {type(ds).__name__}, not a map-style "

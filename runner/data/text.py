@@ -144,10 +144,11 @@ class TokenWindows(Dataset):
 class OnDeviceWindows:
     """Technique 2b for text: the split lives on the device; each batch is one gather there.
 
-    nanoGPT's ``get_batch`` (https://github.com/karpathy/nanoGPT/blob/master/train.py) without the host: per batch one ``torch.randint`` draws ``batch_size`` start
-    offsets on the device (training) or the next ``batch_size`` of the fixed ``starts`` are taken
-    (evaluation: the same windows every time), and one indexing op gathers ``(B, block_size + 1)`` tokens;
-    ``x`` and ``y`` are its first and last ``block_size`` columns (int64 ``(B, block_size)`` views).
+    nanoGPT's ``get_batch`` (https://github.com/karpathy/nanoGPT/blob/master/train.py) without the host: per batch
+    one ``torch.randint`` draws ``batch_size`` start offsets on the device (training) or the next ``batch_size`` of
+    the fixed ``starts`` are taken (evaluation: the same windows every time), and one indexing op gathers
+    ``(B, block_size + 1)`` tokens; ``x`` and ``y`` are its first and last ``block_size`` columns (int64
+    ``(B, block_size)`` views).
 
     Args:
         tokens: int64 ``(N,)`` on the device. num_batches: batches per epoch (random windows only).

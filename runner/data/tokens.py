@@ -108,7 +108,8 @@ def open_split(key: str, path: str | None, dtype: str, block_size: int, vocab_si
                           f"data.dtype to the dtype it was written with (nanoGPT writes uint16) or write it again")
     count = size // item
     if count == 0:
-        raise ConfigError(f"data.{key}={path} is empty (0 bytes): it holds no token ids; write it again ({PREPARE_HINT})")
+        raise ConfigError(f"data.{key}={path} is empty (0 bytes): it holds no token ids; write it again "
+                          f"({PREPARE_HINT})")
     if count < block_size + 1:
         raise ConfigError(f"data.{key}={path} holds {count} tokens and a window needs data.block_size + 1 = "
                           f"{block_size + 1}; lower data.block_size below {count} or use a longer split")
@@ -343,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {r['train_path']} ({r['train_tokens']:,} tokens) and {r['val_path']} ({r['val_tokens']:,} tokens), "
           f"{r['dtype']}, vocab_size {r['vocab_size']}")
     dtype = "" if r["dtype"] == "uint16" else f" data.dtype={r['dtype']}"
-    print(f"train on them: python -m runner task=language_model model=gpt data=tokens data.train_path={r['train_path']} "
-          f"data.val_path={r['val_path']} data.vocab_size={r['vocab_size']}{dtype}")
+    print(f"train on them: python -m runner task=language_model model=gpt data=tokens "
+          f"data.train_path={r['train_path']} data.val_path={r['val_path']} data.vocab_size={r['vocab_size']}{dtype}")
     return 0
 
 

@@ -56,4 +56,5 @@ from runner.doctor.verify import VERIFY_FIXED, VERIFY_MINUTES, Trial, compose_jo
 __all__ = ["CATEGORIES", "CPU_FLOPS_PER_THREAD_MIN", "DATA_WAIT_FRACTION_MAX", "GPU_IDLE_FRACTION_MAX",
            "LOG_TIME_FRACTION_MAX", "MEMORY_FRACTION_MAX", "MFU_HIGH", "SYNCS_PER_STEP_MAX", "VERIFY_FIXED",
            "VERIFY_MEASURED_STEPS", "VERIFY_MINUTES", "Finding", "Job", "Suggestion", "Trial", "command", "compose_job",
-           "diagnose", "load_job", "main", "merge_overrides", "render", "report", "verify", "verify_plan", "verify_table"]
+           "diagnose", "load_job", "main", "merge_overrides", "render", "report", "verify", "verify_plan",
+           "verify_table"]

@@ -129,8 +129,8 @@ def render(findings: list[Finding], job: Job, warnings_shown: bool = False) -> s
     shown = ", ".join(f for f in figures if f)
     lines = [f"speed doctor ({shown}):" if shown else "speed doctor:"]
     if not findings:
-        lines.append("  no bottleneck above the doctor's thresholds (runner/doctor/diagnosis.py); measure a switch with "
-                     "`python -m runner -m +experiment=ablation ...`")
+        lines.append("  no bottleneck above the doctor's thresholds (runner/doctor/diagnosis.py); measure a switch "
+                     "with `python -m runner -m +experiment=ablation ...`")
     for i, f in enumerate(findings, 1):
         evidence = f.evidence
         if f.category == "untrustworthy" and warnings_shown:

@@ -72,7 +72,8 @@ def compose_job(job: Job, overrides: list[str]):
 
 
 def verify(job: Job, findings: list[Finding], steps: int | None = None, repeats: int = 1,
-           minutes: float = VERIFY_MINUTES, out: Path | None = None, top: int | None = None) -> tuple[list[Trial], Path]:
+           minutes: float = VERIFY_MINUTES, out: Path | None = None,
+           top: int | None = None) -> tuple[list[Trial], Path]:
     """Measure the job and each suggestion (the first ``top``) interleaved (``runner.compare.compare``): each
     configuration resident in ``repeats`` processes forked from the job server, taking turns in slices of
     ``steps`` steps (default: about ``interleave.slice_seconds`` of the job's rerun), with a copy of the rerun as

@@ -174,7 +174,8 @@ def _skipped_lines(rows: list[Row], jobs: list[Job]) -> list[str]:
     skipped = sorted({(k, v) for j in jobs if j.summary for k, v in (j.summary.get("techniques") or {}).items()
                       if v.startswith("skipped")})
     if skipped:
-        lines += ["", "## Skipped on this machine (and why)", ""] + [f"- `{k}`: {v[len('skipped: '):]}" for k, v in skipped]
+        lines += ["", "## Skipped on this machine (and why)", ""] + [f"- `{k}`: {v[len('skipped: '):]}"
+                                                                     for k, v in skipped]
     problems = [r for r in rows if not r.runs]
     if problems:
         lines += ["", "## Not measured", ""] + [f"- {r.configuration}: {r.verdict}" for r in problems]

@@ -65,9 +65,9 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
-    """Replace each measured ablation row's (``runner.report.load.Row``) speed-up, effect, their intervals and verdict with the paired
-    figures of ``record`` (see the module docstring); rank the rows again. Rows whose job has no pairs keep
-    no interval."""
+    """Replace each measured ablation row's (``runner.report.load.Row``) speed-up, effect, their intervals and verdict
+    with the paired figures of ``record`` (see the module docstring); rank the rows again. Rows whose job has no pairs
+    keep no interval."""
     confidence = record["settings"].get("confidence", 0.95)
     comparisons = record_mod.compare(record)
     baseline = record["reference"]
@@ -151,9 +151,9 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
             f"identical processes can differ for their whole life; on this project's CPU VM by up to 25 % with "
             f"glibc's malloc as it comes, by about 2 % with trainer.host_allocator=reuse, the default). A process's "
             f"figure is its mean log samples/s relative to the reference's processes in the same passes, so drift "
-            f"slower than a pass cancels; a speed-up is exp(difference of the configurations' means over their processes) with a "
-            f"{level:.0%} two-sample t interval whose spread is pooled between the processes of every configuration "
-            f"({df} degrees of freedom)")
+            f"slower than a pass cancels; a speed-up is exp(difference of the configurations' means over their "
+            f"processes) with a {level:.0%} two-sample t interval whose spread is pooled between the processes of "
+            f"every configuration ({df} degrees of freedom)")
     else:
         statistic = (
             "A job's figure per pass is the ratio of its slice's samples/s to its reference's paired slice (the "
@@ -171,7 +171,8 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
         lines.append(f"- Group {g}: {len(groups[g])} job(s), {passes.get(g, 0)} pass(es): "
                      + ", ".join(f"`{n}`" for n in groups[g]))
     if fallback:
-        pairs = sum(1 for sl in record.get("slices", []) if sl["group"] == "rounds" and sl.get("pairs_with") is not None)
+        pairs = sum(1 for sl in record.get("slices", [])
+                    if sl["group"] == "rounds" and sl.get("pairs_with") is not None)
         lines.append("- Measured in rounds instead (no room beside the references, or out of memory there): "
                      + ", ".join(f"`{n}`" for n in fallback) + f"; {pairs} pair(s) of fresh processes in all, each "
                      "the reference and then the job (reversed every other pair), minutes apart: the `design` "
@@ -188,9 +189,9 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
     if aa is not None:
         mde = paired_stats.minimum_detectable(aa)
         lines += [f"**Noise (A/A):** the reference against its copy `{record.get('aa')}`: "
-                  f"{record_mod.describe(aa)} over {aa.n} {_units(record)} (±{aa.half_width:.1%}). The smallest effect this "
-                  f"sweep detects with 80 % power at its level is about ±{mde:.1%}; a verdict of \"no effect larger "
-                  f"than ±X %\" means the interval lies within 1 ± X.", ""]
+                  f"{record_mod.describe(aa)} over {aa.n} {_units(record)} (±{aa.half_width:.1%}). The smallest "
+                  f"effect this sweep detects with 80 % power at its level is about ±{mde:.1%}; a verdict of \"no "
+                  f"effect larger than ±X %\" means the interval lies within 1 ± X.", ""]
     else:
         lines += ["**Noise (A/A):** no copy of the reference measured (fewer than 2 pairs).", ""]
     return lines

@@ -157,8 +157,8 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
     per sweep, its id kept in ``<sweep>/wandb_report.json`` (``report_run_id``), so rebuilding the report resumes and
     updates that run (``resume="allow"``; offline run folders of one id sync into that run).
 
-    Mode: ``WANDB_MODE`` if set, else online when an API key is found and the server answers, offline otherwise. Returns the run's
-    folder or URL.
+    Mode: ``WANDB_MODE`` if set, else online when an API key is found and the server answers, offline otherwise.
+    Returns the run's folder or URL.
     """
     import wandb
 
@@ -236,8 +236,8 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
             table, _ = agreement(rows, other)
             text += (f"\n## Replication: an independent second sweep of the same job\n\n"
                      f"`{rec.get('command', '(command not recorded)')}` in `{replication}`, ran "
-                     f"{rec.get('started', '?')} to {rec.get('finished') or '? (it did not record its end: killed)'}; load average (1 min) "
-                     f"{(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
+                     f"{rec.get('started', '?')} to {rec.get('finished') or '? (it did not record its end: killed)'}; "
+                     f"load average (1 min) {(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
                      f"{rec.get('load_average_1min_at_end', '?')} at the end.\n\n{table}\n")
         doc.write_text(text)
         written += [doc, image]

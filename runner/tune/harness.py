@@ -222,8 +222,8 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     ranks: ``runner.measure.peak_memory_mb`` from after the build to the end of the steps, so it covers
     model, optimizer state, activations and the loader's batches; DataLoader worker processes are not
     counted), ``train_samples`` (per rank), ``load_warnings`` (``runner.machine_load.load_warnings`` over the
-    measured steps, joined with "; ": why this trial's figures cannot be trusted; empty when none). With ``loader_batches``, also ``loader_batches_per_sec``: the
-    training loader alone (``loader_seconds``), slowest rank.
+    measured steps, joined with "; ": why this trial's figures cannot be trusted; empty when none). With
+    ``loader_batches``, also ``loader_batches_per_sec``: the training loader alone (``loader_seconds``), slowest rank.
 
     Raises:
         Whatever building or training raises except an out-of-memory error (``ConfigError`` for a bad

@@ -8,18 +8,18 @@ CPU ran at x0.93 of its recipe with it). This tuner measures instead, on the job
    channels_last and cuDNN autotuning (image tasks), ``set_to_none``, fewer host syncs, the CPU's intra-op
    threads; with ``tune.allow=recipe`` also a 2x/4x micro-batch with the LR scaled linearly. ``tune.only``
    narrows the list, ``tune.switches`` adds your own (``name -> {dotted.key: value}``).
-2. **Numerics guard.** Every candidate that changes arithmetic, and at the end the pick, trains the first ``tune.guard_steps`` steps from
-   the same weights and batches as your configuration (same seed, in this process); a candidate whose loss
-   curve departs from yours (relative, in any fifth of the samples seen) by more than yours departs under another
-   seed (``trainer.seed + 1``: another initialization and batch order, the spread of equally good runs) and more
-   than ``tune.guard_tolerance`` is rejected before any speed is measured (``guard``).
+2. **Numerics guard.** Every candidate that changes arithmetic, and at the end the pick, trains the first
+   ``tune.guard_steps`` steps from the same weights and batches as your configuration (same seed, in this process); a
+   candidate whose loss curve departs from yours (relative, in any fifth of the samples seen) by more than yours departs
+   under another seed (``trainer.seed + 1``: another initialization and batch order, the spread of equally good runs)
+   and more than ``tune.guard_tolerance`` is rejected before any speed is measured (``guard``).
 3. **Greedy forward selection by interleaved, paired measurement** (runner/compare/). Round 1 measures
    each candidate on top of your configuration; every round, the candidates and the incumbent are resident
    processes taking turns in slices of about ``tune.slice_seconds`` (1 s: on a noisy machine, the shorter the
    slices, the closer in time the paired slices, the more drift cancels), a copy of the incumbent (A')
    measures the round's own noise, and each verdict is Holm's over the round (runner/compare/stats.py);
-   a candidate firmly slower is retired from the round after ``interleave.min_passes`` passes. The candidate that helps most (its
-   interval's low end above ``tune.min_speedup``) joins the incumbent; candidates measured no faster are
+   a candidate firmly slower is retired from the round after ``interleave.min_passes`` passes. The candidate that helps
+   most (its interval's low end above ``tune.min_speedup``) joins the incumbent; candidates measured no faster are
    dropped (racing: López-Ibáñez et al., "The irace package", 2016); the next round measures the rest on
    top of the new incumbent, so interactions are measured, not assumed. It ends when nothing helps, no
    candidate is left or the search's share of ``tune.budget_minutes`` is spent. When it ends because nothing
@@ -379,7 +379,8 @@ def tuned_yaml(picked: list[Switch], recommended: dict[str, Any]) -> str:
     lines = ["# @package _global_", "# python -m runner.tune speed: the pick, verified head to head against the "
              "configuration it was tuned on", f"# switches: {', '.join(recommended['switches']) or 'none (no change)'}"]
     if recommended.get("ci_low") is not None:
-        lines.append(f"# samples/s x{recommended['speedup']:.3f} [{recommended['ci_low']:.3f}-{recommended['ci_high']:.3f}]")
+        lines.append(f"# samples/s x{recommended['speedup']:.3f} "
+                     f"[{recommended['ci_low']:.3f}-{recommended['ci_high']:.3f}]")
     tree: dict[str, Any] = {}
     for s in picked:
         for key, value in s.changes.items():
@@ -410,7 +411,8 @@ def _plot(result: dict[str, Any]):
 
 
 def _is_pick(row: dict, rec: dict) -> bool:
-    return row.get("stage") == "verification" and row.get("switch") == "+".join(rec["switches"]) and bool(rec["switches"])
+    return (row.get("stage") == "verification" and row.get("switch") == "+".join(rec["switches"])
+            and bool(rec["switches"]))
 
 
 TUNER = Tuner(
