@@ -120,3 +120,8 @@ if __name__ == "__main__":
         sys.exit(2)
     _refuse_misspelt_keys()
     record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary
+    from runner.interleaved import failures
+
+    if (line := failures()) is not None:  # an interleaved sweep with a failed job: its report is written first
+        print(line, file=sys.stderr)
+        sys.exit(1)

@@ -126,11 +126,11 @@ class InterleavedLauncher(Launcher):
             print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
                   f"{per}; the others wait while one trains", flush=True)
         try:
-            compare.measure(jobs, self.config.interleave, sweep, reference, aa, ranks=ranks)
+            result = compare.measure(jobs, self.config.interleave, sweep, reference, aa, ranks=ranks)
         except KeyboardInterrupt:
-            print("interleave: killed; interleave.json holds what was measured; `python -m runner.report "
-                  f"{sweep}` writes its report", file=sys.stderr, flush=True)
-            sys.exit(130)
+            _interrupted(sweep, ablation, ranks)
+        if ranks is None or ranks.leader:
+            _note_failures(result.failed)
         if ranks is not None and not ranks.leader:  # rank 0 holds the figures and writes the report
             for ret in [*returns, copy_ret]:
                 ret.status, ret.return_value = JobStatus.COMPLETED, None
@@ -224,6 +224,43 @@ def _name(folder: Path, sweep: Path) -> str:
 def _refuse(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+#: The jobs of this process's sweeps that failed: ``python -m runner`` exits 1 after the sweep when there are any.
+FAILED: dict[str, str] = {}
+
+
+def _note_failures(failed: dict[str, str]) -> None:
+    """Remember the jobs that failed (their one-line reasons went to the console as they failed): ``python -m
+    runner`` names them and exits 1 once the sweep's report is written (``failures``)."""
+    FAILED.update({name: status for name, status in failed.items() if status.startswith("failed")})
+
+
+def failures() -> str | None:
+    """The line that ends a sweep some of whose jobs failed, or None."""
+    if not FAILED:
+        return None
+    return (f"interleave: {len(FAILED)} job(s) failed ({', '.join(sorted(FAILED))}): their output is in their "
+            f"folders' job.log; exit status 1")
+
+
+def _interrupted(sweep: Path, ablation: bool, ranks: Any) -> None:
+    """Ctrl-C: every job was stopped and ``interleave.json`` holds what was measured; write the report from it
+    (an unfinished job's figures come from its slices) and exit 130."""
+    if ranks is None or ranks.leader:
+        print("interleave: interrupted; the report is written from what was measured (interleave.json)",
+              file=sys.stderr, flush=True)
+        if ablation:
+            from runner.report import ReportError, write_report
+
+            try:
+                written = write_report(sweep, use_wandb=False)
+                print("ablation report: " + ", ".join(str(p) for p in written), flush=True)
+            except ReportError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            _plain_report(sweep)
+    sys.exit(130)
 
 
 def _plain_report(sweep: Path) -> None:

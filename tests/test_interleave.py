@@ -318,12 +318,20 @@ def _cpu_s(pid: int) -> float:
 
 def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     """Four jobs (lr 0.01, 0.02, 1e30 and the reference's copy) with at most three resident: two groups, each
-    beside the reference; lr=1e30 diverges and is reported while the others finish and are compared."""
+    beside the reference; lr=1e30 diverges and is reported while the others finish and are compared. The failed
+    job's output (its traceback) goes to its own job.log, the console gets one line for it, and the sweep's exit
+    status is 1, after its report."""
     proc = _sweep(tmp_path, "optimizer.lr=0.01,0.02,1e30", "interleave.max_resident=3", "trainer.log_every=1",
                   "trainer.seed=0")
     sweep = tmp_path / "sweep"
     out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, out
+    assert proc.returncode == 1, out
+    failed_lines = [x for x in out.splitlines() if "FAILED" in x]
+    assert len(failed_lines) == 1, out
+    assert failed_lines[0].startswith("interleave: 2 FAILED (exit status 3): error: the training loss became "), out
+    assert str(sweep / "2" / "job.log") in failed_lines[0] and "Traceback" not in out
+    assert "error: the training loss became" in (sweep / "2" / "job.log").read_text()
+    assert "1 job(s) failed (2)" in out and out.index("interleave report:") < out.index("1 job(s) failed")
     r = record.load(sweep)
     groups = {name: job["group"] for name, job in r["jobs"].items()}
     assert groups["0"] is None and sorted(g for g in groups.values() if g) == [1, 1, 2]  # the reference in both
@@ -458,6 +466,8 @@ def test_a_waiting_job_uses_no_cpu_until_its_slice(tmp_path):
 
 @pytest.mark.slow  # 26 s on 2 cores
 def test_ctrl_c_stops_after_the_slice_and_leaves_a_report(tmp_path):
+    """A terminal's Ctrl-C: the sweep stops after the current slice, kills its jobs instead of finishing each
+    (no final evaluation: that took minutes for a big sweep), writes its report from the slices and exits 130."""
     proc = _sweep(tmp_path, "trainer.seed=0,1", "interleave.max_passes=200", "interleave.min_passes=200",
                   start_new_session=True)
     sweep = tmp_path / "sweep"
@@ -468,13 +478,15 @@ def test_ctrl_c_stops_after_the_slice_and_leaves_a_report(tmp_path):
             break
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
-    out = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, out
+    out = proc.communicate(timeout=120)[0]  # a hang guard: it used to finish every job first
+    assert proc.returncode == 130, out
     r = record.load(sweep)
     assert any("Ctrl-C" in why for why in r["stopped"]), r["stopped"]
-    assert all(job["status"] == "measured" for job in r["jobs"].values()), r["jobs"]
-    assert all((sweep / name / "summary.json").is_file() for name in r["jobs"])
-    assert (sweep / "report.md").is_file() and json.loads((sweep / "1" / "summary.json").read_text())["steps"] > 0
+    assert all(job["status"] == "killed (Ctrl-C)" for job in r["jobs"].values()), r["jobs"]
+    assert not any((sweep / name / "summary.json").is_file() for name in r["jobs"])  # no job finished
+    rows = {row["job"]: row for row in csv.DictReader((sweep / "report.csv").open())}
+    assert float(rows["1"]["samples_per_sec"]) > 0 and rows["1"]["ci_low"]  # from the slices
+    assert "Traceback" not in out and "interrupted; the report is written" in out
 
 
 OOM_MODEL = """
@@ -580,3 +592,35 @@ def test_read_gives_each_configuration_its_interval_holms_verdict_and_the_aa():
     assert set(result.samples_per_sec) == {"A", "A'", "B"} and result.failed == {}
     r["jobs"]["B"]["status"] = "failed (exit 4)"
     assert compare.read(r).failed == {"B": "failed (exit 4)"}
+
+
+def test_the_measuring_budget_bounds_the_passes_to_one_slice(tmp_path, monkeypatch):
+    """``interleave.max_minutes`` bounds the measuring time: no slice starts after the group's share is spent, so a
+    pass of many slow jobs is cut short instead of run to its end (a 1-minute sweep once measured 3.2 minutes).
+    A scripted clock: every slice takes 10 s; 60 s of budget buys 6 slices and a partial pass, not 3 passes of 5."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from runner.compare import Job, conductor as conductor_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(conductor_mod.time, "perf_counter", lambda: clock[0])
+    jobs = [Job(name, None, tmp_path / name, None if name == "R" else "R") for name in ("R", "a", "b", "c", "d")]
+    for job in jobs:
+        job.status = "resident"
+
+        def slice_(steps, job=job):
+            clock[0] += 10.0
+            return {"steps": steps, "seconds": 10.0, "samples_per_sec": 1.0}
+
+        job.slice = slice_
+        job.resumed_slice = lambda steps, resume, job=job: {**job.slice(steps), "resume_steps": resume}
+    settings = OmegaConf.create({"seed": 0, "slice_steps": 2, "resume_steps": 0, "max_passes": 100, "min_passes": 100,
+                                 "order": "rmit", "target_ci": 0.0, "max_minutes": 1.0, "confidence": 0.95})
+    c = conductor_mod.Conductor(jobs, settings, tmp_path, "R", None)
+    c.write = lambda: None
+    c._progress = lambda *args: None
+    c._measure(1, jobs, 60.0, SimpleNamespace(requested=False))
+    assert len(c.slices) == 1 and clock[0] == 60.0  # the settling pass took 50 s; one measured slice fitted
+    assert c.stopped == ["group 1: its share of interleave.max_minutes=1 spent (1.0 min)"]

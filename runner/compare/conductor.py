@@ -65,8 +65,8 @@ class Stop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\ninterleave: Ctrl-C: stopping after this slice; every job finishes and the report holds what was "
-              "measured (Ctrl-C again to kill the jobs at once)", file=sys.stderr, flush=True)
+        print("\ninterleave: Ctrl-C: stopping after this slice; the jobs are then stopped and the report is written "
+              "from what was measured (Ctrl-C again to kill the jobs at once)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
         signal.signal(signal.SIGINT, self._previous)
@@ -150,12 +150,14 @@ class Conductor:
             share = budget_s - self.measuring_s
             group_budget = share * len(admitted) / (len(admitted) + len(pending))
             self._measure(group, [j for j in refs if j.resident] + admitted, group_budget, stop)
+            if stop.requested:  # Ctrl-C: no final evaluations; conduct stops every job and reports the slices
+                break
             for job in admitted:
                 job.finish()
                 if job.out_of_memory:
                     self.defer(job, "out of memory beside the others")
             admitted, group = [], group + 1
-        for job in refs:
+        for job in refs if not stop.requested else []:
             job.finish()
         if self.fallback and not stop.requested:
             from runner.compare.fallback import measure_in_rounds
@@ -217,6 +219,7 @@ class Conductor:
 
     def _measure(self, group: int, resident: list[Job], budget_s: float, stop: Stop) -> None:
         started = time.perf_counter()
+        deadline = started + budget_s  # no slice starts after it: the budget bounds the measuring to one slice
         why = None
         for job in resident:  # a settling pass, not measured: each job waited while the group started
             if job.resident and not stop.requested:
@@ -229,7 +232,7 @@ class Conductor:
             if not by_ref:
                 why = "no job left to compare"
                 break
-            self._one_pass(group, p, by_ref, stop)
+            self._one_pass(group, p, by_ref, stop, deadline)
             elapsed = time.perf_counter() - started
             if self.retire is not None and p + 1 >= self.settings.min_passes:
                 self._race(p)
@@ -244,9 +247,12 @@ class Conductor:
         self.stopped.append(f"group {group}: {why}")
         print(f"interleave: group {group} stopped: {why}", flush=True)
 
-    def _one_pass(self, group: int, p: int, by_ref: dict[str, list[str]], stop: Stop) -> None:
-        """Every job of ``by_ref`` (and its reference) trains one measured slice, in the pass's order."""
+    def _one_pass(self, group: int, p: int, by_ref: dict[str, list[str]], stop: Stop, deadline: float) -> None:
+        """Every job of ``by_ref`` (and its reference) trains one measured slice, in the pass's order, until the
+        group's ``deadline`` (``time.perf_counter``): a pass cut short pairs only the slices it has."""
         for position, slot in enumerate(pass_order(by_ref, p, self.settings.order, self.rng)):
+            if time.perf_counter() >= deadline:
+                break
             job = self.jobs[slot.job]
             figures = job.resumed_slice(self.slice_steps, self.resume_steps) if job.resident else None
             if figures is not None:
@@ -316,10 +322,11 @@ class Conductor:
 
 
 def conduct(conductor: Conductor) -> None:
-    """Run ``conductor`` with Ctrl-C handled (``Stop``): the first stops after the current slice and every job
-    finishes; a second kills the jobs, writes ``interleave.json`` with what was measured and re-raises
-    KeyboardInterrupt for the caller to report."""
-    from runner.compare.ranks import END, follow
+    """Run ``conductor`` with Ctrl-C handled (``Stop``): the first stops after the current slice, the second at
+    once; either way every job is killed (no final evaluation: seconds, not a minute per job), ``interleave.json``
+    holds every slice measured, and KeyboardInterrupt is raised for the caller to report (the reports read an
+    unfinished job's figures from its slices)."""
+    from runner.compare.ranks import END, KILL, follow
 
     ranks = conductor.ranks
     with Stop() as stop:
@@ -328,9 +335,13 @@ def conduct(conductor: Conductor) -> None:
                 follow(conductor)  # rank 0's conductor decides; a first Ctrl-C reaches it too
                 return
             conductor.run(stop)
+            if stop.requested:
+                raise KeyboardInterrupt
             if ranks is not None:
                 ranks.tell(END)
         except KeyboardInterrupt:
+            if ranks is not None and ranks.leader:
+                ranks.tell(KILL)
             conductor.kill()
             if ranks is None or ranks.leader:
                 conductor.write()

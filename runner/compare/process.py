@@ -28,12 +28,18 @@ from runner.track import write_json_atomic
 EXIT_OUT_OF_MEMORY = 4
 
 
+#: Each job's console output, in its folder: the comparison's console carries the conductor's lines only.
+LOG = "job.log"
+
+
 def job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str | None, env: dict[str, str]) -> None:
     """The body of a job process: leave the terminal's process group (a terminal's Ctrl-C reaches the conductor
-    only), train paused at a slice gate on its end of the pipe (with ``env`` added to the environment: under
-    torchrun, the job's own
-    rendezvous port, runner/compare/ranks.py). A CUDA out-of-memory error exits with ``EXIT_OUT_OF_MEMORY``."""
+    only), send its output to ``<job_dir>/job.log``, and train paused at a slice gate on its end of the pipe (with
+    ``env`` added to the environment: under torchrun, the job's own rendezvous port, runner/compare/ranks.py). A
+    CUDA out-of-memory error exits with ``EXIT_OUT_OF_MEMORY``; a conductor that is gone (its end of the pipe
+    closed: it was killed) ends the job with one line in its log and exit status 1."""
     os.setsid()
+    _output_to(Path(job_dir) / LOG)
     import torch
 
     from runner.slice_gate import SliceGate
@@ -45,6 +51,31 @@ def job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str |
 
         traceback.print_exc()
         sys.exit(EXIT_OUT_OF_MEMORY)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        print("interleave: the conductor is gone (its end of the pipe closed); this job stops", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
+
+
+def _output_to(path: Path) -> None:
+    """Point this process's stdout and stderr (the file descriptors, so native libraries' output follows) at
+    ``path``, appended."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def last_line(folder: Path) -> str:
+    """The last non-empty line of a job's log (its error, when it failed), or ``""``."""
+    try:
+        lines = [x for x in (folder / LOG).read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
 
 
 @dataclass
@@ -165,9 +196,12 @@ class Job:
             self._failed(self.process.exitcode)
 
     def kill(self) -> None:
-        """Kill the process if it is resident (a second Ctrl-C)."""
+        """Kill the process and its own processes (DataLoader workers: its session) if it is resident (Ctrl-C)."""
         if self.status == "resident" and self.process.is_alive():
-            self.process.kill()
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # the job called setsid: its pid is its group's
+            except ProcessLookupError:
+                pass
             self.process.join()
             self.status = "killed (Ctrl-C)"
 
@@ -187,11 +221,13 @@ class Job:
             self.status = "ended early (trainer.max_steps reached: raise it for longer interleaving)"
         else:
             self._failed(code)
-            print(f"interleave: {self.name} FAILED (exit status {code}); its output is above; the others go on",
-                  file=sys.stderr, flush=True)
 
     def _failed(self, code: int | None) -> None:
-        """Record a failure: the status and ``failed.json`` (what the reports list)."""
+        """Record a failure: the status, ``failed.json`` (what the reports list) and one console line with the last
+        line of the job's log (its error)."""
+        why = last_line(self.folder)
+        print(f"interleave: {self.name} FAILED (exit status {code}){': ' + why if why else ''}; its output: "
+              f"{self.folder / LOG}; the others go on", file=sys.stderr, flush=True)
         self.status = f"failed (exit {code})"
         self.out_of_memory = code in (EXIT_OUT_OF_MEMORY, -signal.SIGKILL)
         a = self.cfg.get("ablation") or {}

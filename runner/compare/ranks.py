@@ -31,6 +31,8 @@ from runner import launch
 
 #: The op that ends a follower's loop.
 END = ("end",)
+#: The op that kills a follower's jobs and ends its loop (Ctrl-C on rank 0).
+KILL = ("kill", None)
 
 
 def free_port() -> int:
@@ -105,6 +107,9 @@ def follow(conductor: Any) -> None:
     then finish whatever is still resident. Writes nothing: the sweep's record is rank 0's."""
     ranks = conductor.ranks
     while (op := ranks.hear()) != END:
+        if op == KILL:
+            conductor.kill()
+            return
         kind, name, *args = op
         job = conductor.jobs[name]
         if kind == "spawn":

@@ -79,7 +79,8 @@ def start() -> float:
 def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_method: str | None = None,
                    gate: Any = None) -> None:
     """The body of a forked job: train ``cfg`` into ``job_dir`` (paused at ``gate``, a ``runner.slice_gate.SliceGate``,
-    when given); bad input exits 2 like ``python -m runner``.
+    when given); bad input exits 2 and a loss that is not finite 3, each with its one ``error:`` line, like
+    ``python -m runner``.
 
     ``start_method``: the parent's ``multiprocessing`` start method. A child of the forkserver would otherwise
     start its own processes (DataLoader workers) by forkserver too, unlike ``python -m runner`` (fork on Linux
@@ -87,6 +88,7 @@ def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_met
     os.environ.update(env)
     if start_method:
         multiprocessing.set_start_method(start_method, force=True)
+    from runner.errors import TrainingDiverged
     from runner.train import train
 
     try:
@@ -94,3 +96,6 @@ def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_met
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)

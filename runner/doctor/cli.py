@@ -58,4 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C during --verify: its processes were stopped, interleave.json kept
+        print("error: interrupted: --verify stopped; what it measured is in its folder's interleave.json",
+              file=sys.stderr)
+        return 130
     return 0

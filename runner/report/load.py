@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from runner.compare.stats import Interval
-from runner.report.sweep import job_times, sweep_command
+from runner.report.sweep import job_times, slice_summary, sweep_command
 
 
 class ReportError(ValueError):
@@ -166,11 +166,7 @@ def unfinished_jobs(sweep: Path, record: dict[str, Any], jobs: list[Job]) -> lis
         except (OSError, KeyError, TypeError, ValueError) as e:
             raise ReportError(f"{path} cannot be read or names no ablation.variant ({e}); delete that job "
                               f"folder from interleave.json's jobs or run the sweep again") from e
-        seconds = sum(s["seconds"] for s in slices)
-        samples = sum(s["samples_per_sec"] * s["seconds"] for s in slices)
-        per_step = sorted(1000 * s["seconds"] / s["steps"] for s in slices)
-        summary = {"samples_per_sec": samples / seconds, "step_time_ms_median": per_step[len(per_step) // 2],
-                   "steps_measured": sum(s["steps"] for s in slices), "unfinished": True, "config": cfg}
+        summary = slice_summary(slices) | {"config": cfg}
         folder = Path(job.get("folder", name))
         unfinished = Job(variant, int(ablation.get("repeat", 0)), folder, ablation.get("kind"),
                          ablation.get("technique"), summary)

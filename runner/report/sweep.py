@@ -200,6 +200,18 @@ def load_sweep(sweep: Path) -> list[SweepJob]:
     return jobs
 
 
+def slice_summary(slices: list[dict[str, Any]]) -> dict[str, Any]:
+    """A summary made of a job's measured slices in ``interleave.json``, for a job killed before its
+    ``summary.json``: ``samples_per_sec`` (samples ÷ seconds over its slices), ``step_time_ms_median`` (the median
+    slice's seconds per step, in ms), ``steps_measured`` and ``unfinished: true``; no evaluation, memory or
+    technique figures."""
+    seconds = sum(s["seconds"] for s in slices)
+    samples = sum(s["samples_per_sec"] * s["seconds"] for s in slices)
+    per_step = sorted(1000 * s["seconds"] / s["steps"] for s in slices)
+    return {"samples_per_sec": samples / seconds, "step_time_ms_median": per_step[len(per_step) // 2],
+            "steps_measured": sum(s["steps"] for s in slices), "unfinished": True}
+
+
 def _why_no_summary(folder: Path) -> str:
     last = None
     metrics = folder / "metrics.jsonl"
@@ -333,11 +345,17 @@ def write_plain_report(sweep: Path) -> list[Path]:
     from runner.compare import record as record_file
     from runner.report import paired
 
-    jobs = _sorted(load_sweep(sweep))
+    jobs = load_sweep(sweep)
     try:
         record = record_file.load(sweep)
     except ValueError as e:
         raise SweepError(str(e)) from e
+    for j in jobs if record else []:  # killed before its summary (Ctrl-C, SIGKILL): its figures from its slices
+        slices = [s for s in record.get("slices", []) if s["job"] == str(j.folder)]
+        if j.summary is None and slices:
+            j.summary = slice_summary(slices)
+            j.problem = "killed before its summary.json: samples/s and step time from its measured slices"
+    jobs = _sorted(jobs)
     compared = paired.job_comparisons(record) if record else {}
     blank = {"speedup": None, "ci_low": None, "ci_high": None, "verdict": None, "design": "sequential"}
     keys = swept_keys(jobs)

@@ -39,6 +39,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: a round's jobs were stopped and its interleave.json kept
+        print(f"error: interrupted: the tuner stopped; what it measured is in {job_folder()}", file=sys.stderr)
+        sys.exit(130)
 
 
 def parse_args(args: list[str]) -> tuple[str, str | None, list[str]]:
