@@ -48,7 +48,7 @@ lm_compile=default; quick=(); scale=1
 if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
   # (the tuners' budgets leave no time for a round: their guard and verification run; slices of 4 steps; the
   # steps' time limits x3, for a CI machine busy with other tests)
-  DEV=cpu; tune_minutes=0.3; aa_minutes=0.1; fp8_minutes=0.2; lm_compile=off; scale=3
+  DEV=cpu; tune_minutes=0.3; aa_minutes=0.3; fp8_minutes=0.2; lm_compile=off; scale=3
   gpt_toy=(model.n_layer=1 model.n_head=2 model.n_embd=32 data.block_size=32 optimizer.base_batch_size=8)
   r18_toy=(model=mlp "data.shape=[3,8,8]")
   gpt2_toy=(model.n_layer=1 model.n_head=2 model.n_embd=64 data.block_size=32 data.vocab_size=512
