@@ -34,6 +34,7 @@ from runner import (
     precision,
     preempt,
     prepare,
+    protocols,
     resume,
     schedule,
     slice_gate,
@@ -91,7 +92,7 @@ class Parts:
     cfg: DictConfig
     env: distributed.Env
     job_dir: Path
-    task: Any  # runner.task.Classification | LanguageModel | the user's
+    task: protocols.Task  # runner.task.Classification | LanguageModel | the user's
     data: data_mod.Data
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -99,7 +100,7 @@ class Parts:
     amp: precision.Precision
     clip: Callable[[torch.optim.Optimizer], None]
     meter: measure.Meter
-    tracker: Tracker | NullTracker
+    tracker: protocols.Tracker  # rank 0: runner.track.Tracker; other ranks: NullTracker; a tuner: its recorder
     plan: Plan
     flops_per_sample: float | None
     techniques: dict[str, str]
@@ -155,7 +156,7 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
                               f"(it reports {', '.join(task.metrics)}); use a target of those")
     skipped = task.skipped(cfg)  # switches that do not apply to this task: recorded, never applied
     techniques, host_allocator, memory_format = _process_techniques(cfg, env, skipped)
-    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=t.seed, memory_format=memory_format)
+    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=t.seed, memory_format=memory_format, task=task)
     model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item).to(env.device)
     task.check(model, data)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied

@@ -6,11 +6,14 @@ torchtitan: ``self.loss_fn``). A task is a small object built from ``cfg.task`` 
 - ``loss(model, batch)``: the scalar training loss of one micro-batch ``(x, y)``;
 - ``evaluate(model, batches, autocast, max_batches, env)``: ``{metric: value}`` over the evaluation set;
 - ``metrics``: the names ``evaluate`` returns (``eval_loss`` always, the time-to-target key);
+- ``check_target(target)``: whether one item's target suits the task (``data=custom`` asks it), or what it must be;
 - ``model_kwargs(data)``: the constructor sizes the data dictates (checks the data suits the task);
 - ``check(model, data)``: bad model/data combinations, before training;
 - ``tokens_per_sample(data)``: the throughput unit (None: samples only; an int: tokens/s too);
 - ``skipped(cfg)``: switches that do not apply to this task, as ``"skipped: <reason>"`` statuses;
 - ``finish(model, data, job_dir, env, seed)``: outputs after training (``samples.txt``).
+
+That contract is ``runner.protocols.Task``; ``build`` refuses a ``task._target_`` that does not satisfy it.
 
 A model's output is its logits, or an object holding them as ``.logits`` (a Hugging Face ``ModelOutput``):
 ``logits_of`` takes either, so the task's own loss is used, never a loss the model computes itself.
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, gpt, hf, parallel
+from runner import distributed, gpt, hf, parallel, protocols
 from runner.errors import ConfigError
 
 #: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
@@ -40,6 +43,11 @@ IMAGE_ONLY = {
 }
 
 
+#: What ``Classification.check_target`` says a target must be (the data check's message ends with it).
+CLASS_INDEX = ("a classification target is one class index: a Python int or a 0-d int64 tensor (torch.long; e.g. "
+               "TensorDataset(x, y.long()) with y of shape (N,))")
+
+
 def logits_of(output) -> torch.Tensor:
     """The logits in a model's output: the output itself, or its ``.logits`` (Hugging Face models return a
     ``ModelOutput``, https://huggingface.co/docs/transformers/main_classes/output)."""
@@ -50,12 +58,18 @@ def build(cfg: DictConfig):
     """The task of ``cfg.task`` (``_target_`` + its keys as constructor arguments).
 
     Raises:
-        ConfigError: ``task._target_`` cannot be imported or called.
+        ConfigError: ``task._target_`` cannot be imported or called, or what it builds lacks a member of the task
+            contract (``runner.protocols.Task``) or has one whose signature the engine's call does not fit.
     """
     try:
-        return instantiate(cfg)
+        task = instantiate(cfg)
     except Exception as e:  # hydra wraps import and call errors in InstantiationException
         raise ConfigError(f"task._target_={cfg._target_!r} could not be built: {e}") from e
+    wrong = protocols.mismatches(task, protocols.Task)
+    if wrong:
+        raise ConfigError(f"task._target_={cfg._target_!r} is not a task: its {type(task).__name__} "
+                          f"{'; '.join(wrong)}; give it every member of runner.protocols.Task")
+    return task
 
 
 @torch.inference_mode()
@@ -109,6 +123,10 @@ class Classification:
             raise ConfigError("task=classification needs labelled samples, but this data yields token windows; "
                               "add task=language_model model=gpt (or +experiment=shakespeare_char)")
         return {"num_classes": data.num_classes}
+
+    def check_target(self, target) -> str | None:
+        ok = isinstance(target, torch.Tensor) and target.dim() == 0 and target.dtype == torch.int64
+        return None if ok else CLASS_INDEX
 
     def check(self, model, data) -> None:
         pass
@@ -168,6 +186,10 @@ class LanguageModel:
                               "data=tokens or task=classification")
         return {"vocab_size": data.codec.vocab_size}
 
+    def check_target(self, target) -> str | None:
+        ok = isinstance(target, torch.Tensor) and target.dim() == 1 and target.dtype == torch.int64
+        return None if ok else "a language model's target is a window of token ids: an int64 tensor of shape (T,)"
+
     def check(self, model, data) -> None:
         """Raises ConfigError: windows longer than the model's context (``block_size``, or a Hugging Face
         config's position count), a vocabulary the model does not share, a bad sampling setting, or a prompt
@@ -218,3 +240,4 @@ class LanguageModel:
         plain.train()
         if env.is_main:
             (job_dir / "samples.txt").write_text(data.codec.decode(out[0].tolist()), encoding="utf-8")
+
