@@ -92,7 +92,7 @@ class Parts:
     cfg: DictConfig
     env: distributed.Env
     job_dir: Path
-    task: protocols.Task  # runner.task.Classification | LanguageModel | the user's
+    task: protocols.Task  # runner.task.Classification | LanguageModel | Regression | the user's
     data: data_mod.Data
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
