@@ -253,9 +253,9 @@ class Regression:
 
     Loss: the mean squared error over all B x k values (``torch.nn.functional.mse_loss``, computed in float32), in
     the target's unit squared. Evaluation: ``eval_loss``, that MSE over the evaluation set, and ``eval_rmse`` = its
-    square root, in the target's unit. ``trainer.target_loss`` is an MSE here. Throughput: samples/s. The worked
-    example of adding a task (docs/data-and-models.md#adding-a-task): every member of ``runner.protocols.Task``,
-    nothing else.
+    square root, in the target's unit. ``trainer.target_loss`` is an MSE here (``trainer.stop_at_target=true``
+    ends the run at the first evaluation at or below it). Throughput: samples/s. The worked example of adding a
+    task (docs/data-and-models.md#adding-a-task): every member of ``runner.protocols.Task``, nothing else.
     """
 
     metrics = ("eval_loss", "eval_rmse")

@@ -1,5 +1,5 @@
 """The task contract (``runner.protocols.Task``) and the tracker's (``Tracker``), the data checks that ask the
-task, ``task=regression`` (the worked example of adding a task).
+task, ``task=regression`` (the worked example of adding a task) and ``trainer.stop_at_target``.
 
 The regression runs train runner's MLP on ``tests/user_data.py``'s ``regression`` (float targets: a linear map of
 8 inputs plus noise of std 0.1), through the real CLI once and in-process otherwise; a user's own task is
@@ -16,7 +16,7 @@ import typing
 import pytest
 import torch
 
-from conftest import TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
+from conftest import TINY_LOOP, compose_cfg, job_dirs, metrics_rows, read_summary, run_cli
 from runner import REPO_ROOT, data as data_mod, protocols, task as task_mod
 from runner.build import Parts
 from runner.distributed import Env, setup
@@ -185,24 +185,50 @@ def test_the_model_output_must_be_the_targets_size(tmp_path):
                          "~model.dropout"), job_dir=tmp_path)
 
 
-def test_regression_through_the_cli_reports_rmse(tmp_path):
-    """Done-when: ``python -m runner task=regression data=custom data._target_=<float targets> model=mlp`` trains
-    and reports RMSE in the summary and on the console."""
+def test_regression_through_the_cli_reports_rmse_and_stops_at_the_target_loss(tmp_path):
+    """Done-when: ``python -m runner task=regression data=custom data._target_=<float targets> model=mlp`` trains,
+    reports RMSE in the summary and on the console, and stops at ``trainer.target_loss``."""
     path = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])
-    proc = run_cli(*REGRESSION, "trainer.max_steps=30", "trainer.log_every=5", "trainer.progress=lines",
-                   "trainer.target_loss=0.1", cwd=tmp_path, env={"PYTHONPATH": path})
+    proc = run_cli(*REGRESSION, "trainer.max_steps=200", "trainer.log_every=5", "trainer.progress=lines",
+                   "trainer.target_loss=0.1", "trainer.stop_at_target=true", cwd=tmp_path, env={"PYTHONPATH": path})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (job,) = job_dirs(tmp_path)
     s = read_summary(job)
     assert s["eval_rmse"] == pytest.approx(math.sqrt(s["eval_loss"])) and s["eval_loss"] <= 0.1
-    assert s["steps"] == 30 and s["time_to_target_s"] is not None  # the target dated, not the end
-    assert s["config"]["task"]["_target_"] == "runner.task.Regression"
+    assert s["steps"] < 200 and s["steps"] % 5 == 0  # ended at an evaluation, long before max_steps
+    assert s["stopped_early"] == f"reached the targets: eval_loss {s['eval_loss']:.4g} <= trainer.target_loss=0.1"
+    assert s["time_to_target_s"] is not None and s["config"]["task"]["_target_"] == "runner.task.Regression"
+    evaluations = [r for r in metrics_rows(job) if "eval_loss" in r]
+    assert [r["eval_loss"] <= 0.1 for r in evaluations] == [False] * (len(evaluations) - 1) + [True]
     assert f"| eval_rmse {s['eval_rmse']:,.4g}" in proc.stdout  # the evaluation's console line
     assert any(line.split()[:1] == ["eval_rmse"] for line in proc.stdout.splitlines())  # the summary table
+    assert "stopping (trainer.stop_at_target): reached the targets" in proc.stdout
 
 
 def test_a_users_own_task_trains_float_targets_the_same_way(tmp_path):
-    s = train(regression("task._target_=user_data.OwnRegression", "data.n_targets=2", "trainer.max_steps=30"),
-              job_dir=tmp_path)
+    s = train(regression("task._target_=user_data.OwnRegression", "data.n_targets=2", "trainer.max_steps=200",
+                         "trainer.target_loss=0.1", "trainer.stop_at_target=true"), job_dir=tmp_path)
     assert s["eval_loss"] <= 0.1 and s["eval_rmse"] == pytest.approx(math.sqrt(s["eval_loss"]))
-    assert s["config"]["task"]["_target_"] == "user_data.OwnRegression"
+    assert s["steps"] < 200 and s["stopped_early"].startswith("reached the targets: eval_loss")
+
+
+# ------------------------------------------------------------------------------ trainer.stop_at_target
+
+
+def test_stop_at_target_ends_a_classification_at_its_target_accuracy_and_is_off_by_default(tmp_path):
+    common = [*TINY_LOOP, "data=custom", "data._target_=user_data.tabular", "model=mlp", "model.hidden=16",
+              "optimizer=adamw", "optimizer.lr=0.01", "trainer.max_steps=40", "trainer.eval_every=2",
+              "trainer.eval_max_batches=null", "trainer.target_accuracy=0.9", "trainer.doctor=false"]
+    stopped = train(compose_cfg(*common, "trainer.stop_at_target=true", tiny=False), job_dir=tmp_path / "on")
+    assert stopped["steps"] < 40 and stopped["eval_accuracy"] >= 0.9
+    assert stopped["stopped_early"].startswith("reached the targets: eval_accuracy ")
+    full = train(compose_cfg(*common, tiny=False), job_dir=tmp_path / "off")  # today's behaviour: dated, not ended
+    assert full["steps"] == 40 and full["stopped_early"] is None and full["time_to_target_s"] is not None
+    reached = [r["step"] for r in metrics_rows(tmp_path / "off") if (r.get("eval_accuracy") or 0) >= 0.9]
+    assert reached[0] == stopped["steps"]  # the same seed trains the same steps: it stopped at the first one
+
+
+def test_stop_at_target_without_a_target_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.stop_at_target=true stops at the first evaluation meeting the "
+                                          r"targets: set trainer\.target_loss or trainer\.target_accuracy"):
+        train(regression("trainer.stop_at_target=true"), job_dir=tmp_path)
