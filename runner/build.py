@@ -34,6 +34,7 @@ from runner import (
     precision,
     preempt,
     prepare,
+    protocols,
     resume,
     schedule,
     slice_gate,
@@ -74,6 +75,7 @@ class Plan:
     target_accuracy: float | None
     target_loss: float | None
     skip_nonfinite: bool  # trainer.on_nonfinite=skip: check every step's gradients (one sync per step)
+    stop_at_target: bool = False  # trainer.stop_at_target: end the run at the first evaluation meeting the targets
 
     def reached(self, metrics: dict[str, float]) -> bool:
         """Whether ``metrics`` meet every target set (never, when none is)."""
@@ -81,6 +83,16 @@ class Plan:
             return False
         return ((self.target_accuracy is None or metrics["eval_accuracy"] >= self.target_accuracy)
                 and (self.target_loss is None or metrics["eval_loss"] <= self.target_loss))
+
+    def met(self, metrics: dict[str, float]) -> str:
+        """How ``metrics`` meet the targets, for ``stopped_early``: ``eval_loss 0.0123 <= trainer.target_loss=0.02``."""
+        said = []
+        if self.target_accuracy is not None:
+            said.append(f"eval_accuracy {metrics['eval_accuracy']:.4g} >= trainer.target_accuracy="
+                        f"{self.target_accuracy:g}")
+        if self.target_loss is not None:
+            said.append(f"eval_loss {metrics['eval_loss']:.4g} <= trainer.target_loss={self.target_loss:g}")
+        return " and ".join(said)
 
 
 @dataclass
@@ -91,7 +103,7 @@ class Parts:
     cfg: DictConfig
     env: distributed.Env
     job_dir: Path
-    task: Any  # runner.task.Classification | LanguageModel | the user's
+    task: protocols.Task  # runner.task.Classification | LanguageModel | Regression | the user's
     data: data_mod.Data
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -99,7 +111,7 @@ class Parts:
     amp: precision.Precision
     clip: Callable[[torch.optim.Optimizer], None]
     meter: measure.Meter
-    tracker: Tracker | NullTracker
+    tracker: protocols.Tracker  # rank 0: runner.track.Tracker; other ranks: NullTracker; a tuner: its recorder
     plan: Plan
     flops_per_sample: float | None
     techniques: dict[str, str]
@@ -155,7 +167,7 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
                               f"(it reports {', '.join(task.metrics)}); use a target of those")
     skipped = task.skipped(cfg)  # switches that do not apply to this task: recorded, never applied
     techniques, host_allocator, memory_format = _process_techniques(cfg, env, skipped)
-    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=t.seed, memory_format=memory_format)
+    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=t.seed, memory_format=memory_format, task=task)
     model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item).to(env.device)
     task.check(model, data)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
@@ -230,7 +242,7 @@ def _plan(cfg: DictConfig, env: distributed.Env, micro_batches: int) -> Plan:
                 global_batch=global_batch_size(cfg.dataloader.batch_size, accumulate, env.world_size),
                 log_every=t.log_every, eval_every=t.eval_every or steps_per_epoch, eval_max_batches=t.eval_max_batches,
                 set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss,
-                skip_nonfinite=t.on_nonfinite == "skip")
+                skip_nonfinite=t.on_nonfinite == "skip", stop_at_target=t.stop_at_target)
 
 
 def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None = None) -> Parts:

@@ -410,7 +410,8 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # CHOICES["trainer.device"]
     target_accuracy: Optional[float] = None  # fraction in (0, 1]
-    target_loss: Optional[float] = None  # eval loss (nats); time to target = first evaluation at or below it
+    target_loss: Optional[float] = None  # eval_loss (the task's unit: nats, an MSE); time to target: first eval <= it
+    stop_at_target: bool = False  # end the run at the first evaluation meeting the targets set (else: only dated)
     peak_tflops: Optional[float] = None  # override the device's dense peak for MFU
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
     progress: str = "auto"  # CHOICES["trainer.progress"]

@@ -300,7 +300,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     skipped = task.skipped(cfg)
     channels_last = cfg.channels_last and "channels_last" not in skipped
     data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed,
-                          memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+                          memory_format=torch.channels_last if channels_last else torch.contiguous_format, task=task)
     _check_vocabulary(folder, data.vocab, cfg)
     model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item)
     task.check(model, data)

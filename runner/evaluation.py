@@ -1,5 +1,6 @@
-"""The loop's evaluations: the task's metrics of the weights (and of their EMA), the targets' time, and what
-watches the metrics afterwards (the best weights, early stopping: runner/monitor.py).
+"""The loop's evaluations: the task's metrics of the weights (and of their EMA), the targets' time (and, with
+``trainer.stop_at_target``, the end of the run there), and what watches the metrics afterwards (the best weights,
+early stopping: runner/monitor.py).
 
 Called by ``runner.train.fit`` with its ``TrainState`` and ``Parts`` (outside the timed steps).
 """
@@ -14,7 +15,8 @@ from runner.track import write_json_atomic
 
 def evaluate(state, parts) -> bool:
     """Run the task's evaluation (outside the timed steps), log it, and date the first one meeting the
-    targets: ``time_to_target_s`` = training time until then, evaluations excluded. It stops at a batch
+    targets: ``time_to_target_s`` = training time until then, evaluations excluded; with ``trainer.stop_at_target``
+    one meeting them ends the run (``state.stopped_early`` says how they were met). It stops at a batch
     boundary when a signal arrives (every rank at the same batch: ``loop_guards.InterruptibleBatches``): nothing is
     logged, ``state.pending_eval`` marks the step (its checkpoint redoes the evaluation on resume) and False is
     returned; True otherwise.
@@ -37,11 +39,15 @@ def evaluate(state, parts) -> bool:
         state.pending_eval = state.step
         return False
     state.eval, state.pending_eval = figures, None
-    if state.time_to_target_s is None and p.plan.reached(state.eval):
+    reached = p.plan.reached(state.eval)
+    if state.time_to_target_s is None and reached:
         state.time_to_target_s = state.train_time_s
     p.tracker.log({"step": state.step, "epoch": state.epoch, **state.eval})
     guards.check_evaluation(state, parts)
     _watch(state, parts)
+    if reached and p.plan.stop_at_target and state.stopped_early is None:  # trainer.stop_at_target
+        state.stopped_early = f"reached the targets: {p.plan.met(state.eval)}"
+        p.tracker.note(f"step {state.step}: stopping (trainer.stop_at_target): {state.stopped_early}")
     return True
 
 

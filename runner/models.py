@@ -3,11 +3,11 @@ config, fitted to the data, optionally starting from torchvision's pretrained we
 
 ``build`` instantiates ``_target_(**model.<other keys>)``: every key of the ``model`` node that is not one
 of runner's (``RUNNER_KEYS``) is a constructor argument, checked against the signature first (a typo
-stops with the valid names). runner fills in ``num_classes`` (the data's class count) and ``in_features``
-(the number of values in one input item) when the constructor has a parameter of that name and the
-config leaves it unset. Then: ``weights`` (pretrained, head replaced), ``cifar_stem``, the first conv
-fitted to the data's channels, ``freeze_backbone``, and one forward pass on a real batch of 2 items to
-check that the model takes the data's inputs and returns one logit per class.
+stops with the valid names). runner fills in the output size the task reads off the data (``num_classes``, or
+``num_outputs`` for a regression) and ``in_features`` (the number of values in one input item) when the constructor
+has a parameter of that name and the config leaves it unset. Then: ``weights`` (pretrained, head replaced),
+``cifar_stem``, the first conv fitted to the data's channels, ``freeze_backbone``, and one forward pass on a real
+batch of 2 items to check that the model takes the data's inputs and returns one logit per class (or value).
 """
 
 from __future__ import annotations
@@ -72,21 +72,23 @@ class MLP(nn.Module):
     """A multi-layer perceptron for vectors: ``depth`` MLPBlocks of ``hidden`` units and a linear head.
 
     Input ``(B, *shape)`` float with ``prod(shape) == in_features`` (flattened first, so images work too);
-    output logits ``(B, num_classes)``. ``depth=0`` is a linear model. runner fills ``in_features`` and
-    ``num_classes`` from the data (``model=mlp``); the blocks are the repeated modules that activation
-    checkpointing wraps. About ``2 * (in_features * hidden + (depth - 1) * hidden**2 + hidden * num_classes)``
+    output logits ``(B, num_classes)``, or ``(B, num_outputs)`` values when ``num_outputs`` is given (it wins:
+    ``task=regression`` fills it with the target's size). ``depth=0`` is a linear model. runner fills ``in_features``
+    and the output size from the data (``model=mlp``); the blocks are the repeated modules that activation
+    checkpointing wraps. About ``2 * (in_features * hidden + (depth - 1) * hidden**2 + hidden * outputs)``
     FLOPs per sample forward.
     """
 
     def __init__(self, in_features: int, num_classes: int = 10, hidden: int = 128, depth: int = 2,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, num_outputs: int | None = None):
         super().__init__()
-        if in_features < 1 or hidden < 1 or depth < 0 or not 0 <= dropout < 1:
-            raise ValueError(f"MLP needs in_features >= 1, hidden >= 1, depth >= 0 and 0 <= dropout < 1; got "
-                             f"in_features={in_features}, hidden={hidden}, depth={depth}, dropout={dropout}")
+        outputs = num_classes if num_outputs is None else num_outputs
+        if in_features < 1 or outputs < 1 or hidden < 1 or depth < 0 or not 0 <= dropout < 1:
+            raise ValueError(f"MLP needs in_features, outputs, hidden >= 1, depth >= 0 and 0 <= dropout < 1; got "
+                             f"{in_features=}, {outputs=}, {hidden=}, {depth=}, {dropout=}")
         widths = [in_features] + [hidden] * depth
         self.blocks = nn.Sequential(*(MLPBlock(a, b, dropout) for a, b in zip(widths, widths[1:])))
-        self.head = nn.Linear(widths[-1], num_classes)
+        self.head = nn.Linear(widths[-1], outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(torch.flatten(x, 1)))
@@ -307,10 +309,11 @@ def _first_layer(model: nn.Module) -> str:
     return "its layers give no expected shape"
 
 
-def check_forward(model: nn.Module, example: torch.Tensor, num_classes: int) -> None:
+def check_forward(model: nn.Module, example: torch.Tensor, size: int, classes: bool = True) -> None:
     """Run the model once on a batch of 2 copies of ``example`` (one real input item, shape ``S``) in eval
     mode under ``torch.inference_mode`` (no BatchNorm statistics change, no RNG is drawn), and check the
-    output is ``(2, num_classes)`` logits. Skipped for outputs that are not tensors.
+    output is ``(2, size)``: logits for ``size`` classes, or (``classes=False``) ``size`` values per item, where
+    ``(2,)`` does for one value. Skipped for outputs that are not tensors.
 
     Raises:
         ConfigError: the forward fails (names the data's input shape and what the first layer expects) or
@@ -331,10 +334,12 @@ def check_forward(model: nn.Module, example: torch.Tensor, num_classes: int) -> 
                           f"Fix the model's arguments (model.<name>=...) or the data's shape.") from e
     finally:
         model.train(was_training)
-    if isinstance(out, torch.Tensor) and tuple(out.shape) != (2, num_classes):
-        raise ConfigError(f"the model returns {tuple(out.shape)} for a batch of 2, not (2, {num_classes}) logits for "
-                          f"the data's {num_classes} classes: give the model a num_classes parameter (runner fills "
-                          f"it in) or set its output size to {num_classes}")
+    fits = {(2, size)} | ({(2,)} if size == 1 and not classes else set())
+    if isinstance(out, torch.Tensor) and tuple(out.shape) not in fits:
+        what, name = ((f"logits for the data's {size} classes", "num_classes") if classes
+                      else (f"predictions for the targets' {size} values", "num_outputs"))
+        raise ConfigError(f"the model returns {tuple(out.shape)} for a batch of 2, not (2, {size}) {what}: give the "
+                          f"model a {name} parameter (runner fills it in) or set its output size to {size}")
 
 
 # ------------------------------------------------------------------------------ what was built
@@ -409,12 +414,12 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     Args:
         cfg: the ``model`` node; keys other than ``_target_`` and ``RUNNER_KEYS`` are constructor arguments.
         data_kwargs: the sizes the data dictates (the task's ``model_kwargs``): ``num_classes`` for labelled
-            data, ``vocab_size`` for token data (e.g. ``runner.gpt.GPT``); each is passed when the
-            constructor takes it.
+            data, ``vocab_size`` for token data (e.g. ``runner.gpt.GPT``), ``num_outputs`` for a regression's
+            targets; each is passed when the constructor takes it.
         in_channels: image channels of the input items (None for data that is not images).
         example: one input item as the dataset returns it (shape ``S``); when given, ``in_features=prod(S)``
-            is passed if the constructor takes it and the config leaves it unset, and a classifier is run
-            once on it (``check_forward``).
+            is passed if the constructor takes it and the config leaves it unset, and a classifier (or a
+            regression's model) is run once on it (``check_forward``).
 
     Steps: ``weights`` (torchvision's pretrained weights from the cache, then a fresh head for
     ``num_classes``), ``cifar_stem`` (a ResNet's 7x7/2 stem + max-pool become a 3x3/1 stem without pooling,
@@ -443,7 +448,7 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     if cfg.weights:
         if num_classes is None:
             raise ConfigError("model.weights replaces a pretrained classifier's head for the data's classes; this "
-                              "data has no classes (token data). Load a language model's weights in its constructor")
+                              "task has none (token data, float targets). Load such weights in the model's constructor")
         weights = resolve_weights(builder, cfg._target_, cfg.weights)
         model = _load_pretrained(builder, cfg._target_, kwargs, weights)
         fresh.append(_replace_head(model, len(weights.meta["categories"]), num_classes))
@@ -458,8 +463,8 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
         model.requires_grad_(False)
         for module in fresh:
             module.requires_grad_(True)
-    if example is not None and num_classes is not None:
-        check_forward(model, example, num_classes)
+    if example is not None and (size := data_kwargs.get("num_classes", data_kwargs.get("num_outputs"))) is not None:
+        check_forward(model, example, size, classes="num_classes" in data_kwargs)
     return model
 
 
@@ -475,8 +480,9 @@ def _constructor_kwargs(cfg: DictConfig, builder, data_kwargs: dict[str, int],
     kwargs = {k: v for k, v in targets.plain(cfg).items() if k not in RUNNER_KEYS and k != "_target_"}
     for key, value in data_kwargs.items():
         if key in kwargs:
-            what = "the model's class count" if key == "num_classes" else "the model's vocabulary size"
-            where = "set data.num_classes instead" if key == "num_classes" else "it is the text's character count"
+            what, where = {"num_classes": ("the model's class count", "set data.num_classes instead"),
+                           "num_outputs": ("the model's output size", "it is the size of one target")}.get(
+                key, ("the model's vocabulary size", "it is the text's character count"))
             raise ConfigError(f"model.{key}={kwargs[key]} cannot be set: {what} follows the data ({value}); {where}")
     targets.check_arguments("model", builder, kwargs, RUNNER_KEYS)
     names, any_name = targets.parameters(builder)

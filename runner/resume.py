@@ -16,8 +16,8 @@ from runner.errors import ConfigError
 #: length and bookkeeping, where things live, how fast batches load. Anything else changes the experiment.
 MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
               "trainer.eval_max_batches", "trainer.progress", "trainer.target_accuracy", "trainer.target_loss",
-              "trainer.peak_tflops", "trainer.max_skipped_fraction", "trainer.reference_samples_per_sec",
-              "trainer.device", "trainer.doctor",
+              "trainer.stop_at_target", "trainer.peak_tflops", "trainer.max_skipped_fraction",
+              "trainer.reference_samples_per_sec", "trainer.device", "trainer.doctor",
               "checkpoint.", "logger.", "data.root", "data.path", "data.train_path", "data.val_path",
               "data.tokenizer", "data.download", "dataloader.num_workers",
               "dataloader.pin_memory", "dataloader.persistent_workers", "dataloader.prefetch_factor",

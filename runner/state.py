@@ -40,7 +40,7 @@ class TrainState:
     restart_lost_time_s: float = 0.0  # s from each resumed checkpoint's write to the resume (redone work, restart)
     interval_skipped: int = 0  # steps of this log interval skipped (trainer.max_skipped_fraction)
     pending_eval: int | None = None  # the step whose evaluation a signal cut short: redone first on resume
-    stopped_early: str | None = None  # why trainer.early_stopping ended the run: a resumed run trains no further
+    stopped_early: str | None = None  # why the run ended early (early stopping, stop_at_target): resumed, it stays so
     monitors: dict[str, Any] = field(default_factory=dict)  # early stopping's and keep_best's counters (monitor.Watch)
     grad_norm: torch.Tensor | None = None  # this log step's gradient norm, on the device until the row reads it
 

@@ -6,11 +6,16 @@ torchtitan: ``self.loss_fn``). A task is a small object built from ``cfg.task`` 
 - ``loss(model, batch)``: the scalar training loss of one micro-batch ``(x, y)``;
 - ``evaluate(model, batches, autocast, max_batches, env)``: ``{metric: value}`` over the evaluation set;
 - ``metrics``: the names ``evaluate`` returns (``eval_loss`` always, the time-to-target key);
+- ``check_target(target)``: whether one item's target suits the task (``data=custom`` asks it), or what it must be;
 - ``model_kwargs(data)``: the constructor sizes the data dictates (checks the data suits the task);
 - ``check(model, data)``: bad model/data combinations, before training;
 - ``tokens_per_sample(data)``: the throughput unit (None: samples only; an int: tokens/s too);
 - ``skipped(cfg)``: switches that do not apply to this task, as ``"skipped: <reason>"`` statuses;
 - ``finish(model, data, job_dir, env, seed)``: outputs after training (``samples.txt``).
+
+That contract is ``runner.protocols.Task``; ``build`` refuses a ``task._target_`` that does not satisfy it. The
+built-in tasks: ``Classification``, ``LanguageModel`` and ``Regression`` (float targets, MSE: the worked example
+of adding a task, docs/data-and-models.md).
 
 A model's output is its logits, or an object holding them as ``.logits`` (a Hugging Face ``ModelOutput``):
 ``logits_of`` takes either, so the task's own loss is used, never a loss the model computes itself.
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, gpt, hf, parallel
+from runner import distributed, gpt, hf, parallel, protocols
 from runner.errors import ConfigError
 
 #: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
@@ -40,6 +45,11 @@ IMAGE_ONLY = {
 }
 
 
+#: What ``Classification.check_target`` says a target must be (the data check's message ends with it).
+CLASS_INDEX = ("a classification target is one class index: a Python int or a 0-d int64 tensor (torch.long; e.g. "
+               "TensorDataset(x, y.long()) with y of shape (N,))")
+
+
 def logits_of(output) -> torch.Tensor:
     """The logits in a model's output: the output itself, or its ``.logits`` (Hugging Face models return a
     ``ModelOutput``, https://huggingface.co/docs/transformers/main_classes/output)."""
@@ -50,12 +60,19 @@ def build(cfg: DictConfig):
     """The task of ``cfg.task`` (``_target_`` + its keys as constructor arguments).
 
     Raises:
-        ConfigError: ``task._target_`` cannot be imported or called.
+        ConfigError: ``task._target_`` cannot be imported or called, or what it builds lacks a member of the task
+            contract (``runner.protocols.Task``) or has one whose signature the engine's call does not fit.
     """
     try:
-        return instantiate(cfg)
+        task = instantiate(cfg)
     except Exception as e:  # hydra wraps import and call errors in InstantiationException
         raise ConfigError(f"task._target_={cfg._target_!r} could not be built: {e}") from e
+    wrong = protocols.mismatches(task, protocols.Task)
+    if wrong:
+        raise ConfigError(f"task._target_={cfg._target_!r} is not a task: its {type(task).__name__} "
+                          f"{'; '.join(wrong)}; give it every member of runner.protocols.Task (a worked example: "
+                          f"runner.task.Regression, docs/data-and-models.md#adding-a-task)")
+    return task
 
 
 @torch.inference_mode()
@@ -109,6 +126,10 @@ class Classification:
             raise ConfigError("task=classification needs labelled samples, but this data yields token windows; "
                               "add task=language_model model=gpt (or +experiment=shakespeare_char)")
         return {"num_classes": data.num_classes}
+
+    def check_target(self, target) -> str | None:
+        ok = isinstance(target, torch.Tensor) and target.dim() == 0 and target.dtype == torch.int64
+        return None if ok else CLASS_INDEX
 
     def check(self, model, data) -> None:
         pass
@@ -168,6 +189,10 @@ class LanguageModel:
                               "data=tokens or task=classification")
         return {"vocab_size": data.codec.vocab_size}
 
+    def check_target(self, target) -> str | None:
+        ok = isinstance(target, torch.Tensor) and target.dim() == 1 and target.dtype == torch.int64
+        return None if ok else "a language model's target is a window of token ids: an int64 tensor of shape (T,)"
+
     def check(self, model, data) -> None:
         """Raises ConfigError: windows longer than the model's context (``block_size``, or a Hugging Face
         config's position count), a vocabulary the model does not share, a bad sampling setting, or a prompt
@@ -218,3 +243,67 @@ class LanguageModel:
         plain.train()
         if env.is_main:
             (job_dir / "samples.txt").write_text(data.codec.decode(out[0].tolist()), encoding="utf-8")
+
+
+class Regression:
+    """``task=regression``: ``model(x)`` -> predictions ``(B, k)`` (or ``(B,)`` when k = 1), ``y`` float ``(B,)``
+    (one value per item, k = 1) or ``(B, k)``; ``check_target`` refuses anything else, so ``data=custom`` takes float
+    targets with this task. The model's output size follows the targets: ``model_kwargs`` gives ``num_outputs`` = k
+    (``runner.models.MLP`` takes it; a model of your own names that parameter, or fixes its output size to k).
+
+    Loss: the mean squared error over all B x k values (``torch.nn.functional.mse_loss``, computed in float32), in
+    the target's unit squared. Evaluation: ``eval_loss``, that MSE over the evaluation set, and ``eval_rmse`` = its
+    square root, in the target's unit. ``trainer.target_loss`` is an MSE here (``trainer.stop_at_target=true``
+    ends the run at the first evaluation at or below it). Throughput: samples/s. The worked example of adding a
+    task (docs/data-and-models.md#adding-a-task): every member of ``runner.protocols.Task``, nothing else.
+    """
+
+    metrics = ("eval_loss", "eval_rmse")
+
+    def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(predictions(logits_of(model(x)), y), y.float())
+
+    def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
+        def sums(out, y):
+            return torch.stack([(predictions(out, y) - y.float()).square().sum().double(),
+                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+
+        squared_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, sums)
+        if count == 0:  # nothing was evaluated: no figure, rather than a made-up 0.0
+            return dict.fromkeys(self.metrics)
+        mse = squared_sum / count
+        return {"eval_loss": mse, "eval_rmse": math.sqrt(mse)}
+
+    def check_target(self, target) -> str | None:
+        ok = (isinstance(target, torch.Tensor) and target.is_floating_point() and target.dim() <= 1
+              and target.numel() >= 1)
+        return None if ok else ("a regression target is a float, or a float tensor of shape (k,) for k values per "
+                                "item (e.g. TensorDataset(x, y.float()) with y of shape (N,) or (N, k))")
+
+    def model_kwargs(self, data) -> dict[str, int]:
+        """``{"num_outputs": k}``, the values of one target. Raises ConfigError for data without float targets."""
+        if data.target is None or not data.target.is_floating_point():
+            what = "token windows" if data.codec is not None else "class indices"
+            raise ConfigError(f"task=regression needs float targets (data=custom with a dataset function whose targets "
+                              f"are floats, shape () or (k,)), but this data yields {what}; use task=classification "
+                              f"or task=language_model for it")
+        return {"num_outputs": data.target.numel()}
+
+    def check(self, model, data) -> None:
+        pass
+
+    def tokens_per_sample(self, data) -> int | None:
+        return None
+
+    def skipped(self, cfg: DictConfig) -> dict[str, str]:
+        return {}
+
+    def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
+        pass
+
+
+def predictions(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A regression model's output ``(B, k)`` (or ``(B,)``) as float32 in the shape of its targets ``y``: ``(B,)``
+    targets take a ``(B, 1)`` output's one column."""
+    return out.float().reshape(y.shape)

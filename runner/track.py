@@ -115,13 +115,13 @@ class Tracker:
         if self.bar is not None:
             self.bar.n = row["step"]
             shown = {k: _fmt(row.get(k)) for k in ("loss", "samples_per_sec", "tokens_per_sec", "eval_accuracy",
-                                                   "eval_loss") if row.get(k) is not None}
+                                                   "eval_loss", "eval_rmse") if row.get(k) is not None}
             self.bar.set_postfix({k.replace("_per_sec", "/s"): v for k, v in shown.items()}, refresh=True)
         elif self.mode == "lines":
             parts = [f"step {row['step']}/{self.total_steps}"] + [
                 f"{k} {_fmt(row[k])}" for k in ("epoch", "loss", "lr", "samples_per_sec", "tokens_per_sec",
                                                 "step_time_ms", "data_wait_ms", "peak_memory_mb", "eval_accuracy",
-                                                "eval_loss")
+                                                "eval_loss", "eval_rmse")
                 if row.get(k) is not None]
             print(" | ".join(parts), flush=True)
         if self.wandb is not None:
@@ -188,7 +188,8 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     The first row, ``measurement``, says what the speed figures cover, or why they are blank (all warm-up)."""
     keys = ["measurement", "samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90",
             "data_wait_fraction", "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss",
-            "eval_accuracy", "eval_loss", "eval_bits_per_char", "eval_accuracy_ema", "eval_loss_ema", "stopped_early",
+            "eval_accuracy", "eval_loss", "eval_rmse", "eval_bits_per_char", "eval_accuracy_ema", "eval_loss_ema",
+            "eval_rmse_ema", "stopped_early",
             "time_to_target_s", "train_time_s", "eval_time_s", "checkpoint_time_s", "restarts", "skipped_steps",
             "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
     rows = ([(k, _fmt(summary[k])) for k in keys

@@ -275,7 +275,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "restart_lost_time_s": state.restart_lost_time_s,
         "skipped_steps": state.skipped_steps,
         "steps": state.step,
-        "stopped_early": state.stopped_early,  # why trainer.early_stopping ended the run, or null
+        "stopped_early": state.stopped_early,  # why early stopping or stop_at_target ended the run, or null
         "best": {**p.best.as_dict(), "metric": p.best.metric, "weights": "best/model.safetensors"} if p.best else None,
         "weights_sha256": checkpoint.weights_sha256(p.job_dir, p.at_end, p.ema, p.best) if env.is_main else None,
         "ema_update_ms": p.details["ema"]["update_ms"] if p.ema is not None else None,

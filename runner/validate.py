@@ -34,6 +34,9 @@ def validate(cfg: DictConfig) -> None:
         (0 <= t.max_skipped_fraction <= 1, "trainer.max_skipped_fraction", t.max_skipped_fraction,
          "must be a fraction in [0, 1]"),
         (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
+        (not t.stop_at_target or t.target_loss is not None or t.target_accuracy is not None, "trainer.stop_at_target",
+         "true", "stops at the first evaluation meeting the targets: set trainer.target_loss or "
+         "trainer.target_accuracy (or leave stop_at_target=false)"),
         (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
         (t.ema_decay is None or 0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay,

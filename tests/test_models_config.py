@@ -55,8 +55,8 @@ def test_torchvision_factory_arguments_reach_the_class():
 @pytest.mark.parametrize("overrides,message", [
     (["model=mlp", "model.hiden=64"], r"model\.hiden=64: runner\.models\.MLP has no parameter 'hiden' \(did you mean "
                                       r"model\.hidden\?\)\. Its parameters: in_features, num_classes, hidden, depth, "
-                                      r"dropout; runner's own model keys: cifar_stem, drop_bias_before_bn, weights, "
-                                      r"freeze_backbone"),
+                                      r"dropout, num_outputs; runner's own model keys: cifar_stem, "
+                                      r"drop_bias_before_bn, weights, freeze_backbone"),
     (["model=resnet18", "model.zero_init_residul=true"], r"resnet18 has no parameter 'zero_init_residul' "
                                                          r"\(did you mean model\.zero_init_residual\?\)\. Its "
                                                          r"parameters: progress, num_classes, zero_init_residual, "

@@ -1,17 +1,23 @@
 """Dataset functions for ``data=custom`` tests, written the way a user would (importable: tests/ is on sys.path).
 
-Good ones return ``(train_dataset, eval_dataset)``; the ``bad_*`` ones each break one rule that
-``runner.data.custom_datasets`` must turn into a ConfigError. ``FixedContextLM`` is a user's own language
-model (``model._target_=user_data.FixedContextLM``); ``ScatterNet`` an image model whose step runs an operation
-with no deterministic kernel.
+Good ones return ``(train_dataset, eval_dataset)`` (``regression``: float targets, for ``task=regression``); the
+``bad_*`` ones each break one rule that ``runner.data.custom_datasets`` must turn into a ConfigError.
+``FixedContextLM`` is a user's own language model (``model._target_=user_data.FixedContextLM``); ``ScatterNet`` an
+image model whose step runs an operation with no deterministic kernel; ``OwnRegression`` a user's own task
+(``task._target_=user_data.OwnRegression``).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
+
+from runner.task import evaluation_sums
 
 
 def tabular(n_features: int = 8, n_classes: int = 3, n_train: int = 256, n_eval: int = 64, seed: int = 0):
@@ -20,6 +26,19 @@ def tabular(n_features: int = 8, n_classes: int = 3, n_train: int = 256, n_eval:
     centers = 3 * torch.randn(n_classes, n_features, generator=g)
     y = torch.arange(n_train + n_eval) % n_classes
     x = centers[y] + torch.randn(n_train + n_eval, n_features, generator=g)
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+
+def regression(n_features: int = 8, n_targets: int = 0, n_train: int = 256, n_eval: int = 64, noise: float = 0.1,
+               seed: int = 0):
+    """A regression problem: ``n_features`` floats -> float targets, shape (N,) (``n_targets=0``: one value per
+    item) or (N, n_targets): a random linear map of the inputs (each value of variance about 1) plus Gaussian noise
+    of std ``noise``, so the best reachable MSE is ``noise**2`` (0.01) and predicting the mean scores about 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_train + n_eval, n_features, generator=g)
+    w = torch.randn(n_features, max(n_targets, 1), generator=g) / n_features**0.5
+    y = x @ w + noise * torch.randn(n_train + n_eval, max(n_targets, 1), generator=g)
+    y = y[:, 0] if n_targets == 0 else y
     return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
 
 
@@ -180,3 +199,50 @@ class ScatterNet(nn.Module):
             _put_with_a_repeated_index(x.device)
         logits = self.fc(x.flatten(1))
         return _PutInBackward.apply(logits) if self.where == "backward" else logits
+
+
+class OwnRegression:
+    """A user's own task (``task._target_=user_data.OwnRegression``): a copy of ``runner.task.Regression`` written
+    outside runner, to show that the members of ``runner.protocols.Task`` are all a task needs. Float targets
+    ``(B,)`` or ``(B, k)``; MSE loss; ``eval_loss`` (MSE) and ``eval_rmse``."""
+
+    metrics = ("eval_loss", "eval_rmse")
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.mse_loss(model(x).float().reshape(y.shape), y.float())
+
+    def evaluate(self, model, batches, autocast, max_batches, env):
+        def sums(out, y):
+            return torch.stack([(out.reshape(y.shape) - y.float()).square().sum().double(),
+                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+
+        squared_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, sums)
+        if count == 0:
+            return dict.fromkeys(self.metrics)
+        return {"eval_loss": squared_sum / count, "eval_rmse": math.sqrt(squared_sum / count)}
+
+    def check_target(self, target):
+        ok = isinstance(target, torch.Tensor) and target.is_floating_point() and target.dim() <= 1
+        return None if ok else "OwnRegression takes float targets of shape () or (k,)"
+
+    def model_kwargs(self, data):
+        return {"num_outputs": data.target.numel()}
+
+    def check(self, model, data):
+        pass
+
+    def tokens_per_sample(self, data):
+        return None
+
+    def skipped(self, cfg):
+        return {}
+
+    def finish(self, model, data, job_dir, env, seed):
+        pass
+
+
+#: A task written before ``check_target`` joined the contract: ``OwnRegression`` without it (``task.build`` must
+#: refuse it, naming the member).
+NoTargetCheck = type("NoTargetCheck", (), {k: v for k, v in vars(OwnRegression).items()
+                                          if k != "check_target" and not k.startswith("__")})

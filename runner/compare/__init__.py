@@ -153,7 +153,8 @@ def measured_job(cfg: DictConfig) -> DictConfig:
     OmegaConf.resolve(out)
     quiet = {**{f"logger.{name}": None for name in LOGGERS}, "trainer.progress": "off", "trainer.max_steps": 10**9,
              "trainer.eval_every": 10**9, "trainer.eval_max_batches": 1, "trainer.doctor": False,
-             "trainer.target_loss": None, "trainer.target_accuracy": None, "task.sample_tokens": 0,
+             "trainer.target_loss": None, "trainer.target_accuracy": None, "trainer.stop_at_target": False,
+             "task.sample_tokens": 0,
              "trainer.early_stopping.metric": None, "checkpoint.resume": "never", "checkpoint.at_end": False,
              "checkpoint.every_steps": None, "checkpoint.every_minutes": None, "checkpoint.keep_best": False}
     for key, value in quiet.items():

@@ -3,8 +3,10 @@
 
 ``build`` returns train/eval iterables that yield ``(x, y)`` already on the run's device: for the built-in
 image sets ``x`` is a float32 batch of shape ``(B, C, H, W)`` (normalized when ``data.normalize``); for
-``data=custom`` it is the batch of whatever the user's items hold, ``(B, *S)``; for ``data=text``/``tokens`` ``x`` and
-``y`` are int64 token windows ``(B, block_size)``; otherwise ``y`` is an int64 ``(B,)``. The host->device
+``data=custom`` it is the batch of whatever the user's items hold, ``(B, *S)``, and ``y`` the batch of their targets
+(what the task's ``check_target`` accepted: int64 ``(B,)`` class indices, float ``(B,)`` or ``(B, k)`` values); for
+``data=text``/``tokens`` ``x`` and ``y`` are int64 token windows ``(B, block_size)``; otherwise ``y`` is an int64
+``(B,)``. The host->device
 copy happens inside the iterable, so the engine's data-wait figure includes it.
 
 Where each concern lives:
@@ -16,7 +18,8 @@ Where each concern lives:
 - ``tokens``: ``data=tokens`` -- nanoGPT's ``.bin`` files memory-mapped (``TokenFile``), their checks, the
   optional tiktoken decoding, and ``python -m runner.data.tokens prepare`` (imported on use: ``python -m``
   runs it as a script).
-- ``custom``: ``data=custom`` -- the user's ``data._target_`` function, its checks and the class-count rule.
+- ``custom``: ``data=custom`` -- the user's ``data._target_`` function, its checks (the targets' by the task) and the
+  class-count rule.
 - ``loading``: ``assemble``, the one function that turns a ``Source`` into loaders (on the device or from
   host ``DataLoader``s), checks the training loader is not empty and makes the example batch; ``Data``.
 - ``batches``: the iterables the engine sees (``DeviceIterable``) and the on-device ``OnDeviceLoader``.
@@ -59,9 +62,10 @@ __all__ = [
 ]
 
 
-def source_for(data_cfg: DictConfig) -> Source:
-    """The ``Source`` of ``data.name``: ``text_source``, ``tokens.tokens_source``, ``custom_source`` or
-    ``image_source`` (``IMAGE_DATASETS``).
+def source_for(data_cfg: DictConfig, task=None) -> Source:
+    """The ``Source`` of ``data.name``: ``text_source``, ``tokens.tokens_source``, ``custom_source`` (whose targets
+    ``task.check_target`` checks; None: ``runner.task.Classification``'s class indices) or ``image_source``
+    (``IMAGE_DATASETS``).
 
     Raises:
         ConfigError: an unknown ``data.name``, or whatever that source raises.
@@ -75,15 +79,20 @@ def source_for(data_cfg: DictConfig) -> Source:
 
         return tokens_source(data_cfg)
     if name == "custom":
-        return custom_source(data_cfg)
+        if task is None:
+            from runner.task import Classification  # on use: the data package does not depend on the tasks
+
+            task = Classification()
+        return custom_source(data_cfg, task.check_target)
     return image_source(data_cfg)
 
 
 def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
-          memory_format: torch.memory_format = torch.contiguous_format) -> Data:
+          memory_format: torch.memory_format = torch.contiguous_format, task=None) -> Data:
     """Build the train and eval iterables for this rank: ``source_for`` then ``loading.assemble``.
 
-    ``data=custom`` goes through ``custom_datasets``; the loader techniques (DataLoader workers, pinned
+    ``data=custom`` goes through ``custom_datasets``, which asks ``task`` (a ``runner.protocols.Task``; None: a
+    classification) whether the targets suit it; the loader techniques (DataLoader workers, pinned
     memory, non_blocking copies, DistributedSampler, ``on_device``) apply to it as to the built-in sets.
     Switches that cannot act on it are recorded as ``skipped: <reason>``: ``data.normalize`` and
     ``data.augment`` (image statistics and crops), ``on_device`` for a dataset that is not whole tensors,
@@ -93,8 +102,8 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
         ConfigError: unknown ``data.name``, a missing or corrupt dataset, ``batch_size`` <= 0, a
             per-rank training set smaller than one batch, ``on_device`` with a built-in dataset that has no
             in-memory form (imagefolder), a ``data.num_classes`` that contradicts a built-in dataset, or
-            bad custom data (``custom_datasets``).
+            bad custom data (``custom_datasets``: targets the task refuses among them).
     """
     if loader_cfg.batch_size <= 0:
         raise ConfigError(f"dataloader.batch_size={loader_cfg.batch_size} must be a positive number of samples")
-    return assemble(source_for(data_cfg), loader_cfg, env, seed=seed, memory_format=memory_format)
+    return assemble(source_for(data_cfg, task), loader_cfg, env, seed=seed, memory_format=memory_format)

@@ -3,21 +3,25 @@
 ``data=custom data._target_=<module>.<function>`` (``custom_datasets``) calls the user's function with
 every other key under ``data.`` as a keyword argument; it returns ``(train_dataset, eval_dataset)``, two
 map-style ``torch.utils.data.Dataset``s whose items are ``(input, target)``: ``input`` a tensor (or numpy
-array) of one shape ``S`` for every item, ``target`` a class index (a Python int or a 0-d int64 tensor).
-The class count follows this rule (``class_count``): ``data.num_classes`` when set; else the training
-dataset's ``num_classes`` attribute, else ``len`` of its ``classes`` attribute (a ``Subset``'s underlying
-dataset is asked too); else max(target) + 1 over the training and evaluation targets when they can be
-read without loading the inputs (a ``TensorDataset``'s second tensor, a ``targets`` attribute, Subsets of
-these); else the run stops asking for ``data.num_classes``. ``custom_source`` hands the checked datasets to
-the loader assembly as a ``Source`` of layout ``tensors``.
+array) of one shape ``S`` for every item, ``target`` what the task takes: the task's ``check_target`` decides
+(``runner.protocols.Task``; classification: a class index, a Python int or a 0-d int64 tensor; regression: a
+float or a float tensor of shape ``(k,)``), asked with item 0's target as a batch holds it (``as_batched``).
+Integer targets are class indices, and their count follows this rule (``class_count``): ``data.num_classes``
+when set; else the training dataset's ``num_classes`` attribute, else ``len`` of its ``classes`` attribute (a
+``Subset``'s underlying dataset is asked too); else max(target) + 1 over the training and evaluation targets when
+they can be read without loading the inputs (a ``TensorDataset``'s second tensor, a ``targets`` attribute, Subsets
+of these); else the run stops asking for ``data.num_classes``. Float targets have no class count. ``custom_source``
+hands the checked datasets to the loader assembly as a ``Source`` of layout ``tensors``.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset, default_collate
 
 from runner import targets
 from runner.data.source import Source
@@ -28,12 +32,34 @@ from runner.errors import ConfigError
 CUSTOM_KEYS = ("name", "_target_", "num_classes", "normalize", "augment")
 
 
-def _check_item(path: str, which: str, ds) -> tuple[torch.Tensor, object]:
-    """Item 0 of ``ds`` as ``(input tensor, target)``, checked for a classification task.
+def as_batched(target: Any) -> Any:
+    """One item's ``target`` as a batch holds it: ``default_collate([target])`` row 0 (a Python int -> a 0-d int64
+    tensor, a float -> a 0-d float64 one, a numpy array -> a tensor of its dtype and shape), or ``target`` itself
+    when that gives no tensor (a string, a dict, None)."""
+    try:
+        batched = default_collate([target])
+    except Exception:  # noqa: BLE001 - default_collate raises TypeError and others for what it cannot batch
+        return target
+    return batched[0] if isinstance(batched, torch.Tensor) else target
+
+
+def _described(y: Any) -> str:
+    """What a target is, for a message: ``a torch.int32 tensor of shape ()``, ``a float``, ``a ndarray (float32,
+    shape (3,))``."""
+    if isinstance(y, torch.Tensor):
+        return f"a {y.dtype} tensor of shape {tuple(y.shape)}"
+    if isinstance(y, np.ndarray):
+        return f"a ndarray ({y.dtype}, shape {tuple(y.shape)})"
+    return f"a {type(y).__name__}" + (f" ({y.dtype})" if isinstance(y, np.generic) else "")
+
+
+def _check_item(path: str, which: str, ds, check_target: Callable[[Any], str | None]) -> tuple[torch.Tensor, Any]:
+    """Item 0 of ``ds`` as ``(input tensor, target as a batch holds it)``, its target checked by the task.
 
     Raises:
         ConfigError: reading it raises, it is not an ``(input, target)`` pair, the input is not a tensor
-            or numpy array with at least one dimension, or the target is not one int64 class index.
+            or numpy array with at least one dimension, or the task's ``check_target`` refuses the target (the
+            message says what the target is, then what the task says it must be).
     """
     try:
         item = ds[0]
@@ -51,17 +77,11 @@ def _check_item(path: str, which: str, ds) -> tuple[torch.Tensor, object]:
         what = "a 0-d tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise ConfigError(f"data._target_={path}: the input of item 0 of the {which} set is {what}; it must be a "
                           f"tensor (or numpy array) with at least one dimension, e.g. shape (n_features,)")
-    if isinstance(y, torch.Tensor):
-        ok = y.dim() == 0 and y.dtype == torch.int64
-        what = f"a {y.dtype} tensor of shape {tuple(y.shape)}"
-    else:
-        ok = isinstance(y, (int, np.int64)) and not isinstance(y, bool)
-        what = f"a {type(y).__name__}" + (f" ({y.dtype})" if isinstance(y, np.generic) else "")
-    if not ok:
-        raise ConfigError(f"data._target_={path}: the target of item 0 of the {which} set is {what}; a classification "
-                          f"target is one class index: a Python int or a 0-d int64 tensor (torch.long; e.g. "
-                          f"TensorDataset(x, y.long()) with y of shape (N,))")
-    return x, y
+    target = as_batched(y)
+    rule = check_target(target)
+    if rule is not None:
+        raise ConfigError(f"data._target_={path}: the target of item 0 of the {which} set is {_described(y)}; {rule}")
+    return x, target
 
 
 def _tensor_pair(ds) -> tuple[torch.Tensor, torch.Tensor] | str:
@@ -143,20 +163,24 @@ def class_count(path: str, configured: int | None, train_ds, eval_ds) -> int:
     return count
 
 
-def custom_datasets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, torch.Tensor]:
+def custom_datasets(cfg: DictConfig, check_target: Callable[[Any], str | None]
+                    ) -> tuple[Dataset, Dataset, int | None, torch.Tensor, torch.Tensor]:
     """Call ``data._target_`` and check what it returns: ``(train_dataset, eval_dataset, num_classes,
-    first training input)``.
+    first training input, first training target as a batch holds it)``; ``num_classes`` is None for float
+    targets (they are no class indices).
 
     Keyword arguments: every key under ``data.`` but ``CUSTOM_KEYS``, plus ``num_classes`` when set and
     the function has that parameter; lists and dicts arrive as plain Python, nested ``_target_`` nodes are
     instantiated (Hydra's ``instantiate``). The function runs on every rank: make it deterministic (seed
-    any random generator) so every rank sees the same data.
+    any random generator) so every rank sees the same data. ``check_target`` is the task's: whether a target
+    suits it (``runner.protocols.Task.check_target``).
 
     Raises:
         ConfigError: ``_target_`` unset, not importable or not callable; an argument its signature lacks
             (lists the valid names); the call raises; it does not return a pair of map-style datasets; an
-            empty dataset; items that are not ``(input, target)`` pairs with an int64 class index;
-            inputs of different shapes in the two sets; no class count (``class_count``).
+            empty dataset; items that are not ``(input, target)`` pairs, or whose target the task refuses;
+            inputs or targets of different shapes in the two sets; no class count (``class_count``), or
+            ``data.num_classes`` set for float targets.
     """
     path = cfg._target_
     fn = targets.locate("data._target_", path)
@@ -178,16 +202,23 @@ def custom_datasets(cfg: DictConfig) -> tuple[Dataset, Dataset, int, torch.Tenso
             raise ConfigError(f"data._target_={path}: its {which} set is empty (0 items); check the function's "
                               f"arguments ({', '.join(f'data.{k}={v!r}' for k, v in kwargs.items()) or 'none'})")
     train_ds, eval_ds = out
-    x0, _ = _check_item(path, "training", train_ds)
-    xe, _ = _check_item(path, "evaluation", eval_ds)
-    if xe.shape != x0.shape:
-        raise ConfigError(f"data._target_={path}: training inputs have shape {tuple(x0.shape)} but evaluation inputs "
-                          f"{tuple(xe.shape)}; both sets must hold inputs of one shape")
-    return train_ds, eval_ds, class_count(path, cfg.num_classes, train_ds, eval_ds), x0
+    x0, y0 = _check_item(path, "training", train_ds, check_target)
+    xe, ye = _check_item(path, "evaluation", eval_ds, check_target)
+    for what, train, evaluation in (("inputs", x0, xe), ("targets", y0, ye)):
+        if isinstance(train, torch.Tensor) and isinstance(evaluation, torch.Tensor) and train.shape != evaluation.shape:
+            raise ConfigError(f"data._target_={path}: training {what} have shape {tuple(train.shape)} but evaluation "
+                              f"{what} {tuple(evaluation.shape)}; both sets must hold {what} of one shape")
+    if isinstance(y0, torch.Tensor) and y0.is_floating_point():  # values, not class indices: no class count
+        if cfg.num_classes is not None:
+            raise ConfigError(f"data.num_classes={cfg.num_classes} counts classes, but the targets are floats "
+                              f"({_described(y0)}), not class indices; drop data.num_classes")
+        return train_ds, eval_ds, None, x0, y0
+    return train_ds, eval_ds, class_count(path, cfg.num_classes, train_ds, eval_ds), x0, y0
 
 
-def custom_source(cfg: DictConfig) -> Source:
-    """``data=custom``: the user's datasets (``custom_datasets``) as a ``Source`` of layout ``tensors``.
+def custom_source(cfg: DictConfig, check_target: Callable[[Any], str | None]) -> Source:
+    """``data=custom``: the user's datasets (``custom_datasets``, their targets checked by the task's
+    ``check_target``) as a ``Source`` of layout ``tensors``.
 
     The loader techniques (DataLoader workers, pinned memory, non_blocking copies, DistributedSampler,
     ``on_device``) apply as to the built-in sets. Switches that cannot act on it are recorded as
@@ -198,7 +229,7 @@ def custom_source(cfg: DictConfig) -> Source:
     Raises:
         ConfigError: bad custom data (``custom_datasets``).
     """
-    train_ds, eval_ds, num_classes, x0 = custom_datasets(cfg)
+    train_ds, eval_ds, num_classes, x0, y0 = custom_datasets(cfg, check_target)
     techniques: dict[str, str] = {}
     why = "data=custom: your dataset function returns the inputs as the model sees them"
     if cfg.normalize:
@@ -213,4 +244,5 @@ def custom_source(cfg: DictConfig) -> Source:
         return next((p for p in pair if isinstance(p, str)), pair)
 
     return Source(name="custom", train=train_ds, eval=eval_ds, sample_shape=tuple(x0.shape), layout="tensors",
-                  in_memory=in_memory, num_classes=num_classes, item=x0, techniques=techniques)
+                  in_memory=in_memory, num_classes=num_classes, item=x0, techniques=techniques,
+                  target=y0 if isinstance(y0, torch.Tensor) else None)

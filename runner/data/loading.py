@@ -41,6 +41,9 @@ class Data:
     vocab: list[str] | None = None
     item: torch.Tensor | None = None  # the first training input as the dataset returns it (CPU); None for tokens
     codec: Codec | None = None  # token data: vocabulary size, ids <-> text
+    # data=custom: the first training target as a batch holds it (CPU; float for a regression); else None (class
+    # indices of the built-in images, token windows)
+    target: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.codec is None and self.vocab is not None:
@@ -126,7 +129,8 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
     replacement (token data), wrapped in a ``SkippableSampler``. channels_last is recorded as skipped for
     inputs that are not ``(C, H, W)`` (token data keeps the contiguous format without a record: the
     language-model task records it). ``Data.example`` is 2 random samples of the batches' shape and dtype
-    (float inputs, int64 labels; token data: int64 token ids) on the device.
+    (float inputs, int64 labels or float targets of the source's ``target`` shape; token data: int64 token ids)
+    on the device.
 
     Raises:
         ConfigError: ``on_device`` for data with no in-memory form (read from image files), or a training
@@ -185,6 +189,7 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
         vocab=source.vocab,
         item=source.item,
         codec=source.codec,
+        target=source.target,
     )
 
 
@@ -211,8 +216,11 @@ def _on_device(source: Source, memory, loader_cfg: DictConfig, env, seed: int, p
 
 
 def _example(source: Source, device: torch.device) -> tuple:
-    """2 random samples of the batches' shape and dtype on ``device`` (token data: int64 ids and targets)."""
-    shape = source.sample_shape
+    """2 random samples of the batches' shape and dtype on ``device`` (token data: int64 ids and targets; float
+    targets: standard normal values of their shape and dtype; else class indices below ``num_classes``)."""
+    shape, target = source.sample_shape, source.target
     if source.layout == "tokens":
         return tuple(torch.randint(0, source.codec.vocab_size, (2, *shape), device=device) for _ in range(2))
+    if target is not None and target.is_floating_point():
+        return torch.randn(2, *shape, device=device), torch.randn(2, *target.shape, dtype=target.dtype, device=device)
     return torch.randn(2, *shape, device=device), torch.randint(0, source.num_classes, (2,), device=device)

@@ -63,9 +63,10 @@ class Source:
     ``train``/``eval`` are map-style datasets of ``(input, target)`` items (token data: ``TokenWindows``, items
     int64 ``(block_size,)`` pairs). ``in_memory`` is what ``dataloader.on_device`` puts on the device: a
     callable returning the whole splits as host tensors -- ``images``/``tensors``: ``((train_inputs (N, *S),
-    train_targets int64 (N,)), (eval_inputs, eval_targets))``; ``tokens``: ``(train_tokens int64 (N,),
-    eval_tokens int64 (M,))`` -- or a reason string when this data has none after all (``on_device_data`` is then
-    recorded as skipped); ``None``: no in-memory form at all (``on_device`` is a ConfigError).
+    train_targets (N, *T)), (eval_inputs, eval_targets))`` (class indices: int64 ``(N,)``); ``tokens``:
+    ``(train_tokens int64 (N,), eval_tokens int64 (M,))`` -- or a reason string when this data has none after all
+    (``on_device_data`` is then recorded as skipped); ``None``: no in-memory form at all (``on_device`` is a
+    ConfigError).
     """
 
     name: str  # data.name, for messages
@@ -76,6 +77,8 @@ class Source:
     in_memory: Callable[[], tuple | str] | None = None
     num_classes: int | None = None  # classification: classes; token data: None (see vocab)
     item: torch.Tensor | None = None  # the first training input as the dataset returns it (CPU); tokens: None
+    # data=custom: the first training target as a batch holds it (CPU; shape T, e.g. () or (k,)); else None
+    target: torch.Tensor | None = None
     mean: tuple[float, ...] | None = None  # per-channel statistics in [0, 1] units the on-device path
     std: tuple[float, ...] | None = None  # normalizes with (host items arrive normalized already), or None
     augment: bool = False  # random crop + flip on the device (built-in images with data.augment)
