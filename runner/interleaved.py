@@ -63,6 +63,7 @@ class InterleavedLauncher(Launcher):
 
         if problem := settings_problem(cfg.interleave):
             _refuse(problem)
+        ranks = _ranks(cfg)  # a sweep of single-process jobs under torchrun: refused first, whatever else is wrong
         from runner.compare.server import check_socket_dir
         from runner.errors import ConfigError
 
@@ -70,7 +71,6 @@ class InterleavedLauncher(Launcher):
             check_socket_dir()  # every job is forked from the job server
         except ConfigError as e:
             _refuse(str(e))
-        ranks = _ranks(cfg)
         from hydra.core.utils import configure_log, setup_globals
 
         setup_globals()
