@@ -53,6 +53,18 @@ def test_a_healthy_run_has_no_finding():
     assert diagnose(summary()) == []
 
 
+def test_verify_with_nothing_to_verify_says_so_and_exits_0(tmp_path, capsys):
+    """A healthy run's diagnosis suggests no override: ``--verify`` says there is nothing to measure in one line
+    and exits 0, running and writing nothing (it exited 2 with an error before)."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "summary.json").write_text(json.dumps(summary()))
+    assert doctor.main([str(job), "--verify"]) == 0
+    out = capsys.readouterr()
+    assert f"nothing to verify: the diagnosis of {job} suggests no override to measure" in out.out
+    assert out.err == "" and sorted(p.name for p in job.iterdir()) == ["summary.json"]
+
+
 @pytest.mark.parametrize("wait, found", [(doctor.DATA_WAIT_FRACTION_MAX - 0.01, False),
                                          (doctor.DATA_WAIT_FRACTION_MAX, True)])
 def test_input_bound_from_the_data_wait_threshold(wait, found):
