@@ -305,14 +305,16 @@ def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | No
     """Start (or, with ``run_id``, continue: ``resume="allow"``) a W&B run in ``<job_dir>/wandb``, grouped by
     ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway
     (a rejected key, a server that stops answering) falls back to offline with one line saying why, so
-    tracking never costs the run."""
+    tracking never costs the run. The run's own start-up and closing lines (offline mode, where the files are,
+    the sync hint) are silenced (``silent=True``): runner prints the one that matters, the ``wandb sync``
+    command; W&B's warnings and errors (``wandb.termwarn``/``termerror``) still print."""
     import wandb
 
     mode = _wandb_mode(job_dir, group)
     kwargs = dict(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
                   config=resolved, name=f"{group}/{job_dir.name}" if group else None, id=run_id,
                   resume="allow" if run_id else None)
-    settings = dict(quiet=True, console="off", x_disable_stats=True)
+    settings = dict(quiet=True, silent=True, console="off", x_disable_stats=True)
     try:
         run = wandb.init(mode=mode, settings=wandb.Settings(**settings, init_timeout=30.0), **kwargs)
     except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, AuthenticationError, ...

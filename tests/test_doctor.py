@@ -161,6 +161,18 @@ def test_untrustworthy_figures_come_first_and_unmeasured_runs_say_how_to_measure
     assert overrides(unmeasured) == [[f"trainer.max_steps={5 + doctor.VERIFY_MEASURED_STEPS}"]]
 
 
+def test_a_run_on_a_crowded_cpu_is_suggested_the_threads_that_fit():
+    """The threads fought for the cores other processes left free: the untrustworthy finding suggests
+    trainer.num_threads at the free cores first (which --verify then measures), then the quiet rerun."""
+    busy = {"cpu_cores": 2, "threads": 2, "workers": 0, "load_average_others": 1.2}
+    (lead,) = diagnose(summary(warnings=["the machine was busy"], machine_load=busy))
+    assert lead.category == "untrustworthy" and overrides(lead) == [["trainer.num_threads=1"], []]
+    (gpu,) = diagnose(summary(warnings=["the machine was busy"], machine_load=busy, device="cuda"))
+    assert overrides(gpu) == [[]]
+    (fits,) = diagnose(summary(warnings=["the machine was busy"], machine_load=busy | {"threads": 1}))
+    assert overrides(fits) == [[]]
+
+
 def test_a_suggestion_replaces_the_jobs_own_value_of_its_key():
     base = ["data=custom", "trainer.log_every=1", "+experiment=fast", "data.shape=[3,16,16]"]
     assert doctor.merge_overrides(base, ["trainer.log_every=50", "debug=off"]) == [
