@@ -295,8 +295,11 @@ def continue_interrupted(config: Any) -> tuple[Path, int] | None:
         pattern = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
     except Exception:  # noqa: BLE001 - a config this does not read: a new folder, as before
         return None
-    folders = [f for f in recent_run_folders(str(pattern)) if not (f / "summary.json").exists()
-               and any((f / "checkpoints").glob("step_*"))]
+    try:
+        folders = [f for f in recent_run_folders(str(pattern)) if not (f / "summary.json").exists()
+                   and any((f / "checkpoints").glob("step_*"))]
+    except OSError:  # a folder one may not read: not one to continue
+        return None
     if not folders:
         return None
     from runner.launch import discover
@@ -306,7 +309,10 @@ def continue_interrupted(config: Any) -> tuple[Path, int] | None:
         resolved = _task_config(config)
     except Exception:  # noqa: BLE001 - an interpolation only the job can resolve (${hydra:...}): a new folder
         return None
-    return interrupted_run(folders, resolved, discover().world_size, claim_if_free)
+    try:
+        return interrupted_run(folders, resolved, discover().world_size, claim_if_free)
+    except OSError:  # a checkpoint folder that cannot be listed: a new folder, as before
+        return None
 
 
 def _task_config(config: Any) -> dict[str, Any]:
