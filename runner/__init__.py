@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -107,3 +108,34 @@ def _hide_schema_options() -> None:
 
 
 _hide_schema_options()
+
+
+#: Other libraries' log lines that are noise on runner's console, by logger: each message (its format string)
+#: starting with one of these is dropped. torch.utils.cpp_extension warns "No CUDA runtime is found, using
+#: CUDA_HOME='/usr/local/cuda'" when it is imported on a machine without a GPU but with a CUDA toolkit folder --
+#: which inductor does whenever it compiles on a CPU (compile=...); no setting or variable silences it
+#: (torch/utils/cpp_extension.py ``_find_cuda_home``), and it says nothing about the run.
+LIBRARY_NOISE = {"torch.utils.cpp_extension": ("No CUDA runtime is found",)}
+
+
+class _DropNoise(logging.Filter):
+    """A logger filter that drops the records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102 - the class says it
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def _quiet_library_noise() -> None:
+    """Install ``LIBRARY_NOISE``'s filters on their loggers (before the libraries log: a logger's filters apply to
+    every record made through it, and Hydra's logging setup keeps them). Idempotent."""
+    for name, prefixes in LIBRARY_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise(prefixes))
+
+
+_quiet_library_noise()

@@ -17,17 +17,18 @@ register_configs()
 register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleaved.py)
 
 
-def _refuse_misspelt_keys() -> None:
-    """Hydra answers a misspelt key (``trainer.max_step=3``) with "To append to your config use
-    +trainer.max_step=3", advice runner then refuses (the key would be ignored). Its compose errors pass through
-    ``hydra._internal.utils.run_and_report`` (Hydra 1.3), wrapped here so that such an error prints runner's one
-    ``error:`` line with the close declared key instead (``runner.validate.misspelt_override``), exit status 2;
-    likewise an unknown logger (``logger=foo``) or a setting of a logger the run does not pick
-    (``runner.validate.logger_override_error``). Every other error is Hydra's as before."""
+def _one_line_compose_errors() -> None:
+    """Hydra answers a bad command line with its own several lines: a misspelt key (``trainer.max_step=3``) with
+    "To append to your config use +trainer.max_step=3", advice runner then refuses (the key would be ignored); a
+    value of the wrong type (``optimizer.lr=abc``) with OmegaConf's four-line merge error; an unknown option
+    (``model=resnet19``) with its search path. Its compose errors pass through
+    ``hydra._internal.utils.run_and_report`` (Hydra 1.3), wrapped here so that each of these prints runner's one
+    ``error:`` line with the fix instead (``runner.validate.compose_error_line``: the close declared key, the type
+    the key takes, the close options; a logger's too), exit status 2. Every other error is Hydra's as before."""
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException
 
-    from runner.validate import logger_override_error, misspelt_override
+    from runner.validate import compose_error_line
 
     report = getattr(hydra_utils, "run_and_report", None)
     if report is None:  # another Hydra: its own message stays
@@ -38,9 +39,7 @@ def _refuse_misspelt_keys() -> None:
             try:
                 return func()
             except (ConfigCompositionException, AssertionError) as e:
-                message = logger_override_error(e, sys.argv[1:])
-                if message is None and isinstance(e, ConfigCompositionException):
-                    message = misspelt_override(e)
+                message = compose_error_line(e, sys.argv[1:])
                 if message is None:
                     raise
                 print(f"error: {message}", file=sys.stderr)
@@ -118,7 +117,7 @@ if __name__ == "__main__":
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    _refuse_misspelt_keys()
+    _one_line_compose_errors()
     record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary
     from runner.interleaved import failures
 

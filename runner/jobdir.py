@@ -15,7 +15,10 @@ Where it is taken:
 
 - ``python -m runner`` (one run): ``JobLock.on_run_start``, a Hydra callback (``conf/config.yaml``), before Hydra
   creates the folder and writes ``.hydra/`` (``hydra.core.utils.run_job``), with ``hydra.run.dir`` resolved on the
-  very config Hydra then uses (``${now:...}`` is cached there, so it is the same folder);
+  very config Hydra then uses (``${now:...}`` is cached there, so it is the same folder). Before that, unless
+  ``hydra.run.dir`` is on the command line or ``checkpoint.resume`` is not ``auto``, it looks for an interrupted run
+  of the same composed config among the newest run folders (``continue_interrupted``): one found is locked and
+  set as ``hydra.run.dir`` on that config, so the same command continues it there ("rerun to resume");
 - a multirun: ``JobLock.on_multirun_start`` locks the sweep folder for the sweep's life (a second sweep into it is
   refused before it writes anything), and each job's folder is locked when its training starts (``train``: after
   Hydra wrote that job's ``.hydra/``, which is the sweep's own);
@@ -35,6 +38,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shlex
 import socket
 import sys
@@ -183,8 +187,9 @@ except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks; train() 
 
 class JobLock(Callback):  # type: ignore[misc,valid-type]
     """Hydra callback (``hydra.callbacks.job_lock`` in ``conf/config.yaml``): lock the run's folder before Hydra
-    makes it (``on_run_start``), the sweep's folder before a multirun writes anything (``on_multirun_start``); rank 0
-    only. A refusal is one ``error:`` line and exit status 2."""
+    makes it (``on_run_start``) -- the folder of an interrupted run of the same command when there is one
+    (``continue_interrupted``: the run continues there) --, the sweep's folder before a multirun writes anything
+    (``on_multirun_start``); rank 0 only. A refusal is one ``error:`` line and exit status 2."""
 
     def _lock(self, config: Any, key: str) -> None:
         from omegaconf import OmegaConf
@@ -204,7 +209,128 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
                 _refuse(e)
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: D102 - the class says it
-        self._lock(config, "hydra.run.dir")
+        from omegaconf import read_write
+
+        from runner.launch import discover
+
+        found = continue_interrupted(config) if discover().rank == 0 else None
+        if found is None:
+            self._lock(config, "hydra.run.dir")
+            return
+        folder, step = found  # its lock is taken; Hydra makes no new folder, run_job reads hydra.run.dir next
+        with read_write(config.hydra.run):
+            config.hydra.run.dir = str(folder)
+        print(f"resuming the interrupted run in {folder} (step {step}); checkpoint.resume=never starts fresh",
+              flush=True)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: D102
         self._lock(config, "hydra.sweep.dir")
+
+
+# --------------------------------------------------------------------- the interrupted run of the same command
+#: How far ``python -m runner`` looks for an interrupted run of the same command (``recent_run_folders``): at each
+#: level of ``hydra.run.dir``'s pattern above the run folders (the dates of ``outputs/<date>/<time>``) the newest
+#: ``RECENT_PARENTS`` folders, and in them the newest ``RECENT_RUNS`` run folders (by modification time).
+RECENT_PARENTS = 3
+RECENT_RUNS = 10
+#: strftime directives -> what they write, for the folder names ``${now:...}`` makes
+_STRFTIME = {"Y": r"\d{4}", "y": r"\d{2}", "m": r"\d{2}", "d": r"\d{2}", "H": r"\d{2}", "M": r"\d{2}", "S": r"\d{2}",
+             "f": r"\d{6}", "j": r"\d{3}", "%": "%"}
+
+
+def _name_pattern(part: str) -> re.Pattern | None:
+    """A regex for the folder names one part of a ``hydra.run.dir`` pattern makes: ``${now:%H-%M-%S}`` two digits,
+    a dash, ...; any other interpolation any name. None for a part whose interpolations nest (not read here)."""
+    out, pos = [], 0
+    for m in re.finditer(r"\$\{([^{}]*)\}", part):
+        out.append(re.escape(part[pos:m.start()]))
+        if m[1].startswith("now:"):
+            out += [_STRFTIME.get(t[1], ".+") if t.startswith("%") and len(t) == 2 else re.escape(t)
+                    for t in re.findall(r"%.|[^%]+", m[1][4:])]
+        else:
+            out.append(".+")
+        pos = m.end()
+    out.append(re.escape(part[pos:]))
+    literal = re.sub(r"\$\{[^{}]*\}", "", part)
+    return None if "${" in literal or "}" in literal else re.compile("".join(out))
+
+
+def recent_run_folders(pattern: str, parents: int = RECENT_PARENTS, runs: int = RECENT_RUNS) -> list[Path]:
+    """The run folders ``hydra.run.dir``'s ``pattern`` (unresolved: ``outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}``)
+    made most recently, newest first: below its fixed part (``outputs``), the newest ``parents`` folders whose
+    names the pattern makes at each level, then the newest ``runs`` at the last. [] for a pattern without an
+    interpolation (one fixed folder: ``checkpoint.resume=auto`` continues its run already) or one not read here."""
+    parts = Path(pattern).parts
+    first = next((i for i, p in enumerate(parts) if "${" in p), None)
+    names = [_name_pattern(p) for p in parts[first:]] if first is not None else []
+    if not names or any(n is None for n in names):
+        return []
+    level = [Path(*parts[:first])] if first else [Path()]
+    for depth, name in enumerate(names):
+        found: list[tuple[float, Path]] = []
+        for folder in level:
+            try:
+                with os.scandir(folder) as entries:
+                    found += [(e.stat().st_mtime, folder / e.name) for e in entries
+                              if name.fullmatch(e.name) and e.is_dir()]
+            except OSError:  # gone, or not a folder one may list
+                continue
+        found.sort(key=lambda item: item[0], reverse=True)
+        level = [path for _, path in found[:runs if depth == len(names) - 1 else parents]]
+    return level
+
+
+def continue_interrupted(config: Any) -> tuple[Path, int] | None:
+    """The folder and step of an interrupted run that ``python -m runner`` continues instead of starting a new
+    folder: the same composed config (``runner.resume.interrupted_run``) with a checkpoint and no summary, among
+    ``recent_run_folders``; its lock is taken for this process. None -- a new folder as before -- when
+    ``checkpoint.resume`` is not ``auto``, ``hydra.run.dir`` was given on the command line, or no such run is
+    found (one a live run holds is not interrupted)."""
+    from omegaconf import OmegaConf
+
+    try:
+        if OmegaConf.select(config, "checkpoint.resume") != "auto" or any(
+                str(o).startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra):
+            return None
+        pattern = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
+    except Exception:  # noqa: BLE001 - a config this does not read: a new folder, as before
+        return None
+    try:
+        folders = [f for f in recent_run_folders(str(pattern)) if not (f / "summary.json").exists()
+                   and any((f / "checkpoints").glob("step_*"))]
+    except OSError:  # a folder one may not read: not one to continue
+        return None
+    if not folders:
+        return None
+    from runner.launch import discover
+    from runner.resume import interrupted_run  # imports torch: only when a folder may hold such a run
+
+    try:
+        resolved = _task_config(config)
+    except Exception:  # noqa: BLE001 - an interpolation only the job can resolve (${hydra:...}): a new folder
+        return None
+    try:
+        return interrupted_run(folders, resolved, discover().world_size, claim_if_free)
+    except OSError:  # a checkpoint folder that cannot be listed: a new folder, as before
+        return None
+
+
+def _task_config(config: Any) -> dict[str, Any]:
+    """The job's config as ``runner.train`` records it (Hydra's node removed, resolved)."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    task = copy.deepcopy(config)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return OmegaConf.to_container(task, resolve=True)
+
+
+def claim_if_free(folder: Path) -> bool:
+    """Take ``folder``'s lock; False when a live run holds it."""
+    try:
+        acquire(folder)
+    except ConfigError:
+        return False
+    return True

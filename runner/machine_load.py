@@ -169,6 +169,9 @@ def load_warnings(load: dict[str, Any] | None, device_type: str) -> list[str]:
       outnumbering the cores: the sentence says which);
     - on a CPU, fewer than ``BUSY_CORES_MIN`` CPU-seconds per second of compute;
     - on CUDA, other processes on the GPU or its clocks throttled (NVML).
+
+    On a CPU, the first of the busy-machine and run-queue sentences also names the setting that helps where
+    runner's threads outnumber the cores left free (``threads_that_fit``): ``trainer.num_threads=<n>``.
     """
     if not load:
         return []
@@ -195,9 +198,25 @@ def load_warnings(load: dict[str, Any] | None, device_type: str) -> list[str]:
     if device_type == "cpu" and busy is not None and busy < BUSY_CORES_MIN:
         out.append(f"runner's {threads} thread(s) used only {busy:.2f} CPU-s per second of compute (< "
                    f"{BUSY_CORES_MIN}): the training thread was often off the CPU")
+    fit = threads_that_fit(load) if device_type == "cpu" else None
+    crowded = [i for i, line in enumerate(out) if line.startswith(("the machine was busy", "runner's threads waited"))]
+    if fit is not None and crowded:
+        out[crowded[0]] += (f"; trainer.num_threads={fit} runs runner's threads on the {fit} free core(s) instead of "
+                            f"fighting for them")
     gpu = load.get("gpu") or {}
     if gpu.get("other_processes"):
         out.append(f"{gpu['other_processes']} other process(es) ran on the GPU")
     if gpu.get("throttle_reasons"):
         out.append(f"the GPU's clocks were throttled ({', '.join(gpu['throttle_reasons'])})")
     return out
+
+
+def threads_that_fit(load: dict[str, Any] | None) -> int | None:
+    """The intra-op thread count (``trainer.num_threads``) that fits the cores the machine had free for runner
+    while it measured: its cores less the DataLoader workers and the other processes' load (rounded), at least 1.
+    None when runner's threads fit already, or the record cannot tell (no cores or threads in it)."""
+    if not load or not load.get("cpu_cores") or not load.get("threads"):
+        return None
+    others = load.get("load_average_others") or 0.0
+    fit = max(1, int(load["cpu_cores"]) - int(load.get("workers") or 0) - round(others))
+    return fit if fit < load["threads"] else None

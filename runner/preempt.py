@@ -3,8 +3,8 @@
 Ctrl-C (``SIGINT``) is a preemption too: the first checkpoints at the step boundary and stops with
 ``EXIT_PREEMPTED``, a second one exits at once (``KeyboardInterrupt``, no checkpoint). The stop message gives
 the exact command that resumes (``resume_command``: the same arguments with ``hydra.run.dir=<the job folder>``,
-or ``hydra.sweep.dir=<the sweep folder>`` for a multirun), since the same command without it starts a new
-timestamped folder.
+or ``hydra.sweep.dir=<the sweep folder>`` for a multirun), which resumes from anywhere; the same command without it
+continues the run too while its folder is among the newest (``runner.jobdir.continue_interrupted``).
 
 SLURM sends ``SIGUSR1`` (``sbatch --signal=B:USR1@<seconds>``, forwarded to the training processes by
 ``scripts/multinode.sh``) or ``SIGTERM`` (``scancel``, preemption, the time limit's grace period) before it

@@ -1,13 +1,15 @@
 """Where a run starts: the ``checkpoint.*`` settings checked, the checkpoint to resume (or none), and what may
 differ between a checkpoint's config and the run resuming from it. Rank 0 decides; the engine broadcasts the
-answer (``runner.train``). The checkpoints themselves are ``runner.checkpoint``'s.
+answer (``runner.train``). Which interrupted run of the same job ``python -m runner`` continues instead of starting
+a new folder (``interrupted_run``; the folders it looks at and the lock: ``runner.jobdir``). The checkpoints
+themselves are ``runner.checkpoint``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from runner.checkpoint import FOLDER, META_FILE, latest, read_meta, verify_digests
 from runner.errors import ConfigError
@@ -178,9 +180,39 @@ def finished_job(job_dir: Path, resolved: dict[str, Any]) -> dict[str, Any] | No
     except (OSError, ValueError):
         return None
     saved = summary.get("config") if isinstance(summary, dict) else None
-    if not isinstance(saved, dict) or config_differences(saved, resolved):
-        return None
+    return summary if isinstance(saved, dict) and same_job(saved, resolved) else None
+
+
+def same_job(saved: dict[str, Any], resolved: dict[str, Any]) -> bool:
+    """Whether a run recorded with the resolved config ``saved`` is this one: ``config_differences`` finds nothing
+    (``MAY_CHANGE`` aside) and the length is the same (``trainer.max_steps``, ``trainer.max_epochs``)."""
+    if config_differences(saved, resolved):
+        return False
     before, now = saved.get("trainer") or {}, resolved.get("trainer") or {}
-    if any(before.get(k) != now.get(k) for k in ("max_steps", "max_epochs")):
-        return None
-    return summary
+    return all(before.get(k) == now.get(k) for k in ("max_steps", "max_epochs"))
+
+
+def interrupted_run(folders: Iterable[Path], resolved: dict[str, Any], world_size: int,
+                    claim: Callable[[Path], bool]) -> tuple[Path, int] | None:
+    """The first of ``folders`` (newest first) that holds an interrupted run of this job, as ``(folder, step)``;
+    None when none does. Such a folder has no ``summary.json`` (the run never finished), a complete checkpoint
+    whose config is this run's (``same_job``) and whose world size is ``world_size`` (exact resume needs both),
+    and no live run in it: ``claim(folder)`` takes its lock for this process, False when another run holds it.
+    A folder whose checkpoint cannot be read is passed over (resuming it would stop on the error instead of
+    starting the run)."""
+    for folder in folders:
+        if (folder / "summary.json").exists():
+            continue
+        path = latest(folder / FOLDER)
+        if path is None:
+            continue
+        try:
+            meta = read_meta(path)
+        except ConfigError:
+            continue
+        saved = meta.get("config")
+        if not isinstance(saved, dict) or not same_job(saved, resolved) or meta.get("world_size", 1) != world_size:
+            continue
+        if claim(folder):
+            return folder, int(meta["step"])
+    return None

@@ -67,6 +67,7 @@ class Tracker:
     def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None,
                  resume_step: int | None = None, wandb_run_id: str | None = None, mlflow_run_id: str | None = None):
         self.job_dir = job_dir
+        self.sweep_group = sweep_group
         job_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it already; a direct train() call may not
         self.total_steps = total_steps
         self.metrics_path = job_dir / "metrics.jsonl"
@@ -142,7 +143,9 @@ class Tracker:
             self.bar.close()
         self._metrics.close()
         write_json_atomic(self.job_dir / "summary.json", summary)
-        if self.mode != "off":
+        if self.mode != "off" and self.sweep_group is not None:
+            print_job_line(summary, self.job_dir)  # a multirun ends with the sweep's table (runner/report/end.py)
+        elif self.mode != "off":
             print_summary(summary, self.job_dir)
         if self.wandb is not None:
             self.wandb.summary.update({k: v for k, v in summary.items() if k != "config"})
@@ -199,6 +202,17 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     print(f"\nsummary ({job_dir / 'summary.json'})")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    for warning in summary.get("warnings") or []:
+        print(f"warning: {warning}; rerun on a quiet machine for figures to trust")
+
+
+def print_job_line(summary: dict[str, Any], job_dir: Path) -> None:
+    """One line for a job of a multirun, instead of ``print_summary``'s table: its folder and headline figures,
+    then its ``warning:`` lines as ``print_summary`` ends; the sweep's table comes at its end
+    (``runner.report.end``), the rest is in summary.json."""
+    keys = ("samples_per_sec", "tokens_per_sec", "train_loss", "eval_loss", "eval_accuracy", "steps")
+    figures = ", ".join(f"{k} {_fmt(summary[k])}" for k in keys if summary.get(k) is not None)
+    print(f"job {job_dir}: {figures or summary.get('measurement') or 'no figures'}")
     for warning in summary.get("warnings") or []:
         print(f"warning: {warning}; rerun on a quiet machine for figures to trust")
 
@@ -306,14 +320,16 @@ def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | No
     """Start (or, with ``run_id``, continue: ``resume="allow"``) a W&B run in ``<job_dir>/wandb``, grouped by
     ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway
     (a rejected key, a server that stops answering) falls back to offline with one line saying why, so
-    tracking never costs the run."""
+    tracking never costs the run. The run's own start-up and closing lines (offline mode, where the files are,
+    the sync hint) are silenced (``silent=True``): runner prints the one that matters, the ``wandb sync``
+    command; W&B's warnings and errors (``wandb.termwarn``/``termerror``) still print."""
     import wandb
 
     mode = _wandb_mode(job_dir, group)
     kwargs = dict(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
                   config=resolved, name=f"{group}/{job_dir.name}" if group else None, id=run_id,
                   resume="allow" if run_id else None)
-    settings = dict(quiet=True, console="off", x_disable_stats=True)
+    settings = dict(quiet=True, silent=True, console="off", x_disable_stats=True)
     try:
         run = wandb.init(mode=mode, settings=wandb.Settings(**settings, init_timeout=30.0), **kwargs)
     except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, AuthenticationError, ...

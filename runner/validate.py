@@ -155,6 +155,108 @@ def misspelt_override(exc: BaseException) -> str | None:
     return undeclared_key(node, key, declared, "the schema has no such key")
 
 
+def compose_error_line(exc: BaseException, overrides: list[str]) -> str | None:
+    """runner's one line for a Hydra compose error of the command line, or None (Hydra's own message stays):
+    a logger (``logger_override_error``), a misspelt key (``misspelt_override``), a value of the wrong type
+    (``wrong_type_override``), an option a group does not have (``unknown_option``)."""
+    from hydra.errors import ConfigCompositionException
+
+    message = logger_override_error(exc, overrides)
+    if message is None and isinstance(exc, ConfigCompositionException):
+        message = misspelt_override(exc) or wrong_type_override(exc) or unknown_option(exc, overrides)
+    return message
+
+
+#: OmegaConf's word for a type (in "could not be converted to <word>") -> what runner says and an example value
+_TYPE_WORDS = {"Integer": ("an integer", "10"), "Float": ("a float", "0.1"), "bool": ("true or false", "true")}
+
+
+def wrong_type_override(exc: BaseException) -> str | None:
+    """One line for Hydra's "Error merging override optimizer.lr=abc" (OmegaConf's ``ValidationError``: a value
+    the schema's type does not take): ``optimizer.lr=abc: expected a float (e.g. optimizer.lr=0.01)``, the type
+    and the example (the schema's default) read from the field's declaration. None for any other error."""
+    import re
+
+    from omegaconf.errors import ValidationError
+
+    text, cause = str(exc), exc.__cause__
+    if not text.startswith("Error merging override ") or not isinstance(cause, ValidationError):
+        return None
+    override = text.removeprefix("Error merging override ").strip()
+    full_key = str(getattr(cause, "full_key", None) or override.split("=", 1)[0].lstrip("+~"))
+    key = full_key.split("[", 1)[0]  # data.shape[0]: an item of the list data.shape
+    expected, example = _field_type(getattr(cause, "object_type", None), key.rpartition(".")[2])
+    if expected is None:
+        reason = str(cause).splitlines()[0]
+        word = re.search(r"converted to (\w+)|not a valid (bool)", reason)
+        if word is None or (word[1] or word[2]) not in _TYPE_WORDS:
+            return f"{override}: {reason}"
+        expected, example = _TYPE_WORDS[word[1] or word[2]]
+        if key != full_key:
+            return f"{override}: {full_key} must be {expected} (e.g. {example})"
+    return f"{override}: expected {expected} (e.g. {key}={example})"
+
+
+def _field_type(schema: object, name: str) -> tuple[str | None, str | None]:
+    """What field ``name`` of dataclass ``schema`` takes, in words, and an example value (its default where it
+    has one); (None, None) where the schema does not say."""
+    import dataclasses
+    import types
+    import typing
+
+    fields = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    if name not in fields:
+        return None, None
+    try:
+        hint = typing.get_type_hints(schema)[name]
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate: no words for it
+        return None, None
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
+    hint = args[0] if optional else hint
+    f = fields[name]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if typing.get_origin(hint) is list:
+        item = (typing.get_args(hint) or (str,))[0]
+        words = {int: "integers", float: "floats", bool: "true/false values"}.get(item, "strings")
+        example = default if isinstance(default, list) and default else [_TYPE_WORDS["Integer"][1]]
+        expected = f"a list of {words}"
+        shown = "[" + ",".join(str(v) for v in example) + "]"
+    else:
+        word = {int: "Integer", float: "Float", bool: "bool"}.get(hint)
+        if word is None:
+            return None, None
+        expected, shown = _TYPE_WORDS[word]
+        if isinstance(default, hint) and not (hint is int and isinstance(default, bool)):
+            shown = str(default).lower() if hint is bool else str(default)
+    return expected + (" or null" if optional else ""), shown
+
+
+def unknown_option(exc: BaseException, overrides: list[str]) -> str | None:
+    """One line for Hydra's "Could not find 'model/resnet19'" (``MissingConfigException``: a group option that is
+    in no config folder), with the close options (difflib over the group's options: runner's ``conf/<group>/``,
+    a ``--config-dir`` of the user's, the schemas registered for the group) instead of Hydra's search-path dump:
+    ``model=resnet19: no such option in group model; did you mean resnet18? (options: ...)``. None for any other
+    error (the primary config, a file named by path)."""
+    import difflib
+
+    from hydra.errors import MissingConfigException
+
+    from runner import CONF_DIR
+
+    missing = getattr(exc, "missing_cfg_file", None) if isinstance(exc, MissingConfigException) else None
+    if not missing or "/" not in missing:
+        return None
+    group, _, name = missing.rpartition("/")
+    found = set(getattr(exc, "options", None) or []) | {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+    options = sorted(o for o in found if not o.startswith("base_"))
+    typed = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0].split("@", 1)[0] == group
+                  and name in o.split("=", 1)[-1]), f"{group}={name}")
+    close = difflib.get_close_matches(name, options, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"{typed}: no such option in group {group}{hint} (options: {', '.join(options) or 'none'})"
+
+
 def _refuse_schema_choices() -> None:
     """A group option that is one of the ``base_<name>`` schemas (``optimizer=base_optimizer``) is what the
     options extend, not an option: its required fields are unset, and reading them would end in a

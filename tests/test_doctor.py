@@ -53,6 +53,18 @@ def test_a_healthy_run_has_no_finding():
     assert diagnose(summary()) == []
 
 
+def test_verify_with_nothing_to_verify_says_so_and_exits_0(tmp_path, capsys):
+    """A healthy run's diagnosis suggests no override: ``--verify`` says there is nothing to measure in one line
+    and exits 0, running and writing nothing (it exited 2 with an error before)."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "summary.json").write_text(json.dumps(summary()))
+    assert doctor.main([str(job), "--verify"]) == 0
+    out = capsys.readouterr()
+    assert f"nothing to verify: the diagnosis of {job} suggests no override to measure" in out.out
+    assert out.err == "" and sorted(p.name for p in job.iterdir()) == ["summary.json"]
+
+
 @pytest.mark.parametrize("wait, found", [(doctor.DATA_WAIT_FRACTION_MAX - 0.01, False),
                                          (doctor.DATA_WAIT_FRACTION_MAX, True)])
 def test_input_bound_from_the_data_wait_threshold(wait, found):
@@ -147,6 +159,18 @@ def test_untrustworthy_figures_come_first_and_unmeasured_runs_say_how_to_measure
     (unmeasured,) = diagnose(summary(samples_per_sec=None, measurement="too short to measure"))
     assert unmeasured.category == "not measured"
     assert overrides(unmeasured) == [[f"trainer.max_steps={5 + doctor.VERIFY_MEASURED_STEPS}"]]
+
+
+def test_a_run_on_a_crowded_cpu_is_suggested_the_threads_that_fit():
+    """The threads fought for the cores other processes left free: the untrustworthy finding suggests
+    trainer.num_threads at the free cores first (which --verify then measures), then the quiet rerun."""
+    busy = {"cpu_cores": 2, "threads": 2, "workers": 0, "load_average_others": 1.2}
+    (lead,) = diagnose(summary(warnings=["the machine was busy"], machine_load=busy))
+    assert lead.category == "untrustworthy" and overrides(lead) == [["trainer.num_threads=1"], []]
+    (gpu,) = diagnose(summary(warnings=["the machine was busy"], machine_load=busy, device="cuda"))
+    assert overrides(gpu) == [[]]
+    (fits,) = diagnose(summary(warnings=["the machine was busy"], machine_load=busy | {"threads": 1}))
+    assert overrides(fits) == [[]]
 
 
 def test_a_suggestion_replaces_the_jobs_own_value_of_its_key():

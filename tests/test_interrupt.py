@@ -1,13 +1,15 @@
 """Ctrl-C is a preemption: real ``python -m runner`` processes sent a real SIGINT.
 
 The first Ctrl-C checkpoints at the step boundary (or, during an evaluation, at the next evaluation batch) and
-exits with ``EXIT_PREEMPTED``, printing the exact command that resumes (the job folder named, since the same
-command without it would start a new timestamped folder); running that command ends exactly where the
-uninterrupted run ends. A second Ctrl-C exits at once without a checkpoint.
+exits with ``EXIT_PREEMPTED``, printing the exact command that resumes (the job folder named); running that
+command ends exactly where the uninterrupted run ends, and so does the same command without it: it finds the
+interrupted run of its config among the newest run folders and continues it (runner/jobdir.py
+``continue_interrupted``). A second Ctrl-C exits at once without a checkpoint.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -20,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner import checkpoint as ck
+from conftest import TINY, job_dirs, run_cli
+from runner import checkpoint as ck, jobdir, resume
 from runner.preempt import EXIT_PREEMPTED, resume_command
 from test_resume import JOB, _descendants, env, rows, run
 
@@ -82,6 +85,100 @@ def test_ctrl_c_checkpoints_and_the_printed_command_resumes_exactly(tmp_path):
     assert f"resumed from {path}" in resumed.stdout
     assert len(list((work / "outputs").rglob("metrics.jsonl"))) == 1  # no second job folder
     assert_same_run(tmp_path / "straight", folder)
+
+
+@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
+def test_ctrl_c_then_the_same_command_continues_that_run_exactly(tmp_path):
+    """Issue 38: after Ctrl-C, the command as first typed (no hydra.run.dir) continues the interrupted run in its
+    folder from its checkpoint, says so in one line, and ends bit-identical to a run that was never stopped."""
+    run([sys.executable, "-m", "runner", *JOB, *STEPS, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = start([*JOB, *STEPS], work)
+    folder = wait_for_row(proc, work, 5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    (path,) = ck.complete_checkpoints(folder / "checkpoints")
+    step = ck.read_meta(path)["step"]
+    again = run([sys.executable, "-m", "runner", *JOB, *STEPS], work)  # the same command
+    assert (f"resuming the interrupted run in {folder.relative_to(work)} (step {step}); checkpoint.resume=never "
+            f"starts fresh") in again.stdout.splitlines()
+    assert f"resumed from {path}" in again.stdout
+    assert len(list((work / "outputs").rglob("metrics.jsonl"))) == 1  # no second job folder
+    assert_same_run(tmp_path / "straight", folder)
+
+
+def test_the_same_command_continues_an_unfinished_run_and_resume_never_starts_fresh(tmp_path):
+    """Through the CLI: a run whose folder holds a checkpoint and no summary (here: removed, as a run stopped
+    after its last checkpoint leaves it) is continued by the same command in that folder, with the line saying
+    so; checkpoint.resume=never starts a new folder."""
+    job = [*TINY, "trainer.doctor=false"]
+    first = run_cli(*job, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (folder,) = job_dirs(tmp_path)
+    (folder / "summary.json").unlink()
+    again = run_cli(*job, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines()[0] == (f"resuming the interrupted run in {folder.relative_to(tmp_path)} (step 4); "
+                                            f"checkpoint.resume=never starts fresh")
+    assert job_dirs(tmp_path) == [folder] and (folder / "summary.json").is_file()
+    (folder / "summary.json").unlink()
+    time.sleep(1.1)  # a new folder gets a new name (hydra.run.dir's pattern has seconds)
+    fresh = run_cli(*job, "checkpoint.resume=never", cwd=tmp_path)  # (another config: the test below)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "resuming" not in fresh.stdout and len(job_dirs(tmp_path)) == 2
+
+
+def fake_run(folder: Path, config: dict, step: int = 5, world_size: int = 1, finished: bool = False) -> Path:
+    """A job folder as an interrupted run leaves it: one complete checkpoint (runner.json + DCP's .metadata)."""
+    path = folder / "checkpoints" / ck.step_name(step)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / ck.META_FILE).write_text(json.dumps({"step": step, "config": config, "world_size": world_size}))
+    if finished:
+        (folder / "summary.json").write_text("{}")
+    return folder
+
+
+CONFIG = {"optimizer": {"lr": 0.01}, "trainer": {"max_steps": 40, "max_epochs": 1, "log_every": 50}}
+
+
+def test_only_an_unfinished_free_run_of_the_same_config_and_world_is_continued(tmp_path):
+    changed = {**CONFIG, "optimizer": {"lr": 0.1}}
+    longer = {**CONFIG, "trainer": {**CONFIG["trainer"], "max_steps": 80}}
+    logs_more = {**CONFIG, "trainer": {**CONFIG["trainer"], "log_every": 1}}  # bookkeeping may change (MAY_CHANGE)
+    folders = [fake_run(tmp_path / "finished", CONFIG, finished=True), fake_run(tmp_path / "lr", changed),
+               fake_run(tmp_path / "longer", longer), fake_run(tmp_path / "ddp", CONFIG, world_size=2),
+               fake_run(tmp_path / "live", CONFIG), fake_run(tmp_path / "mine", logs_more, step=7),
+               fake_run(tmp_path / "older", CONFIG)]
+    live = os.open(tmp_path / "live" / jobdir.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(live, fcntl.LOCK_EX)  # a run still training holds its folder: it is not interrupted
+    try:
+        found = resume.interrupted_run(folders, CONFIG, 1, jobdir.claim_if_free)
+        assert found == (tmp_path / "mine", 7)
+        assert resume.interrupted_run(folders[:5], CONFIG, 1, jobdir.claim_if_free) is None
+    finally:
+        os.close(live)
+        jobdir.release(tmp_path / "mine")
+
+
+def test_the_newest_run_folders_of_the_pattern_are_looked_at_and_no_more(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = ["outputs/2026-11-20/09-00-00", "outputs/2026-11-24/10-00-00", "outputs/2026-11-25/10-00-00",
+            "outputs/2026-11-25/11-00-00", "outputs/2026-11-26/08-00-00", "outputs/2026-11-26/09-00-00"]
+    others = ["outputs/multirun/2026-11-26", "outputs/2026-11-26/notes", "outputs/2026-11-26/a-b-c"]  # not its names
+    for rel in runs + others:
+        Path(rel).mkdir(parents=True)
+    for i, rel in enumerate(runs + others + ["outputs/2026-11-20", "outputs/2026-11-24", "outputs/2026-11-25",
+                                             "outputs/2026-11-26", "outputs/multirun"]):
+        os.utime(rel, (1_000_000 + i, 1_000_000 + i))  # modified in this order, the newest last
+    pattern = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+    assert jobdir.recent_run_folders(pattern, parents=2, runs=3) == [
+        Path("outputs/2026-11-26/09-00-00"), Path("outputs/2026-11-26/08-00-00"), Path("outputs/2026-11-25/11-00-00")]
+    assert len(jobdir.recent_run_folders(pattern)) == 5  # the three newest dates of four, all their run folders
+    assert jobdir.recent_run_folders("outputs/fixed") == []  # one folder: checkpoint.resume=auto's already
+    assert jobdir.recent_run_folders("outputs/${oc.env:X,${now:%H}}") == []  # nested: not read here
 
 
 @pytest.mark.slow

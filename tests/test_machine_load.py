@@ -69,6 +69,28 @@ def test_at_or_below_each_threshold_nothing_warns(changes, device):
     assert machine_load.load_warnings(record(**changes), device) == []
 
 
+@pytest.mark.parametrize("changes, fit", [
+    ({"load_average_others": 1.2}, 1),  # issue 38: 2 threads on 2 cores, one of them taken by other processes
+    ({"run_queue_wait_fraction": 0.3, "workers": 1}, 1),  # 2 threads + a worker on 2 cores
+    ({"cpu_cores": 8, "threads": 8, "load_average_others": 2.7}, 5),
+])
+def test_a_busy_cpu_warning_names_the_threads_that_fit_the_free_cores(changes, fit):
+    warnings = machine_load.load_warnings(record(**changes), "cpu")
+    assert machine_load.threads_that_fit(record(**changes)) == fit
+    assert warnings[0].endswith(f"; trainer.num_threads={fit} runs runner's threads on the {fit} free core(s) "
+                                f"instead of fighting for them")
+    assert sum("trainer.num_threads" in w for w in warnings) == 1  # said once, however many sentences
+
+
+@pytest.mark.parametrize("changes, device", [
+    ({"load_average_others": 1.6, "threads": 1}, "cpu"),  # busy, but one thread fits the one free core already
+    ({"load_average_others": 1.2}, "cuda"),  # the threads do not set a GPU job's speed
+])
+def test_no_thread_count_is_suggested_where_it_would_not_help(changes, device):
+    (warning,) = machine_load.load_warnings(record(**changes), device)
+    assert "the machine was busy" in warning and "trainer.num_threads" not in warning
+
+
 def test_union_length_counts_overlaps_once():
     assert measure.union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
     assert measure.union_length([]) == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, job_dirs, read_summary
+from conftest import TINY, job_dirs, read_summary, run_cli
 from runner import REPO_ROOT
 from test_wandb import read_run, wandb_files
 
@@ -51,3 +51,22 @@ def test_two_by_two_sweep_writes_four_jobs_with_their_own_runs(tmp_path):
     assert (proc.stdout + proc.stderr).count("wandb sync") == 1
     assert f"wandb sync {sweep}/*/wandb/offline-run-*" in proc.stdout
     assert not list(Path(tmp_path).glob("wandb"))
+
+
+def test_a_plain_multirun_prints_a_line_per_job_and_ends_with_its_table_and_the_report_command(tmp_path):
+    """Each job of a basic-launcher sweep prints one line, not the summary table; the sweep ends with its jobs'
+    table, fastest first (report.md's), and the command that writes the report again (runner/report/end.py)."""
+    job = [*TINY, "trainer.max_steps=2", "trainer.progress=lines", "trainer.doctor=false"]
+    proc = run_cli("-m", *job, "dataloader.batch_size=16,32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep,) = {j.parent for j in job_dirs(tmp_path)}
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("job ")] == [f"job {sweep / '0'}",
+                                                                                  f"job {sweep / '1'}"]
+    assert "summary (" not in proc.stdout  # the per-job table is gone
+    start = lines.index(f"sweep {sweep.relative_to(tmp_path)}, jobs fastest first:")
+    header, rule, *rows = lines[start + 1:start + 5]
+    assert header.startswith("| `dataloader.batch_size` | samples/s |") and rule.startswith("|---|---:|")
+    assert sorted(row.split("|")[1].strip() for row in rows) == ["16", "32"]
+    assert lines[-1] == f"the report again (and after more jobs): python -m runner.report {sweep.relative_to(tmp_path)}"
+    assert (sweep / "report.md").is_file() and (sweep / "report.csv").is_file()

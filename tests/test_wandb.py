@@ -110,11 +110,13 @@ def test_offline_run_holds_config_history_and_summary(tmp_path):
     assert run["exit"] is not None and run["exit"].exit_code == 0
 
 
-def test_no_api_key_goes_offline_and_says_so_once(tmp_path):
+def test_no_api_key_goes_offline_and_says_so_once_and_wandbs_start_up_lines_stay_off(tmp_path):
+    """runner's one line says why the run is offline and how to upload it; W&B's own start-up lines ("wandb: W&B
+    syncing is set to `offline`...", where the files are, `wandb leet`) are not printed (issue 38)."""
     home = tmp_path / "home"
     home.mkdir()  # no ~/.netrc, no wandb settings
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["HOME"] = str(home)  # wandb speaks too (not silenced): only one sync hint in all the output
+    env["HOME"] = str(home)  # no WANDB_SILENT, as a user runs it: only one sync hint in all the output
     proc = subprocess.run([sys.executable, "-m", "runner", *TINY, "logger=wandb"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -124,6 +126,7 @@ def test_no_api_key_goes_offline_and_says_so_once(tmp_path):
     output = proc.stdout + proc.stderr
     assert output.count("wandb sync") == 1, output
     assert f"wandb sync {job}/wandb/offline-run-*" in proc.stdout
+    assert [line for line in output.splitlines() if line.startswith("wandb:")] == [], output
     assert read_run(path)["exit"] is not None
 
 

@@ -34,7 +34,8 @@ def check_verify(job: Job, findings: list[Finding], top: int | None, policy: tru
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m runner.doctor JOB [--verify] [--minutes M] [--steps N] [--repeats N] [--top N] [--out DIR]``;
-    returns the exit status (2: a folder or an option the doctor cannot use)."""
+    returns the exit status (2: a folder or an option the doctor cannot use). ``--verify`` on a diagnosis that
+    suggests no override says so in one line and returns 0: nothing runs."""
     parser = argparse.ArgumentParser(prog="python -m runner.doctor", description=package.__doc__.split("\n\n")[0])
     parser.add_argument("job", type=Path, help="a job folder (outputs/<date>/<time>) holding summary.json")
     parser.add_argument("--verify", action="store_true", help="run the job and each suggestion, report speed-ups")
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         job = load_job(args.job)
         findings = diagnose(job.summary, job.config, job.metrics)
         print(render(findings, job), flush=True)
-        if args.verify:
+        if args.verify and len(verify_plan(job, findings)) == 1:  # only the job's own rerun: nothing to compare
+            print(f"\nnothing to verify: the diagnosis of {job.folder} suggests no override to measure", flush=True)
+        elif args.verify:
             check_verify(job, findings, args.top, trust.Policy.make(args.trust, args.allow_target, args.job))
             trials, out = verify(job, findings, steps=args.steps, repeats=args.repeats, minutes=args.minutes,
                                  out=args.out, top=args.top)

@@ -107,8 +107,7 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
 
     warnings = summary.get("warnings") or []
     if warnings:
-        lead.append(Finding("untrustworthy", "; ".join(warnings), 1.0, [Suggestion(
-            [], "rerun the same command on a quiet machine: until then the findings below may be noise")]))
+        lead.append(Finding("untrustworthy", "; ".join(warnings), 1.0, _busy_machine(summary, device)))
     sps = _num(summary.get("samples_per_sec"))
     if sps is None:
         warmup = int(summary.get("warmup_steps") or _get(config, "trainer.warmup_steps", 5) or 0)
@@ -164,6 +163,22 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
                                                              "or more devices go further", 0.0))
     findings.sort(key=lambda f: -f.score)
     return lead + findings
+
+
+def _busy_machine(summary: dict[str, Any], device: str) -> list[Suggestion]:
+    """What helps a run measured on a busy machine: on a CPU where runner's threads outnumbered the cores the
+    other processes left free, ``trainer.num_threads`` at that count (``runner.machine_load.threads_that_fit``,
+    as the run's warning says); always, a rerun on a quiet machine."""
+    rerun = Suggestion([], "rerun the same command on a quiet machine: until then the findings below may be noise")
+    if device != "cpu" or not summary.get("machine_load"):
+        return [rerun]
+    from runner.machine_load import threads_that_fit  # imports torch: only for a run measured on a busy CPU
+
+    fit = threads_that_fit(summary["machine_load"])
+    if fit is None:
+        return [rerun]
+    return [Suggestion([f"trainer.num_threads={fit}"], f"{fit} intra-op thread(s) for the {fit} core(s) the other "
+                       f"processes left free: threads that outnumber the free cores wait for them"), rerun]
 
 
 def _input_bound(summary: dict[str, Any], config: dict[str, Any], wait: float, metrics: list[dict[str, Any]],

@@ -14,6 +14,7 @@ Where each concern lives:
   (``write_report``); ``markdown``: the report's text, the reading and the agreement table;
 - ``sweep``: the plain-sweep report (``write_plain_report``), where a sweep's time went (``job_times``,
   ``budget_lines``) and the multirun's command (``sweep_command``);
+- ``end``: what a plain multirun prints at its end (its table and the report command; a Hydra callback);
 - ``__main__``: the command line.
 
 This package reads what runner/compare/ measured and never imports a tool (runner/ablation.py imports it).

@@ -200,6 +200,16 @@ def load_sweep(sweep: Path) -> list[SweepJob]:
     return jobs
 
 
+def _from_slices(jobs: list[SweepJob], record: dict[str, Any]) -> list[SweepJob]:
+    """``jobs``, each killed before its summary (Ctrl-C, SIGKILL) given one made of its slices in ``record``."""
+    for j in jobs:
+        slices = [s for s in record.get("slices", []) if s["job"] == str(j.folder)]
+        if j.summary is None and slices:
+            j.summary = slice_summary(slices)
+            j.problem = "killed before its summary.json: samples/s and step time from its measured slices"
+    return jobs
+
+
 def slice_summary(slices: list[dict[str, Any]]) -> dict[str, Any]:
     """A summary made of a job's measured slices in ``interleave.json``, for a job killed before its
     ``summary.json``: ``samples_per_sec`` (samples ÷ seconds over its slices), ``step_time_ms_median`` (the median
@@ -334,14 +344,13 @@ def _paired_cells(c: dict[str, Any] | None) -> list[str]:
     return [f"×{c['speedup']:.3f}{ci}", c["verdict"]]
 
 
-def write_plain_report(sweep: Path) -> list[Path]:
-    """Write report.md, report.csv and sweep.png of a plain multirun into ``sweep``; returns the paths.
+def _load_plain(sweep: Path) -> tuple[list[SweepJob], dict[str, Any] | None, dict[str, Any]]:
+    """The sweep's jobs (fastest first), its interleaved record (None for a sequential sweep) and each job's
+    paired comparison from it.
 
     Raises:
-        SweepError: see ``load_sweep``.
+        SweepError: see ``load_sweep``; an unreadable record.
     """
-    from omegaconf import OmegaConf
-
     from runner.compare import record as record_file
     from runner.report import paired
 
@@ -350,13 +359,49 @@ def write_plain_report(sweep: Path) -> list[Path]:
         record = record_file.load(sweep)
     except ValueError as e:
         raise SweepError(str(e)) from e
-    for j in jobs if record else []:  # killed before its summary (Ctrl-C, SIGKILL): its figures from its slices
-        slices = [s for s in record.get("slices", []) if s["job"] == str(j.folder)]
-        if j.summary is None and slices:
-            j.summary = slice_summary(slices)
-            j.problem = "killed before its summary.json: samples/s and step time from its measured slices"
-    jobs = _sorted(jobs)
-    compared = paired.job_comparisons(record) if record else {}
+    jobs = _sorted(_from_slices(jobs, record) if record else jobs)
+    return jobs, record, paired.job_comparisons(record) if record else {}
+
+
+def jobs_table(sweep: Path) -> list[str]:
+    """report.md's table of the jobs, fastest first, as markdown lines: what a multirun prints at its end.
+
+    Raises:
+        SweepError: see ``load_sweep``.
+    """
+    jobs, record, compared = _load_plain(sweep)
+    return _jobs_table(jobs, swept_keys(jobs), record, compared)
+
+
+def _jobs_table(jobs: list[SweepJob], keys: list[str], record: dict[str, Any] | None,
+                compared: dict[str, Any]) -> list[str]:
+    lines = ["| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", *(["speed-up [95 % CI]", "verdict"]
+                                if record else []), "step ms", "data wait", "peak MiB",
+                                "train loss", "eval loss", "eval acc", "setup s", "job"]) + " |",
+             "|" + "---|" * len(keys) + "---:|" * (10 if record else 8) + "---|"]
+    for j in jobs:
+        s = j.summary or {}
+        cells = [j.overrides.get(k, "–") for k in keys] + [
+            _fmt(j.samples_per_sec, ",.1f") if j.summary else "**no summary**",
+            *(_paired_cells(compared.get(str(j.folder))) if record else []), _fmt(s.get("step_time_ms_median"), ",.1f"),
+            _fmt(s.get("data_wait_fraction"), ".1%"), _fmt(s.get("peak_memory_mb"), ",.0f"),
+            _fmt(s.get("train_loss"), ".3f"), _fmt(s.get("eval_loss"), ".3f"), _fmt(s.get("eval_accuracy"), ".1%"),
+            _fmt(j.times.get("setup_s"), ".1f"), f"`{j.folder}`"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def write_plain_report(sweep: Path) -> list[Path]:
+    """Write report.md, report.csv and sweep.png of a plain multirun into ``sweep``; returns the paths.
+
+    Raises:
+        SweepError: see ``load_sweep``.
+    """
+    from omegaconf import OmegaConf
+
+    from runner.report import paired
+
+    jobs, record, compared = _load_plain(sweep)
     blank = {"speedup": None, "ci_low": None, "ci_high": None, "verdict": None, "design": "sequential"}
     keys = swept_keys(jobs)
     fixed = {k: v for k, v in jobs[0].overrides.items() if k not in keys}
@@ -396,20 +441,7 @@ def write_plain_report(sweep: Path) -> list[Path]:
     busy = load_warning(jobs)
     if busy:
         lines += [f"**Warning:** {busy}.", ""]
-    lines += ["## Jobs, fastest first", "",
-              "| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", *(["speed-up [95 % CI]", "verdict"]
-                                  if record else []), "step ms", "data wait", "peak MiB",
-                                  "train loss", "eval loss", "eval acc", "setup s", "job"]) + " |",
-              "|" + "---|" * len(keys) + "---:|" * (10 if record else 8) + "---|"]
-    for j in jobs:
-        s = j.summary or {}
-        cells = [j.overrides.get(k, "–") for k in keys] + [
-            _fmt(j.samples_per_sec, ",.1f") if j.summary else "**no summary**",
-            *(_paired_cells(compared.get(str(j.folder))) if record else []), _fmt(s.get("step_time_ms_median"), ",.1f"),
-            _fmt(s.get("data_wait_fraction"), ".1%"), _fmt(s.get("peak_memory_mb"), ",.0f"),
-            _fmt(s.get("train_loss"), ".3f"), _fmt(s.get("eval_loss"), ".3f"), _fmt(s.get("eval_accuracy"), ".1%"),
-            _fmt(j.times.get("setup_s"), ".1f"), f"`{j.folder}`"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["## Jobs, fastest first", "", *_jobs_table(jobs, keys, record, compared)]
     problems = [j for j in jobs if j.problem]
     if problems:
         lines += ["", "## Jobs without figures", ""] + [

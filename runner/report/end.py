@@ -1,0 +1,58 @@
+"""The end of a plain multirun: the sweep's table and the command that reports it again (a Hydra callback).
+
+``python -m runner -m dataloader.batch_size=64,128`` runs its jobs one after the other in Hydra's basic launcher,
+each printing one line at its end (``runner.track``); ``SweepReport.on_multirun_end`` (``hydra.callbacks`` in
+``conf/config.yaml``) then writes the sweep's report (``write_plain_report``: report.md, report.csv, sweep.png)
+and prints its table of the jobs, fastest first, and ``python -m runner.report <sweep folder>``. Only for the basic
+launcher: ``hydra/launcher=interleaved`` (and the ablation on it) writes its own report, and a SLURM sweep's jobs
+end on other machines. Rank 0 only; a report that cannot be written costs one line, never the sweep.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from runner.report.sweep import jobs_table, load_sweep, load_warning, write_plain_report
+
+#: The launcher whose sweeps end with the table: Hydra's own, one job after the other in this process.
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def print_sweep_end(sweep: Path) -> None:
+    """Write the report of the plain sweep in ``sweep`` and print its jobs' table, the files and the report
+    command; one line instead when the report cannot be written (the jobs' folders are all there is then)."""
+    command = f"python -m runner.report {shlex.quote(str(sweep))}"
+    try:
+        written = write_plain_report(sweep)
+        table = jobs_table(sweep)
+        busy = load_warning(load_sweep(sweep))
+    except Exception as e:  # noqa: BLE001 - the jobs are done and their folders written; the report is extra
+        print(f"sweep report: not written ({type(e).__name__}: {e}); {command} writes it", flush=True)
+        return
+    lines = ["", f"sweep {sweep}, jobs fastest first:", *table]
+    if busy:
+        lines.append(f"warning: {busy}")
+    lines += [f"wrote {', '.join(str(p) for p in written)}", f"the report again (and after more jobs): {command}"]
+    print("\n".join(lines), flush=True)
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks: `python -m runner.report` still works
+    Callback = object  # type: ignore[assignment,misc]
+
+
+class SweepReport(Callback):  # type: ignore[misc,valid-type]
+    """Hydra callback (``hydra.callbacks.sweep_report`` in ``conf/config.yaml``): at the end of a basic-launcher
+    multirun, ``print_sweep_end`` on its sweep folder (rank 0)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:  # noqa: D102 - the class says it
+        from omegaconf import OmegaConf
+
+        from runner.launch import discover
+
+        if discover().rank != 0 or OmegaConf.select(config, "hydra.launcher._target_") != BASIC_LAUNCHER:
+            return
+        print_sweep_end(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))))
