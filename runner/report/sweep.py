@@ -200,6 +200,35 @@ def load_sweep(sweep: Path) -> list[SweepJob]:
     return jobs
 
 
+def _job_table(jobs: list[SweepJob], keys: list[str], compared: dict[str, Any] | None) -> list[str]:
+    """The report's table of jobs, fastest first (``compared``: the paired columns of an interleaved sweep)."""
+    lines = ["## Jobs, fastest first", "",
+             "| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", *(["speed-up [95 % CI]", "verdict"]
+                                 if compared is not None else []), "step ms", "data wait", "peak MiB",
+                                 "train loss", "eval loss", "eval acc", "setup s", "job"]) + " |",
+             "|" + "---|" * len(keys) + "---:|" * (10 if compared is not None else 8) + "---|"]
+    for j in jobs:
+        s = j.summary or {}
+        cells = [j.overrides.get(k, "–") for k in keys] + [
+            _fmt(j.samples_per_sec, ",.1f") if j.summary else "**no summary**",
+            *(_paired_cells(compared.get(str(j.folder))) if compared is not None else []),
+            _fmt(s.get("step_time_ms_median"), ",.1f"), _fmt(s.get("data_wait_fraction"), ".1%"),
+            _fmt(s.get("peak_memory_mb"), ",.0f"), _fmt(s.get("train_loss"), ".3f"), _fmt(s.get("eval_loss"), ".3f"),
+            _fmt(s.get("eval_accuracy"), ".1%"), _fmt(j.times.get("setup_s"), ".1f"), f"`{j.folder}`"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def _from_slices(jobs: list[SweepJob], record: dict[str, Any]) -> list[SweepJob]:
+    """``jobs``, each killed before its summary (Ctrl-C, SIGKILL) given one made of its slices in ``record``."""
+    for j in jobs:
+        slices = [s for s in record.get("slices", []) if s["job"] == str(j.folder)]
+        if j.summary is None and slices:
+            j.summary = slice_summary(slices)
+            j.problem = "killed before its summary.json: samples/s and step time from its measured slices"
+    return jobs
+
+
 def slice_summary(slices: list[dict[str, Any]]) -> dict[str, Any]:
     """A summary made of a job's measured slices in ``interleave.json``, for a job killed before its
     ``summary.json``: ``samples_per_sec`` (samples ÷ seconds over its slices), ``step_time_ms_median`` (the median
@@ -350,12 +379,7 @@ def write_plain_report(sweep: Path) -> list[Path]:
         record = record_file.load(sweep)
     except ValueError as e:
         raise SweepError(str(e)) from e
-    for j in jobs if record else []:  # killed before its summary (Ctrl-C, SIGKILL): its figures from its slices
-        slices = [s for s in record.get("slices", []) if s["job"] == str(j.folder)]
-        if j.summary is None and slices:
-            j.summary = slice_summary(slices)
-            j.problem = "killed before its summary.json: samples/s and step time from its measured slices"
-    jobs = _sorted(jobs)
+    jobs = _sorted(_from_slices(jobs, record) if record else jobs)
     compared = paired.job_comparisons(record) if record else {}
     blank = {"speedup": None, "ci_low": None, "ci_high": None, "verdict": None, "design": "sequential"}
     keys = swept_keys(jobs)
@@ -396,20 +420,7 @@ def write_plain_report(sweep: Path) -> list[Path]:
     busy = load_warning(jobs)
     if busy:
         lines += [f"**Warning:** {busy}.", ""]
-    lines += ["## Jobs, fastest first", "",
-              "| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", *(["speed-up [95 % CI]", "verdict"]
-                                  if record else []), "step ms", "data wait", "peak MiB",
-                                  "train loss", "eval loss", "eval acc", "setup s", "job"]) + " |",
-              "|" + "---|" * len(keys) + "---:|" * (10 if record else 8) + "---|"]
-    for j in jobs:
-        s = j.summary or {}
-        cells = [j.overrides.get(k, "–") for k in keys] + [
-            _fmt(j.samples_per_sec, ",.1f") if j.summary else "**no summary**",
-            *(_paired_cells(compared.get(str(j.folder))) if record else []), _fmt(s.get("step_time_ms_median"), ",.1f"),
-            _fmt(s.get("data_wait_fraction"), ".1%"), _fmt(s.get("peak_memory_mb"), ",.0f"),
-            _fmt(s.get("train_loss"), ".3f"), _fmt(s.get("eval_loss"), ".3f"), _fmt(s.get("eval_accuracy"), ".1%"),
-            _fmt(j.times.get("setup_s"), ".1f"), f"`{j.folder}`"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += _job_table(jobs, keys, compared if record else None)
     problems = [j for j in jobs if j.problem]
     if problems:
         lines += ["", "## Jobs without figures", ""] + [
