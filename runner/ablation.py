@@ -26,15 +26,15 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from runner import hardware
+from runner import hardware, techniques
 from runner.errors import ConfigError
 from runner.report import ReportError, sweep_command, write_report
 from runner.track import write_json_atomic
 
 #: The configuration keys an ablation technique (``ablation.technique``) switches, for the ones a task may skip
 #: (``Task.skipped``): on a language model these image techniques leave the job as its reference was
-TECHNIQUE_KEYS = {"channels_last": ("channels_last",), "cudnn_benchmark": ("cudnn_benchmark",),
-                  "drop_bias": ("model.drop_bias_before_bn",), "normalize": ("data.normalize",)}
+#: (runner/techniques.py)
+TECHNIQUE_KEYS = techniques.variant_keys()
 
 
 def not_run(cfg: DictConfig, folder: Path) -> str | None:

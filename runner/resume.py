@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from runner import techniques
 from runner.checkpoint import FOLDER, META_FILE, latest, read_meta, verify_digests
 from runner.errors import ConfigError
 
@@ -21,9 +22,8 @@ MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "t
               "trainer.stop_at_target", "trainer.peak_tflops", "trainer.max_skipped_fraction",
               "trainer.reference_samples_per_sec", "trainer.device", "trainer.doctor",
               "checkpoint.", "logger.", "data.root", "data.path", "data.train_path", "data.val_path",
-              "data.tokenizer", "data.download", "dataloader.num_workers",
-              "dataloader.pin_memory", "dataloader.persistent_workers", "dataloader.prefetch_factor",
-              "dataloader.non_blocking", "task.sample_", "ablation.", "tune.")  # tune.*: read by runner.tune only
+              "data.tokenizer", "data.download", *techniques.moves_data_only(), "dataloader.prefetch_factor",
+              "task.sample_", "ablation.", "tune.")  # tune.*: read by runner.tune only
 
 
 def settings(cfg) -> dict[str, Any]:

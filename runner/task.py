@@ -32,17 +32,12 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, gpt, hf, parallel, protocols
+from runner import distributed, gpt, hf, parallel, protocols, techniques
 from runner.errors import ConfigError
 
-#: Image-only switches: ``summary.json`` status key -> config key. Off a task on images they do nothing.
-IMAGE_ONLY = {
-    "channels_last": "channels_last",
-    "cudnn_benchmark": "cudnn_benchmark",
-    "drop_bias_before_bn": "model.drop_bias_before_bn",
-    "normalize": "data.normalize",
-    "augment": "data.augment",
-}
+#: Image-only switches: ``summary.json`` status key -> config key (runner/techniques.py: ``where="image"``). Off a
+#: task on images they do nothing.
+IMAGE_ONLY = techniques.image_only()
 
 
 #: What ``Classification.check_target`` says a target must be (the data check's message ends with it).

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import runner
+from runner.techniques import TECHNIQUES
 
 # ------------------------------------------------------------------------------------------ thresholds
 #: Data wait above 10 % of the measured time: a loader that keeps up waits ~0 (the next batch is ready);
@@ -130,16 +131,7 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
 
     idle = _num(summary.get("gpu_idle_fraction"))
     if cuda and idle is not None and idle - wait >= GPU_IDLE_FRACTION_MAX:
-        batch = _get(config, "dataloader.batch_size")
-        sugg = []
-        if _get(config, "compile.mode") != "reduce-overhead":
-            sugg.append(Suggestion(["compile=reduce-overhead"], "CUDA graphs: the whole step launched at once"))
-        if batch:
-            sugg.append(Suggestion([f"dataloader.batch_size={2 * batch}"],
-                                   "twice the work per launch (keep the LR rule: optimizer.lr_scaling)"))
-        findings.append(Finding("host/launch-bound",
-                                f"the GPU idled {idle:.0%} of a profiled warm-up window between kernels "
-                                f"(data wait {wait:.0%}): it waits for the host to launch work", idle - wait, sugg))
+        findings.append(_launch_bound(config, idle, wait))
 
     overhead = _overhead(summary, config, wait, cuda, metrics)
     if overhead is not None:
@@ -195,15 +187,30 @@ def _input_bound(summary: dict[str, Any], config: dict[str, Any], wait: float, m
         n = min(cores, 4) if workers == 0 else min(cores, 2 * workers)
         sugg.append(Suggestion([f"dataloader.num_workers={n}"],
                                f"load batches in {n} worker processes while the step runs"))
-    if cuda and not _get(config, "dataloader.pin_memory"):
-        sugg.append(Suggestion(["dataloader.pin_memory=true", "dataloader.non_blocking=true"],
-                               "page-locked batches, asynchronous host-to-device copies"))
-    if _get(config, "data.name") in IN_MEMORY_DATA and not _get(config, "dataloader.on_device"):
-        sugg.append(Suggestion(["dataloader=device"], "the whole dataset as tensors on the device: no loader"))
+    pinned, on_device = TECHNIQUES["pinned_memory"], TECHNIQUES["on_device_data"]
+    if cuda and not pinned.is_on(config):
+        sugg.append(Suggestion(pinned.overrides, "page-locked batches, asynchronous host-to-device copies"))
+    if _get(config, "data.name") in IN_MEMORY_DATA and not on_device.is_on(config):
+        sugg.append(Suggestion(on_device.overrides, "the whole dataset as tensors on the device: no loader"))
     if not sugg:
         sugg.append(Suggestion([], "the loader already uses every core: make __getitem__ cheaper (decode once, "
                                    "cache, smaller images)"))
     return Finding("input-bound", evidence, wait, sugg)
+
+
+def _launch_bound(config: dict[str, Any], idle: float, wait: float) -> Finding:
+    """The host/launch-bound finding: the GPU idled between kernels for ``idle`` of a profiled window."""
+    batch = _get(config, "dataloader.batch_size")
+    sugg = []
+    graphs = TECHNIQUES["compile_reduce_overhead"]
+    if not graphs.is_on(config):
+        sugg.append(Suggestion(graphs.overrides, "CUDA graphs: the whole step launched at once"))
+    if batch:
+        sugg.append(Suggestion([f"dataloader.batch_size={2 * batch}"],
+                               "twice the work per launch (keep the LR rule: optimizer.lr_scaling)"))
+    return Finding("host/launch-bound", f"the GPU idled {idle:.0%} of a profiled warm-up window between kernels "
+                                        f"(data wait {wait:.0%}): it waits for the host to launch work",
+                   idle - wait, sugg)
 
 
 def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda: bool,
@@ -239,7 +246,8 @@ def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda
     sugg = []
     if (syncs is not None and syncs >= SYNCS_PER_STEP_MAX) or (log_share or 0.0) >= LOG_TIME_FRACTION_MAX:
         if log_every < 50:
-            sugg.append(Suggestion(["trainer.log_every=50"], "read the loss (a sync) and log every 50 steps"))
+            sugg.append(Suggestion(TECHNIQUES["fewer_syncs"].overrides, "read the loss (a sync) and log every 50 "
+                                                                          "steps"))
         if _get(config, "trainer.on_nonfinite") == "skip":
             sugg.append(Suggestion(["trainer.on_nonfinite=stop"], "no per-step gradient check (a sync per step)"))
     micro = _get(config, "dataloader.batch_size")
@@ -247,11 +255,11 @@ def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda
         sugg.append(Suggestion([f"dataloader.batch_size={2 * micro}"],
                                "per-step costs paid once per twice the samples (keep the LR rule: "
                                "optimizer.lr_scaling)"))
-    mode = _get(config, "compile.mode")
-    if cuda and mode != "reduce-overhead":
-        sugg.append(Suggestion(["compile=reduce-overhead"], "one compiled graph, launched as a CUDA graph"))
-    elif not cuda and mode is None:
-        sugg.append(Suggestion(["compile=default"], "fused kernels, fewer Python-level ops (compiling takes time)"))
+    graphs, compiled = TECHNIQUES["compile_reduce_overhead"], TECHNIQUES["compile"]
+    if cuda and not graphs.is_on(config):
+        sugg.append(Suggestion(graphs.overrides, "one compiled graph, launched as a CUDA graph"))
+    elif not cuda and _get(config, "compile.mode") is None:
+        sugg.append(Suggestion(compiled.overrides, "fused kernels, fewer Python-level ops (compiling takes time)"))
     return Finding("sync/overhead-bound", "; ".join(evidence), score, sugg)
 
 
@@ -297,9 +305,10 @@ def _memory_bound(config: dict[str, Any], peak: float, limit: float, cuda: bool)
 
     sugg = []
     if _get(config, "precision.name") in ("fp32", "tf32") and (cuda or cpu_has_native_bf16()):
-        sugg.append(Suggestion(["precision=bf16"], "bf16 activations: about half the activation memory"))
-    if not _get(config, "memory.checkpointing"):
-        sugg.append(Suggestion(["memory=checkpointing"], "recompute activations in backward (~1 extra forward)"))
+        sugg.append(Suggestion(TECHNIQUES["bf16"].overrides, "bf16 activations: about half the activation memory"))
+    checkpointing = TECHNIQUES["activation_checkpointing"]
+    if not checkpointing.is_on(config):
+        sugg.append(Suggestion(checkpointing.overrides, "recompute activations in backward (~1 extra forward)"))
     micro, accumulate = _get(config, "dataloader.batch_size"), _get(config, "memory.accumulate_steps", 1) or 1
     if micro and micro >= 2:
         sugg.append(Suggestion([f"dataloader.batch_size={micro // 2}", f"memory.accumulate_steps={2 * accumulate}"],

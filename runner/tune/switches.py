@@ -10,6 +10,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
+from runner.techniques import TECHNIQUES
+
+#: Candidates that are not one technique of runner/techniques.py: a combination (bf16 with the attention in fp32),
+#: a setting of the machine (half the threads), recipe changes (a larger micro-batch with the LR scaled)
+TUNER_ONLY = ("bf16_upcast_attention", "half_threads", "batch_x2", "batch_x4")
 
 #: optimizers that have a fused kernel (torch.optim; others record ``optimizer_fused`` as skipped)
 FUSED = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD", "torch.optim.Adagrad")
@@ -28,6 +33,13 @@ class Switch:
     group: str | None = None
     recipe: bool = False
     arithmetic: bool = True  # False: it only moves data or work (same batches, same operations): not guarded
+
+    @classmethod
+    def of(cls, name: str) -> "Switch":
+        """The technique ``name`` of runner/techniques.py as a candidate: its changes (this machine's values), group
+        and whether it changes the arithmetic."""
+        t = TECHNIQUES[name]
+        return cls(t.name, t.changes(), t.group, arithmetic=t.arithmetic)
 
     @property
     def overrides(self) -> list[str]:
@@ -83,33 +95,28 @@ class _Offers:
 
 def _compile_and_optimizer(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
     mode = cfg.compile.mode
-    offer(Switch("compile", {"compile.mode": "default"}, "compile"), mode is None or cuda, "")
+    offer(Switch.of("compile"), mode is None or cuda, "")
     # max-autotune also picks among inductor's GEMM/conv templates on a CPU (the GPT recipe, interleaved: x1.137
     # on top of bf16, the default mode x1.121); reduce-overhead adds CUDA graphs, on a CPU it is the default mode
-    offer(Switch("compile_max_autotune", {"compile.mode": "max-autotune"}, "compile"), True, "")
-    offer(Switch("compile_reduce_overhead", {"compile.mode": "reduce-overhead"}, "compile"), cuda,
+    offer(Switch.of("compile_max_autotune"), True, "")
+    offer(Switch.of("compile_reduce_overhead"), cuda,
           "its CUDA graphs need a GPU; on a CPU it is the default mode")
     target = cfg.optimizer._target_
-    offer(Switch("fused_optimizer", {"optimizer.impl": "fused"}, "optimizer_impl"), target in FUSED,
+    offer(Switch.of("fused_optimizer"), target in FUSED,
           f"{target} has no fused kernel")
-    offer(Switch("foreach_optimizer", {"optimizer.impl": "foreach"}, "optimizer_impl"),
+    offer(Switch.of("foreach_optimizer"),
           target.startswith("torch.optim."), f"{target} is not a torch.optim optimizer")
 
 
 def _data(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
-    from runner import IN_MEMORY_DATA, hardware
+    from runner import IN_MEMORY_DATA
 
     dl = cfg.dataloader
-    offer(Switch("on_device_data", {"dataloader.on_device": True}, "data", arithmetic=False),
+    offer(Switch.of("on_device_data"),
           cfg.data.name in IN_MEMORY_DATA, f"data={cfg.data.name} has no in-memory form")
     if not dl.on_device:
-        workers = min(4, hardware.cpu_cores())
-        offer(Switch("loader_workers", {"dataloader.num_workers": workers, "dataloader.persistent_workers": True},
-                     arithmetic=False),
-              dl.num_workers == 0, "")
-        offer(Switch("pinned_memory", {"dataloader.pin_memory": True, "dataloader.non_blocking": True},
-                     arithmetic=False), cuda,
-              "pinned memory speeds up host-to-GPU copies only")
+        offer(Switch.of("loader_workers"), dl.num_workers == 0, "")
+        offer(Switch.of("pinned_memory"), cuda, "pinned memory speeds up host-to-GPU copies only")
 
 
 def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
@@ -122,7 +129,7 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     bf16 = (cuda and torch.cuda.is_bf16_supported()) or (not cuda and hardware.cpu_has_native_bf16())
     fp32 = precision in ("fp32", "tf32")
     no_bf16 = "your precision is already reduced" if not fp32 else "this device has no native bf16"
-    offer(Switch("bf16", {"precision.name": "bf16"}, "precision"), fp32 and bf16, no_bf16)
+    offer(Switch.of("bf16"), fp32 and bf16, no_bf16)
     # bf16 with the attention kept in fp32 (runner.gpt.GPT's upcast_attention): on a CPU, torch's bf16
     # flash-attention backward is several times slower than fp32's at small shapes, enough to make bf16 lose
     upcast = OmegaConf.select(cfg, "model.upcast_attention")
@@ -130,7 +137,7 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
           fp32 and bf16 and upcast is not None and not cuda,
           no_bf16 if not (fp32 and bf16) else "the model has no upcast_attention switch (runner.gpt.GPT has)"
           if upcast is None else "on CUDA, flash attention runs in bf16 itself; fp32 would leave it")
-    offer(Switch("amp", {"precision.name": "amp"}, "precision"), fp32 and cuda,
+    offer(Switch.of("amp"), fp32 and cuda,
           "fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)")
     capability = torch.cuda.get_device_capability(device) if cuda else None
     ampere = capability is not None and capability[0] >= 8
@@ -138,7 +145,7 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
                if precision != "fp32" else "TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs "
                "on the CPU" if not cuda else f"TF32 needs compute capability 8.0 or newer; this GPU has "
                f"{capability[0]}.{capability[1]}")
-    offer(Switch("tf32", {"precision.name": "tf32"}, "precision"), precision == "fp32" and ampere, no_tf32)
+    offer(Switch.of("tf32"), precision == "fp32" and ampere, no_tf32)
 
 
 def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
@@ -146,11 +153,11 @@ def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
 
     from runner import hardware
 
-    offer(Switch("channels_last", {"channels_last": True}), image, "an image technique; the inputs are token ids")
-    offer(Switch("cudnn_benchmark", {"cudnn_benchmark": True}), image and cuda,
+    offer(Switch.of("channels_last"), image, "an image technique; the inputs are token ids")
+    offer(Switch.of("cudnn_benchmark"), image and cuda,
           "cuDNN autotuning exists on CUDA only, for image models")
-    offer(Switch("set_to_none", {"optimizer.set_to_none": True}, arithmetic=False), True, "")
-    offer(Switch("fewer_syncs", {"trainer.log_every": 50}, arithmetic=False), cfg.trainer.log_every < 50,
+    offer(Switch.of("set_to_none"), True, "")
+    offer(Switch.of("fewer_syncs"), cfg.trainer.log_every < 50,
           f"trainer.log_every={cfg.trainer.log_every} already syncs at most every 50 steps")
     threads = max(1, hardware.cpu_cores() // 2)
     offer(Switch("half_threads", {"trainer.num_threads": threads}),

@@ -1,0 +1,113 @@
+"""runner/techniques.py is the one place a technique is named: the ablation's variants, the speed tuner's
+candidates, the doctor's suggestions, the task's image-only skips and the README's switch table are checked
+against it here (or read from it), so a technique renamed or switched differently in one place fails."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import compose_cfg
+from runner import REPO_ROOT
+from runner.techniques import TECHNIQUES, WHERE, by_variant
+
+VARIANTS = sorted(p.stem for p in (REPO_ROOT / "conf" / "ablation" / "variant").glob("*.yaml"))
+#: Variants that are not one technique: a recipe change (4x the batch, the LR scaled) and the fast preset's whole
+#: data loading (on-device data, or workers and pinned memory, whichever the hardware gets)
+NOT_ONE_TECHNIQUE = {"big_batch", "data_loading"}
+
+
+def variant_cfg(name: str):
+    # trainer.device=cuda: the hardware-aware presets resolve their CUDA branch without a GPU
+    return compose_cfg("+experiment=ablation", f"ablation/variant={name}", "trainer.device=cuda", tiny=False)
+
+
+def test_every_entry_is_well_formed():
+    for name, t in TECHNIQUES.items():
+        assert t.name == name and t.where in WHERE and t.on and t.source, name
+        assert all(o.count("=") == 1 for o in t.overrides), (name, t.overrides)
+
+
+@pytest.mark.slow  # composes all 28 variants (about a minute on 2 cores)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("baseline", "fast")])
+def test_every_ablation_variant_switches_its_technique_as_the_table_says(variant):
+    """A leave-one-in variant has its technique on where the baseline has it off; a leave-one-out variant has it off
+    where the fast preset has it on. The variant names its technique by the table's ``variant`` name."""
+    cfg = variant_cfg(variant)
+    named = cfg.ablation.technique
+    if named in NOT_ONE_TECHNIQUE:
+        return
+    technique = by_variant(named)
+    assert technique is not None, f"{variant}: ablation.technique={named} is not a technique of runner/techniques.py"
+    if cfg.ablation.kind == "leave-one-in":
+        assert technique.is_on(cfg) and not technique.is_on(variant_cfg("baseline")), variant
+    else:
+        assert not technique.is_on(cfg) and technique.is_on(variant_cfg("fast")), variant
+
+
+def test_the_speed_tuners_candidates_are_the_tables():
+    """Every built-in candidate is a technique of the table, switched as the table says, or one of the few
+    candidates that are not one technique (``TUNER_ONLY``)."""
+    from runner.tune.switches import TUNER_ONLY, switches
+
+    cfg = compose_cfg("precision=fp32", "compile=off", "optimizer=adamw", "trainer.log_every=1", "dataloader=default")
+    OmegaConf.set_struct(cfg, False)
+    offered, notes = switches(cfg, torch.device("cpu"), allow="recipe")
+    named = {s.name for s in offered} | {n.split(":")[0] for n in notes}
+    assert named - set(TECHNIQUES) <= set(TUNER_ONLY), named - set(TECHNIQUES)
+    assert {t.name for t in TECHNIQUES.values() if t.tuner} <= named  # none of the table's candidates is lost
+    for s in offered:
+        if s.name in TECHNIQUES:
+            t = TECHNIQUES[s.name]
+            assert s.changes == t.changes() and s.arithmetic == t.arithmetic and s.group == t.group, s.name
+
+
+def test_a_language_model_skips_exactly_the_image_techniques():
+    from runner import task as task_mod
+
+    cfg = compose_cfg("task=language_model", "model=gpt", "data=text", "channels_last=true", "cudnn_benchmark=true",
+                      "model.drop_bias_before_bn=true", "data.normalize=true", "data.augment=true", tiny=False)
+    OmegaConf.set_struct(cfg, False)
+    for t in TECHNIQUES.values():  # every image technique switched on, wherever its key lives in this config
+        if t.where.startswith("image"):
+            for key, value in t.changes().items():
+                OmegaConf.update(cfg, key, value, force_add=True)
+    skipped = task_mod.build(cfg.task).skipped(cfg)
+    expected = {(t.statuses or (t.name,))[0] for t in TECHNIQUES.values() if t.where.startswith("image")}
+    assert set(skipped) == expected and all(v.startswith("skipped: ") for v in skipped.values())
+
+
+def test_the_doctor_suggests_a_technique_as_the_table_switches_it():
+    from runner.doctor import diagnose
+
+    summary = {"data_wait_fraction": 0.5, "device": "cuda", "steps": 10, "samples_per_sec": 100.0,
+               "machine_load": {"cpu_cores": 8}}
+    config = {"data": {"name": "synthetic"}, "dataloader": {"num_workers": 0, "pin_memory": False,
+                                                             "on_device": False}, "compile": {"mode": None}}
+    findings = diagnose(summary, config, [])
+    suggested = [s.overrides for f in findings for s in f.suggestions]
+    assert TECHNIQUES["pinned_memory"].overrides in suggested and TECHNIQUES["on_device_data"].overrides in suggested
+    config["dataloader"] |= {"pin_memory": True, "non_blocking": True}
+    assert TECHNIQUES["pinned_memory"].overrides not in [s.overrides for f in diagnose(summary, config, [])
+                                                         for s in f.suggestions]
+
+
+def test_the_readme_switch_table_has_a_row_for_each_technique_that_says_how_to_switch_it():
+    rows = {}
+    for line in (Path(REPO_ROOT) / "README.md").read_text().splitlines():
+        m = re.match(r"\| (\w+) \| (.+?) \| ", line)
+        if m:
+            rows[m[1]] = m[2]
+    for t in TECHNIQUES.values():
+        if t.readme is None:
+            continue
+        assert t.readme in rows, f"{t.name}: README switch-table row {t.readme} is missing"
+        cell = rows[t.readme]
+        first = t.overrides[0]
+        key, value = first.split("=")
+        assert key.split(".")[-1] in cell or key.split("/")[-1] in cell, (t.name, first, cell)
+        assert value in ("true", "false") or value in cell or value.isdigit(), (t.name, first, cell)
