@@ -88,6 +88,8 @@ def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
         bins = tokens.prepare(roots["text"], tmp_path / "bins")
         extra = [*(o for o in TINY_GPT if o != "data=text"), f"data.train_path={bins['train_path']}",
                  f"data.val_path={bins['val_path']}", f"data.vocab_size={bins['vocab_size']}"]
+    if (group, option) == ("task", "regression"):  # float targets: tests/user_data.py's regression, runner's MLP
+        extra = ["data=custom", "data._target_=user_data.regression", "model=mlp"]
     if (group, option) == ("model", "hf_causal_lm"):  # TINY_GPT's sizes are GPT2Config's names too
         pytest.importorskip("transformers")
         extra = [*(o for o in TINY_GPT if o != "model=gpt"), f"data.path={roots['text']}"]

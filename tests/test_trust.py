@@ -89,8 +89,8 @@ def test_the_training_state_round_trips_as_json_and_tensors(tmp_path):
 
 @pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_resume_auto_refuses_a_planted_newest_checkpoint_and_runs_nothing(tmp_path):
-    """A planted ``step_*`` folder newer than the job's own is what ``resume=auto`` picks: the run stops with
-    the refusal (exit 2) before training, and the payload never runs."""
+    """A planted ``step_*`` folder newer than the job's own, without checksums, is what ``resume=auto`` picks: the
+    run stops with the refusal (exit 2) before training, and the payload never runs."""
     folder = tmp_path / "job"
     job = [*TINY, "trainer.max_steps=4", "checkpoint.every_steps=2", "logger=none", f"hydra.run.dir={folder}"]
     first = run_cli(*job, cwd=tmp_path)
@@ -100,6 +100,9 @@ def test_resume_auto_refuses_a_planted_newest_checkpoint_and_runs_nothing(tmp_pa
     shutil.copytree(own, planted)
     marker = tmp_path / "pwned-resume"
     (planted / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    # a copied sha256.json no longer matches and is refused first (tests/test_checkpoint_store.py); a planter
+    # leaves it out, and a folder without one loads unchecked (an older runner's): the metadata check must hold
+    (planted / ck.DIGEST_FILE).unlink(missing_ok=True)
     again = run_cli(*job, "trainer.max_steps=8", cwd=tmp_path)
     assert again.returncode == 2, again.stderr[-3000:]
     assert f"refusing to load {planted / '.metadata'}" in again.stderr

@@ -67,14 +67,14 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
     """Replace each measured ablation row's (``runner.report.load.Row``) speed-up, effect, their intervals and verdict
     with the paired figures of ``record`` (see the module docstring); rank the rows again. Rows whose job has no pairs
-    keep no interval."""
+    keep no interval; rows without a measured process (failed, not run) keep the reason their jobs gave."""
     confidence = record["settings"].get("confidence", 0.95)
     comparisons = record_mod.compare(record)
     baseline = record["reference"]
     named = {str(j.folder): r for r in rows for j in r.jobs if j.repeat == 0}
     effects: dict[str, Interval | None] = {}
     for name, row in named.items():
-        if name not in record["jobs"]:
+        if name not in record["jobs"] or not row.runs:  # a failed or not-run job keeps its reason as the verdict
             continue
         row.design = record["jobs"][name].get("design", DESIGN)
         if row.kind == "baseline":
