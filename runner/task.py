@@ -92,7 +92,25 @@ def evaluation_sums(model: torch.nn.Module, batches, autocast, max_batches: int 
     return totals.tolist()  # host-device sync
 
 
-class Classification:
+class SampleTask:
+    """The hooks a task of independent samples (one target per item) leaves empty: no model check
+    (``check``), no tokens (``tokens_per_sample`` is None: throughput is samples/s), no technique skipped for
+    it (``skipped``), nothing written at the end (``finish``). Classification and Regression build on it."""
+
+    def check(self, model, data) -> None:
+        pass
+
+    def tokens_per_sample(self, data) -> int | None:
+        return None
+
+    def skipped(self, cfg: DictConfig) -> dict[str, str]:
+        return {}
+
+    def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
+        pass
+
+
+class Classification(SampleTask):
     """``task=classification``: ``model(x)`` -> logits ``(B, classes)``, ``y`` int64 ``(B,)`` class ids.
 
     Loss: mean cross-entropy. Evaluation: top-1 accuracy (a fraction) and mean cross-entropy (nats).
@@ -125,18 +143,6 @@ class Classification:
     def check_target(self, target) -> str | None:
         ok = isinstance(target, torch.Tensor) and target.dim() == 0 and target.dtype == torch.int64
         return None if ok else CLASS_INDEX
-
-    def check(self, model, data) -> None:
-        pass
-
-    def tokens_per_sample(self, data) -> int | None:
-        return None
-
-    def skipped(self, cfg: DictConfig) -> dict[str, str]:
-        return {}
-
-    def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
-        pass
 
 
 class LanguageModel:
@@ -240,7 +246,7 @@ class LanguageModel:
             (job_dir / "samples.txt").write_text(data.codec.decode(out[0].tolist()), encoding="utf-8")
 
 
-class Regression:
+class Regression(SampleTask):
     """``task=regression``: ``model(x)`` -> predictions ``(B, k)`` (or ``(B,)`` when k = 1), ``y`` float ``(B,)``
     (one value per item, k = 1) or ``(B, k)``; ``check_target`` refuses anything else, so ``data=custom`` takes float
     targets with this task. The model's output size follows the targets: ``model_kwargs`` gives ``num_outputs`` = k
@@ -284,18 +290,6 @@ class Regression:
                               f"are floats, shape () or (k,)), but this data yields {what}; use task=classification "
                               f"or task=language_model for it")
         return {"num_outputs": data.target.numel()}
-
-    def check(self, model, data) -> None:
-        pass
-
-    def tokens_per_sample(self, data) -> int | None:
-        return None
-
-    def skipped(self, cfg: DictConfig) -> dict[str, str]:
-        return {}
-
-    def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
-        pass
 
 
 def predictions(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
