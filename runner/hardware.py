@@ -238,14 +238,37 @@ _THROTTLE_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_
                      0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown"}
 
 
+#: Set by an interleaved comparison (runner/compare/process.py) in each job it forks: the conductor's pid. The
+#: comparison's other jobs are resident on the GPU while this one trains, paused at their slice gates: they are
+#: the design, not contention, and ``gpu_contention`` leaves them out.
+SWEEP_ROOT_ENV = "RUNNER_SWEEP_ROOT"
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one of its descendants, by the parent links in
+    ``/proc/<pid>/stat``; False where ``/proc`` cannot tell (another PID namespace, a process gone)."""
+    for _ in range(64):  # deeper trees than this are not a sweep's
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state": the parent's pid
+    return False
+
+
 def gpu_contention(device: torch.device) -> dict[str, Any] | None:
     """Other processes on the run's GPU and whether its clocks are throttled, through NVML's Python bindings (the
     module ``pynvml`` that NVIDIA's maintained ``nvidia-ml-py`` package installs: runner's ``gpu`` extra; the PyPI
     package called ``pynvml`` is a deprecated shim over it) when importable; None on a CPU, without them, or when
     NVML fails (never an error).
 
-    Returns ``{"other_processes": n, "throttle_reasons": [names], "utilization_percent": p}`` (the
-    utilization: the share of NVML's last sample period in which a kernel ran).
+    Returns ``{"other_processes": n, "sweep_processes": m, "throttle_reasons": [names], "utilization_percent": p}``
+    (the utilization: the share of NVML's last sample period in which a kernel ran). In a job of an interleaved
+    comparison (``SWEEP_ROOT_ENV`` set), the comparison's own processes count in ``sweep_processes``, not as others.
     """
     if device.type != "cuda":
         return None
@@ -259,7 +282,10 @@ def gpu_contention(device: torch.device) -> dict[str, Any] | None:
         reasons_of = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)  # its newer name
                       or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
         reasons = reasons_of(handle)
-        return {"other_processes": sum(p.pid != os.getpid() for p in procs),
+        root = int(os.environ.get(SWEEP_ROOT_ENV) or 0)
+        others = [p.pid for p in procs if p.pid != os.getpid()]
+        sweep = sum(bool(root) and descends_from(pid, root) for pid in others)
+        return {"other_processes": len(others) - sweep, "sweep_processes": sweep,
                 "throttle_reasons": [name for bit, name in _THROTTLE_REASONS.items() if reasons & bit],
                 "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu}
     except Exception:  # noqa: BLE001 - no bindings, no driver, a container without NVML: no record, no failure

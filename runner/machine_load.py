@@ -133,6 +133,7 @@ class LoadWindow:
         if self.gpu_start is not None or self.gpu_end is not None:
             ends = [g for g in (self.gpu_start, self.gpu_end) if g]
             gpu = {"other_processes": max(g["other_processes"] for g in ends),
+                   "sweep_processes": max(g.get("sweep_processes", 0) for g in ends),  # paused jobs: no warning
                    "throttle_reasons": sorted({r for g in ends for r in g["throttle_reasons"]}),
                    "utilization_percent_end": (self.gpu_end or {}).get("utilization_percent")}
         return {

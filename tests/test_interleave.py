@@ -464,6 +464,35 @@ def test_a_waiting_job_uses_no_cpu_until_its_slice(tmp_path):
     assert job.status == "measured" and (job.folder / "summary.json").is_file()
 
 
+def test_a_job_knows_its_comparison_so_the_gpu_check_leaves_the_paused_jobs_out(tmp_path):
+    """The comparison's other jobs sit on the GPU paused while one trains: ``hardware.gpu_contention`` must not
+    call them other processes. A forked job gets the conductor's pid (``hardware.SWEEP_ROOT_ENV``) and descends
+    from it, which is how the check tells them apart; an unrelated process does not."""
+    from omegaconf import OmegaConf
+
+    from runner import hardware
+    from runner.compare import Job
+
+    note = tmp_path / "root.txt"
+    cfg = compose_cfg("data=custom", "data._target_=user_data.tabular_noting_environment", f"+data.note={note}",
+                      f"+data.variable={hardware.SWEEP_ROOT_ENV}", "model=mlp", "trainer.max_steps=100")
+    OmegaConf.resolve(cfg)
+    job = Job("a", cfg, tmp_path / "a", None)
+    job.folder.mkdir()
+    try:
+        assert job.start(), (job.folder / "job.log").read_text()[-2000:]
+        assert note.read_text() == str(os.getpid())
+        assert hardware.descends_from(job.process.pid, os.getpid())
+    finally:
+        job.kill()
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"], start_new_session=True)
+    try:
+        assert hardware.descends_from(stranger.pid, os.getpid())  # a child, however started
+        assert not hardware.descends_from(os.getpid(), stranger.pid) and not hardware.descends_from(1, os.getpid())
+    finally:
+        stranger.kill()
+        stranger.wait()
+
 @pytest.mark.slow  # 26 s on 2 cores
 def test_ctrl_c_stops_after_the_slice_and_leaves_a_report(tmp_path):
     """A terminal's Ctrl-C: the sweep stops after the current slice, kills its jobs instead of finishing each

@@ -29,6 +29,16 @@ def tabular(n_features: int = 8, n_classes: int = 3, n_train: int = 256, n_eval:
     return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
 
 
+def tabular_noting_environment(note: str, variable: str, **kwargs):
+    """``tabular``, having written environment variable ``variable`` (empty when unset) to the file ``note``:
+    what the process that builds the data sees (tests/test_interleave.py)."""
+    import os
+    from pathlib import Path
+
+    Path(note).write_text(os.environ.get(variable, ""))
+    return tabular(**kwargs)
+
+
 def regression(n_features: int = 8, n_targets: int = 0, n_train: int = 256, n_eval: int = 64, noise: float = 0.1,
                seed: int = 0):
     """A regression problem: ``n_features`` floats -> float targets, shape (N,) (``n_targets=0``: one value per

@@ -131,6 +131,7 @@ class Job:
         """Fork the process from the job server (rendezvous at ``port`` under torchrun) and wait for its first
         message; writes ``job.json`` (its start and setup time, for the report); False when it ended on the way."""
         from runner.compare.ranks import job_env
+        from runner.hardware import SWEEP_ROOT_ENV  # the others on the GPU that are this comparison's own
 
         ctx = server.context()
         mine, theirs = ctx.Pipe()
@@ -138,7 +139,8 @@ class Job:
         # method (fork on Linux before Python 3.14), not the server's forkserver (a dataset that does not pickle)
         self.process = ctx.Process(target=job_body, name=f"interleave {self.name}",
                                    args=(self.cfg, str(self.folder), theirs, multiprocessing.get_start_method(),
-                                         job_env(port) if port is not None else {}))
+                                         {**(job_env(port) if port is not None else {}),
+                                          SWEEP_ROOT_ENV: str(os.getpid())}))
         started = time.time()
         self.process.start()
         theirs.close()
