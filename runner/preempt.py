@@ -10,8 +10,8 @@ SLURM sends ``SIGUSR1`` (``sbatch --signal=B:USR1@<seconds>``, forwarded to the 
 ``scripts/multinode.sh``) or ``SIGTERM`` (``scancel``, preemption, the time limit's grace period) before it
 kills a job. Writing a checkpoint *inside* the handler hangs or corrupts it (the handler interrupts a
 step half-way, possibly inside a collective: Lightning issue #21406), so the handler only records the
-signal. The engine asks ``stop_requested`` at step boundaries; with several processes the ranks agree
-with one all-reduce (any rank signalled -> all stop at the same step), so every rank writes the same
+signal. The loop reads ``received`` at step boundaries (``runner.loop_guards``); with several processes the
+ranks agree with one all-reduce (any rank signalled -> all stop at the same step), so every rank writes the same
 checkpoint. The job then exits with ``EXIT_PREEMPTED`` and, under SLURM, requeues itself
 (``scontrol requeue``), so the same job id -- and the same job folder -- continues from the checkpoint.
 
@@ -25,12 +25,8 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from types import FrameType
-
-import torch
-import torch.distributed as dist
 
 from runner.errors import ConfigError
 
@@ -46,9 +42,8 @@ class Preemption:
     It is then caught too, ``SIGTERM`` is left to the manager, and ``resend`` delivers the hand-off signal
     whichever one stopped the run, so the manager's handler requeues the job after runner's checkpoint.
 
-    Use as a context manager: the previous handlers come back on exit. ``stop_requested(env)`` is the
-    step-boundary check (an all-reduce over the ranks when there are several: call it on every rank at the
-    same steps).
+    Use as a context manager: the previous handlers come back on exit. ``received`` is the signal's name (None
+    until one arrives), read at step boundaries by ``runner.loop_guards``.
 
     Raises:
         ConfigError: a name that is not a catchable signal of this platform.
@@ -93,16 +88,6 @@ class Preemption:
         if isinstance(signum, signal.Signals):
             os.kill(os.getpid(), signum)
 
-    def stop_requested(self, device: torch.device) -> bool:
-        """True when this or any other rank received one of the signals (collective with several ranks)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([1 if self.received else 0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and not self.received:
-                self.received = "another rank's signal"
-            return bool(flag.item())
-        return self.received is not None
-
 
 def submitit_signal(env: dict[str, str] | None = None) -> str | None:
     """The signal submitit's job handler checkpoints and requeues on (``SIGUSR2`` unless
@@ -142,9 +127,3 @@ def resume_command(argv: list[str], job_dir: Path, sweep_dir: Path | None = None
     if launcher != "single":
         return f"the same {launcher} command with {shlex.quote(f'{key}={folder}')}"
     return shlex.join(["python", "-m", "runner", *args])
-
-
-def exit_preempted(message: str) -> None:
-    """Print ``message`` and exit with ``EXIT_PREEMPTED``."""
-    print(message, file=sys.stderr, flush=True)
-    sys.exit(EXIT_PREEMPTED)
