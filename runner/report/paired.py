@@ -64,6 +64,11 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _unmeasured(row: Any) -> bool:
+    """A row none of whose jobs measured, and whose jobs say why (``failed.json`` or ``not_run.json``)."""
+    return not row.runs and any(j.failed is not None or j.not_run for j in row.jobs)
+
+
 def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
     """Replace each measured ablation row's (``runner.report.load.Row``) speed-up, effect, their intervals and verdict
     with the paired figures of ``record`` (see the module docstring); rank the rows again. Rows whose job has no pairs
@@ -74,7 +79,7 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
     named = {str(j.folder): r for r in rows for j in r.jobs if j.repeat == 0}
     effects: dict[str, Interval | None] = {}
     for name, row in named.items():
-        if name not in record["jobs"] or not row.runs:  # a failed or not-run job keeps its reason as the verdict
+        if name not in record["jobs"] or _unmeasured(row):  # a failed or not-run job keeps its reason as verdict
             continue
         row.design = record["jobs"][name].get("design", DESIGN)
         if row.kind == "baseline":
