@@ -16,7 +16,8 @@ two-sample t interval whose spread, ``pooled_spread``, is measured between the p
 
 Verdicts over a sweep are one family: Holm's step-down procedure (Holm 1979, "A simple sequentially
 rejective multiple test procedure", Scand. J. Statist. 6) keeps the chance of any false "helps"/"hurts"
-below ``1 - confidence`` and rejects at least what Bonferroni rejects.
+below ``1 - confidence`` and rejects at least what Bonferroni rejects. A family may hold the samples- and
+time-to-target ratios of runner/compare/convergence.py too (``verdicts`` reads each comparison's ``faster``).
 
 The noise floor comes from the reference measured against itself (its copy A'): ``minimum_detectable``
 is the effect a comparison with the A/A's standard error would detect with 80 % power at the sweep's level.
