@@ -114,6 +114,7 @@ def test_time_to_target_divides_by_the_throughput_ratio():
     assert time.high == pytest.approx(halves[0].high / halves[1].low) and both.low < time.low
     assert time.low < samples.low / throughput.high  # wider than the two 95 % intervals divided
     assert (time.p_value <= ALPHA) == (time.high < 1 or time.low > 1)
+    assert cv.time_to_target(config, reference, None) is None  # the interleaved comparison had no interval
     covered = 0
     for _ in range(100):  # true time ratio 0.8 / 0.9
         thr = stats.paired([math.log(0.9) + rng.gauss(0, 0.03) for _ in range(6)])

@@ -223,19 +223,20 @@ def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confide
                   confidence)
 
 
-def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput: Interval | float = 1.0,
+def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput: Interval | float | None = 1.0,
                    confidence: float = 0.95) -> TargetRatio | None:
     """Time to target of ``config`` ÷ ``reference`` = samples-to-target ratio ÷ ``throughput`` (config ÷ reference
     samples/s: the interleaved comparison's ``Interval``, or a number known exactly, 1 for a technique that does not
     change a step's cost). With an ``Interval``, each factor's interval is taken at 1 - α/2 and the ends divided
     (Bonferroni: coverage at least ``confidence``); the p-value is the smallest α at which that interval excludes 1.
-    None where ``samples_to_target`` is.
+    None where ``samples_to_target`` is, and for a throughput of None (the interleaved comparison had no interval:
+    fewer than 2 pairs).
 
     Raises:
         ValueError: as ``samples_to_target``; a throughput that is not positive and finite.
     """
     shift = _prepared(config, reference, confidence)
-    if shift is None:
+    if shift is None or throughput is None:
         return None
     if not isinstance(throughput, Interval):
         if not (math.isfinite(throughput) and throughput > 0):
