@@ -15,7 +15,9 @@ from runner.track import write_json_atomic
 
 def evaluate(state, parts) -> bool:
     """Run the task's evaluation (outside the timed steps), log it, and date the first one meeting the
-    targets: ``time_to_target_s`` = training time until then, evaluations excluded; with ``trainer.stop_at_target``
+    targets: ``time_to_target_s`` = training time until then, evaluations excluded, and ``steps_to_target`` /
+    ``samples_to_target`` = the step and the global samples trained by then (step x global batch: the factor of
+    that time that does not depend on the machine, runner/compare/convergence.py); with ``trainer.stop_at_target``
     one meeting them ends the run (``state.stopped_early`` says how they were met). It stops at a batch
     boundary when a signal arrives (every rank at the same batch: ``loop_guards.InterruptibleBatches``): nothing is
     logged, ``state.pending_eval`` marks the step (its checkpoint redoes the evaluation on resume) and False is
@@ -42,6 +44,7 @@ def evaluate(state, parts) -> bool:
     reached = p.plan.reached(state.eval)
     if state.time_to_target_s is None and reached:
         state.time_to_target_s = state.train_time_s
+        state.steps_to_target, state.samples_to_target = state.step, state.step * p.plan.global_batch
     p.tracker.log({"step": state.step, "epoch": state.epoch, **state.eval})
     guards.check_evaluation(state, parts)
     _watch(state, parts)

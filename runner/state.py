@@ -28,6 +28,8 @@ class TrainState:
     train_time_s: float = 0.0  # s of training so far, evaluation excluded
     eval_time_s: float = 0.0
     time_to_target_s: float | None = None
+    steps_to_target: int | None = None  # the step of the first evaluation meeting the targets
+    samples_to_target: int | None = None  # global samples trained by then: steps_to_target x global batch size
     train_loss: float = math.nan  # the last log interval's mean loss
     eval: dict[str, float | None] = field(default_factory=dict)  # the last evaluation's metrics
     timings: measure.Timings = field(default_factory=measure.Timings)  # every measured step's ms
@@ -45,11 +47,13 @@ class TrainState:
     grad_norm: torch.Tensor | None = None  # this log step's gradient norm, on the device until the row reads it
 
     #: the fields that are the same on every rank; the rest (loss_sum, timings) is saved per rank
-    SHARED = ("step", "epoch", "batch_in_epoch", "train_time_s", "eval_time_s", "time_to_target_s", "train_loss",
-              "eval", "interval_steps", "last_finite", "skipped_steps", "checkpoint_time_s", "restarts",
-              "restart_lost_time_s", "interval_skipped", "pending_eval", "stopped_early", "monitors")
+    SHARED = ("step", "epoch", "batch_in_epoch", "train_time_s", "eval_time_s", "time_to_target_s", "steps_to_target",
+              "samples_to_target", "train_loss", "eval", "interval_steps", "last_finite", "skipped_steps",
+              "checkpoint_time_s", "restarts", "restart_lost_time_s", "interval_skipped", "pending_eval",
+              "stopped_early", "monitors")
     #: what a field missing from an older checkpoint's state means
-    ADDED_LATER = {"interval_skipped": 0, "pending_eval": None, "stopped_early": None, "monitors": {}}
+    ADDED_LATER = {"interval_skipped": 0, "pending_eval": None, "stopped_early": None, "monitors": {},
+                   "steps_to_target": None, "samples_to_target": None}
 
 
 class SharedState:

@@ -268,6 +268,8 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "train_loss": state.train_loss,
         **state.eval,
         "time_to_target_s": state.time_to_target_s,
+        "steps_to_target": state.steps_to_target,  # the step of the first evaluation meeting the targets, or null
+        "samples_to_target": state.samples_to_target,  # global samples by then (step x global batch), or null
         "train_time_s": state.train_time_s,
         "eval_time_s": state.eval_time_s,
         "checkpoint_time_s": state.checkpoint_time_s,

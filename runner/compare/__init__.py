@@ -16,6 +16,14 @@ log ratios, or between processes when each configuration runs in several) and Ho
 reference (A') measures the comparison's own noise. ``record`` writes and reads ``interleave.json``, the whole
 record, after every pass.
 
+Time to target compares as two factors: samples to target over seeds (``convergence``: each configuration's seeds
+read from their run folders, ``read_seeds``; ``samples_to_target``, a Hodges–Lehmann ratio with its distribution-free
+interval, censored seeds counted) and the samples/s ratio measured here; ``time_to_target`` combines them. Their
+``TargetRatio`` joins the same Holm family (``stats.verdicts``).
+
+    seeds = {name: compare.read_seeds(folders) for name, folders in runs.items()}   # one folder per seed
+    compare.time_to_target(seeds["bf16"], seeds["mine"], result.intervals["bf16"])   # TargetRatio(estimate=0.78, ...)
+
 Clients: the Hydra launcher ``hydra/launcher=interleaved`` (runner/interleaved.py: any sweep, and the ablation),
 the speed tuner's rounds (runner/tune/rounds.py) and ``python -m runner.doctor <job> --verify``; the reports read
 the record (runner/report/).
@@ -33,13 +41,15 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.compare import record as record_mod, stats
+from runner.compare import convergence, record as record_mod, stats
 from runner.compare.conductor import Conductor, conduct
+from runner.compare.convergence import Seed, TargetRatio, read_seeds, samples_to_target, time_to_target
 from runner.compare.process import Job
 from runner.compare.stats import HELPS, HURTS, NO_EFFECT, Interval
 
-__all__ = ["HELPS", "HURTS", "NO_EFFECT", "Comparisons", "Interval", "Job", "compare", "measure", "measured_job",
-           "plan", "read"]
+__all__ = ["HELPS", "HURTS", "NO_EFFECT", "Comparisons", "Interval", "Job", "Seed", "TargetRatio", "compare",
+           "convergence", "measure", "measured_job", "plan", "read", "read_seeds", "samples_to_target",
+           "time_to_target"]
 
 
 @dataclass

@@ -16,7 +16,8 @@ two-sample t interval whose spread, ``pooled_spread``, is measured between the p
 
 Verdicts over a sweep are one family: Holm's step-down procedure (Holm 1979, "A simple sequentially
 rejective multiple test procedure", Scand. J. Statist. 6) keeps the chance of any false "helps"/"hurts"
-below ``1 - confidence`` and rejects at least what Bonferroni rejects.
+below ``1 - confidence`` and rejects at least what Bonferroni rejects. A family may hold the samples- and
+time-to-target ratios of runner/compare/convergence.py too (``verdicts`` reads each comparison's ``faster``).
 
 The noise floor comes from the reference measured against itself (its copy A'): ``minimum_detectable``
 is the effect a comparison with the A/A's standard error would detect with 80 % power at the sweep's level.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Protocol, Sequence
 
 HELPS, HURTS, NO_EFFECT = "helps", "hurts", "no measurable effect"
 #: The verdict of a comparison without an interval
@@ -90,6 +91,15 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2
 
 
+class Comparison(Protocol):
+    """What Holm's verdicts read of a comparison: its p-value of "no effect" and which way its estimate points."""
+
+    p_value: float
+
+    @property
+    def faster(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Interval:
     """One comparison's figure: ``estimate`` = exp(mean log ratio) (a factor; > 1: the job is faster than its
@@ -105,6 +115,11 @@ class Interval:
     se_log: float
     confidence: float
     df: int | None = None
+
+    @property
+    def faster(self) -> bool:
+        """Whether the job is faster than its reference by the estimate (a ratio of samples/s above 1)."""
+        return self.estimate > 1
 
     @property
     def half_width(self) -> float:
@@ -178,6 +193,17 @@ def between_processes(job: Sequence[float], reference: Sequence[float], sd: floa
                   se, confidence, df)
 
 
+def at_confidence(c: Interval, confidence: float) -> Interval:
+    """The same comparison with its interval at another ``confidence`` (from its ``se_log`` and degrees of
+    freedom), e.g. at 1 - α/2 for a Bonferroni combination with another interval."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must lie in (0, 1), e.g. 0.95")
+    t = t_quantile(1 - (1 - confidence) / 2, c.df if c.df is not None else c.n - 1)
+    centre = math.log(c.estimate)
+    return replace(c, low=math.exp(centre - t * c.se_log), high=math.exp(centre + t * c.se_log),
+                   confidence=confidence)
+
+
 def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
     """Holm's step-down procedure: which hypotheses are rejected with family-wise error at most ``alpha``.
 
@@ -192,9 +218,11 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
     return rejected
 
 
-def verdicts(comparisons: Sequence[Interval | None], confidence: float = 0.95) -> list[str]:
+def verdicts(comparisons: Sequence[Comparison | None], confidence: float = 0.95) -> list[str]:
     """One verdict per comparison, Holm over those that have an interval: ``helps`` (rejected, faster),
-    ``hurts`` (rejected, slower), ``no measurable effect``, or ``""`` without an interval."""
+    ``hurts`` (rejected, slower), ``no measurable effect``, or ``""`` without an interval. A comparison is an
+    ``Interval`` of samples/s or any figure with a ``p_value`` and ``faster`` (runner/compare/convergence.py's
+    samples and time to target, where below 1 is faster), so one family can hold both."""
     alpha = 1 - confidence
     have = [c for c in comparisons if c is not None]
     rejected = iter(holm([c.p_value for c in have], alpha))
@@ -203,7 +231,7 @@ def verdicts(comparisons: Sequence[Interval | None], confidence: float = 0.95) -
         if c is None:
             out.append("")
         elif next(rejected):
-            out.append(HELPS if c.estimate > 1 else HURTS)
+            out.append(HELPS if c.faster else HURTS)
         else:
             out.append(NO_EFFECT)
     return out

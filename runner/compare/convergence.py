@@ -1,0 +1,322 @@
+"""Samples to target over seeds, and time to target = samples to target ÷ samples per second.
+
+On a noisy machine the time a run takes to reach a target is measured as two factors. Samples to target (the
+global samples trained when an evaluation first met ``trainer.target_accuracy`` / ``trainer.target_loss``;
+summary.json ``samples_to_target``) depends on the arithmetic and the seed, not on the machine's load: it is
+measured over seeds, each run ending at the target (``trainer.stop_at_target``) or at its step limit. Samples per
+second is what the interleaved comparison measures (runner/compare/stats.py). Repeats of one seed would measure
+nothing here: the samples to target of a seed are the same whenever it runs (up to nondeterministic kernels); the
+spread that matters is the one between seeds.
+
+**The statistic** (``samples_to_target``): the configuration's and the reference's seeds are two samples of
+log(samples to target); the shift Δ between them (config = reference + Δ, a ratio exp(Δ) on the samples) is
+estimated by Hodges–Lehmann, the median of the m·n pairwise differences ``log x_i - log y_j``, with the
+distribution-free confidence interval of Mann–Whitney's test: the k-th smallest and k-th largest pairwise
+difference, k from the exact null distribution of the Mann–Whitney count (the Gaussian binomial coefficient,
+computed here exactly for any size; Hodges & Lehmann 1963, "Estimates of location based on rank tests", Ann. Math.
+Statist. 34; Hollander & Wolfe, Nonparametric Statistical Methods, ch. 4, the two-sample location problem). It
+assumes independent seeds and a shift on the log scale; it needs no normality and a seed that reached its target
+late counts no more than its rank. The closed interval is conservative when values tie (evaluations date the
+target on a grid of steps).
+
+**Censored seeds** (the target not reached by the step limit, or an early stop) are never dropped. A censored
+run's samples to target lie above the samples it trained, ``L``: each pairwise difference it enters is then known
+only within bounds (config censored: [log L - log y, +inf]; reference censored: [-inf, log x - log L]; both:
+unknown). The interval's lower end is computed from every difference's lower bound and its upper end from every
+upper bound: the union of the intervals over every value the censored runs could take, so it keeps its coverage
+whatever they are, without assuming one common limit. An end that the censored seeds leave open is 0 or inf (a
+config that never reached the target: "at least ×2.1 the samples", high = inf). The estimate takes a censored run
+as later than every run that reached the target (+inf) and two censored runs as a tie; with half the pairs or
+more censored against reached runs it is inf, which says what was measured. The p-value of "no difference" is the
+interval's inversion (p <= 1 - confidence exactly when the interval excludes 1), counting each tie and undecided
+pair against the verdict, so the result joins Holm's family (``stats.verdicts``) next to the throughput ratios.
+
+**Same seeds on both sides.** Seeds usually pair (seed s in both configurations shares its initialization and
+data order). The statistic does not use the pairing: a technique that changes the arithmetic soon makes the two
+trajectories differ, censoring leaves signed-rank differences undecided, and the two-sample interval needs no
+pairing. With same-seed runs positively correlated (the usual case) it is conservative; runs of unpaired or
+unequal seed sets compare as they are.
+
+**Time to target** (``time_to_target``) = samples ratio ÷ throughput ratio (config ÷ reference samples/s, an
+``Interval`` of the interleaved comparison; exactly 1 for a technique that does not change a step's cost, then
+the time interval is the samples interval). The two intervals are combined by Bonferroni: each at confidence
+1 - α/2, the ends divided on the log scale (low = samples low ÷ throughput high), so the product covers with
+probability at least 1 - α; its p-value is the smallest α at which that interval excludes 1.
+
+Fewer than ``MIN_SEEDS`` seeds on a side, or no seed that reached the target, give no interval (None). With 3
+seeds per side the 95 % interval is unbounded (0 to inf): the exact test cannot reject below 4 seeds per side
+(1/C(8, 4) = 1/70 <= 0.025); 8 seeds per side resolve a 20 % difference at 5 % spread per seed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from runner.compare.stats import Interval, at_confidence
+
+#: The fewest seeds per configuration with which samples to target are compared
+MIN_SEEDS = 3
+
+
+@dataclass(frozen=True)
+class Seed:
+    """One seed's run of one configuration: ``samples`` = the global samples trained when an evaluation first met
+    the target (``reached``), or, censored (not ``reached``), the samples it trained before it ended. ``seed``
+    (``trainer.seed``), ``target`` (what was to be met, e.g. ``eval_loss <= 1.2``) and ``source`` (the summary.json
+    it was read from) say where it came from."""
+
+    samples: float
+    reached: bool
+    seed: int | None = None
+    target: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class TargetRatio:
+    """One comparison of samples to target (``quantity`` ``samples``) or time to target (``time``): ``estimate`` =
+    config ÷ reference (below 1: the config needs fewer samples, less time: faster), its interval ``low``..``high``
+    at ``confidence`` (0 or inf where the censored seeds leave an end open), the ``p_value`` of "no difference"
+    (below 1 - confidence exactly when the interval excludes 1), and how many seeds reached the target of how many
+    on each side. ``stats.verdicts`` reads it like an ``Interval``: ``faster`` when the estimate is below 1."""
+
+    quantity: str
+    estimate: float
+    low: float
+    high: float
+    p_value: float
+    confidence: float
+    reached: int
+    seeds: int
+    reference_reached: int
+    reference_seeds: int
+
+    @property
+    def faster(self) -> bool:
+        """Whether the configuration needs fewer samples (less time) than its reference."""
+        return self.estimate < 1
+
+    @property
+    def n(self) -> int:
+        """The seeds compared, both sides."""
+        return self.seeds + self.reference_seeds
+
+    @property
+    def counts(self) -> str:
+        """How many seeds reached the target, ``7/8 vs 8/8`` (the configuration's, then the reference's)."""
+        return f"{self.reached}/{self.seeds} vs {self.reference_reached}/{self.reference_seeds}"
+
+
+@lru_cache(maxsize=256)
+def null_cdf(m: int, n: int) -> tuple[float, ...]:
+    """P(U <= u), u = 0..m·n, for the Mann–Whitney count U (pairs x_i > y_j) of m and n exchangeable continuous
+    values: the coefficients of the Gaussian binomial coefficient [m+n choose m]_q, exact in integers
+    (prod_{i=1..m} (1 - q^(n+i)) / (1 - q^i)) over C(m+n, m)."""
+    poly = [1]
+    for i in range(1, m + 1):
+        grown = poly + [0] * (n + i)
+        for d, c in enumerate(poly):  # x (1 - q^(n+i))
+            grown[d + n + i] -= c
+        for d in range(i, len(grown)):  # ÷ (1 - q^i): exact, the quotient's coefficients are the running sums
+            grown[d] += grown[d - i]
+        poly = grown[: len(grown) - i]
+    total, running, out = math.comb(m + n, m), 0, []
+    for c in poly[: m * n + 1]:
+        running += c
+        out.append(float(Fraction(running, total)))
+    return tuple(out)
+
+
+class _Shift:
+    """The m·n pairwise log differences of a comparison (config - reference), each with the bounds censoring
+    leaves it (``low``, ``high``, sorted) and the value the estimate takes (``point``)."""
+
+    def __init__(self, config: Sequence[Seed], reference: Sequence[Seed]):
+        low, high, point = [], [], []
+        for x in config:
+            for y in reference:
+                d = math.log(x.samples) - math.log(y.samples)
+                if x.reached and y.reached:
+                    bounds = (d, d, d)
+                elif y.reached:  # the config's run is censored: it would have needed more than it trained
+                    bounds = (d, math.inf, math.inf)
+                elif x.reached:
+                    bounds = (-math.inf, d, -math.inf)
+                else:  # both censored: undecided, a tie for the estimate
+                    bounds = (-math.inf, math.inf, 0.0)
+                low.append(bounds[0])
+                high.append(bounds[1])
+                point.append(bounds[2])
+        self.low, self.high, self.point = sorted(low), sorted(high), sorted(point)
+        self.cdf = null_cdf(len(config), len(reference))
+
+    def estimate(self) -> float:
+        """Hodges–Lehmann: the median pairwise difference; of two middle ones, the mean where both are finite, the
+        finite one where one is, 0 where they are -inf and inf."""
+        n = len(self.point)
+        middle = [self.point[(n - 1) // 2], self.point[n // 2]]
+        finite = [d for d in middle if math.isfinite(d)]
+        return sum(finite) / len(finite) if finite else middle[0] if middle[0] == middle[1] else 0.0
+
+    def interval(self, confidence: float) -> tuple[float, float]:
+        """The log-shift interval at ``confidence``: [k-th smallest lower bound, k-th largest upper bound], k the
+        largest with P(U <= k - 1) <= α/2; the whole line when even k = 1 is too likely (too few seeds)."""
+        k = bisect.bisect_right(self.cdf, (1 - confidence) / 2 * (1 + 1e-12))
+        if k == 0:
+            return -math.inf, math.inf
+        return self.low[k - 1], self.high[len(self.high) - k]
+
+    def p_value(self, shift: float = 0.0) -> float:
+        """Two-sided p-value of "the log shift is ``shift``", the inversion of ``interval``: ties and undecided
+        pairs count against rejecting on both sides."""
+        below = bisect.bisect_right(self.low, shift)  # pairs that may lie at or below the shift
+        above = len(self.high) - bisect.bisect_left(self.high, shift)  # pairs that may lie at or above it
+        return min(1.0, 2 * min(self.cdf[below], self.cdf[above]))
+
+
+def _prepared(config: Sequence[Seed], reference: Sequence[Seed], confidence: float) -> _Shift | None:
+    """The pairwise differences, or None with too few seeds or none that reached the target.
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1), samples that are not positive and finite, or two targets."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must lie in (0, 1), e.g. 0.95")
+    for s in (*config, *reference):
+        if not (math.isfinite(s.samples) and s.samples > 0):
+            raise ValueError(f"samples must be positive and finite, got {s.samples} ({s.source or s})")
+    targets = {s.target for s in (*config, *reference) if s.target is not None}
+    if len(targets) > 1:
+        raise ValueError(f"the seeds were run to different targets ({', '.join(sorted(targets))}): samples to "
+                         f"target compare only for one target")
+    if min(len(config), len(reference)) < MIN_SEEDS or not any(s.reached for s in (*config, *reference)):
+        return None
+    return _Shift(config, reference)
+
+
+def _ratio(quantity: str, config: Sequence[Seed], reference: Sequence[Seed], estimate: float, low: float,
+           high: float, p: float, confidence: float) -> TargetRatio:
+    return TargetRatio(quantity, math.exp(estimate), math.exp(low), math.exp(high), p, confidence,
+                       sum(s.reached for s in config), len(config), sum(s.reached for s in reference), len(reference))
+
+
+def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95
+                      ) -> TargetRatio | None:
+    """Samples to target of ``config``'s seeds ÷ ``reference``'s: the Hodges–Lehmann ratio with the Mann–Whitney
+    interval at ``confidence``, censored seeds bounding it (the module docstring). None with fewer than
+    ``MIN_SEEDS`` seeds on a side or no seed that reached the target.
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1), samples that are not positive and finite, or seeds run to
+            different targets.
+    """
+    shift = _prepared(config, reference, confidence)
+    if shift is None:
+        return None
+    return _ratio("samples", config, reference, shift.estimate(), *shift.interval(confidence), shift.p_value(),
+                  confidence)
+
+
+def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput: Interval | float | None = 1.0,
+                   confidence: float = 0.95) -> TargetRatio | None:
+    """Time to target of ``config`` ÷ ``reference`` = samples-to-target ratio ÷ ``throughput`` (config ÷ reference
+    samples/s: the interleaved comparison's ``Interval``, or a number known exactly, 1 for a technique that does not
+    change a step's cost). With an ``Interval``, each factor's interval is taken at 1 - α/2 and the ends divided
+    (Bonferroni: coverage at least ``confidence``); the p-value is the smallest α at which that interval excludes 1.
+    None where ``samples_to_target`` is, and for a throughput of None (the interleaved comparison had no interval:
+    fewer than 2 pairs).
+
+    Raises:
+        ValueError: as ``samples_to_target``; a throughput that is not positive and finite.
+    """
+    shift = _prepared(config, reference, confidence)
+    if shift is None or throughput is None:
+        return None
+    if not isinstance(throughput, Interval):
+        if not (math.isfinite(throughput) and throughput > 0):
+            raise ValueError(f"throughput ratio must be positive and finite, got {throughput}")
+        c = math.log(throughput)
+        low, high = shift.interval(confidence)
+        return _ratio("time", config, reference, shift.estimate() - c, low - c, high - c, shift.p_value(c),
+                      confidence)
+
+    def bounds(alpha: float) -> tuple[float, float]:
+        level = 1 - alpha / 2
+        (low, high), t = shift.interval(level), at_confidence(throughput, level)
+        return low - math.log(t.high), high - math.log(t.low)
+
+    def excludes_one(alpha: float) -> bool:
+        low, high = bounds(alpha)
+        return low > 0 or high < 0
+
+    lo, hi = 0.0, 1.0 - 1e-9
+    if not excludes_one(hi):
+        p = 1.0
+    else:
+        for _ in range(40):  # the interval narrows as α grows: bisect for the α where it first excludes 1
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if excludes_one(mid) else (mid, hi)
+        p = hi
+    return _ratio("time", config, reference, shift.estimate() - math.log(throughput.estimate),
+                  *bounds(1 - confidence), p, confidence)
+
+
+def _target(trainer: dict[str, Any]) -> str | None:
+    said = []
+    if trainer.get("target_accuracy") is not None:
+        said.append(f"eval_accuracy >= {trainer['target_accuracy']:g}")
+    if trainer.get("target_loss") is not None:
+        said.append(f"eval_loss <= {trainer['target_loss']:g}")
+    return " and ".join(said) or None
+
+
+def read_seed(folder: Path | str) -> Seed:
+    """The ``Seed`` of one finished run: its summary.json's ``samples_to_target`` where the target was reached,
+    else the samples it trained (``steps`` × ``global_batch_size``, censored), its ``config.trainer.seed`` and
+    target.
+
+    Raises:
+        FileNotFoundError: no summary.json (a run that failed, e.g. diverged, writes none: it never reached the
+            target, so count it as ``Seed(<its limit in samples>, reached=False)`` rather than dropping it).
+        ValueError: the summary has no target figures: the run had no ``trainer.target_accuracy`` /
+            ``trainer.target_loss``, or was written by a runner that did not record ``samples_to_target``.
+    """
+    path = Path(folder) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no summary.json; a seed whose run failed never reached the target: count "
+                                f"it as Seed(<its limit in samples>, reached=False) instead of dropping it")
+    summary = json.loads(path.read_text())
+    trainer = (summary.get("config") or {}).get("trainer") or {}
+    target = _target(trainer)
+    if target is None:
+        raise ValueError(f"{path}: the run had no target (trainer.target_accuracy and trainer.target_loss unset), "
+                         f"so it has no samples to target; run the seeds with one")
+    if "samples_to_target" not in summary:
+        raise ValueError(f"{path}: no samples_to_target (written by a runner that did not record it); rerun it")
+    reached = summary.get("time_to_target_s") is not None
+    if reached and summary["samples_to_target"] is None:
+        raise ValueError(f"{path}: the target was reached (time_to_target_s) but samples_to_target is null (resumed "
+                         f"from a checkpoint written before runner recorded it); rerun it")
+    samples = summary["samples_to_target"] if reached else summary["steps"] * summary["global_batch_size"]
+    return Seed(samples, reached, trainer.get("seed"), target, str(path))
+
+
+def read_seeds(folders: Iterable[Path | str]) -> list[Seed]:
+    """``read_seed`` of every run folder in ``folders`` (one configuration's seeds).
+
+    Raises:
+        ValueError: as ``read_seed``; two folders of the same seed (a repeat measures nothing new here).
+    """
+    seeds = [read_seed(f) for f in folders]
+    known = [s.seed for s in seeds if s.seed is not None]
+    if len(known) != len(set(known)):
+        repeated = sorted({s for s in known if known.count(s) > 1})
+        raise ValueError(f"seed(s) {repeated} appear more than once ({', '.join(str(s.source) for s in seeds)}): "
+                         f"samples to target vary between seeds, each seed counts once")
+    return seeds
