@@ -90,8 +90,6 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     kwargs["lr"] = scaled_lr(cfg, global_batch_size)
     if cfg.lr_scaling != "none":
         techniques["lr_scaling"] = "applied"
-    if isinstance(kwargs.get("betas"), list):
-        kwargs["betas"] = tuple(kwargs["betas"])
     if cfg.impl is not None:
         check_choice("optimizer.impl", cfg.impl)
         target = cfg._target_
@@ -121,7 +119,9 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
         params = [{"params": [p for p in params if p.dim() >= 2]},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     try:
-        optimizer = instantiate(kwargs, params)
+        # _convert_="all": plain lists in the param groups (timm keeps betas as given; a ListConfig in the saved
+        # state is not plain data, so resuming refused the checkpoint of optimizer=lamb|muon)
+        optimizer = instantiate(kwargs, params, _convert_="all")
     except Exception as e:
         raise ConfigError(f"optimizer {cfg._target_} could not be built with {kwargs}: {e}") from e
     return optimizer, techniques
