@@ -154,7 +154,7 @@ def muon_split(model: torch.nn.Module) -> tuple[Named, Named]:
     head = {id(p) for p in layers[-1].parameters(recurse=False)} if layers else set()
 
     def matrix(p: torch.Tensor) -> bool:
-        return p.dim() >= 2 and id(p) not in embeddings | head and p.shape[0] > 1 and p[0].numel() > 1
+        return p.dim() >= 2 and id(p) not in embeddings | head and p.shape[0] > 1 and math.prod(p.shape[1:]) > 1
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [(n, p) for n, p in named if matrix(p)], [(n, p) for n, p in named if not matrix(p)]

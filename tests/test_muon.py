@@ -57,6 +57,17 @@ def test_vision_models_split_convs_and_hidden_linears_to_muon_head_and_norms_to_
     assert all(p.dim() < 2 or p is head.weight for _, p in rest)
 
 
+def test_a_class_token_and_a_position_table_held_as_bare_parameters_are_vectors_for_adamw():
+    model = nn.Module()
+    model.cls_token = nn.Parameter(torch.zeros(1, 1, 8))
+    model.pos_embed = nn.Parameter(torch.zeros(1, 5, 8))
+    model.body = nn.Linear(8, 8)
+    model.head = nn.Linear(8, 3)
+    matrices, rest = optim.muon_split(model)
+    assert names(matrices) == ["body.weight"]
+    assert names(rest) == ["cls_token", "pos_embed", "body.bias", "head.weight", "head.bias"]
+
+
 def test_the_optimizer_groups_say_which_rule_each_tensor_takes():
     model = GPT(vocab_size=30, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
     matrices, rest = optim.muon_split(model)
