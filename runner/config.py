@@ -275,6 +275,25 @@ class LarsConfig(OptimizerConfig):
 
 
 @dataclass
+class MuonConfig(OptimizerConfig):
+    """``optimizer=muon``: Muon for the hidden matrices, AdamW for the rest, in one ``timm.optim.Muon`` (Jordan et
+    al. 2024, https://kellerjordan.github.io/posts/muon/); the split and the choice of library: ``runner.optim``.
+    The defaults are those of the authors' ``MuonWithAuxAdam`` (https://github.com/KellerJordan/Muon)."""
+
+    _target_: str = "timm.optim.Muon"
+    lr: float = 0.02  # the Muon matrices' LR; scaled and scheduled like any optimizer.lr
+    weight_decay: float = 0.01  # decoupled, on both parts (decay_all=false spares biases and norm gains)
+    momentum: float = 0.95
+    nesterov: bool = True  # Muon's momentum; the AdamW part is plain AdamW either way
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: str = "original"  # timm's presets: original (Jordan's quintic), quintic, polar_express, ...
+    adjust_lr_fn: Optional[str] = "original"  # update x sqrt(max(1, out/in)) as Jordan's; match_rms_adamw: Kimi
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # the AdamW part's
+    adamw_lr: float = 3e-4  # the AdamW part's LR at optimizer.lr; scaled and scheduled in proportion
+    adamw_eps: float = 1e-10  # the AdamW part's eps
+
+
+@dataclass
 class SchedulerConfig:
     """``scheduler`` group: the LR schedule, stepped per optimizer step; factors multiply the optimizer LR."""
 
@@ -482,7 +501,8 @@ GROUP_SCHEMAS = {
 
 #: Groups whose options extend a more specific schema than ``base_<group>``: ``base_<name>`` per entry.
 OPTION_SCHEMAS = {
-    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig,
+                  "muon": MuonConfig},
     "data": {"image_data": ImageDataConfig, "custom_data": CustomDataConfig, "text_data": TextDataConfig,
              "tokens_data": TokensDataConfig},
     "model": {"gpt": GPTConfig, "hf_causal_lm": HFCausalLMConfig},

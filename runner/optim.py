@@ -3,7 +3,7 @@
 Techniques recorded here (their switches live in the ``optimizer`` group):
 
 - 3, LR scaling: ``optimizer.lr_scaling`` (``scaled_lr``).
-- 5, the optimizer and its kernel: ``optimizer=sgd|adamw|lamb|lars``, ``optimizer.impl``.
+- 5, the optimizer and its kernel: ``optimizer=sgd|adamw|lamb|lars|muon``, ``optimizer.impl``.
 - 11, ``zero_grad(set_to_none=True)``: ``optimizer.set_to_none``; the engine calls
   ``optimizer.zero_grad(set_to_none=cfg.set_to_none)`` after each step. ``True`` frees the ``.grad``
   tensors instead of writing zeros into them: one memset per parameter less, and the next backward
@@ -29,6 +29,10 @@ from runner.errors import ConfigError
 
 #: Optimizer-group keys that are runner switches, not constructor arguments.
 RUNNER_KEYS = ("lr_scaling", "base_batch_size", "impl", "set_to_none", "clip_grad_norm", "decay_all")
+#: ``optimizer=muon``'s keys that runner turns into the AdamW part's parameter groups (``muon_groups``).
+MUON_KEYS = ("adamw_lr", "adamw_eps")
+#: The class behind ``optimizer=muon``: one optimizer holding both update rules (see ``muon_groups``).
+MUON_TARGET = "timm.optim.Muon"
 #: ``optimizer.impl`` -> constructor arguments. ``loop`` = the single-tensor for-loop implementation.
 _IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 
@@ -70,17 +74,22 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     ``decay_all=false`` puts the tensors with fewer than 2 dimensions (biases, LayerNorm/BatchNorm gains)
     in a second parameter group without weight decay, as nanoGPT's ``configure_optimizers`` and GPT-2 do.
 
+    ``optimizer=muon`` (``_target_`` ``timm.optim.Muon``; Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/):
+    Muon for the hidden matrices and AdamW for the embeddings, head, norms and biases, in one optimizer whose
+    parameter groups say which rule each takes (``muon_groups``, ``muon_split``); ``adamw_lr`` and ``adamw_eps`` are
+    the AdamW part's. timm's Muon has no fused/foreach argument: ``impl`` is recorded as skipped.
+
     Raises:
         ConfigError: an unknown ``impl`` or ``_target_``, or an optimizer torch refuses to build (e.g. a
-            fused kernel the device lacks).
+            fused kernel the device lacks); for ``optimizer=muon`` the checks of ``muon_groups``.
     """
     techniques: dict[str, str] = {}
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in RUNNER_KEYS}
+    muon = cfg._target_ == MUON_TARGET
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items()
+              if k not in RUNNER_KEYS + (MUON_KEYS if muon else ())}
     kwargs["lr"] = scaled_lr(cfg, global_batch_size)
     if cfg.lr_scaling != "none":
         techniques["lr_scaling"] = "applied"
-    if isinstance(kwargs.get("betas"), list):
-        kwargs["betas"] = tuple(kwargs["betas"])
     if cfg.impl is not None:
         check_choice("optimizer.impl", cfg.impl)
         target = cfg._target_
@@ -103,14 +112,96 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
             raise ConfigError(f"optimizer.clip_grad_norm={cfg.clip_grad_norm} must be > 0 or null (off)")
         techniques["clip_grad_norm"] = "applied"
     params = [p for p in model.parameters() if p.requires_grad]
-    if not cfg.decay_all:  # nanoGPT / GPT-2: decay matrices and embeddings; biases and norm gains keep their scale
+    if muon:
+        params = muon_groups(cfg, model)
+        kwargs["fallback_lr_scale"] = cfg.adamw_lr / cfg.lr
+    elif not cfg.decay_all:  # nanoGPT / GPT-2: decay matrices and embeddings; biases and norm gains keep their scale
         params = [{"params": [p for p in params if p.dim() >= 2]},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     try:
-        optimizer = instantiate(kwargs, params)
+        # _convert_="all": plain lists in the param groups (timm keeps betas as given; a ListConfig in the saved
+        # state is not plain data, so resuming refused the checkpoint of optimizer=lamb|muon)
+        optimizer = instantiate(kwargs, params, _convert_="all")
     except Exception as e:
         raise ConfigError(f"optimizer {cfg._target_} could not be built with {kwargs}: {e}") from e
     return optimizer, techniques
+
+
+Named = list[tuple[str, torch.nn.Parameter]]
+
+
+def muon_split(model: torch.nn.Module) -> tuple[Named, Named]:
+    """``(matrices, rest)``: the trainable parameters that take Muon and those that take AdamW, as ``(name, tensor)``
+    in ``named_parameters`` order (a tied weight once, under its first name).
+
+    Muon is for the hidden layers' weights; "the input embedding, final output layer, and any internal gains or
+    biases should be optimized using a standard method such as AdamW" (Jordan et al. 2024,
+    https://kellerjordan.github.io/posts/muon/). So the matrices are the tensors of >= 2 dimensions except:
+
+    - the weights of every ``nn.Embedding`` (GPT's token and position tables);
+    - the output head: the last ``Linear``/``Conv`` module in registration order (GPT's ``lm_head``, tied to the token
+      table; the CNNs' and MLP's ``head``; torchvision's ``fc``/``classifier``; SqueezeNet's final 1x1 conv). A
+      model that registers its head before its body would send the head to Muon: register it last;
+    - a tensor whose matrix view ``(shape[0], rest)`` has a side of 1 (a class token, a ``(1, N, D)`` position
+      table held as a bare ``nn.Parameter``): a vector, not a matrix.
+
+    Conv filters (out, in, kh, kw) take Muon on their ``(out, in*kh*kw)`` view, as the authors' Muon and their
+    CIFAR-10 speedrun (airbench) do; timm's ``conv_mode="flatten"``. Biases and norm gains (1-D) take AdamW.
+    """
+    modules = list(model.modules())
+    embeddings = {id(p) for m in modules if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
+    layers = [m for m in modules if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))]
+    head = {id(p) for p in layers[-1].parameters(recurse=False)} if layers else set()
+
+    def matrix(p: torch.Tensor) -> bool:
+        return p.dim() >= 2 and id(p) not in embeddings | head and p.shape[0] > 1 and math.prod(p.shape[1:]) > 1
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [(n, p) for n, p in named if matrix(p)], [(n, p) for n, p in named if not matrix(p)]
+
+
+def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
+    """``optimizer=muon``'s parameter groups for one ``timm.optim.Muon``: the matrices (``muon_split``) with
+    ``use_muon=True``, the rest with ``use_muon=False`` (timm's AdamW fallback, with ``nesterov=False`` so it is AdamW,
+    not NAdamW, and ``eps=adamw_eps``); ``decay_all=false`` moves the AdamW part's 1-D tensors to a group without
+    weight decay. Every group has the same ``lr``: the AdamW part runs at ``lr x fallback_lr_scale`` with the scale
+    ``adamw_lr / lr``, so the LR scaling and every schedule (OneCycleLR and CyclicLR set one LR for all groups) move
+    both parts in proportion.
+
+    Why timm's Muon and not ``torch.optim.Muon`` (torch >= 2.9): torch's class takes 2-D tensors only, so the
+    embeddings, head, norms and biases would need a second optimizer, and the LR schedulers, the GradScaler,
+    DCP's optimizer state dict and exact resume all take one ``torch.optim.Optimizer``. timm's Muon (Wightman, after
+    Jordan's implementation) is that one optimizer: groups flagged ``use_muon`` pick the update rule, conv filters
+    are flattened, and its Newton-Schulz iteration with the coefficients ``original`` is the one ``torch.optim.Muon``
+    computes (tests/test_muon.py checks one update against torch's). Using it keeps runner free of its own optimizer
+    code.
+
+    Distributed: under DDP each rank steps on the full, all-reduced gradients, as without DDP. Under FSDP2 the
+    parameters, gradients and momentum buffers are DTensors sharded by rows; timm's Newton-Schulz has a DTensor
+    path whose matrix products redistribute the shards, so each update is the one the whole matrix gets (in float32
+    arithmetic it equals the unsharded update to 1e-7; in the bfloat16 the iteration runs in, to bfloat16 rounding)
+    at the price of collectives in every iteration; the momentum buffers stay sharded. Checkpoints and exact resume
+    work as for the other optimizers (tests/test_muon.py).
+
+    Raises:
+        ConfigError: ``lr`` or ``adamw_lr`` not > 0, ``ns_steps`` < 1 or ``momentum`` outside [0, 1).
+    """
+    for ok, key, value, rule in (
+            (cfg.lr > 0, "lr", cfg.lr, "must be > 0 (the AdamW part's LR is adamw_lr / lr of it)"),
+            (cfg.adamw_lr > 0, "adamw_lr", cfg.adamw_lr, "must be > 0 (the AdamW part's LR; Jordan et al.: 3e-4)"),
+            (cfg.ns_steps >= 1, "ns_steps", cfg.ns_steps, "must be >= 1 (Newton-Schulz iterations; 5 is usual)"),
+            (0 <= cfg.momentum < 1, "momentum", cfg.momentum, "must be in [0, 1) (0.95 is usual)")):
+        if not ok:
+            raise ConfigError(f"optimizer.{key}={value} {rule}")
+    matrices, rest = muon_split(model)
+    adamw = {"use_muon": False, "nesterov": False, "eps": cfg.adamw_eps}
+    groups = [{"params": [p for _, p in matrices], "use_muon": True}]
+    if cfg.decay_all:
+        groups.append({"params": [p for _, p in rest], **adamw})
+    else:
+        groups += [{"params": [p for _, p in rest if p.dim() >= 2], **adamw},
+                   {"params": [p for _, p in rest if p.dim() < 2], **adamw, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 

@@ -178,16 +178,33 @@ def test_scaled_lr_numbers():
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb", "lars"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb", "lars", "muon"])
 def test_optimizer_choice_is_built_and_trains(tmp_path, spy, name):
     import timm.optim
 
-    expected = {**OPTIMIZERS, "lamb": timm.optim.Lamb, "lars": timm.optim.Lars}[name]
+    expected = {**OPTIMIZERS, "lamb": timm.optim.Lamb, "lars": timm.optim.Lars, "muon": timm.optim.Muon}[name]
     run_tiny(tmp_path, f"optimizer={name}", "trainer.max_steps=2")
     assert type(spy.optimizer) is expected
     assert len(spy.steps) == 2
     after = dict(spy.model.named_parameters())
     assert any(not torch.equal(spy.initial_params[n], after[n]) for n in after)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb", "lars", "muon"])
+def test_optimizer_state_is_plain_data_that_a_resume_accepts(name):
+    """A resume loads the optimizer state's non-tensor items with ``torch.load(weights_only=True)``
+    (``checkpoint.SafeLoadPlanner``): the param groups must hold plain values, not the config's ``ListConfig``
+    (timm's optimizers keep ``betas`` as given)."""
+    import io
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt, _ = optim.build(compose_cfg(f"optimizer={name}").optimizer, model, 64, torch.device("cpu"))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
 
 
 @pytest.mark.parametrize("name, impl, status, defaults", [
@@ -200,6 +217,8 @@ def test_optimizer_choice_is_built_and_trains(tmp_path, spy, name):
     ("lamb", "fused", "skipped: timm.optim.Lamb has no fused implementation", {}),
     ("lars", "fused", "skipped: timm.optim.Lars has no fused implementation", {}),
     ("lars", "loop", "applied", {"foreach": False}),
+    ("muon", "fused", "skipped: timm.optim.Muon has no fused implementation", {}),
+    ("muon", "loop", "skipped: timm.optim.Muon has no loop implementation (no foreach argument)", {}),
 ])
 def test_optimizer_impl_reaches_the_optimizer(name, impl, status, defaults):
     cfg = compose_cfg(f"optimizer={name}", f"optimizer.impl={impl}").optimizer
