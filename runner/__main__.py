@@ -17,6 +17,25 @@ register_configs()
 register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleaved.py)
 
 
+def _search_sweeper(**settings):
+    """``hydra/sweeper=search`` (runner/tune/search.py), imported only when a search starts: Hydra instantiates a
+    plugin from any callable registered under its ``_target_``, so ``--help`` and plain runs stay light and an
+    environment without Optuna fails with one line only when it searches."""
+    from runner.tune.search import make_sweeper
+
+    return make_sweeper(**settings)
+
+
+def _register_search_sweeper() -> None:
+    from hydra.core.plugins import Plugins
+
+    from runner.objective import SEARCH_SWEEPER
+
+    Plugins.instance().class_name_to_class[SEARCH_SWEEPER] = _search_sweeper
+
+
+_register_search_sweeper()
+
 
 def _one_line_compose_errors() -> None:
     """Hydra answers a bad command line with its own several lines: a misspelt key (``trainer.max_step=3``) with

@@ -79,3 +79,6 @@ def value(summary: dict[str, Any], name: str | None) -> float | None:
     if figure is None or not math.isfinite(float(figure)):
         return None
     return float(figure)
+
+#: The ``_target_`` of ``hydra/sweeper=search`` (conf/hydra/sweeper/search.yaml), registered by ``python -m runner``
+SEARCH_SWEEPER = "hydra_plugins.runner_search.SearchSweeper"
