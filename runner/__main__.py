@@ -7,7 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from runner import CONF_DIR
+from runner import CONF_DIR, objective
 from runner.config import register_configs
 from runner.errors import ConfigError, Preempted, TrainingDiverged
 from runner.interleaved import register as register_interleaved_launcher
@@ -15,6 +15,26 @@ from runner.launch import prepare_process, record_if_elastic
 
 register_configs()
 register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleaved.py)
+
+
+def _search_sweeper(**settings):
+    """``hydra/sweeper=search`` (runner/tune/search.py), imported only when a search starts: Hydra instantiates a
+    plugin from any callable registered under its ``_target_``, so ``--help`` and plain runs stay light and an
+    environment without Optuna fails with one line only when it searches."""
+    from runner.tune.search import make_sweeper
+
+    return make_sweeper(**settings)
+
+
+def _register_search_sweeper() -> None:
+    from hydra.core.plugins import Plugins
+
+    from runner.objective import SEARCH_SWEEPER
+
+    Plugins.instance().class_name_to_class[SEARCH_SWEEPER] = _search_sweeper
+
+
+_register_search_sweeper()
 
 
 def _one_line_compose_errors() -> None:
@@ -53,7 +73,8 @@ def _one_line_compose_errors() -> None:
 # both work); a user's own config folder joins it with --config-dir or hydra.searchpath (README).
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Train the composed job; return its samples/s (what a Hydra sweeper optimizes).
+    """Train the composed job; return what a Hydra sweeper optimizes: the summary's ``optimized_metric``
+    (runner/objective.py: a run that missed its target returns twice what it spent), samples/s when it is null.
 
     Exit status: 2 for bad input (``ConfigError``), 3 for a diverged run (``TrainingDiverged``; inside a
     multirun the sweep goes on and the job returns None, not a figure), 75 after a preemption checkpoint (a
@@ -76,7 +97,7 @@ def _train(cfg: DictConfig) -> float | None:
         summary = train(cfg)
         if cfg.trainer.doctor and cfg.ablation.variant is None:
             _diagnose(warnings_shown=cfg.trainer.progress != "off")
-        return summary["samples_per_sec"]
+        return objective.value(summary, cfg.optimized_metric)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

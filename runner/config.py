@@ -488,6 +488,9 @@ class RunnerConfig:
     checkpoint: Any = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
     cudnn_benchmark: bool = False  # technique 6: cuDNN autotuner
     channels_last: bool = False  # technique 19: NHWC weights and inputs
+    # the summary figure `python -m runner` returns to a Hydra sweeper (runner/objective.py METRICS: time_to_target_s,
+    # eval_accuracy, eval_loss, samples_per_sec, ...); null = samples_per_sec
+    optimized_metric: Optional[str] = None
 
 
 #: The schema of each config group (stored as ``base_<group>``); every YAML option of the group extends it.

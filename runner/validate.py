@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import objective
 from runner.config import CHOICES, LOGGER_PACKAGES, LOGGERS, check_choice, logger_names
 from runner.errors import ConfigError
 
@@ -54,6 +55,7 @@ def validate(cfg: DictConfig) -> None:
     for key in CHOICES:  # every closed option list (runner/config.py), so a bad value stops before anything is built
         check_choice(key, OmegaConf.select(cfg, key))
     _refuse_undeclared_keys(cfg)
+    objective.check(cfg)
     check_logger_packages(logger_names(cfg.logger))
 
 

@@ -74,8 +74,10 @@ DATA_OVERRIDES = {
 LANGUAGE_MODEL = {("task", "language_model"), ("model", "gpt"), ("data", "text")}
 # Built by a one-step job below, except: compile (torch.compile would compile for minutes on a CPU;
 # the wrapper is built instead), the loggers but none (runs of their own in test_wandb.py and test_loggers.py, which
-# read each back) and the presets (combinations of the options built here, trained by their own tests).
-BUILD = [(g, o) for g, o in OPTIONS if g not in ("compile", "logger", *PRESETS)] + [("logger", "none")]
+# read each back), the presets (combinations of the options built here, trained by their own tests) and the recipe
+# searches (hparams_search: a sweeper's settings on the global package, run by tests/test_search.py).
+NOT_BUILT = ("compile", "logger", "hparams_search", *PRESETS)
+BUILD = [(g, o) for g, o in OPTIONS if g not in NOT_BUILT] + [("logger", "none")]
 
 
 @pytest.mark.parametrize("group,option", BUILD, ids=[f"{g}={o}" for g, o in BUILD])

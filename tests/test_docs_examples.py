@@ -223,7 +223,7 @@ RUN_ABOVE = ("python -m runner.doctor ", "python -m runner.report outputs/multir
 def compose_example(example: Example, root: Path):
     """Compose the command's config as ``python -m runner`` (or ``runner.tune``) would, and check it with
     ``runner.validate``: a wrong option, key, file or cross-key value fails here. ``...`` (elided arguments) are
-    left out; of a sweep (``-m``), each key's first value is composed."""
+    left out; of a sweep (``-m``), each key's first value is composed (of an interval, its lower end)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -254,7 +254,9 @@ def compose_example(example: Example, root: Path):
     plain = []
     for text in overrides:
         override = parser.parse_override(text)
-        if override.is_sweep_override():
+        if override.is_interval_sweep():  # a recipe search's range (hydra/sweeper=search): its lower end
+            text = f"{override.get_key_element()}={override.value().start}"
+        elif override.is_sweep_override():
             value = next(iter(override.sweep_string_iterator()))
             text = f"{override.get_key_element()}={value}"
         plain.append(text)

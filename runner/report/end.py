@@ -5,7 +5,8 @@ each printing one line at its end (``runner.track``); ``SweepReport.on_multirun_
 ``conf/config.yaml``) then writes the sweep's report (``write_plain_report``: report.md, report.csv, sweep.png)
 and prints its table of the jobs, fastest first, and ``python -m runner.report <sweep folder>``. Only for the basic
 launcher: ``hydra/launcher=interleaved`` (and the ablation on it) writes its own report, and a SLURM sweep's jobs
-end on other machines. Rank 0 only; a report that cannot be written costs one line, never the sweep.
+end on other machines; not after a recipe search (``hydra/sweeper=search``), which ends with its own tables.
+Rank 0 only; a report that cannot be written costs one line, never the sweep.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from runner.objective import SEARCH_SWEEPER
 from runner.report.sweep import jobs_table, load_sweep, load_warning, write_plain_report
 
 #: The launcher whose sweeps end with the table: Hydra's own, one job after the other in this process.
@@ -54,5 +56,7 @@ class SweepReport(Callback):  # type: ignore[misc,valid-type]
         from runner.launch import discover
 
         if discover().rank != 0 or OmegaConf.select(config, "hydra.launcher._target_") != BASIC_LAUNCHER:
+            return
+        if OmegaConf.select(config, "hydra.sweeper._target_") == SEARCH_SWEEPER:  # it ends with its own tables
             return
         print_sweep_end(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))))

@@ -1,0 +1,205 @@
+"""``hydra/sweeper=search``: search the training recipe with Optuna (>= 4, its ask-and-tell interface) as a Hydra
+sweeper, then verify the best trial against the starting recipe on fresh seeds.
+
+    python -m runner -m hparams_search=mnist_optuna            # conf/hparams_search/mnist_optuna.yaml
+
+The search file has lightning-hydra-template's shape (``# @package _global_``, ``override /hydra/sweeper``,
+``optimized_metric``, ``hydra.sweeper.direction / n_trials / sampler / params`` in the Optuna sweeper plugin's
+grammar: ``interval(a, b)``, ``tag(log, interval(a, b))``, ``choice(a, b, c)``, ``range(a, b, step)``), so the same
+file runs under the released plugin by changing ``search`` back to ``optuna`` where that plugin installs. Why not
+the plugin (hydra-optuna-sweeper 1.3.0 pins optuna < 3): docs/tuners-and-doctor.md "Searching the recipe".
+
+Each trial is one ``python -m runner`` job of the sweep (Hydra's launcher: its own folder ``<sweep>/<n>``), the
+command line's overrides plus the trial's; its return value is the job's ``optimized_metric``
+(runner/objective.py), told to the study. The best trial is the best among those that met the target (for a
+to-target metric; a censored trial's value is only a penalty). Then ``verify``: the best trial and the starting
+recipe (the same command without the searched parameters) each run on ``verify_seeds`` fresh seeds (never the
+search's: a best trial is partly the luck of the seed it was searched on), compared by samples to target
+(runner/compare/convergence.py); the end is the table, the verdict and one ``python -m runner ...`` line to paste.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, Sequence
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, Transformer
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import DictConfig, OmegaConf
+
+from runner import objective
+from runner.errors import ConfigError
+from runner.tune.search_end import finish, job_folder, override_line
+
+#: The pip command that brings Optuna (the ``hpo`` extra)
+INSTALL = 'pip install -e ".[hpo]" (or pip install "optuna>=4")'
+
+
+def fail(message: str) -> None:
+    """One ``error:`` line and exit status 2, as ``python -m runner`` answers bad input."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def make_sweeper(**settings: Any) -> "SearchSweeper":
+    """The sweeper Hydra instantiates from conf/hydra/sweeper/search.yaml; one line where Optuna is missing."""
+    try:
+        import optuna  # noqa: F401 - only whether it imports
+    except ImportError:
+        fail(f"hydra/sweeper=search needs Optuna, which is not installed: {INSTALL}")
+    return SearchSweeper(**settings)
+
+
+def distribution(override: Override) -> Any:
+    """The Optuna distribution of one sweep override (``interval``, ``tag(log, interval)``, ``choice``, ``range``),
+    or None for a plain value (fixed for every trial)."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    if not override.is_sweep_override():
+        return None
+    if override.is_choice_sweep() or override.is_range_sweep():  # a range: its values, as Hydra lists them
+        return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
+    if override.is_interval_sweep():
+        sweep = override.value()
+        log = "log" in sweep.tags
+        if isinstance(sweep.start, int) and isinstance(sweep.end, int):
+            return IntDistribution(sweep.start, sweep.end, log=log)
+        return FloatDistribution(float(sweep.start), float(sweep.end), log=log)
+    raise ConfigError(f"{override.input_line}: the search takes interval(a, b), tag(log, interval(a, b)), "
+                      f"choice(a, b, ...) or range(a, b, step)")
+
+
+def search_space(params: dict[str, str], arguments: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``(name -> distribution, the fixed overrides)`` from ``hydra.sweeper.params`` and the command line (whose
+    sweep overrides join the space; a plain one fixes the value, and wins over the file's range)."""
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + list(arguments))
+    space, fixed = {}, []
+    for override in parsed:
+        key = override.get_key_element()
+        found = distribution(override)
+        if found is not None:
+            space[key] = found
+        else:
+            space.pop(key, None)
+            fixed.append(override.input_line)
+    return space, fixed
+
+
+def trial_outcome(ret: JobReturn, metric: str) -> tuple[float | None, bool, str]:
+    """``(value told to the study or None for a failed trial, reached the target, a note)`` of one trial's job."""
+    if ret.status != JobStatus.COMPLETED:
+        return None, False, f"failed: {type(ret._return_value).__name__}: {ret._return_value}"
+    value = ret.return_value
+    path = job_folder(ret) / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    reached = objective.reached(summary)
+    if value is None or not math.isfinite(float(value)):
+        return None, reached, f"no {metric} (diverged, or the run has no such figure)"
+    note = ("" if metric not in objective.TO_TARGET else "reached the target" if reached
+            else f"target not reached: {objective.CENSORED_FACTOR:g} x what it spent")
+    return float(value), reached, note
+
+
+class SearchSweeper(Sweeper):
+    """Hydra's ``Sweeper`` interface: ``setup`` (the launcher), then ``sweep`` with the command line's overrides."""
+
+    def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
+                 storage: str | None = None, study_name: str | None = None, params: Any = None,
+                 verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95) -> None:
+        self.sampler, self.direction, self.n_trials = sampler, direction, n_trials
+        self.storage, self.study_name = storage, study_name
+        self.params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params or {})
+        self.verify_seeds, self.verify_first_seed, self.confidence = verify_seeds, verify_first_seed, confidence
+        self.config: DictConfig | None = None
+        self.launcher: Any = None
+        self.job_idx = 0
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=task_function)
+
+    def launch(self, overrides: list[list[str]]) -> Sequence[JobReturn]:
+        returns = self.launcher.launch(overrides, initial_job_idx=self.job_idx)
+        self.job_idx += len(returns)
+        return returns
+
+    def sweep(self, arguments: list[str]) -> None:
+        try:
+            plan = self.plan(arguments)
+        except ConfigError as e:
+            fail(str(e))
+        study = self.study(plan["direction"])
+        for number in range(self.n_trials):
+            trial = study.ask(plan["space"])
+            overrides = plan["fixed"] + override_line(trial.params)
+            print(f"\ntrial {number + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
+            value, reached, note = trial_outcome(self.launch([overrides])[0], plan["metric"])
+            trial.set_user_attr("reached", reached)
+            trial.set_user_attr("note", note)
+            trial.set_user_attr("job", self.job_idx - 1)
+            exhausted = tell(study, trial, value)
+            print(f"trial {number + 1}: {plan['metric']} = {value if value is not None else '-'}"
+                  f"{f' ({note})' if note else ''}", flush=True)
+            if exhausted:
+                print("the sampler has tried every point of the space: the search ends here", flush=True)
+                break
+        finish(self, study, plan)
+
+    def plan(self, arguments: list[str]) -> dict[str, Any]:
+        """The metric, direction, search space, fixed overrides and verification seeds of this search.
+
+        Raises:
+            ConfigError: no or a bad ``optimized_metric``, an empty space, a direction against the metric, or
+                verification seeds that include the search's seed.
+        """
+        cfg = self.config
+        metric = cfg.get("optimized_metric")
+        if metric is None:
+            raise ConfigError(f"hydra/sweeper=search needs optimized_metric=<figure to optimize>: one of "
+                              f"{', '.join(objective.METRICS)} (e.g. in conf/hparams_search/mnist_optuna.yaml)")
+        objective.check(cfg)
+        direction = self.direction or objective.METRICS[metric]
+        if direction not in ("minimize", "maximize"):
+            raise ConfigError(f"hydra.sweeper.direction={direction} must be minimize, maximize or null (the "
+                              f"direction in which {metric} is better: {objective.METRICS[metric]})")
+        space, fixed = search_space(self.params, arguments)
+        if not space:
+            raise ConfigError("nothing to search: give hydra.sweeper.params (key: interval(a, b) | choice(a, b) "
+                              "| ...) in an hparams_search file, or a sweep such as 'optimizer.lr=interval(0.01,0.5)'")
+        seeds = list(range(self.verify_first_seed, self.verify_first_seed + max(self.verify_seeds, 0)))
+        if cfg.trainer.seed in seeds:
+            raise ConfigError(f"trainer.seed={cfg.trainer.seed} (the search's seed) is one of the verification "
+                              f"seeds {seeds[0]}..{seeds[-1]}: verification needs fresh seeds; move "
+                              f"hydra.sweeper.verify_first_seed past it")
+        return {"metric": metric, "direction": direction, "space": space, "fixed": fixed, "seeds": seeds}
+
+    def study(self, direction: str) -> Any:
+        import optuna
+        from hydra.utils import instantiate
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # runner prints one line per trial itself
+        sampler = instantiate(self.sampler) if self.sampler is not None else None
+        return optuna.create_study(sampler=sampler, direction=direction, storage=self.storage,
+                                   study_name=self.study_name, load_if_exists=self.storage is not None)
+
+
+def tell(study: Any, trial: Any, value: float | None) -> bool:
+    """Tell the study a trial's value (None: the trial failed); whether the sampler has exhausted the space.
+
+    A grid or brute-force sampler ends a study by calling ``Study.stop``, which outside ``study.optimize`` raises
+    a RuntimeError after the trial is stored (optuna/study/_tell.py stores it in a ``finally``)."""
+    from optuna.trial import TrialState
+
+    try:
+        study.tell(trial, value, state=None if value is not None else TrialState.FAIL)
+    except RuntimeError as e:
+        if "Study.stop" not in str(e):
+            raise
+        return True
+    return False

@@ -1,0 +1,173 @@
+"""The end of ``hydra/sweeper=search`` (runner/tune/search.py): the trials' table, the best trial, its verification
+against the starting recipe on fresh seeds, the line to paste, and ``<sweep>/optimization_results.yaml``.
+
+**Verification** runs the best trial and the starting recipe (the search's command without the searched
+parameters) on ``verify_seeds`` seeds that the search never used, one pair per seed, best and start alternating
+so that a machine growing busier slows both alike, each run in ``<sweep>/verify/{best,start}/seed<N>``. It
+compares **samples to target** (runner/compare/convergence.py ``samples_to_target``: Hodges–Lehmann ratio with
+the exact Mann–Whitney interval; a seed that missed the target, or whose run failed, is censored at what it
+trained, never dropped). Samples to target do not depend on the machine's load; time to target does, and its
+other factor, samples/s, is *not* compared here with an interval (that takes the interleaved measurement,
+``hydra/launcher=interleaved``): the table shows the median time to target of each side, measured one run after
+the other, as a description only.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.utils import JobReturn
+from omegaconf import OmegaConf
+
+from runner.compare.convergence import Seed, TargetRatio, read_seed, samples_to_target
+from runner.objective import TO_TARGET
+
+
+def override_line(params: dict[str, Any]) -> list[str]:
+    """``key=value`` overrides of a trial's parameters (``repr`` floats: the exact value sampled)."""
+    return [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()]
+
+
+def job_folder(ret: JobReturn) -> Path:
+    """The folder a job ran in (its summary.json, .hydra/)."""
+    return Path(str(OmegaConf.select(ret.hydra_cfg, "hydra.runtime.output_dir")))
+
+
+def best_trial(study: Any, metric: str, direction: str) -> Any:
+    """The best complete trial; for a to-target metric only among those that reached the target (a censored
+    trial's value is a penalty, not a measurement). None when there is none."""
+    from optuna.trial import TrialState
+
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    if metric in TO_TARGET:
+        done = [t for t in done if t.user_attrs.get("reached")]
+    if not done:
+        return None
+    pick = min if direction == "minimize" else max
+    return pick(done, key=lambda t: t.value)
+
+
+def trials_table(study: Any, metric: str) -> list[str]:
+    keys = sorted({k for t in study.trials for k in t.params})
+    lines = [f"| trial | {' | '.join(f'`{k}`' for k in keys)} | {metric} | note | job |",
+             "|---:|" + "---|" * len(keys) + "---:|---|---|"]
+    for t in study.trials:
+        cells = [_short(t.params.get(k, "")) for k in keys]
+        value = f"{t.value:.4g}" if t.value is not None else "-"
+        lines.append(f"| {t.number + 1} | {' | '.join(cells)} | {value} | {t.user_attrs.get('note', '')} | "
+                     f"`{t.user_attrs.get('job', '')}` |")
+    return lines
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def paste_line(fixed: Sequence[str], params: dict[str, Any]) -> str:
+    """``python -m runner`` with the command line's own overrides (less the search file) and the best trial's."""
+    kept = [o for o in fixed if not o.startswith(("hparams_search=", "hydra/sweeper=", "optimized_metric="))]
+    return "python -m runner " + " ".join(shlex.quote(o) for o in kept + override_line(params))
+
+
+def seed_of(ret: JobReturn) -> Seed | None:
+    """The ``Seed`` of one verification run; a run that wrote no summary (it failed, e.g. diverged) is censored at
+    its step limit in samples, or None where that limit is unknown (``trainer.max_steps`` null)."""
+    try:
+        return read_seed(job_folder(ret))
+    except FileNotFoundError:
+        steps = OmegaConf.select(ret.cfg, "trainer.max_steps")
+        batch = OmegaConf.select(ret.cfg, "dataloader.batch_size")
+        seed = OmegaConf.select(ret.cfg, "trainer.seed")
+        return Seed(float(steps * batch), False, seed, None, str(job_folder(ret))) if steps and batch else None
+
+
+def _median_figure(returns: Sequence[JobReturn], key: str) -> float | None:
+    values = []
+    for ret in returns:
+        path = job_folder(ret) / "summary.json"
+        if path.is_file() and (v := json.loads(path.read_text()).get(key)) is not None:
+            values.append(float(v))
+    return statistics.median(values) if values else None
+
+
+def verdict(ratio: TargetRatio | None) -> str:
+    if ratio is None:
+        return ("no interval: fewer than 3 seeds a side, or no seed reached the target (hydra.sweeper.verify_seeds="
+                "8 resolves a 20 % difference)")
+    level = f"{ratio.confidence:.0%}"
+    said = f"x{ratio.estimate:.3g} [{ratio.low:.3g}, {ratio.high:.3g}] at {level} ({ratio.counts} seeds reached)"
+    if ratio.high < 1:
+        sooner = (f"{1 / ratio.estimate:.2f}x sooner" if ratio.estimate > 0
+                  else "the start missed the target on most seeds")
+        return f"{said}: the best trial needs fewer samples, {sooner} (the interval excludes 1)"
+    if ratio.low > 1:
+        return f"{said}: the best trial needs MORE samples than the starting recipe on fresh seeds"
+    return f"{said}: no difference shown on fresh seeds (the interval includes 1; more seeds narrow it)"
+
+
+def verify(sweeper: Any, plan: dict[str, Any], params: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Run the best trial and the starting recipe on ``plan['seeds']``; the printed lines and the record."""
+    seeds, cfg = plan["seeds"], sweeper.config
+    if not seeds:
+        return ["verification skipped (hydra.sweeper.verify_seeds=0)"], {"skipped": "verify_seeds=0"}
+    if cfg.trainer.target_accuracy is None and cfg.trainer.target_loss is None:
+        why = "it compares samples to target and the runs have no target: set trainer.target_accuracy"
+        return [f"verification skipped: {why}"], {"skipped": why}
+    fixed = [o for o in plan["fixed"] if not o.startswith(("trainer.seed=", "hydra."))]
+    jobs = []
+    for s in seeds:  # best and start alternate: a machine growing busier slows both alike
+        jobs.append(fixed + override_line(params) + [f"trainer.seed={s}", f"hydra.sweep.subdir=verify/best/seed{s}"])
+        jobs.append(fixed + [f"trainer.seed={s}", f"hydra.sweep.subdir=verify/start/seed{s}"])
+    print(f"\nverifying the best trial against the starting recipe on fresh seeds {seeds[0]}..{seeds[-1]} "
+          f"({len(jobs)} runs)", flush=True)
+    returns = sweeper.launch(jobs)
+    sides = {"best trial": returns[0::2], "starting recipe": returns[1::2]}
+    found = {name: [s for s in map(seed_of, rets) if s is not None] for name, rets in sides.items()}
+    ratio = samples_to_target(found["best trial"], found["starting recipe"], sweeper.confidence)
+    lines = [f"\nverification on fresh seeds {seeds[0]}..{seeds[-1]} (the search ran on trainer.seed="
+             f"{cfg.trainer.seed}):", "| | seeds reached | median samples to target | median time to target s |",
+             "|---|---:|---:|---:|"]
+    for name, rets in sides.items():
+        got = found[name]
+        reached = [s.samples for s in got if s.reached]
+        median = f"{statistics.median(reached):,.0f}" if reached else "-"
+        t = _median_figure(rets, "time_to_target_s")
+        lines.append(f"| {name} | {sum(s.reached for s in got)}/{len(rets)} | {median} | "
+                     f"{f'{t:.2f}' if t is not None else '-'} |")
+    lines += [f"samples to target, best / start: {verdict(ratio)}",
+              "time to target: the medians above, runs one after the other; samples/s was not compared with an "
+              "interval (hydra/launcher=interleaved measures it)"]
+    record = {"seeds": seeds, "samples_to_target": None if ratio is None else {
+        "estimate": ratio.estimate, "low": ratio.low, "high": ratio.high, "p_value": ratio.p_value,
+        "confidence": ratio.confidence, "counts": ratio.counts}}
+    return lines, record
+
+
+def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
+    """Print the trials' table, verify the best trial, print the line to paste; write optimization_results.yaml."""
+    metric, direction = plan["metric"], plan["direction"]
+    sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
+    print(f"\nsearch {sweep_dir}: {len(study.trials)} trials, {metric} ({direction}):", *trials_table(study, metric),
+          sep="\n", flush=True)
+    best = best_trial(study, metric, direction)
+    results: dict[str, Any] = {"name": study.study_name, "optimized_metric": metric, "direction": direction}
+    if best is None:
+        why = "reached the target" if metric in TO_TARGET else "completed"
+        print(f"no trial {why}: nothing to verify; widen the search space or raise trainer.max_steps", flush=True)
+        _write(sweep_dir, results | {"best_params": None})
+        return
+    print(f"best trial: {best.number + 1}, {metric} = {best.value:.4g}", flush=True)
+    lines, record = verify(sweeper, plan, best.params)
+    line = paste_line(plan["fixed"], best.params)
+    print("\n".join(lines), "", "the recipe found (paste it):", line, sep="\n", flush=True)
+    _write(sweep_dir, results | {"best_params": dict(best.params), "best_value": best.value,
+                                 "verification": record, "command": line})
+
+
+def _write(sweep_dir: Path, results: dict[str, Any]) -> None:
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")

@@ -1,0 +1,146 @@
+"""The recipe search: ``optimized_metric`` (what ``python -m runner`` returns to a Hydra sweeper) and
+``hydra/sweeper=search`` (runner/tune/search.py: Optuna ask-and-tell, verification on fresh seeds, the paste line).
+
+The searches are real multiruns of ``python -m runner`` on a tiny synthetic job. On that job's random labels a
+tiny LR keeps the evaluation loss near ln(10) while LR 0.05 makes it blow up within 4 steps: the constructed case
+where one LR is clearly better, whichever way the metric points.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import TINY, compose_cfg, read_summary, run_cli, run_tiny
+from runner import objective
+from runner.errors import ConfigError
+
+#: A search over two LRs that tries both (BruteForceSampler), each trial the tiny job
+SEARCH = ["-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.doctor=false",
+          "+hydra.sweeper.params={optimizer.lr: 'choice(0.000001, 0.05)'}",
+          "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "~hydra.sweeper.sampler.seed", *TINY]
+
+
+def trial_values(stdout: str, metric: str) -> list[float]:
+    return [float(v) for v in re.findall(rf"^trial \d+: {metric} = (\S+)", stdout, re.M)]
+
+
+def test_python_m_runner_returns_the_named_metric(monkeypatch):
+    """The Hydra task function's return value is the summary figure ``optimized_metric`` names (samples/s when
+    null): what Hydra hands a sweeper."""
+    import runner.__main__ as cli
+    import runner.train
+
+    summary = {"samples_per_sec": 123.0, "eval_loss": 0.25, "eval_accuracy": 0.9, "time_to_target_s": None,
+               "train_time_s": 7.0, "steps": 10, "global_batch_size": 16}
+    monkeypatch.setattr(runner.train, "train", lambda cfg: summary)
+    assert cli._train(compose_cfg("trainer.doctor=false")) == 123.0
+    assert cli._train(compose_cfg("trainer.doctor=false", "optimized_metric=eval_loss")) == 0.25
+    assert cli._train(compose_cfg("trainer.doctor=false", "optimized_metric=eval_accuracy")) == 0.9
+    # the target was missed: twice the training time it spent, never a good-looking figure
+    cfg = compose_cfg("trainer.doctor=false", "optimized_metric=time_to_target_s", "trainer.target_accuracy=0.98")
+    assert cli._train(cfg) == objective.CENSORED_FACTOR * 7.0
+    summary["time_to_target_s"] = 3.5
+    assert cli._train(cfg) == 3.5
+
+
+def test_a_real_run_returns_its_summary_figure(tmp_path):
+    summary = run_tiny(tmp_path, "optimized_metric=eval_loss")
+    assert objective.value(summary, "eval_loss") == summary["eval_loss"]
+    assert math.isfinite(summary["eval_loss"])
+    censored = objective.value(summary | {"time_to_target_s": None}, "samples_to_target")
+    assert censored == objective.CENSORED_FACTOR * summary["steps"] * summary["global_batch_size"]
+
+
+def test_a_bad_optimized_metric_is_one_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"^optimized_metric=eval_acc is not a figure .*did you mean "
+                                          r"optimized_metric=eval_accuracy\?.*time_to_target_s"):
+        objective.check(compose_cfg("optimized_metric=eval_acc"))
+    with pytest.raises(ConfigError, match=r"optimized_metric=time_to_target_s needs a target"):
+        objective.check(compose_cfg("optimized_metric=time_to_target_s"))
+    r = run_cli("optimized_metric=eval_acc", *TINY, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "optimized_metric=eval_acc" in errors[0] and "eval_accuracy" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("summary.json"))
+
+
+def test_the_search_refuses_a_bad_metric_before_any_trial(tmp_path):
+    pytest.importorskip("optuna")
+    r = run_cli(*SEARCH, "optimized_metric=speed", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "optimized_metric=speed" in errors[0], r.stderr[-2000:]
+    assert "trial 1" not in r.stdout
+    r = run_cli(*SEARCH, cwd=tmp_path)  # no optimized_metric at all
+    assert r.returncode == 2 and "needs optimized_metric=" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow  # ~14 s on 2 busy cores: two tiny trials in one multirun
+def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
+    """Each trial's value is the job's summary figure (the sweeper got the named metric); the best is the lower
+    eval loss; with the space exhausted the search stops early; the paste line carries the best LR."""
+    pytest.importorskip("optuna")
+    r = run_cli(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    values = trial_values(r.stdout, "eval_loss")
+    assert len(values) == 2, r.stdout  # two points: the brute-force sampler ends the search after them
+    sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
+    jobs = {read_summary(sweep / str(n))["config"]["optimizer"]["lr"]: read_summary(sweep / str(n))
+            for n in range(2)}
+    assert sorted(values) == sorted(s["eval_loss"] for s in jobs.values())
+    best_lr = min(jobs, key=lambda lr: jobs[lr]["eval_loss"])
+    assert jobs[best_lr]["eval_loss"] < 0.5 * max(s["eval_loss"] for s in jobs.values())  # clearly better
+    paste = r.stdout.splitlines()[r.stdout.splitlines().index("the recipe found (paste it):") + 1]
+    assert paste.startswith("python -m runner ") and f"optimizer.lr={best_lr!r}" in paste.split(), paste
+    assert "hydra/sweeper=search" not in paste and "optimized_metric" not in paste
+    assert "verification skipped (hydra.sweeper.verify_seeds=0)" in r.stdout
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_params"] == {"optimizer.lr": best_lr} and results["command"] == paste
+    assert "sweep report" not in r.stdout  # the search's own tables end it, not the plain sweep's
+
+
+@pytest.mark.slow  # ~35 s on 2 busy cores: 2 trials and 2 x 4 verification runs
+def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):
+    """To target: the trial that missed it is never the best; the verification runs best and start on seeds
+    100..103 (not the search's 0) and compares samples to target with an interval and a verdict."""
+    pytest.importorskip("optuna")
+    # the LR is the batch's share of optimizer.lr (lr_scaling=linear): 0.2 x 16/64 = 0.05, the starting recipe's,
+    # blows up; the base batch searched, 64000, gives 0.00005, which keeps the loss near ln(10) at the target
+    space = "+hydra.sweeper.params={optimizer.base_batch_size: 'choice(64, 64000)'}"
+    r = run_cli(*[a for a in SEARCH if not a.startswith("+hydra.sweeper.params")], space, "optimizer.lr=0.2",
+                "optimizer.lr_scaling=linear", "optimized_metric=samples_to_target", "trainer.target_loss=2.4",
+                "trainer.eval_every=2", "trainer.stop_at_target=true", "hydra.sweeper.verify_seeds=4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "target not reached" in r.stdout and "reached the target" in r.stdout, r.stdout
+    sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
+    seeds = {f"{p.parent.parent.name}/{p.parent.name}": read_summary(p.parent)["config"]["trainer"]["seed"]
+             for p in (sweep / "verify").rglob("summary.json")}
+    assert seeds == {f"{side}/seed{s}": s for side in ("best", "start") for s in (100, 101, 102, 103)}
+    line = next(x for x in r.stdout.splitlines() if x.startswith("samples to target, best / start:"))
+    assert "the best trial needs fewer samples" in line, r.stdout[-3000:]
+    assert re.search(r"\| best trial \| 4/4 \|", r.stdout) and re.search(r"\| starting recipe \| 0/4 \|", r.stdout)
+    assert r.stdout.splitlines()[-1].endswith(" optimizer.base_batch_size=64000"), r.stdout[-2000:]
+
+
+def test_the_search_file_composes():
+    """conf/hparams_search/mnist_optuna.yaml: the metric, its target, the sweeper and the space over LR,
+    schedule, batch size and optimizer."""
+    cfg = compose_cfg("hparams_search=mnist_optuna", tiny=False)
+    assert cfg.optimized_metric == "time_to_target_s" and cfg.trainer.target_accuracy == 0.98
+    objective.check(cfg)
+    from hydra import compose, initialize_config_dir
+
+    from runner import REPO_ROOT
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        hydra_cfg = compose(config_name="config", overrides=["hparams_search=mnist_optuna"], return_hydra_config=True)
+    sweeper = hydra_cfg.hydra.sweeper
+    assert sweeper._target_ == objective.SEARCH_SWEEPER
+    assert set(sweeper.params) == {"optimizer", "optimizer.lr", "scheduler", "dataloader.batch_size"}
+    assert Path(REPO_ROOT / "conf" / "hydra" / "sweeper" / "search.yaml").is_file()
