@@ -48,6 +48,7 @@ CHOICES: dict[str, tuple[str | None, ...]] = {
     "trainer.target_weights": ("model", "ema"),
     "trainer.host_allocator": ("reuse", "system"),
     "trainer.early_stopping.mode": ("auto", "min", "max"),
+    "ablation.measure": ("speed", "convergence"),
 }
 _NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode": "compile=off",  # what null means
                "optimizer.impl": "torch's default"}
