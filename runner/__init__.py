@@ -53,6 +53,8 @@ IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "tok
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
 #   ${runner_in_memory:${data.name}}         true for the datasets that have an in-memory form, so
 #                                            dataloader.on_device works (IN_MEMORY_DATA above)
+#   ${runner_steps:S,B}                      the optimizer steps of S samples at batch B: ceil(S / B), at least 1
+#                                            (conf/experiment/convergence.yaml: a budget in samples)
 def _if_cuda(device, then, otherwise):
     from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
 
@@ -63,6 +65,7 @@ _RESOLVERS = {
     "runner_if_cuda": _if_cuda,
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in IN_MEMORY_DATA,
+    "runner_steps": lambda samples, batch: max(1, -(-int(samples) // int(batch))),
 }
 
 

@@ -76,22 +76,26 @@ class Plan:
     target_loss: float | None
     skip_nonfinite: bool  # trainer.on_nonfinite=skip: check every step's gradients (one sync per step)
     stop_at_target: bool = False  # trainer.stop_at_target: end the run at the first evaluation meeting the targets
+    target_suffix: str = ""  # trainer.target_weights=ema: "_ema", the targets are met by the EMA's metrics
 
     def reached(self, metrics: dict[str, float]) -> bool:
-        """Whether ``metrics`` meet every target set (never, when none is)."""
+        """Whether ``metrics`` meet every target set (never, when none is), read from the weights' metrics or, with
+        ``target_suffix`` ``_ema``, their EMA's (``eval_accuracy_ema``)."""
         if self.target_accuracy is None and self.target_loss is None or None in metrics.values():
             return False
-        return ((self.target_accuracy is None or metrics["eval_accuracy"] >= self.target_accuracy)
-                and (self.target_loss is None or metrics["eval_loss"] <= self.target_loss))
+        accuracy, loss = (metrics.get(f"eval_{k}{self.target_suffix}") for k in ("accuracy", "loss"))
+        return ((self.target_accuracy is None or accuracy >= self.target_accuracy)
+                and (self.target_loss is None or loss <= self.target_loss))
 
     def met(self, metrics: dict[str, float]) -> str:
         """How ``metrics`` meet the targets, for ``stopped_early``: ``eval_loss 0.0123 <= trainer.target_loss=0.02``."""
-        said = []
+        said, suffix = [], self.target_suffix
         if self.target_accuracy is not None:
-            said.append(f"eval_accuracy {metrics['eval_accuracy']:.4g} >= trainer.target_accuracy="
+            said.append(f"eval_accuracy{suffix} {metrics[f'eval_accuracy{suffix}']:.4g} >= trainer.target_accuracy="
                         f"{self.target_accuracy:g}")
         if self.target_loss is not None:
-            said.append(f"eval_loss {metrics['eval_loss']:.4g} <= trainer.target_loss={self.target_loss:g}")
+            said.append(f"eval_loss{suffix} {metrics[f'eval_loss{suffix}']:.4g} <= trainer.target_loss="
+                        f"{self.target_loss:g}")
         return " and ".join(said)
 
 
@@ -242,7 +246,8 @@ def _plan(cfg: DictConfig, env: distributed.Env, micro_batches: int) -> Plan:
                 global_batch=global_batch_size(cfg.dataloader.batch_size, accumulate, env.world_size),
                 log_every=t.log_every, eval_every=t.eval_every or steps_per_epoch, eval_max_batches=t.eval_max_batches,
                 set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss,
-                skip_nonfinite=t.on_nonfinite == "skip", stop_at_target=t.stop_at_target)
+                skip_nonfinite=t.on_nonfinite == "skip", stop_at_target=t.stop_at_target,
+                target_suffix="_ema" if t.target_weights == "ema" else "")
 
 
 def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None = None) -> Parts:

@@ -45,8 +45,10 @@ CHOICES: dict[str, tuple[str | None, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.progress": ("auto", "bar", "lines", "off"),
     "trainer.on_nonfinite": ("stop", "skip"),
+    "trainer.target_weights": ("model", "ema"),
     "trainer.host_allocator": ("reuse", "system"),
     "trainer.early_stopping.mode": ("auto", "min", "max"),
+    "ablation.measure": ("speed", "convergence"),
 }
 _NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode": "compile=off",  # what null means
                "optimizer.impl": "torch's default"}
@@ -431,6 +433,7 @@ class TrainerConfig:
     target_accuracy: Optional[float] = None  # fraction in (0, 1]
     target_loss: Optional[float] = None  # eval_loss (the task's unit: nats, an MSE); time to target: first eval <= it
     stop_at_target: bool = False  # end the run at the first evaluation meeting the targets set (else: only dated)
+    target_weights: str = "model"  # CHOICES: whose metrics meet the targets: the trained weights, or their EMA
     peak_tflops: Optional[float] = None  # override the device's dense peak for MFU
     reference_samples_per_sec: Optional[float] = None  # single-process figure for scaling efficiency
     progress: str = "auto"  # CHOICES["trainer.progress"]

@@ -6,11 +6,12 @@ variants ``baseline+<variant>`` / ``fast-<variant>`` are named ``variant``), the
 (``on``) and the command line that does (``command``: what the doctor suggests and the README's switch table
 shows), where it can act (``where``: any device, CUDA only, images only), whether it changes the arithmetic (the
 speed tuner's numerics guard checks those that do; those that do not only move data or work, so a resumed run may
-change them: runner/resume.py), the group of alternatives it belongs to (one compile mode, one optimizer kernel, one
-precision) and its source. The engine's builders apply the techniques (runner/prepare.py, runner/data/loading.py,
-runner/optim.py, runner/precision.py, ...); tests/test_technique_table.py checks the ablation's variants, the
-tuner's candidates, the doctor's suggestions, the task's image-only skips and the README's switch table against
-this table.
+change them: runner/resume.py), whether it can change what a training step costs (``step_cost``: the convergence
+ablation measures samples/s only for those), the group of alternatives it belongs to (one compile mode, one
+optimizer kernel, one precision) and its source. The engine's builders apply the techniques (runner/prepare.py,
+runner/data/loading.py, runner/optim.py, runner/precision.py, ...); tests/test_technique_table.py checks the
+ablation's variants, the tuner's candidates, the doctor's suggestions, the task's image-only skips and the README's
+switch table against this table.
 
 Adding a technique: one entry here and its builder (and, where the presets differ by it, its two ablation variants
 in conf/ablation/variant/).
@@ -49,6 +50,9 @@ class Technique:
     variant: str | None = None
     readme: str | None = None
     tuner: bool = True  # a candidate of python -m runner.tune speed (recipe changes and debug tools are not)
+    # whether it can change what one training step costs (samples/s); False: the same work per step, other numbers
+    # in it (an LR schedule), so its time to target is its samples to target (runner/report/convergence.py)
+    step_cost: bool = True
     equivalent: tuple[Any, ...] = ()  # other values of its first key that switch it on too (amp: precision=auto)
 
     def changes(self) -> dict[str, Any]:
@@ -150,6 +154,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("drop_bias_before_bn", {"model.drop_bias_before_bn": True}, arithmetic=True, where="image",
               variant="drop_bias", readme="15", tuner=False,
               source="PyTorch Performance Tuning Guide: disable bias for convolutions directly followed by BN"),
+    # step_cost: a subtract and a divide per batch (on the device, or in the loader): small, but not nothing
     Technique("normalize", {"data.normalize": True}, arithmetic=True, where="image", variant="normalize",
               readme="17", tuner=False, source="input normalization (LeCun et al. 1998, 'Efficient BackProp')"),
     Technique("augment", {"data.augment": True}, arithmetic=True, where="image", tuner=False,
@@ -158,9 +163,24 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("activation_checkpointing", {"memory.checkpointing": True}, arithmetic=False,
               command=("memory=checkpointing",), variant="checkpointing", readme="8", tuner=False,
               source="torch.utils.checkpoint; Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost'"),
+    # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
+    # per step and costs nothing measurable, so its step_cost is False
     Technique("onecycle", {"scheduler.name": "onecycle"}, arithmetic=True, command=("scheduler=onecycle",),
-              variant="onecycle", readme="1", tuner=False,
+              variant="onecycle", readme="1", tuner=False, step_cost=False,
               source="Smith & Topin 2018, 'Super-Convergence'; torch.optim.lr_scheduler.OneCycleLR"),
+    Technique("cosine", {"scheduler.name": "cosine"}, arithmetic=True, command=("scheduler=cosine",),
+              variant="cosine", readme="1", tuner=False, step_cost=False,
+              source="Loshchilov & Hutter 2017, 'SGDR: Stochastic Gradient Descent with Warm Restarts'"),
+    Technique("cyclic", {"scheduler.name": "cyclic"}, arithmetic=True, command=("scheduler=cyclic",),
+              variant="cyclic", readme="1", tuner=False, step_cost=False,
+              source="Smith 2017, 'Cyclical Learning Rates for Training Neural Networks' (arXiv:1506.01186); "
+                     "torch.optim.lr_scheduler.CyclicLR"),
+    Technique("adamw", {"optimizer._target_": "torch.optim.AdamW"}, arithmetic=True, group="optimizer",
+              command=("optimizer=adamw",), variant="adamw", readme="5", tuner=False,
+              source="Loshchilov & Hutter 2019, 'Decoupled Weight Decay Regularization'; torch.optim.AdamW"),
+    Technique("ema", {"trainer.ema_decay": 0.999, "trainer.ema_warmup": True, "trainer.target_weights": "ema"},
+              arithmetic=True, variant="ema", tuner=False,  # an average updated after every step: a step's cost
+              source="Polyak & Juditsky 1992; Tarvainen & Valpola 2017; runner/ema.py"),
 )}
 
 
@@ -168,6 +188,17 @@ def by_variant(variant: str) -> Technique | None:
     """The technique an ablation variant names (``ablation.technique``), or None (``big_batch``, ``data_loading``:
     recipe changes and the fast preset's whole data loading, not one technique)."""
     return next((t for t in TECHNIQUES.values() if t.variant == variant), None)
+
+
+def step_cost(variant_technique: str | None) -> bool:
+    """Whether an ablation variant's technique (``ablation.technique``) can change what a training step costs, so
+    that its samples/s must be measured: its ``Technique.step_cost``; True for a name the table lacks (the recipe
+    changes ``big_batch`` and ``big_batch_sqrt``: samples/s changes with the batch; anything else: assumed, so it is
+    measured rather than taken as 1); False for the reference (None)."""
+    if variant_technique is None:
+        return False
+    t = by_variant(variant_technique)
+    return True if t is None else t.step_cost
 
 
 def image_only() -> dict[str, str]:
@@ -200,4 +231,4 @@ def applies_where(technique: Technique, cuda: bool, image: bool) -> str | None:
 
 
 __all__ = ["TECHNIQUES", "WHERE", "Technique", "applies_where", "by_variant", "image_only", "moves_data_only",
-           "select", "variant_keys"]
+           "select", "step_cost", "variant_keys"]

@@ -20,6 +20,13 @@ class AblationConfig:
     kind: Optional[str] = None  # baseline | leave-one-in | fast | leave-one-out
     technique: Optional[str] = None  # the technique the variant switches on (leave-one-in) or off (leave-one-out)
     requires: Optional[str] = None  # cuda: the variant is not run (recorded as not run) on other devices
+    # what the sweep measures: speed (samples/s, interleaved: +experiment=ablation) | convergence (samples to target
+    # over seeds: +experiment=convergence, runner/report/convergence.py)
+    measure: str = "speed"
+    # convergence: each seed's budget and evaluation interval in samples, so every batch size gets the same ones
+    # (trainer.max_steps and trainer.eval_every are derived from them: ${runner_steps:samples,batch})
+    max_samples: Optional[int] = None
+    eval_samples: Optional[int] = None
 
 
 @dataclass

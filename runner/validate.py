@@ -43,6 +43,8 @@ def validate(cfg: DictConfig) -> None:
         (t.ema_decay is None or 0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay,
          "must be in (0, 1) (e.g. 0.999: the old average's weight per update) or null"),
         (t.ema_every >= 1, "trainer.ema_every", t.ema_every, "must be >= 1"),
+        (t.target_weights != "ema" or t.ema_decay is not None, "trainer.target_weights", t.target_weights,
+         "reads the targets from the EMA's metrics: set trainer.ema_decay (e.g. 0.999) or target_weights=model"),
         (0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32) (NumPy's seed range)"),
         (t.eval_max_batches is None or t.eval_max_batches >= 1, "trainer.eval_max_batches", t.eval_max_batches,
          "must be >= 1 or null (an evaluation of no batch would report made-up figures)"),

@@ -61,17 +61,22 @@ def diff(a: dict, b: dict) -> set[str]:
 # ------------------------------------------------------------------------------------------- configs
 def test_the_sweep_lists_every_variant_once_and_is_interleaved():
     """One multirun job per configuration (the launcher adds its processes), each capped only by time: the
-    conductor stops the jobs when interleave.max_minutes is spent."""
+    conductor stops the jobs when interleave.max_minutes is spent. Every variant is swept by the speed ablation or,
+    the recipes that buy steps (schedules, optimizer, EMA), by the convergence ablation."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=ablation"], return_hydra_config=True)
+        convergence = compose("config", overrides=["+experiment=convergence"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     swept = [v.strip() for v in params["ablation/variant"].split(",")]
-    assert sorted(swept) == NAMES and len(swept) == len(set(swept)) and list(params) == ["ablation/variant"]
+    # the variants only the convergence ablation sweeps: recipes that buy steps, not speed
+    recipes = {v.strip() for v in convergence.hydra.sweeper.params["ablation/variant"].split(",")} - set(swept)
+    assert recipes and sorted([*swept, *recipes]) == NAMES and len(swept) == len(set(swept))
+    assert list(params) == ["ablation/variant"]
     overrides = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
-    assert len(BasicSweeper.split_arguments(overrides, None)[0]) == len(NAMES)
+    assert len(BasicSweeper.split_arguments(overrides, None)[0]) == len(swept)
     assert cfg.hydra.launcher._target_.endswith("InterleavedLauncher") and cfg.trainer.max_steps >= 100_000
 
 

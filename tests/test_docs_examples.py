@@ -51,6 +51,7 @@ NEEDS = {
     "pkg://mypackage.conf": "needs the reader's own package",
     "my_models.Net": "needs the reader's own my_models.py (not shown in the docs)",
     "outputs/ablation/<date>/<time>": "needs an ablation sweep (tests/test_ablation.py rebuilds one's report)",
+    "outputs/convergence/<date>/<time>": "needs a convergence sweep (tests/test_convergence.py rebuilds one's report)",
     "outputs/tune/speed/<date>_<time>": "needs the speed tuner's preset (tests/test_tune_speed.py runs one)",
 }
 

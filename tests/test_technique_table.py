@@ -16,9 +16,9 @@ from runner import REPO_ROOT
 from runner.techniques import TECHNIQUES, WHERE, by_variant
 
 VARIANTS = sorted(p.stem for p in (REPO_ROOT / "conf" / "ablation" / "variant").glob("*.yaml"))
-#: Variants that are not one technique: a recipe change (4x the batch, the LR scaled) and the fast preset's whole
-#: data loading (on-device data, or workers and pinned memory, whichever the hardware gets)
-NOT_ONE_TECHNIQUE = {"big_batch", "data_loading"}
+#: Variants that are not one technique: recipe changes (4x the batch, the LR scaled linearly or by the square root)
+#: and the fast preset's whole data loading (on-device data, or workers and pinned memory, whichever the hardware gets)
+NOT_ONE_TECHNIQUE = {"big_batch", "big_batch_sqrt", "data_loading"}
 
 
 def variant_cfg(name: str):

@@ -2,7 +2,9 @@
 
 An ablation sweep (``python -m runner -m +experiment=ablation``) gets the ablation report: one row per
 configuration with its speed-up over the baseline, what its technique buys, 95 % intervals from the interleaved
-record (runner/compare/: paired slices, Holm's verdicts) and a verdict. Any other multirun gets one row per job.
+record (runner/compare/: paired slices, Holm's verdicts) and a verdict. A convergence sweep
+(``+experiment=convergence``) gets one row per configuration with its samples-to-target, throughput and
+time-to-target ratios over seeds. Any other multirun gets one row per job.
 
 Where each concern lives:
 
@@ -14,6 +16,9 @@ Where each concern lives:
   (``write_report``); ``markdown``: the report's text, the reading and the agreement table;
 - ``sweep``: the plain-sweep report (``write_plain_report``), where a sweep's time went (``job_times``,
   ``budget_lines``) and the multirun's command (``sweep_command``);
+- ``convergence``: a convergence sweep's configurations, their seeds and ratios to the baseline
+  (``build_variants``, ``is_convergence``); ``convergence_text``: its report.md/report.csv, ``--doc`` and the
+  agreement of ``--replication`` (``write_convergence_report``);
 - ``end``: what a plain multirun prints at its end (its table and the report command; a Hydra callback);
 - ``__main__``: the command line.
 
@@ -23,6 +28,8 @@ This package reads what runner/compare/ measured and never imports a tool (runne
 from __future__ import annotations
 
 from runner.compare.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
+from runner.report.convergence import build_variants, is_convergence
+from runner.report.convergence_text import write_convergence_report
 from runner.report.load import Job, ReportError, Row, is_ablation, load_jobs, load_record, technique_status
 from runner.report.markdown import FIRM, agreement, markdown, reading
 from runner.report.rows import build_rows, point_figures
@@ -40,5 +47,6 @@ from runner.report.write import CSV_COLUMNS, JOB_COLUMNS, write_report
 
 __all__ = ["CSV_COLUMNS", "FIRM", "HELPS", "HURTS", "JOB_COLUMNS", "NO_EFFECT", "NO_INTERVAL", "PLAIN_COLUMNS",
            "Interval", "Job", "ReportError", "Row", "SweepError", "agreement", "budget_lines", "build_rows",
-           "is_ablation", "job_times", "load_jobs", "load_record", "load_sweep", "markdown", "point_figures",
-           "reading", "sweep_command", "swept_keys", "technique_status", "write_plain_report", "write_report"]
+           "build_variants", "is_ablation", "is_convergence", "job_times", "load_jobs", "load_record", "load_sweep",
+           "markdown", "point_figures", "reading", "sweep_command", "swept_keys", "technique_status",
+           "write_convergence_report", "write_plain_report", "write_report"]

@@ -7,6 +7,9 @@ and prints its table of the jobs, fastest first, and ``python -m runner.report <
 launcher: ``hydra/launcher=interleaved`` (and the ablation on it) writes its own report, and a SLURM sweep's jobs
 end on other machines; not after a recipe search (``hydra/sweeper=search``), which ends with its own tables.
 Rank 0 only; a report that cannot be written costs one line, never the sweep.
+
+A convergence sweep (``+experiment=convergence``: ``ablation.measure=convergence``, on the basic launcher too) gets
+its own report instead (``print_convergence_end``: runner/report/convergence_text.py), its table printed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 from runner.objective import SEARCH_SWEEPER
 from runner.report.sweep import jobs_table, load_sweep, load_warning, write_plain_report
+
+MEASURE_KEY = "ablation.measure"  # convergence: the sweep's report is the convergence report
 
 #: The launcher whose sweeps end with the table: Hydra's own, one job after the other in this process.
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -40,6 +45,29 @@ def print_sweep_end(sweep: Path) -> None:
     print("\n".join(lines), flush=True)
 
 
+def print_convergence_end(sweep: Path) -> None:
+    """Write the convergence report of ``sweep`` and print its table, the files and the report command (with
+    ``--throughput`` where rows need it); one line instead when it cannot be written."""
+    from runner.report.convergence import build_variants
+    from runner.report.convergence_text import NEEDS_THROUGHPUT, table, write_convergence_report
+
+    command = f"python -m runner.report {shlex.quote(str(sweep))}"
+    try:
+        rows = build_variants(sweep)
+        written = write_convergence_report(sweep, rows=rows)
+    except Exception as e:  # noqa: BLE001 - the seeds are done and their folders written; the report is extra
+        print(f"convergence report: not written ({type(e).__name__}: {e}); {command} writes it", flush=True)
+        return
+    lines = ["", f"convergence sweep {sweep}, ratios to the baseline:", *table(rows),
+             f"wrote {', '.join(str(p) for p in written)}"]
+    if any(v.verdict == NEEDS_THROUGHPUT for v in rows):
+        lines.append(f"time to target of the rows that change a step's cost (report.md says how to measure it): "
+                     f"{command} --throughput <interleaved ablation sweep>")
+    else:
+        lines.append(f"the report again: {command}")
+    print("\n".join(lines), flush=True)
+
+
 try:
     from hydra.experimental.callback import Callback
 except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks: `python -m runner.report` still works
@@ -59,4 +87,8 @@ class SweepReport(Callback):  # type: ignore[misc,valid-type]
             return
         if OmegaConf.select(config, "hydra.sweeper._target_") == SEARCH_SWEEPER:  # it ends with its own tables
             return
-        print_sweep_end(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))))
+        sweep = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
+        if OmegaConf.select(config, MEASURE_KEY) == "convergence":
+            print_convergence_end(sweep)
+        else:
+            print_sweep_end(sweep)
