@@ -10,8 +10,9 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from runner import objective
-from runner.config import CHOICES, LOGGER_PACKAGES, LOGGERS, check_choice, logger_names
+from runner.config import CHOICES, check_choice
 from runner.errors import ConfigError
+from runner.logger_config import LOGGER_PACKAGES, LOGGERS, logger_names
 
 
 def validate(cfg: DictConfig) -> None:

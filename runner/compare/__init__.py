@@ -157,7 +157,7 @@ def compare(configs: Mapping[str, DictConfig], reference: str, folder: Path, set
 def measured_job(cfg: DictConfig) -> DictConfig:
     """``cfg`` resolved and made a measured job: it trains until told to finish (no step limit, no evaluation but
     one batch at the end, no checkpoint, no logger, no samples, no doctor, no early stop, no targets)."""
-    from runner.config import LOGGERS
+    from runner.logger_config import LOGGERS
 
     out = copy.deepcopy(cfg)
     OmegaConf.resolve(out)
