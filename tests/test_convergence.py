@@ -240,9 +240,9 @@ def test_the_preset_sweeps_the_configurations_over_seeds_on_the_basic_launcher()
     assert (cfg.model._target_, cfg.data.name, cfg.scheduler.name, cfg.optimizer.lr_scaling) == (
         "runner.models.MnistCNN", "mnist", "constant", "none")  # the default job, the baseline's recipe
     # the budget and the evaluation interval are in samples: a 4x bigger batch gets 4x fewer steps
-    assert (t.max_steps, t.eval_every) == (math.ceil(40_960 / 64), 20)
+    assert (t.max_steps, t.eval_every) == (math.ceil(81_920 / 64), 20)
     big = preset("ablation/variant=baseline+big_batch_sqrt").trainer
-    assert (big.max_steps, big.eval_every) == (math.ceil(40_960 / 256), 5)
+    assert (big.max_steps, big.eval_every) == (math.ceil(81_920 / 256), 5)
     # a replication with other seeds is one override: the command line wins over the preset's seeds
     command_line = [f"{k}={v}" for k, v in params.items()] + ["trainer.seed=5,6,7,8,9"]
     parsed = OverridesParser.create().parse_overrides(command_line)
