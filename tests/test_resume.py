@@ -67,13 +67,17 @@ def _descendants(pid: int) -> list[int]:
 
 
 def kill_at(cmd: list[str], folder: Path, step: int, timeout: float = 240) -> None:
-    """Start ``cmd``; SIGKILL it and every process it started once ``metrics.jsonl`` has a row for ``step``."""
+    """Start ``cmd``; SIGKILL it and every process it started once ``metrics.jsonl`` has a row for ``step`` that
+    this process wrote: a row left by an earlier attempt (a kill lands some steps late on a fast job) does not
+    count until the resumed run has rewritten the file (it drops the rows after its checkpoint)."""
+    metrics = folder / "metrics.jsonl"
+    before = metrics.read_text() if metrics.exists() else None
     proc = subprocess.Popen(cmd, cwd=folder.parent, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + timeout
-    metrics = folder / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+        text = metrics.read_text() if metrics.exists() else None
+        if text is not None and text != before and f'"step": {step},' in text:
             break
         time.sleep(0.02)
     assert proc.poll() is None, f"the run ended before step {step}: {proc.stderr.read()[-3000:]}"
