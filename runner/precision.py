@@ -57,9 +57,6 @@ def _set_tf32(allowed: bool) -> None:
 
 #: The CUDA compute capability fp8 matmuls need (``torch._scaled_mm``): Ada Lovelace (8.9), Hopper (9.0), Blackwell
 FP8_CAPABILITY = (8, 9)
-#: ``precision.fp8_recipe`` -> what it is (torchao's ``Float8LinearRecipeName``; torchao/float8/README.md)
-FP8_RECIPES = {"tensorwise": "one scale per tensor, cuBLAS's fp8 GEMM: the fastest",
-               "rowwise": "one scale per row, CUTLASS's rowwise GEMM: more accurate, a little slower"}
 
 
 def build(cfg: DictConfig, device: torch.device) -> Precision:

@@ -250,6 +250,27 @@ def test_the_preset_sweeps_the_configurations_over_seeds_on_the_basic_launcher()
     assert len(jobs) == len(PRESET) * 5 and {j[1] for j in jobs} == {f"trainer.seed={s}" for s in range(5, 10)}
 
 
+def test_the_gpt_preset_is_the_recipe_with_the_convergence_ablation_and_a_loss_target():
+    """``+experiment=convergence_gpt`` is ``+experiment=[shakespeare_char,convergence]`` with the validation-loss
+    target and the recipe's 2,000 steps as the budget: the same job, key for key."""
+    job = ["ablation/variant=baseline+muon", "trainer.seed=3"]
+    gpt = preset_config("+experiment=convergence_gpt", *job)
+    listed = preset_config("+experiment=[shakespeare_char,convergence]", *job, "trainer.target_accuracy=null",
+                           "trainer.target_loss=1.96", "ablation.max_samples=24000", "ablation.eval_samples=1200")
+    assert OmegaConf.to_container(gpt, resolve=True) == OmegaConf.to_container(listed, resolve=True)
+    assert (gpt.model._target_, gpt.trainer.max_steps, gpt.trainer.eval_every) == ("runner.gpt.GPT", 2000, 100)
+    assert (gpt.scheduler.name, gpt.trainer.stop_at_target, gpt.trainer.target_weights) == ("constant", True, "model")
+    variants = preset_config("+experiment=convergence_gpt", hydra=True).hydra.sweeper.params["ablation/variant"]
+    variants = variants.split(",")
+    assert variants[0] == "baseline" and {v.removeprefix("baseline+") for v in variants[1:]} == {
+        "onecycle", "cosine", "muon", "ema"}
+
+
+def preset_config(*overrides: str, hydra: bool = False):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
 @pytest.mark.parametrize("variant", PRESET[1:])
 def test_each_configuration_of_the_preset_composes_and_switches_its_technique(variant):
     from runner.techniques import by_variant
