@@ -221,8 +221,7 @@ def test_the_step_cost_of_each_technique_of_the_preset():
 
 # ------------------------------------------------------------------------------------------- the preset
 def preset(*overrides: str):
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=["+experiment=convergence", *overrides], return_hydra_config=True)
+    return preset_config("+experiment=convergence", *overrides, hydra=True)
 
 
 def test_the_preset_sweeps_the_configurations_over_seeds_on_the_basic_launcher():
