@@ -120,11 +120,13 @@ def runner_loop(cfg, model, batches, device) -> list[float]:
     return [w + s for w, s in zip(m.data_wait_ms, m.step_time_ms)]
 
 
-def bench(case: str, rounds: int | None, warmup: int, device: torch.device) -> dict:
-    """``rounds`` paired runs of both loops; the figure is the median of the per-round ratios, since the two
-    runs of a round share the machine's state (these machines are shared VMs whose speed drifts)."""
-    overrides, shape, batch, steps, default_rounds = CASES[case]
+def bench(case: str, rounds: int | None, warmup: int, device: torch.device, steps: int | None = None) -> dict:
+    """``rounds`` paired runs of both loops of ``steps`` steps each (default: the case's); the figure is the
+    median of the per-round ratios, since the two runs of a round share the machine's state (these machines are
+    shared VMs whose speed drifts)."""
+    overrides, shape, batch, default_steps, default_rounds = CASES[case]
     rounds = rounds or default_rounds
+    steps = steps or default_steps
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         data = [] if case == "gpt" else ["data=synthetic", f"data.shape=[{','.join(map(str, shape))}]"]
         cfg = compose(config_name="config", overrides=[
@@ -160,6 +162,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="paired rounds per model (default: per model)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per loop run, warm-up included (default: per model, sized for a CPU; a GPU's "
+                        "millisecond steps want hundreds)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "overhead.md")
@@ -167,7 +172,7 @@ def main() -> None:
     register_configs()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    results = [bench(c, args.rounds, args.warmup, device) for c in args.cases]
+    results = [bench(c, args.rounds, args.warmup, device, args.steps) for c in args.cases]
     machine = hardware.device_name(device) + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads")
     lines = [
         "# Engine overhead: runner vs a minimal PyTorch loop",

@@ -9,6 +9,7 @@
 #                                          #          resnet50 resnet18 gpt_compile_modes overhead suite
 #   TESTS_K='resume' bash scripts/gpu_check.sh tests   # only the CUDA tests matching a -k expression
 #   DRY=1 bash scripts/gpu_check.sh tune_gpt aa_gpt race   # the same steps on the CPU at toy sizes (CI runs this)
+#   R18_MINUTES=2.5 FP8_MINUTES=1 bash scripts/gpu_check.sh tune_r18 gpt2   # budgets: the ResNet-18 tuner, the fp8 sweeps
 #
 # The agenda (issue "On the GPU"), in priority order: tune_gpt (python -m runner.tune speed on the GPT GPU recipe),
 # aa_gpt (an interleaved sweep compile=default,reduce-overhead x trainer.seed=0,1 with its A/A copy), race
@@ -43,12 +44,14 @@ parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt gpt resnet50 
 NANOGPT=${NANOGPT:-.gpu/nanogpt}
 DRY=${DRY:-}
 DEV=cuda
-gpt_toy=(); r18_toy=(); gpt2_toy=(); wide_toy=(); tune_minutes=1.4; aa_minutes=0.8; fp8_minutes=1.5
+gpt_toy=(); r18_toy=(); gpt2_toy=(); wide_toy=(); tune_minutes=1.4; aa_minutes=0.8
+fp8_minutes=${FP8_MINUTES:-1.5}  # of measuring in each bf16-against-fp8 sweep, after its processes compiled
+r18_minutes=${R18_MINUTES:-1.4}  # the ResNet-18 tuner's budget; its step's time limit grows with it
 lm_compile=default; quick=(); scale=1
 if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
   # (the tuners' budgets leave no time for a round: their guard and verification run; slices of 4 steps; the
   # steps' time limits x3, for a CI machine busy with other tests)
-  DEV=cpu; tune_minutes=0.3; aa_minutes=0.3; fp8_minutes=0.2; lm_compile=off; scale=3
+  DEV=cpu; tune_minutes=0.3; r18_minutes=0.3; aa_minutes=0.3; fp8_minutes=0.2; lm_compile=off; scale=3
   gpt_toy=(model.n_layer=1 model.n_head=2 model.n_embd=32 data.block_size=32 optimizer.base_batch_size=8)
   r18_toy=(model=mlp "data.shape=[3,8,8]")
   gpt2_toy=(model.n_layer=1 model.n_head=2 model.n_embd=64 data.block_size=32 data.vocab_size=512
@@ -124,8 +127,11 @@ if has tune_r18; then
         trainer.device=$DEV logger=none)
   only='[compile,bf16,channels_last,on_device_data,fused_optimizer,cudnn_benchmark]'
   [ -n "$DRY" ] && only='[compile,on_device_data,fused_optimizer]'
-  step tune_r18 200 python3 -m runner.tune speed --out "$RUNS/tune_r18" "${r18[@]}" "tune.only=$only" \
-    tune.budget_minutes=$tune_minutes interleave.processes=1 "${quick[@]}"
+  # (the limit: the budget, which counts measuring only, and 200 s for what it leaves out; on an H200 the guard's
+  # six 50-step runs took 72 s and the processes' start-ups 50 s a round and 41 s for the verification)
+  step tune_r18 "$(awk "BEGIN { print int($r18_minutes * 60 + 200) }")" python3 -m runner.tune speed \
+    --out "$RUNS/tune_r18" "${r18[@]}" "tune.only=$only" tune.budget_minutes=$r18_minutes interleave.processes=1 \
+    "${quick[@]}"
   cat "$RUNS/tune_r18/speed.md" >>"$LOGS/tune_r18.log" 2>/dev/null
 fi
 # GPT-2 124M and the wide GPT: synthetic tokens on the device, bf16 against fp8 (torchao, tensorwise), interleaved with
@@ -135,9 +141,10 @@ lm_sweep=(trainer.max_steps=1000000 trainer.eval_every=1000000 trainer.eval_max_
           scheduler.warmup_steps=10 task.sample_tokens=0 memory.accumulate_steps=1 dataloader=device compile=$lm_compile
           trainer.device=$DEV logger=none interleave.processes=1 interleave.slice_seconds=2
           interleave.max_minutes=$fp8_minutes)
+lm_limit=$(awk "BEGIN { print int($fp8_minutes * 60 + 240) }")  # 1.5 minutes: 330 s, as it was
 if has gpt2; then
   # conf/experiment/gpt2_124m.yaml (12 x 768, context 1024, micro-batch 12): llm.c reports ~468 K tokens/s per H100
-  step gpt2 330 python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,fp8 \
+  step gpt2 "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,fp8 \
     "${lm_sweep[@]}" "${gpt2_toy[@]}" hydra.sweep.dir="$RUNS/gpt2"
   cat "$RUNS/gpt2/report.md" >>"$LOGS/gpt2.log" 2>/dev/null
 fi
@@ -146,7 +153,7 @@ if has wide_gpt; then
   # enough for torchao's tensorwise filter; compiled block by block (compile.regional) to keep the first compile short
   wide=(model.n_layer=8 model.n_head=16 model.n_embd=2048 optimizer.base_batch_size=8)
   [ -n "$DRY" ] && wide=("${wide_toy[@]}")
-  step wide_gpt 330 python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,fp8 \
+  step wide_gpt "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,fp8 \
     "${lm_sweep[@]}" "${wide[@]}" compile.regional=true hydra.sweep.dir="$RUNS/wide_gpt"
   cat "$RUNS/wide_gpt/report.md" >>"$LOGS/wide_gpt.log" 2>/dev/null
 fi
@@ -178,8 +185,9 @@ if has gpt_compile_modes; then
   done
 fi
 if has overhead; then
-  step overhead 240 python3 scripts/bench_overhead.py --device cuda --cases resnet18 gpt --rounds 5 \
-    --out "$LOGS/overhead.md"
+  # (300 steps a run: the CPU-sized default of 15-30 left a 2026-11-27 H200 reading inconclusive, ratios 0.79-1.35)
+  step overhead 240 python3 scripts/bench_overhead.py --device cuda --cases resnet18 gpt --rounds 7 --steps 300 \
+    --warmup 20 --out "$LOGS/overhead.md"
 fi
 if has suite; then
   # the whole suite with CUDA visible (what `trainer.device=auto` does in the tests)
