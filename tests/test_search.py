@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import TINY, compose_cfg, read_summary, run_cli, run_tiny
-from runner import objective
+from runner import REPO_ROOT, objective
 from runner.errors import ConfigError
 
 #: A search over two LRs that tries both (BruteForceSampler), each trial the tiny job
@@ -128,19 +128,37 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):
     assert r.stdout.splitlines()[-1].endswith(" optimizer.base_batch_size=64000"), r.stdout[-2000:]
 
 
+def search_sweeper(name: str):
+    """``hydra.sweeper`` of ``hparams_search=<name>``, composed with Hydra's own config."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hparams_search={name}"], return_hydra_config=True)
+    return cfg.hydra.sweeper
+
+
 def test_the_search_file_composes():
     """conf/hparams_search/mnist_optuna.yaml: the metric, its target, the sweeper and the space over LR,
     schedule, batch size and optimizer."""
     cfg = compose_cfg("hparams_search=mnist_optuna", tiny=False)
     assert cfg.optimized_metric == "time_to_target_s" and cfg.trainer.target_accuracy == 0.98
     objective.check(cfg)
-    from hydra import compose, initialize_config_dir
-
-    from runner import REPO_ROOT
-
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        hydra_cfg = compose(config_name="config", overrides=["hparams_search=mnist_optuna"], return_hydra_config=True)
-    sweeper = hydra_cfg.hydra.sweeper
+    sweeper = search_sweeper("mnist_optuna")
     assert sweeper._target_ == objective.SEARCH_SWEEPER
     assert set(sweeper.params) == {"optimizer", "optimizer.lr", "scheduler", "dataloader.batch_size"}
     assert Path(REPO_ROOT / "conf" / "hydra" / "sweeper" / "search.yaml").is_file()
+
+
+def test_the_gpt_search_brings_the_recipe_and_its_own_target():
+    """conf/hparams_search/gpt_optuna.yaml composes +experiment=shakespeare_char itself, so the recipe's target
+    (1.88) cannot overwrite the search's 1.96, and the space leaves the recipe's optimizer alone."""
+    recipe = compose_cfg("+experiment=shakespeare_char", tiny=False)
+    cfg = compose_cfg("hparams_search=gpt_optuna", tiny=False)
+    assert recipe.trainer.target_loss == 1.88 and cfg.trainer.target_loss == 1.96 and cfg.trainer.stop_at_target
+    assert cfg.optimized_metric == "time_to_target_s"
+    assert (cfg.model.n_layer, cfg.optimizer.lr, cfg.trainer.max_steps) == (4, 1e-3, 2000)
+    assert cfg.optimizer._target_ == recipe.optimizer._target_ == "torch.optim.AdamW"
+    objective.check(cfg)
+    sweeper = search_sweeper("gpt_optuna")
+    assert sweeper._target_ == objective.SEARCH_SWEEPER and sweeper.verify_seeds >= 4
+    assert set(sweeper.params) == {"optimizer.lr", "scheduler", "dataloader.batch_size"}
