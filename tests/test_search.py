@@ -18,6 +18,7 @@ import yaml
 from conftest import TINY, compose_cfg, read_summary, run_cli, run_tiny
 from runner import REPO_ROOT, objective
 from runner.errors import ConfigError
+from runner.tune.search_end import paste_line
 
 #: A search over two LRs that tries both (BruteForceSampler), each trial the tiny job
 SEARCH = ["-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.doctor=false",
@@ -162,3 +163,10 @@ def test_the_gpt_search_brings_the_recipe_and_its_own_target():
     sweeper = search_sweeper("gpt_optuna")
     assert sweeper._target_ == objective.SEARCH_SWEEPER and sweeper.verify_seeds >= 4
     assert set(sweeper.params) == {"optimizer.lr", "scheduler", "dataloader.batch_size"}
+    # the line to paste leaves the search file out, so it must bring the recipe back (it read "python -m runner
+    # ... optimizer.lr=0.0035 scheduler=cosine dataloader.batch_size=8": the MNIST default with the GPT's settings)
+    fixed = ["hparams_search=gpt_optuna", "trainer.num_threads=1"]
+    line = paste_line(fixed, {"optimizer.lr": 0.0035, "scheduler": "cosine"}, list(sweeper.recipe))
+    assert line == ("python -m runner +experiment=shakespeare_char trainer.num_threads=1 optimizer.lr=0.0035 "
+                    "scheduler=cosine")
+    assert compose_cfg(*line.split()[3:], tiny=False).model.n_layer == 4

@@ -110,8 +110,10 @@ class SearchSweeper(Sweeper):
 
     def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
                  storage: str | None = None, study_name: str | None = None, params: Any = None,
-                 verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95) -> None:
+                 verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95,
+                 recipe: Sequence[str] = ()) -> None:
         self.sampler, self.direction, self.n_trials = sampler, direction, n_trials
+        self.recipe = [str(o) for o in recipe or ()]  # the overrides that give the search file's own preset
         self.storage, self.study_name = storage, study_name
         self.params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params or {})
         self.verify_seeds, self.verify_first_seed, self.confidence = verify_seeds, verify_first_seed, confidence
