@@ -165,7 +165,7 @@ def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
         return
     print(f"best trial: {best.number + 1}, {metric} = {best.value:.4g}", flush=True)
     lines, record = verify(sweeper, plan, best.params)
-    line = paste_line(plan["fixed"], best.params, getattr(sweeper, "recipe", ()))
+    line = paste_line(plan["fixed"], best.params, sweeper.recipe)
     print("\n".join(lines), "", "the recipe found (paste it):", line, sep="\n", flush=True)
     _write(sweep_dir, results | {"best_params": dict(best.params), "best_value": best.value,
                                  "verification": record, "command": line})
