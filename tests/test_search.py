@@ -116,7 +116,8 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):
     space = "+hydra.sweeper.params={optimizer.base_batch_size: 'choice(64, 64000)'}"
     r = run_cli(*[a for a in SEARCH if not a.startswith("+hydra.sweeper.params")], space, "optimizer.lr=0.2",
                 "optimizer.lr_scaling=linear", "optimized_metric=samples_to_target", "trainer.target_loss=2.4",
-                "trainer.eval_every=2", "trainer.stop_at_target=true", "hydra.sweeper.verify_seeds=4", cwd=tmp_path)
+                "trainer.eval_every=2", "trainer.stop_at_target=true", "hydra.sweeper.verify_seeds=4",
+                "hydra.sweeper.recipe=['+experiment=baseline']", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "target not reached" in r.stdout and "reached the target" in r.stdout, r.stdout
     sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
@@ -127,6 +128,7 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):
     assert "the best trial needs fewer samples" in line, r.stdout[-3000:]
     assert re.search(r"\| best trial \| 4/4 \|", r.stdout) and re.search(r"\| starting recipe \| 0/4 \|", r.stdout)
     assert r.stdout.splitlines()[-1].endswith(" optimizer.base_batch_size=64000"), r.stdout[-2000:]
+    assert r.stdout.splitlines()[-1].startswith("python -m runner +experiment=baseline "), r.stdout[-2000:]  # recipe
 
 
 def search_sweeper(name: str):
