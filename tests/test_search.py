@@ -148,7 +148,8 @@ def test_the_search_file_composes():
     objective.check(cfg)
     sweeper = search_sweeper("mnist_optuna")
     assert sweeper._target_ == objective.SEARCH_SWEEPER
-    assert set(sweeper.params) == {"optimizer", "optimizer.lr", "scheduler", "dataloader.batch_size"}
+    assert set(sweeper.params) == {"optimizer", "optimizer.lr", "scheduler", "dataloader.batch_size", "ema"}
+    assert cfg.trainer.eval_every == 1600 // cfg.dataloader.batch_size  # dated every 1,600 samples at any batch
     assert Path(REPO_ROOT / "conf" / "hydra" / "sweeper" / "search.yaml").is_file()
 
 
