@@ -44,14 +44,16 @@ parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt gpt resnet50 
 NANOGPT=${NANOGPT:-.gpu/nanogpt}
 DRY=${DRY:-}
 DEV=cuda
-gpt_toy=(); r18_toy=(); gpt2_toy=(); wide_toy=(); tune_minutes=1.4; aa_minutes=0.8
+gpt_toy=(); r18_toy=(); gpt2_toy=(); wide_toy=(); tune_minutes=1.4
+aa_stop=(interleave.max_minutes=0.8)  # the A/A sweep's measuring time
 fp8_minutes=${FP8_MINUTES:-1.5}  # of measuring in each bf16-against-fp8 sweep, after its processes compiled
 r18_minutes=${R18_MINUTES:-1.4}  # the ResNet-18 tuner's budget; its step's time limit grows with it
 lm_compile=default; quick=(); scale=1
 if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
   # (the tuners' budgets leave no time for a round: their guard and verification run; slices of 4 steps; the
   # steps' time limits x3, for a CI machine busy with other tests)
-  DEV=cpu; tune_minutes=0.3; r18_minutes=0.3; aa_minutes=0.3; fp8_minutes=0.2; lm_compile=off; scale=3
+  DEV=cpu; tune_minutes=0.3; r18_minutes=0.3; fp8_minutes=0.2; lm_compile=off; scale=3
+  aa_stop=(interleave.max_passes=3)  # passes, not minutes: a busy CI machine still measures the A/A copy
   gpt_toy=(model.n_layer=1 model.n_head=2 model.n_embd=32 data.block_size=32 optimizer.base_batch_size=8)
   r18_toy=(model=mlp "data.shape=[3,8,8]")
   gpt2_toy=(model.n_layer=1 model.n_head=2 model.n_embd=64 data.block_size=32 data.vocab_size=512
@@ -108,7 +110,7 @@ if has aa_gpt; then
   modes=default,reduce-overhead; [ -n "$DRY" ] && modes=off,default
   step aa_gpt 150 python3 -m runner -m hydra/launcher=interleaved "${gpt_gpu[@]}" compile=$modes trainer.seed=0,1 \
     trainer.max_steps=1000000 trainer.eval_every=1000000 trainer.eval_max_batches=1 interleave.processes=1 \
-    interleave.slice_seconds=1 interleave.max_minutes=$aa_minutes "${quick[@]}" \
+    interleave.slice_seconds=1 "${aa_stop[@]}" "${quick[@]}" \
     hydra.sweep.dir="$RUNS/aa_gpt"
   cat "$RUNS/aa_gpt/report.md" >>"$LOGS/aa_gpt.log" 2>/dev/null
 fi
