@@ -149,7 +149,7 @@ def test_the_search_file_composes():
     sweeper = search_sweeper("mnist_optuna")
     assert sweeper._target_ == objective.SEARCH_SWEEPER
     assert set(sweeper.params) == {"optimizer", "optimizer.lr", "scheduler", "dataloader.batch_size", "ema"}
-    assert cfg.trainer.eval_every == 1600 // cfg.dataloader.batch_size  # dated every 1,600 samples at any batch
+    assert cfg.trainer.eval_every == 2560 // cfg.dataloader.batch_size  # dated every 2,560 samples at any batch
     assert Path(REPO_ROOT / "conf" / "hydra" / "sweeper" / "search.yaml").is_file()
 
 
