@@ -181,8 +181,9 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("muon", {"optimizer._target_": "timm.optim.Muon"}, arithmetic=True, group="optimizer",
               command=("optimizer=muon",), variant="muon", readme="5", tuner=False,  # Newton-Schulz: a step's cost
               source="Jordan et al. 2024, 'Muon: An optimizer for hidden layers in neural networks'; timm.optim.Muon"),
+    # an average updated after every step: a step's cost; ema=on is conf/ema/on.yaml, these three keys
     Technique("ema", {"trainer.ema_decay": 0.999, "trainer.ema_warmup": True, "trainer.target_weights": "ema"},
-              arithmetic=True, command=("ema=on",), variant="ema", tuner=False,  # an average updated after every step: a step's cost
+              arithmetic=True, command=("ema=on",), variant="ema", tuner=False,
               source="Polyak & Juditsky 1992; Tarvainen & Valpola 2017; runner/ema.py"),
 )}
 

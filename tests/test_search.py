@@ -8,6 +8,7 @@ where one LR is clearly better, whichever way the metric points.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -18,7 +19,7 @@ import yaml
 from conftest import TINY, compose_cfg, read_summary, run_cli, run_tiny
 from runner import REPO_ROOT, objective
 from runner.errors import ConfigError
-from runner.tune.search_end import paste_line
+from runner.tune.search_end import changes_step_cost, paste_line
 
 #: A search over two LRs that tries both (BruteForceSampler), each trial the tiny job
 SEARCH = ["-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.doctor=false",
@@ -106,29 +107,47 @@ def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
     assert "sweep report" not in r.stdout  # the search's own tables end it, not the plain sweep's
 
 
-@pytest.mark.slow  # ~35 s on 2 busy cores: 2 trials and 2 x 4 verification runs
+@pytest.mark.slow  # ~70 s on 2 busy cores: 2 trials, 2 x 5 verification runs, 3 interleaved passes
 def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):
     """To target: the trial that missed it is never the best; the verification runs best and start on seeds
-    100..103 (not the search's 0) and compares samples to target with an interval and a verdict."""
+    100..104 (not the search's 0) and compares samples to target with an interval and a verdict, measures their
+    samples/s interleaved (a searched key that may change a step's cost) and gives time to target."""
     pytest.importorskip("optuna")
     # the LR is the batch's share of optimizer.lr (lr_scaling=linear): 0.2 x 16/64 = 0.05, the starting recipe's,
     # blows up; the base batch searched, 64000, gives 0.00005, which keeps the loss near ln(10) at the target
     space = "+hydra.sweeper.params={optimizer.base_batch_size: 'choice(64, 64000)'}"
     r = run_cli(*[a for a in SEARCH if not a.startswith("+hydra.sweeper.params")], space, "optimizer.lr=0.2",
                 "optimizer.lr_scaling=linear", "optimized_metric=samples_to_target", "trainer.target_loss=2.4",
-                "trainer.eval_every=2", "trainer.stop_at_target=true", "hydra.sweeper.verify_seeds=4",
-                "hydra.sweeper.recipe=['+experiment=baseline']", cwd=tmp_path)
+                "trainer.eval_every=2", "trainer.stop_at_target=true", "hydra.sweeper.verify_seeds=5",
+                "hydra.sweeper.recipe=['+experiment=baseline']", "hydra.sweeper.verify_minutes=5",
+                "interleave.processes=1", "interleave.slice_seconds=0.5", "interleave.max_passes=3",  # 3 passes
+                cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "target not reached" in r.stdout and "reached the target" in r.stdout, r.stdout
     sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
     seeds = {f"{p.parent.parent.name}/{p.parent.name}": read_summary(p.parent)["config"]["trainer"]["seed"]
-             for p in (sweep / "verify").rglob("summary.json")}
-    assert seeds == {f"{side}/seed{s}": s for side in ("best", "start") for s in (100, 101, 102, 103)}
+             for side in ("best", "start") for p in (sweep / "verify" / side).rglob("summary.json")}
+    assert seeds == {f"{side}/seed{s}": s for side in ("best", "start") for s in range(100, 105)}
     line = next(x for x in r.stdout.splitlines() if x.startswith("samples to target, best / start:"))
     assert "the best trial needs fewer samples" in line, r.stdout[-3000:]
-    assert re.search(r"\| best trial \| 4/4 \|", r.stdout) and re.search(r"\| starting recipe \| 0/4 \|", r.stdout)
+    assert re.search(r"\| best trial \| 5/5 \|", r.stdout) and re.search(r"\| starting recipe \| 0/5 \|", r.stdout)
+    # the base batch size is not one of the keys known to leave a step's cost alone: samples/s measured interleaved
+    record = json.loads((sweep / "verify" / "throughput" / "interleave.json").read_text())
+    assert {j["config"] or n for n, j in record["jobs"].items()} >= {"best", "start"}, record["jobs"]
+    assert re.search(r"^samples/s, best / start, interleaved .*: ×\d", r.stdout, re.M), r.stdout[-3000:]
+    timed = next(x for x in r.stdout.splitlines() if x.startswith("time to target, best / start"))
+    # the start never reached the target (5 seeds a side: 4 cannot exclude 1 at the 97.5 % each factor gets)
+    assert "the best trial needs less time" in timed, timed
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())["verification"]
+    assert results["time_to_target"]["high"] < 1 and results["samples_per_sec"]["low"] > 0, results
     assert r.stdout.splitlines()[-1].endswith(" optimizer.base_batch_size=64000"), r.stdout[-2000:]
     assert r.stdout.splitlines()[-1].startswith("python -m runner +experiment=baseline "), r.stdout[-2000:]  # recipe
+
+
+def test_only_keys_that_keep_a_steps_cost_skip_the_samples_per_sec_measurement():
+    assert not changes_step_cost({"optimizer.lr": 0.1, "scheduler": "cosine", "scheduler.warmup_steps": 5})
+    for key in ("dataloader.batch_size", "optimizer", "ema", "optimizer.lr_scaling", "model.width"):
+        assert changes_step_cost({"optimizer.lr": 0.1, key: 1}), key
 
 
 def search_sweeper(name: str):

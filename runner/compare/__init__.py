@@ -156,7 +156,8 @@ def compare(configs: Mapping[str, DictConfig], reference: str, folder: Path, set
 
 def measured_job(cfg: DictConfig) -> DictConfig:
     """``cfg`` resolved and made a measured job: it trains until told to finish (no step limit, no evaluation but
-    one batch at the end, no checkpoint, no logger, no samples, no doctor, no early stop, no targets)."""
+    one batch at the end, no checkpoint, no logger, no samples, no doctor, no early stop, no targets, no metric
+    for a search to optimize)."""
     from runner.logger_config import LOGGERS
 
     out = copy.deepcopy(cfg)
@@ -164,7 +165,7 @@ def measured_job(cfg: DictConfig) -> DictConfig:
     quiet = {**{f"logger.{name}": None for name in LOGGERS}, "trainer.progress": "off", "trainer.max_steps": 10**9,
              "trainer.eval_every": 10**9, "trainer.eval_max_batches": 1, "trainer.doctor": False,
              "trainer.target_loss": None, "trainer.target_accuracy": None, "trainer.stop_at_target": False,
-             "task.sample_tokens": 0,
+             "task.sample_tokens": 0, "optimized_metric": None,
              "trainer.early_stopping.metric": None, "checkpoint.resume": "never", "checkpoint.at_end": False,
              "checkpoint.every_steps": None, "checkpoint.every_minutes": None, "checkpoint.keep_best": False}
     for key, value in quiet.items():

@@ -15,7 +15,9 @@ command line's overrides plus the trial's; its return value is the job's ``optim
 to-target metric; a censored trial's value is only a penalty). Then ``verify``: the best trial and the starting
 recipe (the same command without the searched parameters) each run on ``verify_seeds`` fresh seeds (never the
 search's: a best trial is partly the luck of the seed it was searched on), compared by samples to target
-(runner/compare/convergence.py); the end is the table, the verdict and one ``python -m runner ...`` line to paste.
+(runner/compare/convergence.py), and, where a searched key can change a step's cost, by samples/s measured
+interleaved for ``verify_minutes`` (runner/compare/): together, time to target with an interval. The end is the
+table, the verdicts and one ``python -m runner ...`` line to paste.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from hydra.core.override_parser.types import Override, Transformer
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner import objective
 from runner.errors import ConfigError
@@ -111,18 +113,20 @@ class SearchSweeper(Sweeper):
     def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
                  storage: str | None = None, study_name: str | None = None, params: Any = None,
                  verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95,
-                 recipe: Sequence[str] = ()) -> None:
+                 recipe: Sequence[str] = (), verify_minutes: float = 3.0) -> None:
         self.sampler, self.direction, self.n_trials = sampler, direction, n_trials
         self.recipe = [str(o) for o in recipe or ()]  # the overrides that give the search file's own preset
         self.storage, self.study_name = storage, study_name
         self.params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params or {})
         self.verify_seeds, self.verify_first_seed, self.confidence = verify_seeds, verify_first_seed, confidence
+        self.verify_minutes = verify_minutes  # of interleaved samples/s measuring (0: the time verdict is skipped)
         self.config: DictConfig | None = None
+        self.hydra_context: Any = None
         self.launcher: Any = None
         self.job_idx = 0
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
-        self.config = config
+        self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
             config=config, hydra_context=hydra_context, task_function=task_function)
 
@@ -152,6 +156,14 @@ class SearchSweeper(Sweeper):
                 print("the sampler has tried every point of the space: the search ends here", flush=True)
                 break
         finish(self, study, plan)
+
+    def compose(self, overrides: Sequence[str]) -> DictConfig:
+        """The job config of ``overrides`` as a trial gets it (Hydra's sweep composition), its ``hydra`` node
+        left out: what the verification's interleaved measurement trains (``runner.compare.measured_job``)."""
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
 
     def plan(self, arguments: list[str]) -> dict[str, Any]:
         """The metric, direction, search space, fixed overrides and verification seeds of this search.

@@ -6,10 +6,13 @@ parameters) on ``verify_seeds`` seeds that the search never used, one pair per s
 so that a machine growing busier slows both alike, each run in ``<sweep>/verify/{best,start}/seed<N>``. It
 compares **samples to target** (runner/compare/convergence.py ``samples_to_target``: Hodges–Lehmann ratio with
 the exact Mann–Whitney interval; a seed that missed the target, or whose run failed, is censored at what it
-trained, never dropped). Samples to target do not depend on the machine's load; time to target does, and its
-other factor, samples/s, is *not* compared here with an interval (that takes the interleaved measurement,
-``hydra/launcher=interleaved``): the table shows the median time to target of each side, measured one run after
-the other, as a description only.
+trained, never dropped). Samples to target do not depend on the machine's load; time to target does, through its
+other factor, samples/s. Where a searched key can change what a step costs (anything but the LR, its schedule,
+warm-up and weight decay: ``SAME_STEP_COST``), best and start are then measured **interleaved** for
+``verify_minutes`` (runner/compare/, ``interleave.*``: resident processes taking turns, the start's copy as the
+A/A) into ``<sweep>/verify/throughput/``; otherwise their samples/s ratio is 1. Time to target = samples ratio ÷
+samples/s ratio, each interval at 1 - α/2 (runner/compare/convergence.py ``time_to_target``). The medians of time
+to target in the table were measured one run after the other: a description only.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from typing import Any, Sequence
 from hydra.core.utils import JobReturn
 from omegaconf import OmegaConf
 
-from runner.compare.convergence import Seed, TargetRatio, read_seed, samples_to_target
+from runner.compare.convergence import Seed, TargetRatio, read_seed, samples_to_target, time_to_target
+from runner.compare.stats import Interval
 from runner.objective import TO_TARGET
+
+#: Searched keys (and groups: ``scheduler``) that cannot change what one training step costs: a best trial that
+#: differs from the start only in these trains at the start's samples/s, so its time ratio is its samples ratio
+SAME_STEP_COST = ("optimizer.lr", "optimizer.adamw_lr", "optimizer.weight_decay", "scheduler", "trainer.warmup_steps")
 
 
 def override_line(params: dict[str, Any]) -> list[str]:
@@ -98,18 +106,48 @@ def _median_figure(returns: Sequence[JobReturn], key: str) -> float | None:
 
 
 def verdict(ratio: TargetRatio | None) -> str:
+    """One line of a samples- or time-to-target ratio (best ÷ start): estimate, interval, seeds, verdict."""
     if ratio is None:
         return ("no interval: fewer than 3 seeds a side, or no seed reached the target (hydra.sweeper.verify_seeds="
-                "8 resolves a 20 % difference)")
+                "8 resolves a 20 % difference), or no samples/s interval")
     level = f"{ratio.confidence:.0%}"
     said = f"x{ratio.estimate:.3g} [{ratio.low:.3g}, {ratio.high:.3g}] at {level} ({ratio.counts} seeds reached)"
+    fewer, more = ("fewer samples", "MORE samples") if ratio.quantity == "samples" else ("less time", "MORE time")
     if ratio.high < 1:
         sooner = (f"{1 / ratio.estimate:.2f}x sooner" if ratio.estimate > 0
                   else "the start missed the target on most seeds")
-        return f"{said}: the best trial needs fewer samples, {sooner} (the interval excludes 1)"
+        return f"{said}: the best trial needs {fewer}, {sooner} (the interval excludes 1)"
     if ratio.low > 1:
-        return f"{said}: the best trial needs MORE samples than the starting recipe on fresh seeds"
+        return f"{said}: the best trial needs {more} than the starting recipe on fresh seeds"
     return f"{said}: no difference shown on fresh seeds (the interval includes 1; more seeds narrow it)"
+
+
+def changes_step_cost(params: dict[str, Any]) -> bool:
+    """Whether a searched key outside ``SAME_STEP_COST`` is among ``params`` (the batch size, the optimizer, the
+    EMA, the model: anything that may change a step's work is measured, never assumed)."""
+    return any(not any(k == same or k.startswith(same + ".") for same in SAME_STEP_COST) for k in params)
+
+
+def throughput(sweeper: Any, fixed: Sequence[str], params: dict[str, Any]) -> tuple[Interval | float | None, str]:
+    """Best ÷ start samples/s: 1 where no searched key changes a step's cost; else measured interleaved for
+    ``sweeper.verify_minutes`` into ``<sweep>/verify/throughput`` (runner/compare/ ``compare``): an ``Interval``,
+    None below 2 pairs. Returns it and the line that says how it was had."""
+    if not changes_step_cost(params):
+        return 1.0, "samples/s, best / start: 1 (the searched keys do not change a step's cost)"
+    if sweeper.verify_minutes <= 0:
+        return None, "samples/s, best / start: not measured (hydra.sweeper.verify_minutes=0): no time verdict"
+    from runner import compare
+    from runner.compare.record import describe
+
+    folder = Path(str(sweeper.config.hydra.sweep.dir)) / "verify" / "throughput"
+    configs = {"start": compare.measured_job(sweeper.compose(fixed)),
+               "best": compare.measured_job(sweeper.compose([*fixed, *override_line(params)]))}
+    print(f"\nmeasuring best against start's samples/s interleaved ({sweeper.verify_minutes:g} min) in {folder}",
+          flush=True)
+    result = compare.compare(configs, "start", folder, sweeper.config.interleave, minutes=sweeper.verify_minutes)
+    ratio = result.intervals.get("best")
+    return ratio, (f"samples/s, best / start, interleaved ({result.measured_s / 60:.1f} min, {folder}): "
+                   f"{describe(ratio)}, the start against its copy (A/A) {describe(result.aa)}")
 
 
 def verify(sweeper: Any, plan: dict[str, Any], params: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
@@ -141,13 +179,24 @@ def verify(sweeper: Any, plan: dict[str, Any], params: dict[str, Any]) -> tuple[
         t = _median_figure(rets, "time_to_target_s")
         lines.append(f"| {name} | {sum(s.reached for s in got)}/{len(rets)} | {median} | "
                      f"{f'{t:.2f}' if t is not None else '-'} |")
-    lines += [f"samples to target, best / start: {verdict(ratio)}",
-              "time to target: the medians above, runs one after the other; samples/s was not compared with an "
-              "interval (hydra/launcher=interleaved measures it)"]
-    record = {"seeds": seeds, "samples_to_target": None if ratio is None else {
-        "estimate": ratio.estimate, "low": ratio.low, "high": ratio.high, "p_value": ratio.p_value,
-        "confidence": ratio.confidence, "counts": ratio.counts}}
+    lines.append(f"samples to target, best / start: {verdict(ratio)}")
+    record: dict[str, Any] = {"seeds": seeds, "samples_to_target": _figures(ratio)}
+    if ratio is not None:
+        speed, said = throughput(sweeper, fixed, params)
+        timed = time_to_target(found["best trial"], found["starting recipe"], speed, sweeper.confidence)
+        lines += [said, f"time to target, best / start (samples ratio / samples/s ratio): {verdict(timed)}"]
+        record |= {"samples_per_sec": _figures(speed) if isinstance(speed, Interval) else speed,
+                   "time_to_target": _figures(timed)}
     return lines, record
+
+
+def _figures(ratio: TargetRatio | Interval | None) -> dict[str, Any] | None:
+    if ratio is None:
+        return None
+    out = {"estimate": ratio.estimate, "low": ratio.low, "high": ratio.high}
+    if isinstance(ratio, TargetRatio):
+        out |= {"p_value": ratio.p_value, "confidence": ratio.confidence, "counts": ratio.counts}
+    return out
 
 
 def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
