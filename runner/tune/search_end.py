@@ -129,9 +129,12 @@ def changes_step_cost(params: dict[str, Any]) -> bool:
 
 
 def throughput(sweeper: Any, fixed: Sequence[str], params: dict[str, Any]) -> tuple[Interval | float | None, str]:
-    """Best ÷ start samples/s: 1 where no searched key changes a step's cost; else measured interleaved for
-    ``sweeper.verify_minutes`` into ``<sweep>/verify/throughput`` (runner/compare/ ``compare``): an ``Interval``,
-    None below 2 pairs. Returns it and the line that says how it was had."""
+    """Best ÷ start samples/s (a dimensionless ratio, > 1: the best trial trains faster): 1 where no searched key
+    changes a step's cost; else measured interleaved for ``sweeper.verify_minutes`` minutes into
+    ``<sweep>/verify/throughput`` (runner/compare/ ``compare``: randomized multiple interleaved trials, Abedi &
+    Brecht, ICPE 2017): an ``Interval``, None below 2 pairs; None too with ``verify_minutes`` 0. Returns
+    it and the line that says how it was had. A job that fails to start is recorded as failed by the comparison
+    (no interval), not raised."""
     if not changes_step_cost(params):
         return 1.0, "samples/s, best / start: 1 (the searched keys do not change a step's cost)"
     if sweeper.verify_minutes <= 0:
