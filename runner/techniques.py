@@ -205,6 +205,14 @@ def step_cost(variant_technique: str | None) -> bool:
     return True if t is None else t.step_cost
 
 
+def same_step_cost() -> tuple[str, ...]:
+    """The config groups (or keys) of the techniques that cannot change what a training step costs
+    (``step_cost=False``: the LR schedules, ``scheduler``): the recipe search takes their time ratio to be their
+    samples ratio (runner/tune/search_end.py)."""
+    return tuple(dict.fromkeys((t.command[0] if t.command else f"{t.keys()[0]}=").split("=")[0]
+                               for t in TECHNIQUES.values() if not t.step_cost))
+
+
 def image_only() -> dict[str, str]:
     """``summary.json`` status -> the config key that switches it, for the techniques that act on images only (a
     language model's inputs are token ids: runner.task records them as skipped)."""
@@ -235,4 +243,4 @@ def applies_where(technique: Technique, cuda: bool, image: bool) -> str | None:
 
 
 __all__ = ["TECHNIQUES", "WHERE", "Technique", "applies_where", "by_variant", "image_only", "moves_data_only",
-           "select", "step_cost", "variant_keys"]
+           "same_step_cost", "select", "step_cost", "variant_keys"]

@@ -26,13 +26,16 @@ from typing import Any, Sequence
 from hydra.core.utils import JobReturn
 from omegaconf import OmegaConf
 
+from runner import techniques
 from runner.compare.convergence import Seed, TargetRatio, read_seed, samples_to_target, time_to_target
 from runner.compare.stats import Interval
 from runner.objective import TO_TARGET
 
-#: Searched keys (and groups: ``scheduler``) that cannot change what one training step costs: a best trial that
-#: differs from the start only in these trains at the start's samples/s, so its time ratio is its samples ratio
-SAME_STEP_COST = ("optimizer.lr", "optimizer.adamw_lr", "optimizer.weight_decay", "scheduler", "trainer.warmup_steps")
+#: Searched keys (and groups: the technique table's schedules, ``scheduler``) that cannot change what one training
+#: step costs: a best trial that differs from the start only in these trains at the start's samples/s, so its time
+#: ratio is its samples ratio
+SAME_STEP_COST = ("optimizer.lr", "optimizer.adamw_lr", "optimizer.weight_decay", "trainer.warmup_steps",
+                  *techniques.same_step_cost())
 
 
 def override_line(params: dict[str, Any]) -> list[str]:
