@@ -15,14 +15,15 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 #: The repository root (the folder holding conf/ and data/) of a source checkout or an editable install.
 REPO_ROOT = PACKAGE_DIR.parent
 #: True for a regular install (``pip install .``, a wheel, a git URL): the build maps the top-level conf/
-#: and the embedded MNIST into the package (pyproject.toml ``[tool.setuptools.package-dir]``), as
+#: and the embedded data/ into the package (pyproject.toml ``[tool.setuptools.package-dir]``), as
 #: ``runner/conf/`` and ``runner/embedded_data/``. A checkout or an editable install reads them in place.
 INSTALLED = (PACKAGE_DIR / "conf").is_dir()
 #: runner's own configs, the search path entry of ``python -m runner`` (a user's configs join them through
 #: ``--config-dir`` or ``hydra.searchpath``).
 CONF_DIR = PACKAGE_DIR / "conf" if INSTALLED else REPO_ROOT / "conf"
-#: ``data.root`` when ``RUNNER_DATA_ROOT`` is not set: the repo's data/, or the package's copy of the
-#: embedded MNIST (``<DATA_DIR>/MNIST/raw/*.gz``) in a regular install.
+#: ``data.root`` (and the Shakespeare presets' folder) when ``RUNNER_DATA_ROOT`` is not set: the repo's data/, or the
+#: package's copy of it in a regular install: the embedded MNIST (``<DATA_DIR>/MNIST/raw/*.gz``) and Tiny
+#: Shakespeare (``<DATA_DIR>/tinyshakespeare/input.txt``, nanoGPT's character-level corpus, 1,115,394 characters).
 DATA_DIR = PACKAGE_DIR / "embedded_data" if INSTALLED else REPO_ROOT / "data"
 
 

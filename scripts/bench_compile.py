@@ -37,7 +37,7 @@ from pathlib import Path
 
 from runner import REPO_ROOT, hardware
 
-TEXT = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+TEXT = REPO_ROOT / "data" / "tinyshakespeare" / "input.txt"  # embedded
 MODES = {"whole": "compile.regional=false", "regional": "compile.regional=true"}
 
 

@@ -33,8 +33,7 @@ JOBS = {
                           "logger=none"]),
     "gpt-shakespeare": ("nanoGPT's CPU Shakespeare GPT (+experiment=shakespeare_char: 4 layers, 128 wide, block "
                         "64, batch 12, AdamW)",
-                        ["+experiment=shakespeare_char", f"data.path={DATA}/tinyshakespeare/input.txt",
-                         "logger=none"]),
+                        ["+experiment=shakespeare_char", "logger=none"]),  # the embedded corpus
 }
 TUNERS = ("batch_size", "lr", "dataloader")  # runner.tune.TUNERS, in this order
 #: per tuner: 10 measured steps per configuration instead of 5 (figures a few per cent apart decide the pick)

@@ -23,7 +23,7 @@
 # as skipped); where they are carried as wheels in .whl/ (a machine with no package index; torchao's built for the
 # machine's torch and Python: pip download --no-deps --only-binary=:all: --python-version 3.12 torchao==<version>),
 # they are installed into /tmp/site first. Tiny Shakespeare is read from
-# $GPT_TEXT (default .gpu/data/tinyshakespeare/input.txt, else ../shared/data/tinyshakespeare/input.txt).
+# $GPT_TEXT (default: the copy embedded in data/tinyshakespeare/input.txt).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -37,8 +37,7 @@ if [ -d .whl ] && { ! python3 -c "import hydra" 2>/dev/null \
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-GPT_TEXT=${GPT_TEXT:-.gpu/data/tinyshakespeare/input.txt}
-[ -f "$GPT_TEXT" ] || GPT_TEXT=../shared/data/tinyshakespeare/input.txt
+GPT_TEXT=${GPT_TEXT:-data/tinyshakespeare/input.txt}
 GPT_TEXT=$(realpath "$GPT_TEXT")
 parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt gpt resnet50 resnet18 gpt_compile_modes overhead suite}
 NANOGPT=${NANOGPT:-.gpu/nanogpt}

@@ -7,6 +7,7 @@ the ``slow`` test only. Each technique test runs the real engine and checks the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import runner
 from conftest import TINY_GPT, TINY_LOOP, compose_cfg, cuda_only, job_dirs, metrics_rows, read_summary, run_cli
 from runner import REPO_ROOT, gpt, hf, parallel, prepare, task as task_mod
 from runner.data import text
@@ -446,16 +448,28 @@ def test_presets_compose_with_fast_and_baseline_on_top(preset, layer):
     assert cfg.dataloader.batch_size == cfg.optimizer.base_batch_size == (12 if preset == "shakespeare_char" else 64)
 
 
+@pytest.mark.parametrize("preset", ["shakespeare_char", "shakespeare_char_gpu"])
+def test_the_presets_read_the_embedded_corpus_by_default(preset, monkeypatch):
+    """A fresh clone has Tiny Shakespeare in data/ (nanoGPT's input.txt: 1,115,394 characters), so the README's
+    ``+experiment=shakespeare_char`` commands need no data.path; ``RUNNER_DATA_ROOT`` moves it."""
+    monkeypatch.delenv("RUNNER_DATA_ROOT", raising=False)
+    path = Path(compose_cfg(f"+experiment={preset}", tiny=False).data.path)
+    assert path == runner.DATA_DIR / "tinyshakespeare" / "input.txt"
+    assert hashlib.sha256(path.read_bytes()).hexdigest().startswith("86c4e6aa9db7c042")
+    assert len(path.read_text(encoding="utf-8")) == 1_115_394
+    monkeypatch.setenv("RUNNER_DATA_ROOT", "/elsewhere")
+    assert compose_cfg(f"+experiment={preset}", tiny=False).data.path == "/elsewhere/tinyshakespeare/input.txt"
+
+
 @pytest.mark.slow
-def test_shakespeare_char_on_the_real_corpus_learns(tmp_path):
-    corpus = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
-    if not corpus.is_file():
-        pytest.skip(f"{corpus} is not present")
-    proc = run_cli("+experiment=shakespeare_char", f"data.path={corpus}", "logger=none", "trainer.device=cpu",
+def test_shakespeare_char_on_the_embedded_corpus_learns(tmp_path, monkeypatch):
+    monkeypatch.delenv("RUNNER_DATA_ROOT", raising=False)  # the preset's own default, as a fresh clone runs it
+    proc = run_cli("+experiment=shakespeare_char", "logger=none", "trainer.device=cpu",
                    "trainer.max_steps=50", "trainer.eval_every=50", "trainer.eval_max_batches=20",
                    "scheduler.warmup_steps=10", "trainer.progress=off", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = read_summary(job_dirs(tmp_path)[0])
+    assert s["config"]["data"]["path"] == str(runner.DATA_DIR / "tinyshakespeare" / "input.txt")
     assert len(json.loads((job_dirs(tmp_path)[0] / "vocab.json").read_text())) == 65
     assert s["eval_loss"] < 3.3  # ln(65) = 4.17 at the start
 

@@ -1,4 +1,4 @@
-"""runner as an installed package: the wheel carries the configs and the embedded MNIST and runs from
+"""runner as an installed package: the wheel carries the configs and the embedded data and runs from
 outside the checkout, and a user's own config folder composes with runner's.
 
 The wheel is built from a copy of the checkout's sources (the checkout gets no build/ or egg-info) and
@@ -41,14 +41,14 @@ def _setuptools_can_build() -> bool:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """The wheel ``pip wheel`` builds from a copy of pyproject.toml, README.md, runner/, conf/ and
-    data/MNIST/ (extracted files there included: the wheel must leave them out)."""
+    data/ (MNIST's extracted files there included: the wheel must leave them out)."""
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO_ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO_ROOT / "runner", src / "runner", ignore=ignore)
     shutil.copytree(CONF, src / "conf", ignore=ignore)
-    shutil.copytree(REPO_ROOT / "data" / "MNIST", src / "data" / "MNIST")
+    shutil.copytree(REPO_ROOT / "data", src / "data")
     out = tmp_path_factory.mktemp("dist")
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)]
     if _setuptools_can_build():
@@ -59,13 +59,15 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_wheel_ships_configs_mnist_and_every_module(wheel):
+def test_wheel_ships_configs_the_embedded_data_and_every_module(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     configs = {f"runner/conf/{p.relative_to(CONF).as_posix()}" for p in CONF.rglob("*.yaml")}
     assert "runner/conf/config.yaml" in configs and configs <= names, sorted(configs - names)
     assert {n for n in names if n.startswith("runner/conf/")} == configs  # YAML only
     data = {n for n in names if n.startswith("runner/embedded_data/")}
-    assert data == {f"runner/embedded_data/MNIST/raw/{n}" for n in MNIST}  # the archives, never extracted files
+    # the MNIST archives, never extracted files, and Tiny Shakespeare (the Shakespeare presets' default)
+    shakespeare = "runner/embedded_data/tinyshakespeare/input.txt"
+    assert data == {f"runner/embedded_data/MNIST/raw/{n}" for n in MNIST} | {shakespeare}
     # pyproject.toml lists runner's packages by hand (a mapped folder rules out `find`): a subpackage
     # missing there would be missing here
     modules = {f"runner/{p.relative_to(REPO_ROOT / 'runner').as_posix()}" for p in (REPO_ROOT / "runner").rglob("*.py")}

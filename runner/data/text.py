@@ -31,8 +31,8 @@ def read_corpus(path: str | None) -> tuple[torch.Tensor, list[str]]:
         ConfigError: ``data.path`` unset, missing, not a file, empty, not UTF-8, or binary (NUL bytes).
     """
     if not path:
-        raise ConfigError("data=text needs data.path=<a UTF-8 text file>, e.g. "
-                          "data.path=../shared/data/tinyshakespeare/input.txt")
+        raise ConfigError("data=text needs data.path=<a UTF-8 text file>, e.g. data/tinyshakespeare/input.txt "
+                          "in a checkout (+experiment=shakespeare_char reads it by default)")
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"data.path={path} does not exist or is not a file; point data.path at a UTF-8 text file")
