@@ -33,6 +33,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.enviro
 
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``longest`` first, the rest in their order. xdist's workers take tests in collection order
+    (``--dist loadgroup``), so a 3-minute test collected last (the speed tuner's, test_tune_speed.py) keeps one
+    worker busy while the other idles; taken first, it runs beside the short ones."""
+    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+
 #: Overrides that make any job tiny and quiet: synthetic 16x16 data, 4 steps, no W&B.
 TINY = [
     "data=synthetic",

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.longest]
 
 
 def test_gpu_agenda_dry_run(tmp_path):

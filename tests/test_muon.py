@@ -176,6 +176,7 @@ def test_killed_muon_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_killed_fsdp_muon_language_model_resumes_exactly(tmp_path):
     """FSDP2 over two torchrun processes: Newton-Schulz on the sharded (DTensor) matrices, the sharded momentum
     buffers saved and restored."""

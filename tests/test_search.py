@@ -108,6 +108,7 @@ def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
 
 
 @pytest.mark.slow  # ~70 s on 2 busy cores: 2 trials, 2 x 4 verification runs, 3 interleaved passes
+@pytest.mark.longest
 def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):
     """To target: the trial that missed it is never the best; the verification runs best and start on seeds
     100..103 (not the search's 0) and compares samples to target with an interval and a verdict, measures their

@@ -136,6 +136,7 @@ def test_on_device_batches_are_the_loaders_batches():
 
 
 @pytest.mark.slow  # a whole tuner run through the CLI (a minute on two cores)
+@pytest.mark.longest
 def test_the_override_follows_the_verdict_end_to_end(tmp_path):
     # one candidate, anomaly detection (slower every step): measured in round 1, then the decision. Its
     # verdict rests on measured speed, which a busy machine can flip (read x2.2 and x1.7 faster beside the
@@ -159,6 +160,7 @@ def test_the_override_follows_the_verdict_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_a_switch_that_helps_is_picked_verified_and_written_as_a_preset(tmp_path):
     # the job runs with anomaly detection on; turning it off is a large speed-up (about x2) that computes the same.
     # Whether its interval is firm rests on measured speed, which a machine kept busy by other jobs can blur (CI's
@@ -210,6 +212,7 @@ def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_path, short_tmp):
     """``torchrun --nproc-per-node=2 -m runner.tune speed distributed=ddp``: the guard trains on both ranks, every
     measured job of every round is a 2-rank DDP job (rank 1's conductor mirrors rank 0's), and each rank reaches
