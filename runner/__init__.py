@@ -71,7 +71,14 @@ _RESOLVERS = {
 
 
 def _config_groups() -> str:
-    """``${runner_config_groups:}``: the group list of ``python -m runner --help`` (conf/hydra/help/runner.yaml)."""
+    """``${runner_config_groups:}``: the group list of ``python -m runner --help`` (conf/hydra/help/runner.yaml).
+
+    Hydra resolves the help template on every composition, not only for ``--help``; listing every group's options
+    costs ~1 s there, so the list is built only when the command line asks for help."""
+    import sys
+
+    if not {"--help", "-h"} & set(sys.argv[1:]):
+        return "(python -m runner --help lists them)"
     from runner.config_help import config_groups_help  # imported on use: this module stays light
 
     return config_groups_help()

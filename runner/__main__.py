@@ -51,7 +51,7 @@ def _one_line_compose_errors() -> None:
     from runner.validate import compose_error_line
 
     report = getattr(hydra_utils, "run_and_report", None)
-    if report is None:  # another Hydra: its own message stays
+    if report is None or getattr(report, "runner_one_line", False):  # another Hydra: its own message stays
         return
 
     def run_and_report(func):
@@ -66,6 +66,7 @@ def _one_line_compose_errors() -> None:
                 sys.exit(2)
         return report(translated)
 
+    run_and_report.runner_one_line = True  # type: ignore[attr-defined]
     hydra_utils.run_and_report = run_and_report
 
 
@@ -91,9 +92,12 @@ def main(cfg: DictConfig) -> float | None:
 def _train(cfg: DictConfig) -> float | None:
     from runner.preempt import EXIT_PREEMPTED
     from runner.track import sweep_group
-    from runner.train import train  # imported here so `--help` and compose errors stay fast
+    from runner.validate import validate
 
     try:
+        validate(cfg)  # before the engine (torch) is imported: a config mistake is reported in about a second
+        from runner.train import train
+
         summary = train(cfg)
         if cfg.trainer.doctor and cfg.ablation.variant is None:
             _diagnose(warnings_shown=cfg.trainer.progress != "off")
@@ -132,16 +136,38 @@ def _diagnose(warnings_shown: bool) -> None:
         print(f"speed doctor: no diagnosis ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
 
-if __name__ == "__main__":
-    try:  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
-        prepare_process(sys.argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    _one_line_compose_errors()
-    record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary
-    from runner.interleaved import failures
+def run(argv: list[str] | None = None) -> int:
+    """``python -m runner ARGV`` in this process; returns the exit status (0, 1, 2, 3, 75 or 130, as ``main``
+    says) instead of leaving the interpreter, so a test or a script can drive the command line without paying
+    for a new process. ``argv`` defaults to ``sys.argv[1:]``; Hydra reads ``sys.argv``, which is restored after.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "runner", *argv]
+    try:
+        try:  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
+            prepare_process(sys.argv)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        _one_line_compose_errors()
+        record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary
+        from runner.interleaved import failures
 
-    if (line := failures()) is not None:  # an interleaved sweep with a failed job: its report is written first
-        print(line, file=sys.stderr)
-        sys.exit(1)
+        if (line := failures()) is not None:  # an interleaved sweep with a failed job: its report is written first
+            print(line, file=sys.stderr)
+            return 1
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # sys.exit("message"), as the interpreter would print it
+        return 1
+    finally:
+        sys.argv = saved
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

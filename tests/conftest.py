@@ -40,8 +40,10 @@ def pytest_collection_modifyitems(config, items):
     worker busy while the other idles; taken first, it runs beside the short ones."""
     items.sort(key=lambda item: item.get_closest_marker("longest") is None)
 
-#: Overrides that make any job tiny and quiet: synthetic 16x16 data, 4 steps, no W&B.
+#: Overrides that make any job tiny and quiet: synthetic 16x16 data, 4 steps, no W&B, one intra-op thread (with
+#: two, xdist's two workers put four threads on two cores and a small step runs ~30x slower).
 TINY = [
+    "trainer.num_threads=1",
     "data=synthetic",
     "data.shape=[3,16,16]",
     "data.train_size=256",
@@ -56,6 +58,9 @@ TINY = [
     "logger=none",
 ]
 
+
+#: What TINY's ``trainer.num_threads=1`` adds to a summary's ``techniques``.
+ONE_THREAD = {"num_threads": "applied"}
 
 #: TINY without its synthetic-data keys: the loop's settings, for jobs on another dataset
 TINY_LOOP = [o for o in TINY if not o.startswith(("data=", "data."))]

@@ -148,7 +148,7 @@ def test_a_machine_kept_busy_by_other_processes_gets_a_warning(tmp_path):
             for _ in range(machine_load.hardware.cpu_cores())]
     try:
         time.sleep(0.3)  # let them take the cores
-        s = train(tiny_mlp("trainer.max_steps=40", "trainer.log_every=20"), job_dir=tmp_path)
+        s = train(tiny_mlp("trainer.max_steps=40", "trainer.log_every=20", "trainer.num_threads=2"), job_dir=tmp_path)
     finally:
         for hog in hogs:
             hog.kill()

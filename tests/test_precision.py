@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from conftest import compose_cfg, cuda_only, run_tiny
+from conftest import ONE_THREAD, compose_cfg, cuda_only, run_tiny
 from runner import hardware, precision
 from runner.errors import ConfigError
 
@@ -33,7 +33,7 @@ def changed(spy) -> list[str]:
 def test_amp_on_a_cpu_with_native_bf16_runs_the_forward_in_bf16(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     summary = run_precision(tmp_path, "precision=amp")
-    assert summary["techniques"] == {"amp": "applied"}
+    assert summary["techniques"] == {"amp": "applied", **ONE_THREAD}
     assert spy.train_calls() and spy.eval_calls()
     assert all(c.out_dtype == torch.bfloat16 and c.x_dtype == torch.float32 for c in spy.calls)
     assert math.isfinite(summary["train_loss"])
@@ -51,7 +51,7 @@ def test_amp_on_a_cpu_without_native_bf16_is_skipped(tmp_path, spy, monkeypatch)
 def test_bf16_autocast(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     summary = run_precision(tmp_path, "precision=bf16")
-    assert summary["techniques"] == {"bf16": "applied"}
+    assert summary["techniques"] == {"bf16": "applied", **ONE_THREAD}
     assert spy.calls and all(c.out_dtype == torch.bfloat16 for c in spy.calls)
 
 
@@ -68,7 +68,7 @@ def test_bf16_on_an_emulating_cpu_warns_but_applies(monkeypatch):
                                                                                 "or newer) feature"})])
 def test_fp32_and_tf32_on_cpu_run_in_fp32(tmp_path, spy, name, techniques):
     summary = run_precision(tmp_path, f"precision={name}")
-    assert summary["techniques"] == techniques
+    assert summary["techniques"] == {**techniques, **ONE_THREAD}
     assert spy.calls and all(c.out_dtype == torch.float32 for c in spy.calls)
 
 

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from conftest import compose_cfg, cuda_only, metrics_rows, run_tiny
+from conftest import ONE_THREAD, compose_cfg, cuda_only, metrics_rows, run_tiny
 from runner import data as data_mod, debug, hardware, models, optim, precision, prepare, schedule
 from runner.errors import ConfigError
 from runner.task import evaluation_sums
@@ -62,9 +62,9 @@ def test_every_switch_is_off_in_the_default_config_but_the_engine_s_standard_pra
     assert {key: OmegaConf.select(cfg, key) for key in STANDARD_ON} == STANDARD_ON
 
 
-def test_default_run_applies_only_set_to_none(tmp_path):
+def test_default_run_applies_only_set_to_none_and_the_tests_one_thread(tmp_path):
     summary = run_tiny(tmp_path)  # TINY: synthetic data, which is not normalized
-    assert summary["techniques"] == {"zero_grad_set_to_none": "applied"}
+    assert summary["techniques"] == {"zero_grad_set_to_none": "applied", **ONE_THREAD}
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["techniques"] == summary["techniques"]
 
@@ -591,7 +591,8 @@ def test_switches_combine(tmp_path, spy, monkeypatch):
     applied = {k for k, v in summary["techniques"].items() if v == "applied"}
     assert applied == {"scheduler_onecycle", "on_device_data", "normalize", "optimizer_foreach", "lr_scaling",
                        "zero_grad_set_to_none", "clip_grad_norm", "amp", "activation_checkpointing",
-                       "gradient_accumulation", "drop_bias_before_bn", "channels_last", "anomaly_detection"}
+                       "gradient_accumulation", "drop_bias_before_bn", "channels_last", "anomaly_detection",
+                       *ONE_THREAD}
     assert len(spy.steps) == 3 and math.isfinite(summary["train_loss"])
     assert all(c.out_dtype == torch.bfloat16 and c.x_channels_last for c in spy.calls)
     details = {k: v for k, v in summary["technique_details"].items() if k != "host_allocator"}  # the machine's

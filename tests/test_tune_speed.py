@@ -204,7 +204,7 @@ def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
 
     summary = run_tiny(tmp_path / "one", "trainer.num_threads=1")
     assert summary["techniques"]["num_threads"] == "applied" and torch.get_num_threads() == 1
-    summary = run_tiny(tmp_path / "default")
+    summary = run_tiny(tmp_path / "default", "trainer.num_threads=null")
     assert "num_threads" not in summary["techniques"] and torch.get_num_threads() == prepare.DEFAULT_NUM_THREADS
     with pytest.raises(ConfigError, match=r"trainer.num_threads=0 must be >= 1"):
         run_tiny(tmp_path / "bad", "trainer.num_threads=0")
