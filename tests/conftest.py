@@ -149,6 +149,30 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
                           text=True, timeout=timeout)
 
 
+def run_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m runner ARGS`` in this process (``runner.__main__.run``), in ``cwd``: the exit status, stdout
+    and stderr that ``run_cli`` returns, without a new interpreter's seconds of imports. For the command line's
+    behaviour (exit statuses, the one ``error:`` line, what a run writes); ``run_cli`` (tier ``cli``) for what
+    needs a process of its own: signals, torchrun, an installed wheel, a module's import cost."""
+    import contextlib
+    import io
+
+    from runner.__main__ import run
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})})
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run(list(args))
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["python", "-m", "runner", *args], code, out.getvalue(), err.getvalue())
+
+
 def job_dirs(root: Path) -> list[Path]:
     """Every job folder (one holding ``.hydra/``) under ``root/outputs``, oldest first."""
     return sorted((p.parent for p in (root / "outputs").rglob(".hydra")), key=lambda p: p.stat().st_mtime)

@@ -90,7 +90,6 @@ def test_the_retired_rounds_design_is_an_unknown_key(key):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_variant_composes_and_names_itself(name):
     cfg = compose_cfg("+experiment=ablation", f"ablation/variant={name}", tiny=False)
     OmegaConf.to_container(cfg, resolve=True)
@@ -108,7 +107,6 @@ LEAVE_IN = [n[len("baseline+"):] for n in NAMES if n.startswith("baseline+")]
 
 
 @pytest.mark.parametrize("tech", sorted(set(LEAVE_OUT) & set(LEAVE_IN)))
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_leave_one_in_and_out_are_mirror_images(tech):
     """baseline+X sets X's keys to fast's values; fast-X sets the same keys back to the baseline's."""
     base, fast = variant("baseline"), variant("fast")
@@ -120,7 +118,6 @@ def test_leave_one_in_and_out_are_mirror_images(tech):
     assert {k: off[k] for k in keys} == {k: base[k] for k in keys}
 
 
-@pytest.mark.slow
 def test_every_difference_between_the_presets_is_a_technique_of_the_ablation():
     base, fast = variant("baseline"), variant("fast")
     explained = set().union(*(diff(fast, variant(f"fast-{t}")) for t in LEAVE_OUT))
@@ -427,6 +424,7 @@ def test_duplicate_jobs_from_two_sweeps_are_refused(tmp_path):
         load_jobs(tmp_path)
 
 
+@pytest.mark.cli
 def test_wandb_table_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -556,6 +554,7 @@ def test_a_replication_must_reproduce_every_firm_verdict():
                                                                          "says why): cudnn.")
 
 
+@pytest.mark.cli
 def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_path):
     """An ablation job forked from the job server starts its DataLoader workers with the parent's start method
     (fork on Linux), not the server's forkserver: on CIFAR-10 with workers this once failed every

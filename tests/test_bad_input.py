@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, make_tiny_cifar, run_cli
+from conftest import TINY, make_tiny_cifar, run_cli, run_here
 from runner import REPO_ROOT
 
 USER_ENV = {"HYDRA_FULL_ERROR": "0"}  # what a user sees: Hydra's compact messages, no stack trace
@@ -23,7 +23,7 @@ def run_bad(tmp_path: Path, *overrides: str):
     """Run the CLI with TINY + ``overrides`` in ``tmp_path/work``; assert the shared failure contract."""
     cwd = tmp_path / "work"
     cwd.mkdir()
-    proc = run_cli(*TINY, *overrides, cwd=cwd, env=USER_ENV, timeout=120)
+    proc = run_here(*TINY, *overrides, cwd=cwd, env=USER_ENV)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert list((cwd / "outputs").rglob("summary.json")) == []
@@ -94,7 +94,6 @@ def test_missing_imagefolder(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_corrupt_cifar10_batch(tmp_path, damage):
     root = make_tiny_cifar(tmp_path / "cifar")
     bad = root / "cifar-10-batches-py" / ("data_batch_3" if damage == "truncate" else "test_batch")
@@ -184,7 +183,6 @@ CATALOGUE = {
 
 
 @pytest.mark.parametrize("case", list(CATALOGUE), ids=list(CATALOGUE))
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_bad_input_catalogue(case, tmp_path):
     from conftest import compose_cfg
     from runner.errors import ConfigError

@@ -41,7 +41,6 @@ def test_every_group_is_found():
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_option_composes_against_its_schema(group, option):
     cfg = compose_cfg(override(group, option), tiny=False)
     assert OmegaConf.missing_keys(cfg) == set()

@@ -23,6 +23,7 @@ def python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(torch.cuda.is_available() or not torch.version.cuda,
                     reason="torch notes a missing CUDA runtime only with a CUDA build on a machine without a GPU")
 def test_torchs_cuda_home_note_is_dropped_and_the_loggers_other_lines_kept(tmp_path):

@@ -69,6 +69,7 @@ def test_readme_tabular_example_through_the_cli(tmp_path):
     assert summary["flops_per_sample"] > 0  # counted on the real input shape (20,)
 
 
+@pytest.mark.cli
 def test_module_in_the_run_folder_not_found_elsewhere(tmp_path):
     """The module is found only where the user runs from; elsewhere one error line names that folder."""
     module, overrides = readme_example()
@@ -202,7 +203,6 @@ def test_class_count_rule(overrides, target, expected):
                                                   r"data\.num_classes=2\)"),
     ("user_data.tabular", ["data.num_classes=0"], r"data\.num_classes=0 must be >= 1"),
 ])
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_bad_custom_data_stops_before_training(target, overrides, message, tmp_path):
     cfg = custom(*overrides, target=target)
     with pytest.raises(ConfigError, match=message):

@@ -152,6 +152,7 @@ def test_ddp_loss_matches_one_process_with_the_same_global_batch(runs):
     assert ddp["parameters"]["l2_norm"] == pytest.approx(single["parameters"]["l2_norm"], rel=TOLERANCE)
 
 
+@pytest.mark.cli
 def test_fsdp_parameters_are_sharded_dtensors_and_consistent(runs):
     (single_dir, single), (fsdp_dir, fsdp) = runs["single"], runs["fsdp"]
     assert fsdp["world_size"] == 2 and fsdp["techniques"]["fsdp"] == "applied"
@@ -314,7 +315,6 @@ def test_ranks_above_zero_get_a_scratch_folder_and_no_hydra_copy():
     (["distributed=ddp", "distributed.backend=tcp"], {}, "is not one of"),
     (["distributed=ddp", "distributed.timeout_s=0"], {}, "must be > 0"),
 ])
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_impossible_combinations_are_config_errors(overrides, env, message, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(key, raising=False)
@@ -387,6 +387,7 @@ def _reduce_on_rank(rank: int, store_path: str, results) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.cli
 def test_reduce_figures_are_global_over_two_processes(tmp_path):
     """samples/s over the slowest rank's time, the slowest rank's step times, the largest peak memory."""
     import torch.multiprocessing as mp
@@ -442,6 +443,7 @@ INTERLEAVED = ["-m", "hydra/launcher=interleaved", *[o for o in TINY if not o.st
                "interleave.min_passes=2", "interleave.max_passes=2", "interleave.processes=1"]
 
 
+@pytest.mark.cli
 def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_path, short_tmp):
     """``torchrun --nproc-per-node=2 -m runner -m hydra/launcher=interleaved distributed=ddp trainer.seed=0,1``:
     each job (seed 0, seed 1, the reference's copy) is a 2-rank DDP job whose ranks were forked by the two ranks'
@@ -471,6 +473,7 @@ def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_pat
     assert not list(short_tmp.glob("runner-rank*")), "rank 1 left its scratch sweep behind"
 
 
+@pytest.mark.cli
 def test_an_interleaved_sweep_under_torchrun_needs_distributed_jobs(tmp_path):
     root = make_root(tmp_path)
     proc = torchrun(*INTERLEAVED, "trainer.seed=0,1", f"hydra.sweep.dir={root / 'sweep'}", cwd=root)

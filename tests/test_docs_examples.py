@@ -162,6 +162,7 @@ def run(example: Example, root: Path, *extra: str, module: str = "runner", **whe
 # ------------------------------------------------------------------------------ run for real
 
 
+@pytest.mark.cli
 def test_the_readme_first_run_and_the_doctor_on_its_folder(scratch):
     out, job = run(find("README.md", "python -m runner"), scratch)
     assert (job / "summary.json").is_file() and "summary (" not in out  # trainer.progress=off
@@ -182,6 +183,7 @@ def test_the_readme_sweep_and_its_report(scratch):
     assert (sweeps[-1] / "report.md").is_file(), f"{report}: {out}"
 
 
+@pytest.mark.cli
 def test_the_readme_custom_data_command(scratch):
     out, job = run(find("README.md", "python -m runner data=custom data._target_=my_data.tabular data.n_features"),
                    scratch)
@@ -194,6 +196,7 @@ def test_the_readme_cifar_command_on_a_tiny_cifar(scratch):
     assert '"eval_accuracy"' in (job / "summary.json").read_text()
 
 
+@pytest.mark.cli
 def test_own_configs_as_the_docs_show_them(scratch):
     """docs/configuration.md's two files and its command (the package line must come first in mine.yaml)."""
     assert (scratch / "my_conf" / "experiment" / "mine.yaml").read_text().startswith("# @package _global_")
@@ -202,12 +205,14 @@ def test_own_configs_as_the_docs_show_them(scratch):
     assert "lr: 0.002" in config and "weight_decay: 0.05" in config and "name: cosine" in config
 
 
+@pytest.mark.cli
 def test_own_text_with_the_language_model_preset(scratch):
     out, job = run(find("language-models.md", "python -m runner +experiment=shakespeare_char data.path=my.txt"),
                    scratch, "task.sample_tokens=20")  # samples.txt: 20 characters, not 500
     assert (job / "samples.txt").is_file()
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("flag", ["--help", "--cfg job", "--info searchpath"])
 def test_the_cli_flags_the_docs_show(scratch, flag):
     example = find("configuration.md", f"python -m runner {flag}")
@@ -291,7 +296,6 @@ COMPOSED = _composed()
 
 
 @pytest.mark.parametrize("example", COMPOSED, ids=[f"{e.doc}:{e.line}" for e in COMPOSED])
-@pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
 def test_every_other_example_composes(example, scratch, monkeypatch):
     monkeypatch.chdir(scratch)  # relative paths (my_conf, my_data) as from the reader's folder
     compose_example(example, scratch)

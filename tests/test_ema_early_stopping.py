@@ -58,6 +58,7 @@ def test_ema_every_updates_only_every_nth_step():
     assert ema.updates == 2
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])])
 def test_ema_through_the_cli_evaluates_both_weights_and_writes_model_ema(tmp_path, device):
     proc, folder = cli(tmp_path, "ema", "trainer.ema_decay=0.5", f"trainer.device={device}")
@@ -73,6 +74,7 @@ def test_ema_through_the_cli_evaluates_both_weights_and_writes_model_ema(tmp_pat
     assert evals[-1]["eval_loss_ema"] != evals[-1]["eval_loss"]
 
 
+@pytest.mark.cli
 def test_every_log_row_has_the_gradient_norm_before_clipping(tmp_path):
     short = ["trainer.log_every=1", "trainer.max_steps=4"]
     proc, folder = cli(tmp_path, "clipped", "optimizer.clip_grad_norm=0.01", *short)
@@ -87,6 +89,7 @@ def test_every_log_row_has_the_gradient_norm_before_clipping(tmp_path):
     assert first[0] > 0.01 and first[0] == pytest.approx(first[1], rel=1e-5)
 
 
+@pytest.mark.cli
 def test_early_stopping_stops_says_why_and_a_rerun_trains_no_further(tmp_path):
     # min_delta too large to ever count as an improvement: stop after the second evaluation (patience 1)
     stop = ["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.patience=1",
@@ -102,6 +105,7 @@ def test_early_stopping_stops_says_why_and_a_rerun_trains_no_further(tmp_path):
     assert read_summary(folder)["steps"] == 8
 
 
+@pytest.mark.cli
 def test_keep_best_writes_the_best_weights_with_their_metric(tmp_path):
     proc, folder = cli(tmp_path, "best", "checkpoint.keep_best=true", "checkpoint.best_metric=eval_accuracy")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -123,6 +127,7 @@ def test_the_watch_improves_by_more_than_min_delta_in_either_direction():
     assert higher.observe({"eval_accuracy": 0.5}, 1) and not higher.observe({"eval_accuracy": 0.5}, 2)
 
 
+@pytest.mark.cli
 def test_deterministic_runs_are_bit_identical_and_say_so(tmp_path):
     job = ["trainer.deterministic=true", "dataloader.num_workers=2", "data.augment=true", "cudnn_benchmark=true",
            "trainer.max_steps=4"]
@@ -151,6 +156,7 @@ def test_deterministic_with_an_operation_that_has_no_deterministic_kernel_names_
     assert run_tiny(tmp_path / "free", *model)["steps"] == 4  # the same job, not deterministic, runs
 
 
+@pytest.mark.cli
 def test_a_metric_the_task_does_not_report_stops_the_cli_with_one_message(tmp_path):
     proc, folder = cli(tmp_path, "bad", "trainer.early_stopping.metric=eval_bleu")
     assert proc.returncode == 2
@@ -172,6 +178,7 @@ def test_bad_settings_stop_before_training_naming_the_key(tmp_path, overrides, s
     assert not (tmp_path / "job" / "summary.json").exists()
 
 
+@pytest.mark.cli
 def test_an_unknown_early_stopping_mode_is_refused_before_training(tmp_path):
     proc, _ = cli(tmp_path, "bad", "trainer.early_stopping.mode=up")
     assert proc.returncode == 2 and "trainer.early_stopping.mode" in proc.stderr

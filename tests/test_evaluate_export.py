@@ -67,6 +67,7 @@ def written(folder: Path) -> set[str]:
 # ------------------------------------------------------------------------------ evaluate
 
 
+@pytest.mark.cli
 def test_evaluate_reproduces_the_jobs_final_evaluation(job):
     """The same batches (trainer.eval_max_batches=2, the job's) give the figures summary.json holds."""
     proc = run_cli(str(job), "trainer.eval_max_batches=2", cwd=job, module="runner.evaluate")
@@ -83,6 +84,7 @@ def test_evaluate_reproduces_the_jobs_final_evaluation(job):
     assert f"wrote {job / 'eval-final.json'}" in proc.stdout
 
 
+@pytest.mark.cli
 def test_evaluate_other_weights_give_other_figures(job, tmp_path):
     """The check above can fail: the same evaluation of other weights (``--weights ema``: here the trained weights
     scaled by 0.5, in the file the EMA feature writes) does not reproduce the summary."""
@@ -100,6 +102,7 @@ def test_evaluate_other_weights_give_other_figures(job, tmp_path):
     assert record["metrics"]["eval_loss"] != pytest.approx(read_summary(job)["eval_loss"], rel=1e-3)
 
 
+@pytest.mark.cli
 def test_evaluate_on_another_dataset(job, tmp_path):
     """``data=cifar10 data.root=...``: the job's model on a CIFAR-10-format set (40 test images, batches of 16),
     whole (eval_max_batches defaults to null), the record in ``--out``."""
@@ -118,6 +121,7 @@ def test_evaluate_on_another_dataset(job, tmp_path):
 # ------------------------------------------------------------------------------ export
 
 
+@pytest.mark.cli
 def test_export_torch_runs_as_the_trained_model(job):
     proc = run_cli(str(job), "--format", "torch", cwd=job, module="runner.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,6 +202,7 @@ BAD = {  # name: (module, arguments (job folder given), words the one error line
 }
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_is_one_error_line_and_writes_nothing(job, tmp_path, case):
     module, make, words = BAD[case]

@@ -44,6 +44,7 @@ def run_hf(job_dir: Path, text_path: Path, *overrides: str, spec=TINY_HF) -> dic
     return train(compose_cfg(*spec, f"data.path={text_path}", *overrides), job_dir=job_dir)
 
 
+@pytest.mark.cli
 def test_hf_gpt2_trains_through_the_cli(tiny_text, tmp_path):
     proc = run_cli(*TINY_LOOP, *TINY_HF, f"data.path={tiny_text}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -62,6 +63,7 @@ def test_hf_gpt2_trains_through_the_cli(tiny_text, tmp_path):
     assert len(sample) == 1 + 20 and sample[0] == "\n" and set(sample) <= set(vocab)
 
 
+@pytest.mark.cli
 def test_a_class_with_a_nested_config_is_the_same_model(tiny_text, tmp_path, spy):
     by_type = run_hf(tmp_path / "type", tiny_text, "trainer.max_steps=2")
     by_class = run_hf(tmp_path / "class", tiny_text, "trainer.max_steps=2", spec=TINY_HF_TARGET)
@@ -72,6 +74,7 @@ def test_a_class_with_a_nested_config_is_the_same_model(tiny_text, tmp_path, spy
     assert (tmp_path / "class" / "samples.txt").read_text() == (tmp_path / "type" / "samples.txt").read_text()
 
 
+@pytest.mark.cli
 def test_activation_checkpointing_recomputes_the_hf_blocks(tiny_text, tmp_path, spy, monkeypatch):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block

@@ -53,6 +53,7 @@ def has_mallinfo2() -> bool:
     return platform.libc_ver()[0] == "glibc" and hasattr(ctypes.CDLL(None), "mallinfo2")  # glibc >= 2.33
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(not has_mallinfo2(), reason="mallinfo2 is glibc's (2.33 and newer)")
 def test_reuse_serves_freed_memory_from_the_heap_instead_of_fresh_mappings():
     system_status, system = mapped_bytes("system")

@@ -316,6 +316,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.cli
 def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     """Four jobs (lr 0.01, 0.02, 1e30 and the reference's copy) with at most three resident: two groups, each
     beside the reference; lr=1e30 diverges and is reported while the others finish and are compared. The failed
@@ -348,6 +349,7 @@ def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     assert times["setup_s"] == json.loads((sweep / "0" / "job.json").read_text())["setup_s"] > 0
 
 
+@pytest.mark.cli
 def test_every_configuration_runs_in_several_processes(tmp_path):
     """``interleave.processes=2``: each configuration (seed 0, seed 1, the reference's copy) in two processes with
     folders of their own; the report compares configurations between processes and gives every process its
@@ -368,6 +370,7 @@ def test_every_configuration_runs_in_several_processes(tmp_path):
     assert "2 processes" in (sweep / "report.md").read_text()
 
 
+@pytest.mark.cli
 def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tmp_path):
     """``+experiment=ablation`` (interleaved by default, 2 processes per configuration): each variant's processes are
     its repeats (``<variant>/r0``, ``r1``), the baseline's copy A' follows them (``baseline/r2``, ``r3``), and
@@ -429,6 +432,7 @@ def test_bad_process_settings_are_refused_before_any_job(tmp_path, settings, mes
     assert not (tmp_path / "sweep" / "0").exists()
 
 
+@pytest.mark.cli
 def test_a_temp_folder_too_long_for_the_job_servers_socket_is_refused_with_the_fix(tmp_path):
     """multiprocessing's forkserver binds a Unix socket under TMPDIR (107 bytes at most): named, before any job."""
     long_tmp = tmp_path / ("t" * 90)
@@ -562,6 +566,7 @@ def _rounds_checks(sweep: Path, r: dict, job: str) -> dict:
     return rows
 
 
+@pytest.mark.cli
 def test_a_job_with_no_room_beside_its_reference_is_measured_in_rounds(tmp_path):
     """``interleave.max_resident=1``: nothing fits beside the reference, so its copy and seed 1 are measured after
     the groups in pairs of fresh processes (the rounds design, ABBA), and the report says which design measured what."""
@@ -577,6 +582,7 @@ def test_a_job_with_no_room_beside_its_reference_is_measured_in_rounds(tmp_path)
     assert "A/A" in rows["0-aa"]["verdict"] and "no room beside the references" in out
 
 
+@pytest.mark.cli
 def test_a_job_that_runs_out_of_memory_beside_the_others_is_measured_in_rounds(tmp_path):
     """A job whose first step raises CUDA's out-of-memory error while resident beside the reference exits with
     EXIT_OUT_OF_MEMORY, and is measured again after the groups in fresh processes (where it has the memory)."""

@@ -109,6 +109,7 @@ def test_ctrl_c_then_the_same_command_continues_that_run_exactly(tmp_path):
     assert_same_run(tmp_path / "straight", folder)
 
 
+@pytest.mark.cli
 def test_the_same_command_continues_an_unfinished_run_and_resume_never_starts_fresh(tmp_path):
     """Through the CLI: a run whose folder holds a checkpoint and no summary (here: removed, as a run stopped
     after its last checkpoint leaves it) is continued by the same command in that folder, with the line saying

@@ -61,6 +61,7 @@ def test_a_second_run_into_a_running_jobs_folder_is_refused_and_writes_nothing(t
         first.communicate()
 
 
+@pytest.mark.cli
 def test_a_lock_left_by_a_killed_run_does_not_block_the_rerun_that_resumes_it(tmp_path):
     """SIGKILL skips every clean-up; the kernel drops the lock with the process. Its DataLoader workers (forked,
     so holding a copy of the lock's descriptor) may outlive it for seconds: they close their copy when forked."""

@@ -423,6 +423,7 @@ def test_data_parallel_gpt_over_two_processes(tmp_path, name):
 # ------------------------------------------------------------------------------------------ presets
 
 
+@pytest.mark.cli
 def test_shakespeare_char_preset_through_the_cli(tiny_text, tmp_path):
     proc = run_cli("+experiment=shakespeare_char", f"data.path={tiny_text}", "logger=none", "trainer.device=cpu",
                    "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_max_batches=2",

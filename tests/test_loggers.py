@@ -122,6 +122,7 @@ def three_loggers(tmp_path_factory) -> Path:
     return job
 
 
+@pytest.mark.cli
 def test_tensorboard_holds_every_metrics_row_the_config_and_the_summary(three_loggers):
     job, rows, summary = three_loggers, metrics_rows(three_loggers), read_summary(three_loggers)
     logged = scalars(job / "tensorboard")
@@ -135,6 +136,7 @@ def test_tensorboard_holds_every_metrics_row_the_config_and_the_summary(three_lo
     assert '"eval_accuracy"' in text["summary/text_summary"]
 
 
+@pytest.mark.cli
 def test_mlflow_holds_the_config_every_metrics_row_and_the_summary(three_loggers):
     job, rows, summary = three_loggers, metrics_rows(three_loggers), read_summary(three_loggers)
     assert (job / "mlruns" / "mlflow.db").is_file()
@@ -152,6 +154,7 @@ def test_mlflow_holds_the_config_every_metrics_row_and_the_summary(three_loggers
     assert json.loads(stored.read_text())["techniques"] == summary["techniques"]
 
 
+@pytest.mark.cli
 def test_metrics_csv_has_every_metrics_row_under_the_union_of_their_keys(three_loggers):
     rows, lines = metrics_rows(three_loggers), read_csv(three_loggers / "metrics.csv")
     header = (three_loggers / "metrics.csv").read_text().splitlines()[0].split(",")

@@ -139,6 +139,7 @@ def test_summary_records_the_machine_load_consistently(tmp_path):
     assert s["memory_limit_mb"] > s["peak_memory_mb"] > 0
 
 
+@pytest.mark.cli
 def test_a_machine_kept_busy_by_other_processes_gets_a_warning(tmp_path):
     """Two busy loops on the (two) cores during a tiny run: runner's threads wait for a CPU, and the summary
     says its figures cannot be trusted."""

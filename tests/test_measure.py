@@ -234,6 +234,7 @@ def test_metrics_rows_have_the_issue_keys(tmp_path):
         assert set(r) == {"step", "epoch", "eval_accuracy", "eval_loss"} and 0 <= r["eval_accuracy"] <= 1
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("warmup", [0, 2])
 def test_warmup_steps_are_left_out(monkeypatch, tmp_path, warmup):
     # the first two fetches take 1 s each: far above a tiny step, even on a busy shared machine

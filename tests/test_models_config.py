@@ -98,6 +98,7 @@ def test_annotated_values_that_fit_are_passed_as_given():
     assert all(b.bn2.weight.all() for b in model.modules() if type(b).__name__ == "BasicBlock")
 
 
+@pytest.mark.cli
 def test_cli_value_that_does_not_fit_the_annotation_is_one_error_line(tmp_path):
     proc = run_cli("model=resnet18", "model.zero_init_residual=abc", "data=synthetic", "trainer.device=cpu",
                    "logger=none", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"})
@@ -187,6 +188,7 @@ def test_weights_load_from_the_cache_and_the_head_is_replaced(resnet18_file, nam
     assert "does not start with f37072fd, the hash in its name" in caplog.text
 
 
+@pytest.mark.cli
 def test_pretrained_run_on_two_classes(resnet18_file, spy, tmp_path):
     """Done-when: fine-tuning from a cached weights file works offline, with the head replaced."""
     summary = train(compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "data.num_classes=2",
@@ -199,6 +201,7 @@ def test_pretrained_run_on_two_classes(resnet18_file, spy, tmp_path):
     assert start["fc.weight"].shape == (2, 512)
 
 
+@pytest.mark.cli
 def test_freeze_backbone_trains_only_the_new_head(resnet18_file, spy, tmp_path, capsys):
     capsys.readouterr()
     summary = train(compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "model.freeze_backbone=true",

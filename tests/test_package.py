@@ -59,6 +59,7 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
+@pytest.mark.cli
 def test_wheel_ships_configs_the_embedded_data_and_every_module(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     configs = {f"runner/conf/{p.relative_to(CONF).as_posix()}" for p in CONF.rglob("*.yaml")}
@@ -171,6 +172,7 @@ def test_user_config_folder_composes_with_runners(user_conf, tmp_path, how):
     assert config["model"]["_target_"] == "runner.models.MnistCNN"  # runner's own default still applies
 
 
+@pytest.mark.cli
 def test_user_options_are_listed_in_help(user_conf, tmp_path):
     proc = run_cli("--config-dir", str(user_conf), "--help", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -72,6 +72,7 @@ def test_a_bad_optimized_metric_is_one_clear_error(tmp_path):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("summary.json"))
 
 
+@pytest.mark.cli
 def test_the_search_refuses_a_bad_metric_before_any_trial(tmp_path):
     pytest.importorskip("optuna")
     r = run_cli(*SEARCH, "optimized_metric=speed", cwd=tmp_path)

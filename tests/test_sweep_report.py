@@ -59,6 +59,7 @@ def test_plain_2x2_sweep_through_the_cli(tmp_path):
     assert (sweep / "sweep.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.cli
 def test_plain_sweep_with_a_failed_job(tmp_path):
     tiny = [o for o in TINY if not o.startswith("dataloader.batch_size")]
     # batch 1024 > the 256 training samples: the second job stops with exit status 2, and so does the sweep
@@ -105,6 +106,7 @@ def test_swept_keys_one_key_plot_and_a_job_that_stopped_midway(tmp_path):
     assert "samples/s against dataloader.batch_size:" in (sweep / "report.md").read_text()
 
 
+@pytest.mark.cli
 def test_jobs_measured_on_a_busy_machine_are_flagged_in_the_report_and_on_the_console(tmp_path):
     sweep = tmp_path / "sweep"
     for n, bs in enumerate((64, 128)):

@@ -185,6 +185,7 @@ def test_the_model_output_must_be_the_targets_size(tmp_path):
                          "~model.dropout"), job_dir=tmp_path)
 
 
+@pytest.mark.cli
 def test_regression_through_the_cli_reports_rmse_and_stops_at_the_target_loss(tmp_path):
     """Done-when: ``python -m runner task=regression data=custom data._target_=<float targets> model=mlp`` trains,
     reports RMSE in the summary and on the console, and stops at ``trainer.target_loss``."""

@@ -32,7 +32,6 @@ def test_every_entry_is_well_formed():
         assert all(o.count("=") == 1 for o in t.overrides), (name, t.overrides)
 
 
-@pytest.mark.slow  # composes all 28 variants (about a minute on 2 cores)
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("baseline", "fast")])
 def test_every_ablation_variant_switches_its_technique_as_the_table_says(variant):
     """A leave-one-in variant has its technique on where the baseline has it off; a leave-one-out variant has it off

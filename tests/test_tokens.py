@@ -118,6 +118,7 @@ def test_uint32_files(tmp_path):
 # ------------------------------------------------------------------------------------------ training
 
 
+@pytest.mark.cli
 def test_training_through_the_cli_writes_token_ids(bins, tmp_path):
     proc = run_cli(*TINY_LOOP, *token_overrides(bins, "trainer.eval_every=2"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -271,6 +272,7 @@ def test_a_text_too_short_for_any_window_says_so():
 
 # One CLI process each (~10 s on 2 cores): the first runs by default, the rest with `pytest -m slow` (CI budget);
 # every case's message is checked in-process above, and the CLI prints any ConfigError the same way.
+@pytest.mark.cli
 @pytest.mark.parametrize("case", ["missing file", *(pytest.param(c, marks=pytest.mark.slow) for c in
                                                    ["odd size", "id too large", "no vocab_size", "split too short"])])
 def test_bad_input_through_the_cli_stops_before_training(case, bins, tmp_path):
@@ -328,6 +330,7 @@ def test_the_gpt2_124m_preset_is_nanogpt_s_recipe():
     assert (cfg.precision.name, cfg.compile.mode) == ("bf16", "default")
 
 
+@pytest.mark.cli
 def test_the_gpt2_124m_preset_runs_on_synthetic_tokens(tmp_path):
     cfg = compose_cfg("+experiment=gpt2_124m", "model.n_layer=1", "model.n_head=2", "model.n_embd=64",
                       "data.block_size=32", "data.synthetic_tokens=20000", "memory.accumulate_steps=1",

@@ -230,6 +230,7 @@ def blobs(n=32):
 """
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("module", ["runner.evaluate", "runner.export"])
 @pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
 def test_numpy_load_of_a_pickle_in_the_folder(finished_job, tmp_path, module, trusted):
@@ -246,6 +247,7 @@ def test_numpy_load_of_a_pickle_in_the_folder(finished_job, tmp_path, module, tr
     one_error_line(proc, "model._target_='numpy.load'", "--allow-target numpy.load", "--trust")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("allow", [[], ["--allow-target", "run.payload"], ["--trust"]],
                          ids=["refused", "allowed", "trusted"])
 def test_a_module_planted_in_the_folder_is_never_imported(finished_job, tmp_path, allow):
@@ -262,6 +264,7 @@ def test_a_module_planted_in_the_folder_is_never_imported(finished_job, tmp_path
     one_error_line(proc, "model._target_='run.payload.Net'", ".hydra/config.yaml", "--allow-target run.payload")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
 def test_builtins_open_never_truncates_a_file(finished_job, tmp_path, trusted):
     victim = tmp_path / "precious.txt"
@@ -275,6 +278,7 @@ def test_builtins_open_never_truncates_a_file(finished_job, tmp_path, trusted):
     one_error_line(proc, "model._target_='builtins.open'")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
 def test_pathlib_write_text_never_writes_a_file(finished_job, tmp_path, trusted):
     """``pathlib.Path.write_text`` on a ``pathlib.Path`` built by a nested ``_target_``: through export."""
@@ -290,6 +294,7 @@ def test_pathlib_write_text_never_writes_a_file(finished_job, tmp_path, trusted)
     one_error_line(proc, "model._target_='pathlib.Path.write_text'")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
 def test_the_doctor_never_imports_a_data_module_planted_in_the_folder(finished_job, tmp_path, trusted):
     """``doctor --verify`` reruns the job from its ``overrides.yaml``: ``data._target_=run.payload.blobs`` names a

@@ -79,6 +79,7 @@ def test_batch_size_recovers_from_out_of_memory(tmp_path, capsys):
     assert [r["status"] for r in read_csv(tmp_path / "batch_size.csv")] == ["ok", "oom", "oom"]
 
 
+@pytest.mark.cli
 def test_batch_size_trials_on_a_busy_machine_say_so(tmp_path, capsys):
     """Busy loops on every core while the tuner measures: each trial records the machine-load warnings a
     run's summary would, and the tuner warns (console, notes) instead of recommending silently."""
@@ -156,6 +157,7 @@ def test_lr_suggestion_is_the_steepest_descent_of_the_recorded_curve(tmp_path):
     assert (tmp_path / "lr.png").stat().st_size > 0
 
 
+@pytest.mark.cli
 def test_dataloader_picks_the_fewest_workers_within_tolerance(tmp_path):
     cfg = compose_cfg(*QUICK, "tune.workers=[0,1]", "tune.loader_batches=5")
     result = tune.run("dataloader", cfg, tmp_path)

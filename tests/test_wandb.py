@@ -18,6 +18,8 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
+import pytest
+
 from conftest import TINY, job_dirs, metrics_rows, read_summary, run_cli
 
 _BLOCK, _CHUNK_HEADER = 32768, 7
@@ -81,6 +83,7 @@ def wandb_files(root: Path) -> list[Path]:
     return sorted(root.rglob("run-*.wandb"))
 
 
+@pytest.mark.cli
 def test_offline_run_holds_config_history_and_summary(tmp_path):
     proc = run_cli(*TINY, "logger=wandb", "trainer.max_steps=6", "trainer.log_every=2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -110,6 +113,7 @@ def test_offline_run_holds_config_history_and_summary(tmp_path):
     assert run["exit"] is not None and run["exit"].exit_code == 0
 
 
+@pytest.mark.cli
 def test_no_api_key_goes_offline_and_says_so_once_and_wandbs_start_up_lines_stay_off(tmp_path):
     """runner's one line says why the run is offline and how to upload it; W&B's own start-up lines ("wandb: W&B
     syncing is set to `offline`...", where the files are, `wandb leet`) are not printed (issue 38)."""
@@ -130,6 +134,7 @@ def test_no_api_key_goes_offline_and_says_so_once_and_wandbs_start_up_lines_stay
     assert read_run(path)["exit"] is not None
 
 
+@pytest.mark.cli
 def test_a_key_from_wandb_login_and_no_network_fall_back_to_offline_at_once(tmp_path):
     """A key stored the way `wandb login` stores it (~/.netrc for the server's host) is found through wandb's
     own lookup; the server does not answer (a closed local port), so the run logs offline and says why,
