@@ -284,6 +284,13 @@ def test_time_to_target_excludes_evaluation(monkeypatch, tmp_path):
 
 def test_time_to_target_at_the_first_evaluation_that_reaches_it(monkeypatch, tmp_path):
     calls = scripted_evaluate(monkeypatch, [0.3, 0.6, 0.9, 0.99])
+    loss = task_mod.Classification.loss
+
+    def slow_loss(self, *args, **kwargs):  # a step of known cost: the first two evaluations are >= 0.15 s apart
+        time.sleep(0.15)
+        return loss(self, *args, **kwargs)
+
+    monkeypatch.setattr(task_mod.Classification, "loss", slow_loss)
     s = train(compose_cfg("trainer.max_steps=4", "trainer.eval_every=1", "trainer.target_accuracy=0.5"),
               job_dir=tmp_path)
     assert s["time_to_target_s"] == pytest.approx(expected_time_to_target(s, calls, 1), abs=0.05)

@@ -170,7 +170,9 @@ def _busy_machine(summary: dict[str, Any], device: str) -> list[Suggestion]:
     if fit is None:
         return [rerun]
     return [Suggestion([f"trainer.num_threads={fit}"], f"{fit} intra-op thread(s) for the {fit} core(s) the other "
-                       f"processes left free: threads that outnumber the free cores wait for them"), rerun]
+                       f"processes left free: threads that outnumber the free cores wait for them (the default stays "
+                       f"one per core: a count read from the load at start would change with whatever ran then)"),
+            rerun]
 
 
 def _input_bound(summary: dict[str, Any], config: dict[str, Any], wait: float, metrics: list[dict[str, Any]],
