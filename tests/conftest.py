@@ -149,23 +149,28 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
                           text=True, timeout=timeout)
 
 
-def run_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m runner ARGS`` in this process (``runner.__main__.run``), in ``cwd``: the exit status, stdout
-    and stderr that ``run_cli`` returns, without a new interpreter's seconds of imports. For the command line's
-    behaviour (exit statuses, the one ``error:`` line, what a run writes); ``run_cli`` (tier ``cli``) for what
-    needs a process of its own: signals, torchrun, an installed wheel, a module's import cost."""
+def run_here(*args: str, cwd: Path, env: dict | None = None, module: str = "runner") -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in this process (``runner.__main__.run``, or the tool's ``main(argv)``), in
+    ``cwd``: the exit status, stdout and stderr that ``run_cli`` returns, without a new interpreter's seconds of
+    imports. For the command line's behaviour (exit statuses, the one ``error:`` line, what a run writes);
+    ``run_cli`` (tier ``cli``) for what needs a process of its own: signals, torchrun, an installed wheel, what a
+    process imports, ``PYTHONPATH``."""
     import contextlib
+    import importlib
     import io
 
-    from runner.__main__ import run
-
+    run = importlib.import_module("runner.__main__").run if module == "runner" else \
+        importlib.import_module(module).main
     out, err = io.StringIO(), io.StringIO()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     os.environ.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})})
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = run(list(args))
+            try:
+                code = run(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 1
     finally:
         os.chdir(saved_cwd)
         os.environ.clear()

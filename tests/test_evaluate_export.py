@@ -1,8 +1,10 @@
-"""``python -m runner.evaluate`` and ``python -m runner.export`` on a real finished job, through the CLI.
+"""``python -m runner.evaluate`` and ``python -m runner.export`` on a real finished job, through their command lines
+run in this process (``main(argv)``; the ONNX export and a shadowed package in processes of their own).
 
 One tiny job (synthetic 3x16x16 images, the MNIST CNN, 4 steps, its final evaluation over 2 batches) is trained
-once for the module; the tests evaluate and export its folder (or a copy they change: other weights, a damaged
-file, no final weights) and check the figures and files against the trained model, computed here.
+once for the session by ``python -m runner`` in this process; the tests evaluate and export its folder (or a copy
+they change: other weights, a damaged file, no final weights) and check the figures and files against the trained
+model, computed here.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, job_dirs, make_tiny_cifar, read_summary, run_cli
+from conftest import TINY, job_dirs, make_tiny_cifar, read_summary, run_cli, run_here
 from runner import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, worker_id) -> Path:
-    """A finished tiny job's folder (summary.json, model.safetensors, .hydra/), trained by the CLI once per session:
+    """A finished tiny job's folder (summary.json, model.safetensors, .hydra/), trained once per session:
     pytest-xdist workers share it through the session's base folder, the first one trains under a file lock (the
     pattern of pytest-xdist's docs; its xdist_group marks do not keep a module on one worker here)."""
     from filelock import FileLock
@@ -41,7 +43,7 @@ def job(tmp_path_factory, worker_id) -> Path:
 
 def train_job(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    proc = run_cli(*TINY, "trainer.doctor=false", cwd=root)
+    proc = run_here(*TINY, "trainer.doctor=false", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -67,10 +69,9 @@ def written(folder: Path) -> set[str]:
 # ------------------------------------------------------------------------------ evaluate
 
 
-@pytest.mark.cli
 def test_evaluate_reproduces_the_jobs_final_evaluation(job):
     """The same batches (trainer.eval_max_batches=2, the job's) give the figures summary.json holds."""
-    proc = run_cli(str(job), "trainer.eval_max_batches=2", cwd=job, module="runner.evaluate")
+    proc = run_here(str(job), "trainer.eval_max_batches=2", cwd=job, module="runner.evaluate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((job / "eval-final.json").read_text())
     summary = read_summary(job)
@@ -84,7 +85,6 @@ def test_evaluate_reproduces_the_jobs_final_evaluation(job):
     assert f"wrote {job / 'eval-final.json'}" in proc.stdout
 
 
-@pytest.mark.cli
 def test_evaluate_other_weights_give_other_figures(job, tmp_path):
     """The check above can fail: the same evaluation of other weights (``--weights ema``: here the trained weights
     scaled by 0.5, in the file the EMA feature writes) does not reproduce the summary."""
@@ -94,22 +94,21 @@ def test_evaluate_other_weights_give_other_figures(job, tmp_path):
     state = load_file(str(folder / "model.safetensors"))
     save_file({k: v * 0.5 if v.is_floating_point() else v for k, v in state.items()},
               str(folder / "model_ema.safetensors"))
-    proc = run_cli(str(folder), "--weights", "ema", "trainer.eval_max_batches=2", cwd=tmp_path,
-                   module="runner.evaluate")
+    proc = run_here(str(folder), "--weights", "ema", "trainer.eval_max_batches=2", cwd=tmp_path,
+                    module="runner.evaluate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((folder / "eval-ema.json").read_text())
     assert record["weights_file"] == "model_ema.safetensors"
     assert record["metrics"]["eval_loss"] != pytest.approx(read_summary(job)["eval_loss"], rel=1e-3)
 
 
-@pytest.mark.cli
 def test_evaluate_on_another_dataset(job, tmp_path):
     """``data=cifar10 data.root=...``: the job's model on a CIFAR-10-format set (40 test images, batches of 16),
     whole (eval_max_batches defaults to null), the record in ``--out``."""
     cifar = make_tiny_cifar(tmp_path / "cifar")
     out = tmp_path / "cifar-eval.json"
-    proc = run_cli(str(job), "data=cifar10", f"data.root={cifar}", "--out", str(out), cwd=tmp_path,
-                   module="runner.evaluate")
+    proc = run_here(str(job), "data=cifar10", f"data.root={cifar}", "--out", str(out), cwd=tmp_path,
+                    module="runner.evaluate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["data"]["name"] == "cifar10" and record["data"]["root"] == str(cifar)
@@ -121,9 +120,8 @@ def test_evaluate_on_another_dataset(job, tmp_path):
 # ------------------------------------------------------------------------------ export
 
 
-@pytest.mark.cli
 def test_export_torch_runs_as_the_trained_model(job):
-    proc = run_cli(str(job), "--format", "torch", cwd=job, module="runner.export")
+    proc = run_here(str(job), "--format", "torch", cwd=job, module="runner.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "check: torch.export.load" in proc.stdout and "batch dimension dynamic" in proc.stdout
     exported = torch.export.load(str(job / "model.pt2")).module()
@@ -202,7 +200,6 @@ BAD = {  # name: (module, arguments (job folder given), words the one error line
 }
 
 
-@pytest.mark.cli
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_is_one_error_line_and_writes_nothing(job, tmp_path, case):
     module, make, words = BAD[case]
@@ -215,7 +212,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(job, tmp_path, case):
         (shadow / "__init__.py").write_text("raise ImportError('onnxscript is not installed (simulated)')\n")
         env = {"PYTHONPATH": f"{shadow.parent}:{REPO_ROOT}"}
     before = written(folder) if folder.exists() else set()
-    proc = run_cli(*args, cwd=tmp_path, module=module, env=env, timeout=120)
+    proc = (run_cli if env else run_here)(*args, cwd=tmp_path, module=module, env=env)
     assert proc.returncode == 2, f"{case}: exit {proc.returncode}\n{proc.stdout}{proc.stderr[-2000:]}"
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{case}: {proc.stderr[-2000:]}"
