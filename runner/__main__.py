@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from runner import CONF_DIR, objective
 from runner.config import register_configs
-from runner.errors import ConfigError, Preempted, TrainingDiverged
+from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.interleaved import register as register_interleaved_launcher
 from runner.launch import prepare_process, record_if_elastic
 
@@ -90,7 +90,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _train(cfg: DictConfig) -> float | None:
-    from runner.preempt import EXIT_PREEMPTED
     from runner.track import sweep_group
     from runner.validate import validate
 

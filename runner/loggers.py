@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.errors import EXIT_PREEMPTED
 from runner.records import panel_figures, reachable, summary_figures, to_json
 
 
@@ -263,8 +264,6 @@ class MLflowLogger:
         self._call("ending the run", lambda: self.client.set_terminated(self.run_id, "FINISHED"))
 
     def abort(self, exit_code: int = 1) -> None:  # noqa: D102
-        from runner.preempt import EXIT_PREEMPTED
-
         status = "KILLED" if exit_code in (EXIT_PREEMPTED, 130) else "FAILED"
         self._call("ending the run", lambda: self.client.set_terminated(self.run_id, status))
 

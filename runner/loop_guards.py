@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from runner import checkpoint, preempt
-from runner.errors import Preempted, TrainingDiverged
+from runner.errors import EXIT_PREEMPTED, Preempted, TrainingDiverged
 from runner.state import TrainState
 
 Parts = Any  # runner.build.Parts (the engine imports this module, so not the other way round)
@@ -124,7 +124,7 @@ def _sweep_dir() -> Path | None:
 def stop_for_signal(state: TrainState, parts: Parts, launcher: str) -> None:
     """After the checkpoint of a signalled step: print where it is and the exact command that resumes (two
     lines), under submitit hand the signal back to submitit (it requeues the job its own way), under SLURM
-    requeue the job; then stop with ``Preempted`` (exit status ``preempt.EXIT_PREEMPTED``)."""
+    requeue the job; then stop with ``Preempted`` (exit status ``EXIT_PREEMPTED``)."""
     p = parts
     p.checkpointer.finish()
     message = (f"stopped at step {state.step} for {p.preemption.received}: checkpoint "
@@ -134,7 +134,7 @@ def stop_for_signal(state: TrainState, parts: Parts, launcher: str) -> None:
         hint = preempt.resume_command(sys.argv[1:], p.job_dir.resolve(), _sweep_dir(), launcher)
         print(message + (f"; {done}" if done else "") + f"\nresume with: {hint}", flush=True)
     if p.preemption.handoff:  # a submitit job: its handler requeues once it gets its signal back
-        p.tracker.abort(exit_code=preempt.EXIT_PREEMPTED)
+        p.tracker.abort(exit_code=EXIT_PREEMPTED)
         p.preemption.resend()
     raise Preempted(message)
 

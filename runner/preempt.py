@@ -30,9 +30,6 @@ from types import FrameType
 
 from runner.errors import ConfigError
 
-#: exit status of a run that stopped for a signal after writing its checkpoint (``EX_TEMPFAIL``: try again)
-EXIT_PREEMPTED = 75
-
 
 class Preemption:
     """Installs handlers for ``signals`` (names such as ``"SIGTERM"``, ``"SIGUSR1"``) that record the signal.

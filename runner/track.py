@@ -155,7 +155,7 @@ class Tracker:
 
     def abort(self, exit_code: int = 1) -> None:
         """Close files and every logger's run after a failure or a preemption (no summary is written);
-        ``exit_code`` says which (``runner.preempt.EXIT_PREEMPTED`` for a preemption, 130 for Ctrl-C)."""
+        ``exit_code`` says which (``runner.errors.EXIT_PREEMPTED`` for a preemption, 130 for Ctrl-C)."""
         if self.bar is not None:
             self.bar.close()
         self._metrics.close()

@@ -34,13 +34,12 @@ from runner import (
     measure,
     models,
     parallel,
-    preempt,
     prepare,
     resume,
     slice_gate,
 )
 from runner.build import Parts, agree, build, checkpoint_state
-from runner.errors import ConfigError, Preempted, TrainingDiverged
+from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.state import TrainState
 from runner.track import git_sha, job_folder, sweep_group
 from runner.validate import validate
@@ -87,7 +86,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
             parts.task.finish(parts.model, parts.data, parts.job_dir, env, cfg.trainer.seed)
         except Preempted:
             parts.checkpointer.finish()
-            parts.tracker.abort(exit_code=preempt.EXIT_PREEMPTED)
+            parts.tracker.abort(exit_code=EXIT_PREEMPTED)
             raise
         except KeyboardInterrupt:  # a second Ctrl-C: stopped by the user, not failed (MLflow: KILLED)
             parts.tracker.abort(exit_code=130)
