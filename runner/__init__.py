@@ -79,7 +79,7 @@ def _config_groups() -> str:
 
     if not {"--help", "-h"} & set(sys.argv[1:]):
         return "(python -m runner --help lists them)"
-    from runner.config_help import config_groups_help  # imported on use: this module stays light
+    from runner.config.help import config_groups_help  # imported on use: this module stays light
 
     return config_groups_help()
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from runner.config.targets import OPTIONAL_PACKAGES
 from runner.errors import ConfigError
-from runner.targets import OPTIONAL_PACKAGES
 
 #: Config attributes that hold a model's context length (positions), in the order they are looked for.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")

@@ -140,7 +140,7 @@ def check_outputs(folder: Path, cfg: Any) -> None:
     Raises:
         ConfigError: naming the path, the setting that writes it and the fix.
     """
-    from runner.logger_config import logger_names
+    from runner.config.logger import logger_names
 
     wanted = {"checkpoints": "checkpoints (checkpoint.*)"}
     names = logger_names(cfg.logger)

@@ -23,7 +23,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import CONF_DIR, hf, targets
+from runner import CONF_DIR, hf
+from runner.config import targets
 from runner.errors import ConfigError, deterministic_refusal
 
 log = logging.getLogger(__name__)
@@ -228,8 +229,7 @@ def _load_pretrained(builder, target: str, kwargs: dict, weights) -> nn.Module:
     path = cached_weights_file(weights)
     state = _check_weights_file(weights, path)
     try:
-        # the member's name, which the builder's WeightsEnum.verify accepts (an Enum cannot pass through the
-        # config node instantiate builds)
+        # the member's name, which the builder's WeightsEnum.verify accepts (an Enum cannot pass through instantiate)
         return targets.call("model._target_", target, {**kwargs, "weights": weights.name})
     except ConfigError as e:
         cause = e.__cause__

@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner import REPO_ROOT
-from runner.logger_config import logger_names
+from runner.config.logger import logger_names
 from runner.records import (  # noqa: F401 - finite_or_none, to_json, write_json_atomic: runner.track's API too
     WANDB_KEYS,
     finite_or_none,

@@ -12,7 +12,7 @@ configs) is not restricted.
 - **Targets** (``check_config``): every ``_target_`` in the tree, nested ones too (Hydra instantiates those
   recursively), must lie in one of ``NAMESPACES`` -- runner's model, GPT, Hugging Face and task modules,
   torchvision's models, ``torch.nn``, ``torch.optim``, timm's optimizers, ``transformers``: what runner's own
-  configs and schemas name (``conf/``, ``runner/config.py``) -- or be allowed by the user: a module prefix given
+  configs and schemas name (``conf/``, ``runner/config/``) -- or be allowed by the user: a module prefix given
   with ``--allow-target`` or in ``RUNNER_ALLOW_TARGETS`` (comma-separated), the exact target given as an override
   on the command line, or ``--trust`` (everything, as ``python -m runner`` would). A target inside those
   namespaces must also *be* there: it is resolved importing only modules of its namespace, and every object on
@@ -188,7 +188,7 @@ def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, u
     prefixes = NAMESPACES + policy.allowed
     parts = target.split(".")
     obj = None
-    for i in range(len(parts), 0, -1):  # the longest importable module prefix, as runner.targets.locate finds it
+    for i in range(len(parts), 0, -1):  # the longest importable module prefix, as runner.config.targets.locate finds it
         name = ".".join(parts[:i])
         if not within(name, prefixes):
             return  # e.g. `torch` for torch.nn.X: never imported on a config's word; the builder reports it
@@ -206,7 +206,7 @@ def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, u
     for attr in parts[i:]:
         obj = getattr(obj, attr, _MISSING)
         if obj is _MISSING:
-            return  # runner.targets.locate names the missing attribute and the close ones
+            return  # runner.config.targets.locate names the missing attribute and the close ones
         where = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
         if not isinstance(where, str) or not within(where, prefixes):
             raise ConfigError(f"{key}={target!r} in {source} reaches {attr!r}, which is defined in "

@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import objective
 from runner.config import CHOICES, check_choice
+from runner.config.logger import LOGGER_PACKAGES, LOGGERS, logger_names
 from runner.errors import ConfigError
-from runner.logger_config import LOGGER_PACKAGES, LOGGERS, logger_names
 
 
 def validate(cfg: DictConfig) -> None:
@@ -55,7 +55,7 @@ def validate(cfg: DictConfig) -> None:
     for ok, key, value, rule in checks:
         if not ok:
             raise ConfigError(f"{key}={value} {rule}")
-    for key in CHOICES:  # every closed option list (runner/config.py), so a bad value stops before anything is built
+    for key in CHOICES:  # every closed option list (runner/config/), so a bad value stops before anything is built
         check_choice(key, OmegaConf.select(cfg, key))
     _refuse_undeclared_keys(cfg)
     objective.check(cfg)

@@ -1,7 +1,7 @@
 """Config groups: every option of every group composes against its schema and its components build.
 
 Typos and wrong types, on the command line or inside a YAML option, fail at compose time with Hydra's
-own message (the dataclass schemas in ``runner/config.py``); cross-key rules fail in ``validate``.
+own message (the dataclass schemas in ``runner/config/``); cross-key rules fail in ``validate``.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def _schema_of(option: dict):
 
 def test_yaml_options_set_only_what_differs_from_their_schema():
     """A group option (conf/<group>/<option>.yaml) and conf/config.yaml hold only values that differ from the
-    schema's defaults in runner/config.py: a default lives in one place, so changing it cannot leave a stale
+    schema's defaults in runner/config/: a default lives in one place, so changing it cannot leave a stale
     copy behind."""
     import yaml
 

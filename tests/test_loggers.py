@@ -78,7 +78,7 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 def test_the_logger_list_composes_into_one_node_per_logger():
-    from runner.logger_config import logger_names
+    from runner.config.logger import logger_names
 
     assert logger_names(compose_cfg("logger=wandb").logger) == ["wandb"]
     assert logger_names(compose_cfg("logger=none").logger) == []

@@ -158,7 +158,7 @@ def measured_job(cfg: DictConfig) -> DictConfig:
     """``cfg`` resolved and made a measured job: it trains until told to finish (no step limit, no evaluation but
     one batch at the end, no checkpoint, no logger, no samples, no doctor, no early stop, no targets, no metric
     for a search to optimize)."""
-    from runner.logger_config import LOGGERS
+    from runner.config.logger import LOGGERS
 
     out = copy.deepcopy(cfg)
     OmegaConf.resolve(out)

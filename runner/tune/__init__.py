@@ -15,7 +15,7 @@ swapped. ``debug`` (anomaly detection, the profiler) is not applied while tuning
 Outputs go to ``outputs/tune/<tuner>/<date>_<time>/`` (or ``--out DIR``): ``<tuner>.csv`` (the measurements),
 ``<tuner>.md`` (table, recommendation, notes), ``<tuner>.png`` and ``<tuner>.json`` (all of it, with the
 recommendation each rank computed), plus Hydra's ``.hydra/``. At the end the table and a ready override
-line are printed. ``tune.*`` (runner/config.py ``TuneConfig``) holds the tuners' settings.
+line are printed. ``tune.*`` (runner/config/ ``TuneConfig``) holds the tuners' settings.
 
 Under torchrun every rank builds and trains each configuration, the figures are reduced over the ranks
 (slowest rank's time, largest peak memory, the all-reduced mean loss), so each rank takes the same

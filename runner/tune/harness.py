@@ -23,8 +23,8 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import global_batch_size
+from runner.config.logger import LOGGERS
 from runner.errors import ConfigError
-from runner.logger_config import LOGGERS
 
 GUARD_MIN_STEPS = 5  # tune.guard_steps: at least one step per window of the speed tuner's guard
 NO_PROFILER = types.SimpleNamespace(step=lambda: None)  # fit() steps a profiler; tuning runs none

@@ -10,7 +10,7 @@ module that consumes the group; everything else is passed to ``_target_``.
 Nodes open to keys no schema declares carry a user's own arguments: ``model`` (``model.width=64``), ``data`` when
 ``data=custom`` (``data.n_features=20``) and ``tune.switches``. They are stored with the struct flag off
 (``open_node``), so ``key=value`` adds a key without Hydra's ``+`` while declared fields stay typed. The builders check
-the extra keys against the callable's signature (``runner.targets.check_arguments``), so a typo (``model.widht=64``)
+the extra keys against the callable's signature (``targets.check_arguments``), so a typo (``model.widht=64``)
 stops before training with the valid names. Every other node stays closed: a typo such as ``trainer.max_step`` fails at
 compose time.
 """
@@ -23,9 +23,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from runner.config.logger import LoggerConfig
+from runner.config.tools import AblationConfig, InterleaveConfig, TuneConfig
 from runner.errors import ConfigError
-from runner.logger_config import LoggerConfig
-from runner.tool_config import AblationConfig, InterleaveConfig, TuneConfig
 
 #: Every closed list of options, declared once: ``runner.validate.validate`` checks a composed config against all of
 #: them before anything is built, and the builder of each key calls ``check_choice`` with the same list, so a direct
