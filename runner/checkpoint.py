@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from runner import write_failures
 from runner.errors import ConfigError
-from runner.records import sha256_file
+from runner.track.records import sha256_file
 
 # one process without a process group is DCP's supported "no_dist" case (passed explicitly below), not a mistake
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -158,7 +158,7 @@ def weights_sha256(job_dir: Path, at_end: bool, ema: Any, best: Any) -> dict[str
     """The SHA-256 of each weights file a run wrote into ``job_dir``, by its path there (``summary.json``
     ``weights_sha256``): ``model.safetensors`` and, with an EMA (``ema`` not None), ``model_ema.safetensors``
     (``checkpoint.at_end``); ``best/model.safetensors`` when the run keeps its best weights (``best`` not None).
-    evaluate and export refuse a weights file that no longer matches (``runner.records.check_weights``)."""
+    evaluate and export refuse a weights file that no longer matches (``runner.track.records.check_weights``)."""
     names = ["model.safetensors", *(["model_ema.safetensors"] if ema is not None else [])] if at_end else []
     names += ["best/model.safetensors"] if best is not None else []
     return {name: sha256_file(job_dir / name) for name in names if (job_dir / name).is_file()}

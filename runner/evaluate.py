@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import trust
 from runner.errors import ConfigError
-from runner.records import check_weights
+from runner.track.records import check_weights
 
 #: ``--weights`` choice -> (file in the job folder, what writes it: the fix when it is missing).
 WEIGHTS = {
@@ -269,7 +269,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
 
     Raises:
         ConfigError: from ``job_config`` and ``weights_file``; a weights file whose SHA-256 differs from the one
-            the run recorded in ``summary.json`` (``runner.records.check_weights``: modified or corrupted); any
+            the run recorded in ``summary.json`` (``runner.track.records.check_weights``: modified or corrupted); any
             builder's bad input (a dataset that is missing, a model that does not take the data); a weights file
             that cannot be read (corrupt, truncated) or does not fit the model (another model's, or overrides that
             changed ``model.*``).

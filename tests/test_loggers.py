@@ -60,7 +60,7 @@ def same(logged: list[tuple[int, float]], rows: list[tuple[int, float]]) -> bool
 def mlflow_client(job: Path):
     from mlflow.tracking import MlflowClient
 
-    from runner.loggers import local_mlflow_uri
+    from runner.track.loggers import local_mlflow_uri
 
     return MlflowClient(tracking_uri=local_mlflow_uri(job))
 
@@ -90,7 +90,7 @@ def test_the_logger_list_composes_into_one_node_per_logger():
 
 
 def test_the_csv_logger_widens_its_header_and_drops_rows_after_a_resumed_checkpoint(tmp_path):
-    from runner.loggers import CSVLogger
+    from runner.track.loggers import CSVLogger
 
     path = tmp_path / "metrics.csv"
     log = CSVLogger(path)

@@ -1,6 +1,6 @@
 """The loggers besides W&B that ``logger=`` adds (``runner.track.Tracker`` starts them on rank 0): TensorBoard,
 MLflow and ``metrics.csv``. Each takes every metrics row (``log``), the summary at the end (``finish``) or the
-failure (``abort``); the rows' figures go under ``runner.records.WANDB_KEYS``'s names (``perf/samples_per_sec``),
+failure (``abort``); the rows' figures go under ``runner.track.records.WANDB_KEYS``'s names (``perf/samples_per_sec``),
 the same in every logger.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import EXIT_PREEMPTED
-from runner.records import panel_figures, reachable, summary_figures, to_json
+from runner.track.records import panel_figures, reachable, summary_figures, to_json
 
 
 class TensorBoardLogger:

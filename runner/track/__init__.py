@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from runner import REPO_ROOT
 from runner.config.logger import logger_names
-from runner.records import (  # noqa: F401 - finite_or_none, to_json, write_json_atomic: runner.track's API too
+from runner.track.records import (  # noqa: F401 - finite_or_none, to_json, write_json_atomic: runner.track's API too
     WANDB_KEYS,
     finite_or_none,
     panel_figures,
@@ -62,7 +62,7 @@ def _fmt(value: Any) -> str:
 
 class Tracker:
     """Rank 0's outputs for one job: metrics rows, console progress, the loggers `logger=` picks (W&B, TensorBoard,
-    MLflow, metrics.csv: ``runner.loggers``), the summary."""
+    MLflow, metrics.csv: ``runner.track.loggers``), the summary."""
 
     def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None,
                  resume_step: int | None = None, wandb_run_id: str | None = None, mlflow_run_id: str | None = None):
@@ -87,7 +87,7 @@ class Tracker:
         names = logger_names(cfg.logger)
         self.wandb = (_start_wandb(cfg.logger, job_dir, resolved, sweep_group, wandb_run_id)
                       if "wandb" in names else None)
-        from runner import loggers
+        from runner.track import loggers
 
         self.mlflow = (loggers.MLflowLogger(cfg.logger, job_dir, resolved, sweep_group, mlflow_run_id)
                        if "mlflow" in names else None)
