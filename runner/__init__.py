@@ -57,7 +57,7 @@ IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "tok
 #   ${runner_steps:S,B}                      the optimizer steps of S samples at batch B: ceil(S / B), at least 1
 #                                            (conf/experiment/convergence.yaml: a budget in samples)
 def _if_cuda(device, then, otherwise):
-    from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
+    from runner.measure.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
 
     return then if uses_cuda(str(device)) else otherwise
 

@@ -26,8 +26,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from runner import hardware, techniques
+from runner import techniques
 from runner.errors import ConfigError
+from runner.measure import hardware
 from runner.report import ReportError, sweep_command, write_report
 from runner.track import write_json_atomic
 

@@ -20,9 +20,9 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.amp import GradScaler
 
-from runner import hardware
 from runner.config import check_choice
 from runner.errors import ConfigError
+from runner.measure import hardware
 
 
 @dataclass

@@ -27,7 +27,7 @@ WHERE = ("any", "cuda", "image", "image+cuda")
 
 
 def _workers() -> int:
-    from runner import hardware  # torch-free until called
+    from runner.measure import hardware  # torch-free until called
 
     return min(4, hardware.cpu_cores())
 

@@ -26,11 +26,9 @@ from runner import (
     debug,
     distributed,
     evaluation,
-    hardware,
     jobdir,
     launch,
     loop_guards as guards,
-    machine_load,
     measure,
     models,
     parallel,
@@ -40,6 +38,7 @@ from runner import (
 )
 from runner.build import Parts, agree, build, checkpoint_state
 from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
+from runner.measure import hardware, machine_load
 from runner.state import TrainState
 from runner.track import git_sha, job_folder, sweep_group
 from runner.validate import validate

@@ -35,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from runner import REPO_ROOT, hardware
+from runner import REPO_ROOT
+from runner.measure import hardware
 
 TEXT = REPO_ROOT / "data" / "tinyshakespeare" / "input.txt"  # embedded
 MODES = {"whole": "compile.regional=false", "regional": "compile.regional=true"}

@@ -526,7 +526,7 @@ def test_report_warns_when_the_machine_was_busy(tmp_path):
                                                                                 "load_average_1min": 3.2}}))
     write_report(sweep)
     assert "machine was busy when the sweep started (load average 3.2 on 2 cores)" in (sweep / "report.md").read_text()
-    # a job whose own summary recorded a busy machine (runner.machine_load.load_warnings) is counted and quoted
+    # a job whose own summary recorded a busy machine (runner.measure.machine_load.load_warnings) is counted and quoted
     path = sweep / "baseline+amp" / "r0" / "summary.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"warnings": ["runner's threads waited 40 %"]}))
     write_report(sweep)

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from conftest import compose_cfg, run_tiny
-from runner import distributed, hardware, models, precision, prepare
+from runner import distributed, models, precision, prepare
 from runner.gpt import GPT
+from runner.measure import hardware
 
 CPU = torch.device("cpu")
 

@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import ONE_THREAD, compose_cfg, cuda_only, metrics_rows, run_tiny
-from runner import data as data_mod, debug, hardware, models, optim, precision, prepare, schedule
+from runner import data as data_mod, debug, models, optim, precision, prepare, schedule
 from runner.errors import ConfigError
+from runner.measure import hardware
 from runner.task import evaluation_sums
 from technique_helpers import SharedConv, TinyMLP, Untraceable
 

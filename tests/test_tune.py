@@ -82,7 +82,7 @@ def test_batch_size_recovers_from_out_of_memory(tmp_path, capsys):
 def test_batch_size_trials_on_a_busy_machine_say_so(tmp_path, capsys):
     """Busy loops on every core while the tuner measures: each trial records the machine-load warnings a
     run's summary would, and the tuner warns (console, notes) instead of recommending silently."""
-    from runner import hardware
+    from runner.measure import hardware
 
     if hardware.thread_schedule_ns() is None:
         pytest.skip("no /proc/self/task/*/schedstat: run-queue wait is Linux-only")

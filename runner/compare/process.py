@@ -131,7 +131,7 @@ class Job:
         """Fork the process from the job server (rendezvous at ``port`` under torchrun) and wait for its first
         message; writes ``job.json`` (its start and setup time, for the report); False when it ended on the way."""
         from runner.compare.ranks import job_env
-        from runner.hardware import SWEEP_ROOT_ENV  # the others on the GPU that are this comparison's own
+        from runner.measure.hardware import SWEEP_ROOT_ENV  # the others on the GPU that are this comparison's own
 
         ctx = server.context()
         mine, theirs = ctx.Pipe()

@@ -222,7 +222,7 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     and ``data_wait_fraction`` (the engine's meter, slowest rank), ``peak_memory_mb`` (MiB, largest over
     ranks: ``runner.measure.peak_memory_mb`` from after the build to the end of the steps, so it covers
     model, optimizer state, activations and the loader's batches; DataLoader worker processes are not
-    counted), ``train_samples`` (per rank), ``load_warnings`` (``runner.machine_load.load_warnings`` over the
+    counted), ``train_samples`` (per rank), ``load_warnings`` (``runner.measure.machine_load.load_warnings`` over the
     measured steps, joined with "; ": why this trial's figures cannot be trusted; empty when none). With
     ``loader_batches``, also ``loader_batches_per_sec``: the training loader alone (``loader_seconds``), slowest rank.
 
@@ -233,8 +233,9 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     """
     import torch
 
-    from runner import build as builder, machine_load, measure, train as engine
+    from runner import build as builder, measure, train as engine
     from runner.errors import TrainingDiverged
+    from runner.measure import machine_load
 
     if cfg.compile.mode is not None:
         torch._dynamo.reset()  # each configuration compiles afresh (and no recompile limit is reached)
@@ -407,7 +408,8 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
             nothing to recommend (the job does not fit at the smallest batch size, ...).
         RuntimeError: the ranks' recommendations differ (a bug: they decide on the same reduced figures).
     """
-    from runner import distributed, hardware
+    from runner import distributed
+    from runner.measure import hardware
     from runner.validate import validate
 
     validate(cfg)

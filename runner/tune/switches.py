@@ -122,7 +122,7 @@ def _data(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
 def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     import torch
 
-    from runner import hardware
+    from runner.measure import hardware
 
     cuda = device.type == "cuda"
     precision = cfg.precision.name
@@ -151,7 +151,7 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
 def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
     import torch
 
-    from runner import hardware
+    from runner.measure import hardware
 
     offer(Switch.of("channels_last"), image, "an image technique; the inputs are token ids")
     offer(Switch.of("cudnn_benchmark"), image and cuda,

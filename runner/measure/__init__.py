@@ -1,12 +1,12 @@
 """Measurement: step time and data wait without per-step syncs, FLOPs, peak memory, how busy the machine
 was while the figures were taken (the device's peak FLOP/s for MFU and the /proc probes are machine
-knowledge: runner/hardware.py).
+knowledge: runner/measure/hardware.py).
 
 Rules (docs/design.md): on CUDA each step records device events and they are read only at log intervals;
 on CPU ``time.perf_counter`` is exact. Data wait is the time blocked getting the next batch, host->device
 copy included; step time is the rest of the iteration. Warm-up steps are left out of every figure.
-Noise is part of the figure: the ``Meter`` opens a ``runner.machine_load.LoadWindow`` over the measured
-steps, and ``runner.machine_load.load_warnings`` says when the figures cannot be trusted.
+Noise is part of the figure: the ``Meter`` opens a ``runner.measure.machine_load.LoadWindow`` over the measured
+steps, and ``runner.measure.machine_load.load_warnings`` says when the figures cannot be trusted.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runner.machine_load import LoadWindow
+from runner.measure.machine_load import LoadWindow
 
 
 def flops_per_sample(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor],

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from runner import hardware
+from runner.measure import hardware
 
 #: Others' load average may exceed the cores runner leaves free by half a core before it is called busy:
 #: shells, editors and short jobs keep an idle machine's 1-minute load around 0.1-0.5.
