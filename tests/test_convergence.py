@@ -257,7 +257,7 @@ def test_the_gpt_preset_is_the_recipe_with_the_convergence_ablation_and_a_loss_t
     listed = preset_config("+experiment=[shakespeare_char,convergence]", *job, "trainer.target_accuracy=null",
                            "trainer.target_loss=1.96", "ablation.max_samples=24000", "ablation.eval_samples=1200")
     assert OmegaConf.to_container(gpt, resolve=True) == OmegaConf.to_container(listed, resolve=True)
-    assert (gpt.model._target_, gpt.trainer.max_steps, gpt.trainer.eval_every) == ("runner.gpt.GPT", 2000, 100)
+    assert (gpt.model._target_, gpt.trainer.max_steps, gpt.trainer.eval_every) == ("runner.models.gpt.GPT", 2000, 100)
     assert (gpt.scheduler.name, gpt.trainer.stop_at_target, gpt.trainer.target_weights) == ("constant", True, "model")
     variants = preset_config("+experiment=convergence_gpt", hydra=True).hydra.sweeper.params["ablation/variant"]
     variants = variants.split(",")

@@ -14,8 +14,8 @@ from torch import nn
 
 from conftest import compose_cfg, run_tiny
 from runner import distributed, models, precision, prepare
-from runner.gpt import GPT
 from runner.measure import hardware
+from runner.models.gpt import GPT
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,7 @@ from torch import nn
 from conftest import TINY_GPT, compose_cfg
 from runner import models, optim
 from runner.errors import ConfigError
-from runner.gpt import GPT
+from runner.models.gpt import GPT
 
 
 def muon_cfg(*overrides: str):

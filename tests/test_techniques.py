@@ -511,7 +511,7 @@ def compiled(module: nn.Module) -> bool:
 
 
 def test_regional_compile_compiles_each_block_and_not_the_model():
-    from runner.gpt import GPT
+    from runner.models.gpt import GPT
 
     gpt = GPT(32, block_size=16, n_layer=3, n_head=2, n_embd=32)
     cfg = compose_cfg("compile=default", "compile.regional=true").compile
@@ -531,7 +531,7 @@ def test_regional_compile_compiles_each_block_and_not_the_model():
 
 
 def test_regional_compile_wraps_checkpointed_blocks_and_falls_back_to_the_whole_model():
-    from runner.gpt import GPT
+    from runner.models.gpt import GPT
 
     gpt = GPT(32, block_size=16, n_layer=2, n_head=2, n_embd=32)
     prepare.apply_activation_checkpointing(gpt, None)

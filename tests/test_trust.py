@@ -314,7 +314,7 @@ def test_the_policy_admits_runners_own_targets_and_no_path_around_them():
     from runner import trust
 
     policy = trust.Policy.make(environ={})
-    for target in ("runner.models.MnistCNN", "runner.models.MLP", "runner.gpt.GPT", "runner.hf.causal_lm",
+    for target in ("runner.models.MnistCNN", "runner.models.MLP", "runner.models.gpt.GPT", "runner.models.hf.causal_lm",
                    "runner.task.Classification", "torchvision.models.resnet18", "torch.optim.SGD", "torch.nn.Linear",
                    "timm.optim.Lamb", "transformers.GPT2LMHeadModel", "transformers.GPT2Config"):
         trust.check_target("model._target_", target, policy, "config.yaml")

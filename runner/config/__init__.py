@@ -99,25 +99,25 @@ class ModelConfig:
 
 @dataclass
 class GPTConfig(ModelConfig):
-    """``model=gpt``: ``runner.gpt.GPT``, a nanoGPT-style decoder-only transformer (``vocab_size`` from the data)."""
+    """``model=gpt``: ``runner.models.gpt.GPT``, a nanoGPT-style decoder-only transformer (vocab_size from the data)."""
 
-    _target_: str = "runner.gpt.GPT"
+    _target_: str = "runner.models.gpt.GPT"
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
     block_size: int = 256  # longest context (tokens); gpt.yaml: ${data.block_size}
     dropout: float = 0.0
     bias: bool = False  # biases in Linear and LayerNorm layers
-    upcast_attention: bool = False  # attention in fp32 under bf16/fp16 autocast (runner/gpt.py: faster on CPUs)
+    upcast_attention: bool = False  # attention in fp32 under bf16/fp16 autocast (runner/models/gpt.py: faster on CPUs)
 
 
 @dataclass
 class HFCausalLMConfig(ModelConfig):
-    """``model=hf_causal_lm``: ``runner.hf.causal_lm``, a randomly initialised Hugging Face causal LM of
+    """``model=hf_causal_lm``: ``runner.models.hf.causal_lm``, a randomly initialised Hugging Face causal LM of
     ``model_type`` (``vocab_size`` from the data). An open node: any other key is a setting of that
     architecture's config class (``model.n_layer=2`` for gpt2), checked against it by ``causal_lm``."""
 
-    _target_: str = "runner.hf.causal_lm"
+    _target_: str = "runner.models.hf.causal_lm"
     model_type: str = "gpt2"  # a transformers model type with a causal-LM class (gpt2, llama, mistral, ...)
     block_size: Optional[int] = 256  # context length -> the config's position count; hf_causal_lm.yaml: data's
 

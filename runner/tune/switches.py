@@ -130,12 +130,12 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     fp32 = precision in ("fp32", "tf32")
     no_bf16 = "your precision is already reduced" if not fp32 else "this device has no native bf16"
     offer(Switch.of("bf16"), fp32 and bf16, no_bf16)
-    # bf16 with the attention kept in fp32 (runner.gpt.GPT's upcast_attention): on a CPU, torch's bf16
+    # bf16 with the attention kept in fp32 (runner.models.gpt.GPT's upcast_attention): on a CPU, torch's bf16
     # flash-attention backward is several times slower than fp32's at small shapes, enough to make bf16 lose
     upcast = OmegaConf.select(cfg, "model.upcast_attention")
     offer(Switch("bf16_upcast_attention", {"precision.name": "bf16", "model.upcast_attention": True}, "precision"),
           fp32 and bf16 and upcast is not None and not cuda,
-          no_bf16 if not (fp32 and bf16) else "the model has no upcast_attention switch (runner.gpt.GPT has)"
+          no_bf16 if not (fp32 and bf16) else "the model has no upcast_attention switch (runner.models.gpt.GPT has)"
           if upcast is None else "on CUDA, flash attention runs in bf16 itself; fp32 would leave it")
     offer(Switch.of("amp"), fp32 and cuda,
           "fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)")

@@ -23,9 +23,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import CONF_DIR, hf
+from runner import CONF_DIR
 from runner.config import targets
 from runner.errors import ConfigError, deterministic_refusal
+from runner.models import hf
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,7 @@ class ConvBlock(nn.Sequential):
 class MnistCNN(nn.Module):
     """Two ConvBlocks (32, 64 channels) and a linear head: ~99% MNIST test accuracy after one epoch.
 
-    Input ``(B, in_channels, H, W)`` float, H, W >= 4; output logits ``(B, num_classes)``.
-    ~7.7 MFLOPs per 28x28 sample forward.
+    Input ``(B, in_channels, H, W)`` float, H, W >= 4; output logits ``(B, num_classes)``; ~7.7 MFLOPs per 28x28 sample.
     """
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1):
@@ -414,7 +414,7 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     Args:
         cfg: the ``model`` node; keys other than ``_target_`` and ``RUNNER_KEYS`` are constructor arguments.
         data_kwargs: the sizes the data dictates (the task's ``model_kwargs``): ``num_classes`` for labelled
-            data, ``vocab_size`` for token data (e.g. ``runner.gpt.GPT``), ``num_outputs`` for a regression's
+            data, ``vocab_size`` for token data (e.g. ``runner.models.gpt.GPT``), ``num_outputs`` for a regression's
             targets; each is passed when the constructor takes it.
         in_channels: image channels of the input items (None for data that is not images).
         example: one input item as the dataset returns it (shape ``S``); when given, ``in_features=prod(S)``
