@@ -34,7 +34,7 @@ from runner.track import write_json_atomic
 
 #: The configuration keys an ablation technique (``ablation.technique``) switches, for the ones a task may skip
 #: (``Task.skipped``): on a language model these image techniques leave the job as its reference was
-#: (runner/techniques.py)
+#: (runner/techniques/)
 TECHNIQUE_KEYS = techniques.variant_keys()
 
 

@@ -26,17 +26,12 @@ from runner import (
     checkpoint,
     data as data_mod,
     distributed,
-    ema as ema_mod,
     measure,
     models,
     monitor,
-    optim,
-    precision,
     preempt,
-    prepare,
     protocols,
     resume,
-    schedule,
     slice_gate,
     task as task_mod,
 )
@@ -44,6 +39,7 @@ from runner.config import global_batch_size
 from runner.data import text
 from runner.errors import ConfigError
 from runner.state import PerRankState, SharedState, TrainState
+from runner.techniques import ema as ema_mod, optim, precision, prepare, schedule
 from runner.track import NullTracker, Tracker, sweep_group
 
 
@@ -125,7 +121,7 @@ class Parts:
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
     gate: slice_gate.SliceGate | None = None  # the interleaved launcher's pause point (runner/slice_gate.py)
-    ema: ema_mod.EMA | None = None  # trainer.ema_decay: the moving average of the weights (runner/ema.py)
+    ema: ema_mod.EMA | None = None  # trainer.ema_decay: the moving average of the weights (runner/techniques/ema.py)
     early: monitor.Watch | None = None  # trainer.early_stopping (runner/monitor.py)
     patience: int = 0
     best: monitor.Watch | None = None  # checkpoint.keep_best

@@ -251,7 +251,7 @@ class Rebuilt:
     task: Any
     data: Any  # runner.data.Data
     model: Any  # torch.nn.Module
-    amp: Any  # runner.precision.Precision
+    amp: Any  # runner.techniques.precision.Precision
     weights: str
     weights_path: Path
     overrides: list[str]
@@ -285,7 +285,8 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     import numpy as np
     import torch
 
-    from runner import data as data_mod, distributed, models, precision, prepare, task as task_mod
+    from runner import data as data_mod, distributed, models, task as task_mod
+    from runner.techniques import precision, prepare
     from runner.validate import validate
 
     validate(cfg)

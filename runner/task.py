@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, parallel, protocols, techniques
+from runner import distributed, protocols, techniques
 from runner.errors import ConfigError
 from runner.models import gpt, hf
+from runner.techniques import parallel
 
-#: Image-only switches: ``summary.json`` status key -> config key (runner/techniques.py: ``where="image"``). Off a
+#: Image-only switches: ``summary.json`` status key -> config key (runner/techniques/: ``where="image"``). Off a
 #: task on images they do nothing.
 IMAGE_ONLY = techniques.image_only()
 

@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 from runner import (
     bad_data,
     checkpoint,
-    debug,
     distributed,
     evaluation,
     jobdir,
@@ -31,8 +30,6 @@ from runner import (
     loop_guards as guards,
     measure,
     models,
-    parallel,
-    prepare,
     resume,
     slice_gate,
 )
@@ -40,6 +37,7 @@ from runner.build import Parts, agree, build, checkpoint_state
 from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.measure import hardware, machine_load
 from runner.state import TrainState
+from runner.techniques import debug, parallel, prepare
 from runner.track import git_sha, job_folder, sweep_group
 from runner.validate import validate
 

@@ -15,11 +15,12 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text, run_cli
-from runner import REPO_ROOT, data as data_mod, distributed, models, precision, prepare
+from runner import REPO_ROOT, data as data_mod, distributed, models
 from runner.config import CHOICES, GROUP_SCHEMAS
 from runner.data import tokens
 from runner.errors import ConfigError
 from runner.measure import hardware
+from runner.techniques import precision, prepare
 from runner.train import train, validate
 
 CONF = REPO_ROOT / "conf"

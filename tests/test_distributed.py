@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from conftest import TINY, compose_cfg, job_dirs, metrics_rows, read_summary
-from runner import REPO_ROOT, distributed, launch, parallel, precision
+from runner import REPO_ROOT, distributed, launch
 from runner.errors import ConfigError
 from runner.measure import hardware
+from runner.techniques import parallel, precision
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun` of this interpreter
 #: per-step loss and final parameter norm, 2 ranks vs 1 process on the same global batch: relative difference

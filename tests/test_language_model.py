@@ -18,11 +18,12 @@ from torch import nn
 
 import runner
 from conftest import TINY_GPT, TINY_LOOP, compose_cfg, cuda_only, job_dirs, metrics_rows, read_summary, run_cli
-from runner import REPO_ROOT, parallel, prepare, task as task_mod
+from runner import REPO_ROOT, task as task_mod
 from runner.data import text
 from runner.errors import ConfigError
 from runner.models import gpt, hf
 from runner.models.gpt import GPT, Block
+from runner.techniques import parallel, prepare
 from runner.train import train
 
 

@@ -165,8 +165,8 @@ def test_the_leaves_import_no_runner_module():
 
 def test_the_process_layer_knows_nothing_of_the_wrappers_and_prepare():
     graph = runner_imports()
-    assert "runner.parallel" not in graph["runner.distributed"] and "runner.prepare" not in graph["runner.distributed"]
-    assert "runner.prepare" not in graph["runner.parallel"]
+    assert not {"runner.techniques.parallel", "runner.techniques.prepare"} & graph["runner.distributed"]
+    assert "runner.techniques.prepare" not in graph["runner.techniques.parallel"]
 
 
 def test_every_unit_is_a_tool_the_service_an_entry_or_the_engine():

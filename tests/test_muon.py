@@ -1,4 +1,4 @@
-"""``optimizer=muon``: Muon for the hidden matrices, AdamW for the rest, in one ``timm.optim.Muon`` (runner/optim.py).
+"""``optimizer=muon``: Muon for the hidden matrices, AdamW for the rest, in one ``timm.optim.Muon`` (techniques.optim).
 
 The split on runner's real models (GPT with its tied head, the CNN, the MLP, ResNet-18), one update against
 ``torch.optim.Muon`` and ``torch.optim.AdamW`` on the same tensors, the orthogonalized update, a run through the engine
@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from conftest import TINY_GPT, compose_cfg
-from runner import models, optim
+from runner import models
 from runner.errors import ConfigError
 from runner.models.gpt import GPT
+from runner.techniques import optim
 
 
 def muon_cfg(*overrides: str):

@@ -19,10 +19,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import ONE_THREAD, compose_cfg, cuda_only, metrics_rows, run_tiny
-from runner import data as data_mod, debug, models, optim, precision, prepare, schedule
+from runner import data as data_mod, models
 from runner.errors import ConfigError
 from runner.measure import hardware
 from runner.task import evaluation_sums
+from runner.techniques import debug, optim, precision, prepare, schedule
 from technique_helpers import SharedConv, TinyMLP, Untraceable
 
 # ------------------------------------------------------------------------------------------ defaults

@@ -200,7 +200,7 @@ def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
     import torch
 
     from conftest import run_tiny
-    from runner import prepare
+    from runner.techniques import prepare
 
     summary = run_tiny(tmp_path / "one", "trainer.num_threads=1")
     assert summary["techniques"]["num_threads"] == "applied" and torch.get_num_threads() == 1

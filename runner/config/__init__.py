@@ -58,9 +58,9 @@ _NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode
 def global_batch_size(micro_batch: int, accumulate_steps: int, world_size: int) -> int:
     """Samples per optimizer step over all ranks: micro-batch x gradient-accumulation steps x world size.
 
-    The one formula behind ``summary.json`` ``global_batch_size``, the LR scaling rule (``runner.optim.scaled_lr``,
-    Goyal et al. 2017) and the tuners' figures. ``micro_batch`` is ``dataloader.batch_size`` (per rank),
-    ``accumulate_steps`` is ``memory.accumulate_steps``.
+    The one formula behind ``summary.json`` ``global_batch_size``, the LR scaling rule
+    (``runner.techniques.optim.scaled_lr``, Goyal et al. 2017) and the tuners' figures. ``micro_batch`` is
+    ``dataloader.batch_size`` (per rank), ``accumulate_steps`` is ``memory.accumulate_steps``.
     """
     return micro_batch * accumulate_steps * world_size
 
@@ -280,8 +280,8 @@ class LarsConfig(OptimizerConfig):
 @dataclass
 class MuonConfig(OptimizerConfig):
     """``optimizer=muon``: Muon for the hidden matrices, AdamW for the rest, in one ``timm.optim.Muon`` (Jordan et
-    al. 2024, https://kellerjordan.github.io/posts/muon/); the split and the choice of library: ``runner.optim``.
-    The defaults are those of the authors' ``MuonWithAuxAdam`` (https://github.com/KellerJordan/Muon)."""
+    al. 2024, https://kellerjordan.github.io/posts/muon/); the split and the choice of library: techniques/optim.py. The
+    defaults are those of the authors' ``MuonWithAuxAdam`` (https://github.com/KellerJordan/Muon)."""
 
     _target_: str = "timm.optim.Muon"
     lr: float = 0.02  # the Muon matrices' LR; scaled and scheduled like any optimizer.lr
@@ -392,7 +392,7 @@ class TrainerConfig:
     max_skipped_fraction: float = 0.5  # skip: more than this fraction of a log interval's steps skipped -> diverged
     # the speed doctor: its diagnosis after the summary, and on CUDA a profile of the last warm-up steps; false: neither
     doctor: bool = True
-    # an exponential moving average of the weights (runner/ema.py), evaluated beside them and written as
+    # an exponential moving average of the weights (runner/techniques/ema.py), evaluated beside them and written as
     # model_ema.safetensors; e.g. 0.999; null = off
     ema_decay: Optional[float] = None
     ema_warmup: bool = False  # decay min(ema_decay, (1 + n) / (10 + n)) for update n (timm, TensorFlow)
@@ -400,7 +400,7 @@ class TrainerConfig:
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic: bit-identical reruns
     num_threads: Optional[int] = None  # CPU intra-op threads (torch.set_num_threads); null = torch's default
-    host_allocator: str = "reuse"  # CHOICES: reuse (glibc keeps freed memory; runner/prepare.py) | system
+    host_allocator: str = "reuse"  # CHOICES: reuse (glibc keeps freed memory; runner/techniques/prepare.py) | system
 
 
 #: ``checkpoint.*`` (runner/checkpoint.py): a plain node (``async`` is a keyword), checked by runner.resume.settings

@@ -123,7 +123,7 @@ class LoadWindow:
         ``steal_fraction`` = steal ticks / all ticks of all CPUs; ``gpu`` (NVML, CUDA only) or None;
         ``minor_page_faults_per_step``: pages this process faulted in per step (``getrusage`` ``ru_minflt``),
         about 0 once the allocators reuse their memory, thousands when freed buffers go back to the OS and
-        return as fresh pages (``trainer.host_allocator``, runner/prepare.py).
+        return as fresh pages (``trainer.host_allocator``, runner/techniques/prepare.py).
         Fractions are None where the OS does not report them.
         """
         window = self.wall_s

@@ -79,7 +79,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; shape-preserving.
 
-    The unit that activation checkpointing wraps and FSDP shards (``runner.parallel.repeated_blocks``
+    The unit that activation checkpointing wraps and FSDP shards (``runner.techniques.parallel.repeated_blocks``
     finds it because the model holds ``n_layer`` of them).
     """
 

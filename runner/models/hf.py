@@ -7,7 +7,7 @@ context length, as they do for runner's own GPT. The model maps token ids ``(B, 
 ``.logits`` are ``(B, T, vocab_size)``; ``runner.task.LanguageModel`` reads them and keeps its own
 next-token cross-entropy (the model's ``labels=`` loss is never used), so every technique and figure is
 the same as for ``model=gpt``. Activation checkpointing and FSDP find the decoder layers through the
-model's ``_no_split_modules`` (``runner.parallel.repeated_blocks``).
+model's ``_no_split_modules`` (``runner.techniques.parallel.repeated_blocks``).
 
 ``transformers`` is an optional dependency (``pip install -e ".[hf]"``); it is imported only when such a
 model is built.

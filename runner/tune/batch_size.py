@@ -35,8 +35,8 @@ def memory_budget_mb(env, fraction: float) -> tuple[float | None, str]:
 
 
 def _lr_note(cfg: DictConfig, micro_batch: int, world_size: int) -> tuple[str, float]:
-    """How ``optimizer.lr_scaling`` sets the LR at ``micro_batch`` (runner.optim.scaled_lr, technique 3)."""
-    from runner import optim
+    """How ``optimizer.lr_scaling`` sets the LR at ``micro_batch`` (runner.techniques.optim.scaled_lr, technique 3)."""
+    from runner.techniques import optim
 
     o = cfg.optimizer
     global_batch = global_batch_size(micro_batch, cfg.memory.accumulate_steps, world_size)

@@ -190,7 +190,8 @@ def tune_lr(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     Raises:
         ConfigError: the range test has too few usable points (``lr_range_test``), or the run's config is bad.
     """
-    from runner import build as builder, optim
+    from runner import build as builder
+    from runner.techniques import optim
 
     t = cfg.tune
     parts, _ = builder.build_parts(with_overrides(cfg), env, job_dir)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 from runner.techniques import TECHNIQUES
 
-#: Candidates that are not one technique of runner/techniques.py: a combination (bf16 with the attention in fp32),
+#: Candidates that are not one technique of runner/techniques/: a combination (bf16 with the attention in fp32),
 #: a setting of the machine (half the threads), recipe changes (a larger micro-batch with the LR scaled)
 TUNER_ONLY = ("bf16_upcast_attention", "half_threads", "batch_x2", "batch_x4")
 
@@ -36,7 +36,7 @@ class Switch:
 
     @classmethod
     def of(cls, name: str) -> "Switch":
-        """The technique ``name`` of runner/techniques.py as a candidate: its changes (this machine's values), group
+        """The technique ``name`` of runner/techniques/ as a candidate: its changes (this machine's values), group
         and whether it changes the arithmetic."""
         t = TECHNIQUES[name]
         return cls(t.name, t.changes(), t.group, arithmetic=t.arithmetic)

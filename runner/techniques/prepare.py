@@ -5,7 +5,7 @@ activation checkpointing -> compile -> data-parallel wrapper.
 
 1. channels_last first: it rewrites the parameters' strides, and every later step should see NHWC weights.
 2. bias removal needs the plain module tree (torch.fx traces it) before anything wraps a submodule.
-3. precision=fp8 swaps Linear layers for torchao's Float8Linear (``runner.precision.convert_fp8``) on the plain
+3. precision=fp8 swaps Linear layers for torchao's Float8Linear (``precision.convert_fp8``) on the plain
    tree, as torchtitan's float8 converter runs before it parallelizes; it turns compile on.
 4. activation checkpointing wraps blocks; compile must see those wrappers to trace the recomputation.
 5. compile before DDP/FSDP so the wrapper's hooks see the compiled module (as torchtitan does), and
@@ -32,10 +32,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import models, parallel, precision
+from runner import models
 from runner.config import check_choice
 from runner.errors import ConfigError, deterministic_refusal
-from runner.parallel import repeated_blocks
+from runner.techniques import parallel, precision
+from runner.techniques.parallel import repeated_blocks
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
@@ -352,9 +353,9 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
             skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
     """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
 
-    ``amp``: the built ``runner.precision.Precision``; the FSDP wrapper all-gathers parameters in its
+    ``amp``: the built ``precision.Precision``; the FSDP wrapper all-gathers parameters in its
     ``compute_dtype``; with ``amp.fp8_recipe`` set (precision=fp8 on a GPU that has it) the model's large Linear
-    layers become fp8 (``runner.precision.convert_fp8``) and compile is turned on if it was off
+    layers become fp8 (``precision.convert_fp8``) and compile is turned on if it was off
     (``technique_details.fp8.compile`` says so). ``skip``: status keys of techniques the task rules out
     (``Task.skipped``: channels_last and drop_bias_before_bn on a language model); the engine records them, they are
     not applied here.

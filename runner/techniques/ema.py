@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from runner import parallel
+from runner.techniques import parallel
 
 
 class EMA:

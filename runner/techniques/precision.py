@@ -1,5 +1,5 @@
 """Numeric precision (technique 4): autocast context + GradScaler, or do-nothing stand-ins, so the step
-never branches; and fp8 training's model conversion (``convert_fp8``, applied by ``runner.prepare``).
+never branches; and fp8 training's model conversion (``convert_fp8``, applied by ``runner.techniques.prepare``).
 
 The loop always runs ``with amp.autocast(): loss = ...``, ``amp.scaler.scale(loss).backward()``,
 ``amp.scaler.step(opt)``, ``amp.scaler.update()``; with ``fp32`` those are a ``nullcontext`` and a
@@ -79,7 +79,7 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
       products; https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices).
       Skipped on a CPU.
     - ``fp8``: bf16 autocast, and the model's large Linear layers converted to torchao's float8 training
-      (``convert_fp8``, applied by ``runner.prepare`` before compile; torchao float8,
+      (``convert_fp8``, applied by ``runner.techniques.prepare`` before compile; torchao float8,
       https://github.com/pytorch/ao/tree/main/torchao/float8), recipe ``precision.fp8_recipe``. Needs a CUDA GPU
       of compute capability >= 8.9 and torchao (the ``fp8`` extra); elsewhere skipped with the reason
       (``fp8_unavailable``), and the job trains with bf16 autocast where the device has native bf16, else fp32.
@@ -228,8 +228,8 @@ def convert_fp8(model: nn.Module, amp: Precision) -> tuple[str, dict[str, Any]]:
     in place; their matmuls then run in fp8 (e4m3 forward, e5m2 gradients) with dynamic scales, the weights
     stay fp32 master copies, everything else runs under the bf16 autocast of ``amp``. torchao's float8 training
     (https://github.com/pytorch/ao/tree/main/torchao/float8) reports +25 % tokens/s on Llama-3-8B on H100s; its
-    casts are fused only by ``torch.compile``, which ``runner.prepare`` therefore turns on. With the rowwise recipe
-    inductor emulates fp8 precision casts, as torchtitan does (pytorch/pytorch#150859). Sets
+    casts are fused only by ``torch.compile``, which ``runner.techniques.prepare`` therefore turns on. With the rowwise
+    recipe inductor emulates fp8 precision casts, as torchtitan does (pytorch/pytorch#150859). Sets
     ``amp.peak_dtype`` to fp8 (MFU against the device's fp8 dense peak) once a layer is converted.
 
     Returns:

@@ -31,7 +31,7 @@ from torch import nn
 
 from runner.config import check_choice
 from runner.distributed import Env, broadcast_module_state
-from runner.precision import Precision
+from runner.techniques.precision import Precision
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -65,7 +65,7 @@ def _has_batchnorm(model: torch.nn.Module) -> bool:
 def fsdp_mixed_precision(compute_dtype: torch.dtype):
     """FSDP2's ``MixedPrecisionPolicy`` for the built precision's ``compute_dtype``, or None (fp32 all-gathers).
 
-    ``compute_dtype`` is ``runner.precision.Precision.compute_dtype``, so the decision is the precision
+    ``compute_dtype`` is ``precision.Precision.compute_dtype``, so the decision is the precision
     group's own: ``bf16`` -> bf16 parameters for compute; ``amp`` -> fp16 on CUDA (the GradScaler's found-inf
     check is reduced over the shards by DTensor), bf16 on a CPU with native bf16; fp32 (``fp32``, ``tf32``,
     or amp/bf16 skipped on this device) -> None. Gradients are reduce-scattered in fp32 (``reduce_dtype``),

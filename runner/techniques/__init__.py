@@ -8,8 +8,8 @@ shows), where it can act (``where``: any device, CUDA only, images only), whethe
 speed tuner's numerics guard checks those that do; those that do not only move data or work, so a resumed run may
 change them: runner/resume.py), whether it can change what a training step costs (``step_cost``: the convergence
 ablation measures samples/s only for those), the group of alternatives it belongs to (one compile mode, one
-optimizer kernel, one precision) and its source. The engine's builders apply the techniques (runner/prepare.py,
-runner/data/loading.py, runner/optim.py, runner/precision.py, ...); tests/test_technique_table.py checks the
+optimizer kernel, one precision) and its source. The modules beside this table apply the techniques (prepare.py,
+optim.py, precision.py, ...; data ones: runner/data/loading.py); tests/test_technique_table.py checks the
 ablation's variants, the tuner's candidates, the doctor's suggestions, the task's image-only skips and the README's
 switch table against this table.
 
@@ -184,7 +184,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     # an average updated after every step: a step's cost; ema=on is conf/ema/on.yaml, these three keys
     Technique("ema", {"trainer.ema_decay": 0.999, "trainer.ema_warmup": True, "trainer.target_weights": "ema"},
               arithmetic=True, command=("ema=on",), variant="ema", tuner=False,
-              source="Polyak & Juditsky 1992; Tarvainen & Valpola 2017; runner/ema.py"),
+              source="Polyak & Juditsky 1992; Tarvainen & Valpola 2017; runner/techniques/ema.py"),
 )}
 
 
