@@ -111,7 +111,7 @@ def _train(cfg: DictConfig) -> float | None:
         sys.exit(3)
     except Preempted:  # rank 0 printed where the checkpoint is and the command that resumes
         sys.exit(EXIT_PREEMPTED)
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training (the first checkpoints: runner.preempt)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training (the first checkpoints: checkpoint/preempt.py)
         from runner.track import job_folder
 
         print(f"error: interrupted: stopped at once, without a checkpoint (a second Ctrl-C, or one before training "

@@ -29,12 +29,11 @@ from runner import (
     measure,
     models,
     monitor,
-    preempt,
     protocols,
-    resume,
     slice_gate,
     task as task_mod,
 )
+from runner.checkpoint import preempt, resume
 from runner.config import global_batch_size
 from runner.data import text
 from runner.errors import ConfigError

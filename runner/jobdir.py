@@ -282,8 +282,8 @@ def recent_run_folders(pattern: str, parents: int = RECENT_PARENTS, runs: int = 
 
 def continue_interrupted(config: Any) -> tuple[Path, int] | None:
     """The folder and step of an interrupted run that ``python -m runner`` continues instead of starting a new
-    folder: the same composed config (``runner.resume.interrupted_run``) with a checkpoint and no summary, among
-    ``recent_run_folders``; its lock is taken for this process. None -- a new folder as before -- when
+    folder: the same composed config (``runner.checkpoint.resume.interrupted_run``) with a checkpoint and no summary,
+    among ``recent_run_folders``; its lock is taken for this process. None -- a new folder as before -- when
     ``checkpoint.resume`` is not ``auto``, ``hydra.run.dir`` was given on the command line, or no such run is
     found (one a live run holds is not interrupted)."""
     from omegaconf import OmegaConf
@@ -302,8 +302,8 @@ def continue_interrupted(config: Any) -> tuple[Path, int] | None:
         return None
     if not folders:
         return None
+    from runner.checkpoint.resume import interrupted_run  # imports torch: only when a folder may hold such a run
     from runner.launch import discover
-    from runner.resume import interrupted_run  # imports torch: only when a folder may hold such a run
 
     try:
         resolved = _task_config(config)

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from runner import checkpoint, preempt
+from runner import checkpoint
+from runner.checkpoint import preempt
 from runner.errors import EXIT_PREEMPTED, Preempted, TrainingDiverged
 from runner.state import TrainState
 

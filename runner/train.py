@@ -30,10 +30,10 @@ from runner import (
     loop_guards as guards,
     measure,
     models,
-    resume,
     slice_gate,
 )
 from runner.build import Parts, agree, build, checkpoint_state
+from runner.checkpoint import resume
 from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.measure import hardware, machine_load
 from runner.state import TrainState

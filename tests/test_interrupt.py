@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from conftest import TINY, job_dirs, run_cli
-from runner import checkpoint as ck, jobdir, resume
+from runner import checkpoint as ck, jobdir
+from runner.checkpoint import resume
+from runner.checkpoint.preempt import resume_command
 from runner.errors import EXIT_PREEMPTED
-from runner.preempt import resume_command
 from test_resume import JOB, _descendants, env, rows, run
 
 STEPS = ["trainer.max_steps=120", "checkpoint.every_steps=null"]

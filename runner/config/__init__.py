@@ -403,7 +403,7 @@ class TrainerConfig:
     host_allocator: str = "reuse"  # CHOICES: reuse (glibc keeps freed memory; runner/techniques/prepare.py) | system
 
 
-#: ``checkpoint.*`` (runner/checkpoint.py): a plain node (``async`` is a keyword), checked by runner.resume.settings
+#: ``checkpoint.*`` (runner/checkpoint/): a plain node (``async`` is a keyword), checked by ``resume.settings`` there
 CHECKPOINT_DEFAULTS: dict[str, Any] = {
     "every_steps": None,  # save after every N optimizer steps; null = off
     "every_minutes": 30,  # save when this much wall time passed since the last save (rank 0's clock); null = off

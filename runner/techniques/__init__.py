@@ -6,8 +6,8 @@ variants ``baseline+<variant>`` / ``fast-<variant>`` are named ``variant``), the
 (``on``) and the command line that does (``command``: what the doctor suggests and the README's switch table
 shows), where it can act (``where``: any device, CUDA only, images only), whether it changes the arithmetic (the
 speed tuner's numerics guard checks those that do; those that do not only move data or work, so a resumed run may
-change them: runner/resume.py), whether it can change what a training step costs (``step_cost``: the convergence
-ablation measures samples/s only for those), the group of alternatives it belongs to (one compile mode, one
+change them: runner/checkpoint/resume.py), whether it can change what a training step costs (``step_cost``: the
+convergence ablation measures samples/s only for those), the group of alternatives it belongs to (one compile mode, one
 optimizer kernel, one precision) and its source. The modules beside this table apply the techniques (prepare.py,
 optim.py, precision.py, ...; data ones: runner/data/loading.py); tests/test_technique_table.py checks the
 ablation's variants, the tuner's candidates, the doctor's suggestions, the task's image-only skips and the README's
@@ -228,7 +228,7 @@ def variant_keys() -> dict[str, tuple[str, ...]]:
 
 def moves_data_only() -> tuple[str, ...]:
     """The config keys of the techniques that only move data or work (``arithmetic=False``) and touch no model
-    state: a resumed run may change them (runner/resume.py)."""
+    state: a resumed run may change them (runner/checkpoint/resume.py)."""
     return tuple(dict.fromkeys(k for t in TECHNIQUES.values() if not t.arithmetic and t.keys()[0].startswith(
         "dataloader.") for k in t.keys() if k != "dataloader.on_device"))
 

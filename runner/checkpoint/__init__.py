@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runner import write_failures
+from runner.checkpoint import write_failures
 from runner.errors import ConfigError
 from runner.track.records import sha256_file
 
