@@ -43,12 +43,12 @@ def _one_line_compose_errors() -> None:
     value of the wrong type (``optimizer.lr=abc``) with OmegaConf's four-line merge error; an unknown option
     (``model=resnet19``) with its search path. Its compose errors pass through
     ``hydra._internal.utils.run_and_report`` (Hydra 1.3), wrapped here so that each of these prints runner's one
-    ``error:`` line with the fix instead (``runner.validate.compose_error_line``: the close declared key, the type
-    the key takes, the close options; a logger's too), exit status 2. Every other error is Hydra's as before."""
+    ``error:`` line with the fix instead (``runner.engine.validate.compose_error_line``: the close declared key, the
+    type the key takes, the close options; a logger's too), exit status 2. Every other error is Hydra's as before."""
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException
 
-    from runner.validate import compose_error_line
+    from runner.engine.validate import compose_error_line
 
     report = getattr(hydra_utils, "run_and_report", None)
     if report is None or getattr(report, "runner_one_line", False):  # another Hydra: its own message stays
@@ -90,12 +90,12 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _train(cfg: DictConfig) -> float | None:
+    from runner.engine.validate import validate
     from runner.track import sweep_group
-    from runner.validate import validate
 
     try:
         validate(cfg)  # before the engine (torch) is imported: a config mistake is reported in about a second
-        from runner.train import train
+        from runner.engine.train import train
 
         summary = train(cfg)
         if cfg.trainer.doctor and cfg.ablation.variant is None:

@@ -230,7 +230,7 @@ def test_a_final_checkpoint_on_a_full_disk_keeps_the_trained_weights(tmp_path, m
     from safetensors.torch import load_file
 
     from conftest import compose_cfg
-    from runner.train import train
+    from runner.engine.train import train
 
     _full_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     job = tmp_path / "job"
@@ -258,7 +258,7 @@ def test_an_async_write_on_a_full_disk_fails_when_it_is_waited_for(tmp_path, mon
 def test_a_checkpoint_every_30_minutes_is_the_default_and_a_short_run_writes_none_before_its_end(tmp_path):
     from conftest import compose_cfg
     from runner.checkpoint import resume
-    from runner.train import train
+    from runner.engine.train import train
 
     settings = resume.settings(compose_cfg(tiny=False).checkpoint)
     assert settings["every_minutes"] == 30 and "SIGINT" in settings["signals"]

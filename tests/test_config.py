@@ -18,10 +18,10 @@ from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefold
 from runner import REPO_ROOT, data as data_mod, distributed, models
 from runner.config import CHOICES, GROUP_SCHEMAS
 from runner.data import tokens
+from runner.engine.train import train, validate
 from runner.errors import ConfigError
 from runner.measure import hardware
 from runner.techniques import precision, prepare
-from runner.train import train, validate
 
 CONF = REPO_ROOT / "conf"
 # every option file of every group, nested groups too (ablation/variant); hydra/ holds Hydra's own groups

@@ -272,8 +272,8 @@ def preset_config(*overrides: str, hydra: bool = False):
 
 @pytest.mark.parametrize("variant", PRESET[1:])
 def test_each_configuration_of_the_preset_composes_and_switches_its_technique(variant):
+    from runner.engine.validate import validate
     from runner.techniques import by_variant
-    from runner.validate import validate
 
     cfg = compose_cfg("+experiment=convergence", f"ablation/variant={variant}", tiny=False)
     validate(cfg)

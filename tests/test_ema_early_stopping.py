@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import cuda_only, metrics_rows, read_summary, run_cli, run_tiny
+from runner.engine.monitor import Watch
 from runner.errors import ConfigError
-from runner.monitor import Watch
 from runner.techniques.ema import EMA
 
 #: a tiny CPU job through the CLI: 12 steps, a row every 2 steps, an evaluation every 4 on the same 2 batches

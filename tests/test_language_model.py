@@ -20,11 +20,11 @@ import runner
 from conftest import TINY_GPT, TINY_LOOP, compose_cfg, cuda_only, job_dirs, metrics_rows, read_summary, run_cli
 from runner import REPO_ROOT, task as task_mod
 from runner.data import text
+from runner.engine.train import train
 from runner.errors import ConfigError
 from runner.models import gpt, hf
 from runner.models.gpt import GPT, Block
 from runner.techniques import parallel, prepare
-from runner.train import train
 
 
 def run_lm(job_dir: Path, text_path: Path, *overrides: str) -> dict:

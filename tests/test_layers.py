@@ -74,7 +74,7 @@ def runner_imports(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
 
 def test_every_module_is_found_subpackages_included():
     modules = runner_modules()
-    assert {"runner", "runner.train", "runner.measure.hardware"} <= set(modules)
+    assert {"runner", "runner.engine.train", "runner.measure.hardware"} <= set(modules)
     packages = {p.parent for p in PACKAGE_DIR.rglob("__init__.py")} - {PACKAGE_DIR}
     for package in packages:
         dotted = ".".join(package.relative_to(PACKAGE_DIR.parent).parts)
@@ -112,8 +112,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def unit(module: str) -> str:
-    """The top-level unit a module belongs to: ``runner.compare.stats`` -> ``runner.compare``, ``runner.train`` ->
-    itself; the package ``runner`` (its ``__init__``) is its own unit."""
+    """The top-level unit a module belongs to: ``runner.compare.stats`` -> ``runner.compare``, ``runner.engine.train``
+    -> itself; the package ``runner`` (its ``__init__``) is its own unit."""
     return ".".join(module.split(".")[:2])
 
 
@@ -174,7 +174,7 @@ def test_every_unit_is_a_tool_the_service_an_entry_or_the_engine():
     named = set(TOOLS) | {SERVICE} | set(ENTRIES)
     assert named <= units, named - units  # a tool renamed or gone: the lists above name it
     engine = units - named
-    assert {"runner.train", "runner.data", "runner.task", "runner.measure", "runner.slice_gate"} <= engine
+    assert {"runner.engine", "runner.data", "runner.task", "runner.measure"} <= engine
 
 
 def test_the_engine_never_imports_the_service_or_the_tools_built_on_it():

@@ -317,7 +317,7 @@ def test_a_file_where_the_run_writes_a_folder_is_refused_before_anything_is_buil
     """``logger=tensorboard`` with a *file* named tensorboard in the job folder: one line, before the data and
     the model are built (it was a FileExistsError traceback after the model)."""
     from runner import models
-    from runner.train import train
+    from runner.engine.train import train
 
     folder = tmp_path / "job"
     folder.mkdir()

@@ -16,9 +16,9 @@ import torch
 
 from conftest import TINY_LOOP, compose_cfg
 from runner import measure
+from runner.engine.train import train
 from runner.measure import machine_load
 from runner.track import print_summary
-from runner.train import train
 
 
 def tiny_mlp(*overrides: str):

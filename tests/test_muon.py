@@ -135,7 +135,7 @@ def test_one_step_equals_torch_muon_on_the_matrix_and_torch_adamw_on_the_rest():
 
 @pytest.mark.slow  # ~15 s on 2 busy cores; test_techniques trains muon 2 steps in the quick suite
 def test_training_with_muon_through_the_engine_lowers_the_loss(tmp_path, tiny_text):
-    from runner.train import train
+    from runner.engine.train import train
 
     cfg = compose_cfg(*TINY_GPT, f"data.path={tiny_text}", "optimizer=muon", "optimizer.impl=foreach",
                       "optimizer.clip_grad_norm=1.0", "optimizer.decay_all=false",
@@ -156,7 +156,7 @@ def test_training_with_muon_through_the_engine_lowers_the_loss(tmp_path, tiny_te
     ("optimizer.momentum=1", "optimizer.momentum=1.0 must be in [0, 1)"),
 ])
 def test_bad_muon_settings_stop_with_one_clear_error_before_anything_is_written(tmp_path, override, message):
-    from runner.train import train
+    from runner.engine.train import train
 
     with pytest.raises(ConfigError) as caught:
         train(compose_cfg("optimizer=muon", "model=mlp", override), job_dir=tmp_path)

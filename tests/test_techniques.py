@@ -281,7 +281,7 @@ def test_log_every_controls_the_host_device_syncs(tmp_path, monkeypatch, log_eve
 
     def counting(read):
         def counted(self):
-            if sys._getframe(1).f_code.co_filename.endswith("runner/train.py"):
+            if sys._getframe(1).f_code.co_filename.endswith("runner/engine/train.py"):
                 syncs.append(1)
             return read(self)
         return counted

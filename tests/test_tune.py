@@ -117,7 +117,8 @@ def test_batch_size_refuses_a_job_that_does_not_fit_at_the_smallest_size(tmp_pat
 
 
 def test_lr_range_test_restores_the_weights(tmp_path):
-    from runner import distributed, train as engine
+    from runner import distributed
+    from runner.engine import train as engine
 
     cfg = compose_cfg()
     env = distributed.setup(cfg.distributed, cfg.trainer.device)

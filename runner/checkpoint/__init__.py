@@ -29,7 +29,7 @@ through ``SafeMetadataUnpickler`` (only the classes DCP's metadata is made of), 
 items with
 ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), the restriction PyTorch applies to weights
 (https://pytorch.org/docs/stable/notes/serialization.html#weights-only); anything else is refused with a
-``ConfigError`` naming the file. runner's own training state is tensors and JSON (``runner.state``).
+``ConfigError`` naming the file. runner's own training state is tensors and JSON (``runner.engine.state``).
 
 **Checksums.** Once a checkpoint is published, a background thread writes ``sha256.json`` into it: the SHA-256 of
 each of its files (off the loop: reading the files back costs ~70 ms per 86 MiB on this project's CPU). Resuming

@@ -4,13 +4,13 @@ Ctrl-C (``SIGINT``) is a preemption too: the first checkpoints at the step bound
 ``EXIT_PREEMPTED``, a second one exits at once (``KeyboardInterrupt``, no checkpoint). The stop message gives
 the exact command that resumes (``resume_command``: the same arguments with ``hydra.run.dir=<the job folder>``,
 or ``hydra.sweep.dir=<the sweep folder>`` for a multirun), which resumes from anywhere; the same command without it
-continues the run too while its folder is among the newest (``runner.jobdir.continue_interrupted``).
+continues the run too while its folder is among the newest (``runner.engine.jobdir.continue_interrupted``).
 
 SLURM sends ``SIGUSR1`` (``sbatch --signal=B:USR1@<seconds>``, forwarded to the training processes by
 ``scripts/multinode.sh``) or ``SIGTERM`` (``scancel``, preemption, the time limit's grace period) before it
 kills a job. Writing a checkpoint *inside* the handler hangs or corrupts it (the handler interrupts a
 step half-way, possibly inside a collective: Lightning issue #21406), so the handler only records the
-signal. The loop reads ``received`` at step boundaries (``runner.loop_guards``); with several processes the
+signal. The loop reads ``received`` at step boundaries (``runner.engine.loop_guards``); with several processes the
 ranks agree with one all-reduce (any rank signalled -> all stop at the same step), so every rank writes the same
 checkpoint. The job then exits with ``EXIT_PREEMPTED`` and, under SLURM, requeues itself
 (``scontrol requeue``), so the same job id -- and the same job folder -- continues from the checkpoint.
@@ -40,7 +40,7 @@ class Preemption:
     whichever one stopped the run, so the manager's handler requeues the job after runner's checkpoint.
 
     Use as a context manager: the previous handlers come back on exit. ``received`` is the signal's name (None
-    until one arrives), read at step boundaries by ``runner.loop_guards``.
+    until one arrives), read at step boundaries by ``runner.engine.loop_guards``.
 
     Raises:
         ConfigError: a name that is not a catchable signal of this platform.

@@ -1,8 +1,8 @@
 """Where a run starts: the ``checkpoint.*`` settings checked, the checkpoint to resume (or none), and what may
 differ between a checkpoint's config and the run resuming from it. Rank 0 decides; the engine broadcasts the
-answer (``runner.train``). Which interrupted run of the same job ``python -m runner`` continues instead of starting
-a new folder (``interrupted_run``; the folders it looks at and the lock: ``runner.jobdir``). The checkpoints
-themselves are ``runner.checkpoint``'s.
+answer (``runner.engine.train``). Which interrupted run of the same job ``python -m runner`` continues instead of
+starting a new folder (``interrupted_run``; the folders it looks at and the lock: ``runner.engine.jobdir``). The
+checkpoints themselves are ``runner.checkpoint``'s.
 """
 
 from __future__ import annotations

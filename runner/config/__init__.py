@@ -27,8 +27,8 @@ from runner.config.logger import LoggerConfig
 from runner.config.tools import AblationConfig, InterleaveConfig, TuneConfig
 from runner.errors import ConfigError
 
-#: Every closed list of options, declared once: ``runner.validate.validate`` checks a composed config against all of
-#: them before anything is built, and the builder of each key calls ``check_choice`` with the same list, so a direct
+#: Every closed list of options, declared once: ``runner.engine.validate.validate`` checks a composed config against all
+#: of them before anything is built, and the builder of each key calls ``check_choice`` with the same list, so a direct
 #: call with a bad value fails with the same message. ``None`` in a list: the key may be null. The schemas keep these
 #: fields plain strings: a bad value stops in ``validate`` with one ``error:`` line naming the choices (an Enum field
 #: would also change what the composed config and summary.json hold).
@@ -360,7 +360,7 @@ class DebugConfig:
 
 @dataclass
 class EarlyStoppingConfig:
-    """``trainer.early_stopping.*`` (runner/monitor.py): stop after ``patience`` evaluations without improvement."""
+    """``trainer.early_stopping.*`` (engine/monitor.py): stop after ``patience`` evaluations without improvement."""
 
     metric: Optional[str] = None  # one of the task's metrics (eval_loss, eval_accuracy, ...; *_ema with EMA on)
     patience: int = 3  # evaluations without an improvement larger than min_delta

@@ -1,7 +1,7 @@
 """The settings of runner's tools, as structured-config schemas: ``ablation.*`` (runner/ablation.py),
 ``interleave.*`` (runner/compare/: ``hydra/launcher=interleaved``) and ``tune.*`` (runner/tune/).
 
-Training (``runner.train``) never reads them; they are nodes of the primary config (runner/config/
+Training (``runner.engine.train``) never reads them; they are nodes of the primary config (runner/config/
 ``RunnerConfig``) so that a misspelt or mistyped key fails at compose time like any other.
 """
 

@@ -199,8 +199,9 @@ def for_tuning(parts, steps: int, warmup: int, log_every: int, **replace: Any):
 def loader_seconds(parts, warmup: int, batches: int) -> float:
     """Seconds to draw ``batches`` batches from the run's training loader alone (host->device copy included,
     epochs cycled as in training), after ``warmup`` batches (workers starting) left out."""
-    from runner import measure, train as engine
-    from runner.state import TrainState
+    from runner import measure
+    from runner.engine import train as engine
+    from runner.engine.state import TrainState
 
     it = engine.batches(parts.data.train, TrainState())
     for _ in range(warmup):
@@ -233,7 +234,8 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     """
     import torch
 
-    from runner import build as builder, measure, train as engine
+    from runner import measure
+    from runner.engine import build as builder, train as engine
     from runner.errors import TrainingDiverged
     from runner.measure import machine_load
 
@@ -404,13 +406,13 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
     ``device``, ``world_size``, ``tune_time_s`` in seconds, ``ranks``: each rank's recommendation).
 
     Raises:
-        ConfigError: bad ``tune.*`` values, bad run config (``runner.validate.validate`` and the builders), or
+        ConfigError: bad ``tune.*`` values, bad run config (``runner.engine.validate.validate`` and the builders), or
             nothing to recommend (the job does not fit at the smallest batch size, ...).
         RuntimeError: the ranks' recommendations differ (a bug: they decide on the same reduced figures).
     """
     from runner import distributed
+    from runner.engine.validate import validate
     from runner.measure import hardware
-    from runner.validate import validate
 
     validate(cfg)
     check_settings(cfg.tune)

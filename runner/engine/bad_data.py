@@ -3,7 +3,7 @@
 A label out of range deep in the set, an item of another shape, an unreadable file or a model that returns a
 tuple surface as an exception from inside PyTorch (``IndexError: Target 7 is out of bounds``, ``stack expects
 each tensor to be equal size``, ``cannot identify image file``, ``must be Tensor, not tuple``). The loop pays
-nothing for this on the happy path: ``runner.train.fit`` catches the exception around the step and calls
+nothing for this on the happy path: ``runner.engine.train.fit`` catches the exception around the step and calls
 ``diagnose``, which only then looks at the data -- the training set's items read one by one, from the start,
 within ``BUDGET_S`` seconds -- and returns the ``ConfigError`` to raise, or None when it finds nothing to blame
 (the original exception is then raised as it was).

@@ -22,7 +22,7 @@ A job with several ranks (DDP under torchrun) pauses as a whole: each rank talks
 broadcast over the job's process group: whatever a rank's conductor sent, the job's ranks train the same steps.
 
 The comparison's job process (runner/compare/process.py) makes the ``SliceGate`` on its end of the pipe and
-hands it to ``runner.train.train(cfg, job_dir, gate=...)``; every other run has none.
+hands it to ``runner.engine.train.train(cfg, job_dir, gate=...)``; every other run has none.
 
 The design follows randomized multiple interleaved trials (Abedi & Brecht, "Conducting repeatable
 experiments in highly variable cloud computing environments", ICPE 2017) and duet benchmarking (Bulej et

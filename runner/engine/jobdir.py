@@ -22,7 +22,7 @@ Where it is taken:
 - a multirun: ``JobLock.on_multirun_start`` locks the sweep folder for the sweep's life (a second sweep into it is
   refused before it writes anything), and each job's folder is locked when its training starts (``train``: after
   Hydra wrote that job's ``.hydra/``, which is the sweep's own);
-- every ``runner.train.train`` call (forked ablation and doctor runs, interleaved jobs): ``claim``, which is a
+- every ``runner.engine.train.train`` call (forked ablation and doctor runs, interleaved jobs): ``claim``, which is a
   no-op where this process holds the lock already.
 
 Only rank 0 takes it (under torchrun and srun the other ranks write no job folder: ``runner.launch``), so a job
@@ -158,8 +158,8 @@ def check_outputs(folder: Path, cfg: Any) -> None:
 
 
 def claim(folder: Path, cfg: Any) -> bool:
-    """``acquire`` ``folder`` and ``check_outputs`` (rank 0 of a training run: ``runner.train.train``). True when the
-    lock was taken here (release it at the end); a refusal of the outputs releases it.
+    """``acquire`` ``folder`` and ``check_outputs`` (rank 0 of a training run: ``runner.engine.train.train``). True when
+    the lock was taken here (release it at the end); a refusal of the outputs releases it.
 
     Raises:
         ConfigError: from ``acquire`` or ``check_outputs``.
@@ -316,7 +316,7 @@ def continue_interrupted(config: Any) -> tuple[Path, int] | None:
 
 
 def _task_config(config: Any) -> dict[str, Any]:
-    """The job's config as ``runner.train`` records it (Hydra's node removed, resolved)."""
+    """The job's config as ``runner.engine.train`` records it (Hydra's node removed, resolved)."""
     import copy
 
     from omegaconf import OmegaConf, open_dict, read_write

@@ -1,15 +1,16 @@
 """The loop's evaluations: the task's metrics of the weights (and of their EMA), the targets' time (and, with
 ``trainer.stop_at_target``, the end of the run there), and what watches the metrics afterwards (the best weights,
-early stopping: runner/monitor.py).
+early stopping: runner/engine/monitor.py).
 
-Called by ``runner.train.fit`` with its ``TrainState`` and ``Parts`` (outside the timed steps).
+Called by ``runner.engine.train.fit`` with its ``TrainState`` and ``Parts`` (outside the timed steps).
 """
 
 from __future__ import annotations
 
 import time
 
-from runner import checkpoint, loop_guards as guards, monitor
+from runner import checkpoint
+from runner.engine import loop_guards as guards, monitor
 from runner.track import write_json_atomic
 
 
@@ -65,7 +66,7 @@ def _evaluate_once(parts) -> dict[str, float] | None:
 
 def _watch(state, parts) -> None:
     """After an evaluation: keep the best weights (``checkpoint.keep_best``) and decide early stopping
-    (runner/monitor.py); their counters go into ``state.monitors`` (the checkpoint's)."""
+    (runner/engine/monitor.py); their counters go into ``state.monitors`` (the checkpoint's)."""
     p = parts
     if p.best is not None and p.best.observe(state.eval, state.step):
         best_dir = p.job_dir / "best"

@@ -4,7 +4,7 @@ job folder (``open_run``: resume point, tracker, checkpointer, preemption, the s
     parts, state = build(cfg, env, job_dir)   # = open_run(*build_parts(cfg, env, job_dir))
     parts, state = build_parts(cfg, env, job_dir)   # a tuner's trial: the same parts, nothing written
 
-``Parts`` is what the loop (runner/train.py ``fit``) uses, ``Plan`` its fixed numbers. Each part comes from the
+``Parts`` is what the loop (runner/engine/train.py ``fit``) uses, ``Plan`` its fixed numbers. Each part comes from the
 module of its config group and sees only its own section; techniques that are off are do-nothing objects
 (``nullcontext``, ``GradScaler(enabled=False)``, a clipper that does nothing), so the loop has no feature branches.
 """
@@ -22,22 +22,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import (
-    checkpoint,
-    data as data_mod,
-    distributed,
-    measure,
-    models,
-    monitor,
-    protocols,
-    slice_gate,
-    task as task_mod,
-)
+from runner import checkpoint, data as data_mod, distributed, measure, models, protocols, task as task_mod
 from runner.checkpoint import preempt, resume
 from runner.config import global_batch_size
 from runner.data import text
+from runner.engine import monitor, slice_gate
+from runner.engine.state import PerRankState, SharedState, TrainState
 from runner.errors import ConfigError
-from runner.state import PerRankState, SharedState, TrainState
 from runner.techniques import ema as ema_mod, optim, precision, prepare, schedule
 from runner.track import NullTracker, Tracker, sweep_group
 
@@ -119,9 +110,9 @@ class Parts:
     checkpointer: checkpoint.Checkpointer
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
-    gate: slice_gate.SliceGate | None = None  # the interleaved launcher's pause point (runner/slice_gate.py)
+    gate: slice_gate.SliceGate | None = None  # the interleaved launcher's pause point (runner/engine/slice_gate.py)
     ema: ema_mod.EMA | None = None  # trainer.ema_decay: the moving average of the weights (runner/techniques/ema.py)
-    early: monitor.Watch | None = None  # trainer.early_stopping (runner/monitor.py)
+    early: monitor.Watch | None = None  # trainer.early_stopping (runner/engine/monitor.py)
     patience: int = 0
     best: monitor.Watch | None = None  # checkpoint.keep_best
     stop: Callable[[TrainState], str | None] | None = None  # after each logged step: why to stop now, or None

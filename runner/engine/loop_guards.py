@@ -1,6 +1,6 @@
 """What the training loop checks besides training: a scheduled checkpoint or a signal after a step, a
 non-finite gradient or loss, too many skipped steps, an evaluation a signal cuts short, and the stop for a
-signal with the command that resumes. Kept out of ``runner.train`` so the loop itself stays readable.
+signal with the command that resumes. Kept out of ``runner.engine.train`` so the loop itself stays readable.
 
 Nothing here costs a host-device sync on the happy path beyond what ``docs/design.md`` lists: the signal
 flag is a Python attribute, the gradient check runs only with ``trainer.on_nonfinite=skip``.
@@ -17,10 +17,10 @@ import torch
 
 from runner import checkpoint
 from runner.checkpoint import preempt
+from runner.engine.state import TrainState
 from runner.errors import EXIT_PREEMPTED, Preempted, TrainingDiverged
-from runner.state import TrainState
 
-Parts = Any  # runner.build.Parts (the engine imports this module, so not the other way round)
+Parts = Any  # runner.engine.build.Parts (the engine imports this module, so not the other way round)
 
 
 def finite_gradients(model: torch.nn.Module) -> bool:

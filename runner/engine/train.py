@@ -1,4 +1,4 @@
-"""The engine: ``train`` a config: ``build`` every part (runner/build.py), ``fit`` (the one training loop),
+"""The engine: ``train`` a config: ``build`` every part (runner/engine/build.py), ``fit`` (the one training loop),
 ``summarize``.
 
     parts, state = build(cfg, env, job_dir)   # task, data, model + its techniques, optimizer, ... ; TrainState
@@ -20,33 +20,23 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import (
-    bad_data,
-    checkpoint,
-    distributed,
-    evaluation,
-    jobdir,
-    launch,
-    loop_guards as guards,
-    measure,
-    models,
-    slice_gate,
-)
-from runner.build import Parts, agree, build, checkpoint_state
+from runner import checkpoint, distributed, launch, measure, models
 from runner.checkpoint import resume
+from runner.engine import bad_data, evaluation, jobdir, loop_guards as guards, slice_gate
+from runner.engine.build import Parts, agree, build, checkpoint_state
+from runner.engine.state import TrainState
+from runner.engine.validate import validate
 from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.measure import hardware, machine_load
-from runner.state import TrainState
 from runner.techniques import debug, parallel, prepare
 from runner.track import git_sha, job_folder, sweep_group
-from runner.validate import validate
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGate | None = None) -> dict[str, Any]:
     """Train ``cfg`` and return the summary written to ``<job_dir>/summary.json``.
 
     ``job_dir`` defaults to the Hydra job's folder. ``gate``: the pause point of an interleaved comparison
-    (runner/slice_gate.py; the comparison's job process passes it), None for every other run. Raises
+    (runner/engine/slice_gate.py; the comparison's job process passes it), None for every other run. Raises
     ``ConfigError`` for bad input, before any result file is written.
     """
     validate(cfg)
@@ -54,7 +44,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
     locked = False
     try:
         job_dir = job_dir or job_folder()
-        locked = agree(lambda: jobdir.claim(job_dir, cfg), env)  # one run per folder (runner/jobdir.py), paths checked
+        locked = agree(lambda: jobdir.claim(job_dir, cfg), env)  # one run per folder (jobdir.py), paths checked
         if sweep_group() is not None:  # a sweep rerun into its folder: a job that finished there is skipped
             resolved = OmegaConf.to_container(cfg, resolve=True)
             done = agree(lambda: resume.finished_job(job_dir, resolved), env)
