@@ -10,11 +10,11 @@ from omegaconf import DictConfig
 from runner import CONF_DIR, objective
 from runner.config import register_configs
 from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
-from runner.interleaved import register as register_interleaved_launcher
 from runner.launch import prepare_process, record_if_elastic
+from runner.sweeps.interleaved import register as register_interleaved_launcher
 
 register_configs()
-register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleaved.py)
+register_interleaved_launcher()  # hydra/launcher=interleaved (runner/sweeps/interleaved.py)
 
 
 def _search_sweeper(**settings):
@@ -151,7 +151,7 @@ def run(argv: list[str] | None = None) -> int:
             return 2
         _one_line_compose_errors()
         record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary
-        from runner.interleaved import failures
+        from runner.sweeps.interleaved import failures
 
         if (line := failures()) is not None:  # an interleaved sweep with a failed job: its report is written first
             print(line, file=sys.stderr)

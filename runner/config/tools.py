@@ -1,4 +1,4 @@
-"""The settings of runner's tools, as structured-config schemas: ``ablation.*`` (runner/ablation.py),
+"""The settings of runner's tools, as structured-config schemas: ``ablation.*`` (runner/sweeps/ablation.py),
 ``interleave.*`` (runner/compare/: ``hydra/launcher=interleaved``) and ``tune.*`` (runner/tune/).
 
 Training (``runner.engine.train``) never reads them; they are nodes of the primary config (runner/config/
@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 @dataclass
 class AblationConfig:
-    """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/); see runner/ablation.py."""
+    """``+experiment=ablation`` (conf/experiment/ablation.yaml, conf/ablation/variant/; runner/sweeps/ablation.py)."""
 
     repeat: int = 0  # this job's process of its configuration, 0 .. interleave.processes-1 (folder <variant>/r<repeat>)
     variant: Optional[str] = None  # this job's configuration, e.g. baseline, baseline+amp, fast-amp

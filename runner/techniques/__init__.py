@@ -222,7 +222,7 @@ def image_only() -> dict[str, str]:
 
 def variant_keys() -> dict[str, tuple[str, ...]]:
     """Ablation variant -> the config keys its technique switches, for the image-only techniques that have a
-    variant (runner/ablation.py: a variant whose keys the task skips is its reference's configuration again)."""
+    variant (runner/sweeps/ablation.py: a variant whose keys the task skips is its reference's configuration again)."""
     return {t.variant: t.keys() for t in TECHNIQUES.values() if t.where.startswith("image") and t.variant}
 
 

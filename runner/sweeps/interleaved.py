@@ -8,7 +8,7 @@ Each job's figure relative to its reference is the paired ratio of adjacent slic
 the report (``report.md``/``report.csv``, runner/report/) is written at the end, also after Ctrl-C.
 
 An ablation (``+experiment=ablation``) is such a sweep: its jobs are compared with the baseline (a leave-one-out
-job with the fast preset), and its report is the ablation's (runner/ablation.py).
+job with the fast preset), and its report is the ablation's (runner/sweeps/ablation.py).
 
 This module is the thin adapter between Hydra and runner/compare/, where the measuring happens.
 
@@ -201,7 +201,7 @@ def _resolve_job(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     mean in this job) and its folder; None for an ablation variant that does not run here."""
     from hydra.core.hydra_config import HydraConfig
 
-    from runner import ablation
+    from runner.sweeps import ablation
 
     folder = Path(HydraConfig.get().runtime.output_dir)
     if ablation.not_run(cfg, folder) is not None:  # e.g. a CUDA-only variant: not_run.json written

@@ -2,7 +2,7 @@
 
 ``python -m runner -m +experiment=ablation model=... data=...`` is a Hydra multirun over ``ablation/variant``
 (conf/experiment/ablation.yaml, conf/ablation/variant/) handed to the interleaved launcher
-(``hydra/launcher=interleaved``, runner/interleaved.py), which measures every configuration against the baseline
+(``hydra/launcher=interleaved``, runner/sweeps/interleaved.py), which measures every configuration against the baseline
 (a leave-one-out configuration against the fast preset) through runner/compare/. What is the ablation's own:
 
 - ``not_run``: a variant with ``ablation.requires=cuda`` (the cuDNN autotuner; the leave-one-out of the
