@@ -26,8 +26,7 @@ thread (``dcp.async_save``); training continues, and the rename happens when the
 would run code when a checkpoint someone else wrote is resumed. ``Checkpointer.load`` reads ``.metadata`` once,
 through ``SafeMetadataUnpickler`` (only the classes DCP's metadata is made of), and hands DCP that metadata
 (``SafeFileSystemReader``: DCP's own reader would unpickle the file again with plain pickle); it loads non-tensor
-items with
-``torch.load(weights_only=True)`` (``SafeLoadPlanner``), the restriction PyTorch applies to weights
+items with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), the restriction PyTorch applies to weights
 (https://pytorch.org/docs/stable/notes/serialization.html#weights-only); anything else is refused with a
 ``ConfigError`` naming the file. runner's own training state is tensors and JSON (``runner.engine.state``).
 

@@ -1,8 +1,7 @@
 """Where a run starts: the ``checkpoint.*`` settings checked, the checkpoint to resume (or none), and what may
 differ between a checkpoint's config and the run resuming from it. Rank 0 decides; the engine broadcasts the
 answer (``runner.engine.train``). Which interrupted run of the same job ``python -m runner`` continues instead of
-starting a new folder (``interrupted_run``; the folders it looks at and the lock: ``runner.engine.jobdir``). The
-checkpoints themselves are ``runner.checkpoint``'s.
+starting a new folder (``interrupted_run``; the folders it looks at and the lock: ``runner.engine.jobdir``).
 """
 
 from __future__ import annotations
@@ -194,12 +193,11 @@ def same_job(saved: dict[str, Any], resolved: dict[str, Any]) -> bool:
 
 def interrupted_run(folders: Iterable[Path], resolved: dict[str, Any], world_size: int,
                     claim: Callable[[Path], bool]) -> tuple[Path, int] | None:
-    """The first of ``folders`` (newest first) that holds an interrupted run of this job, as ``(folder, step)``;
-    None when none does. Such a folder has no ``summary.json`` (the run never finished), a complete checkpoint
-    whose config is this run's (``same_job``) and whose world size is ``world_size`` (exact resume needs both),
-    and no live run in it: ``claim(folder)`` takes its lock for this process, False when another run holds it.
-    A folder whose checkpoint cannot be read is passed over (resuming it would stop on the error instead of
-    starting the run)."""
+    """The first of ``folders`` (newest first) that holds an interrupted run of this job, as ``(folder, step)``; None
+    when none does. Such a folder has no ``summary.json`` (the run never finished), a complete checkpoint whose config
+    is this run's (``same_job``) and whose world size is ``world_size`` (exact resume needs both), and no live run in
+    it: ``claim(folder)`` takes its lock for this process, False when another run holds it. A folder whose checkpoint
+    cannot be read is passed over (resuming it would stop on the error instead of starting the run)."""
     for folder in folders:
         if (folder / "summary.json").exists():
             continue

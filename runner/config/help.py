@@ -1,5 +1,5 @@
 """The config groups ``python -m runner --help`` lists (conf/hydra/help/runner.yaml): runner's and a
-``--config-dir``'s, without Hydra's own groups or the schemas runner stores as ``base_*`` (runner/config/)."""
+``--config-dir``'s, without Hydra's own groups or the schemas runner stores as ``base_*``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The ``logger`` group's schema (``LoggerConfig``, one node per logger picked), the loggers runner knows
-(``LOGGERS``) and the package each needs (``LOGGER_PACKAGES``): the loggers themselves are in runner/track/;
-the rest of the config schema is runner/config/."""
+(``LOGGERS``) and the package each needs (``LOGGER_PACKAGES``): the loggers themselves are in runner/track/."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The settings of runner's tools, as structured-config schemas: ``ablation.*`` (runner/sweeps/ablation.py),
 ``interleave.*`` (runner/compare/: ``hydra/launcher=interleaved``) and ``tune.*`` (runner/tune/).
 
-Training (``runner.engine.train``) never reads them; they are nodes of the primary config (runner/config/
-``RunnerConfig``) so that a misspelt or mistyped key fails at compose time like any other.
+Training (``runner.engine.train``) never reads them; they are nodes of the primary config (``RunnerConfig``) so
+that a misspelt or mistyped key fails at compose time like any other.
 """
 
 from __future__ import annotations

@@ -1,2 +1,1 @@
-"""The engine: ``train`` (``build``, the one loop ``fit``, ``summarize``) and what the loop keeps; nothing here is
-imported on the package's import, so ``validate`` and the job lock load before torch."""
+"""The engine (build, the loop, summarize); importing this package loads nothing: validate runs before torch."""

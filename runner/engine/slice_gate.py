@@ -1,11 +1,10 @@
 """The pause point between optimizer steps that the interleaved launcher drives (runner/compare/).
 
-Under ``hydra/launcher=interleaved`` every job of a sweep is resident in its own process and the jobs take
-turns: one trains for a *slice* (a number of optimizer steps) while the others wait. The launcher talks to
-each job through a ``multiprocessing`` pipe; the engine asks this gate, before each step, whether a slice
-has ended (``due``) and, when it has, ``wait`` reports the slice and blocks in the pipe's ``recv`` (a
-blocking read: the waiting process uses no core and launches no GPU work) until the launcher says how
-many steps the next slice has, or that the job should finish.
+Under ``hydra/launcher=interleaved`` every job of a sweep is resident in its own process and the jobs take turns: one
+trains for a *slice* (a number of optimizer steps) while the others wait. The launcher talks to each job through a
+``multiprocessing`` pipe; the engine asks this gate, before each step, whether a slice has ended (``due``) and, when it
+has, ``wait`` reports the slice and blocks in the pipe's ``recv`` (a blocking read: the waiting process uses no core and
+launches no GPU work) until the launcher says how many steps the next slice has, or that the job should finish.
 
 The messages (plain dicts, pickled by ``Connection.send``):
 

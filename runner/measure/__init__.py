@@ -116,11 +116,10 @@ class Meter:
         meter.end_step()
         if log step: row = meter.flush()           # the one host-device sync of the interval
 
-    A step's data wait is the sum of its fetches (ready - start); its step time is the rest of the
-    iteration (end - first start - data wait). ``flush`` turns pending marks into milliseconds and
-    returns the interval's figures; steps with index < ``warmup_steps`` are dropped. Evaluation must run
-    between ``end_step`` and the next ``start_fetch`` so it is never timed. Figures are per rank; the
-    engine reduces them across ranks.
+    A step's data wait is the sum of its fetches (ready - start); its step time is the rest of the iteration (end -
+    first start - data wait). ``flush`` turns pending marks into milliseconds and returns the interval's figures; steps
+    with index < ``warmup_steps`` are dropped. Evaluation must run between ``end_step`` and the next ``start_fetch`` so
+    it is never timed. Figures are per rank; the engine reduces them across ranks.
 
     The engine calls ``flush`` before the logging step's ``end_step`` (so the log's own sync is timed as
     part of that step): a ``metrics.jsonl`` row at step s covers the measured steps that ended before s,

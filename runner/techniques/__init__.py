@@ -1,17 +1,16 @@
 """The speed techniques runner switches, one entry each: the one place a technique is named.
 
-Each ``Technique`` says, once, what every tool needs to know of it: the name the tools use for it (the speed
-tuner's candidate; the ``summary.json`` ``techniques`` keys its builder records are ``statuses``; the ablation's
-variants ``baseline+<variant>`` / ``fast-<variant>`` are named ``variant``), the config values that switch it on
-(``on``) and the command line that does (``command``: what the doctor suggests and the README's switch table
-shows), where it can act (``where``: any device, CUDA only, images only), whether it changes the arithmetic (the
-speed tuner's numerics guard checks those that do; those that do not only move data or work, so a resumed run may
-change them: runner/checkpoint/resume.py), whether it can change what a training step costs (``step_cost``: the
-convergence ablation measures samples/s only for those), the group of alternatives it belongs to (one compile mode, one
-optimizer kernel, one precision) and its source. The modules beside this table apply the techniques (prepare.py,
-optim.py, precision.py, ...; data ones: runner/data/loading.py); tests/test_technique_table.py checks the
-ablation's variants, the tuner's candidates, the doctor's suggestions, the task's image-only skips and the README's
-switch table against this table.
+Each ``Technique`` says, once, what every tool needs to know of it: the name the tools use for it (the speed tuner's
+candidate; the ``summary.json`` ``techniques`` keys its builder records are ``statuses``; the ablation's variants
+``baseline+<variant>`` / ``fast-<variant>`` are named ``variant``), the config values that switch it on (``on``) and the
+command line that does (``command``: what the doctor suggests and the README's switch table shows), where it can act
+(``where``: any device, CUDA only, images only), whether it changes the arithmetic (the speed tuner's numerics guard
+checks those that do; those that do not only move data or work, so a resumed run may change them:
+runner/checkpoint/resume.py), whether it can change what a training step costs (``step_cost``: the convergence ablation
+measures samples/s only for those), the group of alternatives it belongs to (one compile mode, one optimizer kernel, one
+precision) and its source. The modules beside this table apply the techniques (prepare.py, optim.py, precision.py, ...;
+data ones: runner/data/loading.py); tests/test_technique_table.py checks the ablation's variants, the tuner's
+candidates, the doctor's suggestions, the task's image-only skips and the README's switch table against this table.
 
 Adding a technique: one entry here and its builder (and, where the presets differ by it, its two ablation variants
 in conf/ablation/variant/).

@@ -353,12 +353,11 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
             skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
     """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
 
-    ``amp``: the built ``precision.Precision``; the FSDP wrapper all-gathers parameters in its
-    ``compute_dtype``; with ``amp.fp8_recipe`` set (precision=fp8 on a GPU that has it) the model's large Linear
-    layers become fp8 (``precision.convert_fp8``) and compile is turned on if it was off
-    (``technique_details.fp8.compile`` says so). ``skip``: status keys of techniques the task rules out
-    (``Task.skipped``: channels_last and drop_bias_before_bn on a language model); the engine records them, they are
-    not applied here.
+    ``amp``: the built ``precision.Precision``; the FSDP wrapper all-gathers parameters in its ``compute_dtype``; with
+    ``amp.fp8_recipe`` set (precision=fp8 on a GPU that has it) the model's large Linear layers become fp8
+    (``precision.convert_fp8``) and compile is turned on if it was off (``technique_details.fp8.compile`` says so).
+    ``skip``: status keys of techniques the task rules out (``Task.skipped``: channels_last and drop_bias_before_bn on a
+    language model); the engine records them, they are not applied here.
 
     Prints the built model's line (``models.model_report``: weights loaded, backbone frozen, trainable
     parameters) on rank 0 first, unless ``trainer.progress=off``.

@@ -22,15 +22,7 @@ from omegaconf import DictConfig
 
 from runner import REPO_ROOT
 from runner.config.logger import logger_names
-from runner.track.records import (  # noqa: F401 - finite_or_none, to_json, write_json_atomic: runner.track's API too
-    WANDB_KEYS,
-    finite_or_none,
-    panel_figures,
-    reachable,
-    summary_figures,
-    to_json,
-    write_json_atomic,
-)
+from runner.track.records import panel_figures, reachable, to_json, write_json_atomic
 
 
 def drop_rows_after(path: Path, step: int) -> None:
