@@ -231,7 +231,7 @@ def test_task_and_data_must_match(tiny_text, tmp_path, overrides, message):
 
 
 def test_the_training_loop_never_names_a_loss():
-    source = (REPO_ROOT / "runner" / "train.py").read_text()
+    source = (REPO_ROOT / "runner" / "engine" / "train.py").read_text()
     assert "cross_entropy" not in source and "task.loss(" in source
 
 
