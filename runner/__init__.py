@@ -57,7 +57,7 @@ IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "tok
 #   ${runner_steps:S,B}                      the optimizer steps of S samples at batch B: ceil(S / B), at least 1
 #                                            (conf/experiment/convergence.yaml: a budget in samples)
 def _if_cuda(device, then, otherwise):
-    from runner.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
+    from runner.measure.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
 
     return then if uses_cuda(str(device)) else otherwise
 
@@ -79,7 +79,7 @@ def _config_groups() -> str:
 
     if not {"--help", "-h"} & set(sys.argv[1:]):
         return "(python -m runner --help lists them)"
-    from runner.config_help import config_groups_help  # imported on use: this module stays light
+    from runner.config.help import config_groups_help  # imported on use: this module stays light
 
     return config_groups_help()
 

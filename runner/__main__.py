@@ -9,12 +9,12 @@ from omegaconf import DictConfig
 
 from runner import CONF_DIR, objective
 from runner.config import register_configs
-from runner.errors import ConfigError, Preempted, TrainingDiverged
-from runner.interleaved import register as register_interleaved_launcher
+from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.launch import prepare_process, record_if_elastic
+from runner.sweeps.interleaved import register as register_interleaved_launcher
 
 register_configs()
-register_interleaved_launcher()  # hydra/launcher=interleaved (runner/interleaved.py)
+register_interleaved_launcher()  # hydra/launcher=interleaved (runner/sweeps/interleaved.py)
 
 
 def _search_sweeper(**settings):
@@ -43,12 +43,12 @@ def _one_line_compose_errors() -> None:
     value of the wrong type (``optimizer.lr=abc``) with OmegaConf's four-line merge error; an unknown option
     (``model=resnet19``) with its search path. Its compose errors pass through
     ``hydra._internal.utils.run_and_report`` (Hydra 1.3), wrapped here so that each of these prints runner's one
-    ``error:`` line with the fix instead (``runner.validate.compose_error_line``: the close declared key, the type
-    the key takes, the close options; a logger's too), exit status 2. Every other error is Hydra's as before."""
+    ``error:`` line with the fix instead (``runner.engine.validate.compose_error_line``: the close declared key, the
+    type the key takes, the close options; a logger's too), exit status 2. Every other error is Hydra's as before."""
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException
 
-    from runner.validate import compose_error_line
+    from runner.engine.validate import compose_error_line
 
     report = getattr(hydra_utils, "run_and_report", None)
     if report is None or getattr(report, "runner_one_line", False):  # another Hydra: its own message stays
@@ -90,13 +90,12 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _train(cfg: DictConfig) -> float | None:
-    from runner.preempt import EXIT_PREEMPTED
+    from runner.engine.validate import validate
     from runner.track import sweep_group
-    from runner.validate import validate
 
     try:
         validate(cfg)  # before the engine (torch) is imported: a config mistake is reported in about a second
-        from runner.train import train
+        from runner.engine.train import train
 
         summary = train(cfg)
         if cfg.trainer.doctor and cfg.ablation.variant is None:
@@ -112,7 +111,7 @@ def _train(cfg: DictConfig) -> float | None:
         sys.exit(3)
     except Preempted:  # rank 0 printed where the checkpoint is and the command that resumes
         sys.exit(EXIT_PREEMPTED)
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training (the first checkpoints: runner.preempt)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training (the first checkpoints: checkpoint/preempt.py)
         from runner.track import job_folder
 
         print(f"error: interrupted: stopped at once, without a checkpoint (a second Ctrl-C, or one before training "
@@ -152,7 +151,7 @@ def run(argv: list[str] | None = None) -> int:
             return 2
         _one_line_compose_errors()
         record_if_elastic(main)()  # under torchrun: a failure's traceback also goes to torchrun's error summary
-        from runner.interleaved import failures
+        from runner.sweeps.interleaved import failures
 
         if (line := failures()) is not None:  # an interleaved sweep with a failed job: its report is written first
             print(line, file=sys.stderr)

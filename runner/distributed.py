@@ -6,7 +6,7 @@ joins the process group (``nccl`` on CUDA, ``gloo`` on CPU). The collectives bel
 broadcasts, the job folder every rank shares, the global figures) are no-ops in a single process.
 
 The data-parallel wrappers of ``distributed.name`` (DDP, FSDP, DP) built on this layer live in
-runner/parallel.py.
+runner/techniques/parallel.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The one exception type for bad input: it names the key or path and says how to fix it."""
+"""The one exception type for bad input: it names the key or path and says how to fix it; the exit statuses."""
+
+#: exit status of a run that stopped for a signal after writing its checkpoint (``EX_TEMPFAIL``: try again)
+EXIT_PREEMPTED = 75
 
 
 class ConfigError(ValueError):
@@ -37,4 +40,4 @@ class TrainingDiverged(RuntimeError):
 
 class Preempted(Exception):
     """The run stopped for a signal (SLURM preemption or time limit) after writing its checkpoint;
-    ``python -m runner`` exits with ``runner.preempt.EXIT_PREEMPTED`` (75)."""
+    ``python -m runner`` exits with ``EXIT_PREEMPTED`` (75)."""

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import trust
 from runner.errors import ConfigError
-from runner.records import check_weights
+from runner.track.records import check_weights
 
 #: ``--weights`` choice -> (file in the job folder, what writes it: the fix when it is missing).
 WEIGHTS = {
@@ -228,7 +228,7 @@ def _apply(cfg: DictConfig, keys: list) -> None:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra's own override application
     from hydra.errors import HydraException
 
-    from runner.validate import misspelt_override
+    from runner.engine.validate import misspelt_override
 
     for o in keys:
         try:
@@ -251,7 +251,7 @@ class Rebuilt:
     task: Any
     data: Any  # runner.data.Data
     model: Any  # torch.nn.Module
-    amp: Any  # runner.precision.Precision
+    amp: Any  # runner.techniques.precision.Precision
     weights: str
     weights_path: Path
     overrides: list[str]
@@ -260,7 +260,7 @@ class Rebuilt:
 
 def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
             policy: trust.Policy | None = None) -> Rebuilt:
-    """Rebuild job ``folder`` as the engine builds it (``runner.train.build``'s order: seed, task, data, model,
+    """Rebuild job ``folder`` as the engine builds it (``runner.engine.train.build``'s order: seed, task, data, model,
     precision; channels_last when the job used it) in one process on ``trainer.device``, and load ``--weights``.
     ``trainer.eval_max_batches`` defaults to null (the whole validation split). ``torch.compile`` and the
     data-parallel wrapper are not applied: the plain model computes the same function.
@@ -269,7 +269,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
 
     Raises:
         ConfigError: from ``job_config`` and ``weights_file``; a weights file whose SHA-256 differs from the one
-            the run recorded in ``summary.json`` (``runner.records.check_weights``: modified or corrupted); any
+            the run recorded in ``summary.json`` (``runner.track.records.check_weights``: modified or corrupted); any
             builder's bad input (a dataset that is missing, a model that does not take the data); a weights file
             that cannot be read (corrupt, truncated) or does not fit the model (another model's, or overrides that
             changed ``model.*``).
@@ -285,13 +285,14 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     import numpy as np
     import torch
 
-    from runner import data as data_mod, distributed, models, precision, prepare, task as task_mod
-    from runner.validate import validate
+    from runner import data as data_mod, distributed, models, task as task_mod
+    from runner.engine.validate import validate
+    from runner.techniques import precision, prepare
 
     validate(cfg)
     env = distributed.Env(rank=0, local_rank=0, world_size=1, nodes=1,
                           device=distributed.pick_device(cfg.trainer.device))
-    # runner.train.seed_everything's three seeds (a user's data function may draw its split from them); not
+    # runner.engine.train.seed_everything's three seeds (a user's data function may draw its split from them); not
     # imported from there, which would load the checkpointing stack (1-2 s) for nothing
     random.seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed)

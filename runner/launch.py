@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from runner.errors import ConfigError
+from runner.errors import EXIT_PREEMPTED, ConfigError
 
 
 @dataclass(frozen=True)
@@ -293,8 +293,6 @@ def torchrun(argv: list[str]) -> int:
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
-
-    from runner.preempt import EXIT_PREEMPTED
 
     try:
         run(get_args_parser().parse_args(argv))

@@ -1,7 +1,7 @@
 """The engine's two contracts with what it is given, written down as ``typing.Protocol``s: a ``Task`` (what is
-trained and judged: ``task._target_``) and a ``Tracker`` (where the figures go). The engine (runner/build.py,
-runner/train.py, runner/evaluation.py) and ``python -m runner.evaluate`` call exactly these members and no others,
-so any object that has them works: runner's ``Classification``, ``LanguageModel`` and ``Regression``
+trained and judged: ``task._target_``) and a ``Tracker`` (where the figures go). The engine (runner/engine/build.py,
+runner/engine/train.py, runner/engine/evaluation.py) and ``python -m runner.evaluate`` call exactly these members and no
+others, so any object that has them works: runner's ``Classification``, ``LanguageModel`` and ``Regression``
 (runner/task.py), a user's own task class, ``runner.track.Tracker`` and ``NullTracker``, and the tuners'
 recorders (``runner.tune.guard.LossRecorder``, ``runner.tune.lr.RangeRecorder``, subclasses of ``NullTracker``).
 

@@ -32,10 +32,12 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import distributed, gpt, hf, parallel, protocols, techniques
+from runner import distributed, protocols, techniques
 from runner.errors import ConfigError
+from runner.models import gpt, hf
+from runner.techniques import parallel
 
-#: Image-only switches: ``summary.json`` status key -> config key (runner/techniques.py: ``where="image"``). Off a
+#: Image-only switches: ``summary.json`` status key -> config key (runner/techniques/: ``where="image"``). Off a
 #: task on images they do nothing.
 IMAGE_ONLY = techniques.image_only()
 
@@ -148,7 +150,7 @@ class Classification(SampleTask):
 class LanguageModel:
     """``task=language_model``: next-token prediction on windows ``x``, ``y`` int64 ``(B, T)`` (``y`` = ``x``
     shifted by one token); ``model(x)`` -> logits ``(B, T, vocab)``, or an output holding them as ``.logits``
-    (a Hugging Face causal LM: ``model=hf_causal_lm``, ``runner.hf``).
+    (a Hugging Face causal LM: ``model=hf_causal_lm``, ``runner.models.hf``).
 
     Loss: mean cross-entropy over all B x T positions (nats per token). Evaluation: ``eval_loss``,
     ``eval_perplexity`` = exp(loss) and ``eval_bits_per_char`` = loss / ln 2 (bits per token; a token is a
@@ -227,7 +229,7 @@ class LanguageModel:
         """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
         an FSDP-sharded model all-gathers its parameters in each forward. Compiled modules run eagerly here
         (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length.
-        Sampling is ``runner.gpt.generate`` on the model's logits (any model, runner's GPT, a Hugging Face
+        Sampling is ``runner.models.gpt.generate`` on the model's logits (any model, runner's GPT, a Hugging Face
         one or the user's own), fed at most ``data.block_size`` tokens at a time: the length the model was
         trained on, which ``check`` keeps within its context, and the only one it knows for a model that does
         not declare its context (no ``block_size``, no Hugging Face config). Positions past it were never

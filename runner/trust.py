@@ -10,9 +10,9 @@ anything it names is located, imported or called; ``python -m runner`` itself (y
 configs) is not restricted.
 
 - **Targets** (``check_config``): every ``_target_`` in the tree, nested ones too (Hydra instantiates those
-  recursively), must lie in one of ``NAMESPACES`` -- runner's model, GPT, Hugging Face and task modules,
+  recursively), must lie in one of ``NAMESPACES`` -- runner's models (GPT and Hugging Face too) and tasks,
   torchvision's models, ``torch.nn``, ``torch.optim``, timm's optimizers, ``transformers``: what runner's own
-  configs and schemas name (``conf/``, ``runner/config.py``) -- or be allowed by the user: a module prefix given
+  configs and schemas name (``conf/``, ``runner/config/``) -- or be allowed by the user: a module prefix given
   with ``--allow-target`` or in ``RUNNER_ALLOW_TARGETS`` (comma-separated), the exact target given as an override
   on the command line, or ``--trust`` (everything, as ``python -m runner`` would). A target inside those
   namespaces must also *be* there: it is resolved importing only modules of its namespace, and every object on
@@ -54,8 +54,8 @@ from runner.errors import ConfigError
 
 #: Module namespaces whose classes and functions a config read back may name without being allowed: what
 #: runner's configs and schemas use (models, tasks, optimizers) and the model zoos runner builds from.
-NAMESPACES = ("runner.models", "runner.gpt", "runner.hf", "runner.task", "torchvision.models", "torch.nn",
-              "torch.optim", "timm.optim", "transformers")
+NAMESPACES = ("runner.models", "runner.task", "torchvision.models", "torch.nn", "torch.optim", "timm.optim",
+              "transformers")
 #: The environment variable with more allowed module prefixes, comma-separated (as ``--allow-target``).
 ALLOW_ENV = "RUNNER_ALLOW_TARGETS"
 #: OmegaConf's resolvers that compute from the config alone; with runner's own (``runner_*``) and ``oc.env`` of
@@ -188,7 +188,7 @@ def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, u
     prefixes = NAMESPACES + policy.allowed
     parts = target.split(".")
     obj = None
-    for i in range(len(parts), 0, -1):  # the longest importable module prefix, as runner.targets.locate finds it
+    for i in range(len(parts), 0, -1):  # the longest importable module prefix, as runner.config.targets.locate finds it
         name = ".".join(parts[:i])
         if not within(name, prefixes):
             return  # e.g. `torch` for torch.nn.X: never imported on a config's word; the builder reports it
@@ -206,7 +206,7 @@ def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, u
     for attr in parts[i:]:
         obj = getattr(obj, attr, _MISSING)
         if obj is _MISSING:
-            return  # runner.targets.locate names the missing attribute and the close ones
+            return  # runner.config.targets.locate names the missing attribute and the close ones
         where = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
         if not isinstance(where, str) or not within(where, prefixes):
             raise ConfigError(f"{key}={target!r} in {source} reaches {attr!r}, which is defined in "
@@ -220,8 +220,8 @@ def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, u
 
 
 #: Built-in namespaces whose module-level functions may be targets (model factories: torchvision's resnet18,
-#: runner.hf.causal_lm); elsewhere only classes are.
-FUNCTIONS = ("runner.models", "runner.gpt", "runner.hf", "runner.task", "torchvision.models")
+#: runner.models.hf.causal_lm); elsewhere only classes are.
+FUNCTIONS = ("runner.models", "runner.task", "torchvision.models")
 
 
 def _kind(target: str, obj: Any) -> str | None:

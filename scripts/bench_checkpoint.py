@@ -67,7 +67,7 @@ def main() -> None:
     load.append(os.getloadavg()[0])
     import torch
 
-    from runner.hardware import device_name
+    from runner.measure.hardware import device_name
 
     lines = [
         "| model | checkpoint | blocked per checkpoint (ms, median; min–max) | median step (ms) | "

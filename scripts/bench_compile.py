@@ -1,7 +1,7 @@
 """Regional against whole-model torch.compile on the Shakespeare GPT: how long the first steps take (the compile) and
 the steady step time, each run a fresh ``python -m runner`` process with an empty inductor cache, the two alternated.
 
-``compile.regional=true`` compiles each transformer block (runner/prepare.py ``apply_compile``; torchtitan's
+``compile.regional=true`` compiles each transformer block (runner/techniques/prepare.py ``apply_compile``; torchtitan's
 default); the whole-model compile traces embeddings, blocks and head as one graph. Each run trains
 ``+experiment=shakespeare_char`` (4 x 128 GPT, windows of 64, batch 12) for ``--steps`` steps with the loss read
 every step (``trainer.log_every=1``, no warm-up left out), so metrics.jsonl holds every step's time:
@@ -35,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from runner import REPO_ROOT, hardware
+from runner import REPO_ROOT
+from runner.measure import hardware
 
 TEXT = REPO_ROOT / "data" / "tinyshakespeare" / "input.txt"  # embedded
 MODES = {"whole": "compile.regional=false", "regional": "compile.regional=true"}

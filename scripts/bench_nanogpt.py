@@ -225,7 +225,7 @@ def race(args) -> None:
 
 def write(args, results: dict[str, list[dict]], started: str) -> None:
     sys.path.insert(0, str(REPO))
-    from runner import hardware
+    from runner.measure import hardware
 
     machine = hardware.describe_machine()
     cpu = machine.get("cpu") or platform.processor()

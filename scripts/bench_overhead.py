@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from runner import REPO_ROOT, data as data_mod, hardware, measure, models, train as engine
+from runner import REPO_ROOT, data as data_mod, measure, models
 from runner.config import register_configs
+from runner.engine import train as engine
+from runner.measure import hardware
 
 CASES = {
     # name: (overrides, sample shape, batch size, steps per loop run including warm-up, rounds)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from runner.hardware import device_name
+from runner.measure.hardware import device_name
 
 REPO = Path(__file__).resolve().parent.parent
 

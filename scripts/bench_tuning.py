@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "tuning.md")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
-    from runner import hardware
+    from runner.measure import hardware
 
     machine = hardware.describe_machine()
     started = time.strftime("%Y-%m-%d %H:%M")

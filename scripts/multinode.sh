@@ -66,7 +66,7 @@ case " $* " in
 esac
 
 # SIGUSR1 (from --signal, or `scancel --signal=USR1 --batch <job>`) reaches this script only ("B:"). Forward it
-# to every process of the job step: the training processes checkpoint and stop (runner/preempt.py). torchrun's
+# to every process of the job step: the training processes checkpoint and stop (runner/checkpoint/preempt.py). torchrun's
 # agents would die of SIGUSR1 (they do not handle it), so they are started with it ignored; the workers inherit
 # that and install runner's own handler. `wait` returns when a trapped signal arrives, hence the loop. The agents are
 # runner.launch.torchrun (torchrun whose status is 75 when the workers stopped for a preemption, not 1).

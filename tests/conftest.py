@@ -200,7 +200,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 def run_tiny(job_dir: Path, *overrides: str) -> dict:
     """Train ``compose_cfg(*overrides)`` (a tiny CPU job) in this process into ``job_dir``; its summary."""
-    from runner.train import train  # imported on use: collecting the tests stays light
+    from runner.engine.train import train  # imported on use: collecting the tests stays light
 
     job_dir.mkdir(parents=True, exist_ok=True)
     return train(compose_cfg(*overrides), job_dir=job_dir)

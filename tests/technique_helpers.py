@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from runner import data as data_mod, models, optim, precision
+from runner import data as data_mod, models
+from runner.techniques import optim, precision
 
 
 class TinyMLP(nn.Module):

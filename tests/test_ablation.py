@@ -128,7 +128,7 @@ def test_every_difference_between_the_presets_is_a_technique_of_the_ablation():
 
 
 def test_the_keys_of_each_skippable_technique_are_the_keys_its_variant_switches():
-    from runner.ablation import TECHNIQUE_KEYS
+    from runner.sweeps.ablation import TECHNIQUE_KEYS
 
     base = variant("baseline")
     for tech, keys in TECHNIQUE_KEYS.items():
@@ -140,7 +140,7 @@ def test_the_keys_of_each_skippable_technique_are_the_keys_its_variant_switches(
 def test_a_technique_the_language_model_skips_is_not_measured(tmp_path, name, no_op):
     """On the GPT an image technique changes nothing: its variant is its reference again, so it is recorded as
     not run (saving a quarter of the GPT ablation's minutes) instead of being measured as a copy."""
-    from runner.ablation import not_run
+    from runner.sweeps.ablation import not_run
 
     cfg = compose_cfg("+experiment=[shakespeare_char,ablation]", f"ablation/variant={name}", tiny=False)
     why = not_run(cfg, tmp_path)
@@ -154,7 +154,7 @@ def test_a_technique_the_language_model_skips_is_not_measured(tmp_path, name, no
 
 
 def test_an_image_technique_is_measured_on_an_image_model(tmp_path):
-    from runner.ablation import not_run
+    from runner.sweeps.ablation import not_run
 
     assert not_run(compose_cfg("+experiment=ablation", "ablation/variant=fast-channels_last"), tmp_path) is None
     assert not (tmp_path / "not_run.json").exists()
@@ -524,7 +524,7 @@ def test_report_warns_when_the_machine_was_busy(tmp_path):
                                                                                 "load_average_1min": 3.2}}))
     write_report(sweep)
     assert "machine was busy when the sweep started (load average 3.2 on 2 cores)" in (sweep / "report.md").read_text()
-    # a job whose own summary recorded a busy machine (runner.machine_load.load_warnings) is counted and quoted
+    # a job whose own summary recorded a busy machine (runner.measure.machine_load.load_warnings) is counted and quoted
     path = sweep / "baseline+amp" / "r0" / "summary.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"warnings": ["runner's threads waited 40 %"]}))
     write_report(sweep)

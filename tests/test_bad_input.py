@@ -185,8 +185,8 @@ CATALOGUE = {
 @pytest.mark.parametrize("case", list(CATALOGUE), ids=list(CATALOGUE))
 def test_bad_input_catalogue(case, tmp_path):
     from conftest import compose_cfg
+    from runner.engine.train import train
     from runner.errors import ConfigError
-    from runner.train import train
 
     overrides, words = CATALOGUE[case]
     job = tmp_path / "job"
@@ -201,7 +201,7 @@ def test_bad_input_catalogue(case, tmp_path):
 
 def _finished_job(tmp_path, *overrides: str):
     from conftest import compose_cfg
-    from runner.train import train
+    from runner.engine.train import train
 
     job = tmp_path / "job"
     train(compose_cfg("trainer.max_steps=2", *overrides), job_dir=job)
@@ -212,8 +212,8 @@ def _finished_job(tmp_path, *overrides: str):
 def test_damaged_or_foreign_checkpoints_are_refused(tmp_path, damage):
     from conftest import compose_cfg
     from runner import checkpoint as ck
+    from runner.engine.train import train
     from runner.errors import ConfigError
-    from runner.train import train
 
     job = _finished_job(tmp_path)
     (path,) = ck.complete_checkpoints(job / "checkpoints")
@@ -232,8 +232,8 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path, damage):
 
 def test_a_finished_folder_is_never_mixed_with_a_new_run(tmp_path):
     from conftest import compose_cfg
+    from runner.engine.train import train
     from runner.errors import ConfigError
-    from runner.train import train
 
     job = _finished_job(tmp_path, "checkpoint.at_end=false")
     before = (job / "metrics.jsonl").read_text()
@@ -251,8 +251,8 @@ def test_a_finished_folder_is_never_mixed_with_a_new_run(tmp_path):
 ], ids=["hf_causal_lm", "_target_"])
 def test_a_hugging_face_model_without_transformers(overrides, key, tiny_text, tmp_path, monkeypatch):
     from conftest import compose_cfg
+    from runner.engine.train import train
     from runner.errors import ConfigError
-    from runner.train import train
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails, as when not installed
     cfg = compose_cfg("task=language_model", "data=text", f"data.path={tiny_text}", "data.block_size=16", *overrides)
@@ -276,8 +276,8 @@ def one_nan_item(n_features: int = 8, nan_at: int = 5):
 
 def test_skip_stops_a_run_whose_steps_are_mostly_skipped(tmp_path):
     from conftest import compose_cfg
+    from runner.engine.train import train
     from runner.errors import TrainingDiverged
-    from runner.train import train
 
     with pytest.raises(TrainingDiverged) as caught:
         train(compose_cfg("optimizer.lr=1e10", "trainer.on_nonfinite=skip", "trainer.log_every=2",
@@ -289,7 +289,7 @@ def test_skip_stops_a_run_whose_steps_are_mostly_skipped(tmp_path):
 
 def test_skip_tolerates_a_rare_bad_step_and_shows_the_count(tmp_path, capsys):
     from conftest import TINY_LOOP, compose_cfg, read_summary
-    from runner.train import train
+    from runner.engine.train import train
 
     cfg = compose_cfg(*TINY_LOOP, "data=custom", "data._target_=test_bad_input.one_nan_item", "model=mlp",
                       "model.hidden=16", "trainer.on_nonfinite=skip", "trainer.log_every=8", "trainer.max_steps=16",
@@ -304,8 +304,8 @@ def test_skip_tolerates_a_rare_bad_step_and_shows_the_count(tmp_path, capsys):
 @pytest.mark.parametrize("other", ["same size", "another size"])
 def test_resuming_a_language_model_on_other_text_is_refused_naming_the_vocabulary(tmp_path, other):
     from conftest import TEXT, TINY_GPT, compose_cfg
+    from runner.engine.train import train
     from runner.errors import ConfigError
-    from runner.train import train
 
     first, second = tmp_path / "a.txt", tmp_path / "b.txt"
     first.write_text(TEXT * 20, encoding="utf-8")
@@ -388,8 +388,8 @@ class TupleMLP(torch.nn.Module):
 ])
 def test_bad_data_mid_training_is_one_message_naming_the_item(tmp_path, kind, words):
     from conftest import TINY_LOOP, compose_cfg
+    from runner.engine.train import train
     from runner.errors import ConfigError
-    from runner.train import train
 
     model = (["model._target_=test_bad_input.TupleMLP"] if kind == "tuple" else ["model=mlp", "model.hidden=16"])
     cfg = compose_cfg(*TINY_LOOP, "data=custom", "data._target_=test_bad_input.rows_with_a_bad_item",

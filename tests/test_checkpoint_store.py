@@ -1,4 +1,4 @@
-"""The checkpoint store on its own (runner/checkpoint.py): what is saved comes back exactly, a partial write is
+"""The checkpoint store on its own (runner/checkpoint/): what is saved comes back exactly, a partial write is
 never chosen, old checkpoints are pruned, async writes publish, corrupt or foreign checkpoints are refused.
 
 The engine-level behaviour (exact resume of a killed run, signals, SLURM) is tested in test_resume.py.
@@ -110,7 +110,7 @@ def garble(path, at: float = 0.5) -> None:
 def test_resume_refuses_a_checkpoint_whose_files_changed_since_they_were_written(tmp_path):
     """Each published checkpoint gets sha256.json (written off the loop); resuming checks it first: one changed
     byte in the tensor data, which DCP itself would load without a word, is refused with the file named."""
-    from runner.resume import find_resume_point
+    from runner.checkpoint.resume import find_resume_point
 
     model, opt = trained()
     job = tmp_path / "job"
@@ -162,7 +162,7 @@ def test_a_submitit_job_stops_on_submitits_signal_and_hands_it_back(monkeypatch)
     import os
     import signal
 
-    from runner import preempt
+    from runner.checkpoint import preempt
 
     assert preempt.submitit_signal({}) is None
     assert preempt.submitit_signal({"SUBMITIT_EXECUTOR": "slurm"}) == "SIGUSR2"
@@ -195,7 +195,7 @@ def _full_disk(monkeypatch, error: BaseException) -> None:
 def test_a_full_disk_says_so_removes_the_partial_folder_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, error):
     import errno
 
-    from runner import write_failures
+    from runner.checkpoint import write_failures
 
     model, opt = trained(0)
     store = ck.Checkpointer(tmp_path / "checkpoints")
@@ -230,7 +230,7 @@ def test_a_final_checkpoint_on_a_full_disk_keeps_the_trained_weights(tmp_path, m
     from safetensors.torch import load_file
 
     from conftest import compose_cfg
-    from runner.train import train
+    from runner.engine.train import train
 
     _full_disk(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     job = tmp_path / "job"
@@ -257,8 +257,8 @@ def test_an_async_write_on_a_full_disk_fails_when_it_is_waited_for(tmp_path, mon
 
 def test_a_checkpoint_every_30_minutes_is_the_default_and_a_short_run_writes_none_before_its_end(tmp_path):
     from conftest import compose_cfg
-    from runner import resume
-    from runner.train import train
+    from runner.checkpoint import resume
+    from runner.engine.train import train
 
     settings = resume.settings(compose_cfg(tiny=False).checkpoint)
     assert settings["every_minutes"] == 30 and "SIGINT" in settings["signals"]

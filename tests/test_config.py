@@ -1,7 +1,7 @@
 """Config groups: every option of every group composes against its schema and its components build.
 
 Typos and wrong types, on the command line or inside a YAML option, fail at compose time with Hydra's
-own message (the dataclass schemas in ``runner/config.py``); cross-key rules fail in ``validate``.
+own message (the dataclass schemas in ``runner/config/``); cross-key rules fail in ``validate``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conftest import TINY_GPT, compose_cfg, make_tiny_cifar, make_tiny_imagefolder, make_tiny_text, run_cli
-from runner import REPO_ROOT, data as data_mod, distributed, hardware, models, precision, prepare
+from runner import REPO_ROOT, data as data_mod, distributed, models
 from runner.config import CHOICES, GROUP_SCHEMAS
 from runner.data import tokens
+from runner.engine.train import train, validate
 from runner.errors import ConfigError
-from runner.train import train, validate
+from runner.measure import hardware
+from runner.techniques import precision, prepare
 
 CONF = REPO_ROOT / "conf"
 # every option file of every group, nested groups too (ablation/variant); hydra/ holds Hydra's own groups
@@ -226,7 +228,7 @@ def _schema_of(option: dict):
 
 def test_yaml_options_set_only_what_differs_from_their_schema():
     """A group option (conf/<group>/<option>.yaml) and conf/config.yaml hold only values that differ from the
-    schema's defaults in runner/config.py: a default lives in one place, so changing it cannot leave a stale
+    schema's defaults in runner/config/: a default lives in one place, so changing it cannot leave a stale
     copy behind."""
     import yaml
 

@@ -257,7 +257,7 @@ def test_the_gpt_preset_is_the_recipe_with_the_convergence_ablation_and_a_loss_t
     listed = preset_config("+experiment=[shakespeare_char,convergence]", *job, "trainer.target_accuracy=null",
                            "trainer.target_loss=1.96", "ablation.max_samples=24000", "ablation.eval_samples=1200")
     assert OmegaConf.to_container(gpt, resolve=True) == OmegaConf.to_container(listed, resolve=True)
-    assert (gpt.model._target_, gpt.trainer.max_steps, gpt.trainer.eval_every) == ("runner.gpt.GPT", 2000, 100)
+    assert (gpt.model._target_, gpt.trainer.max_steps, gpt.trainer.eval_every) == ("runner.models.gpt.GPT", 2000, 100)
     assert (gpt.scheduler.name, gpt.trainer.stop_at_target, gpt.trainer.target_weights) == ("constant", True, "model")
     variants = preset_config("+experiment=convergence_gpt", hydra=True).hydra.sweeper.params["ablation/variant"]
     variants = variants.split(",")
@@ -272,8 +272,8 @@ def preset_config(*overrides: str, hydra: bool = False):
 
 @pytest.mark.parametrize("variant", PRESET[1:])
 def test_each_configuration_of_the_preset_composes_and_switches_its_technique(variant):
+    from runner.engine.validate import validate
     from runner.techniques import by_variant
-    from runner.validate import validate
 
     cfg = compose_cfg("+experiment=convergence", f"ablation/variant={variant}", tiny=False)
     validate(cfg)

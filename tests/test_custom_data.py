@@ -19,8 +19,8 @@ from conftest import TINY, compose_cfg, job_dirs, read_summary, run_cli
 from runner import REPO_ROOT, data as data_mod
 from runner.data import OnDeviceLoader
 from runner.distributed import setup
+from runner.engine.train import train
 from runner.errors import ConfigError
-from runner.train import train
 
 #: TINY without its synthetic-data keys: on data=custom they would be arguments of the user's function
 LOOP = [o for o in TINY if not o.startswith(("data=", "data."))]

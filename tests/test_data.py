@@ -18,8 +18,8 @@ from runner import REPO_ROOT, data as data_mod
 from runner.config import CHOICES
 from runner.data import tokens
 from runner.distributed import setup
+from runner.engine.train import train
 from runner.errors import ConfigError
-from runner.train import train
 
 
 def build(*overrides: str):

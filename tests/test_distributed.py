@@ -25,8 +25,10 @@ import pytest
 import torch
 
 from conftest import TINY, compose_cfg, job_dirs, metrics_rows, read_summary
-from runner import REPO_ROOT, distributed, hardware, launch, parallel, precision
+from runner import REPO_ROOT, distributed, launch
 from runner.errors import ConfigError
+from runner.measure import hardware
+from runner.techniques import parallel, precision
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun` of this interpreter
 #: per-step loss and final parameter norm, 2 ranks vs 1 process on the same global batch: relative difference
@@ -245,7 +247,7 @@ def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
     assert took < 60, f"the job took {took:.0f} s to fail after rank 1 died"
     assert "rank      : 1" in output and "SIGTERM" in output and f"PID {victim}" in output, output[-4000:]
     rank1 = next(logs.rglob("attempt_0/1/stderr.log")).read_text()
-    assert "(most recent call first)" in rank1 and "runner/train.py" in rank1, rank1[-4000:]
+    assert "(most recent call first)" in rank1 and "runner/engine/train.py" in rank1, rank1[-4000:]
     assert not list((root / "outputs").rglob("summary.json"))
     assert not list((root / "tmp").glob("runner-rank*")), "rank 1's scratch folder outlived it"
 
@@ -259,7 +261,7 @@ def test_a_failing_rank_s_traceback_reaches_torchrun_s_summary(tmp_path):
     assert proc.returncode != 0
     root_cause = proc.stderr.split("Root Cause", 1)
     assert len(root_cause) == 2, proc.stderr[-4000:]
-    assert "RuntimeError" in root_cause[1] and "runner/train.py" in root_cause[1], root_cause[1][-3000:]
+    assert "RuntimeError" in root_cause[1] and "runner/engine/train.py" in root_cause[1], root_cause[1][-3000:]
     assert "error_file: <N/A>" not in root_cause[1]
     assert not list((root / "outputs").rglob("summary.json"))
 
@@ -327,7 +329,7 @@ def test_impossible_combinations_are_config_errors(overrides, env, message, monk
 
 
 def test_sync_batchnorm_on_cpu_is_skipped_with_the_reason(tmp_path):
-    from runner.train import train
+    from runner.engine.train import train
 
     summary = train(compose_cfg("distributed=ddp", "distributed.sync_batchnorm=true"), job_dir=tmp_path)
     assert summary["techniques"]["sync_batchnorm"].startswith("skipped: SyncBatchNorm only runs on CUDA")
@@ -335,7 +337,7 @@ def test_sync_batchnorm_on_cpu_is_skipped_with_the_reason(tmp_path):
 
 
 def test_dp_warns_that_ddp_is_faster(tmp_path):
-    from runner.train import train
+    from runner.engine.train import train
 
     with pytest.warns(UserWarning, match="slower than DistributedDataParallel"):
         summary = train(compose_cfg("distributed=dp"), job_dir=tmp_path)
@@ -428,7 +430,7 @@ def test_fsdp_mixed_precision_follows_the_built_precision():
 @pytest.mark.filterwarnings("ignore:precision=bf16")  # emulated bf16 on this CPU
 def test_fsdp_bf16_trains_a_batchnorm_model(tmp_path):
     """bf16 all-gathers with BatchNorm layers kept in fp32 (their fp32 running statistics would clash)."""
-    from runner.train import train
+    from runner.engine.train import train
 
     summary = train(compose_cfg("distributed=fsdp", "precision=bf16", "trainer.max_steps=2"), job_dir=tmp_path)
     assert summary["techniques"]["fsdp_mixed_precision"] == "applied"

@@ -6,7 +6,7 @@ small overrides merged in (``SMALL``: 2 steps, 1 evaluation batch, no W&B; a key
 as the doctor's suggestions do) and placeholders mapped to tiny real data (``/path/with/cifar``: a CIFAR-10
 made by ``make_tiny_cifar``; ``/my/images``: an ImageFolder; ``my.txt``: a text; ``outputs/<date>/<time>``: the
 folder of a run made first). Every other line is composed exactly as ``python -m runner`` would (Hydra, the
-schemas, ``runner.validate``) in this process, since composing is what fails on a wrong key, option or file;
+schemas, ``runner.engine.validate``) in this process, since composing is what fails on a wrong key, option or file;
 lines that need SLURM, several processes, network or the reader's own package are skipped with the reason.
 """
 
@@ -228,12 +228,12 @@ RUN_ABOVE = ("python -m runner.doctor ", "python -m runner.report outputs/multir
 
 def compose_example(example: Example, root: Path):
     """Compose the command's config as ``python -m runner`` (or ``runner.tune``) would, and check it with
-    ``runner.validate``: a wrong option, key, file or cross-key value fails here. ``...`` (elided arguments) are
+    ``runner.engine.validate``: a wrong option, key, file or cross-key value fails here. ``...`` (elided arguments) are
     left out; of a sweep (``-m``), each key's first value is composed (of an interval, its lower end)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from runner.validate import validate
+    from runner.engine.validate import validate
 
     args = [a for a in placeholders(example.argv[2:], root) if a != "..."]
     module = args.pop(0)

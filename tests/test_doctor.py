@@ -16,7 +16,7 @@ import pytest
 from conftest import TINY_LOOP, compose_cfg, job_dirs, run_cli
 from runner import doctor
 from runner.doctor import Job, diagnose
-from runner.train import train
+from runner.engine.train import train
 
 CONFIG = {"trainer": {"log_every": 50, "warmup_steps": 5, "max_steps": None, "on_nonfinite": "stop"},
           "dataloader": {"batch_size": 64, "num_workers": 0, "pin_memory": False, "on_device": False},

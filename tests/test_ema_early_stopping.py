@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import cuda_only, metrics_rows, read_summary, run_cli, run_tiny
-from runner.ema import EMA
+from runner.engine.monitor import Watch
 from runner.errors import ConfigError
-from runner.monitor import Watch
+from runner.techniques.ema import EMA
 
 #: a tiny CPU job through the CLI: 12 steps, a row every 2 steps, an evaluation every 4 on the same 2 batches
 JOB = ["data=synthetic", "data.shape=[3,16,16]", "data.train_size=256", "data.eval_size=64", "dataloader.batch_size=16",

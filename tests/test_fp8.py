@@ -1,5 +1,5 @@
-"""precision=fp8 (runner/precision.py): skipped with the reason where it cannot run (here: no CUDA GPU), the layer
-filter that decides which Linear layers torchao converts (first and last layers stay bf16), the conversion itself
+"""precision=fp8 (runner/techniques/precision.py): skipped with the reason where it cannot run (here: no CUDA GPU), the
+layer filter that decides which Linear layers torchao converts (first and last layers stay bf16), the conversion itself
 and compile turned on for it. Nothing here needs a GPU; the filter's thresholds are torchao's own, tested where
 torchao is installed (the ``fp8`` and ``dev`` extras)."""
 
@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from conftest import compose_cfg, run_tiny
-from runner import distributed, hardware, models, precision, prepare
-from runner.gpt import GPT
+from runner import distributed, models
+from runner.measure import hardware
+from runner.models.gpt import GPT
+from runner.techniques import precision, prepare
 
 CPU = torch.device("cpu")
 

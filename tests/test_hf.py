@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, read_summary, run_cli
-from runner import gpt, hf
+from runner.engine.train import train
 from runner.errors import ConfigError
-from runner.train import train
+from runner.models import gpt, hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""``trainer.host_allocator``: glibc's malloc keeps freed memory (runner/prepare.py), and the page faults the
+"""``trainer.host_allocator``: glibc's malloc keeps freed memory (runner/techniques/prepare.py), and the page faults the
 engine records per step (summary.json ``machine_load.minor_page_faults_per_step``)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from conftest import run_tiny
-from runner import prepare
 from runner.errors import ConfigError
+from runner.techniques import prepare
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -23,7 +23,7 @@ glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 #: promise (transparent huge pages and fault-around map many pages per fault).
 MAPPED = """
 import ctypes, json, sys, torch
-from runner import prepare
+from runner.techniques import prepare
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

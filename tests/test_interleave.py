@@ -474,8 +474,8 @@ def test_a_job_knows_its_comparison_so_the_gpu_check_leaves_the_paused_jobs_out(
     from it, which is how the check tells them apart; an unrelated process does not."""
     from omegaconf import OmegaConf
 
-    from runner import hardware
     from runner.compare import Job
+    from runner.measure import hardware
 
     note = tmp_path / "root.txt"
     cfg = compose_cfg("data=custom", "data._target_=user_data.tabular_noting_environment", f"+data.note={note}",

@@ -3,7 +3,7 @@
 The first Ctrl-C checkpoints at the step boundary (or, during an evaluation, at the next evaluation batch) and
 exits with ``EXIT_PREEMPTED``, printing the exact command that resumes (the job folder named); running that
 command ends exactly where the uninterrupted run ends, and so does the same command without it: it finds the
-interrupted run of its config among the newest run folders and continues it (runner/jobdir.py
+interrupted run of its config among the newest run folders and continues it (runner/engine/jobdir.py
 ``continue_interrupted``). A second Ctrl-C exits at once without a checkpoint.
 """
 
@@ -23,8 +23,11 @@ import pytest
 import torch
 
 from conftest import TINY, job_dirs, run_cli
-from runner import checkpoint as ck, jobdir, resume
-from runner.preempt import EXIT_PREEMPTED, resume_command
+from runner import checkpoint as ck
+from runner.checkpoint import resume
+from runner.checkpoint.preempt import resume_command
+from runner.engine import jobdir
+from runner.errors import EXIT_PREEMPTED
 from test_resume import JOB, _descendants, env, rows, run
 
 STEPS = ["trainer.max_steps=120", "checkpoint.every_steps=null"]

@@ -1,4 +1,4 @@
-"""One run per job folder (runner/jobdir.py): a second run into a running job's folder is refused with the holder
+"""One run per job folder (runner/engine/jobdir.py): a second run into a running job's folder is refused with the holder
 named and writes nothing there, ``.hydra/`` included; a lock left by a killed run never blocks the rerun that
 resumes it; every train() call locks its folder."""
 
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, compose_cfg, run_cli
-from runner import REPO_ROOT, jobdir
+from runner import REPO_ROOT
+from runner.engine import jobdir
 from runner.errors import ConfigError
 
 
@@ -89,7 +90,7 @@ def test_train_refuses_a_folder_another_process_holds(tmp_path):
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     try:
         assert holder.stdout.readline().strip() == "held"
-        from runner.train import train
+        from runner.engine.train import train
 
         with pytest.raises(ConfigError, match=rf"the job folder {folder} is in use by another run: pid {holder.pid} "):
             train(compose_cfg(), job_dir=folder)

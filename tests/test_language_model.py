@@ -18,11 +18,13 @@ from torch import nn
 
 import runner
 from conftest import TINY_GPT, TINY_LOOP, compose_cfg, cuda_only, job_dirs, metrics_rows, read_summary, run_cli
-from runner import REPO_ROOT, gpt, hf, parallel, prepare, task as task_mod
+from runner import REPO_ROOT, task as task_mod
 from runner.data import text
+from runner.engine.train import train
 from runner.errors import ConfigError
-from runner.gpt import GPT, Block
-from runner.train import train
+from runner.models import gpt, hf
+from runner.models.gpt import GPT, Block
+from runner.techniques import parallel, prepare
 
 
 def run_lm(job_dir: Path, text_path: Path, *overrides: str) -> dict:
@@ -229,7 +231,7 @@ def test_task_and_data_must_match(tiny_text, tmp_path, overrides, message):
 
 
 def test_the_training_loop_never_names_a_loss():
-    source = (REPO_ROOT / "runner" / "train.py").read_text()
+    source = (REPO_ROOT / "runner" / "engine" / "train.py").read_text()
     assert "cross_entropy" not in source and "task.loss(" in source
 
 
@@ -443,8 +445,8 @@ def test_shakespeare_char_preset_through_the_cli(tiny_text, tmp_path):
 @pytest.mark.parametrize("layer", ["fast", "baseline"])
 def test_presets_compose_with_fast_and_baseline_on_top(preset, layer):
     cfg = compose_cfg(f"+experiment=[{preset},{layer}]", "trainer.device=cpu", tiny=False)
-    assert (cfg.task._target_, cfg.model._target_, cfg.data.name) == ("runner.task.LanguageModel", "runner.gpt.GPT",
-                                                                        "text")
+    assert (cfg.task._target_, cfg.model._target_, cfg.data.name) == ("runner.task.LanguageModel",
+                                                                        "runner.models.gpt.GPT", "text")
     assert cfg.dataloader.on_device == (layer == "fast")  # text is in memory: fast puts it on the device
     assert cfg.dataloader.batch_size == cfg.optimizer.base_batch_size == (12 if preset == "shakespeare_char" else 64)
 

@@ -1,12 +1,12 @@
-"""runner's import graph: arrows only point down (docs/design.md: tools -> the comparison service -> the engine
--> parts -> leaves).
+"""runner's import graph: the folders are the layers (docs/design.md: entry -> tools -> the comparison service ->
+the engine -> parts -> leaves), and arrows only point down.
 
 Every ``import`` of a runner module counts, including those inside function bodies (the ones that hid
 cycles before: prepare <-> distributed, ablation <-> report), read from the source with ``ast`` so nothing
 is imported here. Subpackages (``runner.data``, ``runner.tune``, ...) are walked too: a module is named by
 its dotted path, a package by its ``__init__``, and a relative import is resolved against its package. Cycles
-are looked for twice: between modules, and between the package's top-level units (a subpackage counted as one),
-where a cycle through three modules of three packages (report -> interleave -> ablation -> report, before
+are looked for twice: between modules, and between the package's top-level units (a folder of runner/ counted as
+one), where a cycle through three modules of three packages (report -> interleave -> ablation -> report, before
 runner/compare/) shows.
 """
 
@@ -17,20 +17,23 @@ from pathlib import Path
 
 from runner import PACKAGE_DIR
 
+#: The layers, top to bottom, each with its top-level units: a folder of runner/, or a module at its top. A unit
+#: imports units of its own layer or of a lower one only; a new folder or top-level module is placed here.
+LAYERS = {
+    "entry": {"__main__", "torchrun"},  # the command lines, which may import anything
+    "tools": {"sweeps", "tune", "report", "doctor", "evaluate", "export"},  # what a user runs on the engine
+    "service": {"compare"},  # the comparison service the tools share
+    "engine": {"engine"},
+    "parts": {"task", "data", "models", "techniques", "checkpoint", "measure", "track", "distributed"},
+    "leaves": {"config", "errors", "protocols", "objective", "trust", "launch"},
+}
 #: Modules that must import no other runner module (only torch and the standard library, or nothing); the contracts
 #: (``protocols``: Task, Tracker) too, so that every layer may name them without a cycle.
-LEAVES = {"runner.errors", "runner.hardware", "runner.protocols"}
+STANDALONE = {"runner.errors", "runner.measure.hardware", "runner.protocols"}
 #: The package's size rules (docs/design.md): a module past this many lines is split by concern, a function past
 #: this many lines by step.
 MAX_MODULE_LINES = 520
 MAX_FUNCTION_LINES = 80
-#: The tools: what a user runs on top of the engine. The engine never imports them.
-TOOLS = ("runner.ablation", "runner.interleaved", "runner.tune", "runner.doctor", "runner.report", "runner.evaluate",
-         "runner.export")
-#: The comparison service the tools share (runner/compare/): below every tool, above the engine.
-SERVICE = "runner.compare"
-#: The entry points, which may import anything.
-ENTRIES = ("runner.__main__", "runner.torchrun")
 
 
 def runner_modules(package_dir: Path = PACKAGE_DIR) -> dict[str, Path]:
@@ -74,7 +77,7 @@ def runner_imports(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
 
 def test_every_module_is_found_subpackages_included():
     modules = runner_modules()
-    assert {"runner", "runner.train", "runner.hardware"} <= set(modules)
+    assert {"runner", "runner.engine.train", "runner.measure.hardware"} <= set(modules)
     packages = {p.parent for p in PACKAGE_DIR.rglob("__init__.py")} - {PACKAGE_DIR}
     for package in packages:
         dotted = ".".join(package.relative_to(PACKAGE_DIR.parent).parts)
@@ -112,8 +115,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def unit(module: str) -> str:
-    """The top-level unit a module belongs to: ``runner.compare.stats`` -> ``runner.compare``, ``runner.train`` ->
-    itself; the package ``runner`` (its ``__init__``) is its own unit."""
+    """The top-level unit a module belongs to: ``runner.compare.stats`` -> ``runner.compare``, ``runner.engine.train``
+    -> itself; the package ``runner`` (its ``__init__``) is its own unit."""
     return ".".join(module.split(".")[:2])
 
 
@@ -136,7 +139,7 @@ def test_the_import_graph_has_no_cycle():
 
 def test_the_packages_import_each_other_without_a_cycle():
     graph = package_graph(runner_imports())
-    assert {"runner.compare", "runner.report", "runner.tune", "runner.ablation"} <= set(graph)
+    assert {"runner.compare", "runner.report", "runner.tune", "runner.sweeps"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "a cycle between packages: " + " -> ".join(cycle or [])
 
@@ -158,36 +161,34 @@ def test_a_cycle_between_packages_is_found_where_the_modules_have_none(tmp_path)
                                                 "runner.ablation"]
 
 
-def test_the_leaves_import_no_runner_module():
+def test_the_standalone_modules_import_no_runner_module():
     graph = runner_imports()
-    assert {leaf: graph[leaf] for leaf in LEAVES} == {leaf: set() for leaf in LEAVES}
+    assert {name: graph[name] for name in STANDALONE} == {name: set() for name in STANDALONE}
 
 
 def test_the_process_layer_knows_nothing_of_the_wrappers_and_prepare():
     graph = runner_imports()
-    assert "runner.parallel" not in graph["runner.distributed"] and "runner.prepare" not in graph["runner.distributed"]
-    assert "runner.prepare" not in graph["runner.parallel"]
+    assert not {"runner.techniques.parallel", "runner.techniques.prepare"} & graph["runner.distributed"]
+    assert "runner.techniques.prepare" not in graph["runner.techniques.parallel"]
 
 
-def test_every_unit_is_a_tool_the_service_an_entry_or_the_engine():
-    units = set(package_graph(runner_imports()))
-    named = set(TOOLS) | {SERVICE} | set(ENTRIES)
-    assert named <= units, named - units  # a tool renamed or gone: the lists above name it
-    engine = units - named
-    assert {"runner.train", "runner.data", "runner.task", "runner.measure", "runner.slice_gate"} <= engine
+def test_every_unit_is_in_one_layer():
+    units = {unit(name).removeprefix("runner.") for name in runner_modules() if name != "runner"}
+    placed = [u for layer in LAYERS.values() for u in layer]
+    assert len(placed) == len(set(placed)), "a unit in two layers"
+    assert units == set(placed), (units - set(placed), set(placed) - units)  # a new unit is placed, a gone one dropped
 
 
-def test_the_engine_never_imports_the_service_or_the_tools_built_on_it():
+def test_imports_only_point_down_the_layers():
     """The tools call the comparison service and the engine; the service calls the engine; the engine calls
-    neither. The report reads what the service measured and never imports a tool that writes it."""
+    neither; the parts never call the engine, and the leaves call no part. The report reads what the service
+    measured and never imports a tool that writes it."""
+    rank = {f"runner.{u}": i for i, layer in enumerate(LAYERS.values()) for u in layer}
     graph = package_graph(runner_imports())
-    above = set(TOOLS) | {SERVICE}
-    for name, deps in graph.items():
-        if name in above or name in ENTRIES:
-            continue
-        assert not deps & above, (name, deps & above)
-    assert not graph[SERVICE] & set(TOOLS), graph[SERVICE] & set(TOOLS)
-    assert not graph["runner.report"] & (set(TOOLS) - {"runner.report"}), graph["runner.report"]
+    up = {(name, dep) for name, deps in graph.items() for dep in deps if rank[dep] < rank[name]}
+    assert not up, f"imports that point up the layers: {sorted(up)}"
+    tools = {f"runner.{u}" for u in LAYERS["tools"]}
+    assert not graph["runner.report"] & tools, graph["runner.report"] & tools
 
 
 def test_no_function_is_too_long_to_read():

@@ -60,7 +60,7 @@ def same(logged: list[tuple[int, float]], rows: list[tuple[int, float]]) -> bool
 def mlflow_client(job: Path):
     from mlflow.tracking import MlflowClient
 
-    from runner.loggers import local_mlflow_uri
+    from runner.track.loggers import local_mlflow_uri
 
     return MlflowClient(tracking_uri=local_mlflow_uri(job))
 
@@ -78,7 +78,7 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 def test_the_logger_list_composes_into_one_node_per_logger():
-    from runner.logger_config import logger_names
+    from runner.config.logger import logger_names
 
     assert logger_names(compose_cfg("logger=wandb").logger) == ["wandb"]
     assert logger_names(compose_cfg("logger=none").logger) == []
@@ -90,7 +90,7 @@ def test_the_logger_list_composes_into_one_node_per_logger():
 
 
 def test_the_csv_logger_widens_its_header_and_drops_rows_after_a_resumed_checkpoint(tmp_path):
-    from runner.loggers import CSVLogger
+    from runner.track.loggers import CSVLogger
 
     path = tmp_path / "metrics.csv"
     log = CSVLogger(path)
@@ -320,7 +320,7 @@ def test_a_file_where_the_run_writes_a_folder_is_refused_before_anything_is_buil
     """``logger=tensorboard`` with a *file* named tensorboard in the job folder: one line, before the data and
     the model are built (it was a FileExistsError traceback after the model)."""
     from runner import models
-    from runner.train import train
+    from runner.engine.train import train
 
     folder = tmp_path / "job"
     folder.mkdir()

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from conftest import TINY_LOOP, compose_cfg
-from runner import machine_load, measure
+from runner import measure
+from runner.engine.train import train
+from runner.measure import machine_load
 from runner.track import print_summary
-from runner.train import train
 
 
 def tiny_mlp(*overrides: str):
@@ -99,7 +100,7 @@ def test_union_length_counts_overlaps_once():
 def test_the_window_counts_only_what_runs_between_resume_and_pause(monkeypatch):
     """Evaluation and checkpoint writes pause the window: its wall, CPU and page-fault figures sum the open
     spans only. Scripted clock readings, so the check does not depend on how fast this machine is."""
-    from runner.machine_load import LoadWindow
+    from runner.measure.machine_load import LoadWindow
 
     # (wall s, CPU s, (on-CPU ns, run-queue wait ns), (steal, ticks), children's CPU s, minor page faults)
     readings = iter([(10.0, 1.0, (0, 0), (0, 0), 0.0, 100),  # start

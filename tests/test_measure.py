@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from conftest import compose_cfg, metrics_rows
-from runner import data as data_mod, hardware, measure, task as task_mod
-from runner.train import train
+from runner import data as data_mod, measure, task as task_mod
+from runner.engine.train import train
+from runner.measure import hardware
 
 ROW_KEYS = {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_sec", "step_time_ms", "data_wait_ms",
             "peak_memory_mb"}

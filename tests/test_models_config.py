@@ -21,8 +21,8 @@ from torch import nn
 
 from conftest import compose_cfg, run_cli
 from runner import models
+from runner.engine.train import train
 from runner.errors import ConfigError
-from runner.train import train
 
 EXAMPLE = torch.randn(3, 16, 16)  # one input item of TINY's synthetic data
 

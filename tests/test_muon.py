@@ -1,4 +1,4 @@
-"""``optimizer=muon``: Muon for the hidden matrices, AdamW for the rest, in one ``timm.optim.Muon`` (runner/optim.py).
+"""``optimizer=muon``: Muon for the hidden matrices, AdamW for the rest, in one ``timm.optim.Muon`` (techniques.optim).
 
 The split on runner's real models (GPT with its tied head, the CNN, the MLP, ResNet-18), one update against
 ``torch.optim.Muon`` and ``torch.optim.AdamW`` on the same tensors, the orthogonalized update, a run through the engine
@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from conftest import TINY_GPT, compose_cfg
-from runner import models, optim
+from runner import models
 from runner.errors import ConfigError
-from runner.gpt import GPT
+from runner.models.gpt import GPT
+from runner.techniques import optim
 
 
 def muon_cfg(*overrides: str):
@@ -134,7 +135,7 @@ def test_one_step_equals_torch_muon_on_the_matrix_and_torch_adamw_on_the_rest():
 
 @pytest.mark.slow  # ~15 s on 2 busy cores; test_techniques trains muon 2 steps in the quick suite
 def test_training_with_muon_through_the_engine_lowers_the_loss(tmp_path, tiny_text):
-    from runner.train import train
+    from runner.engine.train import train
 
     cfg = compose_cfg(*TINY_GPT, f"data.path={tiny_text}", "optimizer=muon", "optimizer.impl=foreach",
                       "optimizer.clip_grad_norm=1.0", "optimizer.decay_all=false",
@@ -155,7 +156,7 @@ def test_training_with_muon_through_the_engine_lowers_the_loss(tmp_path, tiny_te
     ("optimizer.momentum=1", "optimizer.momentum=1.0 must be in [0, 1)"),
 ])
 def test_bad_muon_settings_stop_with_one_clear_error_before_anything_is_written(tmp_path, override, message):
-    from runner.train import train
+    from runner.engine.train import train
 
     with pytest.raises(ConfigError) as caught:
         train(compose_cfg("optimizer=muon", "model=mlp", override), job_dir=tmp_path)

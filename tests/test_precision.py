@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import ONE_THREAD, compose_cfg, cuda_only, run_tiny
-from runner import hardware, precision
 from runner.errors import ConfigError
+from runner.measure import hardware
+from runner.techniques import precision
 
 
 def run_precision(job_dir, *overrides):

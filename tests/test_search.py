@@ -35,11 +35,11 @@ def test_python_m_runner_returns_the_named_metric(monkeypatch):
     """The Hydra task function's return value is the summary figure ``optimized_metric`` names (samples/s when
     null): what Hydra hands a sweeper."""
     import runner.__main__ as cli
-    import runner.train
+    import runner.engine.train
 
     summary = {"samples_per_sec": 123.0, "eval_loss": 0.25, "eval_accuracy": 0.9, "time_to_target_s": None,
                "train_time_s": 7.0, "steps": 10, "global_batch_size": 16}
-    monkeypatch.setattr(runner.train, "train", lambda cfg: summary)
+    monkeypatch.setattr(runner.engine.train, "train", lambda cfg: summary)
     assert cli._train(compose_cfg("trainer.doctor=false")) == 123.0
     assert cli._train(compose_cfg("trainer.doctor=false", "optimized_metric=eval_loss")) == 0.25
     assert cli._train(compose_cfg("trainer.doctor=false", "optimized_metric=eval_accuracy")) == 0.9

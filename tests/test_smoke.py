@@ -1,7 +1,7 @@
 """The engine end to end on a tiny synthetic job, in process."""
 
 from conftest import compose_cfg
-from runner.train import train
+from runner.engine.train import train
 
 SUMMARY_KEYS = {
     "samples_per_sec", "step_time_ms_median", "step_time_ms_p90", "data_wait_fraction", "peak_memory_mb",

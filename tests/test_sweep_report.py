@@ -114,7 +114,7 @@ def test_jobs_measured_on_a_busy_machine_are_flagged_in_the_report_and_on_the_co
     quiet = report(sweep)
     assert quiet.returncode == 0 and "warning" not in quiet.stderr + quiet.stdout
     assert "**Warning:**" not in (sweep / "report.md").read_text()
-    summary = sweep / "1" / "summary.json"  # as runner.machine_load.load_warnings words it
+    summary = sweep / "1" / "summary.json"  # as runner.measure.machine_load.load_warnings words it
     busy = "runner's threads waited for a CPU 40% of their run time (other processes competed for the cores)"
     summary.write_text(json.dumps(json.loads(summary.read_text()) | {"warnings": [busy]}))
     done = report(sweep)

@@ -18,12 +18,12 @@ import torch
 
 from conftest import TINY_LOOP, compose_cfg, job_dirs, metrics_rows, read_summary, run_cli
 from runner import REPO_ROOT, data as data_mod, protocols, task as task_mod
-from runner.build import Parts
 from runner.distributed import Env, setup
+from runner.engine.build import Parts
+from runner.engine.train import train
 from runner.errors import ConfigError
 from runner.models import MLP
 from runner.track import NullTracker, Tracker
-from runner.train import train
 from runner.tune.guard import LossRecorder
 from runner.tune.lr import RangeRecorder
 

@@ -1,4 +1,4 @@
-"""runner/techniques.py is the one place a technique is named: the ablation's variants, the speed tuner's
+"""runner/techniques/ is the one place a technique is named: the ablation's variants, the speed tuner's
 candidates, the doctor's suggestions, the task's image-only skips and the README's switch table are checked
 against it here (or read from it), so a technique renamed or switched differently in one place fails."""
 
@@ -41,7 +41,7 @@ def test_every_ablation_variant_switches_its_technique_as_the_table_says(variant
     if named in NOT_ONE_TECHNIQUE:
         return
     technique = by_variant(named)
-    assert technique is not None, f"{variant}: ablation.technique={named} is not a technique of runner/techniques.py"
+    assert technique is not None, f"{variant}: ablation.technique={named} is not a technique of runner/techniques/"
     if cfg.ablation.kind == "leave-one-in":
         assert technique.is_on(cfg) and not technique.is_on(variant_cfg("baseline")), variant
     else:

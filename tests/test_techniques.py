@@ -19,9 +19,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import ONE_THREAD, compose_cfg, cuda_only, metrics_rows, run_tiny
-from runner import data as data_mod, debug, hardware, models, optim, precision, prepare, schedule
+from runner import data as data_mod, models
 from runner.errors import ConfigError
+from runner.measure import hardware
 from runner.task import evaluation_sums
+from runner.techniques import debug, optim, precision, prepare, schedule
 from technique_helpers import SharedConv, TinyMLP, Untraceable
 
 # ------------------------------------------------------------------------------------------ defaults
@@ -279,7 +281,7 @@ def test_log_every_controls_the_host_device_syncs(tmp_path, monkeypatch, log_eve
 
     def counting(read):
         def counted(self):
-            if sys._getframe(1).f_code.co_filename.endswith("runner/train.py"):
+            if sys._getframe(1).f_code.co_filename.endswith("runner/engine/train.py"):
                 syncs.append(1)
             return read(self)
         return counted
@@ -510,7 +512,7 @@ def compiled(module: nn.Module) -> bool:
 
 
 def test_regional_compile_compiles_each_block_and_not_the_model():
-    from runner.gpt import GPT
+    from runner.models.gpt import GPT
 
     gpt = GPT(32, block_size=16, n_layer=3, n_head=2, n_embd=32)
     cfg = compose_cfg("compile=default", "compile.regional=true").compile
@@ -530,7 +532,7 @@ def test_regional_compile_compiles_each_block_and_not_the_model():
 
 
 def test_regional_compile_wraps_checkpointed_blocks_and_falls_back_to_the_whole_model():
-    from runner.gpt import GPT
+    from runner.models.gpt import GPT
 
     gpt = GPT(32, block_size=16, n_layer=2, n_head=2, n_embd=32)
     prepare.apply_activation_checkpointing(gpt, None)

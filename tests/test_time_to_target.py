@@ -17,8 +17,8 @@ import pytest
 from conftest import compose_cfg
 from runner import compare
 from runner.compare import convergence as cv, stats
-from runner.state import SharedState, TrainState
-from runner.train import train
+from runner.engine.state import SharedState, TrainState
+from runner.engine.train import train
 
 ALPHA = 0.05
 

@@ -18,8 +18,8 @@ from conftest import SHARED_DATA, TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, me
 from runner import data as data_mod
 from runner.data import text, tokens
 from runner.distributed import Env
+from runner.engine.train import train
 from runner.errors import ConfigError
-from runner.train import train
 
 #: TINY_GPT on token files: the same 2-layer GPT, windows of 16 tokens, 20 sampled tokens.
 TINY_TOKENS = [o if o != "data=text" else "data=tokens" for o in TINY_GPT]

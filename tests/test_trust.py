@@ -65,13 +65,13 @@ def test_a_pickle_planted_as_a_state_item_is_refused_and_never_runs(tmp_path):
 
 
 def test_the_training_state_round_trips_as_json_and_tensors(tmp_path):
-    """What runner saves of its own (``runner.state``) loads through the safe planner: no pickle needed."""
+    """What runner saves of its own (``runner.engine.state``) loads through the safe planner: no pickle needed."""
     import math
     import random
 
     import numpy as np
 
-    from runner.state import PerRankState, SharedState, TrainState
+    from runner.engine.state import PerRankState, SharedState, TrainState
 
     state = TrainState(step=7, eval={"eval_loss": 1.5, "eval_accuracy": None}, loss_sum=torch.tensor(3.25),
                        last_finite=(6, 0.5), train_loss=math.nan)
@@ -319,7 +319,7 @@ def test_the_policy_admits_runners_own_targets_and_no_path_around_them():
     from runner import trust
 
     policy = trust.Policy.make(environ={})
-    for target in ("runner.models.MnistCNN", "runner.models.MLP", "runner.gpt.GPT", "runner.hf.causal_lm",
+    for target in ("runner.models.MnistCNN", "runner.models.MLP", "runner.models.gpt.GPT", "runner.models.hf.causal_lm",
                    "runner.task.Classification", "torchvision.models.resnet18", "torch.optim.SGD", "torch.nn.Linear",
                    "timm.optim.Lamb", "transformers.GPT2LMHeadModel", "transformers.GPT2Config"):
         trust.check_target("model._target_", target, policy, "config.yaml")

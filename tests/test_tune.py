@@ -83,7 +83,7 @@ def test_batch_size_recovers_from_out_of_memory(tmp_path, capsys):
 def test_batch_size_trials_on_a_busy_machine_say_so(tmp_path, capsys):
     """Busy loops on every core while the tuner measures: each trial records the machine-load warnings a
     run's summary would, and the tuner warns (console, notes) instead of recommending silently."""
-    from runner import hardware
+    from runner.measure import hardware
 
     if hardware.thread_schedule_ns() is None:
         pytest.skip("no /proc/self/task/*/schedstat: run-queue wait is Linux-only")
@@ -118,7 +118,8 @@ def test_batch_size_refuses_a_job_that_does_not_fit_at_the_smallest_size(tmp_pat
 
 
 def test_lr_range_test_restores_the_weights(tmp_path):
-    from runner import distributed, train as engine
+    from runner import distributed
+    from runner.engine import train as engine
 
     cfg = compose_cfg()
     env = distributed.setup(cfg.distributed, cfg.trainer.device)

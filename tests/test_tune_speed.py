@@ -37,7 +37,7 @@ def test_candidates_follow_the_job_and_the_hardware(tmp_path):
     text.write_text("To be, or not to be, that is the question.\n" * 40)
     lm, _ = speed.switches(compose_cfg(*TINY_GPT, f"data.path={text}", "optimizer.set_to_none=false"), cpu)
     assert "channels_last" not in names(lm) and "set_to_none" in names(lm)  # an image technique; off in this job
-    from runner import hardware
+    from runner.measure import hardware
 
     if hardware.cpu_has_native_bf16():  # bf16, and bf16 with the GPT's attention in fp32: one precision each
         by_lm = {s.name: s for s in lm}
@@ -213,7 +213,7 @@ def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
     import torch
 
     from conftest import run_tiny
-    from runner import prepare
+    from runner.techniques import prepare
 
     summary = run_tiny(tmp_path / "one", "trainer.num_threads=1")
     assert summary["techniques"]["num_threads"] == "applied" and torch.get_num_threads() == 1

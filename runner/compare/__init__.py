@@ -24,7 +24,7 @@ interval, censored seeds counted) and the samples/s ratio measured here; ``time_
     seeds = {name: compare.read_seeds(folders) for name, folders in runs.items()}   # one folder per seed
     compare.time_to_target(seeds["bf16"], seeds["mine"], result.intervals["bf16"])   # TargetRatio(estimate=0.78, ...)
 
-Clients: the Hydra launcher ``hydra/launcher=interleaved`` (runner/interleaved.py: any sweep, and the ablation),
+Clients: the Hydra launcher ``hydra/launcher=interleaved`` (runner/sweeps/interleaved.py: any sweep, and the ablation),
 the speed tuner's rounds (runner/tune/rounds.py) and ``python -m runner.doctor <job> --verify``; the reports read
 the record (runner/report/).
 
@@ -158,7 +158,7 @@ def measured_job(cfg: DictConfig) -> DictConfig:
     """``cfg`` resolved and made a measured job: it trains until told to finish (no step limit, no evaluation but
     one batch at the end, no checkpoint, no logger, no samples, no doctor, no early stop, no targets, no metric
     for a search to optimize)."""
-    from runner.logger_config import LOGGERS
+    from runner.config.logger import LOGGERS
 
     out = copy.deepcopy(cfg)
     OmegaConf.resolve(out)

@@ -1,6 +1,6 @@
 """One measured job: a resident process, forked from the job server, that trains when told and reports.
 
-The job side is the engine's pause point (runner/slice_gate.py): after its warm-up the job reports (its step,
+The job side is the engine's pause point (runner/engine/slice_gate.py): after its warm-up the job reports (its step,
 its training time so far, its footprint and the free memory) and waits on a pipe; ``{"steps": n}`` lets it
 train ``n`` steps and report again, ``{"steps": 0}`` makes it finish (one last step, the final evaluation,
 ``summary.json``). This module is the other end: ``Job.spawn``, ``Job.start`` (spawn and warm up),
@@ -42,7 +42,7 @@ def job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str |
     _output_to(Path(job_dir) / LOG)
     import torch
 
-    from runner.slice_gate import SliceGate
+    from runner.engine.slice_gate import SliceGate
 
     try:
         server.train_in_child(cfg, job_dir, env, start_method, gate=SliceGate(connection))
@@ -131,7 +131,7 @@ class Job:
         """Fork the process from the job server (rendezvous at ``port`` under torchrun) and wait for its first
         message; writes ``job.json`` (its start and setup time, for the report); False when it ended on the way."""
         from runner.compare.ranks import job_env
-        from runner.hardware import SWEEP_ROOT_ENV  # the others on the GPU that are this comparison's own
+        from runner.measure.hardware import SWEEP_ROOT_ENV  # the others on the GPU that are this comparison's own
 
         ctx = server.context()
         mine, theirs = ctx.Pipe()

@@ -17,7 +17,7 @@ broadcast over the conductors' process group (gloo):
 
 The other conductors never decide anything, so the ranks agree on every decision by construction; a job's
 figures are its rank 0's (the slice ends when the slowest rank has done its steps: DDP's all-reduce waits).
-Inside each job, ``runner.slice_gate`` also broadcasts rank 0's command to the job's ranks.
+Inside each job, ``runner.engine.slice_gate`` also broadcasts rank 0's command to the job's ranks.
 """
 
 from __future__ import annotations

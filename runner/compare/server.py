@@ -29,7 +29,7 @@ from runner.errors import ConfigError
 
 #: What the server imports once, before it forks any job (importing them runs no torch op and starts no thread).
 #: torch._dynamo is imported lazily by the FLOP count of every job: ~2.5 s each on 2 cores.
-SERVER_PRELOAD = ["torch._dynamo", "runner.train", "runner.compare.process"]
+SERVER_PRELOAD = ["torch._dynamo", "runner.engine.train", "runner.compare.process"]
 #: The longest path a Unix socket may have on Linux (``sun_path`` holds 108 bytes with the final NUL)
 UNIX_SOCKET_PATH_MAX = 107
 
@@ -78,9 +78,9 @@ def start() -> float:
 
 def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_method: str | None = None,
                    gate: Any = None) -> None:
-    """The body of a forked job: train ``cfg`` into ``job_dir`` (paused at ``gate``, a ``runner.slice_gate.SliceGate``,
-    when given); bad input exits 2 and a loss that is not finite 3, each with its one ``error:`` line, like
-    ``python -m runner``.
+    """The body of a forked job: train ``cfg`` into ``job_dir`` (paused at ``gate``, a
+    ``runner.engine.slice_gate.SliceGate``, when given); bad input exits 2 and a loss that is not finite 3, each with
+    its one ``error:`` line, like ``python -m runner``.
 
     ``start_method``: the parent's ``multiprocessing`` start method. A child of the forkserver would otherwise
     start its own processes (DataLoader workers) by forkserver too, unlike ``python -m runner`` (fork on Linux
@@ -88,8 +88,8 @@ def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_met
     os.environ.update(env)
     if start_method:
         multiprocessing.set_start_method(start_method, force=True)
+    from runner.engine.train import train
     from runner.errors import TrainingDiverged
-    from runner.train import train
 
     try:
         train(cfg, Path(job_dir), gate=gate)

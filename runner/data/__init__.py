@@ -6,8 +6,7 @@ image sets ``x`` is a float32 batch of shape ``(B, C, H, W)`` (normalized when `
 ``data=custom`` it is the batch of whatever the user's items hold, ``(B, *S)``, and ``y`` the batch of their targets
 (what the task's ``check_target`` accepted: int64 ``(B,)`` class indices, float ``(B,)`` or ``(B, k)`` values); for
 ``data=text``/``tokens`` ``x`` and ``y`` are int64 token windows ``(B, block_size)``; otherwise ``y`` is an int64
-``(B,)``. The host->device
-copy happens inside the iterable, so the engine's data-wait figure includes it.
+``(B,)``. The host->device copy happens inside the iterable, so the engine's data-wait figure includes it.
 
 Where each concern lives:
 

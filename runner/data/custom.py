@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset, default_collate
 
-from runner import targets
+from runner.config import targets
 from runner.data.source import Source
 from runner.errors import ConfigError
 

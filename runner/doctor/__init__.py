@@ -10,7 +10,7 @@ summary into ``Finding``s, each a category with its evidence in figures and rank
 suggestion is printed as a command to paste: ``python -m runner <the job's overrides> <the suggestion>``.
 The categories, in the order they are checked:
 
-- **untrustworthy**: the run's machine-load warnings (``runner.machine_load.load_warnings``): on a CPU whose
+- **untrustworthy**: the run's machine-load warnings (``runner.measure.machine_load.load_warnings``): on a CPU whose
   free cores were fewer than runner's threads, ``trainer.num_threads`` at the free cores; rerun on a quiet
   machine before trusting any figure below;
 - **not measured**: every step was warm-up;

@@ -159,12 +159,12 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
 
 def _busy_machine(summary: dict[str, Any], device: str) -> list[Suggestion]:
     """What helps a run measured on a busy machine: on a CPU where runner's threads outnumbered the cores the
-    other processes left free, ``trainer.num_threads`` at that count (``runner.machine_load.threads_that_fit``,
+    other processes left free, ``trainer.num_threads`` at that count (``runner.measure.machine_load.threads_that_fit``,
     as the run's warning says); always, a rerun on a quiet machine."""
     rerun = Suggestion([], "rerun the same command on a quiet machine: until then the findings below may be noise")
     if device != "cpu" or not summary.get("machine_load"):
         return [rerun]
-    from runner.machine_load import threads_that_fit  # imports torch: only for a run measured on a busy CPU
+    from runner.measure.machine_load import threads_that_fit  # imports torch: only for a run measured on a busy CPU
 
     fit = threads_that_fit(summary["machine_load"])
     if fit is None:
@@ -303,7 +303,7 @@ def _gradient_spikes(config: dict[str, Any], metrics: list[dict[str, Any]]) -> F
 
 
 def _memory_bound(config: dict[str, Any], peak: float, limit: float, cuda: bool) -> Finding:
-    from runner.hardware import cpu_has_native_bf16
+    from runner.measure.hardware import cpu_has_native_bf16
 
     sugg = []
     if _get(config, "precision.name") in ("fp32", "tf32") and (cuda or cpu_has_native_bf16()):

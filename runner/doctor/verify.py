@@ -91,7 +91,7 @@ def verify(job: Job, findings: list[Finding], steps: int | None = None, repeats:
     from omegaconf import OmegaConf
 
     from runner import compare
-    from runner.tool_config import InterleaveConfig
+    from runner.config.tools import InterleaveConfig
 
     _check_options(job, steps, repeats, minutes, top)
     trials = verify_plan(job, findings, top)

@@ -22,7 +22,7 @@ Where each concern lives:
 - ``end``: what a plain multirun prints at its end (its table and the report command; a Hydra callback);
 - ``__main__``: the command line.
 
-This package reads what runner/compare/ measured and never imports a tool (runner/ablation.py imports it).
+This package reads what runner/compare/ measured and never imports a tool (runner/sweeps/ablation.py imports it).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def _notes(rows: list[Variant], throughput: Path | None) -> list[str]:
     waiting = [v.name for v in rows if v.verdict == NEEDS_THROUGHPUT]
     if waiting:
         lines += [f"**Throughput not measured** for {', '.join(waiting)}: a technique that changes what a step "
-                  f"costs (runner/techniques.py `step_cost`), so the time to target needs its samples/s against the "
+                  f"costs (runner/techniques/ `step_cost`), so the time to target needs its samples/s against the "
                   f"baseline's, measured interleaved: `python -m runner -m +experiment=ablation "
                   f"ablation/variant={REFERENCE},{','.join(waiting)} <this job's overrides>`, then `python -m "
                   f"runner.report <this sweep> --throughput <that sweep>`.", ""]

@@ -232,7 +232,7 @@ def load_record(sweep: Path) -> dict[str, Any]:
         from omegaconf import OmegaConf
 
         record["command"] = sweep_command(OmegaConf.load(multirun).hydra)
-    from runner.hardware import describe_machine  # imports torch: only when the record must be rebuilt
+    from runner.measure.hardware import describe_machine  # imports torch: only when the record must be rebuilt
 
     record["machine"] = describe_machine()
     record["machine_note"] = "the machine this report was made on (the sweep folder has no ablation.json)"

@@ -1,7 +1,7 @@
 """An ablation sweep's rows: one per configuration, compared with its reference, with a verdict and a rank.
 
 Figures (units in the names): ``samples_per_sec`` is samples of the measured steps / their wall time
-(warm-up steps excluded, runner/measure.py). Speed-up = a configuration against the baseline. *Effect* = what
+(warm-up steps excluded, runner/measure/). Speed-up = a configuration against the baseline. *Effect* = what
 the row's technique buys, as a factor (>1: faster with it): the configuration ÷ the baseline when it is switched
 on alone (leave-one-in), the fast preset ÷ the configuration when it is switched off in the fast preset
 (leave-one-out). ``build_rows`` groups the jobs and fills the figures, each configuration's point speed-up (its

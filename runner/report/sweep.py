@@ -327,7 +327,7 @@ def sweep_wall_time(sweep: Path, jobs: list[SweepJob]) -> float | None:
 
 def load_warning(jobs: list[SweepJob]) -> str | None:
     """One sentence when jobs recorded a busy machine while they measured (their summary.json ``warnings``,
-    ``runner.machine_load.load_warnings``), as each run's console and the ablation report say; else None."""
+    ``runner.measure.machine_load.load_warnings``), as each run's console and the ablation report say; else None."""
     measured = [j for j in jobs if j.samples_per_sec]
     busy = [j for j in measured if (j.summary or {}).get("warnings")]
     if not busy:

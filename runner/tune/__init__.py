@@ -6,8 +6,8 @@
     python -m runner.tune speed [overrides]        # the fastest combination of speed switches, verified
 
 The overrides are ``python -m runner``'s: the config is composed by the same ``@hydra.main`` (same search
-path, ``--config-dir``, presets), and every configuration is built by the engine's own ``runner.train.build``
-(data, model, techniques, optimizer with its LR scaling, precision) and trained by its own ``runner.train.fit``
+path, ``--config-dir``, presets), and every configuration is built by the engine's own ``runner.engine.train.build``
+(data, model, techniques, optimizer with its LR scaling, precision) and trained by its own ``runner.engine.train.fit``
 (so data wait, step time and the loss are measured exactly as in a run). Only the run's length, the
 tracker (no W&B, no console rows), the checkpointer (never saves) and, for ``lr``, the LR schedule are
 swapped. ``debug`` (anomaly detection, the profiler) is not applied while tuning.
@@ -15,7 +15,7 @@ swapped. ``debug`` (anomaly detection, the profiler) is not applied while tuning
 Outputs go to ``outputs/tune/<tuner>/<date>_<time>/`` (or ``--out DIR``): ``<tuner>.csv`` (the measurements),
 ``<tuner>.md`` (table, recommendation, notes), ``<tuner>.png`` and ``<tuner>.json`` (all of it, with the
 recommendation each rank computed), plus Hydra's ``.hydra/``. At the end the table and a ready override
-line are printed. ``tune.*`` (runner/config.py ``TuneConfig``) holds the tuners' settings.
+line are printed. ``tune.*`` (runner/config/ ``TuneConfig``) holds the tuners' settings.
 
 Under torchrun every rank builds and trains each configuration, the figures are reduced over the ranks
 (slowest rank's time, largest peak memory, the all-reduced mean loss), so each rank takes the same
@@ -69,7 +69,7 @@ def run(kind: str, cfg: DictConfig, out: Path) -> dict[str, Any]:
     result: ``recommended``, ``override``, ``rows``, ``notes``, ``ranks``: each rank's recommendation).
 
     Raises:
-        ConfigError: an unknown tuner, bad ``tune.*`` values, bad run config (``runner.validate.validate`` and
+        ConfigError: an unknown tuner, bad ``tune.*`` values, bad run config (``runner.engine.validate.validate`` and
             the builders), or nothing to recommend (the job does not fit at the smallest batch size, ...).
         RuntimeError: the ranks' recommendations differ (a bug: they decide on the same reduced figures).
     """

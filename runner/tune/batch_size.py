@@ -2,7 +2,7 @@
 
 Powers of two from ``tune.start_batch_size``, then a binary search between the last good size and the
 first bad or slower one; each size is a fresh trial of the run (``harness.measure_config``). Memory is
-measured by ``runner.measure.peak_memory_mb`` and judged against ``runner.hardware.memory_limit_mb``.
+measured by ``runner.measure.peak_memory_mb`` and judged against ``runner.measure.hardware.memory_limit_mb``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from runner.tune.harness import Tuner, fmt, measure_config, pyplot, say, trial_s
 
 def memory_budget_mb(env, fraction: float) -> tuple[float | None, str]:
     """``(limit in MiB, what it is)`` a trial's peak memory must stay under: ``fraction`` of
-    ``runner.hardware.memory_limit_mb`` (the GPU's memory on CUDA; on a CPU the host memory this process may
+    ``runner.measure.hardware.memory_limit_mb`` (the GPU's memory on CUDA; on a CPU the host memory this process may
     use, shared by this node's processes: world size / nodes under torchrun). ``(None, why)`` where the
     machine's memory is unknown: then only an out-of-memory error stops the search."""
-    from runner import hardware
+    from runner.measure import hardware
 
     total = hardware.memory_limit_mb(env.device)
     if env.device.type == "cuda":
@@ -35,8 +35,8 @@ def memory_budget_mb(env, fraction: float) -> tuple[float | None, str]:
 
 
 def _lr_note(cfg: DictConfig, micro_batch: int, world_size: int) -> tuple[str, float]:
-    """How ``optimizer.lr_scaling`` sets the LR at ``micro_batch`` (runner.optim.scaled_lr, technique 3)."""
-    from runner import optim
+    """How ``optimizer.lr_scaling`` sets the LR at ``micro_batch`` (runner.techniques.optim.scaled_lr, technique 3)."""
+    from runner.techniques import optim
 
     o = cfg.optimizer
     global_batch = global_batch_size(micro_batch, cfg.memory.accumulate_steps, world_size)

@@ -36,7 +36,7 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[fl
     ``""``, ``"out of memory"`` (then None) or ``"loss not finite"``."""
     import torch
 
-    from runner import build as builder, train as engine
+    from runner.engine import build as builder, train as engine
     from runner.errors import TrainingDiverged
 
     if cfg.compile.mode is not None:

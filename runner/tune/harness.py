@@ -23,8 +23,8 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import global_batch_size
+from runner.config.logger import LOGGERS
 from runner.errors import ConfigError
-from runner.logger_config import LOGGERS
 
 GUARD_MIN_STEPS = 5  # tune.guard_steps: at least one step per window of the speed tuner's guard
 NO_PROFILER = types.SimpleNamespace(step=lambda: None)  # fit() steps a profiler; tuning runs none
@@ -199,8 +199,9 @@ def for_tuning(parts, steps: int, warmup: int, log_every: int, **replace: Any):
 def loader_seconds(parts, warmup: int, batches: int) -> float:
     """Seconds to draw ``batches`` batches from the run's training loader alone (host->device copy included,
     epochs cycled as in training), after ``warmup`` batches (workers starting) left out."""
-    from runner import measure, train as engine
-    from runner.state import TrainState
+    from runner import measure
+    from runner.engine import train as engine
+    from runner.engine.state import TrainState
 
     it = engine.batches(parts.data.train, TrainState())
     for _ in range(warmup):
@@ -222,7 +223,7 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     and ``data_wait_fraction`` (the engine's meter, slowest rank), ``peak_memory_mb`` (MiB, largest over
     ranks: ``runner.measure.peak_memory_mb`` from after the build to the end of the steps, so it covers
     model, optimizer state, activations and the loader's batches; DataLoader worker processes are not
-    counted), ``train_samples`` (per rank), ``load_warnings`` (``runner.machine_load.load_warnings`` over the
+    counted), ``train_samples`` (per rank), ``load_warnings`` (``runner.measure.machine_load.load_warnings`` over the
     measured steps, joined with "; ": why this trial's figures cannot be trusted; empty when none). With
     ``loader_batches``, also ``loader_batches_per_sec``: the training loader alone (``loader_seconds``), slowest rank.
 
@@ -233,8 +234,10 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     """
     import torch
 
-    from runner import build as builder, machine_load, measure, train as engine
+    from runner import measure
+    from runner.engine import build as builder, train as engine
     from runner.errors import TrainingDiverged
+    from runner.measure import machine_load
 
     if cfg.compile.mode is not None:
         torch._dynamo.reset()  # each configuration compiles afresh (and no recompile limit is reached)
@@ -403,12 +406,13 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
     ``device``, ``world_size``, ``tune_time_s`` in seconds, ``ranks``: each rank's recommendation).
 
     Raises:
-        ConfigError: bad ``tune.*`` values, bad run config (``runner.validate.validate`` and the builders), or
+        ConfigError: bad ``tune.*`` values, bad run config (``runner.engine.validate.validate`` and the builders), or
             nothing to recommend (the job does not fit at the smallest batch size, ...).
         RuntimeError: the ranks' recommendations differ (a bug: they decide on the same reduced figures).
     """
-    from runner import distributed, hardware
-    from runner.validate import validate
+    from runner import distributed
+    from runner.engine.validate import validate
+    from runner.measure import hardware
 
     validate(cfg)
     check_settings(cfg.tune)

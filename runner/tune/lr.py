@@ -133,9 +133,10 @@ def lr_range_test(parts, min_lr: float, max_lr: float, steps: int, smoothing: fl
     import torch
     from torch.optim.lr_scheduler import LambdaLR
 
-    from runner import checkpoint, train as engine
+    from runner import checkpoint
+    from runner.engine import train as engine
+    from runner.engine.state import TrainState
     from runner.errors import TrainingDiverged
-    from runner.state import TrainState
 
     model, optimizer, scaler = parts.model, parts.optimizer, parts.amp.scaler
     saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -190,7 +191,8 @@ def tune_lr(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     Raises:
         ConfigError: the range test has too few usable points (``lr_range_test``), or the run's config is bad.
     """
-    from runner import build as builder, optim
+    from runner.engine import build as builder
+    from runner.techniques import optim
 
     t = cfg.tune
     parts, _ = builder.build_parts(with_overrides(cfg), env, job_dir)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 from runner.techniques import TECHNIQUES
 
-#: Candidates that are not one technique of runner/techniques.py: a combination (bf16 with the attention in fp32),
+#: Candidates that are not one technique of runner/techniques/: a combination (bf16 with the attention in fp32),
 #: a setting of the machine (half the threads), recipe changes (a larger micro-batch with the LR scaled)
 TUNER_ONLY = ("bf16_upcast_attention", "half_threads", "batch_x2", "batch_x4")
 
@@ -36,7 +36,7 @@ class Switch:
 
     @classmethod
     def of(cls, name: str) -> "Switch":
-        """The technique ``name`` of runner/techniques.py as a candidate: its changes (this machine's values), group
+        """The technique ``name`` of runner/techniques/ as a candidate: its changes (this machine's values), group
         and whether it changes the arithmetic."""
         t = TECHNIQUES[name]
         return cls(t.name, t.changes(), t.group, arithmetic=t.arithmetic)
@@ -122,7 +122,7 @@ def _data(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
 def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     import torch
 
-    from runner import hardware
+    from runner.measure import hardware
 
     cuda = device.type == "cuda"
     precision = cfg.precision.name
@@ -130,12 +130,12 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     fp32 = precision in ("fp32", "tf32")
     no_bf16 = "your precision is already reduced" if not fp32 else "this device has no native bf16"
     offer(Switch.of("bf16"), fp32 and bf16, no_bf16)
-    # bf16 with the attention kept in fp32 (runner.gpt.GPT's upcast_attention): on a CPU, torch's bf16
+    # bf16 with the attention kept in fp32 (runner.models.gpt.GPT's upcast_attention): on a CPU, torch's bf16
     # flash-attention backward is several times slower than fp32's at small shapes, enough to make bf16 lose
     upcast = OmegaConf.select(cfg, "model.upcast_attention")
     offer(Switch("bf16_upcast_attention", {"precision.name": "bf16", "model.upcast_attention": True}, "precision"),
           fp32 and bf16 and upcast is not None and not cuda,
-          no_bf16 if not (fp32 and bf16) else "the model has no upcast_attention switch (runner.gpt.GPT has)"
+          no_bf16 if not (fp32 and bf16) else "the model has no upcast_attention switch (runner.models.gpt.GPT has)"
           if upcast is None else "on CUDA, flash attention runs in bf16 itself; fp32 would leave it")
     offer(Switch.of("amp"), fp32 and cuda,
           "fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)")
@@ -151,7 +151,7 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
 def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
     import torch
 
-    from runner import hardware
+    from runner.measure import hardware
 
     offer(Switch.of("channels_last"), image, "an image technique; the inputs are token ids")
     offer(Switch.of("cudnn_benchmark"), image and cuda,

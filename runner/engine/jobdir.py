@@ -1,0 +1,336 @@
+"""One run per job folder: an OS file lock, held for the run's life, and the folder's paths checked before anything
+is built.
+
+Two runs started into one ``hydra.run.dir`` would both write the folder's files, and a run with another config
+rewrites ``.hydra/config.yaml`` (which evaluate, export and the doctor rebuild from) before the engine refuses it.
+So a run takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<job>/.runner.lock`` (https://man7.org/linux/man-pages/man2/flock.2.html)
+and writes its holder there (pid, host, start time, command); a second run into the folder is refused with the
+holder named, having written nothing (the lock file exists already: opening it changes nothing). The kernel drops
+the lock when the holder's last descriptor closes -- on any exit, a crash or SIGKILL included -- so a lock left by
+a dead run is stale and harmless: the file stays, the next run takes the lock and resumes (``checkpoint.resume``).
+Children forked by the holder (DataLoader workers) close their copy at once (``os.register_at_fork``), so they
+never keep a dead run's folder locked.
+
+Where it is taken:
+
+- ``python -m runner`` (one run): ``JobLock.on_run_start``, a Hydra callback (``conf/config.yaml``), before Hydra
+  creates the folder and writes ``.hydra/`` (``hydra.core.utils.run_job``), with ``hydra.run.dir`` resolved on the
+  very config Hydra then uses (``${now:...}`` is cached there, so it is the same folder). Before that, unless
+  ``hydra.run.dir`` is on the command line or ``checkpoint.resume`` is not ``auto``, it looks for an interrupted run
+  of the same composed config among the newest run folders (``continue_interrupted``): one found is locked and
+  set as ``hydra.run.dir`` on that config, so the same command continues it there ("rerun to resume");
+- a multirun: ``JobLock.on_multirun_start`` locks the sweep folder for the sweep's life (a second sweep into it is
+  refused before it writes anything), and each job's folder is locked when its training starts (``train``: after
+  Hydra wrote that job's ``.hydra/``, which is the sweep's own);
+- every ``runner.engine.train.train`` call (forked ablation and doctor runs, interleaved jobs): ``claim``, which is a
+  no-op where this process holds the lock already.
+
+Only rank 0 takes it (under torchrun and srun the other ranks write no job folder: ``runner.launch``), so a job
+spread over nodes locks its folder once, on rank 0's node. ``flock`` works across machines on NFS (Linux emulates it
+with byte-range locks) and on Lustre mounted with ``-o flock``; where the file system refuses locks, the run says
+so in one line and goes on unlocked.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from runner.errors import ConfigError
+
+LOCK_FILE = ".runner.lock"
+
+#: resolved job folder -> the descriptor holding its lock, in this process
+_held: dict[str, int] = {}
+
+
+def _forget_in_child() -> None:
+    """In a forked child: close the inherited descriptors (the parent keeps its lock; flock's lock belongs to the
+    open file, and closing a duplicate does not release it) so the child never holds a dead parent's folder."""
+    for fd in _held.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _command() -> str:
+    """This process's command line as typed (``python -m runner ...``), cut at 200 characters."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith("__main__.py"):  # python -m <package>
+        argv[:1] = ["-m", Path(argv[0]).parent.name]
+    text = shlex.join(["python", *argv])
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def holder(folder: Path) -> str:
+    """Who holds (or last held) ``folder``'s lock, as written in its lock file: ``pid 123 on host, started ...``."""
+    try:
+        info = json.loads((Path(folder) / LOCK_FILE).read_text())
+        return (f"pid {info['pid']} on {info['host']}, started {info['started']}"
+                + (f" ({info['command']})" if info.get("command") else ""))
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not written its name yet"
+
+
+def acquire(folder: Path) -> bool:
+    """Lock job ``folder`` for this process (creating the folder). True when taken now; False when this process
+    holds it already, or the file system does not support locks (said in one line).
+
+    Raises:
+        ConfigError: another process holds it (names the holder: pid, host, start time, command) and the fix; the
+            folder or its lock file cannot be made or opened for writing.
+    """
+    folder = Path(folder)
+    key = str(folder.resolve())
+    if key in _held:
+        return False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is not changed
+    except OSError as e:
+        raise ConfigError(f"cannot open the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): the job "
+                          f"folder must be a folder you can write; run into another one (hydra.run.dir)") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # ENOLCK, EOPNOTSUPP: no locks here
+            print(f"note: cannot lock the job folder {folder} ({e.strerror}): this file system does not support "
+                  f"locks, so runs into it are not kept apart", file=sys.stderr, flush=True)
+            return False
+        raise ConfigError(f"the job folder {folder} is in use by another run: {holder(folder)}; wait for it to end, "
+                          f"or run into another folder (drop hydra.run.dir for a new one). Nothing was written "
+                          f"there") from e
+    info = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": _command()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    _held[key] = fd
+    return True
+
+
+def release(folder: Path, taken: bool = True) -> None:
+    """Drop this process's lock on ``folder`` (the file stays: removing it would race a run opening it); nothing
+    when ``taken`` is False (the caller did not take it) or this process does not hold it."""
+    if not taken:
+        return
+    fd = _held.pop(str(Path(folder).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def check_outputs(folder: Path, cfg: Any) -> None:
+    """Before anything is built: the folders runner creates in the job folder must be folders where they exist
+    (a *file* named ``tensorboard`` would stop the run after the model is built, with a traceback).
+
+    Raises:
+        ConfigError: naming the path, the setting that writes it and the fix.
+    """
+    from runner.config.logger import logger_names
+
+    wanted = {"checkpoints": "checkpoints (checkpoint.*)"}
+    names = logger_names(cfg.logger)
+    if "tensorboard" in names:
+        wanted["tensorboard"] = "TensorBoard's event files (logger=tensorboard)"
+    if "mlflow" in names:
+        wanted["mlruns"] = "the local MLflow store (logger=mlflow)"
+    if "wandb" in names:
+        wanted["wandb"] = "the W&B run (logger=wandb)"
+    for name, what in wanted.items():
+        path = Path(folder) / name
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} is a file, but the run writes {what} into a folder of that name; move or "
+                              f"delete the file, or run into another folder (drop hydra.run.dir)")
+
+
+def claim(folder: Path, cfg: Any) -> bool:
+    """``acquire`` ``folder`` and ``check_outputs`` (rank 0 of a training run: ``runner.engine.train.train``). True when
+    the lock was taken here (release it at the end); a refusal of the outputs releases it.
+
+    Raises:
+        ConfigError: from ``acquire`` or ``check_outputs``.
+    """
+    taken = acquire(folder)
+    try:
+        check_outputs(folder, cfg)
+    except ConfigError:
+        if taken:
+            release(folder)
+        raise
+    return taken
+
+
+def _refuse(e: ConfigError) -> None:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks; train() still locks
+    Callback = object  # type: ignore[assignment,misc]
+
+
+class JobLock(Callback):  # type: ignore[misc,valid-type]
+    """Hydra callback (``hydra.callbacks.job_lock`` in ``conf/config.yaml``): lock the run's folder before Hydra
+    makes it (``on_run_start``) -- the folder of an interrupted run of the same command when there is one
+    (``continue_interrupted``: the run continues there) --, the sweep's folder before a multirun writes anything
+    (``on_multirun_start``); rank 0 only. A refusal is one ``error:`` line and exit status 2."""
+
+    def _lock(self, config: Any, key: str) -> None:
+        from omegaconf import OmegaConf
+
+        from runner.launch import discover
+
+        if discover().rank != 0:  # the other ranks run in scratch folders (runner.launch.hydra_overrides)
+            return
+        try:
+            folder = OmegaConf.select(config, key, throw_on_resolution_failure=False)
+        except Exception:  # noqa: BLE001 - a folder Hydra resolves later (${hydra:...}): train() locks it then
+            return
+        if folder:
+            try:
+                acquire(Path(str(folder)))
+            except ConfigError as e:
+                _refuse(e)
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: D102 - the class says it
+        from omegaconf import read_write
+
+        from runner.launch import discover
+
+        found = continue_interrupted(config) if discover().rank == 0 else None
+        if found is None:
+            self._lock(config, "hydra.run.dir")
+            return
+        folder, step = found  # its lock is taken; Hydra makes no new folder, run_job reads hydra.run.dir next
+        with read_write(config.hydra.run):
+            config.hydra.run.dir = str(folder)
+        print(f"resuming the interrupted run in {folder} (step {step}); checkpoint.resume=never starts fresh",
+              flush=True)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: D102
+        self._lock(config, "hydra.sweep.dir")
+
+
+# --------------------------------------------------------------------- the interrupted run of the same command
+#: How far ``python -m runner`` looks for an interrupted run of the same command (``recent_run_folders``): at each
+#: level of ``hydra.run.dir``'s pattern above the run folders (the dates of ``outputs/<date>/<time>``) the newest
+#: ``RECENT_PARENTS`` folders, and in them the newest ``RECENT_RUNS`` run folders (by modification time).
+RECENT_PARENTS = 3
+RECENT_RUNS = 10
+#: strftime directives -> what they write, for the folder names ``${now:...}`` makes
+_STRFTIME = {"Y": r"\d{4}", "y": r"\d{2}", "m": r"\d{2}", "d": r"\d{2}", "H": r"\d{2}", "M": r"\d{2}", "S": r"\d{2}",
+             "f": r"\d{6}", "j": r"\d{3}", "%": "%"}
+
+
+def _name_pattern(part: str) -> re.Pattern | None:
+    """A regex for the folder names one part of a ``hydra.run.dir`` pattern makes: ``${now:%H-%M-%S}`` two digits,
+    a dash, ...; any other interpolation any name. None for a part whose interpolations nest (not read here)."""
+    out, pos = [], 0
+    for m in re.finditer(r"\$\{([^{}]*)\}", part):
+        out.append(re.escape(part[pos:m.start()]))
+        if m[1].startswith("now:"):
+            out += [_STRFTIME.get(t[1], ".+") if t.startswith("%") and len(t) == 2 else re.escape(t)
+                    for t in re.findall(r"%.|[^%]+", m[1][4:])]
+        else:
+            out.append(".+")
+        pos = m.end()
+    out.append(re.escape(part[pos:]))
+    literal = re.sub(r"\$\{[^{}]*\}", "", part)
+    return None if "${" in literal or "}" in literal else re.compile("".join(out))
+
+
+def recent_run_folders(pattern: str, parents: int = RECENT_PARENTS, runs: int = RECENT_RUNS) -> list[Path]:
+    """The run folders ``hydra.run.dir``'s ``pattern`` (unresolved: ``outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}``)
+    made most recently, newest first: below its fixed part (``outputs``), the newest ``parents`` folders whose
+    names the pattern makes at each level, then the newest ``runs`` at the last. [] for a pattern without an
+    interpolation (one fixed folder: ``checkpoint.resume=auto`` continues its run already) or one not read here."""
+    parts = Path(pattern).parts
+    first = next((i for i, p in enumerate(parts) if "${" in p), None)
+    names = [_name_pattern(p) for p in parts[first:]] if first is not None else []
+    if not names or any(n is None for n in names):
+        return []
+    level = [Path(*parts[:first])] if first else [Path()]
+    for depth, name in enumerate(names):
+        found: list[tuple[float, Path]] = []
+        for folder in level:
+            try:
+                with os.scandir(folder) as entries:
+                    found += [(e.stat().st_mtime, folder / e.name) for e in entries
+                              if name.fullmatch(e.name) and e.is_dir()]
+            except OSError:  # gone, or not a folder one may list
+                continue
+        found.sort(key=lambda item: item[0], reverse=True)
+        level = [path for _, path in found[:runs if depth == len(names) - 1 else parents]]
+    return level
+
+
+def continue_interrupted(config: Any) -> tuple[Path, int] | None:
+    """The folder and step of an interrupted run that ``python -m runner`` continues instead of starting a new
+    folder: the same composed config (``runner.checkpoint.resume.interrupted_run``) with a checkpoint and no summary,
+    among ``recent_run_folders``; its lock is taken for this process. None -- a new folder as before -- when
+    ``checkpoint.resume`` is not ``auto``, ``hydra.run.dir`` was given on the command line, or no such run is
+    found (one a live run holds is not interrupted)."""
+    from omegaconf import OmegaConf
+
+    try:
+        if OmegaConf.select(config, "checkpoint.resume") != "auto" or any(
+                str(o).startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra):
+            return None
+        pattern = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
+    except Exception:  # noqa: BLE001 - a config this does not read: a new folder, as before
+        return None
+    try:
+        folders = [f for f in recent_run_folders(str(pattern)) if not (f / "summary.json").exists()
+                   and any((f / "checkpoints").glob("step_*"))]
+    except OSError:  # a folder one may not read: not one to continue
+        return None
+    if not folders:
+        return None
+    from runner.checkpoint.resume import interrupted_run  # imports torch: only when a folder may hold such a run
+    from runner.launch import discover
+
+    try:
+        resolved = _task_config(config)
+    except Exception:  # noqa: BLE001 - an interpolation only the job can resolve (${hydra:...}): a new folder
+        return None
+    try:
+        return interrupted_run(folders, resolved, discover().world_size, claim_if_free)
+    except OSError:  # a checkpoint folder that cannot be listed: a new folder, as before
+        return None
+
+
+def _task_config(config: Any) -> dict[str, Any]:
+    """The job's config as ``runner.engine.train`` records it (Hydra's node removed, resolved)."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    task = copy.deepcopy(config)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return OmegaConf.to_container(task, resolve=True)
+
+
+def claim_if_free(folder: Path) -> bool:
+    """Take ``folder``'s lock; False when a live run holds it."""
+    try:
+        acquire(folder)
+    except ConfigError:
+        return False
+    return True

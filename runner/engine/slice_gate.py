@@ -1,0 +1,92 @@
+"""The pause point between optimizer steps that the interleaved launcher drives (runner/compare/).
+
+Under ``hydra/launcher=interleaved`` every job of a sweep is resident in its own process and the jobs take turns: one
+trains for a *slice* (a number of optimizer steps) while the others wait. The launcher talks to each job through a
+``multiprocessing`` pipe; the engine asks this gate, before each step, whether a slice has ended (``due``) and, when it
+has, ``wait`` reports the slice and blocks in the pipe's ``recv`` (a blocking read: the waiting process uses no core and
+launches no GPU work) until the launcher says how many steps the next slice has, or that the job should finish.
+
+The messages (plain dicts, pickled by ``Connection.send``):
+
+- job -> launcher: ``{"step", "train_time_s", "global_batch", "footprint_mb", "available_mb"}`` at every
+  wait: the steps done so far, the engine's cumulative training time (``TrainState.train_time_s``: wall
+  time of the steps, evaluations and checkpoints excluded, the device's queue drained first), the samples
+  per step, the process's memory footprint (peak RSS on a CPU; the CUDA caching allocator's peak reserved
+  memory on a GPU) and the memory still free (host ``MemAvailable``, or the GPU's free memory).
+- launcher -> job: ``{"steps": n}`` (train n more steps, then wait again) or ``{"steps": 0}`` (finish:
+  one last step, the final evaluation and ``summary.json``, as if ``trainer.max_steps`` were reached).
+
+A job with several ranks (DDP under torchrun) pauses as a whole: each rank talks to its own rank's conductor
+(runner/compare/ranks.py: rank 0's decides, the others relay its commands), and rank 0's command is also
+broadcast over the job's process group: whatever a rank's conductor sent, the job's ranks train the same steps.
+
+The comparison's job process (runner/compare/process.py) makes the ``SliceGate`` on its end of the pipe and
+hands it to ``runner.engine.train.train(cfg, job_dir, gate=...)``; every other run has none.
+
+The design follows randomized multiple interleaved trials (Abedi & Brecht, "Conducting repeatable
+experiments in highly variable cloud computing environments", ICPE 2017) and duet benchmarking (Bulej et
+al., ICPE 2020): comparisons are paired in time, so drift on the scale of minutes cancels.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+
+from runner import distributed
+
+
+def footprint_mb(device: torch.device) -> float:
+    """This process's memory footprint in MiB: on CUDA the caching allocator's peak reserved memory, else the
+    peak resident set size (``getrusage``: KiB on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def available_mb(device: torch.device) -> float | None:
+    """Memory still free for another job in MiB: the GPU's free memory on CUDA (``cudaMemGetInfo``), else the
+    host's ``MemAvailable`` (proc(5)); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**20
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class SliceGate:
+    """The job's side of the pipe (see the module docstring). ``due(step)`` is True when the current slice
+    has ended (at step 0: before the first step, so the launcher decides when a job starts training)."""
+
+    def __init__(self, connection: Any):
+        self.connection = connection
+        self.next_wait = 0  # the step at which the current slice ends
+
+    def due(self, step: int) -> bool:
+        """Whether the current slice has ended once ``step`` optimizer steps are done (one int comparison)."""
+        return step >= self.next_wait
+
+    def wait(self, step: int, train_time_s: float, global_batch: int, env: distributed.Env) -> bool:
+        """Report the slice that ended at ``step`` and block until the launcher's next command. Returns True
+        to go on (the next slice's steps are set), False when the job should finish.
+
+        Raises:
+            EOFError: the launcher is gone (its end of the pipe closed): the job stops instead of training on
+                alone.
+        """
+        self.connection.send({"step": step, "train_time_s": train_time_s, "global_batch": global_batch,
+                              "footprint_mb": footprint_mb(env.device), "available_mb": available_mb(env.device)})
+        steps = int(self.connection.recv()["steps"])
+        if env.distributed:
+            steps = distributed.broadcast_object(steps, env)
+        self.next_wait = step + steps
+        return steps > 0

@@ -1,0 +1,190 @@
+"""A decoder-only transformer language model, small and readable, in the style of nanoGPT's ``model.py``.
+
+Architecture: GPT-2 (Radford et al. 2019) = the Transformer decoder of Vaswani et al. 2017
+(https://arxiv.org/abs/1706.03762) with pre-LayerNorm blocks, learned position embeddings, GELU MLPs
+and the token embedding tied to the output head (Press & Wolf 2017). Code layout, names and
+initialization follow Karpathy's nanoGPT (https://github.com/karpathy/nanoGPT/blob/master/model.py), so its
+checkpoints' parameter names (``transformer.h.0.attn.c_attn.weight``, ...) and its training recipes carry over.
+
+Attention is ``F.scaled_dot_product_attention(..., is_causal=True)``: PyTorch picks the fastest kernel the
+device, dtype and shapes allow (FlashAttention-2 on CUDA in fp16/bf16, memory-efficient attention, or a
+fused CPU kernel) without materializing the ``(T, T)`` mask (PyTorch SDPA docs,
+https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: ``(B, T, n_embd)`` -> ``(B, T, n_embd)``.
+
+    One fused ``c_attn`` projection gives queries, keys and values for all ``n_head`` heads (head size
+    ``n_embd // n_head``); position t attends to positions <= t only (``is_causal=True``).
+
+    ``upcast_attention`` (the name diffusers gives the same switch): when queries, keys and values are bf16/fp16
+    (autocast, or bf16 weights), the attention itself (softmax(QK^T)V and its backward) runs in fp32 while the
+    projections stay in the low precision.
+    Measured with torch 2.15 on a 2-core Xeon (AVX-512, AMX), forward + backward of
+    ``scaled_dot_product_attention`` per call: at nanoGPT's CPU shape (B=12, 4 heads, T=64, head size 32) fp32
+    0.9 ms, bf16 4.3 ms (the bf16 backward alone 6.5x fp32's); at (12, 6, 256, 64) 22 vs 21 ms; at
+    (4, 12, 1024, 64) 143 vs 90 ms. So it pays on small models only, and the speed tuner measures it
+    (``bf16_upcast_attention``) instead of assuming it.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, upcast_attention: bool = False):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
+        self.n_head = n_head
+        self.dropout = dropout
+        self.upcast_attention = upcast_attention
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # (B, heads, T, head size)
+                   for z in self.c_attn(x).split(c, dim=2))
+        p = self.dropout if self.training else 0.0
+        if self.upcast_attention and q.dtype != torch.float32:  # back to q's dtype for c_proj's bf16 weights
+            with torch.autocast(q.device.type, enabled=False):
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=p,
+                                                   is_causal=True).to(q.dtype)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear(n_embd, 4 n_embd) -> GELU -> Linear(4 n_embd, n_embd) -> dropout."""
+
+    def __init__(self, n_embd: int, dropout: float, bias: bool):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; shape-preserving.
+
+    The unit that activation checkpointing wraps and FSDP shards (``runner.techniques.parallel.repeated_blocks``
+    finds it because the model holds ``n_layer`` of them).
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, upcast_attention: bool = False):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, upcast_attention)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT language model: token ids ``(B, T)`` int64 -> next-token logits ``(B, T, vocab_size)``, T <= block_size.
+
+    nanoGPT's ``GPT`` (https://github.com/karpathy/nanoGPT/blob/master/model.py) without its optimizer and
+    checkpoint helpers: the engine owns those.
+
+    Args:
+        vocab_size: number of token ids (from the data: ``data=text`` passes its character count).
+        block_size: the longest context (positions with a learned embedding).
+        n_layer, n_head, n_embd: depth, attention heads per block, width (``n_embd % n_head == 0``).
+        dropout: on embeddings, attention weights, residual branches (0 = off; training mode only).
+        bias: biases in the Linear and LayerNorm layers (nanoGPT: False is slightly better and faster).
+        upcast_attention: attention in fp32 under bf16/fp16 autocast (``CausalSelfAttention``: faster on a
+            CPU at small shapes, slower at large ones).
+
+    Initialization (nanoGPT, after GPT-2): every Linear and Embedding weight ~ N(0, 0.02), biases zero,
+    and each residual branch's output projection (``c_proj``) ~ N(0, 0.02 / sqrt(2 n_layer)), so the
+    residual stream's variance does not grow with depth. The token embedding and ``lm_head`` share one
+    ``(vocab_size, n_embd)`` matrix.
+    """
+
+    def __init__(self, vocab_size: int, block_size: int = 256, n_layer: int = 6, n_head: int = 6,
+                 n_embd: int = 384, dropout: float = 0.0, bias: bool = False, upcast_attention: bool = False):
+        super().__init__()
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            drop=nn.Dropout(dropout),
+            h=nn.ModuleList([Block(n_embd, n_head, dropout, bias, upcast_attention) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd, bias=bias),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying (Press & Wolf 2017)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """``generate(self, ...)`` fed at most ``block_size`` tokens at a time; see the module function."""
+        return generate(self, idx, max_new_tokens, temperature, top_k, generator, context=self.block_size)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             context: int | None = None) -> torch.Tensor:
+    """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns
+    ``(B, T0 + max_new_tokens)``.
+
+    Works for any model whose output (or its ``.logits``, a Hugging Face ``ModelOutput``) is ``(B, T, vocab)``:
+    each step feeds the last ``context`` tokens (all when None), takes the last position's logits /
+    ``temperature``, keeps the ``top_k`` largest (all when None) and samples from their softmax with
+    ``generator`` (nanoGPT's ``generate``, https://github.com/karpathy/nanoGPT/blob/master/model.py). No KV
+    cache: small models, short samples. Call it in eval mode for dropout-free samples.
+
+    Raises:
+        ValueError: ``temperature`` <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    for _ in range(max_new_tokens):
+        window = idx if context is None else idx[:, -context:]
+        out = model(window)
+        logits = getattr(out, "logits", out)[:, -1, :].float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+        idx = torch.cat((idx, nxt), dim=1)
+    return idx

@@ -1,0 +1,132 @@
+"""The ablation: what each technique buys on *your* model and data, every configuration measured interleaved.
+
+``python -m runner -m +experiment=ablation model=... data=...`` is a Hydra multirun over ``ablation/variant``
+(conf/experiment/ablation.yaml, conf/ablation/variant/) handed to the interleaved launcher
+(``hydra/launcher=interleaved``, runner/sweeps/interleaved.py), which measures every configuration against the baseline
+(a leave-one-out configuration against the fast preset) through runner/compare/. What is the ablation's own:
+
+- ``not_run``: a variant with ``ablation.requires=cuda`` (the cuDNN autotuner; the leave-one-out of the
+  CUDA-only bigger batch) on a job without CUDA, or one whose technique the task skips (an image technique on a
+  language model, ``no_op_reason``: its configuration is its reference's again), is not run; ``not_run.json``
+  in its folder says why, and the report lists it.
+- ``AblationCallback``: at the start of the sweep, ``ablation.json`` records the machine (CPU model, cores,
+  memory, GPUs, native bf16, load average) and the exact command, and the job server is started (its start-up
+  time is recorded); at the end it writes the report (runner/report/).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from runner import techniques
+from runner.errors import ConfigError
+from runner.measure import hardware
+from runner.report import ReportError, sweep_command, write_report
+from runner.track import write_json_atomic
+
+#: The configuration keys an ablation technique (``ablation.technique``) switches, for the ones a task may skip
+#: (``Task.skipped``): on a language model these image techniques leave the job as its reference was
+#: (runner/techniques/)
+TECHNIQUE_KEYS = techniques.variant_keys()
+
+
+def not_run(cfg: DictConfig, folder: Path) -> str | None:
+    """Why this ablation job is not run here, or None (it runs). A variant with ``ablation.requires=cuda`` on a
+    job that will not use CUDA, or one that does nothing on this job (``no_op_reason``), gets
+    ``<folder>/not_run.json`` (variant, repeat, reason) and a console line.
+
+    Raises:
+        ConfigError: ``ablation.requires`` is not null or ``cuda``.
+    """
+    a = cfg.ablation
+    if a.variant is None:
+        return None
+    if a.requires not in (None, "cuda"):
+        raise ConfigError(f"ablation.requires={a.requires!r} must be null or 'cuda'")
+    reason = (f"needs CUDA; this job runs on trainer.device={cfg.trainer.device} without CUDA"
+              if a.requires == "cuda" and not hardware.uses_cuda(str(cfg.trainer.device)) else no_op_reason(cfg))
+    if reason is not None:  # recorded, not run: the report lists it with its reason
+        write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": reason})
+        print(f"ablation: {a.variant} r{a.repeat} not run: {reason}", flush=True)
+    return reason
+
+
+def no_op_reason(cfg: DictConfig) -> str | None:
+    """Why this leave-one-in or leave-one-out variant is its reference's configuration on this job, or None.
+
+    A technique the task skips (``Task.skipped``: channels_last or input normalization on a language model,
+    whose inputs are token ids) changes nothing, so measuring it would only spend the sweep's minutes on a
+    second copy of the reference. It is a no-op when switching each of its keys (``TECHNIQUE_KEYS``) on adds
+    a skipped technique to the task's list."""
+    from runner import task as task_mod
+
+    a = cfg.ablation
+    keys = TECHNIQUE_KEYS.get(a.get("technique"))
+    if not keys or a.get("kind") not in ("leave-one-in", "leave-one-out") or "task" not in cfg:
+        return None
+    task = task_mod.build(cfg.task)
+    reasons = []
+    for key in keys:
+        on, off = copy.deepcopy(cfg), copy.deepcopy(cfg)
+        OmegaConf.update(on, key, True, force_add=True)
+        OmegaConf.update(off, key, False, force_add=True)
+        added = [r for status, r in task.skipped(on).items() if status not in task.skipped(off)]
+        if not added:
+            return None
+        reasons += added
+    what = "; ".join(r.removeprefix("skipped: ") for r in reasons)
+    return f"does nothing on this job ({what}): the same configuration as its reference"
+
+
+class AblationCallback(Callback):
+    """Hydra callback of ``+experiment=ablation`` (``hydra.callbacks.ablation_report``).
+
+    ``on_multirun_start`` writes ``<sweep>/ablation.json`` (machine, command, start time) and starts the job
+    server (runner/compare/server.py); a ``TMPDIR`` too long for its socket prints one ``error:`` line and exits
+    with status 2 before any job runs (Hydra turns exceptions from callbacks into warnings).
+    ``on_multirun_end`` adds the end time and load average and writes the report (under torchrun, ranks > 0
+    leave it to rank 0); a report that cannot be made (no summaries, no baseline) prints one ``error:`` line and
+    exits with status 1.
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from runner.compare import server
+
+        try:
+            server.check_socket_dir()  # a ConfigError here, not a traceback from the first job
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        sweep = Path(config.hydra.sweep.dir)
+        sweep.mkdir(parents=True, exist_ok=True)
+        record: dict[str, Any] = {"command": sweep_command(config.hydra), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                  "started_s": time.time(), "machine": hardware.describe_machine(),
+                                  "job_process": "forkserver", "job_server_start_s": round(server.start(), 2)}
+        write_json_atomic(sweep / "ablation.json", record)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from runner.launch import discover
+
+        if discover().rank != 0:  # under torchrun, ranks > 0 swept in a scratch folder: rank 0 reports
+            return
+        sweep = Path(config.hydra.sweep.dir)
+        path = sweep / "ablation.json"
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        record["finished_s"] = time.time()
+        record["load_average_1min_at_end"] = hardware.load_average()
+        write_json_atomic(path, record)
+        try:
+            written = write_report(sweep)
+        except ReportError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        print("ablation report: " + ", ".join(str(p) for p in written), flush=True)

@@ -1,0 +1,275 @@
+"""Data-parallel wrappers: ``wrap`` applies the technique of ``distributed.name``; the loop's helpers
+(``no_sync``, ``unwrap``, ``sync_ddp_buffers``) and the parameters' cross-rank report go with them.
+
+- ``ddp``: ``DistributedDataParallel`` -- one process per device, gradients all-reduced in buckets
+  during backward (https://pytorch.org/docs/stable/notes/ddp.html).
+- ``fsdp``: FSDP2 ``fully_shard`` -- parameters, gradients and optimizer state sharded over the ranks
+  as DTensors, all-gathered per block for forward/backward
+  (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
+- ``dp``: ``nn.DataParallel`` -- one process driving all local GPUs; kept only for the ablation, DDP is
+  faster (https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel).
+
+Every rank builds the model from the same seed; DDP broadcasts rank 0's parameters and buffers when it
+wraps, FSDP gets them broadcast explicitly before sharding, so all ranks start identical either way.
+
+Layering (docs/design.md): ``prepare`` -> ``parallel`` -> ``distributed`` (the process layer: ``Env``, the
+process group, collectives); ``repeated_blocks`` lives here because FSDP shards by it and ``prepare``'s
+activation checkpointing wraps by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from runner.config import check_choice
+from runner.distributed import Env, broadcast_module_state
+from runner.techniques.precision import Precision
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Class names of the model's repeated blocks: non-container modules with children that occur at least
+    twice and are not nested inside another such block (ResNet: ``BasicBlock``/``Bottleneck``; runner's GPT:
+    ``Block``). A Hugging Face model names its blocks itself in ``_no_split_modules`` (the layers a device map
+    never splits, ``GPT2Block``, ``LlamaDecoderLayer``: Accelerate's ``no_split_module_classes``,
+    https://huggingface.co/docs/accelerate/usage_guides/big_modeling); those present in the model are used."""
+    declared = getattr(model, "_no_split_modules", None)
+    if declared:
+        present = {type(m).__name__ for m in model.modules()}
+        found = sorted(present & set(declared))
+        if found:
+            return found
+    counts = Counter(type(m).__name__ for m in model.modules()
+                     if m is not model and type(m) not in _CONTAINERS and next(m.children(), None) is not None)
+    candidates = {name for name, n in counts.items() if n >= 2}
+    nested = set()
+    for outer in model.modules():
+        if type(outer).__name__ in candidates:
+            nested |= {type(m).__name__ for m in outer.modules() if m is not outer}
+    return sorted(candidates - nested)
+
+
+def _has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def fsdp_mixed_precision(compute_dtype: torch.dtype):
+    """FSDP2's ``MixedPrecisionPolicy`` for the built precision's ``compute_dtype``, or None (fp32 all-gathers).
+
+    ``compute_dtype`` is ``precision.Precision.compute_dtype``, so the decision is the precision
+    group's own: ``bf16`` -> bf16 parameters for compute; ``amp`` -> fp16 on CUDA (the GradScaler's found-inf
+    check is reduced over the shards by DTensor), bf16 on a CPU with native bf16; fp32 (``fp32``, ``tf32``,
+    or amp/bf16 skipped on this device) -> None. Gradients are reduce-scattered in fp32 (``reduce_dtype``),
+    as torchtitan does, so the sum over ranks does not lose precision (FSDP2 docs, ``MixedPrecisionPolicy``).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype == torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
+    """``DistributedDataParallel`` (optionally after ``SyncBatchNorm`` conversion).
+
+    DDP broadcasts rank 0's parameters and buffers at construction (``init_sync=True``), registers
+    gradient hooks that all-reduce (average) gradients bucket by bucket while backward still runs, and
+    broadcasts buffers (BatchNorm statistics) from rank 0 before each forward. ``no_sync`` below skips the
+    all-reduce on all micro-batches but the last of an accumulated step.
+
+    ``sync_batchnorm``: BatchNorm statistics over the global batch instead of each rank's share
+    (``nn.SyncBatchNorm.convert_sync_batchnorm``); its kernels exist for CUDA only, so on CPU it is
+    skipped with the reason. Docs: https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html
+    """
+    techniques: dict[str, str] = {}
+    if cfg.sync_batchnorm:
+        if env.device.type != "cuda":
+            techniques["sync_batchnorm"] = ("skipped: SyncBatchNorm only runs on CUDA; on CPU each rank normalizes "
+                                            "with its own batch statistics")
+        elif not _has_batchnorm(model):
+            techniques["sync_batchnorm"] = "skipped: the model has no BatchNorm layer"
+        elif env.world_size == 1:
+            techniques["sync_batchnorm"] = "skipped: one process, its batch statistics are already global"
+        else:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            techniques["sync_batchnorm"] = "applied"
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, init_sync=True)
+    techniques["ddp"] = "applied"
+    return model, techniques
+
+
+def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.nn.Module, dict[str, str]]:
+    """FSDP2: ``fully_shard`` each repeated block (``repeated_blocks``), then the root.
+
+    Sharding per block lets FSDP all-gather one block's parameters at a time and free them after use
+    (``reshard_after_forward=True``); the root call covers what is left (stem, head). Parameters become
+    DTensors sharded on dim 0 over a 1-D device mesh of all ranks. Rank 0's values are broadcast first:
+    ``fully_shard`` keeps each rank's slice of its *own* tensor, so ranks must agree before sharding.
+    The mixed-precision policy comes from ``fsdp_mixed_precision``; under it, every BatchNorm layer is
+    sharded on its own with fp32 parameters (its running statistics are fp32 buffers, and ``batch_norm``
+    wants weight and statistics in one dtype), its input cast to fp32 on the way in.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    techniques: dict[str, str] = {}
+    if not broadcast_module_state(model):
+        warnings.warn("distributed=fsdp: ranks built different initial weights; rank 0's were broadcast", stacklevel=2)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = fsdp_mixed_precision(amp.compute_dtype)
+    kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
+    if policy is not None:  # BatchNorm keeps fp32 parameters: its running statistics are fp32 buffers
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        fp32 = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
+        for module in list(model.modules()):
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module is not model:
+                fully_shard(module, **fp32)
+    blocks = set(repeated_blocks(model))
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in blocks:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    techniques["fsdp"] = "applied"
+    wanted = {"amp", "bf16"} & set(amp.techniques)
+    if wanted:
+        techniques["fsdp_mixed_precision"] = ("applied" if policy is not None else
+                                              f"skipped: precision={wanted.pop()} is off on this device, so "
+                                              f"parameters are all-gathered in fp32")
+    return model, techniques
+
+
+def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
+    """``nn.DataParallel`` over every visible GPU, output gathered on this process's GPU.
+
+    Kept for the ablation only: each step it replicates the module to every GPU, scatters the batch and
+    gathers the outputs on one GPU, from Python threads that share the GIL; DDP avoids all three. On a
+    machine without CUDA there is nothing to split, so it is skipped and the plain model runs.
+    """
+    warnings.warn("distributed=dp: nn.DataParallel is slower than DistributedDataParallel (one process, threads "
+                  "under the GIL, model replicated every step); use distributed=ddp with scripts/torchrun.sh. "
+                  "It is kept for the ablation.", stacklevel=2)
+    if env.device.type != "cuda":
+        return model, {"dp": "skipped: nn.DataParallel splits batches across CUDA devices and there are none; "
+                             "ran the plain model"}
+    devices = list(range(torch.cuda.device_count()))
+    return torch.nn.DataParallel(model, device_ids=devices, output_device=env.device.index), {"dp": "applied"}
+
+
+def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, amp: Precision):
+    """Wrap the model for data parallelism (``distributed.name``); ``none`` returns it unchanged.
+
+    Called last by ``prepare`` (after compile): the wrapper registers its hooks on the final parameters.
+    Returns ``(model, techniques)`` with ``"applied"`` / ``"skipped: <why>"`` per technique.
+
+    Raises:
+        ConfigError: an unknown ``distributed.name``.
+    """
+    name = cfg.name
+    check_choice("distributed.name", name)
+    if name == "none":
+        return model, ({"sync_batchnorm": "skipped: one process, its batch statistics are already global"}
+                       if cfg.sync_batchnorm else {})
+    if name == "ddp":
+        return apply_ddp(model, cfg, env)
+    if name == "fsdp":
+        return apply_fsdp(model, env, amp)
+    return apply_dp(model, env)  # dp, the last of CHOICES["distributed.name"]
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside a DDP/DataParallel wrapper (FSDP2 shards in place: itself)."""
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
+
+
+def no_sync(model: torch.nn.Module, last: bool):
+    """Skip the gradient reduction on every micro-batch of an accumulated step but the last.
+
+    DDP: its ``no_sync()`` context (the flag is read in forward, so backward may run after the context
+    exits, as the engine's loop does). FSDP2: ``set_requires_gradient_sync(last)`` -- a flag read in
+    backward, so it is set here and left set until the next micro-batch sets it again (a context that
+    restored it on exit would restore it before backward). Others: nothing to skip.
+    Docs: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync
+    """
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if last or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def sync_ddp_buffers(model: torch.nn.Module, env: Env) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP itself does before each forward.
+
+    Between forwards the ranks' buffers differ (each updated them with its own batch); a checkpoint keeps
+    one copy of a replicated tensor, so they are made equal first -- to rank 0's, the ones the next forward
+    would have used. A no-op for one process and for models that are not ``DistributedDataParallel``.
+    """
+    if env.distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with torch.no_grad():
+            for buffer in model.module.buffers():
+                dist.broadcast(buffer, src=0)
+
+
+def parameter_report(model: torch.nn.Module, env: Env) -> dict:
+    """What the trained parameters look like on every rank, to prove the ranks agree.
+
+    - ``sha256_by_rank``: on each rank, a SHA-256 over the bytes of every parameter's *full* value in
+      ``named_parameters`` order (an FSDP DTensor is all-gathered one parameter at a time), gathered to
+      all ranks. DDP keeps replicas bit-identical, so all entries must be equal; buffers are left out on
+      purpose (each rank's last forward updates its own BatchNorm statistics).
+    - ``identical_across_ranks``: all entries equal (null for one process).
+    - ``l2_norm``: float64 L2 norm over all parameters, comparable between runs of different layouts.
+    - ``count``/``numel``: parameters and their elements; ``dtensor_count`` and ``local_numel``: how many
+      are DTensors and how many elements this rank (rank 0) stores -- about ``numel / world_size`` under FSDP.
+
+    Collective (all ranks call it); costs one pass over the parameters (and one all-gather each under FSDP).
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # the root stays unsharded after forward (FSDP2's heuristic); shard it back
+    sha = hashlib.sha256()
+    sq = 0.0
+    count = numel = local = dtensors = 0
+    with torch.no_grad():
+        for _, p in unwrap(model).named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if isinstance(p, DTensor):
+                dtensors += 1
+                local += p.to_local().numel()
+            else:
+                local += p.numel()
+            host = full.detach().to("cpu", torch.float32).contiguous()
+            sha.update(host.numpy().tobytes())
+            sq += float(host.double().pow(2).sum())
+            count += 1
+            numel += full.numel()
+    digests = [sha.hexdigest()]
+    if env.distributed:
+        digests = [None] * env.world_size
+        dist.all_gather_object(digests, sha.hexdigest())
+    return {
+        "sha256_by_rank": digests,
+        "identical_across_ranks": len(set(digests)) == 1 if env.distributed else None,
+        "l2_norm": sq ** 0.5,
+        "count": count,
+        "numel": numel,
+        "dtensor_count": dtensors,
+        "local_numel": local,
+    }

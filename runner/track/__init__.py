@@ -1,0 +1,367 @@
+"""Where figures go: ``metrics.jsonl`` + ``summary.json`` in the job folder, the console, and the loggers
+``logger=`` picks (one or several): W&B, TensorBoard, MLflow, ``metrics.csv``.
+
+Only rank 0 tracks; other ranks get ``NullTracker``. Files are written atomically (temp file + rename)
+so a crash never leaves a half-written ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner import REPO_ROOT
+from runner.config.logger import logger_names
+from runner.track.records import panel_figures, reachable, to_json, write_json_atomic
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the ``metrics.jsonl`` rows up to optimizer ``step`` (atomically): a run resumed from the
+    checkpoint of ``step`` logs the later steps again, and a row must not appear twice. Unreadable trailing
+    lines (a write cut by a kill) are dropped too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return "-" if value is None else str(value)
+
+
+class Tracker:
+    """Rank 0's outputs for one job: metrics rows, console progress, the loggers `logger=` picks (W&B, TensorBoard,
+    MLflow, metrics.csv: ``runner.track.loggers``), the summary."""
+
+    def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None,
+                 resume_step: int | None = None, wandb_run_id: str | None = None, mlflow_run_id: str | None = None):
+        self.job_dir = job_dir
+        self.sweep_group = sweep_group
+        job_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it already; a direct train() call may not
+        self.total_steps = total_steps
+        self.metrics_path = job_dir / "metrics.jsonl"
+        if resume_step is not None:  # rows of the steps after the checkpoint are logged again; a finished
+            drop_rows_after(self.metrics_path, resume_step)  # run's summary is replaced by the resumed run's
+            (job_dir / "summary.json").unlink(missing_ok=True)
+        self._metrics = self.metrics_path.open("a")
+        mode = cfg.trainer.progress
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "lines"
+        self.mode = mode
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        names = logger_names(cfg.logger)
+        self.wandb = (_start_wandb(cfg.logger, job_dir, resolved, sweep_group, wandb_run_id)
+                      if "wandb" in names else None)
+        from runner.track import loggers
+
+        self.mlflow = (loggers.MLflowLogger(cfg.logger, job_dir, resolved, sweep_group, mlflow_run_id)
+                       if "mlflow" in names else None)
+        self.loggers: list[Any] = []  # the loggers besides W&B, each with log(row), finish(summary), abort(code)
+        if "tensorboard" in names:
+            self.loggers.append(loggers.TensorBoardLogger(job_dir / "tensorboard", resolved, resume_step))
+        if self.mlflow is not None:
+            self.loggers.append(self.mlflow)
+        if "csv" in names:
+            self.loggers.append(loggers.CSVLogger(job_dir / "metrics.csv", resume_step))
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (kept in checkpoints, so a resumed run continues the same W&B run)."""
+        return self.wandb.id if self.wandb is not None else None
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run's id (kept in checkpoints, so a resumed run continues the same MLflow run)."""
+        return self.mlflow.run_id if self.mlflow is not None else None
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Record one log-interval row (step, loss, samples_per_sec, ...); the keys are metrics.jsonl's."""
+        self._metrics.write(to_json(row) + "\n")
+        self._metrics.flush()
+        if self.bar is not None:
+            self.bar.n = row["step"]
+            shown = {k: _fmt(row.get(k)) for k in ("loss", "samples_per_sec", "tokens_per_sec", "eval_accuracy",
+                                                   "eval_loss", "eval_rmse") if row.get(k) is not None}
+            self.bar.set_postfix({k.replace("_per_sec", "/s"): v for k, v in shown.items()}, refresh=True)
+        elif self.mode == "lines":
+            parts = [f"step {row['step']}/{self.total_steps}"] + [
+                f"{k} {_fmt(row[k])}" for k in ("epoch", "loss", "lr", "samples_per_sec", "tokens_per_sec",
+                                                "step_time_ms", "data_wait_ms", "peak_memory_mb", "eval_accuracy",
+                                                "eval_loss", "eval_rmse")
+                if row.get(k) is not None]
+            print(" | ".join(parts), flush=True)
+        if self.wandb is not None:
+            self.wandb.log(panel_figures(row) | {"trainer/step": row["step"]})
+        for logger in self.loggers:
+            logger.log(row)
+
+    def note(self, message: str) -> None:
+        """A line on the console between the figures (e.g. that a long evaluation is running); not a metric."""
+        if self.bar is not None:
+            self.bar.write(message)
+        elif self.mode == "lines":
+            print(message, flush=True)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Write ``summary.json``, print the summary table, give every logger the summary and close it."""
+        if self.bar is not None:
+            self.bar.close()
+        self._metrics.close()
+        write_json_atomic(self.job_dir / "summary.json", summary)
+        if self.mode != "off" and self.sweep_group is not None:
+            print_job_line(summary, self.job_dir)  # a multirun ends with the sweep's table (runner/report/end.py)
+        elif self.mode != "off":
+            print_summary(summary, self.job_dir)
+        if self.wandb is not None:
+            self.wandb.summary.update({k: v for k, v in summary.items() if k != "config"})
+            self.wandb.finish()
+        for logger in self.loggers:
+            logger.finish(summary)
+
+    def abort(self, exit_code: int = 1) -> None:
+        """Close files and every logger's run after a failure or a preemption (no summary is written);
+        ``exit_code`` says which (``runner.errors.EXIT_PREEMPTED`` for a preemption, 130 for Ctrl-C)."""
+        if self.bar is not None:
+            self.bar.close()
+        self._metrics.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=exit_code)
+        for logger in self.loggers:
+            logger.abort(exit_code)
+
+
+class NullTracker:
+    """What ranks other than 0 get: every call does nothing."""
+
+    def log(self, row):  # noqa: D102
+        pass
+
+    def finish(self, summary):  # noqa: D102
+        pass
+
+    def note(self, message):  # noqa: D102
+        pass
+
+    def abort(self, exit_code: int = 1):  # noqa: D102
+        pass
+
+    wandb_run_id = None
+    mlflow_run_id = None
+
+
+def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
+    """Print the run's headline figures and every technique's status as an aligned two-column table, then
+    one ``warning:`` line per reason the figures cannot be trusted (summary ``warnings``: a busy machine).
+
+    The first row, ``measurement``, says what the speed figures cover, or why they are blank (all warm-up)."""
+    keys = ["measurement", "samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90",
+            "data_wait_fraction", "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss",
+            "eval_accuracy", "eval_loss", "eval_rmse", "eval_bits_per_char", "eval_accuracy_ema", "eval_loss_ema",
+            "eval_rmse_ema", "stopped_early",
+            "time_to_target_s", "train_time_s", "eval_time_s", "checkpoint_time_s", "restarts", "skipped_steps",
+            "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
+    rows = ([(k, _fmt(summary[k])) for k in keys
+             if k in summary and (k not in ("skipped_steps", "stopped_early") or summary[k])]
+            + [(f"technique {k}", v) for k, v in summary["techniques"].items()])
+    width = max(len(k) for k, _ in rows)
+    print(f"\nsummary ({job_dir / 'summary.json'})")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    for warning in summary.get("warnings") or []:
+        print(f"warning: {warning}; rerun on a quiet machine for figures to trust")
+
+
+def print_job_line(summary: dict[str, Any], job_dir: Path) -> None:
+    """One line for a job of a multirun, instead of ``print_summary``'s table: its folder and headline figures,
+    then its ``warning:`` lines as ``print_summary`` ends; the sweep's table comes at its end
+    (``runner.report.end``), the rest is in summary.json."""
+    keys = ("samples_per_sec", "tokens_per_sec", "train_loss", "eval_loss", "eval_accuracy", "steps")
+    figures = ", ".join(f"{k} {_fmt(summary[k])}" for k in keys if summary.get(k) is not None)
+    print(f"job {job_dir}: {figures or summary.get('measurement') or 'no figures'}")
+    for warning in summary.get("warnings") or []:
+        print(f"warning: {warning}; rerun on a quiet machine for figures to trust")
+
+
+class _Tee(io.TextIOBase):
+    """A console stream that also appends each complete line to a log file; a progress bar's in-place updates
+    (text holding a carriage return) stay on the console only."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log, self._line = stream, log, ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self._line += text
+        *lines, self._line = self._line.split("\n")
+        kept = [line for line in lines if "\r" not in line]
+        if kept:
+            self.log.write("".join(f"{line}\n" for line in kept))
+            self.log.flush()
+        if "\r" in self._line:
+            self._line = ""
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):  # noqa: D102
+        return getattr(self.stream, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def console_to_log(path: Path | None):
+    """While open, what runner prints to stdout and stderr (progress lines, the summary table, warnings, the
+    doctor's diagnosis, ``error:`` lines) also goes to ``path``: Hydra's job log (``<job>/runner.log``), which
+    otherwise holds only Hydra's own log records and stays empty for most runs. ``None``: nothing changes
+    (ranks > 0, whose folder is a scratch one). Appends, so a resumed run's lines follow the earlier ones."""
+    if path is None:
+        yield
+        return
+    with open(path, "a", encoding="utf-8") as log:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
+def wandb_api_key() -> str | None:
+    """The API key W&B itself would use: ``WANDB_API_KEY``, or the one ``wandb login`` stored (``~/.netrc``,
+    ``$NETRC``, ``_netrc`` on Windows, for ``WANDB_BASE_URL``'s host), through wandb's own lookup."""
+    if os.environ.get("WANDB_API_KEY"):
+        return os.environ["WANDB_API_KEY"]
+    import wandb
+
+    try:
+        # wandb.api.api_key is wandb's own, instant lookup (wandb.login(prompt=False) takes seconds and
+        # prints); its deprecation notice goes to stderr, which is muted for this one call
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return wandb.api.api_key
+    except Exception:  # noqa: BLE001 - a broken settings file means "no key", never a failed run
+        return None
+
+
+_offline_notice_shown = False  # the offline notice is printed once per process (once per sweep)
+
+
+def wandb_offline_reason() -> str | None:
+    """Why W&B cannot log online right now, or None when it can try: no API key (``WANDB_API_KEY`` or
+    ``wandb login``), or ``WANDB_BASE_URL`` (default https://api.wandb.ai) unreachable within 3 s."""
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if wandb_api_key() is None:
+        return "no API key found (WANDB_API_KEY or `wandb login`)"
+    if not reachable(base_url):
+        return f"{base_url} cannot be reached"
+    return None
+
+
+def _wandb_mode(job_dir: Path, group: str | None) -> str | None:
+    """``WANDB_MODE`` when set; else ``offline`` when ``wandb_offline_reason`` gives one (said once per process,
+    with the ``wandb sync`` command that uploads the runs later); else None (online)."""
+    global _offline_notice_shown
+    mode = os.environ.get("WANDB_MODE") or None
+    if mode is not None:
+        return mode
+    why = wandb_offline_reason()
+    if why is None:
+        return None
+    if not _offline_notice_shown:
+        runs = (job_dir.parent / "*" if group else job_dir) / "wandb" / "offline-run-*"
+        print(f"W&B: {why}, logging offline; upload later with `wandb sync {runs}`", flush=True)
+        _offline_notice_shown = True
+    return "offline"
+
+
+def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None, run_id: str | None = None):
+    """Start (or, with ``run_id``, continue: ``resume="allow"``) a W&B run in ``<job_dir>/wandb``, grouped by
+    ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway
+    (a rejected key, a server that stops answering) falls back to offline with one line saying why, so
+    tracking never costs the run. The run's own start-up and closing lines (offline mode, where the files are,
+    the sync hint) are silenced (``silent=True``): runner prints the one that matters, the ``wandb sync``
+    command; W&B's warnings and errors (``wandb.termwarn``/``termerror``) still print."""
+    import wandb
+
+    mode = _wandb_mode(job_dir, group)
+    kwargs = dict(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
+                  config=resolved, name=f"{group}/{job_dir.name}" if group else None, id=run_id,
+                  resume="allow" if run_id else None)
+    settings = dict(quiet=True, silent=True, console="off", x_disable_stats=True)
+    try:
+        run = wandb.init(mode=mode, settings=wandb.Settings(**settings, init_timeout=30.0), **kwargs)
+    except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, AuthenticationError, ...
+        if mode == "offline":
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        print(f"W&B: online start failed ({first}); logging offline instead", flush=True)
+        run = wandb.init(mode="offline", settings=wandb.Settings(**settings), **kwargs)
+    run.define_metric("trainer/step")
+    run.define_metric("*", step_metric="trainer/step")
+    return run
+
+
+def git_sha() -> str | None:
+    """The repository's commit, with ``-dirty`` when tracked files changed; None outside a git checkout."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode != 0:
+        return None
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def job_folder() -> Path:
+    """The Hydra job's output folder (``outputs/<date>/<time>`` or ``outputs/multirun/.../<n>``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def sweep_group() -> str | None:
+    """The W&B group of a multirun job: its sweep folder's last two parts (``<date>_<time>`` by default,
+    so sweeps started at the same time on different days stay apart); None for a single run or outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():  # train() called directly (tests, benchmarks)
+        return None
+    hc = HydraConfig.get()
+    return "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None
