@@ -137,11 +137,9 @@ def _diagnose(warnings_shown: bool) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     """``python -m runner ARGV`` in this process; returns the exit status (0, 1, 2, 3, 75 or 130, as ``main``
-    says) instead of leaving the interpreter, so a test or a script can drive the command line without paying
-    for a new process. ``argv`` defaults to ``sys.argv[1:]``; Hydra reads ``sys.argv``, which is restored after.
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    saved = sys.argv
+    says) instead of leaving the interpreter, so tests and scripts drive the command line without a new process.
+    ``argv`` defaults to ``sys.argv[1:]``; Hydra reads ``sys.argv``, which is restored after."""
+    saved, argv = sys.argv, (sys.argv[1:] if argv is None else list(argv))
     sys.argv = [saved[0] if saved else "runner", *argv]
     try:
         try:  # under torchrun/srun: full tracebacks, stack dumps, ranks > 0 kept out of outputs/
@@ -164,8 +162,6 @@ def run(argv: list[str] | None = None) -> int:
         return 1
     finally:
         sys.argv = saved
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 if __name__ == "__main__":

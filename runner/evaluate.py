@@ -292,7 +292,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     validate(cfg)
     env = distributed.Env(rank=0, local_rank=0, world_size=1, nodes=1,
                           device=distributed.pick_device(cfg.trainer.device))
-    # runner.engine.train.seed_everything's three seeds (a user's data function may draw its split from them); not
+    # runner.engine.build.seed_everything's three seeds (a user's data function may draw its split from them); not
     # imported from there, which would load the checkpointing stack (1-2 s) for nothing
     random.seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed)

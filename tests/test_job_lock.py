@@ -84,8 +84,9 @@ def test_train_refuses_a_folder_another_process_holds(tmp_path):
     """Every train() call locks its folder (a multirun's jobs, forked ablation and doctor runs): here another
     process holds it, and the run stops before building anything."""
     folder = tmp_path / "job"
-    holder = subprocess.Popen([sys.executable, "-c", f"from runner.engine import jobdir; jobdir.acquire({str(folder)!r}); "
-                                                     f"print('held', flush=True); input()"],
+    holder = subprocess.Popen([sys.executable, "-c", f"from runner.engine import jobdir; "
+                                                     f"jobdir.acquire({str(folder)!r}); print('held', flush=True); "
+                                                     f"input()"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     try:

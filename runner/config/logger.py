@@ -30,7 +30,7 @@ class TensorBoardLoggerConfig:
 class MLflowLoggerConfig:
     """``logger.mlflow``: present when MLflow is one of the loggers."""
 
-    # null: $MLFLOW_TRACKING_URI, else a SQLite store in <job folder>/mlruns/ (runner.track.mlflow_tracking_uri)
+    # null: $MLFLOW_TRACKING_URI, else a SQLite store in <job folder>/mlruns/ (runner.track.loggers.mlflow_tracking_uri)
     tracking_uri: Optional[str] = None
 
 
