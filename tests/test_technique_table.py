@@ -110,3 +110,22 @@ def test_the_readme_switch_table_has_a_row_for_each_technique_that_says_how_to_s
         key, value = first.split("=")
         assert key.split(".")[-1] in cell or key.split("/")[-1] in cell, (t.name, first, cell)
         assert value in ("true", "false") or value in cell or value.isdigit(), (t.name, first, cell)
+
+
+def test_the_table_decides_where_a_technique_acts_for_the_loader_the_tuner_and_the_ablation(tmp_path):
+    """``techniques.applies`` is the one decision: on a CPU job the loader records pinned memory as skipped, the
+    speed tuner leaves cuDNN autotuning out and the ablation does not run its variant, each with the table's words."""
+    from conftest import run_tiny
+    from runner.sweeps.ablation import not_run
+    from runner.techniques import applies
+    from runner.tune.switches import switches
+
+    pinned, cudnn = applies("pinned_memory", cuda=False), applies("cudnn_benchmark", cuda=False)
+    assert pinned and cudnn and applies("cudnn_benchmark", cuda=True) is None
+    assert applies("channels_last", cuda=True, image=False) == "an image technique; the inputs are token ids"
+    summary = run_tiny(tmp_path / "job", "dataloader.pin_memory=true")
+    assert summary["techniques"]["pin_memory"] == f"skipped: {pinned}"
+    _, notes = switches(compose_cfg(), torch.device("cpu"))
+    assert f"cudnn_benchmark: not a candidate ({cudnn})" in notes
+    reason = not_run(compose_cfg("+experiment=ablation", "ablation/variant=baseline+cudnn_benchmark"), tmp_path)
+    assert reason.startswith(f"needs CUDA ({cudnn})")

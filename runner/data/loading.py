@@ -19,6 +19,7 @@ from runner.data.batches import DeviceIterable, OnDeviceLoader, SkippableSampler
 from runner.data.source import Codec, Source, character_codec
 from runner.data.text import OnDeviceWindows
 from runner.errors import ConfigError
+from runner.techniques import applies
 
 
 @dataclass
@@ -75,8 +76,8 @@ def host_loading(loader_cfg: DictConfig, device: torch.device) -> HostLoading:
     """
     techniques: dict[str, str] = {}
     pin = bool(loader_cfg.pin_memory)
-    if pin and device.type != "cuda":
-        techniques["pin_memory"] = "skipped: page-locked memory only speeds up copies to a CUDA device"
+    if pin and (why_not := applies("pinned_memory", cuda=device.type == "cuda")):
+        techniques["pin_memory"] = f"skipped: {why_not}"
         pin = False
     elif pin:
         techniques["pin_memory"] = "applied"

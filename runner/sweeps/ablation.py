@@ -39,8 +39,9 @@ TECHNIQUE_KEYS = techniques.variant_keys()
 
 
 def not_run(cfg: DictConfig, folder: Path) -> str | None:
-    """Why this ablation job is not run here, or None (it runs). A variant with ``ablation.requires=cuda`` on a
-    job that will not use CUDA, or one that does nothing on this job (``no_op_reason``), gets
+    """Why this ablation job is not run here, or None (it runs). A variant whose technique cannot act without CUDA
+    (the technique table's ``applies``; ``ablation.requires=cuda`` for a variant that is no technique of the table)
+    on a job that will not use CUDA, or one that does nothing on this job (``no_op_reason``), gets
     ``<folder>/not_run.json`` (variant, repeat, reason) and a console line.
 
     Raises:
@@ -51,8 +52,14 @@ def not_run(cfg: DictConfig, folder: Path) -> str | None:
         return None
     if a.requires not in (None, "cuda"):
         raise ConfigError(f"ablation.requires={a.requires!r} must be null or 'cuda'")
-    reason = (f"needs CUDA; this job runs on trainer.device={cfg.trainer.device} without CUDA"
-              if a.requires == "cuda" and not hardware.uses_cuda(str(cfg.trainer.device)) else no_op_reason(cfg))
+    cuda = hardware.uses_cuda(str(cfg.trainer.device))
+    technique = techniques.by_variant(a.get("technique") or "")
+    if technique is not None:  # the table decides (an image technique on token ids: the task, no_op_reason)
+        why = techniques.applies(technique, cuda=cuda)
+    else:
+        why = "" if a.requires == "cuda" and not cuda else None
+    reason = (f"needs CUDA{f' ({why})' if why else ''}; this job runs on trainer.device={cfg.trainer.device} without "
+              f"CUDA" if why is not None else no_op_reason(cfg))
     if reason is not None:  # recorded, not run: the report lists it with its reason
         write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": reason})
         print(f"ablation: {a.variant} r{a.repeat} not run: {reason}", flush=True)

@@ -53,6 +53,7 @@ class Technique:
     # in it (an LR schedule), so its time to target is its samples to target (runner/report/convergence.py)
     step_cost: bool = True
     equivalent: tuple[Any, ...] = ()  # other values of its first key that switch it on too (amp: precision=auto)
+    why_not: str | None = None  # why a CUDA technique does nothing elsewhere, when more than "it acts on CUDA only"
 
     def changes(self) -> dict[str, Any]:
         """``on`` with this machine's values (a callable value called)."""
@@ -104,6 +105,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     # data loading
     Technique("pinned_memory", {"dataloader.pin_memory": True, "dataloader.non_blocking": True}, arithmetic=False,
               where="cuda", group=None, statuses=("pin_memory", "non_blocking"), readme="2",
+              why_not="page-locked memory only speeds up copies to a CUDA device",
               source="PyTorch DataLoader docs, memory pinning; CUDA semantics, non_blocking copies"),
     Technique("loader_workers", {"dataloader.num_workers": _workers, "dataloader.persistent_workers": True},
               arithmetic=False, statuses=("num_workers", "persistent_workers"), readme="2",
@@ -149,7 +151,8 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("channels_last", {"channels_last": True}, arithmetic=True, where="image", variant="channels_last",
               readme="19", source="PyTorch channels-last memory format tutorial"),
     Technique("cudnn_benchmark", {"cudnn_benchmark": True}, arithmetic=True, where="image+cuda",
-              variant="cudnn_benchmark", readme="6", source="torch.backends.cudnn.benchmark docs"),
+              variant="cudnn_benchmark", readme="6", source="torch.backends.cudnn.benchmark docs",
+              why_not="cuDNN autotuning exists on CUDA only"),
     Technique("drop_bias_before_bn", {"model.drop_bias_before_bn": True}, arithmetic=True, where="image",
               variant="drop_bias", readme="15", tuner=False,
               source="PyTorch Performance Tuning Guide: disable bias for convolutions directly followed by BN"),
@@ -232,15 +235,17 @@ def moves_data_only() -> tuple[str, ...]:
         "dataloader.") for k in t.keys() if k != "dataloader.on_device"))
 
 
-def applies_where(technique: Technique, cuda: bool, image: bool) -> str | None:
-    """Why ``technique`` cannot act on this job (``cuda``: it runs on CUDA; ``image``: its inputs are images), or
-    None."""
-    if "cuda" in technique.where and not cuda:
-        return "it acts on CUDA only"
-    if technique.where.startswith("image") and not image:
+def applies(technique: Technique | str, *, cuda: bool, image: bool = True) -> str | None:
+    """Why ``technique`` (or its name) cannot act on a job that runs on CUDA (``cuda``) with image inputs
+    (``image``), or None when it can: the one place this is decided. The speed tuner offers a candidate, the data
+    loader records ``skipped: <why>`` and the ablation runs a variant by it."""
+    t = TECHNIQUES[technique] if isinstance(technique, str) else technique
+    if "cuda" in t.where and not cuda:
+        return t.why_not or "it acts on CUDA only"
+    if t.where.startswith("image") and not image:
         return "an image technique; the inputs are token ids"
     return None
 
 
-__all__ = ["TECHNIQUES", "WHERE", "Technique", "applies_where", "by_variant", "image_only", "moves_data_only",
+__all__ = ["TECHNIQUES", "WHERE", "Technique", "applies", "by_variant", "image_only", "moves_data_only",
            "same_step_cost", "select", "step_cost", "variant_keys"]

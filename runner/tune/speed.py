@@ -1,48 +1,16 @@
 """``python -m runner.tune speed``: the fastest configuration of your job, found by measurement and verified.
 
-``+experiment=fast`` is a list chosen in advance; on a real job it can lose (the Shakespeare GPT on a 2-core
-CPU ran at x0.93 of its recipe with it). This tuner measures instead, on the job itself:
+The method (docs/tuners-and-doctor.md, "The speed tuner"): the candidates that apply and are not on
+(runner/tune/switches.py, ``tune.only``, ``tune.switches``); a numerics guard that rejects a candidate whose loss
+curve departs from yours more than another seed's does (runner/tune/guard.py); greedy forward selection in rounds of
+interleaved, paired measurement through runner/compare/ (runner/tune/rounds.py); a verification of your
+configuration, its copy, the pick, the pick with the hopefuls and ``+experiment=fast`` head to head. Only a
+configuration firmly faster than yours is recommended.
 
-1. **Candidates.** The speed switches that apply to the job and are not already on (``switches``): compile
-   modes, the optimizer's kernel (foreach, fused), on-device data or loader workers and pinning, bf16/AMP/TF32,
-   channels_last and cuDNN autotuning (image tasks), ``set_to_none``, fewer host syncs, the CPU's intra-op
-   threads; with ``tune.allow=recipe`` also a 2x/4x micro-batch with the LR scaled linearly. ``tune.only``
-   narrows the list, ``tune.switches`` adds your own (``name -> {dotted.key: value}``).
-2. **Numerics guard.** Every candidate that changes arithmetic, and at the end the pick, trains the first
-   ``tune.guard_steps`` steps from the same weights and batches as your configuration (same seed, in this process); a
-   candidate whose loss curve departs from yours (relative, in any fifth of the samples seen) by more than yours departs
-   under another seed (``trainer.seed + 1``: another initialization and batch order, the spread of equally good runs)
-   and more than ``tune.guard_tolerance`` is rejected before any speed is measured (``guard``).
-3. **Greedy forward selection by interleaved, paired measurement** (runner/compare/). Round 1 measures
-   each candidate on top of your configuration; every round, the candidates and the incumbent are resident
-   processes taking turns in slices of about ``tune.slice_seconds`` (1 s: on a noisy machine, the shorter the
-   slices, the closer in time the paired slices, the more drift cancels), a copy of the incumbent (A')
-   measures the round's own noise, and each verdict is Holm's over the round (runner/compare/stats.py);
-   a candidate firmly slower is retired from the round after ``interleave.min_passes`` passes. The candidate that helps
-   most (its interval's low end above ``tune.min_speedup``) joins the incumbent; candidates measured no faster are
-   dropped (racing: López-Ibáñez et al., "The irace package", 2016); the next round measures the rest on
-   top of the new incumbent, so interactions are measured, not assumed. It ends when nothing helps, no
-   candidate is left or the search's share of ``tune.budget_minutes`` is spent. When it ends because nothing
-   was firmly faster, the last round's *hopefuls* (faster, not firmly: ``rounds.hopefuls``) are kept aside:
-   effects of 5-15 % are rarely firm in a short round on a noisy machine, and several of them add up.
-4. **Verification.** Your configuration, its copy, the pick, the pick with the hopefuls and
-   ``+experiment=fast`` run head to head. A configuration is recommended only when it is firmly faster than
-   yours, the one with the hopefuls only when it is also firmly faster than the pick (``rounds.choose``);
-   otherwise the answer is "no change". The pick is never slower than what you run.
-
-Outputs (``harness.write_outputs``): ``speed.csv``/``.md``/``.png``/``.json`` with every candidate of every
-round (speed-up, interval, verdict, the guard's loss and departure), and ``experiment/tuned.yaml``: the pick as
-a preset, ``python -m runner '+experiment=[<yours>,tuned]' --config-dir <out>``. Each round's processes and
-``interleave.json`` stay in ``<out>/rounds/``.
-
-Layout: the candidates in runner/tune/switches.py, the guard in runner/tune/guard.py, the rounds and the
-decisions on them in runner/tune/rounds.py, the search and the outputs here.
-
-The measured jobs are the tuner's children. Under torchrun (``torchrun --nproc-per-node N -m runner.tune speed
-distributed=ddp ...``) every round's job is a DDP job of the N ranks: rank 0's conductor decides and the
-other ranks' conductors mirror it (runner/compare/ranks.py), the guard trains on all ranks, and every
-figure a decision rests on (the guard's loss curves, each round's record, the time left) is rank 0's,
-broadcast, so the ranks agree on every decision.
+Outputs (``harness.write_outputs``): ``speed.csv``/``.md``/``.png``/``.json`` (every candidate of every round) and
+``experiment/tuned.yaml``, the pick as a preset; each round's processes and ``interleave.json`` in
+``<out>/rounds/``. Under torchrun every measured job is a DDP job of the N ranks, rank 0's figures decide and are
+broadcast (runner/compare/ranks.py), so the ranks agree on every decision.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
-from runner.techniques import TECHNIQUES
+from runner.techniques import TECHNIQUES, applies
 
 #: Candidates that are not one technique of runner/techniques/: a combination (bf16 with the attention in fp32),
 #: a setting of the machine (half the threads), recipe changes (a larger micro-batch with the LR scaled)
@@ -116,7 +116,8 @@ def _data(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
           cfg.data.name in IN_MEMORY_DATA, f"data={cfg.data.name} has no in-memory form")
     if not dl.on_device:
         offer(Switch.of("loader_workers"), dl.num_workers == 0, "")
-        offer(Switch.of("pinned_memory"), cuda, "pinned memory speeds up host-to-GPU copies only")
+        why_not = applies("pinned_memory", cuda=cuda)
+        offer(Switch.of("pinned_memory"), why_not is None, why_not or "")
 
 
 def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
@@ -153,9 +154,9 @@ def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
 
     from runner.measure import hardware
 
-    offer(Switch.of("channels_last"), image, "an image technique; the inputs are token ids")
-    offer(Switch.of("cudnn_benchmark"), image and cuda,
-          "cuDNN autotuning exists on CUDA only, for image models")
+    for name in ("channels_last", "cudnn_benchmark"):
+        why_not = applies(name, cuda=cuda, image=image)
+        offer(Switch.of(name), why_not is None, why_not or "")
     offer(Switch.of("set_to_none"), True, "")
     offer(Switch.of("fewer_syncs"), cfg.trainer.log_every < 50,
           f"trainer.log_every={cfg.trainer.log_every} already syncs at most every 50 steps")
