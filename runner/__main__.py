@@ -18,9 +18,7 @@ register_interleaved_launcher()  # hydra/launcher=interleaved (runner/sweeps/int
 
 
 def _search_sweeper(**settings):
-    """``hydra/sweeper=search`` (runner/tune/search.py), imported only when a search starts: Hydra instantiates a
-    plugin from any callable registered under its ``_target_``, so ``--help`` and plain runs stay light and an
-    environment without Optuna fails with one line only when it searches."""
+    """``hydra/sweeper=search`` (runner/tune/search.py), imported only when a search starts (Optuna is heavy)."""
     from runner.tune.search import make_sweeper
 
     return make_sweeper(**settings)
@@ -38,13 +36,9 @@ _register_search_sweeper()
 
 
 def _one_line_compose_errors() -> None:
-    """Hydra answers a bad command line with its own several lines: a misspelt key (``trainer.max_step=3``) with
-    "To append to your config use +trainer.max_step=3", advice runner then refuses (the key would be ignored); a
-    value of the wrong type (``optimizer.lr=abc``) with OmegaConf's four-line merge error; an unknown option
-    (``model=resnet19``) with its search path. Its compose errors pass through
-    ``hydra._internal.utils.run_and_report`` (Hydra 1.3), wrapped here so that each of these prints runner's one
-    ``error:`` line with the fix instead (``runner.engine.validate.compose_error_line``: the close declared key, the
-    type the key takes, the close options; a logger's too), exit status 2. Every other error is Hydra's as before."""
+    """Hydra's compose errors (a misspelt key, a value of the wrong type, an unknown option) become runner's one
+    ``error:`` line with the fix (``runner.engine.validate.compose_error_line``), exit status 2, by wrapping
+    ``hydra._internal.utils.run_and_report`` (Hydra 1.3); every other error is Hydra's as before."""
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException
 

@@ -349,3 +349,29 @@ def test_the_policy_admits_runners_own_targets_and_no_path_around_them():
     for call in (lambda: trust.check_target("model._target_", "torch.load", trust.Policy(trust=True), "c"),
                  lambda: trust.check_interpolations({"a": "${oc.env:HOME}"}, trust.Policy(trust=True), "c")):
         call()  # --trust: as python -m runner
+
+
+def test_links_planted_in_a_job_folder_are_replaced_never_written_through(tmp_path):
+    """A copied job or sweep folder may hold links to files outside it: the summary's temporary file (the writer of
+    summary.json and eval-*.json), the report's files and the job folder's lock are written as files of their own,
+    and the files the links pointed at are left as they were."""
+    from runner.engine import jobdir
+    from runner.report.write import write_csv
+    from runner.track.records import write_json_atomic, write_own
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for name in ("summary.json.tmp", "eval-final.json", "report.md", "report.csv", jobdir.LOCK_FILE):
+        (folder / name).symlink_to(victim)
+    write_json_atomic(folder / "summary.json", {"steps": 4})
+    write_json_atomic(folder / "eval-final.json", {"eval_loss": 1.0})
+    write_own(folder / "report.md", "# report\n")
+    write_csv([], folder / "report.csv")
+    assert jobdir.acquire(folder)
+    jobdir.release(folder, taken=True)
+    assert victim.read_text() == "precious\n"
+    for name in ("summary.json", "eval-final.json", "report.md", "report.csv", jobdir.LOCK_FILE):
+        assert (folder / name).is_file() and not (folder / name).is_symlink(), name
+    assert not (folder / "summary.json.tmp").exists()

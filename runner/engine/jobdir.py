@@ -100,7 +100,9 @@ def acquire(folder: Path) -> bool:
         return False
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is not changed
+        if (folder / LOCK_FILE).is_symlink():  # runner's lock is a file: a link (a copied folder's) is never followed
+            (folder / LOCK_FILE).unlink()
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
         raise ConfigError(f"cannot open the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): the job "
                           f"folder must be a folder you can write; run into another one (hydra.run.dir)") from e

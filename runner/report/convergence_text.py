@@ -17,6 +17,7 @@ from runner.compare.convergence import TargetRatio
 from runner.compare.stats import HELPS, HURTS, Interval
 from runner.report.convergence import NEEDS_THROUGHPUT, REFERENCE, Variant, build_variants, median_samples
 from runner.report.sweep import sweep_command
+from runner.track.records import open_own, write_own
 
 #: Columns of report.csv, in order (ratios config ÷ baseline; ``*_p``: the p-value of "no difference").
 COLUMNS = ["configuration", "technique", "step_cost", "seeds", "reached", "failed", "eval_every_samples",
@@ -136,7 +137,7 @@ def _ends(r: Interval | TargetRatio | float | None) -> list[Any]:
 
 def write_csv(rows: list[Variant], path: Path) -> None:
     """report.csv: one row per configuration, ``COLUMNS``."""
-    with path.open("w", newline="") as f:
+    with open_own(path, newline="") as f:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         for v in rows:
@@ -196,7 +197,7 @@ def write_convergence_report(sweep: Path, throughput: Path | None = None, doc: P
     sweep = Path(sweep)
     rows = rows if rows is not None else build_variants(sweep, throughput)
     written = [sweep / "report.md", sweep / "report.csv"]
-    written[0].write_text(markdown(rows, sweep, _record(sweep), throughput))
+    write_own(written[0], markdown(rows, sweep, _record(sweep), throughput))
     write_csv(rows, written[1])
     if doc is not None:
         doc = Path(doc)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.track.records import open_own, write_own
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
@@ -306,7 +308,8 @@ def plot_sweep(jobs: list[SweepJob], keys: list[str], path: Path) -> str:
     ax.set_title(f"{shown} (missing: jobs without figures)" if len(measured) < len(jobs) else shown, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with open_own(path, "wb") as f:  # a link planted at the name is replaced, never written through
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
     return shown
 
@@ -406,7 +409,7 @@ def write_plain_report(sweep: Path) -> list[Path]:
     keys = swept_keys(jobs)
     fixed = {k: v for k, v in jobs[0].overrides.items() if k not in keys}
     written = [sweep / "report.md", sweep / "report.csv", sweep / "sweep.png"]
-    with written[1].open("w", newline="") as f:
+    with open_own(written[1], newline="") as f:
         writer = csv.writer(f)
         writer.writerow(keys + PLAIN_COLUMNS)
         for j in jobs:
@@ -450,5 +453,5 @@ def write_plain_report(sweep: Path) -> list[Path]:
         lines += [""] + budget_lines([j.times for j in jobs], sweep_wall_time(sweep, jobs),
                                      "multirun.yaml written to the last summary")
     lines += ["## Plot", "", f"{shown}:", "", f"![samples/s]({written[2].name})", ""]
-    written[0].write_text("\n".join(lines))
+    write_own(written[0], "\n".join(lines))
     return written

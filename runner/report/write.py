@@ -28,6 +28,7 @@ from runner.report import paired
 from runner.report.load import Job, ReportError, Row, load_jobs, load_record, unfinished_jobs
 from runner.report.markdown import agreement, markdown, reading
 from runner.report.rows import build_rows
+from runner.track.records import open_own, write_own
 
 #: Columns of report.csv and of the W&B table, in order. Intervals are 95 % intervals from the paired slices
 #: (runner/compare/stats.py); ``effect_ci_half_width`` is relative (0.05 = ±5 %); ``repeats``: measured processes.
@@ -66,7 +67,7 @@ def _cell(v: Any) -> Any:
 
 def write_csv(rows: list[Row], path: Path) -> None:
     """Write ``rows`` to ``path`` as CSV with the ``CSV_COLUMNS`` header (one row per configuration)."""
-    with path.open("w", newline="") as f:
+    with open_own(path, newline="") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for values in csv_rows(rows):
@@ -75,7 +76,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
 def write_jobs_csv(jobs: list[Job], path: Path) -> None:
     """Write one row per job (``JOB_COLUMNS``): samples/s and where its wall time went (s)."""
-    with path.open("w", newline="") as f:
+    with open_own(path, newline="") as f:
         writer = csv.writer(f)
         writer.writerow(JOB_COLUMNS)
         for j in jobs:
@@ -123,7 +124,8 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.set_xlabel("speed-up over the baseline (x, paired samples/s ratio; whiskers: 95 % CI)")
     ax.set_title("green: helps, red: hurts, grey: no measurable effect, no interval or skipped", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with open_own(path, "wb") as f:  # a link planted at the name is replaced, never written through
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -219,7 +221,7 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
         record["interleave"] = interleaved
     written = [sweep / "report.md", sweep / "report.csv", sweep / "speedup.png", sweep / "jobs.csv"]
     plot(rows, written[2])
-    written[0].write_text(markdown(rows, jobs, sweep, record, "speedup.png"))
+    write_own(written[0], markdown(rows, jobs, sweep, record, "speedup.png"))
     write_csv(rows, written[1])
     write_jobs_csv(jobs, written[3])
     if doc is not None:

@@ -63,12 +63,30 @@ def to_json(obj: Any, **kwargs: Any) -> str:
     return json.dumps(finite_or_none(obj), allow_nan=False, default=str, **kwargs)
 
 
+def open_own(path: Path, mode: str = "w", **kwargs: Any):
+    """``path`` opened for writing as a file of its own: a symbolic link there (planted in a copied job or sweep
+    folder) is removed, never written through, so runner cannot overwrite a file outside the folder."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(path, flags, 0o644), mode, **kwargs)
+
+
+def write_own(path: Path, text: str) -> None:
+    """``text`` written to ``path`` as a file of its own (``open_own``: never through a link)."""
+    with open_own(path, encoding="utf-8") as f:
+        f.write(text)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as strict JSON to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX), so
-    a crash or a full disk never leaves a half-written file under the final name."""
+    a crash or a full disk never leaves a half-written file under the final name; a link at either name is
+    replaced, never written through (``open_own``)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
-        tmp.write_text(to_json(obj, indent=2) + "\n")
+        with open_own(tmp, encoding="utf-8") as f:
+            f.write(to_json(obj, indent=2) + "\n")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
