@@ -240,7 +240,18 @@ def bad_case(case: str, bins: dict, tmp_path) -> tuple[list[str], list[str]]:
     if case == "uint32 read as uint16":  # the default dtype on a file of uint32 ids: every second uint16 is 0
         wide = write(tmp_path / "wide.bin", np.fromfile(bins["train_path"], dtype=np.uint16), dtype=np.uint32)
         return [*ok, f"data.train_path={wide}"], ["data.train_path=", "read as data.dtype=uint16",
-                                                  "every second id 0", "set data.dtype=uint32"]
+                                                  "every second id <= 0", "set data.dtype=uint32"]
+    if case == "uint32 ids past 65,535 read as uint16":  # high halves of 0 and 1: the zeros check alone missed it
+        ids = (np.arange(3000) * 7919 % 70000).astype(np.uint32)
+        wide = write(tmp_path / "wide.bin", ids, dtype=np.uint32)
+        return [*ok, f"data.train_path={wide}", "data.vocab_size=70000"], ["every second id <= 1", "data.dtype=uint32"]
+    if case == "int64 read as uint32":  # the advice for int64 read as uint16 was uint32, which trained on zeros
+        wide = write(tmp_path / "wide.bin", np.fromfile(bins["train_path"], dtype=np.uint16), dtype=np.int64)
+        return [*ok, f"data.train_path={wide}", "data.dtype=uint32"], ["read as data.dtype=uint32", "64-bit ids",
+                                                                      "write them as uint32"]
+    if case == "int64 read as uint16":
+        wide = write(tmp_path / "wide.bin", np.fromfile(bins["train_path"], dtype=np.uint16), dtype=np.int64)
+        return [*ok, f"data.train_path={wide}"], ["read as data.dtype=uint16", "64-bit ids", "write them as uint32"]
     if case == "empty file":
         empty = tmp_path / "empty.bin"
         empty.write_bytes(b"")
@@ -249,7 +260,8 @@ def bad_case(case: str, bins: dict, tmp_path) -> tuple[list[str], list[str]]:
 
 
 BAD = ["missing file", "odd size", "id too large", "no vocab_size", "split too short", "no path", "bad dtype",
-       "uint32 read as uint16", "empty file"]
+       "uint32 read as uint16", "uint32 ids past 65,535 read as uint16", "int64 read as uint32", "int64 read as uint16",
+       "empty file"]
 
 
 @pytest.mark.parametrize("case", BAD)

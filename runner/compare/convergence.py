@@ -1,51 +1,12 @@
 """Samples to target over seeds, and time to target = samples to target ÷ samples per second.
 
-On a noisy machine the time a run takes to reach a target is measured as two factors. Samples to target (the
-global samples trained when an evaluation first met ``trainer.target_accuracy`` / ``trainer.target_loss``;
-summary.json ``samples_to_target``) depends on the arithmetic and the seed, not on the machine's load: it is
-measured over seeds, each run ending at the target (``trainer.stop_at_target``) or at its step limit. Samples per
-second is what the interleaved comparison measures (runner/compare/stats.py). Repeats of one seed would measure
-nothing here: the samples to target of a seed are the same whenever it runs (up to nondeterministic kernels); the
-spread that matters is the one between seeds.
-
-**The statistic** (``samples_to_target``): the configuration's and the reference's seeds are two samples of
-log(samples to target); the shift Δ between them (config = reference + Δ, a ratio exp(Δ) on the samples) is
-estimated by Hodges–Lehmann, the median of the m·n pairwise differences ``log x_i - log y_j``, with the
-distribution-free confidence interval of Mann–Whitney's test: the k-th smallest and k-th largest pairwise
-difference, k from the exact null distribution of the Mann–Whitney count (the Gaussian binomial coefficient,
-computed here exactly for any size; Hodges & Lehmann 1963, "Estimates of location based on rank tests", Ann. Math.
-Statist. 34; Hollander & Wolfe, Nonparametric Statistical Methods, ch. 4, the two-sample location problem). It
-assumes independent seeds and a shift on the log scale; it needs no normality and a seed that reached its target
-late counts no more than its rank. The closed interval is conservative when values tie (evaluations date the
-target on a grid of steps).
-
-**Censored seeds** (the target not reached by the step limit, or an early stop) are never dropped. A censored
-run's samples to target lie above the samples it trained, ``L``: each pairwise difference it enters is then known
-only within bounds (config censored: [log L - log y, +inf]; reference censored: [-inf, log x - log L]; both:
-unknown). The interval's lower end is computed from every difference's lower bound and its upper end from every
-upper bound: the union of the intervals over every value the censored runs could take, so it keeps its coverage
-whatever they are, without assuming one common limit. An end that the censored seeds leave open is 0 or inf (a
-config that never reached the target: "at least ×2.1 the samples", high = inf). The estimate takes a censored run
-as later than every run that reached the target (+inf) and two censored runs as a tie; with half the pairs or
-more censored against reached runs it is inf, which says what was measured. The p-value of "no difference" is the
-interval's inversion (p <= 1 - confidence exactly when the interval excludes 1), counting each tie and undecided
-pair against the verdict, so the result joins Holm's family (``stats.verdicts``) next to the throughput ratios.
-
-**Same seeds on both sides.** Seeds usually pair (seed s in both configurations shares its initialization and
-data order). The statistic does not use the pairing: a technique that changes the arithmetic soon makes the two
-trajectories differ, censoring leaves signed-rank differences undecided, and the two-sample interval needs no
-pairing. With same-seed runs positively correlated (the usual case) it is conservative; runs of unpaired or
-unequal seed sets compare as they are.
-
-**Time to target** (``time_to_target``) = samples ratio ÷ throughput ratio (config ÷ reference samples/s, an
-``Interval`` of the interleaved comparison; exactly 1 for a technique that does not change a step's cost, then
-the time interval is the samples interval). The two intervals are combined by Bonferroni: each at confidence
-1 - α/2, the ends divided on the log scale (low = samples low ÷ throughput high), so the product covers with
-probability at least 1 - α; its p-value is the smallest α at which that interval excludes 1.
-
-Fewer than ``MIN_SEEDS`` seeds on a side, or no seed that reached the target, give no interval (None). With 3
-seeds per side the 95 % interval is unbounded (0 to inf): the exact test cannot reject below 4 seeds per side
-(1/C(8, 4) = 1/70 <= 0.025); 8 seeds per side resolve a 20 % difference at 5 % spread per seed.
+The method, its sources and its limits are in docs/ablation.md ("Samples to target and time to target"): samples to
+target (summary.json ``samples_to_target``) is measured over seeds, the ratio config ÷ reference is the
+Hodges–Lehmann estimate on the log scale with the exact Mann–Whitney interval (Hodges & Lehmann 1963; Hollander &
+Wolfe, ch. 4); censored seeds (the target not reached) bound the pairwise differences they enter and are never
+dropped; time to target divides the samples interval by the throughput interval (an ``Interval`` of the
+interleaved comparison), each at 1 - α/2 (Bonferroni). Fewer than ``MIN_SEEDS`` seeds on a side, or no seed that
+reached the target, give no interval (None); 4 per side is the least that can reach a 95 % verdict.
 """
 
 from __future__ import annotations

@@ -114,8 +114,7 @@ def open_split(key: str, path: str | None, dtype: str, block_size: int, vocab_si
         raise ConfigError(f"data.{key}={path} holds {count} tokens and a window needs data.block_size + 1 = "
                           f"{block_size + 1}; lower data.block_size below {count} or use a longer split")
     tokens = TokenFile(file, dtype)
-    if dtype == "uint16":
-        _refuse_uint32_halves(key, path, tokens)
+    _refuse_wider_ids(key, path, tokens, vocab_size)
     top, where = tokens.max()
     if top >= vocab_size:
         raise ConfigError(f"data.{key}={path} holds token id {top} (at token {where}), not below "
@@ -124,27 +123,37 @@ def open_split(key: str, path: str | None, dtype: str, block_size: int, vocab_si
     return tokens
 
 
-#: Tokens of a file's start looked at by ``_refuse_uint32_halves`` (128 KiB of uint16).
+#: Tokens of a file's start looked at by ``_refuse_wider_ids``.
 HALVES_SAMPLE = 1 << 16
 
 
-def _refuse_uint32_halves(key: str, path: str, tokens: TokenFile) -> None:
-    """A file of uint32 ids read as uint16 (the default ``data.dtype``) is every id followed by its high half, 0
-    for any id below 65,536: it would train with exit 0 on every second token being 0. Read as uint16, a sample of
-    its first ``HALVES_SAMPLE`` tokens with every odd one 0 and an even one not is such a file (real text has
-    no such pattern over 64 tokens and more).
+def _refuse_wider_ids(key: str, path: str, tokens: TokenFile, vocab_size: int) -> None:
+    """Ids written wider than ``data.dtype`` (uint32 or int64 read as uint16, int64 as uint32) would train with exit 0
+    on every second (or three of four) tokens being their high words, at most ``(vocab_size - 1) >> bits``: a sample
+    of the first ``HALVES_SAMPLE`` tokens whose high words all fit that bound, the low ones not, is such a file.
 
     Raises:
-        ConfigError: naming ``data.<key>``, ``data.dtype`` and the fix.
+        ConfigError: naming ``data.<key>``, ``data.dtype``, what the file holds and the fix.
     """
-    n = min(len(tokens), HALVES_SAMPLE) // 2 * 2
+    bits = 8 * tokens.memmap.dtype.itemsize
+    n = min(len(tokens), HALVES_SAMPLE) // 4 * 4
     if n < 64:
         return
-    sample = np.asarray(tokens.memmap[:n])
-    if not sample[1::2].any() and sample[0::2].any():
-        raise ConfigError(f"data.{key}={path} read as data.dtype=uint16 has every second id 0 (all {n // 2} in its "
-                          f"first {n} tokens): it holds uint32 ids, whose high halves are those zeros; set "
-                          f"data.dtype=uint32")
+    sample = np.asarray(tokens.memmap[:n], dtype=np.int64).reshape(-1, 4)
+    high = (vocab_size - 1) >> bits
+
+    def widened(words: int) -> bool:  # every id followed by words - 1 high words
+        cols = sample.reshape(-1, words)
+        return bool(cols[:, 0].any() and (cols[:, 1:] <= high).all() and not (cols[:, 1:] == cols[:, :1]).all())
+
+    read = f"data.{key}={path} read as data.dtype={tokens.dtype}"
+    if widened(4) and bits == 16 or widened(2) and bits == 32:
+        raise ConfigError(f"{read} has every id followed by high words <= {high}: it holds 64-bit ids (int64), "
+                          f"which data=tokens does not read; write them as uint32 (ids.astype(np.uint32).tofile) or "
+                          f"uint16 for vocabularies under 65,536")
+    if bits == 16 and widened(2):
+        raise ConfigError(f"{read} has every second id <= {high} (all {n // 2} in its first {n} tokens): it holds "
+                          f"uint32 ids, whose high halves those are; set data.dtype=uint32")
 
 
 def _load_tiktoken(name: str):
