@@ -190,3 +190,12 @@ def test_killed_fsdp_muon_language_model_resumes_exactly(tmp_path):
     summary = assert_exact_resume(tmp_path, [*lm, *STEPS, "distributed=fsdp"], distributed=True)
     assert summary["parameters"]["dtensor_count"] > 0
     assert summary["config"]["optimizer"]["_target_"] == "timm.optim.Muon"
+
+
+def test_muon_on_a_model_with_no_hidden_matrix_is_refused_naming_it(tmp_path):
+    """A model whose every tensor is an embedding, the head, a bias or a gain would train with AdamW alone under
+    optimizer=muon, silently: one error line says so and names the fix."""
+    with pytest.raises(ConfigError, match=r"optimizer=muon: Linear has no hidden matrix for Muon .*optimizer=adamw"):
+        optim.muon_groups(compose_cfg("optimizer=muon").optimizer, torch.nn.Linear(8, 3))
+    assert optim.muon_groups(compose_cfg("optimizer=muon").optimizer, torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)))[0]["use_muon"] is True

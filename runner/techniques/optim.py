@@ -184,7 +184,8 @@ def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
     work as for the other optimizers (tests/test_muon.py).
 
     Raises:
-        ConfigError: ``lr`` or ``adamw_lr`` not > 0, ``ns_steps`` < 1 or ``momentum`` outside [0, 1).
+        ConfigError: ``lr`` or ``adamw_lr`` not > 0, ``ns_steps`` < 1, ``momentum`` outside [0, 1), or a model with no
+            hidden matrix (Muon would update nothing).
     """
     for ok, key, value, rule in (
             (cfg.lr > 0, "lr", cfg.lr, "must be > 0 (the AdamW part's LR is adamw_lr / lr of it)"),
@@ -194,6 +195,10 @@ def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
         if not ok:
             raise ConfigError(f"optimizer.{key}={value} {rule}")
     matrices, rest = muon_split(model)
+    if not matrices:  # every tensor would take the AdamW fallback: optimizer=muon would be AdamW under another name
+        raise ConfigError(f"optimizer=muon: {type(model).__name__} has no hidden matrix for Muon (its {len(rest)} "
+                          f"trainable tensors are embeddings, the output head, biases or gains, which take AdamW); "
+                          f"use optimizer=adamw")
     adamw = {"use_muon": False, "nesterov": False, "eps": cfg.adamw_eps}
     groups = [{"params": [p for _, p in matrices], "use_muon": True}]
     if cfg.decay_all:
