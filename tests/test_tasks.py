@@ -233,3 +233,16 @@ def test_stop_at_target_without_a_target_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.stop_at_target=true stops at the first evaluation meeting the "
                                           r"targets: set trainer\.target_loss or trainer\.target_accuracy"):
         train(regression("trainer.stop_at_target=true"), job_dir=tmp_path)
+
+
+@pytest.mark.parametrize("which, value", [("training", float("nan")), ("evaluation", float("inf"))])
+def test_non_finite_regression_targets_are_one_error_before_training(which, value, tmp_path):
+    """A NaN or infinite target stopped the run with exit 3 blaming the learning rate (in training) or lost its
+    summary (in evaluation): it is refused before anything is built, naming the set and the first item."""
+    from runner.engine.train import train
+
+    cfg = compose_cfg("task=regression", "data=custom", "data._target_=user_data.regression_with_a_bad_target",
+                      f"+data.which={which}", f"+data.value={value}", "model=mlp")
+    with pytest.raises(ConfigError, match=rf"1 target\(s\) of the {which} set are NaN or infinite \(item 5 first\)"):
+        train(cfg, job_dir=tmp_path)
+    assert not (tmp_path / "summary.json").exists()

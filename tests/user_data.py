@@ -67,6 +67,13 @@ class Rows(Dataset):
         return self.x[i].astype(np.float32), self.y[i]
 
 
+def regression_with_a_bad_target(which: str = "evaluation", value: float = float("nan")):
+    """``regression``'s data with one target of the ``which`` set set to ``value`` (NaN or infinity)."""
+    train, evaluation = regression()
+    (train if which == "training" else evaluation).tensors[1][5] = value
+    return train, evaluation
+
+
 def rows(n_features: int = 8, n_classes: int = 3, classes: list[str] | None = None):
     """``tabular`` served row by row (not materializable as tensors); ``classes`` sets that attribute."""
     (x, y), (xe, ye) = (ds.tensors for ds in tabular(n_features, n_classes))

@@ -179,8 +179,8 @@ def custom_datasets(cfg: DictConfig, check_target: Callable[[Any], str | None]
         ConfigError: ``_target_`` unset, not importable or not callable; an argument its signature lacks
             (lists the valid names); the call raises; it does not return a pair of map-style datasets; an
             empty dataset; items that are not ``(input, target)`` pairs, or whose target the task refuses;
-            inputs or targets of different shapes in the two sets; no class count (``class_count``), or
-            ``data.num_classes`` set for float targets.
+            inputs or targets of different shapes in the two sets; no class count (``class_count``),
+            ``data.num_classes`` set for float targets, or NaN/infinite float targets (where readable cheaply).
     """
     path = cfg._target_
     fn = targets.locate("data._target_", path)
@@ -212,6 +212,13 @@ def custom_datasets(cfg: DictConfig, check_target: Callable[[Any], str | None]
         if cfg.num_classes is not None:
             raise ConfigError(f"data.num_classes={cfg.num_classes} counts classes, but the targets are floats "
                               f"({_described(y0)}), not class indices; drop data.num_classes")
+        for which, ds in (("training", train_ds), ("evaluation", eval_ds)):  # where readable without the inputs
+            t = _cheap_targets(ds)
+            if t is not None and t.is_floating_point() and not (finite := torch.isfinite(t)).all():
+                rows = (~finite).reshape(len(t), -1).any(1).nonzero().flatten()
+                raise ConfigError(f"data._target_={path}: {len(rows)} target(s) of the {which} set are NaN or "
+                                  f"infinite (item {rows[0].item()} first): no model fits them and the loss would be "
+                                  f"NaN; drop or fix those items")
         return train_ds, eval_ds, None, x0, y0
     return train_ds, eval_ds, class_count(path, cfg.num_classes, train_ds, eval_ds), x0, y0
 
