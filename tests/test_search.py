@@ -195,3 +195,38 @@ def test_the_gpt_search_brings_the_recipe_and_its_own_target():
     assert line == ("python -m runner +experiment=shakespeare_char trainer.num_threads=1 optimizer.lr=0.0035 "
                     "scheduler=cosine")
     assert compose_cfg(*line.split()[3:], tiny=False).model.n_layer == 4
+
+
+def test_a_planted_trial_in_a_shared_study_is_never_the_best_nor_launched(tmp_path):
+    """A finished trial planted in a shared SQLite study with a key the search does not own (a ``_target_`` that
+    would run a pickle) or a value outside its space is not the best trial: only the search's own rows are."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from runner.tune.search import search_space
+    from runner.tune.search_end import best_trial, in_space
+
+    space, _ = search_space({"optimizer.lr": "interval(0.01, 0.5)"}, [])
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'shared.db'}", study_name="s", direction="minimize")
+    lr = {"optimizer.lr": FloatDistribution(0.01, 0.5)}
+    good = optuna.trial.create_trial(params={"optimizer.lr": 0.1}, distributions=lr, value=0.5)
+    outside = optuna.trial.create_trial(params={"optimizer.lr": 0.9}, distributions={
+        "optimizer.lr": FloatDistribution(0.01, 1.0)}, value=0.1)
+    planted = optuna.trial.create_trial(
+        params={"optimizer.lr": 0.1, "model._target_": "numpy.load"}, value=0.01,
+        distributions={**lr, "model._target_": optuna.distributions.CategoricalDistribution(["numpy.load"])})
+    for t in (good, outside, planted):
+        study.add_trial(t)
+    assert [in_space(t, space) for t in study.trials] == [True, False, False]
+    assert best_trial(study, "train_loss", "minimize", space).params == {"optimizer.lr": 0.1}
+
+
+@pytest.mark.parametrize("override, words", [
+    ("hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0 must be >= 1"),
+    ("hydra.sweeper.storage=postgresql://nowhere:1/x", "hydra.sweeper.storage=postgresql://nowhere:1/x cannot be "
+                                                       "opened")])
+def test_a_search_that_cannot_run_is_one_error_line(override, words, tmp_path):
+    from conftest import run_here
+
+    proc = run_here("-m", "hparams_search=mnist_optuna", override, "logger=none", cwd=tmp_path)
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

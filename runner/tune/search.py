@@ -182,6 +182,8 @@ class SearchSweeper(Sweeper):
         if direction not in ("minimize", "maximize"):
             raise ConfigError(f"hydra.sweeper.direction={direction} must be minimize, maximize or null (the "
                               f"direction in which {metric} is better: {objective.METRICS[metric]})")
+        if self.n_trials < 1:
+            raise ConfigError(f"hydra.sweeper.n_trials={self.n_trials} must be >= 1 (the trials the search runs)")
         space, fixed = search_space(self.params, arguments)
         if not space:
             raise ConfigError("nothing to search: give hydra.sweeper.params (key: interval(a, b) | choice(a, b) "
@@ -199,8 +201,14 @@ class SearchSweeper(Sweeper):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # runner prints one line per trial itself
         sampler = instantiate(self.sampler) if self.sampler is not None else None
-        return optuna.create_study(sampler=sampler, direction=direction, storage=self.storage,
-                                   study_name=self.study_name, load_if_exists=self.storage is not None)
+        # a stored study without a name would be a new one on every run: the second run adds to the first's
+        name = self.study_name or ("runner-search" if self.storage else None)
+        try:
+            return optuna.create_study(sampler=sampler, direction=direction, storage=self.storage, study_name=name,
+                                       load_if_exists=self.storage is not None)
+        except Exception as e:  # noqa: BLE001 - an unopenable URL or file: one line, not Optuna's traceback
+            fail(f"hydra.sweeper.storage={self.storage} cannot be opened ({type(e).__name__}: {e}); give a URL "
+                 f"Optuna opens, e.g. sqlite:///search.db, or null for a study in memory")
 
 
 def tell(study: Any, trial: Any, value: float | None) -> bool:

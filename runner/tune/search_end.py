@@ -48,12 +48,23 @@ def job_folder(ret: JobReturn) -> Path:
     return Path(str(OmegaConf.select(ret.hydra_cfg, "hydra.runtime.output_dir")))
 
 
-def best_trial(study: Any, metric: str, direction: str) -> Any:
-    """The best complete trial; for a to-target metric only among those that reached the target (a censored
-    trial's value is a penalty, not a measurement). None when there is none."""
+def in_space(trial: Any, space: dict[str, Any]) -> bool:
+    """Whether a stored trial's parameters are exactly the search's keys, each with a value its distribution holds:
+    a shared study's rows are data, and a planted one (``model._target_=numpy.load``) is never launched."""
+    if set(trial.params) != set(space):
+        return False
+    try:
+        return all(space[k]._contains(space[k].to_internal_repr(v)) for k, v in trial.params.items())
+    except (ValueError, TypeError, KeyError):
+        return False
+
+
+def best_trial(study: Any, metric: str, direction: str, space: dict[str, Any]) -> Any:
+    """The best complete trial of the search ``space`` (``in_space``); for a to-target metric only among those that
+    reached the target (a censored trial's value is a penalty, not a measurement). None when there is none."""
     from optuna.trial import TrialState
 
-    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE and in_space(t, space)]
     if metric in TO_TARGET:
         done = [t for t in done if t.user_attrs.get("reached")]
     if not done:
@@ -211,7 +222,7 @@ def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
     sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
     print(f"\nsearch {sweep_dir}: {len(study.trials)} trials, {metric} ({direction}):", *trials_table(study, metric),
           sep="\n", flush=True)
-    best = best_trial(study, metric, direction)
+    best = best_trial(study, metric, direction, plan["space"])
     results: dict[str, Any] = {"name": study.study_name, "optimized_metric": metric, "direction": direction}
     if best is None:
         why = "reached the target" if metric in TO_TARGET else "completed"
