@@ -201,8 +201,7 @@ class SearchSweeper(Sweeper):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # runner prints one line per trial itself
         sampler = instantiate(self.sampler) if self.sampler is not None else None
-        # a stored study without a name would be a new one on every run: the second run adds to the first's
-        name = self.study_name or ("runner-search" if self.storage else None)
+        name = self.study_name or ("runner-search" if self.storage else None)  # unnamed: a new study every run
         try:
             return optuna.create_study(sampler=sampler, direction=direction, storage=self.storage, study_name=name,
                                        load_if_exists=self.storage is not None)
