@@ -281,6 +281,9 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     cfg = job_config(folder, defaults + overrides, policy)  # bad input stops here, before torch is imported
     path = weights_file(folder, weights, cfg)
     verified = check_weights(folder, path)  # against summary.json's SHA-256: a modified file is refused
+    if not verified:  # a run that did not finish, or one from before runner kept checksums
+        print(f"warning: {path} has no SHA-256 in {Path(folder) / 'summary.json'}: it is loaded unchecked",
+              file=sys.stderr, flush=True)
 
     import numpy as np
     import torch
@@ -292,8 +295,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     validate(cfg)
     env = distributed.Env(rank=0, local_rank=0, world_size=1, nodes=1,
                           device=distributed.pick_device(cfg.trainer.device))
-    # runner.engine.build.seed_everything's three seeds (a user's data function may draw its split from them); not
-    # imported from there, which would load the checkpointing stack (1-2 s) for nothing
+    # runner.engine.build.seed_everything's three seeds (a data function may draw its split), without its imports
     random.seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)

@@ -78,6 +78,7 @@ def test_evaluate_reproduces_the_jobs_final_evaluation(job):
     assert record["batches"] == 2 and record["weights"] == "final" and record["weights_file"] == "model.safetensors"
     digest = hashlib.sha256((job / "model.safetensors").read_bytes()).hexdigest()  # the run recorded what it wrote
     assert summary["weights_sha256"] == {"model.safetensors": digest} and record["weights_verified"] is True
+    assert "unchecked" not in proc.stderr
     assert record["overrides"] == ["trainer.eval_max_batches=2"] and record["data"]["name"] == "synthetic"
     for key in ("eval_accuracy", "eval_loss"):
         assert record["metrics"][key] == pytest.approx(summary[key], rel=1e-6, abs=1e-7), key
@@ -98,7 +99,8 @@ def test_evaluate_other_weights_give_other_figures(job, tmp_path):
                     module="runner.evaluate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((folder / "eval-ema.json").read_text())
-    assert record["weights_file"] == "model_ema.safetensors"
+    assert record["weights_file"] == "model_ema.safetensors" and record["weights_verified"] is False
+    assert "model_ema.safetensors has no SHA-256" in proc.stderr and "loaded unchecked" in proc.stderr  # said, once
     assert record["metrics"]["eval_loss"] != pytest.approx(read_summary(job)["eval_loss"], rel=1e-3)
 
 

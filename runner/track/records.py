@@ -64,11 +64,10 @@ def to_json(obj: Any, **kwargs: Any) -> str:
 
 
 def open_own(path: Path, mode: str = "w", **kwargs: Any):
-    """``path`` opened for writing as a file of its own: a symbolic link there (planted in a copied job or sweep
-    folder) is removed, never written through, so runner cannot overwrite a file outside the folder."""
-    path = Path(path)
-    if path.is_symlink():
-        path.unlink()
+    """``path`` opened for writing as a file of its own: a link there (planted in a copied folder) is removed, never
+    written through, so runner cannot overwrite a file outside the folder."""
+    if Path(path).is_symlink():
+        Path(path).unlink()
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     return os.fdopen(os.open(path, flags, 0o644), mode, **kwargs)
 
@@ -85,8 +84,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     replaced, never written through (``open_own``)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
-        with open_own(tmp, encoding="utf-8") as f:
-            f.write(to_json(obj, indent=2) + "\n")
+        write_own(tmp, to_json(obj, indent=2) + "\n")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
