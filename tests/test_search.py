@@ -230,3 +230,18 @@ def test_a_search_that_cannot_run_is_one_error_line(override, words, tmp_path):
 
     proc = run_here("-m", "hparams_search=mnist_optuna", override, "logger=none", cwd=tmp_path)
     assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_search_where_no_trial_gives_the_metric_fails_with_the_fix(tmp_path):
+    """Every trial without a figure (a metric the task does not report, here accuracy on a regression; or every
+    trial diverged) ended rc 0 advising a wider space: it is exit status 1 and says what to check."""
+    from conftest import run_here
+
+    proc = run_here("-m", "hparams_search=mnist_optuna", "trainer.num_threads=1", "logger=none", "trainer.progress=off",
+                    "trainer.max_steps=12", "trainer.eval_max_batches=2", "task=regression", "data=custom",
+                    "data._target_=user_data.regression", "model=mlp", "optimized_metric=eval_accuracy",
+                    "trainer.target_accuracy=null", "trainer.stop_at_target=false", "hydra.sweeper.n_trials=2",
+                    cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "error: no trial gave eval_accuracy" in proc.stderr and "optimized_metric is a figure" in proc.stderr
+    assert "widen the search space" not in proc.stdout

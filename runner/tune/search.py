@@ -9,15 +9,11 @@ grammar: ``interval(a, b)``, ``tag(log, interval(a, b))``, ``choice(a, b, c)``, 
 file runs under the released plugin by changing ``search`` back to ``optuna`` where that plugin installs. Why not
 the plugin (hydra-optuna-sweeper 1.3.0 pins optuna < 3): docs/tuners-and-doctor.md "Searching the recipe".
 
-Each trial is one ``python -m runner`` job of the sweep (Hydra's launcher: its own folder ``<sweep>/<n>``), the
-command line's overrides plus the trial's; its return value is the job's ``optimized_metric``
-(runner/objective.py), told to the study. The best trial is the best among those that met the target (for a
-to-target metric; a censored trial's value is only a penalty). Then ``verify``: the best trial and the starting
-recipe (the same command without the searched parameters) each run on ``verify_seeds`` fresh seeds (never the
-search's: a best trial is partly the luck of the seed it was searched on), compared by samples to target
-(runner/compare/convergence.py), and, where a searched key can change a step's cost, by samples/s measured
-interleaved for ``verify_minutes`` (runner/compare/): together, time to target with an interval. The end is the
-table, the verdicts and one ``python -m runner ...`` line to paste.
+Each trial is one job of the sweep (``<sweep>/<n>``); its ``optimized_metric`` (runner/objective.py) is told to
+the study. ``verify`` then runs the best trial (of the search's own space, among those that met the target) and the
+starting recipe on ``verify_seeds`` fresh seeds: samples to target (runner/compare/convergence.py) and, where a
+searched key can change a step's cost, samples/s interleaved (runner/compare/), so time to target with an interval
+(docs/tuners-and-doctor.md, "Searching the recipe").
 """
 
 from __future__ import annotations

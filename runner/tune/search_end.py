@@ -6,13 +6,11 @@ parameters) on ``verify_seeds`` seeds that the search never used, one pair per s
 so that a machine growing busier slows both alike, each run in ``<sweep>/verify/{best,start}/seed<N>``. It
 compares **samples to target** (runner/compare/convergence.py ``samples_to_target``: Hodges–Lehmann ratio with
 the exact Mann–Whitney interval; a seed that missed the target, or whose run failed, is censored at what it
-trained, never dropped). Samples to target do not depend on the machine's load; time to target does, through its
-other factor, samples/s. Where a searched key can change what a step costs (anything but the LR, its schedule,
+trained, never dropped). Where a searched key can change what a step costs (anything but the LR, its schedule,
 warm-up and weight decay: ``SAME_STEP_COST``), best and start are then measured **interleaved** for
 ``verify_minutes`` (runner/compare/, ``interleave.*``: resident processes taking turns, the start's copy as the
 A/A) into ``<sweep>/verify/throughput/``; otherwise their samples/s ratio is 1. Time to target = samples ratio ÷
-samples/s ratio, each interval at 1 - α/2 (runner/compare/convergence.py ``time_to_target``). The medians of time
-to target in the table were measured one run after the other: a description only.
+samples/s ratio (``time_to_target``); the table's medians, one run after the other, are a description only.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from __future__ import annotations
 import json
 import shlex
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -225,9 +224,14 @@ def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
     best = best_trial(study, metric, direction, plan["space"])
     results: dict[str, Any] = {"name": study.study_name, "optimized_metric": metric, "direction": direction}
     if best is None:
+        _write(sweep_dir, results | {"best_params": None})
+        if study.trials and all(t.value is None for t in study.trials):  # not one figure: the search failed
+            notes = "; ".join(sorted({str(t.user_attrs.get("note", "")) for t in study.trials}))
+            print(f"error: no trial gave {metric} ({notes}): check that optimized_metric is a figure this task "
+                  f"reports, and narrow the space where every trial diverged", file=sys.stderr)
+            sys.exit(1)
         why = "reached the target" if metric in TO_TARGET else "completed"
         print(f"no trial {why}: nothing to verify; widen the search space or raise trainer.max_steps", flush=True)
-        _write(sweep_dir, results | {"best_params": None})
         return
     print(f"best trial: {best.number + 1}, {metric} = {best.value:.4g}", flush=True)
     lines, record = verify(sweeper, plan, best.params)
