@@ -224,7 +224,8 @@ def test_optimizer_state_is_plain_data_that_a_resume_accepts(name):
 ])
 def test_optimizer_impl_reaches_the_optimizer(name, impl, status, defaults):
     cfg = compose_cfg(f"optimizer={name}", f"optimizer.impl={impl}").optimizer
-    opt, techniques = optim.build(cfg, nn.Linear(4, 2), 64, torch.device("cpu"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # a hidden matrix: optimizer=muon refuses a model without
+    opt, techniques = optim.build(cfg, model, 64, torch.device("cpu"))
     assert techniques[f"optimizer_{impl}"].startswith(status)
     for key, value in defaults.items():
         assert opt.defaults[key] is value
