@@ -659,3 +659,19 @@ def test_the_measuring_budget_bounds_the_passes_to_one_slice(tmp_path, monkeypat
     c._measure(1, jobs, 60.0, SimpleNamespace(requested=False))
     assert len(c.slices) == 1 and clock[0] == 60.0  # the settling pass took 50 s; one measured slice fitted
     assert c.stopped == ["group 1: its share of interleave.max_minutes=1 spent (1.0 min)"]
+
+
+def test_the_slice_is_calibrated_on_the_fastest_of_several_slices():
+    """One descheduled calibration slice (50x slower) no longer sets every slice's length: slices grow until one
+    covers half of ``slice_seconds`` and the fastest per-step time decides (10 ms steps: 100 steps in 1 s)."""
+    from runner.compare.conductor import calibrated_steps
+
+    asked = []
+
+    def run_slice(steps):
+        asked.append(steps)
+        per_step = 0.5 if len(asked) == 1 else 0.01  # the first slice was descheduled
+        return {"steps": steps, "seconds": steps * per_step}
+
+    assert calibrated_steps(run_slice, 1.0) == 100 and asked[0] == 2 and len(asked) <= 4
+    assert calibrated_steps(lambda steps: None, 1.0) == 1  # a reference that reports nothing: one step

@@ -1,37 +1,26 @@
-"""The conductor of an interleaved comparison: resident job processes taking turns, pass after pass.
+"""The conductor of an interleaved comparison: resident job processes taking turns, pass after pass (the method and
+the measurements behind each step: docs/ablation.md, "Interleaved measurement").
 
 ``run`` receives the prepared jobs (resolved configs and folders; runner/compare/process.py ``Job``) and:
 
-1. **Admits** jobs, one at a time, each forked from the job server (runner/compare/server.py: torch and runner
-   imported once) into a new session (a terminal's Ctrl-C reaches the conductor only), built, and warmed up
-   for its ``trainer.warmup_steps`` (at least one step) while every other job waits. References start
-   whatever the memory, in the start order, and stay resident to the end; the others are admitted while
-   they fit (runner/compare/admission.py): the jobs that fit form a *group*.
-2. **Calibrates** the slice once, on the sweep's reference: ``interleave.slice_steps``, or the steps that
-   take about ``interleave.slice_seconds``. Every job of the sweep trains the same steps per slice, each slice
-   after ``interleave.resume_steps`` unmeasured steps (a job that waited a whole pass runs slower at first,
-   while the reference runs every third slice: without them, the reference against its own copy read x0.67).
-3. **Settles** the group: every resident job trains one slice, not measured. The references wait through each
-   group's start-up (minutes, while other processes import, build and compile), and their first slices after
-   it read x0.43-0.88 of their later ones, against x0.94-0.96 for the jobs just started (the resnet18/CIFAR
-   ablation, docs/ablation.md): without it, every comparison of the group leans towards "faster".
-4. **Measures** the group pass after pass (runner/compare/schedule.py gives the order and the pairs),
-   printing one line per pass, until every comparison in the group is within ``±interleave.target_ci``
-   (after ``interleave.min_passes``), the group's share of ``interleave.max_minutes`` is spent,
-   ``interleave.max_passes`` is reached, or Ctrl-C. Then the group's jobs finish (final evaluation,
-   ``summary.json``) and the next group is admitted beside the references.
+1. **Admits** jobs, one at a time, each forked from the job server (runner/compare/server.py) into a new session,
+   built and warmed up while every other job waits. References start whatever the memory and stay resident to
+   the end; the others are admitted while they fit (runner/compare/admission.py): a *group*.
+2. **Calibrates** the slice once, on the sweep's reference: ``interleave.slice_steps``, or the steps that take
+   about ``interleave.slice_seconds`` (``calibrated_steps``). Every slice follows ``interleave.resume_steps``
+   unmeasured steps.
+3. **Settles** the group: every resident job trains one slice, not measured (references that waited through a
+   group's start-up read x0.43-0.88 at first).
+4. **Measures** the group pass after pass (runner/compare/schedule.py: the order and the pairs) until every
+   comparison is within ``±interleave.target_ci`` (after ``min_passes``), its share of ``max_minutes`` is spent,
+   ``max_passes`` is reached, or Ctrl-C; then its jobs finish and the next group is admitted.
 5. Writes ``interleave.json`` (runner/compare/record.py) after every pass.
-6. **Falls back to rounds** for jobs that had no room beside the references (not even alone: free memory under
-   one footprint, or ``interleave.max_resident`` reached) or died for memory there (exit status
-   ``EXIT_OUT_OF_MEMORY`` or SIGKILL): once the references have finished, each such configuration runs in
-   ``interleave.fallback_pairs`` pairs of fresh processes, reference and job, ABBA (runner/compare/fallback.py).
+6. **Falls back to rounds** (runner/compare/fallback.py) for jobs with no room beside the references, or that died
+   for memory there: ``interleave.fallback_pairs`` ABBA pairs of fresh processes once the references finish.
 
-Under torchrun every rank runs a conductor that forks its own rank of each job; rank 0's runs the steps above and
-tells the others each start, slice and finish before it acts (runner/compare/ranks.py).
-
-A job that crashes is reported (``failed.json`` in its folder) and the others go on; when a reference
-crashes, its group stops. A first Ctrl-C stops after the current slice and finishes every job (the report is
-written from what was measured); a second one kills the jobs.
+Under torchrun rank 0's conductor decides and the others mirror it (runner/compare/ranks.py). A crashed job is
+reported (``failed.json``) and the others go on; a crashed reference stops its group. A first Ctrl-C stops after
+the current slice and finishes every job; a second one kills them.
 """
 
 from __future__ import annotations
@@ -70,6 +59,21 @@ class Stop:
 
     def __exit__(self, *exc) -> None:
         signal.signal(signal.SIGINT, self._previous)
+
+
+def calibrated_steps(run_slice, seconds: float, tries: int = 4) -> int:
+    """Steps per slice of about ``seconds``, from 2 to ``tries`` slices of growing length until one after the first
+    covers half of it; the fastest per-step time wins (timeit's rule: a descheduled moment only slows a slice)."""
+    steps, fastest = 2, float("inf")
+    for i in range(tries):
+        figures = run_slice(steps)
+        if not figures or not figures.get("steps"):
+            break
+        fastest = min(fastest, figures["seconds"] / figures["steps"])
+        if i and figures["seconds"] >= seconds / 2:
+            break
+        steps = max(steps + 1, min(4 * steps, round(seconds / 2 / max(fastest, 1e-6))))
+    return 1 if fastest == float("inf") else max(1, round(seconds / max(fastest, 1e-6)))
 
 
 class Conductor:
@@ -121,13 +125,9 @@ class Conductor:
 
     def _calibrate(self, reference: Job) -> None:
         if self.slice_steps is None:
-            figures = reference.slice(2)
-            step_s = figures["seconds"] / max(figures["steps"], 1) if figures else 1.0
-            self.slice_steps = max(1, round(self.settings.slice_seconds / max(step_s, 1e-6)))
-        print(f"interleave: {self.slice_steps} step(s) per slice"
-              + ("" if self.settings.slice_steps
-                 else f" (about {self.settings.slice_seconds:g} s of {self.reference})"),
-              flush=True)
+            self.slice_steps = calibrated_steps(reference.slice, self.settings.slice_seconds)
+        print(f"interleave: {self.slice_steps} step(s) per slice" + ("" if self.settings.slice_steps else
+              f" (about {self.settings.slice_seconds:g} s of {self.reference})"), flush=True)
 
     def run(self, stop: Stop) -> None:
         """Admit, calibrate, measure group after group and finish every job (the module docstring); returns
