@@ -139,7 +139,7 @@ def _refuse_wider_ids(key: str, path: str, tokens: TokenFile, vocab_size: int) -
     n = min(len(tokens), HALVES_SAMPLE) // 4 * 4
     if n < 64:
         return
-    sample = np.asarray(tokens.memmap[:n], dtype=np.int64).reshape(-1, 4)
+    sample = np.asarray(tokens.memmap[:n], dtype=np.int64)
     high = (vocab_size - 1) >> bits
 
     def widened(words: int) -> bool:  # every id followed by words - 1 high words

@@ -54,12 +54,11 @@ def not_run(cfg: DictConfig, folder: Path) -> str | None:
         raise ConfigError(f"ablation.requires={a.requires!r} must be null or 'cuda'")
     cuda = hardware.uses_cuda(str(cfg.trainer.device))
     technique = techniques.by_variant(a.get("technique") or "")
-    if technique is not None:  # the table decides (an image technique on token ids: the task, no_op_reason)
-        why = techniques.applies(technique, cuda=cuda)
-    else:
-        why = "" if a.requires == "cuda" and not cuda else None
-    reason = (f"needs CUDA{f' ({why})' if why else ''}; this job runs on trainer.device={cfg.trainer.device} without "
-              f"CUDA" if why is not None else no_op_reason(cfg))
+    # the table decides (an image technique on token ids: the task, no_op_reason); ablation.requires for the rest
+    why = techniques.applies(technique, cuda=cuda) if technique else \
+        ("ablation.requires=cuda" if a.requires == "cuda" and not cuda else None)
+    reason = (f"needs CUDA ({why}); this job runs on trainer.device={cfg.trainer.device} without CUDA" if why
+              else no_op_reason(cfg))
     if reason is not None:  # recorded, not run: the report lists it with its reason
         write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": reason})
         print(f"ablation: {a.variant} r{a.repeat} not run: {reason}", flush=True)
