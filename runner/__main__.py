@@ -8,12 +8,12 @@ import hydra
 from omegaconf import DictConfig
 
 from runner import CONF_DIR, objective
-from runner.config import register_configs
 from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.launch import prepare_process, record_if_elastic
 from runner.sweeps.interleaved import register as register_interleaved_launcher
+from runner.techniques import variants
 
-register_configs()
+variants.register()
 register_interleaved_launcher()  # hydra/launcher=interleaved (runner/sweeps/interleaved.py)
 
 

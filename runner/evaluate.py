@@ -200,9 +200,9 @@ def _typed(saved: DictConfig, saved_path: Path, choices: dict[str, str], switche
     from omegaconf.errors import OmegaConfBaseException
 
     from runner import CONF_DIR
-    from runner.config import register_configs
+    from runner.techniques import variants
 
-    register_configs()
+    variants.register()
     composed = [f"{g}={o}" for g, o in {**choices, **switched}.items()]
     if searchpath:
         composed.append(f"hydra.searchpath=[{','.join(searchpath)}]")

@@ -23,9 +23,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from runner import REPO_ROOT
-from runner.config import register_configs
+from runner.techniques import variants
 
-register_configs()
+variants.register()
 
 # Subprocesses (the CLI, torchrun workers) import the runner of this checkout, not whichever checkout an
 # editable install points at (a git worktree shares the virtualenv of the main one).

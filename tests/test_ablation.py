@@ -1,6 +1,7 @@
 """The presets, the ablation sweep and its report.
 
-- The variants (conf/ablation/variant/) are checked by composing them: each leave-one-in variant changes
+- The variants (generated from the technique table, and conf/ablation/variant/ for the rest) are checked by composing
+  them: each leave-one-in variant changes
   exactly the keys its leave-one-out twin changes back, and every difference between the baseline and
   the fast preset belongs to a technique of the ablation.
 - The report's rule (the paired intervals of an interleaved record, verdicts from them, ranking, skipped and
@@ -25,9 +26,11 @@ from omegaconf import OmegaConf
 from conftest import TINY, compose_cfg, read_csv, run_cli
 from runner import REPO_ROOT
 from runner.report import CSV_COLUMNS, JOB_COLUMNS, NO_INTERVAL, Job, ReportError, build_rows, load_jobs, write_report
+from runner.techniques import TECHNIQUES, variants
 
 VARIANTS = REPO_ROOT / "conf" / "ablation" / "variant"
-NAMES = sorted(p.stem for p in VARIANTS.glob("*.yaml"))
+FILES = sorted(p.stem for p in VARIANTS.glob("*.yaml"))  # the variants that are no technique of the table
+NAMES = sorted([*FILES, *variants.generate()])  # and those generated from it (runner/techniques/variants.py)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,6 +90,16 @@ def test_the_retired_rounds_design_is_an_unknown_key(key):
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         with pytest.raises(ConfigCompositionException):
             compose("config", overrides=["+experiment=ablation", key])
+
+
+def test_no_variant_file_is_one_the_table_generates():
+    """Each technique of the table with a ``variant`` gets its leave-one-in variant, and its leave-one-out one when
+    the fast preset has it on, from the table: a file of the same name would be a second, hand-kept copy."""
+    generated = variants.generate()
+    assert not set(FILES) & set(generated)
+    assert {f"baseline+{t.variant}" for t in TECHNIQUES.values() if t.variant} <= set(generated)
+    assert {"fast-amp", "fast-compile", "fast-channels_last"} <= set(generated)  # fast.yaml has them on
+    assert "fast-muon" not in generated and "fast-pinned_workers" not in generated  # off in fast.yaml; joint
 
 
 @pytest.mark.parametrize("name", NAMES)

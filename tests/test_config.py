@@ -21,12 +21,13 @@ from runner.data import tokens
 from runner.engine.train import train, validate
 from runner.errors import ConfigError
 from runner.measure import hardware
-from runner.techniques import precision, prepare
+from runner.techniques import precision, prepare, variants
 
 CONF = REPO_ROOT / "conf"
 # every option file of every group, nested groups too (ablation/variant); hydra/ holds Hydra's own groups
-OPTIONS = sorted((p.parent.relative_to(CONF).as_posix(), p.stem) for p in CONF.rglob("*.yaml")
-                 if p.parent != CONF and p.relative_to(CONF).parts[0] != "hydra")
+OPTIONS = sorted([*((p.parent.relative_to(CONF).as_posix(), p.stem) for p in CONF.rglob("*.yaml")
+                    if p.parent != CONF and p.relative_to(CONF).parts[0] != "hydra"),
+                  *(("ablation/variant", name) for name in variants.generate())])  # from the technique table
 GROUPS = sorted({g for g, _ in OPTIONS})
 # presets that set several groups at once; not in config.yaml's defaults list, so they are added with "+"
 PRESETS = ("experiment", "ablation/variant")

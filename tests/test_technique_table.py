@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 
 from conftest import compose_cfg
 from runner import REPO_ROOT
-from runner.techniques import TECHNIQUES, WHERE, by_variant
+from runner.techniques import TECHNIQUES, WHERE, by_variant, variants
 
-VARIANTS = sorted(p.stem for p in (REPO_ROOT / "conf" / "ablation" / "variant").glob("*.yaml"))
+VARIANTS = sorted({p.stem for p in (REPO_ROOT / "conf" / "ablation" / "variant").glob("*.yaml")}
+                  | set(variants.generate()))
 #: Variants that are not one technique: recipe changes (4x the batch, the LR scaled linearly or by the square root)
 #: and the fast preset's whole data loading (on-device data, or workers and pinned memory, whichever the hardware gets)
 NOT_ONE_TECHNIQUE = {"big_batch", "big_batch_sqrt", "data_loading"}

@@ -58,9 +58,9 @@ def compose_job(job: Job, overrides: list[str]):
     from omegaconf import OmegaConf
 
     from runner import CONF_DIR
-    from runner.config import register_configs
+    from runner.techniques import variants
 
-    register_configs()
+    variants.register()
     extra = [f"hydra.searchpath=[{','.join(job.searchpath)}]"] if job.searchpath else []
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -1,7 +1,7 @@
 """The ablation: what each technique buys on *your* model and data, every configuration measured interleaved.
 
 ``python -m runner -m +experiment=ablation model=... data=...`` is a Hydra multirun over ``ablation/variant``
-(conf/experiment/ablation.yaml, conf/ablation/variant/) handed to the interleaved launcher
+(conf/experiment/ablation.yaml, ablation/variant) handed to the interleaved launcher
 (``hydra/launcher=interleaved``, runner/sweeps/interleaved.py), which measures every configuration against the baseline
 (a leave-one-out configuration against the fast preset) through runner/compare/. What is the ablation's own:
 

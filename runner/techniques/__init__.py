@@ -12,8 +12,7 @@ precision) and its source. The modules beside this table apply the techniques (p
 data ones: runner/data/loading.py); tests/test_technique_table.py checks the ablation's variants, the tuner's
 candidates, the doctor's suggestions, the task's image-only skips and the README's switch table against this table.
 
-Adding a technique: one entry here and its builder (and, where the presets differ by it, its two ablation variants
-in conf/ablation/variant/).
+Adding a technique: one entry here and its builder; a ``variant`` name gives it its ablation variants (variants.py).
 """
 
 from __future__ import annotations

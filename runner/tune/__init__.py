@@ -33,8 +33,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.config import register_configs
 from runner.errors import ConfigError
+from runner.techniques import variants
 from runner.tune import batch_size, dataloader, lr, speed
 from runner.tune.batch_size import memory_budget_mb, tune_batch_size
 from runner.tune.dataloader import default_grid, tune_dataloader
@@ -52,7 +52,7 @@ __all__ = ["TUNERS", "Tuner", "run", "check_settings", "with_overrides", "measur
            "write_outputs", "tune_batch_size", "memory_budget_mb", "tune_lr", "lr_range_test", "RangeTest",
            "RangeRecorder", "steepest", "valley", "suggestion_range", "tune_dataloader", "default_grid"]
 
-register_configs()  # the run config's schema, for Hydra composing it (the CLI) as ``python -m runner`` does
+variants.register()  # the run config's schema, for Hydra composing it (the CLI) as ``python -m runner`` does
 
 #: every tuner, by its CLI name, in the order ``--help`` lists them
 TUNERS: dict[str, Tuner] = {t.name: t for t in (
