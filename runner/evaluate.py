@@ -4,21 +4,11 @@
     python -m runner.evaluate outputs/<date>/<time> --weights ema trainer.eval_max_batches=20
     python -m runner.evaluate outputs/<date>/<time> data=cifar10 data.root=/path/with/cifar
 
-The job's model and task are rebuilt from its ``.hydra/config.yaml`` (the config the run composed) with the
-engine's own builders (``runner.task.build``, ``runner.data.build``, ``runner.models.build``), the weights are
-loaded with ``runner.models.load_weights``, and the task evaluates exactly as the training loop does
-(``task.evaluate`` under the job's ``precision`` autocast, in one process). Overrides are Hydra overrides
-composed onto the job's saved config: a group option (``data=cifar10``) replaces that group's node with the
-option's defaults, a key (``data.root=...``, ``dataloader.batch_size=64``, ``trainer.device=cpu``) changes one
-value, and a key the config lacks stops with the close declared key. ``trainer.eval_max_batches`` is null
-(the whole split) unless given. Prints the metrics and writes ``eval-<weights>.json`` (or ``--out``) into the
-job folder, atomically.
-
-The job folder is data, never code (``runner.trust``): its saved config may name only runner's own targets and
-resolvers unless ``--allow-target PREFIX`` or ``--trust`` says otherwise; anything else is refused before it is
-imported or called.
-
-``rebuild`` and ``job_config`` are shared with ``python -m runner.export`` (runner/export.py).
+The job is rebuilt from its ``.hydra/config.yaml`` with the overrides composed on (``job_config``, ``rebuild``:
+the engine's own builders, the weights loaded with ``runner.models.load_weights``; shared with runner/export.py),
+and the task evaluates exactly as the training loop does. Prints the metrics and writes ``eval-<weights>.json`` (or
+``--out``) into the job folder, atomically. What is rebuilt, what is written and the limits: docs/checkpointing.md,
+"Evaluate and export a finished job". The job folder is data, never code (``runner.trust``).
 """
 
 from __future__ import annotations
@@ -104,12 +94,10 @@ def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
     is refused as ``python -m runner`` refuses it. A group override (``data=cifar10``) takes that option's
     defaults for the group's node; key overrides are applied as Hydra applies them (``+key=`` adds, ``~key``
     deletes). The saved config is resolved before the overrides apply, so the model keeps the sizes it was
-    trained with (``model.block_size`` follows ``data.block_size`` only at training time).
-
-    The folder's files are checked by ``runner.trust`` under ``policy`` (default: runner's own targets and
-    resolvers, plus ``RUNNER_ALLOW_TARGETS``) before anything in them is resolved, imported or called: the saved
-    config's targets and interpolations, the recorded search path, then the composed config's targets. A target
-    given as an override here is the user's and allowed.
+    trained with (``model.block_size`` follows ``data.block_size`` only at training time). The folder's files are
+    checked by ``runner.trust`` under ``policy`` (default: runner's own targets and resolvers, plus
+    ``RUNNER_ALLOW_TARGETS``) before anything in them is resolved, imported or called; a target given as an
+    override here is the user's and allowed.
 
     Raises:
         ConfigError: no ``.hydra/config.yaml`` in ``folder`` (not a job folder), an unreadable config, a sweep
@@ -262,9 +250,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
             policy: trust.Policy | None = None) -> Rebuilt:
     """Rebuild job ``folder`` as the engine builds it (``runner.engine.train.build``'s order: seed, task, data, model,
     precision; channels_last when the job used it) in one process on ``trainer.device``, and load ``--weights``.
-    ``trainer.eval_max_batches`` defaults to null (the whole validation split). ``torch.compile`` and the
-    data-parallel wrapper are not applied: the plain model computes the same function.
-
+    ``trainer.eval_max_batches`` defaults to null (the whole validation split); no ``torch.compile`` or wrapper.
     ``policy``: what the job's config may name (``runner.trust``; default runner's own targets only).
 
     Raises:

@@ -4,23 +4,12 @@ job's model, then check the exported model computes what the trained one does.
     python -m runner.export outputs/<date>/<time> --format torch        # model.pt2 (torch.export)
     python -m runner.export outputs/<date>/<time> --format onnx         # model.onnx (pip install 'runner[onnx]')
 
-The model is rebuilt and loaded as ``python -m runner.evaluate`` does (``runner.evaluate.rebuild``: the job's
-``.hydra/config.yaml``, the engine's builders, ``--weights``), in eval mode and fp32, on ``trainer.device``.
-The example input is the first 2 items of the job's validation split (its shape and dtype: images
-``(2, C, H, W)`` float32, token windows ``(2, block_size)`` int64); the batch dimension is exported as dynamic
-(any batch size >= 1), or fixed at 2 when the model does not allow that (said in the output).
-
-- ``torch``: ``torch.export.export`` + ``torch.export.save`` -> ``<weights stem>.pt2`` (``model.pt2`` for the final
-  weights, ``model_ema.pt2``, ``best/model.pt2``); https://pytorch.org/docs/stable/export.html. Check:
-  ``torch.export.load(path).module()(x)``.
-- ``onnx``: ``torch.onnx.export(..., dynamo=True)`` (the ``torch.export``-based exporter, ONNX opset of torch's
-  default) -> ``model.onnx`` (+ ``model.onnx.data`` when the exporter keeps the weights outside);
-  https://pytorch.org/docs/stable/onnx_export.html. Check: an ``onnxruntime`` CPU session, when onnxruntime is
-  installed; otherwise the check is skipped and the output says so.
-
-The outputs must agree with the trained model's on the example within ``TOLERANCE`` (``torch.allclose``); a
-mismatch is an error and leaves no file. Files are written into a temporary folder inside the job folder and moved
-into place only once checked, so a failure leaves nothing half-written.
+The model is rebuilt and loaded as ``python -m runner.evaluate`` does (``runner.evaluate.rebuild``), in eval mode
+and fp32, traced on the first 2 items of the job's validation split with a dynamic batch dimension (fixed at 2 when
+the model does not allow that, said in the output), and the exported model's outputs must agree with the trained
+model's within ``TOLERANCE``. Files are written into a temporary folder inside the job folder and moved into place
+only once checked, so a failure leaves nothing half-written. The formats, the check and what was measured:
+docs/checkpointing.md, "Evaluate and export a finished job".
 """
 
 from __future__ import annotations
@@ -128,13 +117,11 @@ def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] 
     """Export job ``folder``'s model (``--weights``) in format ``fmt`` (``torch`` or ``onnx``) next to its weights
     file, and check the exported model's output on the example input against the trained model's.
 
-    ``torch``: ``torch.export.export(model, (x,), dynamic_shapes=...)`` + ``torch.export.save`` -> ``.pt2``
-    (https://pytorch.org/docs/stable/export.html); ``onnx``: ``torch.onnx.export(model, (x,), path, dynamo=True)``
-    -> ``.onnx`` (https://pytorch.org/docs/stable/onnx_export.html). ``x`` is ``example_input``: ``(2, *item
-    shape)``, batch dimension dynamic when the model allows; outputs ``(2, classes)`` or ``(2, T, vocab)`` logits.
-
-    Returns the ``Exported`` record (path, input shape and dtype, whether the batch is dynamic, the largest
-    absolute difference, or why the check was skipped).
+    ``torch``: ``torch.export.export`` + ``save`` -> ``.pt2`` (https://pytorch.org/docs/stable/export.html);
+    ``onnx``: ``torch.onnx.export(..., dynamo=True)`` -> ``.onnx`` (https://pytorch.org/docs/stable/onnx_export.html).
+    Input ``example_input``, ``(2, *item shape)``; outputs ``(2, classes)`` or ``(2, T, vocab)`` logits. Returns the
+    ``Exported`` record (path, input shape and dtype, dynamic batch or not, the largest absolute difference, or why
+    the check was skipped).
 
     Raises:
         ConfigError: ``fmt`` not torch/onnx; onnx without its packages (``ONNX_MISSING``); ``rebuild``'s errors

@@ -1,13 +1,10 @@
 """Who am I, before Hydra and torch start: the process layout from torchrun or ``srun``.
 
-``python -m runner`` is the same command on one process, under ``torchrun`` and under ``srun``; this
-module reads the launcher's environment so that
-
-- ``runner.distributed.setup`` knows rank, world size and where the rendezvous is, and
-- ``runner.__main__`` can keep every rank but 0 out of the job folder *before* Hydra makes one
-  (Hydra issue #2070: each rank would otherwise create ``outputs/<date>/<time>/.hydra`` of its own).
-
-It imports neither torch nor Hydra, so ``python -m runner --help`` stays fast.
+``python -m runner`` is the same command on one process, under ``torchrun`` and under ``srun``; this module reads
+the launcher's environment so that ``runner.distributed.setup`` knows rank, world size and the rendezvous, and
+``runner.__main__`` keeps every rank but 0 out of the job folder *before* Hydra makes one (Hydra issue #2070). It
+imports neither torch nor Hydra, so ``python -m runner --help`` stays fast. docs/scaling.md, "What runner does for
+you".
 
 Sources: torchrun's worker environment (https://pytorch.org/docs/stable/elastic/run.html#environment-variables),
 SLURM's task environment (https://slurm.schedmd.com/srun.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES).
@@ -66,9 +63,8 @@ def discover(env: Mapping[str, str] | None = None) -> Layout:
       ``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_NUM_NODES``; rank 0 is on the first host of the step's node
       list (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``); the port is ``MASTER_PORT`` when set,
       else derived from ``SLURM_JOB_ID`` (``master_port_for_job``).
-    - anything else is one process. In particular the *batch script* of an sbatch job, which has
-      ``SLURM_PROCID=0`` and ``SLURM_NTASKS=<all tasks>`` but is a single process (no ``SLURM_STEP_*``),
-      is not mistaken for rank 0 of a group that would never form.
+    - anything else is one process, the *batch script* of an sbatch job included (``SLURM_PROCID=0`` and
+      ``SLURM_NTASKS=<all tasks>``, but no ``SLURM_STEP_*``): not rank 0 of a group that would never form.
 
     Raises:
         ConfigError: a launcher variable that is not an integer, or a rank outside the world.
@@ -201,9 +197,8 @@ def restart_overrides(layout: Layout, env: Mapping[str, str] | None = None) -> l
 def hydra_overrides(layout: Layout) -> list[str]:
     """Overrides that keep a rank other than 0 out of ``outputs/`` (Hydra issue #2070).
 
-    Every rank runs ``@hydra.main``, and Hydra creates the job folder (and ``.hydra/``) before the task
-    starts. Rank 0's folder is the job's; ranks > 0 get a private scratch folder under the system temp
-    directory, removed when the process exits, and no ``.hydra/`` copy. They learn rank 0's folder later
+    Hydra creates the job folder (and ``.hydra/``) on every rank before the task starts, so ranks > 0 get a private
+    scratch folder in the system temp directory, removed at exit, and no ``.hydra/``; they learn rank 0's folder
     over the process group (``runner.distributed.shared_job_dir``). Returns ``[]`` on rank 0.
     """
     global SCRATCH
@@ -218,20 +213,14 @@ def hydra_overrides(layout: Layout) -> list[str]:
 def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> Layout:
     """Get this process ready before Hydra starts; called by ``python -m runner`` only.
 
-    In a job of more than one process:
+    In a job of more than one process: ``HYDRA_FULL_ERROR=1`` (unless set), so a failure's full traceback reaches
+    torchelastic's ``@record`` (``record_if_elastic``) and torchrun's failure summary; ``faulthandler`` dumps the
+    Python stack of a rank that crashes or is terminated (SIGTERM), and of any rank on ``kill -USR1 <pid>``
+    without stopping it (https://docs.python.org/3/library/faulthandler.html); ranks > 0 get ``hydra_overrides``
+    appended to ``argv``.
 
-    - ``HYDRA_FULL_ERROR=1`` (unless set), so Hydra re-raises a failure with its full traceback instead
-      of printing a trimmed one; torchelastic's ``@record`` (``record_if_elastic``) then also writes it to
-      the agent's error file, and torchrun's failure summary shows it.
-    - ``faulthandler`` dumps the Python stack of a rank that crashes (SIGSEGV, SIGABRT, ...) or is
-      terminated (SIGTERM: the agent stopping the survivors, SLURM's time limit), and of any rank on
-      ``kill -USR1 <pid>`` without stopping it (to see where a hung job waits).
-      Docs: https://docs.python.org/3/library/faulthandler.html
-    - ranks > 0 get ``hydra_overrides`` appended to ``argv``.
-
-    Always: silence Hydra's deprecation note about ``conf/hydra/launcher/submitit_slurm.yaml`` being
-    validated against the plugin's schema of the same name -- that validation is what the file wants, and
-    the name is the one the plugin documents (``hydra/launcher=submitit_slurm``).
+    Always: silence Hydra's deprecation note about ``conf/hydra/launcher/submitit_slurm.yaml`` being validated
+    against the plugin's schema of the same name, which is what the file wants.
     """
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore")
     check_launcher(argv)
@@ -267,9 +256,8 @@ def check_launcher(argv: list[str]) -> None:
 def record_if_elastic(fn: Callable) -> Callable:
     """``torch.distributed.elastic.multiprocessing.errors.record`` when running under torchrun, else ``fn``.
 
-    ``@record`` writes an uncaught exception's traceback to ``TORCHELASTIC_ERROR_FILE``, which torchrun
-    prints in its failure summary as the root cause (https://pytorch.org/docs/stable/elastic/errors.html).
-    Importing it pulls in torch, so it is only done under torchrun.
+    ``@record`` writes an uncaught exception's traceback to ``TORCHELASTIC_ERROR_FILE`` for torchrun's failure
+    summary (https://pytorch.org/docs/stable/elastic/errors.html); importing it pulls in torch, hence only there.
     """
     if "TORCHELASTIC_ERROR_FILE" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         return fn
@@ -281,11 +269,9 @@ def record_if_elastic(fn: Callable) -> Callable:
 def torchrun(argv: list[str]) -> int:
     """``torchrun`` (``torch.distributed.run``) with ``argv``, returning runner's exit status for a preemption.
 
-    torchrun exits 1 whenever a worker failed, whatever the worker's status: its ``main`` lets
-    ``ChildFailedError`` escape. A preempted runner (a signal or Ctrl-C: checkpoint written) exits
-    ``EXIT_PREEMPTED`` (75) on every rank, which a job manager reads as "requeue"; torchrun's 1 reads as a crash.
-    Here the workers' statuses are read from the ``ChildFailedError``: when the failed ranks exited with 75 (or
-    were stopped by the agent with a signal after another rank did), the status is 75; any other failure is
+    torchrun exits 1 whenever a worker failed, which a job manager reads as a crash. Here the workers' statuses
+    are read from the ``ChildFailedError``: when the failed ranks exited with ``EXIT_PREEMPTED`` (75: "requeue";
+    or were stopped by the agent with a signal after another rank did), the status is 75; any other failure is
     torchrun's own. ``python -m runner.torchrun`` is this function on the command line.
 
     Raises:

@@ -1,40 +1,16 @@
 """A job folder from someone else is data, never code: what a config read back from a folder may name and resolve.
 
-``python -m runner.evaluate``, ``python -m runner.export`` and ``python -m runner.doctor --verify`` rebuild a job
-from what its folder recorded (``.hydra/config.yaml``, ``overrides.yaml``, ``hydra.yaml``). Whoever wrote the
-folder wrote those files, and Hydra's ``instantiate`` calls whatever a ``_target_`` names: ``numpy.load`` with
-``allow_pickle: true`` on a pickle in the folder, ``builtins.open`` with ``mode: w``, a module planted in the
-folder (``python -m`` puts the folder you run from first on ``sys.path``, so ``<job>/payload.py`` imports as
-``<job>.payload`` from the job's parent). So every config read back passes this module's checks first, before
-anything it names is located, imported or called; ``python -m runner`` itself (your own command line and
-configs) is not restricted.
+``python -m runner.evaluate``, ``runner.export`` and ``runner.doctor --verify`` rebuild a job from what its folder
+recorded (``.hydra/config.yaml``, ``overrides.yaml``, ``hydra.yaml``), and Hydra's ``instantiate`` calls whatever a
+``_target_`` names. So every config read back passes these checks before anything it names is located, imported or
+called: its targets (``check_config``, ``check_package``), its interpolations (``check_interpolations``), the
+recorded search path (``check_searchpath``) and the doctor's overrides (``check_overrides``). ``python -m runner``
+itself (your own command line and configs) is not restricted. What each check allows, and how a user allows more
+(``--allow-target``, ``RUNNER_ALLOW_TARGETS``, a target given on the command line, ``--trust``):
+docs/checkpointing.md, "What is safe to load". Each refusal is one ``ConfigError`` naming the key, the value, the
+file it was read from and how to allow it; runner never adds the job folder or its parent to ``sys.path``.
 
-- **Targets** (``check_config``): every ``_target_`` in the tree, nested ones too (Hydra instantiates those
-  recursively), must lie in one of ``NAMESPACES`` -- runner's models (GPT and Hugging Face too) and tasks,
-  torchvision's models, ``torch.nn``, ``torch.optim``, timm's optimizers, ``transformers``: what runner's own
-  configs and schemas name (``conf/``, ``runner/config/``) -- or be allowed by the user: a module prefix given
-  with ``--allow-target`` or in ``RUNNER_ALLOW_TARGETS`` (comma-separated), the exact target given as an override
-  on the command line, or ``--trust`` (everything, as ``python -m runner`` would). A target inside those
-  namespaces must also *be* there: it is resolved importing only modules of its namespace, and every object on
-  its path must be defined in an allowed namespace (``runner.models.torch.load`` reaches ``torch.load`` through a
-  module attribute: refused), the last one a class, or a module-level function of runner's and torchvision's
-  model modules (factories such as ``resnet18``); under ``transformers`` a model or config class only
-  (``AutoModel.from_pretrained`` is a method, and could run a model's own code: refused). No module of a built-in
-  namespace may come from inside the job folder (a folder named ``timm`` holding ``optim.py`` would import as a
-  namespace package where timm is not installed), and a job folder holding ``__init__.py`` (a Python package, which
-  could shadow an installed one of its name) is refused (``check_package``).
-- **Interpolations** (``check_interpolations``): only runner's own resolvers (``runner_*``) and OmegaConf's
-  pure ones (``RESOLVERS``) are resolved; ``oc.env`` only for runner's own variables (``RUNNER_*``, e.g.
-  ``RUNNER_DATA_ROOT`` in the Shakespeare presets). ``${oc.env:HOME}/.bashrc`` as a path, or a secret read
-  into ``data.*`` (which ``eval-<weights>.json`` records), is refused, not resolved.
-- **The config search path** a folder records (``hydra.yaml``) may hold folders only (``file://``), none inside
-  the job folder: Hydra imports a ``pkg://`` entry's package to list its configs (``check_searchpath``).
-- **The doctor's overrides** (``overrides.yaml``) set no ``hydra`` key (``hydra.searchpath=[pkg://...]``,
-  ``hydra/launcher=...``) and use only the resolvers above (``check_overrides``).
-
-Each refusal is one ``ConfigError`` naming the key, the value, the file it was read from and how to allow it.
-runner never adds the job folder or its parent to ``sys.path``. Sources: Hydra's instantiate
-(https://hydra.cc/docs/advanced/instantiate_objects/overview/), OmegaConf's resolvers
+Sources: Hydra's instantiate (https://hydra.cc/docs/advanced/instantiate_objects/overview/), OmegaConf's resolvers
 (https://omegaconf.readthedocs.io/en/2.3_branch/custom_resolvers.html), Python's import system (namespace
 packages, ``sys.path[0]`` under ``-m``: https://docs.python.org/3/reference/import.html).
 """

@@ -1,19 +1,14 @@
 """Preemption: a signal only sets a flag; the loop checkpoints at the next step boundary and exits.
 
 Ctrl-C (``SIGINT``) is a preemption too: the first checkpoints at the step boundary and stops with
-``EXIT_PREEMPTED``, a second one exits at once (``KeyboardInterrupt``, no checkpoint). The stop message gives
-the exact command that resumes (``resume_command``: the same arguments with ``hydra.run.dir=<the job folder>``,
-or ``hydra.sweep.dir=<the sweep folder>`` for a multirun), which resumes from anywhere; the same command without it
-continues the run too while its folder is among the newest (``runner.engine.jobdir.continue_interrupted``).
+``EXIT_PREEMPTED``, a second one exits at once (``KeyboardInterrupt``, no checkpoint); the stop message gives the
+command that resumes (``resume_command``; docs/checkpointing.md, "Ctrl-C").
 
-SLURM sends ``SIGUSR1`` (``sbatch --signal=B:USR1@<seconds>``, forwarded to the training processes by
-``scripts/multinode.sh``) or ``SIGTERM`` (``scancel``, preemption, the time limit's grace period) before it
-kills a job. Writing a checkpoint *inside* the handler hangs or corrupts it (the handler interrupts a
-step half-way, possibly inside a collective: Lightning issue #21406), so the handler only records the
-signal. The loop reads ``received`` at step boundaries (``runner.engine.loop_guards``); with several processes the
-ranks agree with one all-reduce (any rank signalled -> all stop at the same step), so every rank writes the same
-checkpoint. The job then exits with ``EXIT_PREEMPTED`` and, under SLURM, requeues itself
-(``scontrol requeue``), so the same job id -- and the same job folder -- continues from the checkpoint.
+The handler only records the signal: a checkpoint written inside it would interrupt a step half-way, possibly
+inside a collective, and can hang or corrupt (Lightning issue #21406). The loop reads ``received`` at step
+boundaries (``runner.engine.loop_guards``; the ranks agree with one all-reduce), and under SLURM the job requeues
+itself (``scontrol requeue``) with the same job id and folder: docs/checkpointing.md, "Preemption and requeue on
+SLURM".
 
 Sources: SLURM sbatch ``--signal`` and ``--requeue``; Lightning's ``SLURMEnvironment(auto_requeue=True)``;
 submitit's checkpoint/requeue protocol.

@@ -3,32 +3,21 @@ is built.
 
 Two runs started into one ``hydra.run.dir`` would both write the folder's files, and a run with another config
 rewrites ``.hydra/config.yaml`` (which evaluate, export and the doctor rebuild from) before the engine refuses it.
-So a run takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<job>/.runner.lock`` (https://man7.org/linux/man-pages/man2/flock.2.html)
-and writes its holder there (pid, host, start time, command); a second run into the folder is refused with the
-holder named, having written nothing (the lock file exists already: opening it changes nothing). The kernel drops
-the lock when the holder's last descriptor closes -- on any exit, a crash or SIGKILL included -- so a lock left by
-a dead run is stale and harmless: the file stays, the next run takes the lock and resumes (``checkpoint.resume``).
-Children forked by the holder (DataLoader workers) close their copy at once (``os.register_at_fork``), so they
-never keep a dead run's folder locked.
-
-Where it is taken:
+So rank 0 takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<job>/.runner.lock``
+(https://man7.org/linux/man-pages/man2/flock.2.html) and writes its holder there (pid, host, start time, command);
+the kernel drops the lock on any exit, SIGKILL included, and forked children (DataLoader workers) close their copy
+at once (``os.register_at_fork``). What the user sees, and file systems without locks: docs/checkpointing.md,
+"Resume". Where it is taken:
 
 - ``python -m runner`` (one run): ``JobLock.on_run_start``, a Hydra callback (``conf/config.yaml``), before Hydra
   creates the folder and writes ``.hydra/`` (``hydra.core.utils.run_job``), with ``hydra.run.dir`` resolved on the
-  very config Hydra then uses (``${now:...}`` is cached there, so it is the same folder). Before that, unless
-  ``hydra.run.dir`` is on the command line or ``checkpoint.resume`` is not ``auto``, it looks for an interrupted run
-  of the same composed config among the newest run folders (``continue_interrupted``): one found is locked and
-  set as ``hydra.run.dir`` on that config, so the same command continues it there ("rerun to resume");
-- a multirun: ``JobLock.on_multirun_start`` locks the sweep folder for the sweep's life (a second sweep into it is
-  refused before it writes anything), and each job's folder is locked when its training starts (``train``: after
-  Hydra wrote that job's ``.hydra/``, which is the sweep's own);
-- every ``runner.engine.train.train`` call (forked ablation and doctor runs, interleaved jobs): ``claim``, which is a
-  no-op where this process holds the lock already.
-
-Only rank 0 takes it (under torchrun and srun the other ranks write no job folder: ``runner.launch``), so a job
-spread over nodes locks its folder once, on rank 0's node. ``flock`` works across machines on NFS (Linux emulates it
-with byte-range locks) and on Lustre mounted with ``-o flock``; where the file system refuses locks, the run says
-so in one line and goes on unlocked.
+  very config Hydra then uses (``${now:...}`` is cached there, so it is the same folder); an interrupted run of the
+  same composed config found among the newest run folders (``continue_interrupted``) is locked and set as
+  ``hydra.run.dir`` there instead;
+- a multirun: ``JobLock.on_multirun_start`` locks the sweep folder for the sweep's life, and each job's folder is
+  locked when its training starts (after Hydra wrote that job's ``.hydra/``, which is the sweep's own);
+- every ``runner.engine.train.train`` call (forked ablation and doctor runs, interleaved jobs): ``claim``, a no-op
+  where this process holds the lock already.
 """
 
 from __future__ import annotations
@@ -188,10 +177,8 @@ except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks; train() 
 
 
 class JobLock(Callback):  # type: ignore[misc,valid-type]
-    """Hydra callback (``hydra.callbacks.job_lock`` in ``conf/config.yaml``): lock the run's folder before Hydra
-    makes it (``on_run_start``) -- the folder of an interrupted run of the same command when there is one
-    (``continue_interrupted``: the run continues there) --, the sweep's folder before a multirun writes anything
-    (``on_multirun_start``); rank 0 only. A refusal is one ``error:`` line and exit status 2."""
+    """Hydra callback (``hydra.callbacks.job_lock`` in ``conf/config.yaml``; the module docstring): lock the run's
+    folder, or the sweep's, before Hydra writes into it; rank 0 only. A refusal is one ``error:`` line, status 2."""
 
     def _lock(self, config: Any, key: str) -> None:
         from omegaconf import OmegaConf
