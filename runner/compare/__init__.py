@@ -6,30 +6,22 @@
     result.verdicts["bf16"]       # "helps" (Holm's step-down over the comparison's family)
     result.aa, result.minimum_detectable   # the reference against its own copy, and what that noise resolves
 
-Every configuration trains in a process of its own, forked from one job server (``server``) and kept resident
-(``process.Job``); they take turns in slices of about ``interleave.slice_seconds`` while the others wait, pass
-after pass (``conductor``; ``schedule`` gives each pass's order and pairs; ``admission`` who fits in memory
-together; ``fallback`` measures in rounds of fresh processes a job that has no room beside its reference;
-``ranks`` mirrors rank 0's decisions under torchrun). A job's figure per pass is its samples/s ÷ its reference's in
-the paired slice, so drift slower than a pass cancels; ``stats`` turns the pairs into an ``Interval`` (paired t on
-log ratios, or between processes when each configuration runs in several) and Holm's verdicts. A copy of the
-reference (A') measures the comparison's own noise. ``record`` writes and reads ``interleave.json``, the whole
-record, after every pass.
-
-Time to target compares as two factors: samples to target over seeds (``convergence``: each configuration's seeds
-read from their run folders, ``read_seeds``; ``samples_to_target``, a Hodges–Lehmann ratio with its distribution-free
-interval, censored seeds counted) and the samples/s ratio measured here; ``time_to_target`` combines them. Their
-``TargetRatio`` joins the same Holm family (``stats.verdicts``).
+Where each concern lives: ``server`` forks every job process from one job server; ``process`` (``Job``) keeps
+one resident; ``conductor`` lets them take turns in slices of about ``interleave.slice_seconds``, pass after pass
+(``schedule``: each pass's order and pairs; ``admission``: who fits in memory together; ``fallback``: rounds of
+fresh processes for a job with no room beside its reference; ``ranks``: rank 0's decisions mirrored under
+torchrun); ``stats`` turns the paired slices into an ``Interval`` and Holm's verdicts, a copy of the reference (A')
+measuring the comparison's own noise; ``record`` writes and reads ``interleave.json`` after every pass;
+``convergence`` compares samples to target over seeds (``read_seeds``, ``samples_to_target``) and combines them
+with a samples/s ratio into ``time_to_target``, whose ``TargetRatio`` joins the same Holm family:
 
     seeds = {name: compare.read_seeds(folders) for name, folders in runs.items()}   # one folder per seed
     compare.time_to_target(seeds["bf16"], seeds["mine"], result.intervals["bf16"])   # TargetRatio(estimate=0.78, ...)
 
-Clients: the Hydra launcher ``hydra/launcher=interleaved`` (runner/sweeps/interleaved.py: any sweep, and the ablation),
-the speed tuner's rounds (runner/tune/rounds.py) and ``python -m runner.doctor <job> --verify``; the reports read
-the record (runner/report/).
-
-The design, and why rounds of fresh processes one after another are not a second design: docs/ablation.md
-("How runner measures").
+Clients: ``hydra/launcher=interleaved`` (runner/sweeps/interleaved.py: any sweep, and the ablation), the speed
+tuner's rounds (runner/tune/rounds.py) and ``python -m runner.doctor <job> --verify``; the reports read the record
+(runner/report/). The design, and why rounds of fresh processes are not a second design: docs/ablation.md
+("Interleaved measurement", "Samples to target and time to target").
 """
 
 from __future__ import annotations
@@ -125,11 +117,10 @@ def plan(configs: Mapping[str, DictConfig], reference: str, folder: Path, proces
 
 def measure(jobs: list[Job], settings: DictConfig, folder: Path, reference: str, aa: str | None, *,
             retire: Callable[[dict[str, Interval | None]], list[str]] | None = None, ranks: Any = None) -> Comparisons:
-    """Measure ``jobs`` interleaved (the package docstring) into ``folder`` with ``settings`` (``interleave.*``)
-    and return what was measured. ``retire``: racing, see ``Conductor``; ``ranks``: under torchrun
-    (runner/compare/ranks.py), every rank gets rank 0's record. A first Ctrl-C stops after the current slice and
-    returns what was measured; a second kills the jobs and raises KeyboardInterrupt (``interleave.json`` holds
-    what was measured)."""
+    """Measure ``jobs`` interleaved into ``folder`` with ``settings`` (``interleave.*``) and return what was measured.
+    ``retire``: racing, see ``Conductor``; ``ranks``: under torchrun (runner/compare/ranks.py), every rank gets rank
+    0's record. A first Ctrl-C stops after the current slice and returns what was measured; a second kills the jobs
+    and raises KeyboardInterrupt (``interleave.json`` holds what was measured)."""
     folder.mkdir(parents=True, exist_ok=True)
     conductor = Conductor(jobs, settings, folder, reference, aa, retire=retire, ranks=ranks)
     conduct(conductor)

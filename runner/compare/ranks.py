@@ -1,23 +1,19 @@
 """Interleaved comparisons under torchrun: one conductor per rank; rank 0's decides, the others mirror it.
 
-``torchrun --nproc-per-node N -m runner -m hydra/launcher=interleaved distributed=ddp <sweep>`` (and
-``python -m runner.tune speed`` under torchrun) runs the launcher on every rank, and each job of the sweep
-is a DDP job of N processes: rank r's conductor forks rank r of every job. All ranks of a job must start
-together, train the same slices and wait together, or the job's collectives would hang. So rank 0's
-conductor makes every decision (which job starts, the slice length, the pass order, racing, when to stop)
-and, before acting on its own process of a job, tells the other conductors what to do to theirs, as an op
-broadcast over the conductors' process group (gloo):
+Under torchrun each job of a sweep is a DDP job whose rank r is forked by rank r's conductor, and a job's ranks
+must start, train their slices and wait together or its collectives hang. So rank 0's conductor makes every
+decision and, before acting on its own process of a job, broadcasts the op over the conductors' process group
+(gloo); the others only mirror it, so the ranks agree by construction (docs/ablation.md, "DDP jobs under
+torchrun"). The ops:
 
-- ``("spawn", job, port)``: fork the job's process of this rank with ``MASTER_PORT=port``: the job's own
-  rendezvous, hosted by its rank 0 (forked by rank 0's conductor, on the node of torchrun's
-  ``MASTER_ADDR``), not torchrun's agent store; then wait for its first message;
+- ``("spawn", job, port)``: fork this rank's process of the job with ``MASTER_PORT=port`` (the job's own
+  rendezvous, hosted by its rank 0, not torchrun's agent store), then wait for its first message;
 - ``("slice", job, steps)``: let it train ``steps`` steps and wait for its report;
 - ``("finish", job)``: tell it to finish (final evaluation, ``summary.json`` from its rank 0) and wait for it;
 - ``("end",)``: the sweep is over; finish what is still resident.
 
-The other conductors never decide anything, so the ranks agree on every decision by construction; a job's
-figures are its rank 0's (the slice ends when the slowest rank has done its steps: DDP's all-reduce waits).
-Inside each job, ``runner.engine.slice_gate`` also broadcasts rank 0's command to the job's ranks.
+A job's figures are its rank 0's (the slice ends when the slowest rank has done its steps: DDP's all-reduce
+waits). Inside each job, ``runner.engine.slice_gate`` also broadcasts rank 0's command to the job's ranks.
 """
 
 from __future__ import annotations

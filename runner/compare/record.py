@@ -6,12 +6,10 @@ stopped by Ctrl-C or a crash still has a record of every slice it measured. Its 
 - ``design``: ``"interleaved"``; ``reference``: the sweep's reference job; ``aa``: its copy (A'), or None;
   ``settings``: the ``interleave.*`` values; ``slice_steps``: optimizer steps per slice; ``started``,
   ``finished`` (``time.time()`` s), ``stopped`` (why each group stopped measuring).
-- ``jobs``: name -> ``{"folder", "config", "reference", "group", "status", "footprint_mb", "steps"}``; the name
-  is the job's folder relative to the sweep folder; ``config`` names the configuration the process runs (the
-  name of its first process; with ``interleave.processes`` = k each configuration runs in k processes);
-  ``reference`` is the configuration it is compared with; ``status`` is ``measured``, ``failed (exit N)``,
-  ``not run: ...``; ``design`` is ``interleaved``, or ``rounds`` for a job that had no room beside its
-  reference (or was killed for memory there) and was measured after the groups in pairs of fresh processes
+- ``jobs``: name (the job's folder relative to the sweep folder) -> ``{"folder", "config", "reference", "group",
+  "status", "footprint_mb", "steps"}``; ``config`` names the configuration the process runs (the name of its
+  first process), ``reference`` the configuration it is compared with; ``status`` is ``measured``, ``failed
+  (exit N)``, ``not run: ...``; ``design`` is ``interleaved``, or ``rounds`` for a job measured by the fallback
   (its ``group`` is ``"rounds"``).
 - ``slices``: one entry per measured slice: ``group``, ``pass``, ``position`` (in the pass), ``job``,
   ``pairs_with`` (the position of the reference slice it pairs with, None for a reference slice), ``steps``,

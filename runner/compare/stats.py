@@ -1,28 +1,14 @@
 """The statistics of every comparison runner makes: paired ratios, their intervals, Holm's verdicts, the A/A noise.
 
-Each pass gives every job one slice next to a slice of its reference (runner/compare/schedule.py), so a
-comparison is a list of paired log ratios ``d_p = log(x_p / r_p)`` (x: the job's samples/s in pass p, r:
-its reference's in the adjacent slice). Drift slower than a slice pair cancels in each ``d_p``; what is left
-is close to normal on the log scale, so the estimate is ``exp(mean d)`` with a Student-t interval
-``exp(mean d ± t_{n-1} · sd/√n)`` (the paired t-test on log ratios; Student 1908) and a two-sided p-value
-for "no effect".
-
-Pairing cancels drift in time, not a property of one process: on a shared VM identical processes can differ for
-their whole life (on this project's CPU VM by up to 25 % with glibc's malloc as it comes, by how many pages each
-faults in per step; about 2 % with ``trainer.host_allocator=reuse``, the default; docs/ablation.md). With
-``interleave.processes`` > 1 every configuration runs in several processes and the process is the unit of
-replication (a nested design): ``between_processes`` compares configurations by their processes' means with a
-two-sample t interval whose spread, ``pooled_spread``, is measured between the processes of each configuration.
-
-Verdicts over a sweep are one family: Holm's step-down procedure (Holm 1979, "A simple sequentially
-rejective multiple test procedure", Scand. J. Statist. 6) keeps the chance of any false "helps"/"hurts"
-below ``1 - confidence`` and rejects at least what Bonferroni rejects. A family may hold the samples- and
-time-to-target ratios of runner/compare/convergence.py too (``verdicts`` reads each comparison's ``faster``).
-
-The noise floor comes from the reference measured against itself (its copy A'): ``minimum_detectable``
-is the effect a comparison with the A/A's standard error would detect with 80 % power at the sweep's level.
-An effect whose interval lies within ±X % is reported as "no effect larger than ±X %" (an equivalence
-statement, Schuirmann 1987, "two one-sided tests"), not only "no measurable effect".
+A comparison is a list of paired log ratios ``d_p = log(x_p / r_p)`` (x: the job's samples/s in pass p, r: its
+reference's in the paired slice, runner/compare/schedule.py); the estimate is ``exp(mean d)`` with a Student-t
+interval ``exp(mean d ± t_{n-1} · sd/√n)`` and a two-sided p-value for "no effect" (``paired``; Student 1908). With
+``interleave.processes`` > 1 the process is the unit of replication (``between_processes``, ``pooled_spread``).
+Verdicts over a sweep are one family under Holm's step-down procedure (``holm``, ``verdicts``; Holm 1979, "A simple
+sequentially rejective multiple test procedure", Scand. J. Statist. 6). ``minimum_detectable`` is the effect a
+comparison with the A/A's standard error detects with 80 % power; an interval within ±X % reads "no effect larger
+than ±X %" (Schuirmann 1987, "two one-sided tests"). Why paired, why processes, and the A/A: docs/ablation.md,
+"Interleaved measurement".
 
 The t distribution is computed here (the regularized incomplete beta function by its continued fraction,
 Numerical Recipes 3rd ed. §6.4) so that runner needs no SciPy.
@@ -173,9 +159,7 @@ def between_processes(job: Sequence[float], reference: Sequence[float], sd: floa
     ``reference`` hold one value per process, its mean log samples/s relative to the reference's processes in
     the same passes (drift in time removed), and ``sd``/``df`` come from ``pooled_spread`` over the sweep. The
     estimate is exp(mean(job) - mean(reference)) with the two-sample t interval ``± t_df · sd · sqrt(1/k_job +
-    1/k_ref)``. Identical processes of one configuration can differ by up to 25 % for their whole life on a shared
-    VM (docs/ablation.md; about 2 % with the default host allocator), which pairing in time cannot cancel; this
-    interval carries that spread (a nested design: slices within processes, processes within configurations). None
+    1/k_ref)`` (a nested design: slices within processes, processes within configurations; docs/ablation.md). None
     without a process on either side or without a spread (``df`` 0).
 
     Raises:

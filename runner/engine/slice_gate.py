@@ -1,10 +1,9 @@
 """The pause point between optimizer steps that the interleaved launcher drives (runner/compare/).
 
-Under ``hydra/launcher=interleaved`` every job of a sweep is resident in its own process and the jobs take turns: one
-trains for a *slice* (a number of optimizer steps) while the others wait. The launcher talks to each job through a
-``multiprocessing`` pipe; the engine asks this gate, before each step, whether a slice has ended (``due``) and, when it
-has, ``wait`` reports the slice and blocks in the pipe's ``recv`` (a blocking read: the waiting process uses no core and
-launches no GPU work) until the launcher says how many steps the next slice has, or that the job should finish.
+Under ``hydra/launcher=interleaved`` the resident jobs of a sweep take turns in *slices* of optimizer steps
+(docs/ablation.md, "Interleaved measurement"). Before each step the engine asks this gate whether a slice has ended
+(``due``); ``wait`` then reports it and blocks in ``recv`` on its ``multiprocessing`` pipe (no core used, no GPU work
+launched) until the launcher says how many steps the next slice has, or that the job should finish.
 
 The messages (plain dicts, pickled by ``Connection.send``):
 
@@ -17,15 +16,10 @@ The messages (plain dicts, pickled by ``Connection.send``):
   one last step, the final evaluation and ``summary.json``, as if ``trainer.max_steps`` were reached).
 
 A job with several ranks (DDP under torchrun) pauses as a whole: each rank talks to its own rank's conductor
-(runner/compare/ranks.py: rank 0's decides, the others relay its commands), and rank 0's command is also
-broadcast over the job's process group: whatever a rank's conductor sent, the job's ranks train the same steps.
-
-The comparison's job process (runner/compare/process.py) makes the ``SliceGate`` on its end of the pipe and
-hands it to ``runner.engine.train.train(cfg, job_dir, gate=...)``; every other run has none.
-
-The design follows randomized multiple interleaved trials (Abedi & Brecht, "Conducting repeatable
-experiments in highly variable cloud computing environments", ICPE 2017) and duet benchmarking (Bulej et
-al., ICPE 2020): comparisons are paired in time, so drift on the scale of minutes cancels.
+(runner/compare/ranks.py), and rank 0's command is also broadcast over the job's process group, so the job's ranks
+train the same steps. The job process (runner/compare/process.py) hands its ``SliceGate`` to
+``runner.engine.train.train(cfg, job_dir, gate=...)``; every other run has none. Sources: randomized multiple
+interleaved trials (Abedi & Brecht, ICPE 2017), duet benchmarking (Bulej et al., ICPE 2020).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The report of a sweep: ``python -m runner.report <multirun folder> [--doc PATH [--replication SWEEP2]]``.
 
-An ablation sweep (``python -m runner -m +experiment=ablation``) gets the ablation report: one row per
-configuration with its speed-up over the baseline, what its technique buys, 95 % intervals from the interleaved
-record (runner/compare/: paired slices, Holm's verdicts) and a verdict. A convergence sweep
-(``+experiment=convergence``) gets one row per configuration with its samples-to-target, throughput and
-time-to-target ratios over seeds. Any other multirun gets one row per job.
+An ablation sweep (``+experiment=ablation``) gets the ablation report (docs/ablation.md), a convergence sweep
+(``+experiment=convergence``) its report of time to target over seeds, and any other multirun one row per job
+(docs/configuration.md, "Sweeps").
 
 Where each concern lives:
 

@@ -1,11 +1,7 @@
 """``python -m runner.report <multirun folder>``: the report of a sweep.
 
-An ablation sweep (``python -m runner -m +experiment=ablation``) gets the ablation report
-(runner/report/write.py); a convergence sweep (``+experiment=convergence``) its report of time to target over seeds,
-with ``--throughput <interleaved ablation sweep>`` for the techniques that change a step's cost
-(runner/report/convergence.py); any other multirun folder gets one row per job, sorted by samples/s, with a plot
-over the swept keys (runner/report/sweep.py). A folder that cannot be reported prints ``error: <message>``
-and exits with status 2.
+Which report a folder gets: the package docstring (runner/report/__init__.py). A folder that cannot be reported
+prints ``error: <message>`` and exits with status 2.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """The convergence ablation's report: what each configuration buys in time to target, over seeds.
 
-A convergence sweep (``python -m runner -m +experiment=convergence``, ``ablation.measure=convergence``) holds one job
-folder per configuration and seed (``<variant>/s<seed>``), each a run that ended at the first evaluation meeting
-the target or at its budget. Per configuration (``Variant``):
-
-- its seeds (``runner.compare.convergence.read_seed``); a job folder without ``summary.json`` (a seed that failed,
-  diverged or was killed) is a seed that did not reach the target within its budget (``trainer.max_steps`` ×
-  the global batch): counted, never dropped;
-- the samples-to-target ratio against the baseline's seeds (``samples_to_target``: Hodges–Lehmann with the exact
-  Mann–Whitney interval, censored seeds bounding it);
-- the throughput ratio (config ÷ baseline samples/s): exactly 1 where the technique does not change a step's cost
-  (``runner.techniques.step_cost``), else the interleaved comparison of an ablation sweep of the same variants
-  (``--throughput SWEEP``, ``throughput_intervals``); without one the row says it needs one, never a made-up
-  figure;
-- the time-to-target ratio = samples ratio ÷ throughput ratio (``time_to_target``, Bonferroni-combined).
-
-Verdicts: Holm's step-down over the family of time-to-target ratios (``stats.verdicts``), and separately over the
-family of samples ratios. The text and the files are runner/report/convergence_text.py's.
+A convergence sweep (``+experiment=convergence``) holds one job folder per configuration and seed
+(``<variant>/s<seed>``). Per configuration (``Variant``): its seeds (a folder without ``summary.json`` is a seed
+that did not reach the target within its budget: counted, never dropped), the samples-to-target ratio against the
+baseline's seeds, the throughput ratio (exactly 1 where the technique does not change a step's cost,
+``runner.techniques.step_cost``, else from an interleaved ablation sweep of the same variants: ``--throughput
+SWEEP``; without one the row says it needs one) and the time-to-target ratio, with Holm's verdicts over each family.
+The statistic: docs/ablation.md, "Samples to target and time to target"; the text and the files:
+runner/report/convergence_text.py.
 """
 
 from __future__ import annotations

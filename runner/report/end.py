@@ -1,12 +1,11 @@
 """The end of a plain multirun: the sweep's table and the command that reports it again (a Hydra callback).
 
-``python -m runner -m dataloader.batch_size=64,128`` runs its jobs one after the other in Hydra's basic launcher,
-each printing one line at its end (``runner.track``); ``SweepReport.on_multirun_end`` (``hydra.callbacks`` in
-``conf/config.yaml``) then writes the sweep's report (``write_plain_report``: report.md, report.csv, sweep.png)
-and prints its table of the jobs, fastest first, and ``python -m runner.report <sweep folder>``. Only for the basic
-launcher: ``hydra/launcher=interleaved`` (and the ablation on it) writes its own report, and a SLURM sweep's jobs
-end on other machines; not after a recipe search (``hydra/sweeper=search``), which ends with its own tables.
-Rank 0 only; a report that cannot be written costs one line, never the sweep.
+``SweepReport.on_multirun_end`` (``hydra.callbacks`` in ``conf/config.yaml``) writes the report of a sweep run by
+Hydra's basic launcher (``write_plain_report``) and prints its table of the jobs and ``python -m runner.report
+<sweep folder>`` (docs/configuration.md, "Sweeps"). Not after ``hydra/launcher=interleaved`` (and the ablation on
+it), which writes its own report, a SLURM sweep, whose jobs end elsewhere, or a recipe search
+(``hydra/sweeper=search``), which ends with its own tables. Rank 0 only; a report that cannot be written costs one
+line, never the sweep.
 
 A convergence sweep (``+experiment=convergence``: ``ablation.measure=convergence``, on the basic launcher too) gets
 its own report instead (``print_convergence_end``: runner/report/convergence_text.py), its table printed.

@@ -1,12 +1,9 @@
 """Reading an ablation sweep folder: its jobs (``Job``), the per-configuration ``Row`` they are grouped
 into (runner/report/rows.py fills it), and the sweep's record (``ablation.json``).
 
-An ablation sweep (``python -m runner -m +experiment=ablation``) holds one ``summary.json`` per job that
-measured, ``not_run.json``/``failed.json`` for jobs that did not, and ``ablation.json`` for the machine
-and command. A configuration (a *variant*) is ``baseline``, ``fast``, ``baseline+<technique>`` (the
-technique on alone: leave-one-in) or ``fast-<technique>`` (the technique off in the fast preset:
-leave-one-out). An interleaved sweep killed hard after its last slice (SIGKILL, a lost machine) leaves jobs
-without a summary; ``unfinished_jobs`` makes theirs from their slices in ``interleave.json``.
+An ablation sweep holds one ``summary.json`` per job that measured, ``not_run.json``/``failed.json`` for jobs that
+did not, and ``ablation.json`` for the machine and command; a configuration (a *variant*) is ``baseline``,
+``fast``, ``baseline+<technique>`` (leave-one-in) or ``fast-<technique>`` (leave-one-out; docs/ablation.md).
 
 Bad input (no such folder, no summaries, a corrupt summary, two sweeps in one folder) raises
 ``ReportError``; ``python -m runner.report`` prints ``error: <message>`` and exits with status 2.
@@ -141,10 +138,8 @@ def load_jobs(sweep: Path) -> list[Job]:
 
 def unfinished_jobs(sweep: Path, record: dict[str, Any], jobs: list[Job]) -> list[Job]:
     """Jobs of ``record`` that measured slices but left no summary.json, failed.json or not_run.json in
-    ``sweep`` (their process was killed before the coordinator's last message: SIGKILL, a machine restart,
-    the out-of-memory killer), each with a summary made of its slices: ``samples_per_sec`` (samples ÷ seconds
-    over its measured slices), ``step_time_ms_median`` (the median slice's seconds per step, in ms),
-    ``steps_measured`` and ``unfinished: true``. It has no evaluation, memory or technique figures.
+    ``sweep`` (their process was killed: SIGKILL, a machine restart, the out-of-memory killer), each with a summary
+    made of its slices (``runner.report.sweep.slice_summary``).
 
     Raises:
         ReportError: a job folder without a readable ``.hydra/config.yaml`` naming ``ablation.variant``.

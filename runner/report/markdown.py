@@ -234,11 +234,9 @@ def agreement(rows: list[Row], replication: list[Row], name: str = "replication"
 
     Returns a markdown section (a table: each configuration's effect, its 95 % interval and verdict in both
     sweeps, and whether they agree) and the configurations where this sweep's verdict is firm (``FIRM``:
-    helps, hurts, faster, slower) and the replication's differs -- the disagreements that matter. A
-    configuration this sweep calls "no measurable effect" may come out either way in the other (its
-    interval contains 1), so it is shown but not counted against agreement. Configurations that neither sweep
-    measured, for the same reason (not run: needs CUDA, or a no-op on this job), are named in one line under the
-    table instead of a row each.
+    helps, hurts, faster, slower) and the replication's differs. A "no measurable effect" row is shown but not
+    counted against agreement (its interval contains 1); configurations neither sweep measured, for the same
+    reason, are named in one line under the table.
     """
     theirs = {r.configuration: r for r in replication}
     lines = [f"| configuration | effect [95 % CI], this sweep | verdict | effect [95 % CI], {name} | verdict | "

@@ -3,10 +3,8 @@
 A sweep measured by the interleaved launcher holds ``interleave.json`` (runner/compare/record.py): every
 slice's samples/s and which reference slice it pairs with. From it:
 
-- ``job_comparisons``: per job, the paired speed-up over its reference with its 95 % interval, the verdict
-  (Holm's step-down over the sweep's comparisons; the copy of the reference is left out of the family) and
-  the number of pairs, for the plain sweep report's columns ``speedup``, ``ci_low``, ``ci_high``, ``verdict``,
-  ``design``.
+- ``job_comparisons``: per job, the paired speed-up over its reference with its 95 % interval, Holm's verdict (the
+  reference's copy left out of the family) and the number of pairs, for the plain sweep report's columns.
 - ``apply_to_rows``: the same for an ablation's rows (runner/report/rows.py): the speed-up against the
   baseline (a leave-one-out configuration through the fast preset, pass by pass) and the effect against
   the row's own reference replace the point figures, with Holm's verdicts and the ranks.

@@ -1,13 +1,10 @@
 """An ablation sweep's rows: one per configuration, compared with its reference, with a verdict and a rank.
 
-Figures (units in the names): ``samples_per_sec`` is samples of the measured steps / their wall time
-(warm-up steps excluded, runner/measure/). Speed-up = a configuration against the baseline. *Effect* = what
-the row's technique buys, as a factor (>1: faster with it): the configuration ÷ the baseline when it is switched
-on alone (leave-one-in), the fast preset ÷ the configuration when it is switched off in the fast preset
-(leave-one-out). ``build_rows`` groups the jobs and fills the figures, each configuration's point speed-up (its
-median samples/s ÷ the baseline's) and what it switched; the intervals, verdicts and ranks come from the sweep's
-interleaved record (runner/report/paired.py ``apply_to_rows``: paired slices, Holm's verdicts). Without a record
-a row has no interval and no verdict. Only configurations whose speed-up interval lies above 1 get a rank.
+Figures carry their units in their names. Speed-up = a configuration against the baseline; *effect* = what the
+row's technique buys, as a factor (>1: faster with it; docs/ablation.md, "Speed-ups, intervals and verdicts").
+``build_rows`` groups the jobs and fills the figures, each configuration's point speed-up (its median samples/s ÷
+the baseline's) and what it switched; the intervals, verdicts and ranks come from the sweep's interleaved record
+(runner/report/paired.py ``apply_to_rows``). Without a record a row has no interval and no verdict.
 """
 
 from __future__ import annotations

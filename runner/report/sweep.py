@@ -1,24 +1,9 @@
 """The report of a plain multirun sweep, and where the time of any sweep went.
 
-``python -m runner.report <multirun folder>`` on a sweep that is not an ablation, e.g.
-``python -m runner -m dataloader.batch_size=64,128,256 optimizer.lr=0.05,0.1``, writes into the folder:
-
-- ``report.md`` and ``report.csv``: one row per job, sorted by samples/s (fastest first): the job's
-  overrides (from ``<job>/.hydra/overrides.yaml``), samples/s, median step time (ms), data-wait
-  fraction, peak memory (MiB), final train loss, eval loss and accuracy, and the job's fixed cost
-  ``setup_s``; jobs without a ``summary.json`` (failed, or still running) are listed as such, last;
-- ``sweep.png``: samples/s over the swept keys: against the one swept key, or against the first with
-  one line per value of the second; with three or more swept keys, one bar per job.
-
-Fixed cost per job (``job_times``), from what the job folder holds (the engine's summary has no
-``setup_s`` yet): ``setup_s = (summary.json written) − (job start) − train_time_s − eval_time_s``, i.e.
-everything before the first step (process start and imports where the job has its own process,
-dataset load, model build, the FLOP count, the W&B start) plus the few milliseconds of bookkeeping
-after the last. The job start is ``job.json``'s ``started`` where the ablation wrote one (the parent
-times its child), else the time Hydra wrote ``<job>/.hydra/config.yaml``. An interleaved job spends most of
-its life waiting for its turn, so its ``job.json`` (written by ``hydra/launcher=interleaved``) holds
-``setup_s`` itself: fork to the first step. Times are wall-clock file and ``time.time()`` stamps of one
-machine (s).
+``python -m runner.report <multirun folder>`` on a sweep that is not an ablation writes ``report.md``,
+``report.csv`` (one row per job, fastest first; jobs without a ``summary.json`` last) and ``sweep.png`` (samples/s
+over the swept keys) into the folder: docs/configuration.md, "Sweeps". ``job_times`` says where each job's wall time
+went, for this report and the ablation's.
 """
 
 from __future__ import annotations
@@ -61,10 +46,16 @@ def job_times(folder: Path, summary: dict[str, Any] | None) -> dict[str, float |
     """Where one job's wall time went, in seconds (None where the folder cannot tell).
 
     Keys: ``wall_s`` (job start to its end: the parent's ``finished`` from ``job.json``, else the
-    summary's write), ``setup_s`` (see the module docstring), ``train_s`` (``train_time_s``: the training
-    loop, warm-up included, evaluation excluded), ``measured_s`` (``measured_time_s``: the measured
-    steps), ``eval_s`` (``eval_time_s``), ``teardown_s`` (summary written to process exit, e.g. closing
-    W&B; only with ``job.json``).
+    summary's write), ``setup_s``, ``train_s`` (``train_time_s``: the training loop, warm-up included, evaluation
+    excluded), ``measured_s`` (``measured_time_s``: the measured steps), ``eval_s`` (``eval_time_s``),
+    ``teardown_s`` (summary written to process exit, e.g. closing W&B; only with ``job.json``).
+
+    ``setup_s`` = (summary.json written) − (job start) − ``train_time_s`` − ``eval_time_s``: everything before the
+    first step (process start and imports where the job has its own process, dataset load, model build, the FLOP
+    count, the W&B start) plus the few ms of bookkeeping after the last. The job start is ``job.json``'s
+    ``started`` where the ablation wrote one, else the time Hydra wrote ``<job>/.hydra/config.yaml``; an
+    interleaved job's ``job.json`` holds ``setup_s`` itself (fork to the first step), since it spends most of its
+    life waiting for its turn. Wall-clock stamps of one machine.
     """
     record: dict[str, Any] = {}
     path = folder / "job.json"
@@ -263,7 +254,8 @@ def _value(text: str | None) -> Any:
 
 
 def plot_sweep(jobs: list[SweepJob], keys: list[str], path: Path) -> str:
-    """``sweep.png`` of samples/s over the swept keys (see the module docstring); returns what it shows."""
+    """``sweep.png`` of samples/s: against the one swept key, or against the first with one line per value of the
+    second; with three or more swept keys, one bar per job. Returns what it shows."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,17 +1,8 @@
-"""Writing an ablation sweep's report into its folder (``write_report``):
-
-- ``report.md`` and ``report.csv``: one row per configuration, ranked by speed-up: median samples/s,
-  speed-up over the baseline with its 95 % interval from the paired slices, what the technique buys
-  (its *effect*, with its interval) and the verdict that follows, step time, data-wait fraction, peak
-  memory and its change, the final loss, the fixed cost per job, and what was applied or skipped;
-- ``jobs.csv``: one row per job: samples/s and where its wall time went (``setup_s`` before the first
-  step, training, measured steps, evaluation);
-- ``speedup.png``: horizontal bars of the speed-ups with their confidence intervals (matplotlib, Agg);
-- a W&B table of the rows (and the plot) when the jobs logged to W&B (offline without an API key).
-
-``--doc docs/ablation-cpu.md`` also writes the report as a document (plot copied next to it) with a
-generated reading of what helped and what hurt, to be completed with the why; ``--replication SWEEP2``
-adds the agreement table of an independent second sweep (runner/report/markdown.py).
+"""Writing an ablation sweep's report into its folder (``write_report``): ``report.md`` and ``report.csv`` (one row
+per configuration, ranked by speed-up), ``jobs.csv`` (one row per job: samples/s and where its wall time went),
+``speedup.png`` (``plot``) and a W&B table of the rows when the jobs logged to W&B (``log_to_wandb``); ``--doc``
+also writes the report as a document, with ``--replication``'s agreement table (runner/report/markdown.py). What
+the rows hold: docs/ablation.md, "What it runs".
 """
 
 from __future__ import annotations

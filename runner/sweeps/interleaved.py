@@ -1,20 +1,10 @@
 """``hydra/launcher=interleaved``: a Hydra launcher that measures a sweep's jobs side by side in time.
 
 ``python -m runner -m hydra/launcher=interleaved trainer.seed=0,1`` (any sweep; ``+experiment=ablation`` selects it)
-prepares every job the way Hydra's basic launcher would (its folder, ``.hydra/``, the config
-resolved in the job's context), adds a copy of the reference job (A', the sweep's own noise), and hands the
-jobs to the conductor (runner/compare/conductor.py), which keeps them resident and lets them take turns.
-Each job's figure relative to its reference is the paired ratio of adjacent slices (runner/compare/stats.py);
-the report (``report.md``/``report.csv``, runner/report/) is written at the end, also after Ctrl-C.
-
-An ablation (``+experiment=ablation``) is such a sweep: its jobs are compared with the baseline (a leave-one-out
-job with the fast preset), and its report is the ablation's (runner/sweeps/ablation.py).
-
-This module is the thin adapter between Hydra and runner/compare/, where the measuring happens.
-
-Under torchrun (``torchrun --nproc-per-node N -m runner -m hydra/launcher=interleaved distributed=ddp ...``)
-every job runs as a DDP job of the N ranks, all of whose processes pause together: rank 0's conductor decides
-and the other ranks' conductors mirror it (runner/compare/ranks.py); rank 0 writes the record and the report.
+prepares every job the way Hydra's basic launcher would (its folder, ``.hydra/``, the config resolved in the job's
+context) and hands the jobs to runner/compare/, where the measuring happens; the report (runner/report/, the
+ablation's for an ablation: runner/sweeps/ablation.py) is written at the end, also after Ctrl-C. Under torchrun
+rank 0 writes the record and the report (runner/compare/ranks.py). docs/ablation.md, "Interleaved measurement".
 
 Hydra instantiates launchers only from the ``hydra_plugins`` namespace, whose modules it finds by scanning
 installed packages, which an editable install does not expose (a ``package-dir`` mapping is invisible to

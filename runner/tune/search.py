@@ -3,17 +3,13 @@ sweeper, then verify the best trial against the starting recipe on fresh seeds.
 
     python -m runner -m hparams_search=mnist_optuna            # conf/hparams_search/mnist_optuna.yaml
 
-The search file has lightning-hydra-template's shape (``# @package _global_``, ``override /hydra/sweeper``,
-``optimized_metric``, ``hydra.sweeper.direction / n_trials / sampler / params`` in the Optuna sweeper plugin's
-grammar: ``interval(a, b)``, ``tag(log, interval(a, b))``, ``choice(a, b, c)``, ``range(a, b, step)``), so the same
-file runs under the released plugin by changing ``search`` back to ``optuna`` where that plugin installs. Why not
-the plugin (hydra-optuna-sweeper 1.3.0 pins optuna < 3): docs/tuners-and-doctor.md "Searching the recipe".
+The search file has lightning-hydra-template's shape and the Optuna sweeper plugin's keys and grammar
+(``interval(a, b)``, ``tag(log, ...)``, ``choice(...)``, ``range(a, b, step)``), so it runs under the released plugin
+too where that installs; why not the plugin (hydra-optuna-sweeper 1.3.0 pins optuna < 3), and the file's keys:
+docs/tuners-and-doctor.md, "Searching the recipe".
 
 Each trial is one job of the sweep (``<sweep>/<n>``); its ``optimized_metric`` (runner/objective.py) is told to
-the study. ``verify`` then runs the best trial (of the search's own space, among those that met the target) and the
-starting recipe on ``verify_seeds`` fresh seeds: samples to target (runner/compare/convergence.py) and, where a
-searched key can change a step's cost, samples/s interleaved (runner/compare/), so time to target with an interval
-(docs/tuners-and-doctor.md, "Searching the recipe").
+the study; the best trial is then verified against the starting recipe on fresh seeds (runner/tune/search_end.py).
 """
 
 from __future__ import annotations

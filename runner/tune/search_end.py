@@ -2,15 +2,10 @@
 against the starting recipe on fresh seeds, the line to paste, and ``<sweep>/optimization_results.yaml``.
 
 **Verification** runs the best trial and the starting recipe (the search's command without the searched
-parameters) on ``verify_seeds`` seeds that the search never used, one pair per seed, best and start alternating
-so that a machine growing busier slows both alike, each run in ``<sweep>/verify/{best,start}/seed<N>``. It
-compares **samples to target** (runner/compare/convergence.py ``samples_to_target``: Hodges–Lehmann ratio with
-the exact Mann–Whitney interval; a seed that missed the target, or whose run failed, is censored at what it
-trained, never dropped). Where a searched key can change what a step costs (anything but the LR, its schedule,
-warm-up and weight decay: ``SAME_STEP_COST``), best and start are then measured **interleaved** for
-``verify_minutes`` (runner/compare/, ``interleave.*``: resident processes taking turns, the start's copy as the
-A/A) into ``<sweep>/verify/throughput/``; otherwise their samples/s ratio is 1. Time to target = samples ratio ÷
-samples/s ratio (``time_to_target``); the table's medians, one run after the other, are a description only.
+parameters) on ``verify_seeds`` fresh seeds, alternating, in ``<sweep>/verify/{best,start}/seed<N>``, and compares
+samples to target (``samples_to_target``) and, where a searched key can change what a step costs (not in
+``SAME_STEP_COST``), samples/s interleaved (``throughput``): time to target = their ratio (``time_to_target``).
+Why, and the statistic: docs/tuners-and-doctor.md, "Searching the recipe".
 """
 
 from __future__ import annotations
