@@ -1,21 +1,10 @@
 """Tasks: what is trained and how it is judged (the ``task`` config group).
 
 The engine never names a loss or a metric; it asks the task (nanoGPT: ``logits, loss = model(X, Y)``;
-torchtitan: ``self.loss_fn``). A task is a small object built from ``cfg.task`` by ``_target_``:
-
-- ``loss(model, batch)``: the scalar training loss of one micro-batch ``(x, y)``;
-- ``evaluate(model, batches, autocast, max_batches, env)``: ``{metric: value}`` over the evaluation set;
-- ``metrics``: the names ``evaluate`` returns (``eval_loss`` always, the time-to-target key);
-- ``check_target(target)``: whether one item's target suits the task (``data=custom`` asks it), or what it must be;
-- ``model_kwargs(data)``: the constructor sizes the data dictates (checks the data suits the task);
-- ``check(model, data)``: bad model/data combinations, before training;
-- ``tokens_per_sample(data)``: the throughput unit (None: samples only; an int: tokens/s too);
-- ``skipped(cfg)``: switches that do not apply to this task, as ``"skipped: <reason>"`` statuses;
-- ``finish(model, data, job_dir, env, seed)``: outputs after training (``samples.txt``).
-
-That contract is ``runner.protocols.Task``; ``build`` refuses a ``task._target_`` that does not satisfy it. The
-built-in tasks: ``Classification``, ``LanguageModel`` and ``Regression`` (float targets, MSE: the worked example
-of adding a task, docs/data-and-models.md).
+torchtitan: ``self.loss_fn``), an object built from ``cfg.task`` by ``_target_`` with the members of
+``runner.protocols.Task`` (``build`` refuses one that lacks them; docs/design.md, rule 3). The built-in tasks:
+``Classification``, ``LanguageModel`` and ``Regression`` (float targets, MSE: the worked example of adding a task,
+docs/data-and-models.md).
 
 A model's output is its logits, or an object holding them as ``.logits`` (a Hugging Face ``ModelOutput``):
 ``logits_of`` takes either, so the task's own loss is used, never a loss the model computes itself.
@@ -157,9 +146,8 @@ class LanguageModel:
     character with ``data=text``). Throughput: tokens/s = samples/s x T; FLOPs per token likewise.
     After training, ``sample_tokens`` tokens generated from ``sample_prompt`` (``temperature``, ``top_k``;
     nanoGPT's ``sample.py``, https://github.com/karpathy/nanoGPT/blob/master/sample.py) are written to
-    ``samples.txt``, decoded with the data's ``Codec`` (``data=tokens`` without a tokenizer: the token ids;
-    ``runner.data.tokens``). Bits per character: the loss in base 2, the
-    figure character-level language models are compared by (e.g. Graves 2013, https://arxiv.org/abs/1308.0850).
+    ``samples.txt``, decoded with the data's ``Codec``. Bits per character: the figure character-level language
+    models are compared by (e.g. Graves 2013, https://arxiv.org/abs/1308.0850).
     """
 
     metrics = ("eval_loss", "eval_perplexity", "eval_bits_per_char")
@@ -229,11 +217,9 @@ class LanguageModel:
         """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
         an FSDP-sharded model all-gathers its parameters in each forward. Compiled modules run eagerly here
         (``torch.compiler.set_stance("force_eager")``): one-off sampling is not worth a recompile per length.
-        Sampling is ``runner.models.gpt.generate`` on the model's logits (any model, runner's GPT, a Hugging Face
-        one or the user's own), fed at most ``data.block_size`` tokens at a time: the length the model was
-        trained on, which ``check`` keeps within its context, and the only one it knows for a model that does
-        not declare its context (no ``block_size``, no Hugging Face config). Positions past it were never
-        trained (nanoGPT crops its model to the same length, ``crop_block_size``)."""
+        Sampling is ``runner.models.gpt.generate`` on the model's logits (any model), fed at most
+        ``data.block_size`` tokens at a time: the length the model was trained on, and the only context known for a
+        model that declares none; positions past it were never trained (nanoGPT's ``crop_block_size``)."""
         if not self.sample_tokens:
             return
         plain = parallel.unwrap(model)
@@ -256,9 +242,8 @@ class Regression(SampleTask):
 
     Loss: the mean squared error over all B x k values (``torch.nn.functional.mse_loss``, computed in float32), in
     the target's unit squared. Evaluation: ``eval_loss``, that MSE over the evaluation set, and ``eval_rmse`` = its
-    square root, in the target's unit. ``trainer.target_loss`` is an MSE here (``trainer.stop_at_target=true``
-    ends the run at the first evaluation at or below it). Throughput: samples/s. The worked example of adding a
-    task (docs/data-and-models.md#adding-a-task): every member of ``runner.protocols.Task``, nothing else.
+    square root, in the target's unit. ``trainer.target_loss`` is an MSE here. Throughput: samples/s. The worked
+    example of adding a task (docs/data-and-models.md#adding-a-task).
     """
 
     metrics = ("eval_loss", "eval_rmse")

@@ -1,12 +1,10 @@
 """Datasets and loaders: the built-in image sets, character text, token files or the user's own datasets, behind a
 ``DataLoader`` or held whole on the device.
 
-``build`` returns train/eval iterables that yield ``(x, y)`` already on the run's device: for the built-in
-image sets ``x`` is a float32 batch of shape ``(B, C, H, W)`` (normalized when ``data.normalize``); for
-``data=custom`` it is the batch of whatever the user's items hold, ``(B, *S)``, and ``y`` the batch of their targets
-(what the task's ``check_target`` accepted: int64 ``(B,)`` class indices, float ``(B,)`` or ``(B, k)`` values); for
-``data=text``/``tokens`` ``x`` and ``y`` are int64 token windows ``(B, block_size)``; otherwise ``y`` is an int64
-``(B,)``. The host->device copy happens inside the iterable, so the engine's data-wait figure includes it.
+``build`` returns train/eval iterables that yield ``(x, y)`` already on the run's device (the copy inside the
+iterable, so the data-wait figure includes it): built-in image sets, float32 ``x`` ``(B, C, H, W)`` and int64 ``y``
+``(B,)``; ``data=custom``, the batch of the user's items ``(B, *S)`` and of their targets (int64 ``(B,)`` class
+indices, float ``(B,)`` or ``(B, k)`` values); ``data=text``/``tokens``, int64 token windows ``(B, block_size)``.
 
 Where each concern lives:
 
@@ -91,11 +89,9 @@ def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
     """Build the train and eval iterables for this rank: ``source_for`` then ``loading.assemble``.
 
     ``data=custom`` goes through ``custom_datasets``, which asks ``task`` (a ``runner.protocols.Task``; None: a
-    classification) whether the targets suit it; the loader techniques (DataLoader workers, pinned
-    memory, non_blocking copies, DistributedSampler, ``on_device``) apply to it as to the built-in sets.
-    Switches that cannot act on it are recorded as ``skipped: <reason>``: ``data.normalize`` and
-    ``data.augment`` (image statistics and crops), ``on_device`` for a dataset that is not whole tensors,
-    channels_last for inputs that are not ``(C, H, W)``.
+    classification) whether the targets suit it; switches that cannot act on it (``data.normalize``,
+    ``data.augment``, ``on_device`` for a dataset that is not whole tensors, channels_last for inputs that are
+    not ``(C, H, W)``) are recorded as ``skipped: <reason>``.
 
     Raises:
         ConfigError: unknown ``data.name``, a missing or corrupt dataset, ``batch_size`` <= 0, a

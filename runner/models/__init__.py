@@ -1,13 +1,6 @@
 """Models: any module class or factory named by ``model._target_``, with its constructor arguments from the
-config, fitted to the data, optionally starting from torchvision's pretrained weights.
-
-``build`` instantiates ``_target_(**model.<other keys>)``: every key of the ``model`` node that is not one
-of runner's (``RUNNER_KEYS``) is a constructor argument, checked against the signature first (a typo
-stops with the valid names). runner fills in the output size the task reads off the data (``num_classes``, or
-``num_outputs`` for a regression) and ``in_features`` (the number of values in one input item) when the constructor
-has a parameter of that name and the config leaves it unset. Then: ``weights`` (pretrained, head replaced),
-``cifar_stem``, the first conv fitted to the data's channels, ``freeze_backbone``, and one forward pass on a real
-batch of 2 items to check that the model takes the data's inputs and returns one logit per class (or value).
+config, fitted to the data (``build``), optionally starting from torchvision's pretrained weights; runner's own
+``MnistCNN`` and ``MLP``. docs/data-and-models.md: "Your own model", "Fine-tuning pretrained torchvision weights".
 """
 
 from __future__ import annotations
@@ -73,11 +66,9 @@ class MLP(nn.Module):
     """A multi-layer perceptron for vectors: ``depth`` MLPBlocks of ``hidden`` units and a linear head.
 
     Input ``(B, *shape)`` float with ``prod(shape) == in_features`` (flattened first, so images work too);
-    output logits ``(B, num_classes)``, or ``(B, num_outputs)`` values when ``num_outputs`` is given (it wins:
-    ``task=regression`` fills it with the target's size). ``depth=0`` is a linear model. runner fills ``in_features``
-    and the output size from the data (``model=mlp``); the blocks are the repeated modules that activation
-    checkpointing wraps. About ``2 * (in_features * hidden + (depth - 1) * hidden**2 + hidden * outputs)``
-    FLOPs per sample forward.
+    output logits ``(B, num_classes)``, or ``(B, num_outputs)`` values when ``num_outputs`` is given (it wins).
+    ``depth=0`` is a linear model; runner fills ``in_features`` and the output size from the data. About
+    ``2 * (in_features * hidden + (depth - 1) * hidden**2 + hidden * outputs)`` FLOPs per sample forward.
     """
 
     def __init__(self, in_features: int, num_classes: int = 10, hidden: int = 128, depth: int = 2,
@@ -218,9 +209,8 @@ def _mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str:
 def _load_pretrained(builder, target: str, kwargs: dict, weights) -> nn.Module:
     """Build the model through torchvision's own API, ``builder(weights=..., **kwargs)``, from the cache.
 
-    The builder sets what the weights need (``num_classes`` = the weights' class count, and for some
-    architectures image size or input transform) and loads the file with ``load_state_dict``; it reads
-    the cached file and never downloads, because the file was found first.
+    The builder sets what the weights need (``num_classes`` = the weights' class count, ...) and loads the
+    cached file, found first, so it never downloads.
 
     Raises:
         ConfigError: the file is missing/unreadable (``_check_weights_file``), or it holds weights of
@@ -352,10 +342,8 @@ def _count(n: int) -> str:
 
 def model_report(model: nn.Module, cfg: DictConfig) -> tuple[str, dict[str, object]]:
     """The line ``prepare`` prints once the model is built (rank 0), and its details for ``summary.json``
-    (``model_details``): which model, whether pretrained weights were loaded, whether the backbone is frozen,
-    and how many parameters train (a wrapper's parameters count the same: DDP/DP hold the model's own, an
-    FSDP2 DTensor's ``numel`` is the full tensor's), e.g.
-    ``model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 5,130 of 11.2 M parameters trainable``.
+    (``model_details``), e.g. ``model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 5,130 of 11.2 M
+    parameters trainable`` (a wrapped model counts the same: an FSDP2 DTensor's ``numel`` is the full tensor's).
 
     Args:
         model: the built model (``build``'s result).
@@ -379,10 +367,8 @@ def model_report(model: nn.Module, cfg: DictConfig) -> tuple[str, dict[str, obje
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Load a job's ``model.safetensors`` (a plain state dict) into ``model``, the plain model class.
 
-    ``model.drop_bias_before_bn=true`` (``+experiment=fast``) removed the conv/linear biases that feed a
-    BatchNorm before training, so the file has no such ``<layer>.bias`` and ``model.load_state_dict`` stops
-    with ``Missing key(s)``. Training without them is training with them at zero (BatchNorm cancels a
-    constant bias), so each of those is set to zero here; every other key must match exactly.
+    A conv/linear bias missing from the file (``model.drop_bias_before_bn=true`` removed it before training) is
+    set to zero, which BatchNorm makes equivalent; every other key must match exactly.
 
     Returns ``model``, loaded in place. Sources: ``safetensors.torch.load_file``; Ioffe & Szegedy 2015 §3.2.
 

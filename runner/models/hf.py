@@ -1,16 +1,9 @@
 """Hugging Face causal language models built from config (``model=hf_causal_lm``), trained by runner's loop.
 
-``causal_lm`` makes a randomly initialised model of any ``transformers`` causal-LM architecture from its
-config class: ``AutoConfig.for_model(model_type, **settings)`` then ``AutoModelForCausalLM.from_config``
-(https://huggingface.co/docs/transformers/model_doc/auto). The data decides the vocabulary size and the
-context length, as they do for runner's own GPT. The model maps token ids ``(B, T)`` to an output whose
-``.logits`` are ``(B, T, vocab_size)``; ``runner.task.LanguageModel`` reads them and keeps its own
-next-token cross-entropy (the model's ``labels=`` loss is never used), so every technique and figure is
-the same as for ``model=gpt``. Activation checkpointing and FSDP find the decoder layers through the
-model's ``_no_split_modules`` (``runner.techniques.parallel.repeated_blocks``).
-
-``transformers`` is an optional dependency (``pip install -e ".[hf]"``); it is imported only when such a
-model is built.
+``causal_lm`` makes a randomly initialised model of any ``transformers`` causal-LM architecture from its config
+class (https://huggingface.co/docs/transformers/model_doc/auto); the data decides the vocabulary size and the context
+length, and ``runner.task.LanguageModel`` keeps its own loss on the output's ``.logits`` (docs/language-models.md).
+``transformers`` is an optional dependency (``pip install -e ".[hf]"``), imported only when such a model is built.
 """
 
 from __future__ import annotations
@@ -77,10 +70,9 @@ def causal_lm(vocab_size: int | None = None, model_type: str = "gpt2", block_siz
             ``hidden_size``/``num_hidden_layers``/``num_attention_heads`` work for gpt2 too). Unset keys keep
             the architecture's defaults (gpt2: GPT-2 small, 12 x 768).
 
-    ``use_cache`` defaults to False (no key/value cache is built in training; runner's sampler does not use
-    one), and a special-token id (``bos``/``eos``/``pad``) whose default lies outside the vocabulary is set
-    to None. Same architecture as ``AutoModelForCausalLM.from_config(AutoConfig.for_model(...))``
-    (https://huggingface.co/docs/transformers/model_doc/auto#transformers.AutoConfig.for_model).
+    ``AutoModelForCausalLM.from_config(AutoConfig.for_model(...))``
+    (https://huggingface.co/docs/transformers/model_doc/auto#transformers.AutoConfig.for_model), with ``use_cache``
+    False (runner's sampler uses no key/value cache) and a special-token id outside the vocabulary set to None.
 
     Raises:
         ConfigError: no vocabulary (labelled data, ``task=classification``); ``transformers`` is not

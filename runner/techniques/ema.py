@@ -1,17 +1,12 @@
 """An exponential moving average (EMA) of the weights: ``trainer.ema_decay=0.999``.
 
-After every ``trainer.ema_every``-th optimizer step each averaged tensor moves towards the model's:
-``ema <- ema + (1 - decay) * (param - ema)`` (one ``torch._foreach_lerp_`` over all tensors, on the device, no
-host sync) — the update of ``torch.optim.swa_utils.get_ema_multi_avg_fn`` and timm's ``ModelEmaV3``. With
+After every ``trainer.ema_every``-th optimizer step, ``ema <- ema + (1 - decay) * (param - ema)`` (one
+``torch._foreach_lerp_``, no host sync; ``torch.optim.swa_utils.get_ema_multi_avg_fn``, timm's ``ModelEmaV3``); with
 ``trainer.ema_warmup=true`` the decay of update ``n`` is ``min(decay, (1 + n) / (10 + n))`` (TensorFlow's
-``ExponentialMovingAverage(num_updates=...)``, timm's warm-up), so early weights do not dominate a short run.
-Floating-point buffers (BatchNorm's running statistics) are averaged the same way
-(``AveragedModel(use_buffers=True)``); integer buffers (``num_batches_tracked``) are copied.
-
-The averages are tensors of the same kind as the model's: under FSDP they are DTensors with the parameters'
-sharding (each rank keeps its shard), under DDP plain replicas. ``swapped`` puts them into the model for an
-evaluation or for writing ``model_ema.safetensors``, and back. A checkpoint holds them (``EMA`` is a DCP
-``Stateful``), so a resumed run continues the same average exactly.
+``ExponentialMovingAverage(num_updates=...)``). Floating-point buffers are averaged the same way
+(``AveragedModel(use_buffers=True)``), integer buffers copied. The averages are tensors of the model's own kind
+(DTensor shards under FSDP); ``swapped`` puts them into the model and back, and a checkpoint holds them (``EMA`` is a
+DCP ``Stateful``). docs/training.md, "EMA of the weights".
 
 Source: Polyak & Juditsky, "Acceleration of stochastic approximation by averaging" (1992); the EMA of weights in
 Tarvainen & Valpola, "Mean teachers" (NeurIPS 2017); https://pytorch.org/docs/stable/optim.html#weight-averaging-swa-and-ema.

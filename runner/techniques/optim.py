@@ -1,18 +1,14 @@
 """Optimizers: ``_target_`` from the config, the LR scaled to the global batch, the kernel chosen.
 
-Techniques recorded here (their switches live in the ``optimizer`` group):
+Techniques recorded here (their switches live in the ``optimizer`` group; docs/configuration.md):
 
 - 3, LR scaling: ``optimizer.lr_scaling`` (``scaled_lr``).
 - 5, the optimizer and its kernel: ``optimizer=sgd|adamw|lamb|lars|muon``, ``optimizer.impl``.
-- 11, ``zero_grad(set_to_none=True)``: ``optimizer.set_to_none``; the engine calls
-  ``optimizer.zero_grad(set_to_none=cfg.set_to_none)`` after each step. ``True`` frees the ``.grad``
-  tensors instead of writing zeros into them: one memset per parameter less, and the next backward
-  assigns its gradient instead of adding to zeros (PyTorch Performance Tuning Guide,
+- 11, ``optimizer.set_to_none``: the engine's ``optimizer.zero_grad(set_to_none=cfg.set_to_none)`` frees the
+  ``.grad`` tensors instead of writing zeros into them (PyTorch Performance Tuning Guide,
   https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#use-parameter-grad-none-instead-of-model-zero-grad-or-optimizer-zero-grad).
-- 14, gradient clipping: ``optimizer.clip_grad_norm`` = max global L2 norm; the engine calls
-  ``GradScaler.unscale_`` first so the true gradients are clipped (PyTorch AMP examples, "Gradient
-  clipping", https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping; Pascanu et al.
-  2013, https://arxiv.org/abs/1211.5063).
+- 14, gradient clipping: ``optimizer.clip_grad_norm`` (``gradient_clipping``; Pascanu et al. 2013,
+  https://arxiv.org/abs/1211.5063).
 """
 
 from __future__ import annotations
@@ -65,11 +61,9 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     (https://huggingface.co/docs/timm/reference/optimizers). Note timm's ``Lamb`` clips the global grad
     norm to ``max_grad_norm=1.0`` by default.
 
-    ``impl`` picks the kernel (PyTorch docs, "torch.optim" -> Algorithms/implementations,
-    https://pytorch.org/docs/stable/optim.html#algorithms): ``fused`` (one kernel for all parameters),
-    ``foreach`` (multi-tensor ops), ``loop`` (one op per parameter); null keeps torch's default (foreach
-    on CUDA). An optimizer class without that argument (timm's LAMB/LARS have no ``fused``) records the
-    switch as skipped with the reason.
+    ``impl`` picks the kernel (https://pytorch.org/docs/stable/optim.html#algorithms): ``fused``, ``foreach``
+    or ``loop`` (``_IMPLS``); null keeps torch's default. An optimizer class without that argument (timm's
+    LAMB/LARS have no ``fused``) records the switch as skipped with the reason.
 
     ``decay_all=false`` puts the tensors with fewer than 2 dimensions (biases, LayerNorm/BatchNorm gains)
     in a second parameter group without weight decay, as nanoGPT's ``configure_optimizers`` and GPT-2 do.
@@ -134,19 +128,10 @@ def muon_split(model: torch.nn.Module) -> tuple[Named, Named]:
     """``(matrices, rest)``: the trainable parameters that take Muon and those that take AdamW, as ``(name, tensor)``
     in ``named_parameters`` order (a tied weight once, under its first name).
 
-    Muon is for the hidden layers' weights; "the input embedding, final output layer, and any internal gains or
-    biases should be optimized using a standard method such as AdamW" (Jordan et al. 2024,
-    https://kellerjordan.github.io/posts/muon/). So the matrices are the tensors of >= 2 dimensions except:
-
-    - the weights of every ``nn.Embedding`` (GPT's token and position tables);
-    - the output head: the last ``Linear``/``Conv`` module in registration order (GPT's ``lm_head``, tied to the token
-      table; the CNNs' and MLP's ``head``; torchvision's ``fc``/``classifier``; SqueezeNet's final 1x1 conv). A
-      model that registers its head before its body would send the head to Muon: register it last;
-    - a tensor whose matrix view ``(shape[0], rest)`` has a side of 1 (a class token, a ``(1, N, D)`` position
-      table held as a bare ``nn.Parameter``): a vector, not a matrix.
-
-    Conv filters (out, in, kh, kw) take Muon on their ``(out, in*kh*kw)`` view, as the authors' Muon and their
-    CIFAR-10 speedrun (airbench) do; timm's ``conv_mode="flatten"``. Biases and norm gains (1-D) take AdamW.
+    The matrices are the tensors of >= 2 dimensions except every ``nn.Embedding``'s weights, the output head's (the
+    last ``Linear``/``Conv`` module in registration order) and a tensor whose ``(shape[0], rest)`` view has a side
+    of 1; conv filters take Muon on their ``(out, in*kh*kw)`` view (timm's ``conv_mode="flatten"``). Why these:
+    docs/configuration.md, "Muon" (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/).
     """
     modules = list(model.modules())
     embeddings = {id(p) for m in modules if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
@@ -166,22 +151,8 @@ def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
     not NAdamW, and ``eps=adamw_eps``); ``decay_all=false`` moves the AdamW part's 1-D tensors to a group without
     weight decay. Every group has the same ``lr``: the AdamW part runs at ``lr x fallback_lr_scale`` with the scale
     ``adamw_lr / lr``, so the LR scaling and every schedule (OneCycleLR and CyclicLR set one LR for all groups) move
-    both parts in proportion.
-
-    Why timm's Muon and not ``torch.optim.Muon`` (torch >= 2.9): torch's class takes 2-D tensors only, so the
-    embeddings, head, norms and biases would need a second optimizer, and the LR schedulers, the GradScaler,
-    DCP's optimizer state dict and exact resume all take one ``torch.optim.Optimizer``. timm's Muon (Wightman, after
-    Jordan's implementation) is that one optimizer: groups flagged ``use_muon`` pick the update rule, conv filters
-    are flattened, and its Newton-Schulz iteration with the coefficients ``original`` is the one ``torch.optim.Muon``
-    computes (tests/test_muon.py checks one update against torch's). Using it keeps runner free of its own optimizer
-    code.
-
-    Distributed: under DDP each rank steps on the full, all-reduced gradients, as without DDP. Under FSDP2 the
-    parameters, gradients and momentum buffers are DTensors sharded by rows; timm's Newton-Schulz has a DTensor
-    path whose matrix products redistribute the shards, so each update is the one the whole matrix gets (in float32
-    arithmetic it equals the unsharded update to 1e-7; in the bfloat16 the iteration runs in, to bfloat16 rounding)
-    at the price of collectives in every iteration; the momentum buffers stay sharded. Checkpoints and exact resume
-    work as for the other optimizers (tests/test_muon.py).
+    both parts in proportion. Why timm's Muon and not ``torch.optim.Muon``, and how it runs under DDP and FSDP2:
+    docs/configuration.md, "Muon".
 
     Raises:
         ConfigError: ``lr`` or ``adamw_lr`` not > 0, ``ns_steps`` < 1, ``momentum`` outside [0, 1), or a model with no
@@ -216,9 +187,8 @@ def gradient_clipping(max_norm: float | None, model: torch.nn.Module, scaler: to
     loss-scaled ones; PyTorch AMP examples, https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping).
 
     ``clip(optimizer, norm=False)`` returns the global L2 norm before clipping as a 0-dim tensor on the device (no
-    host sync) when ``norm`` is true (the loop asks at log steps: the metrics row's ``grad_norm``; when clipping,
-    ``clip_grad_norm_`` computes it anyway), and None otherwise. ``max_norm`` None: nothing
-    is clipped. Under FSDP the norm covers every shard (DTensor gradients reduce across ranks)."""
+    host sync) when ``norm`` is true (the loop asks at log steps: the row's ``grad_norm``), and None otherwise.
+    ``max_norm`` None: nothing is clipped. Under FSDP the norm covers every shard."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def full(norm: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,8 @@
 - ``dp``: ``nn.DataParallel`` -- one process driving all local GPUs; kept only for the ablation, DDP is
   faster (https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel).
 
-Every rank builds the model from the same seed; DDP broadcasts rank 0's parameters and buffers when it
-wraps, FSDP gets them broadcast explicitly before sharding, so all ranks start identical either way.
-
-Layering (docs/design.md): ``prepare`` -> ``parallel`` -> ``distributed`` (the process layer: ``Env``, the
-process group, collectives); ``repeated_blocks`` lives here because FSDP shards by it and ``prepare``'s
-activation checkpointing wraps by it.
+What runner does for a job of several processes: docs/scaling.md. ``repeated_blocks`` lives here because FSDP
+shards by it and ``prepare``'s activation checkpointing wraps by it (layers: docs/design.md).
 """
 
 from __future__ import annotations
@@ -65,11 +61,10 @@ def _has_batchnorm(model: torch.nn.Module) -> bool:
 def fsdp_mixed_precision(compute_dtype: torch.dtype):
     """FSDP2's ``MixedPrecisionPolicy`` for the built precision's ``compute_dtype``, or None (fp32 all-gathers).
 
-    ``compute_dtype`` is ``precision.Precision.compute_dtype``, so the decision is the precision
-    group's own: ``bf16`` -> bf16 parameters for compute; ``amp`` -> fp16 on CUDA (the GradScaler's found-inf
-    check is reduced over the shards by DTensor), bf16 on a CPU with native bf16; fp32 (``fp32``, ``tf32``,
-    or amp/bf16 skipped on this device) -> None. Gradients are reduce-scattered in fp32 (``reduce_dtype``),
-    as torchtitan does, so the sum over ranks does not lose precision (FSDP2 docs, ``MixedPrecisionPolicy``).
+    ``compute_dtype`` is ``precision.Precision.compute_dtype``, so the decision is the precision group's own
+    (fp32, tf32 or a skipped amp/bf16 -> None; under amp on CUDA DTensor reduces the GradScaler's found-inf check
+    over the shards). Gradients are reduce-scattered in fp32 (``reduce_dtype``), as torchtitan does, so the sum
+    over ranks does not lose precision (FSDP2 docs, ``MixedPrecisionPolicy``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -81,10 +76,8 @@ def fsdp_mixed_precision(compute_dtype: torch.dtype):
 def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
     """``DistributedDataParallel`` (optionally after ``SyncBatchNorm`` conversion).
 
-    DDP broadcasts rank 0's parameters and buffers at construction (``init_sync=True``), registers
-    gradient hooks that all-reduce (average) gradients bucket by bucket while backward still runs, and
-    broadcasts buffers (BatchNorm statistics) from rank 0 before each forward. ``no_sync`` below skips the
-    all-reduce on all micro-batches but the last of an accumulated step.
+    DDP broadcasts rank 0's parameters and buffers at construction (``init_sync=True``) and before each forward
+    (buffers), and all-reduces gradients bucket by bucket during backward (PyTorch DDP notes, module docstring).
 
     ``sync_batchnorm``: BatchNorm statistics over the global batch instead of each rank's share
     (``nn.SyncBatchNorm.convert_sync_batchnorm``); its kernels exist for CUDA only, so on CPU it is
@@ -111,10 +104,9 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.
 def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.nn.Module, dict[str, str]]:
     """FSDP2: ``fully_shard`` each repeated block (``repeated_blocks``), then the root.
 
-    Sharding per block lets FSDP all-gather one block's parameters at a time and free them after use
-    (``reshard_after_forward=True``); the root call covers what is left (stem, head). Parameters become
-    DTensors sharded on dim 0 over a 1-D device mesh of all ranks. Rank 0's values are broadcast first:
-    ``fully_shard`` keeps each rank's slice of its *own* tensor, so ranks must agree before sharding.
+    One block's parameters are all-gathered at a time and freed after use (``reshard_after_forward=True``); the
+    root call covers the rest (stem, head). Parameters become DTensors sharded on dim 0 over a 1-D mesh of all
+    ranks. Rank 0's values are broadcast first: ``fully_shard`` keeps each rank's slice of its *own* tensor.
     The mixed-precision policy comes from ``fsdp_mixed_precision``; under it, every BatchNorm layer is
     sharded on its own with fp32 parameters (its running statistics are fp32 buffers, and ``batch_norm``
     wants weight and statistics in one dtype), its input cast to fp32 on the way in.
@@ -152,9 +144,8 @@ def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.
 def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
     """``nn.DataParallel`` over every visible GPU, output gathered on this process's GPU.
 
-    Kept for the ablation only: each step it replicates the module to every GPU, scatters the batch and
-    gathers the outputs on one GPU, from Python threads that share the GIL; DDP avoids all three. On a
-    machine without CUDA there is nothing to split, so it is skipped and the plain model runs.
+    Kept for the ablation only (it replicates the module, scatters the batch and gathers the outputs every step,
+    from threads sharing the GIL). Without CUDA it is skipped and the plain model runs.
     """
     warnings.warn("distributed=dp: nn.DataParallel is slower than DistributedDataParallel (one process, threads "
                   "under the GIL, model replicated every step); use distributed=ddp with scripts/torchrun.sh. "
@@ -214,9 +205,8 @@ def no_sync(model: torch.nn.Module, last: bool):
 def sync_ddp_buffers(model: torch.nn.Module, env: Env) -> None:
     """Give every rank rank 0's buffers (BatchNorm statistics), as DDP itself does before each forward.
 
-    Between forwards the ranks' buffers differ (each updated them with its own batch); a checkpoint keeps
-    one copy of a replicated tensor, so they are made equal first -- to rank 0's, the ones the next forward
-    would have used. A no-op for one process and for models that are not ``DistributedDataParallel``.
+    A checkpoint keeps one copy of a replicated tensor, and between forwards each rank's buffers hold its own
+    batch's statistics. A no-op for one process and for models that are not ``DistributedDataParallel``.
     """
     if env.distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         with torch.no_grad():
@@ -228,9 +218,8 @@ def parameter_report(model: torch.nn.Module, env: Env) -> dict:
     """What the trained parameters look like on every rank, to prove the ranks agree.
 
     - ``sha256_by_rank``: on each rank, a SHA-256 over the bytes of every parameter's *full* value in
-      ``named_parameters`` order (an FSDP DTensor is all-gathered one parameter at a time), gathered to
-      all ranks. DDP keeps replicas bit-identical, so all entries must be equal; buffers are left out on
-      purpose (each rank's last forward updates its own BatchNorm statistics).
+      ``named_parameters`` order (an FSDP DTensor all-gathered one at a time), gathered to all ranks; buffers
+      are left out (each rank's last forward updates its own BatchNorm statistics).
     - ``identical_across_ranks``: all entries equal (null for one process).
     - ``l2_norm``: float64 L2 norm over all parameters, comparable between runs of different layouts.
     - ``count``/``numel``: parameters and their elements; ``dtensor_count`` and ``local_numel``: how many

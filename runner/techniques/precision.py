@@ -65,15 +65,11 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
     - ``fp32``: no autocast; on CUDA TF32 is switched off for matmuls *and* convolutions (true fp32).
     - ``amp``: automatic mixed precision where the hardware gains from it (PyTorch AMP recipe,
       https://pytorch.org/docs/stable/amp.html; Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740).
-      CUDA: fp16 autocast + ``GradScaler(init_scale, growth_interval)``, which multiplies the loss by the
-      scale, skips the optimizer step when a gradient is inf/NaN and halves the scale, and doubles it
-      after ``growth_interval`` clean steps. CPU: bf16 autocast (no scaler needed: bf16 has fp32's
-      exponent range) only with native bf16, otherwise skipped with the reason.
+      CUDA: fp16 autocast + ``GradScaler(init_scale, growth_interval)``. CPU: bf16 autocast (no scaler: bf16 has
+      fp32's exponent range) only with native bf16, otherwise skipped with the reason.
     - ``auto`` (``+experiment=fast``): ``amp``, except on a GPU that supports bf16 (Ampere and newer), where it is
-      bf16 autocast without a scaler: bf16 has fp32's exponent range, so nothing overflows where fp16's 65,504
-      does (the fp16 evaluation of ResNet-50 gave NaN on an H200, docs/benchmarks/gpu.md), and no step is lost
-      to the scaler's back-off. Recorded as ``amp`` (automatic mixed precision either way); on CUDA the dtype it
-      picked is ``note`` (``summary.json`` ``technique_details.precision``).
+      bf16 autocast without a scaler (nothing overflows fp16's 65,504: the fp16 evaluation of ResNet-50 gave NaN on
+      an H200, docs/benchmarks/gpu.md). Recorded as ``amp``; on CUDA the dtype it picked is ``note``.
     - ``bf16``: bf16 autocast on any device (no scaler); warns when the CPU emulates bf16.
     - ``tf32``: TensorFloat-32 matmuls and convolutions on Ampere+ GPUs (fp32 storage, 10-bit mantissa
       products; https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices).
@@ -187,10 +183,8 @@ def edge_layers(model: nn.Module) -> list[str]:
     """The names of the model's first and last layers with weights -- ``nn.Linear``, ``nn.Embedding`` and
     convolutions, in registration order (``named_modules``): runner's GPT ``transformer.wte`` (the token
     embedding) and ``lm_head``; a torchvision ResNet ``conv1`` (the stem) and ``fc`` (the classifier). fp8 keeps
-    them in bf16, as torchtitan's recipes leave the output projection out (``filter_fqns=["output"]``) and the
-    fp8 literature keeps the first and last layers in higher precision (Micikevicius et al. 2022, "FP8 Formats
-    for Deep Learning", https://arxiv.org/abs/2209.05433): the head's logits and the stem's raw inputs are
-    where fp8's 3-bit mantissa costs accuracy, and the embedding is a lookup, not a matmul."""
+    them in bf16 (torchtitan's ``filter_fqns=["output"]``; Micikevicius et al. 2022, "FP8 Formats for Deep
+    Learning", https://arxiv.org/abs/2209.05433; why: docs/configuration.md, "fp8 training")."""
     layers = [name for name, m in model.named_modules()
               if isinstance(m, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))]
     return sorted({layers[0], layers[-1]}) if layers else []
@@ -203,13 +197,8 @@ def fp8_module_filter(model: nn.Module, recipe: str,
 
     True when ``base`` keeps it and it is not one of ``edge_layers(model)`` (those stay bf16). ``base`` defaults
     to torchao's ``_auto_filter_for_recipe(recipe)`` (torchao/float8/float8_linear_utils.py, the filter torchtitan
-    uses with ``auto_filter_small_kn``): a Linear converts only when both dimensions of its weight ``(N, K)``
-    (out, in features) are multiples of 16 and large enough for fp8 to gain on an H100 -- tensorwise: unless
-    K <= 4096 and N <= 1024; rowwise: N > 2048, K > 1024 and not (N <= 4096 and K <= 2048). So in a GPT of
-    width d (weights: c_attn 3d x d, attention c_proj d x d, c_fc 4d x d, MLP c_proj d x 4d), tensorwise converts
-    c_fc from d = 272, c_attn from d = 352 and both output projections from d = 1040 (the 6 x 384 Shakespeare GPT
-    and GPT-2 124M, d = 768: c_attn and c_fc, half the block's FLOPs); rowwise converts c_fc from d = 1040,
-    c_attn from d = 1376 and the projections from d = 2064 (GPT-2 124M: nothing; d = 2048: c_attn and c_fc).
+    uses with ``auto_filter_small_kn``); its thresholds, and which layers of a GPT they convert:
+    docs/configuration.md, "fp8 training".
 
     Raises:
         ImportError: ``base`` is None and torchao is not installed.
@@ -225,11 +214,9 @@ def fp8_module_filter(model: nn.Module, recipe: str,
 def convert_fp8(model: nn.Module, amp: Precision) -> tuple[str, dict[str, Any]]:
     """precision=fp8: swap the Linear layers ``fp8_module_filter`` picks for torchao's ``Float8Linear``
     (``torchao.float8.convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name(amp.fp8_recipe)``),
-    in place; their matmuls then run in fp8 (e4m3 forward, e5m2 gradients) with dynamic scales, the weights
-    stay fp32 master copies, everything else runs under the bf16 autocast of ``amp``. torchao's float8 training
-    (https://github.com/pytorch/ao/tree/main/torchao/float8) reports +25 % tokens/s on Llama-3-8B on H100s; its
-    casts are fused only by ``torch.compile``, which ``runner.techniques.prepare`` therefore turns on. With the rowwise
-    recipe inductor emulates fp8 precision casts, as torchtitan does (pytorch/pytorch#150859). Sets
+    in place (https://github.com/pytorch/ao/tree/main/torchao/float8); everything else runs under the bf16
+    autocast of ``amp``, and ``runner.techniques.prepare`` turns on ``torch.compile``, which alone fuses the casts.
+    With the rowwise recipe inductor emulates fp8 precision casts, as torchtitan does (pytorch/pytorch#150859). Sets
     ``amp.peak_dtype`` to fp8 (MFU against the device's fp8 dense peak) once a layer is converted.
 
     Returns:

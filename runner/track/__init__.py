@@ -310,11 +310,9 @@ def _wandb_mode(job_dir: Path, group: str | None) -> str | None:
 
 def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None, run_id: str | None = None):
     """Start (or, with ``run_id``, continue: ``resume="allow"``) a W&B run in ``<job_dir>/wandb``, grouped by
-    ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway
-    (a rejected key, a server that stops answering) falls back to offline with one line saying why, so
-    tracking never costs the run. The run's own start-up and closing lines (offline mode, where the files are,
-    the sync hint) are silenced (``silent=True``): runner prints the one that matters, the ``wandb sync``
-    command; W&B's warnings and errors (``wandb.termwarn``/``termerror``) still print."""
+    ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway falls
+    back to offline with one line saying why, so tracking never costs the run. W&B's own start-up and closing
+    lines are silenced (``silent=True``; runner prints the ``wandb sync`` command), its warnings and errors not."""
     import wandb
 
     mode = _wandb_mode(job_dir, group)

@@ -168,11 +168,9 @@ class MLflowLogger:
     """An MLflow run (``mlflow.tracking.MlflowClient``) in the experiment ``logger.project``: the flattened
     resolved config as params, every row's figures as metrics against the optimizer step, the summary's numbers
     as metrics (``samples_per_sec``, ...) and ``summary.json`` as an artifact at the end; the run then ends
-    FINISHED, or FAILED/KILLED (a preemption or Ctrl-C) through ``abort``.
-
-    ``run_id`` (from the checkpoint) continues that run, if the store holds it. The store: ``mlflow_tracking_uri``;
-    a tracking server that fails while the run starts is replaced by the local store, with one line saying why.
-    Once started, a failed call costs one line and MLflow logging for the rest of the run, never the run."""
+    FINISHED, or FAILED/KILLED (a preemption or Ctrl-C) through ``abort``. ``run_id`` (from the checkpoint)
+    continues that run, if the store holds it. The store: ``mlflow_tracking_uri``; what happens when it fails:
+    docs/outputs-and-loggers.md, "MLflow"."""
 
     def __init__(self, cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None,
                  run_id: str | None = None):
