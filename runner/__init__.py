@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 __version__ = "0.1.0"
+#: ``time.perf_counter()`` when runner was first imported: the start of a job's start-up (``one_time.startup_s``)
+STARTED_S = time.perf_counter()
 
 #: The ``runner`` package folder.
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -29,7 +29,7 @@ from runner.data import text
 from runner.engine import monitor, slice_gate
 from runner.engine.state import PerRankState, SharedState, TrainState
 from runner.errors import ConfigError
-from runner.techniques import ema as ema_mod, optim, precision, prepare, schedule
+from runner.techniques import compile_cache, ema as ema_mod, optim, precision, prepare, schedule
 from runner.track import NullTracker, Tracker, sweep_group
 
 
@@ -111,6 +111,8 @@ class Parts:
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
     gate: slice_gate.SliceGate | None = None  # the interleaved launcher's pause point (runner/engine/slice_gate.py)
+    compile_cache: str = "off"  # compile on: what runner/techniques/compile_cache.py loaded from the job folder
+    compiled_before: tuple[float, int] = (0.0, 0)  # compile_cache.compiled_so_far() when the run opened
     ema: ema_mod.EMA | None = None  # trainer.ema_decay: the moving average of the weights (runner/techniques/ema.py)
     early: monitor.Watch | None = None  # trainer.early_stopping (runner/engine/monitor.py)
     patience: int = 0
@@ -270,7 +272,8 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
                                            async_save=ck["async"], is_main=env.is_main)
     parts = dataclasses.replace(parts, tracker=tracker, checkpointer=checkpointer, at_end=ck["at_end"],
                                 preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
-                                gate=gate)
+                                gate=gate, compile_cache=compile_cache.load(job_dir) if cfg.compile.mode else "off",
+                                compiled_before=compile_cache.compiled_so_far())
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)
         for watch, key in ((parts.early, "early_stopping"), (parts.best, "best")):

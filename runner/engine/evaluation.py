@@ -38,6 +38,8 @@ def evaluate(state, parts) -> bool:
             averaged = _evaluate_once(parts)
         figures = None if averaged is None else figures | {f"{k}_ema": v for k, v in averaged.items()}
     state.eval_time_s += time.perf_counter() - started
+    if p.meter.first_eval_s is None:
+        p.meter.first_eval_s = time.perf_counter() - started
     if figures is None:
         state.pending_eval = state.step
         return False

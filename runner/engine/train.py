@@ -28,7 +28,7 @@ from runner.engine.state import TrainState
 from runner.engine.validate import validate
 from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 from runner.measure import hardware, machine_load
-from runner.techniques import debug, parallel, prepare
+from runner.techniques import compile_cache, debug, parallel, prepare
 from runner.track import git_sha, job_folder, sweep_group
 
 
@@ -66,6 +66,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
             try:
                 if parts.at_end:
                     save_checkpoint(state, parts)
+                elif cfg.compile.mode:
+                    compile_cache.save(parts.job_dir, env.is_main)
                 parts.checkpointer.finish()
             except ConfigError as e:
                 raise ConfigError(f"{e}" + (f". The trained weights are in {parts.job_dir / 'model.safetensors'}"
@@ -102,6 +104,8 @@ def save_checkpoint(state: TrainState, parts: Parts) -> None:
     before = p.checkpointer.time_s
     p.checkpointer.save(checkpoint_state(state, parts), state.step, meta)
     state.checkpoint_time_s += p.checkpointer.time_s - before
+    if p.cfg.compile.mode:  # beside the checkpoint: a resume on any node compiles from it (compile_cache.py)
+        compile_cache.save(p.job_dir, p.env.is_main)
 
 
 def fit(state: TrainState, parts: Parts, profiler) -> None:
@@ -220,6 +224,25 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
                        "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
 
 
+def one_time_costs(parts: Parts, figures: dict[str, Any]) -> dict[str, Any]:
+    """This process's one-time costs, in seconds (rank 0's): ``startup_s`` (runner's import to the first step:
+    imports, data, model, checkpoint), ``warmup_s`` (the warm-up steps' wall time) and ``warmup_excess_s`` (its excess
+    over as many steady steps: compilation, autotuning, allocator growth), ``compile_s`` and ``graphs_compiled``
+    (torch.compile's own wall time and graphs, recompiles included), ``compile_cache`` (compile_cache.load),
+    ``first_eval_s`` and ``job_s`` (runner's import to this summary)."""
+    import runner
+
+    m, median = parts.meter, figures["step_time_ms_median"]
+    compiled = bool(parts.cfg.compile.mode)
+    (s0, g0), (s1, g1) = parts.compiled_before, compile_cache.compiled_so_far()
+    excess = m.warmup_s - min(m.warmup_steps, m.step) * median / 1e3 if m.warmup_s is not None and median else None
+    return {"startup_s": m.first_step_at - runner.STARTED_S if m.first_step_at else None, "warmup_s": m.warmup_s,
+            "warmup_excess_s": excess, "compile_s": s1 - s0 if compiled else None,
+            "graphs_compiled": g1 - g0 if compiled else None,
+            "compile_cache": parts.compile_cache, "first_eval_s": m.first_eval_s,
+            "job_s": time.perf_counter() - runner.STARTED_S}
+
+
 def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
     """The run's figures (``summary.json``), global over the ranks; written by rank 0's tracker."""
     p, plan, env, t = parts, parts.plan, parts.env, parts.cfg.trainer
@@ -259,6 +282,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "train_time_s": state.train_time_s,
         "eval_time_s": state.eval_time_s,
         "checkpoint_time_s": state.checkpoint_time_s,
+        "one_time": one_time_costs(parts, figures),  # what the job pays once, beside the steady figures above
         "restarts": state.restarts,
         "restart_lost_time_s": state.restart_lost_time_s,
         "skipped_steps": state.skipped_steps,

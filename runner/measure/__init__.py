@@ -157,6 +157,11 @@ class Meter:
         self._window_pending = True  # the load window opens at the first measured step
         self._first_own = len(self.timings.step_time_ms)  # this process's measured steps start here (resume)
         self.log_s = 0.0  # s spent in logging steps' bookkeeping during measured steps
+        # one-time costs (summary.json one_time): perf_counter at this process's first step, the warm-up steps' wall
+        # seconds (compilation, autotuning, allocator growth land there), the first evaluation's seconds
+        self.first_step_at: float | None = None
+        self.warmup_s: float | None = None
+        self.first_eval_s: float | None = None
         self._log_mark = 0.0
         first = warmup_steps - gpu_profile_steps
         self.gpu_probe = (GpuIdleProbe(first, warmup_steps)
@@ -171,8 +176,11 @@ class Meter:
         return self.timings.step_time_ms
 
     def start_fetch(self) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = time.perf_counter()
         if self._window_pending and self.step >= self.warmup_steps:
             self._window_pending = False
+            self.warmup_s = time.perf_counter() - self.first_step_at
             self.load.start()
         self._marks.append(self.clock.mark())
 
