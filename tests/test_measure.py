@@ -216,6 +216,11 @@ def test_summary_figures_are_consistent(tmp_path):
     assert s["mfu"] == pytest.approx(s["flops_per_sample"] * s["samples_per_sec"] / 1e12)
     assert s["achieved_tflops"] == pytest.approx(s["mfu"])  # peak given as 1 TFLOP/s
     assert json.loads((tmp_path / "summary.json").read_text())["samples_per_sec"] == s["samples_per_sec"]
+    once = s["one_time"]  # the one-time costs: the job's wall time is start-up, warm-up and the rest
+    assert 0 < once["startup_s"] < once["job_s"] and 0 < once["warmup_s"] < once["job_s"] - once["startup_s"]
+    assert once["warmup_excess_s"] == pytest.approx(once["warmup_s"] - 2 * s["step_time_ms_median"] / 1e3)
+    assert (once["compile_s"], once["graphs_compiled"], once["compile_cache"]) == (None, None, "off")
+    assert 0 < once["first_eval_s"] <= s["eval_time_s"]
 
 
 def test_metrics_rows_have_the_issue_keys(tmp_path):

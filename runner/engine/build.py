@@ -272,7 +272,9 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
                                            async_save=ck["async"], is_main=env.is_main)
     parts = dataclasses.replace(parts, tracker=tracker, checkpointer=checkpointer, at_end=ck["at_end"],
                                 preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
-                                gate=gate, compile_cache=compile_cache.load(job_dir) if cfg.compile.mode else "off",
+                                gate=gate, compile_cache=compile_cache.load(  # the resumed job's folder (its cache)
+                                    point.path.parent.parent if point.path is not None else job_dir)
+                                if cfg.compile.mode else "off",
                                 compiled_before=compile_cache.compiled_so_far())
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)

@@ -37,9 +37,10 @@ def evaluate(state, parts) -> bool:
         with p.ema.swapped():
             averaged = _evaluate_once(parts)
         figures = None if averaged is None else figures | {f"{k}_ema": v for k, v in averaged.items()}
-    state.eval_time_s += time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    state.eval_time_s += elapsed
     if p.meter.first_eval_s is None:
-        p.meter.first_eval_s = time.perf_counter() - started
+        p.meter.first_eval_s = elapsed
     if figures is None:
         state.pending_eval = state.step
         return False

@@ -31,8 +31,9 @@ def load(job_dir: Path) -> str:
         return "cold"
     blob = path.read_bytes()
     try:
+        if torch.compiler.load_cache_artifacts(blob) is None:  # torch's answer to bytes that are no artifacts
+            return f"cold: {path} did not load (not torch's cache artifacts)"
         kernels = _put_kernels(folder / "kernels")
-        torch.compiler.load_cache_artifacts(blob)
     except Exception as e:  # noqa: BLE001 - another torch's or a damaged cache: compile from scratch
         return f"cold: {folder} did not load ({type(e).__name__}: {str(e)[:120]})"
     return (f"warm: loaded {folder} ({len(blob) / 2**20:.2f} MiB of artifacts, sha256 "
@@ -91,8 +92,9 @@ def _put_kernels(kernels: Path) -> int:
     count = 0
     for so in kernels.glob("*/*.so") if kernels.is_dir() and not kernels.is_symlink() else []:
         target = Path(cache_dir()) / so.parent.name / so.name
-        if not so.is_symlink() and not target.exists():
+        if not so.is_symlink() and not target.exists():  # copied whole, then renamed: ranks may load side by side
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(so, target)
+            shutil.copyfile(so, target.with_name(f"{so.name}.{os.getpid()}.tmp"))
+            os.replace(target.with_name(f"{so.name}.{os.getpid()}.tmp"), target)
             count += 1
     return count
