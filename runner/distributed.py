@@ -1,12 +1,9 @@
 """The process layer: who am I (rank, world size), which device, the process group, collectives.
 
-One job, many processes: the same ``python -m runner`` runs alone, under ``torchrun`` (one or many
-nodes) and under ``srun``; ``runner.launch.discover`` reads the launcher's environment and ``setup``
-joins the process group (``nccl`` on CUDA, ``gloo`` on CPU). The collectives below (sums, means,
-broadcasts, the job folder every rank shares, the global figures) are no-ops in a single process.
-
-The data-parallel wrappers of ``distributed.name`` (DDP, FSDP, DP) built on this layer live in
-runner/techniques/parallel.py.
+``runner.launch.discover`` reads the launcher's environment (torchrun, ``srun``, or none) and ``setup`` joins the
+process group (``nccl`` on CUDA, ``gloo`` on CPU). The collectives below (sums, means, broadcasts, the job folder
+every rank shares, the global figures) are no-ops in a single process. The data-parallel wrappers built on this
+layer: runner/techniques/parallel.py.
 """
 
 from __future__ import annotations
@@ -116,13 +113,9 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
 
 
 def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
-    """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each
-    restart of the worker group (``TORCHELASTIC_RESTART_COUNT``).
-
-    Under ``torchrun --max-restarts=N`` the workers share the agent's store across restarts, and since
-    torch 2.x ``env://`` no longer adds a per-attempt prefix; a restarted group could then read the previous
-    attempt's process-group keys (gloo: its peers' old addresses) and fail with "connectFullMesh ... Connection
-    refused" or wait on a dead peer. The prefix is the one older torch used (``/worker/attempt_<N>``).
+    """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each restart of the
+    worker group (``/worker/attempt_<TORCHELASTIC_RESTART_COUNT>``, as older torch did), so a restarted group never
+    reads a dead attempt's keys: docs/checkpointing.md, "Elastic restarts".
     """
     store, _, _ = next(dist.rendezvous("env://", rank=layout.rank, world_size=layout.world_size, timeout=timeout))
     return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

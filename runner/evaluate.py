@@ -87,17 +87,13 @@ def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
 
 def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
                policy: trust.Policy | None = None) -> DictConfig:
-    """The job's config (``<folder>/.hydra/config.yaml``, resolved) with Hydra-style ``overrides`` composed on.
-
-    The saved values are laid over a config Hydra composes from runner's conf/ with the job's group choices
-    (``.hydra/hydra.yaml``), so every node keeps its schema: a value of the wrong type or a key the schema lacks
-    is refused as ``python -m runner`` refuses it. A group override (``data=cifar10``) takes that option's
-    defaults for the group's node; key overrides are applied as Hydra applies them (``+key=`` adds, ``~key``
-    deletes). The saved config is resolved before the overrides apply, so the model keeps the sizes it was
-    trained with (``model.block_size`` follows ``data.block_size`` only at training time). The folder's files are
-    checked by ``runner.trust`` under ``policy`` (default: runner's own targets and resolvers, plus
-    ``RUNNER_ALLOW_TARGETS``) before anything in them is resolved, imported or called; a target given as an
-    override here is the user's and allowed.
+    """The job's config (``<folder>/.hydra/config.yaml``, resolved) with Hydra-style ``overrides`` composed on (as
+    Hydra applies them: ``+key=`` adds, ``~key`` deletes), laid over a config Hydra composes from runner's conf/ with
+    the job's group choices (``.hydra/hydra.yaml``), so every node keeps its schema (docs/checkpointing.md, "What is
+    rebuilt"). Resolved before the overrides apply, so the model keeps its trained sizes (``model.block_size``
+    follows ``data.block_size`` only at training time). ``runner.trust`` checks the folder's files under ``policy``
+    (default: runner's own targets and resolvers, plus ``RUNNER_ALLOW_TARGETS``) before anything in them is
+    resolved, imported or called; a target given as an override is the user's.
 
     Raises:
         ConfigError: no ``.hydra/config.yaml`` in ``folder`` (not a job folder), an unreadable config, a sweep

@@ -213,14 +213,11 @@ def hydra_overrides(layout: Layout) -> list[str]:
 def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> Layout:
     """Get this process ready before Hydra starts; called by ``python -m runner`` only.
 
-    In a job of more than one process: ``HYDRA_FULL_ERROR=1`` (unless set), so a failure's full traceback reaches
-    torchelastic's ``@record`` (``record_if_elastic``) and torchrun's failure summary; ``faulthandler`` dumps the
-    Python stack of a rank that crashes or is terminated (SIGTERM), and of any rank on ``kill -USR1 <pid>``
-    without stopping it (https://docs.python.org/3/library/faulthandler.html); ranks > 0 get ``hydra_overrides``
-    appended to ``argv``.
-
-    Always: silence Hydra's deprecation note about ``conf/hydra/launcher/submitit_slurm.yaml`` being validated
-    against the plugin's schema of the same name, which is what the file wants.
+    In a job of more than one process: ``HYDRA_FULL_ERROR=1`` (unless set), for torchelastic's ``@record``
+    (``record_if_elastic``); ``faulthandler`` on SIGTERM, crashes and ``kill -USR1 <pid>``
+    (https://docs.python.org/3/library/faulthandler.html; docs/scaling.md, "What runner does for you");
+    ranks > 0 get ``hydra_overrides`` appended to ``argv``. Always: silence Hydra's deprecation note about
+    ``conf/hydra/launcher/submitit_slurm.yaml`` being validated against the plugin's schema of that name (as meant).
     """
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore")
     check_launcher(argv)

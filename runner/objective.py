@@ -1,17 +1,9 @@
 """``optimized_metric``: the one figure of a run's summary that ``python -m runner`` returns to a Hydra sweeper.
 
-Hydra hands the task function's return value to the sweeper (Optuna, Ax and Nevergrad plugins optimize it; the
-basic sweeper ignores it). ``python -m runner`` returns ``samples_per_sec`` unless ``optimized_metric`` names
-another figure of summary.json (``METRICS``, each with the direction in which it is better): evaluation accuracy
-or loss, samples/s, or the time, samples or steps to the target (``trainer.target_accuracy`` /
-``trainer.target_loss``).
-
-**A run that never reached its target** (censored) has no time to target: it would have needed more than it
-spent. Returning None would fail the trial (a sweeper learns nothing about that region) and a number below what
-it spent would make it look good, so it returns ``CENSORED_FACTOR`` × what it spent (its ``train_time_s``, its
-samples ``steps`` × ``global_batch_size``, its ``steps``): strictly worse than any run that reached the target
-with that same budget. Runs of different budgets can still rank wrongly by it, so ``hydra/sweeper=search``
-(runner/tune/search.py) also picks its best trial only among those that reached the target.
+Hydra hands the task function's return value to the sweeper (the basic sweeper ignores it): ``samples_per_sec``
+unless ``optimized_metric`` names another figure of summary.json (``METRICS``, each with the direction in which it
+is better). A run that never reached its target returns ``CENSORED_FACTOR`` × what it spent (``train_time_s``,
+samples, ``steps``); why: docs/tuners-and-doctor.md, "The metric".
 """
 
 from __future__ import annotations

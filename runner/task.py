@@ -142,12 +142,9 @@ class LanguageModel:
     (a Hugging Face causal LM: ``model=hf_causal_lm``, ``runner.models.hf``).
 
     Loss: mean cross-entropy over all B x T positions (nats per token). Evaluation: ``eval_loss``,
-    ``eval_perplexity`` = exp(loss) and ``eval_bits_per_char`` = loss / ln 2 (bits per token; a token is a
-    character with ``data=text``). Throughput: tokens/s = samples/s x T; FLOPs per token likewise.
-    After training, ``sample_tokens`` tokens generated from ``sample_prompt`` (``temperature``, ``top_k``;
-    nanoGPT's ``sample.py``, https://github.com/karpathy/nanoGPT/blob/master/sample.py) are written to
-    ``samples.txt``, decoded with the data's ``Codec``. Bits per character: the figure character-level language
-    models are compared by (e.g. Graves 2013, https://arxiv.org/abs/1308.0850).
+    ``eval_perplexity`` = exp(loss) and ``eval_bits_per_char`` = loss / ln 2 (bits per token; Graves 2013,
+    https://arxiv.org/abs/1308.0850). Throughput: tokens/s = samples/s x T. After training, ``samples.txt``
+    (``finish``; nanoGPT's ``sample.py``, https://github.com/karpathy/nanoGPT/blob/master/sample.py).
     """
 
     metrics = ("eval_loss", "eval_perplexity", "eval_bits_per_char")

@@ -1,40 +1,11 @@
-"""Checkpoints: the whole training state through ``torch.distributed.checkpoint`` (DCP), atomic, optionally async.
-
-One code path for one process, DDP and FSDP2: ``get_state_dict``/``set_state_dict`` turn the model and
-optimizer into (possibly sharded) state dicts and back, and DCP writes every rank's shard in parallel
-(torchtitan's checkpointer does the same; https://pytorch.org/docs/stable/distributed.checkpoint.html).
-
-Layout in the job folder::
-
-    checkpoints/
-      step_00000200/          a complete checkpoint: DCP's .metadata + one __<rank>_0.distcp per rank,
-        runner.json           and runner's own facts (step, config, world size, W&B run id), readable without torch
-        sha256.json           the SHA-256 of each file above, written just after the checkpoint is published
-      .step_00000300.partial/ being written (or left by a kill): never chosen
-
-A checkpoint is written into ``.step_<N>.partial`` and renamed to ``step_<N>`` by rank 0 only after DCP has
-written its ``.metadata`` (the last file, written once every rank's data is down), so a kill at any
-moment leaves either the previous complete checkpoint or the new one, never a half-written one that
-``latest`` would pick. ``keep_last`` prunes older complete ones after each save.
-
-With ``async_save`` (``checkpoint.async=true``) the state is staged to CPU memory and written by a background
-thread (``dcp.async_save``); training continues, and the rename happens when the write has finished
-(checked at the next save and at the end). Only the staging blocks the loop.
-
-**Loading never runs code from the checkpoint** (docs/checkpointing.md, "What is safe to load"). DCP reads its
-``.metadata`` with ``pickle`` and every non-tensor item with ``torch.load(weights_only=False)``, so a planted file
-would run code when a checkpoint someone else wrote is resumed. ``Checkpointer.load`` reads ``.metadata`` once,
-through ``SafeMetadataUnpickler`` (only the classes DCP's metadata is made of), and hands DCP that metadata
-(``SafeFileSystemReader``: DCP's own reader would unpickle the file again with plain pickle); it loads non-tensor
-items with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), the restriction PyTorch applies to weights
-(https://pytorch.org/docs/stable/notes/serialization.html#weights-only); anything else is refused with a
-``ConfigError`` naming the file. runner's own training state is tensors and JSON (``runner.engine.state``).
-
-**Checksums.** Once a checkpoint is published, a background thread writes ``sha256.json`` into it: the SHA-256 of
-each of its files (off the loop: reading the files back costs ~70 ms per 86 MiB on this project's CPU). Resuming
-checks them first (``verify_digests``, rank 0) and refuses a checkpoint whose files changed since; one without
-``sha256.json`` (killed before the thread finished, or written by an older runner) loads unchecked. The final
-weights' SHA-256 go into ``summary.json`` (``weights_sha256``), checked by evaluate and export.
+"""Checkpoints: the whole training state through ``torch.distributed.checkpoint`` (DCP,
+https://pytorch.org/docs/stable/distributed.checkpoint.html), atomic, optionally async: one code path for one
+process, DDP and FSDP2 (``get_state_dict``/``set_state_dict``; every rank writes its shard), as torchtitan's
+checkpointer. A checkpoint goes into ``.step_<N>.partial`` and rank 0 renames it ``step_<N>`` once DCP's
+``.metadata``, its last file, is down. The layout, ``keep_last``, ``checkpoint.async`` and ``sha256.json``:
+docs/checkpointing.md, "What is saved"; why loading never runs code from the checkpoint (``SafeMetadataUnpickler``,
+``SafeFileSystemReader``, ``SafeLoadPlanner``; https://pytorch.org/docs/stable/notes/serialization.html#weights-only):
+"What is safe to load".
 """
 
 from __future__ import annotations
@@ -155,9 +126,8 @@ def verify_digests(path: Path) -> None:
 
 def weights_sha256(job_dir: Path, at_end: bool, ema: Any, best: Any) -> dict[str, str]:
     """The SHA-256 of each weights file a run wrote into ``job_dir``, by its path there (``summary.json``
-    ``weights_sha256``): ``model.safetensors`` and, with an EMA (``ema`` not None), ``model_ema.safetensors``
-    (``checkpoint.at_end``); ``best/model.safetensors`` when the run keeps its best weights (``best`` not None).
-    evaluate and export refuse a weights file that no longer matches (``runner.track.records.check_weights``)."""
+    ``weights_sha256``): ``model.safetensors``, ``model_ema.safetensors`` when ``ema`` is not None,
+    ``best/model.safetensors`` when ``best`` is not None (checked by ``runner.track.records.check_weights``)."""
     names = ["model.safetensors", *(["model_ema.safetensors"] if ema is not None else [])] if at_end else []
     names += ["best/model.safetensors"] if best is not None else []
     return {name: sha256_file(job_dir / name) for name in names if (job_dir / name).is_file()}
@@ -168,8 +138,8 @@ class SafeMetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` admitting only what it is made of: the classes of
     ``torch.distributed.checkpoint.metadata`` and the filesystem writer's ``_StorageInfo``, ``torch.Size``, dtypes,
     layouts and memory formats, paths, and plain containers. Any other global (``os.system``, ``builtins.eval``,
-    a class with a ``__reduce__`` that runs code) raises ``RefusedPickle`` before it is called.
-    The same idea as ``torch.load(weights_only=True)``'s unpickler, for DCP's metadata classes."""
+    a class with a ``__reduce__`` that runs code) raises ``RefusedPickle`` before it is called: the idea of
+    ``torch.load(weights_only=True)``'s unpickler, for DCP's metadata classes."""
 
     _MODULES = ("torch.distributed.checkpoint.metadata",)
     _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
@@ -275,11 +245,9 @@ class ModelAndOptimizer(Stateful):
 
 
 class RNGState(Stateful):
-    """This rank's random-number generators: Python's, NumPy's, torch's CPU generator and the current CUDA
-    device's. Stored per rank (``rank<r>`` keys), since ranks draw different augmentations and dropout.
-
-    Plain data only, so a checkpoint loads without unpickling code: Python's and NumPy's states as lists of
-    ints (JSON-ready), torch's as uint8 tensors."""
+    """This rank's random-number generators (Python's, NumPy's, torch's CPU generator, the current CUDA device's),
+    per rank (``rank<r>`` keys: ranks draw different augmentations and dropout). Plain data, so loading unpickles
+    no code: Python's and NumPy's states as lists of ints, torch's as uint8 tensors."""
 
     def __init__(self, rank: int):
         self.rank = rank

@@ -4,11 +4,8 @@ Ctrl-C (``SIGINT``) is a preemption too: the first checkpoints at the step bound
 ``EXIT_PREEMPTED``, a second one exits at once (``KeyboardInterrupt``, no checkpoint); the stop message gives the
 command that resumes (``resume_command``; docs/checkpointing.md, "Ctrl-C").
 
-The handler only records the signal: a checkpoint written inside it would interrupt a step half-way, possibly
-inside a collective, and can hang or corrupt (Lightning issue #21406). The loop reads ``received`` at step
-boundaries (``runner.engine.loop_guards``; the ranks agree with one all-reduce), and under SLURM the job requeues
-itself (``scontrol requeue``) with the same job id and folder: docs/checkpointing.md, "Preemption and requeue on
-SLURM".
+The loop reads ``received`` at step boundaries (``runner.engine.loop_guards``); why only there (Lightning issue
+#21406) and SLURM's requeue: docs/checkpointing.md, "Preemption and requeue on SLURM".
 
 Sources: SLURM sbatch ``--signal`` and ``--requeue``; Lightning's ``SLURMEnvironment(auto_requeue=True)``;
 submitit's checkpoint/requeue protocol.

@@ -101,12 +101,10 @@ def find_resume_point(mode: str, job_dir: Path, resolved: dict[str, Any], total_
     - ``never``: from scratch in a folder that holds no earlier run.
     - a path: that checkpoint (another job's, too).
 
-    A checkpoint written with another config is refused, naming the differing keys (``MAY_CHANGE`` may
-    differ); so is one already at or past this run's last step while the folder holds its summary, and one whose
-    files no longer match its ``sha256.json`` (``runner.checkpoint.verify_digests``).
-
     Raises:
-        ConfigError: each refusal above, naming the folder or keys and the fix.
+        ConfigError: each refusal above, naming the folder or keys and the fix; a checkpoint written with another
+            config (the differing keys, ``MAY_CHANGE`` aside), one at or past this run's last step while the
+            folder holds its summary, one whose files no longer match its ``sha256.json``.
     """
     earlier = (job_dir / "metrics.jsonl").exists() or (job_dir / "summary.json").exists()
     finished = (job_dir / "summary.json").exists()
@@ -144,15 +142,9 @@ RESTARTS_FILE = "restarts.json"
 
 
 def record_restart(job_dir: Path, saved: int) -> int:
-    """Count one more restart of the job in ``job_dir`` and return the count (rank 0).
-
-    ``summary.json`` ``restarts`` is the number of starts that continued an earlier attempt in the job folder
-    (killed, preempted, failed, or a finished run trained further): from its newest checkpoint, or from scratch
-    when it died before its first. The count lives in ``<job_dir>/restarts.json`` as well as in the checkpoints,
-    because a checkpoint only holds the count of its own time: an attempt killed before it wrote one would
-    otherwise go uncounted (8 kills counted as 5). ``saved`` is the checkpoint's count (a run branched from
-    another job's checkpoint continues that count); the larger of the two, plus one, is written back atomically.
-    """
+    """Count one more restart of the job in ``job_dir`` and return the count (rank 0): the larger of ``saved`` (the
+    checkpoint's count) and ``<job_dir>/restarts.json``'s, plus one, written back atomically. Why both:
+    docs/checkpointing.md, "Resume"."""
     import json
     import os
 

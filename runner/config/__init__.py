@@ -7,12 +7,10 @@ tutorial, step 5.1: https://hydra.cc/docs/tutorials/structured_config/schema/).
 Fields that are *not* constructor arguments (``lr_scaling``, ``cifar_stem``, ...) are listed in ``RUNNER_KEYS`` of the
 module that consumes the group; everything else is passed to ``_target_``.
 
-Nodes open to keys no schema declares carry a user's own arguments: ``model`` (``model.width=64``), ``data`` when
-``data=custom`` (``data.n_features=20``) and ``tune.switches``. They are stored with the struct flag off
-(``open_node``), so ``key=value`` adds a key without Hydra's ``+`` while declared fields stay typed. The builders check
-the extra keys against the callable's signature (``targets.check_arguments``), so a typo (``model.widht=64``)
-stops before training with the valid names. Every other node stays closed: a typo such as ``trainer.max_step`` fails at
-compose time.
+Nodes open to keys no schema declares carry a user's own arguments: ``model``, ``data`` when ``data=custom`` and
+``tune.switches``, stored with the struct flag off (``open_node``), so ``key=value`` adds a key without Hydra's ``+``;
+the builders check those keys against the callable's signature (``targets.check_arguments``). Every other node stays
+closed (docs/configuration.md, "Config groups").
 """
 
 from __future__ import annotations
@@ -81,12 +79,8 @@ def check_choice(key: str, value: Any) -> None:
 
 @dataclass
 class ModelConfig:
-    """``model`` group: ``_target_`` (a module class or factory) + runner's switches; an open node.
-
-    Any other key is a constructor argument of ``_target_`` (``model.width=64``), checked against its
-    signature by ``runner.models.build``. ``num_classes`` (the data's class count) and ``in_features``
-    (values per input item) are filled in by runner when the constructor has such a parameter.
-    """
+    """``model`` group: ``_target_`` (a module class or factory) + runner's switches; an open node: any other key is a
+    constructor argument (checked by ``runner.models.build``, which fills ``num_classes`` and ``in_features``)."""
 
     _target_: str = MISSING
     cifar_stem: bool = False  # resnets: 3x3 stride-1 stem, no max-pool (for 32x32 inputs)
@@ -142,10 +136,8 @@ class LanguageModelTaskConfig(TaskConfig):
 
 @dataclass
 class DataConfig:
-    """``data`` group, the keys every option has: which dataset, its class count, image-only switches.
-
-    Image-only switches on data that are not images (``data=custom``) are recorded as skipped.
-    """
+    """``data`` group, the keys every option has: which dataset, its class count, image-only switches (recorded as
+    skipped on data that are not images)."""
 
     name: str = MISSING  # one of CHOICES["data.name"]
     # null: from the dataset (see runner.data); synthetic: the labels' range; custom: overrides inference
@@ -197,11 +189,8 @@ class TokensDataConfig(DataConfig):
 
 @dataclass
 class CustomDataConfig(DataConfig):
-    """``data=custom``: ``_target_`` names the user's function returning ``(train_dataset, eval_dataset)``.
-
-    An open node: every key other than the declared ones is a keyword argument of that function
-    (``data.n_features=20``); ``num_classes``, when set, is passed too if the function has that parameter.
-    """
+    """``data=custom``: ``_target_`` names the user's function returning ``(train_dataset, eval_dataset)``; an open
+    node: every undeclared key is a keyword argument of that function (``runner.data.custom``)."""
 
     name: str = "custom"
     _target_: Optional[str] = None  # <module>.<function>, e.g. my_data.tabular (my_data.py in the run folder)

@@ -1,13 +1,9 @@
 """A user's ``_target_``: import it, check the config's arguments against its signature, call it.
 
 Shared by ``model._target_`` (a module class or factory) and ``data._target_`` (a dataset function), so
-both fail the same way, before training, with one ``ConfigError`` naming the key and the fix:
-the path cannot be imported (names the module and the folders Python searched first), is not callable,
-is given an argument its signature lacks (lists the valid names, suggests the closest one), or raises.
-
-A module in the folder ``python -m runner`` runs from is importable without ``PYTHONPATH``: ``python -m``
-puts that folder (as an absolute path) first on ``sys.path``, and Hydra does not change directory here
-(``hydra.job.chdir=false``; even if it did, the absolute path would still be there).
+both fail the same way, before training, with one ``ConfigError`` naming the key and the fix. A module in the
+folder ``python -m runner`` runs from imports without ``PYTHONPATH``: ``python -m`` puts that folder, as an absolute
+path, first on ``sys.path`` (and Hydra does not change directory here, ``hydra.job.chdir=false``).
 """
 
 from __future__ import annotations

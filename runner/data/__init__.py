@@ -86,12 +86,8 @@ def source_for(data_cfg: DictConfig, task=None) -> Source:
 
 def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
           memory_format: torch.memory_format = torch.contiguous_format, task=None) -> Data:
-    """Build the train and eval iterables for this rank: ``source_for`` then ``loading.assemble``.
-
-    ``data=custom`` goes through ``custom_datasets``, which asks ``task`` (a ``runner.protocols.Task``; None: a
-    classification) whether the targets suit it; switches that cannot act on it (``data.normalize``,
-    ``data.augment``, ``on_device`` for a dataset that is not whole tensors, channels_last for inputs that are
-    not ``(C, H, W)``) are recorded as ``skipped: <reason>``.
+    """Build the train and eval iterables for this rank: ``source_for`` then ``loading.assemble``; ``task`` (a
+    ``runner.protocols.Task``; None: a classification) checks ``data=custom``'s targets.
 
     Raises:
         ConfigError: unknown ``data.name``, a missing or corrupt dataset, ``batch_size`` <= 0, a

@@ -173,11 +173,8 @@ class OnDeviceLoader:
 
 
 def random_crop_flip(x: torch.Tensor, padding: int = 4) -> torch.Tensor:
-    """Batched RandomCrop(padding, fill 0) + RandomHorizontalFlip on ``x`` of shape ``(B, C, H, W)``.
-
-    One gather for the crop (per-sample offsets) and one ``where`` for the flip; no Python loop over
-    samples, so it runs at device speed (the airbench recipe).
-    """
+    """Batched RandomCrop(padding, fill 0) + RandomHorizontalFlip on ``x`` of shape ``(B, C, H, W)``: one gather for
+    the crop, one ``where`` for the flip, no Python loop over samples (the airbench recipe)."""
     b, c, h, w = x.shape
     padded = torch.nn.functional.pad(x, (padding,) * 4)
     dy = torch.randint(0, 2 * padding + 1, (b, 1), device=x.device)

@@ -1,17 +1,11 @@
 """``data=custom``: the user's own dataset function, checked, and its class count.
 
-``data=custom data._target_=<module>.<function>`` (``custom_datasets``) calls the user's function with
-every other key under ``data.`` as a keyword argument; it returns ``(train_dataset, eval_dataset)``, two
-map-style ``torch.utils.data.Dataset``s whose items are ``(input, target)``: ``input`` a tensor (or numpy
-array) of one shape ``S`` for every item, ``target`` what the task takes: the task's ``check_target`` decides
-(``runner.protocols.Task``; classification: a class index, a Python int or a 0-d int64 tensor; regression: a
-float or a float tensor of shape ``(k,)``), asked with item 0's target as a batch holds it (``as_batched``).
-Integer targets are class indices, and their count follows this rule (``class_count``): ``data.num_classes``
-when set; else the training dataset's ``num_classes`` attribute, else ``len`` of its ``classes`` attribute (a
-``Subset``'s underlying dataset is asked too); else max(target) + 1 over the training and evaluation targets when
-they can be read without loading the inputs (a ``TensorDataset``'s second tensor, a ``targets`` attribute, Subsets
-of these); else the run stops asking for ``data.num_classes``. Float targets have no class count. ``custom_source``
-hands the checked datasets to the loader assembly as a ``Source`` of layout ``tensors``.
+``custom_datasets`` calls ``data._target_`` with every other key under ``data.`` as a keyword argument; it returns
+``(train_dataset, eval_dataset)``, map-style datasets of ``(input, target)`` items: ``input`` a tensor (or numpy
+array) of one shape ``S``, ``target`` what the task's ``check_target`` takes, asked with item 0's target as a batch
+holds it (``as_batched``). Integer targets are class indices, counted by ``class_count``. The items, the arguments
+and the class-count rule: docs/data-and-models.md, "Your own dataset". ``custom_source`` hands the checked datasets
+to the loader assembly as a ``Source`` of layout ``tensors``.
 """
 
 from __future__ import annotations
@@ -133,7 +127,7 @@ def _declared_classes(ds) -> tuple[int, str] | None:
 
 
 def class_count(path: str, configured: int | None, train_ds, eval_ds) -> int:
-    """The class count of the user's datasets, by the rule in the module docstring.
+    """The class count of the user's datasets (docs/data-and-models.md, "Class count").
 
     Raises:
         ConfigError: ``data.num_classes`` < 1, a negative target, a target >= the count (names where the
@@ -169,11 +163,8 @@ def custom_datasets(cfg: DictConfig, check_target: Callable[[Any], str | None]
     first training input, first training target as a batch holds it)``; ``num_classes`` is None for float
     targets (they are no class indices).
 
-    Keyword arguments: every key under ``data.`` but ``CUSTOM_KEYS``, plus ``num_classes`` when set and
-    the function has that parameter; lists and dicts arrive as plain Python, nested ``_target_`` nodes are
-    instantiated (Hydra's ``instantiate``). The function runs on every rank: make it deterministic (seed
-    any random generator) so every rank sees the same data. ``check_target`` is the task's: whether a target
-    suits it (``runner.protocols.Task.check_target``).
+    Keyword arguments: every key under ``data.`` but ``CUSTOM_KEYS``, plus ``num_classes`` when set and the function
+    has that parameter. ``check_target``: the task's (``runner.protocols.Task.check_target``).
 
     Raises:
         ConfigError: ``_target_`` unset, not importable or not callable; an argument its signature lacks
@@ -225,13 +216,9 @@ def custom_datasets(cfg: DictConfig, check_target: Callable[[Any], str | None]
 
 def custom_source(cfg: DictConfig, check_target: Callable[[Any], str | None]) -> Source:
     """``data=custom``: the user's datasets (``custom_datasets``, their targets checked by the task's
-    ``check_target``) as a ``Source`` of layout ``tensors``.
-
-    The loader techniques (DataLoader workers, pinned memory, non_blocking copies, DistributedSampler,
-    ``on_device``) apply as to the built-in sets. Switches that cannot act on it are recorded as
-    ``skipped: <reason>``: ``data.normalize`` and ``data.augment`` (image statistics and crops) here,
-    ``on_device`` for a dataset that is not whole tensors by the loader assembly (``in_memory`` gives the
-    reason; a Subset's rows are copied only when ``on_device`` asks).
+    ``check_target``) as a ``Source`` of layout ``tensors``. ``data.normalize`` and ``data.augment`` are recorded as
+    skipped here, ``on_device`` for data that is not whole tensors by the loader assembly (``in_memory`` says why; a
+    Subset's rows are copied only when ``on_device`` asks).
 
     Raises:
         ConfigError: bad custom data (``custom_datasets``).

@@ -1,10 +1,8 @@
 """Built-in image datasets: MNIST, CIFAR-10, an image folder and synthetic images, as ``Source``s.
 
-Each entry of ``IMAGE_DATASETS`` is a function ``(data_cfg) -> ImageSets``: the two splits, the statistics
-they are normalized with, and their in-memory form when they have one. Adding a dataset is one such
-function plus one line in ``IMAGE_DATASETS`` (and its name in ``runner.config.CHOICES["data.name"]``, with
-a ``conf/data/<name>.yaml``; ``runner.IN_MEMORY_DATA`` when it has an in-memory form).
-``image_source`` turns an entry's result into the ``Source`` the loader assembly takes: items are float32
+Each entry of ``IMAGE_DATASETS`` is a function ``(data_cfg) -> ImageSets``: the two splits, the statistics they are
+normalized with, and their in-memory form when they have one (adding one: docs/design.md, "Adding an image
+dataset"). ``image_source`` turns an entry's result into the ``Source`` the loader assembly takes: items are float32
 ``(C, H, W)`` in [0, 1] (normalized when ``data.normalize``), labels int.
 """
 
@@ -121,10 +119,9 @@ def transforms(cfg: DictConfig, train: bool, mean, std, *, crop: int | None = No
 def mnist(cfg: DictConfig) -> ImageSets:
     """MNIST from ``<root>/MNIST/raw``: each ``.gz`` is md5-checked and extracted next to itself, once.
 
-    The copy a regular install put inside the package (``data.root`` defaults to it there) is only read:
-    site-packages may be read-only, and files written there would outlive ``pip uninstall``. Its archives
-    are extracted into ``runner.cache_dir()`` (``~/.cache/runner/MNIST/raw``) instead. Each file is
-    written under a temporary name and renamed, so jobs extracting at once (DDP ranks) never read half a file.
+    The copy inside an installed package is only read (site-packages may be read-only, and files written there would
+    outlive ``pip uninstall``): it is extracted into ``runner.cache_dir()`` instead. Each file is written under a
+    temporary name and renamed, so jobs extracting at once (DDP ranks) never read half a file.
 
     Raises:
         ConfigError: a ``.gz`` is missing (names it, ``data.root`` and ``data.download=true``), corrupt
@@ -231,15 +228,12 @@ class _ArrayPickleModule:
 
 
 def cifar10_class() -> type:
-    """torchvision's CIFAR10 without its md5 checks and without running code from its files: torchvision checks
-    every file's md5 against the official archive (batches.meta too, in _load_meta); runner checks presence only
-    and names a corrupt file itself, so CIFAR-format sets other than the official one (the tests' tiny ones) load
-    too. Every batch is unpickled through ``ArrayUnpickler`` (torchvision's ``pickle.load`` is pointed at it while
-    the dataset reads its files), so a planted pickle under ``data.root`` is refused, never run.
-
-    Made on first use (torchvision costs ~1 s to import, which every process would pay) and kept as the
-    module attribute ``runner.data.images._CIFAR10``, which is what pickle looks up: the dataset pickles into
-    DataLoader workers started by spawn or forkserver, where ``__getattr__`` below makes it again."""
+    """torchvision's CIFAR10 without its md5 checks against the official archive (batches.meta too, in _load_meta),
+    so CIFAR-format sets other than the official one (the tests' tiny ones) load too: runner checks presence and
+    names a corrupt file itself. Every batch is unpickled through ``ArrayUnpickler`` (torchvision's ``pickle.load``
+    is pointed at it while the dataset reads its files). Made on first use (torchvision's import costs ~1 s) and kept
+    as the module attribute ``_CIFAR10``, which pickle looks up: in a DataLoader worker started by spawn or
+    forkserver ``__getattr__`` below makes it again."""
     if "_CIFAR10" in globals():
         return globals()["_CIFAR10"]
     import torchvision.datasets.cifar as torchvision_cifar

@@ -122,16 +122,11 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
              memory_format: torch.memory_format = torch.contiguous_format) -> Data:
     """Build this rank's train and eval iterables from ``source`` (every data source goes through here).
 
-    ``dataloader.on_device`` with an in-memory form: the splits move to ``env.device`` once and batches are
-    gathered there (technique 2b; token streams: nanoGPT's ``get_batch``, ``runner.data.text.OnDeviceWindows``);
-    a reason instead of a form records ``on_device_data`` as skipped and falls back to the host. Host:
-    ``DataLoader``s with the host-loading techniques; the training sampler is this rank's share (a
-    ``DistributedSampler`` over several ranks), or ``source.draws_per_epoch`` random windows drawn with
-    replacement (token data), wrapped in a ``SkippableSampler``. channels_last is recorded as skipped for
-    inputs that are not ``(C, H, W)`` (token data keeps the contiguous format without a record: the
-    language-model task records it). ``Data.example`` is 2 random samples of the batches' shape and dtype
-    (float inputs, int64 labels or float targets of the source's ``target`` shape; token data: int64 token ids)
-    on the device.
+    ``dataloader.on_device`` with an in-memory form: the splits move to ``env.device`` once (``_on_device``); a
+    reason instead of a form records ``on_device_data`` as skipped and falls back to the host ``DataLoader``s, whose
+    training sampler (this rank's share, or ``source.draws_per_epoch`` random windows with replacement) is a
+    ``SkippableSampler``. channels_last is recorded as skipped for inputs that are not ``(C, H, W)`` (token data: by
+    the language-model task). ``Data.example``: 2 random samples of the batches' shape and dtype, on the device.
 
     Raises:
         ConfigError: ``on_device`` for data with no in-memory form (read from image files), or a training

@@ -1,12 +1,7 @@
-"""Character-level text for language models (``data=text``): read, tokenize, split, cut into windows.
-
-The recipe of nanoGPT's ``data/shakespeare_char/prepare.py`` and ``train.py``'s ``get_batch``
-(https://github.com/karpathy/nanoGPT): the vocabulary is the sorted set of the text's characters, token
-id = index in it; the first 90 % of the tokens train, the last 10 % validate; a training sample is a
-random window of ``block_size`` tokens ``x`` and the same window shifted by one, ``y`` (the next token
-at every position). ``text_source`` returns these parts as a ``Source`` (``windows_source``, which
-``data=tokens``, ``runner.data.tokens``, shares); ``runner.data.loading`` assembles
-the loaders (``OnDeviceWindows`` on the device, a ``DataLoader`` over ``TokenWindows`` on the host).
+"""Character-level text for language models (``data=text``): read, tokenize, split, cut into windows, as nanoGPT's
+``data/shakespeare_char/prepare.py`` and ``train.py``'s ``get_batch`` (https://github.com/karpathy/nanoGPT;
+docs/language-models.md). ``text_source`` returns a ``Source`` (``windows_source``, shared with ``data=tokens``);
+``runner.data.loading`` assembles the loaders (``OnDeviceWindows`` on the device, ``TokenWindows`` on the host).
 """
 
 from __future__ import annotations
@@ -207,14 +202,8 @@ def windows_source(name: str, train_tokens, val_tokens, block_size: int, train_s
 
 
 def text_source(cfg: DictConfig) -> Source:
-    """``data=text``: character tokens of ``data.path`` (``read_corpus``), windows of ``data.block_size``.
-
-    Training: ``data.train_size`` random windows per epoch (null: train tokens // block_size, so an epoch
-    sees about as many tokens as the split holds), each rank its own seeded draw (``draws_per_epoch``).
-    Evaluation: the consecutive windows that tile the validation split, the same every time, strided over
-    the ranks (``windows_source``). ``dataloader.on_device``: both splits on the device, one gather per batch
-    (``OnDeviceWindows``); otherwise a ``DataLoader`` over ``TokenWindows`` with the host-loading techniques.
-    ``data.normalize``/``augment`` are image techniques: the language-model task records them as skipped.
+    """``data=text``: character tokens of ``data.path`` (``read_corpus``), windows of ``data.block_size`` sampled by
+    ``windows_source``; ``dataloader.on_device``: both splits on the device (``OnDeviceWindows``).
 
     Raises:
         ConfigError: a bad ``data.path`` (``read_corpus``) or ``data.block_size`` (``split``).

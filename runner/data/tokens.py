@@ -1,17 +1,10 @@
 """Tokenized corpora in nanoGPT's format (``data=tokens``): flat binary files of token ids, memory-mapped.
 
-nanoGPT's ``data/*/prepare.py`` (https://github.com/karpathy/nanoGPT, e.g. ``data/shakespeare_char/prepare.py``
-and ``data/openwebtext/prepare.py``) writes each split as ``train.bin`` / ``val.bin``: the split's token ids
-one after the other, ``numpy.uint16`` in native (little-endian) byte order, no header -- ``ids.tofile(path)``;
-its ``train.py`` reads them back with ``np.memmap(path, dtype=np.uint16, mode='r')`` and samples random windows
-of ``block_size`` + 1 tokens. ``data=tokens`` reads the same files (``data.dtype=uint32`` for vocabularies
-over 65,536 ids) through ``numpy.memmap``, never whole, and samples them exactly as ``data=text`` samples
-its characters (``runner.data.text.windows_source``): the same ids and seed give the same windows.
-
-``prepare`` writes such files from a text file the way nanoGPT's ``shakespeare_char/prepare.py`` does
-(characters sorted -> ids, first 90 % train, last 10 % validation, plus its ``meta.pkl``)::
-
-    python -m runner.data.tokens prepare <text file> <out dir>
+Each split is what nanoGPT's ``data/*/prepare.py`` (https://github.com/karpathy/nanoGPT) writes with
+``ids.tofile(path)``: ``numpy.uint16`` ids (``data.dtype=uint32`` past 65,536) in native byte order, no header.
+They are read through ``numpy.memmap``, never whole, and sampled as ``data=text``'s characters
+(``runner.data.text.windows_source``). ``python -m runner.data.tokens prepare <text file> <out dir>`` writes them
+from a text file. docs/language-models.md, "Tokenized corpora".
 """
 
 from __future__ import annotations
@@ -41,11 +34,10 @@ PREPARE_HINT = "python -m runner.data.tokens prepare <text file> <out dir> write
 
 
 class TokenFile:
-    """A flat binary file of token ids (nanoGPT's ``.bin``), memory-mapped read-only: never loaded whole.
+    """A flat binary file of token ids (nanoGPT's ``.bin``), memory-mapped read-only (``memmap``, of ``dtype``).
 
-    ``len(f)``: the number of tokens; ``f[a:b]``: those tokens as a fresh int64 ``(b - a,)`` tensor (only
-    these pages are read). ``memmap`` is the ``numpy.memmap`` of dtype ``dtype``. Pickled (a ``DataLoader``
-    worker started by spawn or forkserver) as its path and dtype, and mapped again on the other side, so no
+    ``len(f)``: the number of tokens; ``f[a:b]``: those tokens as a fresh int64 ``(b - a,)`` tensor (only these pages
+    are read). Pickled (into a ``DataLoader`` worker started by spawn or forkserver) as its path and dtype, so no
     copy of the data travels.
     """
 
@@ -257,8 +249,7 @@ SYNTHETIC_SEED = 1234
 def synthetic_splits(count: int, vocab_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``data.synthetic_tokens=count``: a training split of ``count`` ids and a validation split of ``count // 10``
     (at least one window, ``block_size`` + 1), int64 ``(N,)`` tensors drawn uniformly below ``vocab_size`` from
-    ``SYNTHETIC_SEED``. Random ids hold nothing to learn (the loss stays near ln(vocab_size)): a stand-in that moves
-    the same tensors through the same model for tokens/s and MFU, as nanoGPT's ``bench.py`` does with
+    ``SYNTHETIC_SEED``: nothing to learn, a stand-in for tokens/s and MFU, as nanoGPT's ``bench.py`` with
     ``real_data = False`` (https://github.com/karpathy/nanoGPT/blob/master/bench.py).
 
     Raises:
@@ -274,11 +265,9 @@ def synthetic_splits(count: int, vocab_size: int, block_size: int) -> tuple[torc
 
 def tokens_source(cfg: DictConfig) -> Source:
     """``data=tokens``: ``data.train_path``/``data.val_path`` (nanoGPT's ``.bin`` files of ``data.dtype`` ids,
-    memory-mapped as ``TokenFile``s), windows of ``data.block_size`` -- sampled and evaluated as ``data=text``'s
-    (``runner.data.text.windows_source``). ``dataloader.on_device`` loads both files whole onto the device,
-    as int64 (8 bytes per token); without it, batches read only their windows from the files. With both paths null
-    and ``data.synthetic_tokens`` set, random ids stand in for the files (``synthetic_splits``; ``samples.txt``
-    shows ids).
+    memory-mapped as ``TokenFile``s), windows of ``data.block_size`` sampled as ``data=text``'s
+    (``runner.data.text.windows_source``); ``dataloader.on_device`` loads both whole onto the device as int64. With
+    both paths null and ``data.synthetic_tokens`` set, random ids stand in (``synthetic_splits``).
 
     Raises:
         ConfigError: ``data.vocab_size`` unset or < 1, ``data.dtype`` not uint16/uint32, a bad split file
@@ -307,11 +296,9 @@ def tokens_source(cfg: DictConfig) -> Source:
 
 def prepare(text_file: str | Path, out_dir: str | Path) -> dict:
     """Write ``train.bin``, ``val.bin`` and ``meta.pkl`` of ``text_file`` into ``out_dir``, as nanoGPT's
-    ``data/shakespeare_char/prepare.py`` does: the vocabulary is the sorted set of the text's characters
-    (id = index, ``runner.data.text.read_corpus``), the first 90 % of the ids train and the rest validate,
-    each written with ``ndarray.tofile`` as uint16 (uint32 past 65,536 characters); ``meta.pkl`` is nanoGPT's
-    pickle of ``{"vocab_size", "itos", "stoi"}``. Train with ``data=tokens`` on them and the ids, hence the
-    windows and the losses, are ``data=text``'s on ``text_file``.
+    ``data/shakespeare_char/prepare.py`` does: ``runner.data.text.read_corpus``'s ids, the first 90 % train, the
+    rest validate, each written with ``ndarray.tofile`` as uint16 (uint32 past 65,536 characters); ``meta.pkl`` is
+    nanoGPT's pickle of ``{"vocab_size", "itos", "stoi"}``.
 
     Returns:
         ``{"vocab_size", "dtype", "train_tokens", "val_tokens", "train_path", "val_path"}``.

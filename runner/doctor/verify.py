@@ -74,12 +74,11 @@ def compose_job(job: Job, overrides: list[str]):
 def verify(job: Job, findings: list[Finding], steps: int | None = None, repeats: int = 1,
            minutes: float = VERIFY_MINUTES, out: Path | None = None,
            top: int | None = None) -> tuple[list[Trial], Path]:
-    """Measure the job and each suggestion (the first ``top``) interleaved (``runner.compare.compare``): each
-    configuration resident in ``repeats`` processes forked from the job server, taking turns in slices of
-    ``steps`` steps (default: about ``interleave.slice_seconds`` of the job's rerun), with a copy of the rerun as
-    the A/A, for ``minutes`` of measuring. Each suggestion's figure is its samples/s ÷ the rerun's in the paired
-    slices, with its interval and Holm's verdict. Runs in the folder the doctor runs in (never the job's recorded
-    folder: a module planted there would run). Writes ``verify.json`` and ``verify.md`` into ``out`` (default
+    """Measure the job's rerun and each suggestion (the first ``top``) interleaved (``runner.compare.compare``):
+    ``repeats`` processes each, slices of ``steps`` steps (default: about ``interleave.slice_seconds``), an A/A copy
+    of the rerun, ``minutes`` of measuring; each suggestion's samples/s ÷ the rerun's, with its interval and Holm's
+    verdict (docs/tuners-and-doctor.md). Runs in the folder the doctor runs in (never the job's recorded folder: a
+    module planted there would run). Writes ``verify.json`` and ``verify.md`` into ``out`` (default
     ``<job>/doctor-verify/<date>_<time>``).
 
     Raises:

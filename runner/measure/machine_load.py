@@ -107,24 +107,10 @@ class LoadWindow:
             self._note_load()
 
     def record(self, threads: int, workers: int, data_wait_s: float, steps: int) -> dict[str, Any]:
-        """The window's figures (summary.json ``machine_load``); ``threads`` = ``torch.get_num_threads()``,
-        ``workers`` = DataLoader worker processes, ``data_wait_s`` = measured data wait inside the window,
-        ``steps`` = the measured steps in it.
-
-        Keys: ``window_s``; ``cpu_cores`` (this process's affinity), ``threads``, ``workers``;
-        ``load_average_1min_start``/``_end``/``_max`` (as the ablation report's ``load_average_1min``);
-        ``load_average_others`` = max load average - the cores runner kept busy (runner's own share; the
-        1-minute average lags by about a minute, so a short run is judged by its run-queue wait);
-        ``cpu_time_s`` (this process, all threads), ``workers_cpu_time_s``; ``cpu_util_fraction`` = CPU
-        time / (window x threads), above 1 when threads other than torch's intra-op ones work too (inter-op
-        threads, the Python thread between ops) or a short window meets coarse clock ticks;
-        ``busy_cores_computing`` = CPU time / (window - data wait);
-        ``run_queue_wait_fraction`` = threads' run-queue wait / (their CPU time + that wait);
-        ``steal_fraction`` = steal ticks / all ticks of all CPUs; ``gpu`` (NVML, CUDA only) or None;
-        ``minor_page_faults_per_step``: pages this process faulted in per step (``getrusage`` ``ru_minflt``),
-        about 0 once the allocators reuse their memory, thousands when freed buffers go back to the OS and
-        return as fresh pages (``trainer.host_allocator``, runner/techniques/prepare.py).
-        Fractions are None where the OS does not report them.
+        """The window's figures (summary.json ``machine_load``: each key and its formula in docs/outputs-and-loggers.md,
+        "summary.json"); ``threads`` = ``torch.get_num_threads()``, ``workers`` = DataLoader worker processes,
+        ``data_wait_s`` = measured data wait inside the window, ``steps`` = the measured steps in it. Fractions are
+        None where the OS does not report them.
         """
         window = self.wall_s
         own_cores = (self.cpu_s + (self.children_cpu_s if self.children_known else 0.0)) / window if window > 0 else 0.0

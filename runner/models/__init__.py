@@ -207,10 +207,8 @@ def _mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str:
 
 
 def _load_pretrained(builder, target: str, kwargs: dict, weights) -> nn.Module:
-    """Build the model through torchvision's own API, ``builder(weights=..., **kwargs)``, from the cache.
-
-    The builder sets what the weights need (``num_classes`` = the weights' class count, ...) and loads the
-    cached file, found first, so it never downloads.
+    """Build the model through torchvision's own API, ``builder(weights=..., **kwargs)``, which sets what the weights
+    need (their class count, ...) and loads the cached file, found first, so it never downloads.
 
     Raises:
         ConfigError: the file is missing/unreadable (``_check_weights_file``), or it holds weights of
@@ -407,11 +405,8 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
             is passed if the constructor takes it and the config leaves it unset, and a classifier (or a
             regression's model) is run once on it (``check_forward``).
 
-    Steps: ``weights`` (torchvision's pretrained weights from the cache, then a fresh head for
-    ``num_classes``), ``cifar_stem`` (a ResNet's 7x7/2 stem + max-pool become a 3x3/1 stem without pooling,
-    He et al. 2016 section 4.2), the first ``Conv2d`` rebuilt for ``in_channels`` when the items are images
-    (pretrained kernels adapted), ``freeze_backbone`` (``requires_grad=False`` on every parameter but the new
-    head's and those of layers runner built fresh), the input check.
+    Steps: ``weights`` (then a fresh head for ``num_classes``), ``_fit_to_images``, ``freeze_backbone`` (all but the
+    new head and the layers runner built fresh), the input check; docs/data-and-models.md, "Fine-tuning".
 
     Raises:
         ConfigError: ``_target_`` unset (``model=base_model``), cannot be imported or called, an argument its signature

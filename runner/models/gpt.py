@@ -6,10 +6,8 @@ and the token embedding tied to the output head (Press & Wolf 2017). Code layout
 initialization follow Karpathy's nanoGPT (https://github.com/karpathy/nanoGPT/blob/master/model.py), so its
 checkpoints' parameter names (``transformer.h.0.attn.c_attn.weight``, ...) and its training recipes carry over.
 
-Attention is ``F.scaled_dot_product_attention(..., is_causal=True)``: PyTorch picks the fastest kernel the
-device, dtype and shapes allow (FlashAttention-2 on CUDA in fp16/bf16, memory-efficient attention, or a
-fused CPU kernel) without materializing the ``(T, T)`` mask (PyTorch SDPA docs,
-https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html).
+Attention is ``F.scaled_dot_product_attention(..., is_causal=True)``, the fastest kernel the device, dtype and shapes
+allow, without a ``(T, T)`` mask: https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html
 """
 
 from __future__ import annotations
@@ -29,12 +27,8 @@ class CausalSelfAttention(nn.Module):
 
     ``upcast_attention`` (the name diffusers gives the same switch): when queries, keys and values are bf16/fp16
     (autocast, or bf16 weights), the attention itself (softmax(QK^T)V and its backward) runs in fp32 while the
-    projections stay in the low precision.
-    Measured with torch 2.15 on a 2-core Xeon (AVX-512, AMX), forward + backward of
-    ``scaled_dot_product_attention`` per call: at nanoGPT's CPU shape (B=12, 4 heads, T=64, head size 32) fp32
-    0.9 ms, bf16 4.3 ms (the bf16 backward alone 6.5x fp32's); at (12, 6, 256, 64) 22 vs 21 ms; at
-    (4, 12, 1024, 64) 143 vs 90 ms. So it pays on small models only, and the speed tuner measures it
-    (``bf16_upcast_attention``) instead of assuming it.
+    projections stay in the low precision. It pays on a CPU at small shapes only (docs/language-models.md), so the
+    speed tuner measures it (``bf16_upcast_attention``).
     """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, upcast_attention: bool = False):

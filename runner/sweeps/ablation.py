@@ -3,15 +3,8 @@
 ``python -m runner -m +experiment=ablation model=... data=...`` is a Hydra multirun over ``ablation/variant``
 (conf/experiment/ablation.yaml, ablation/variant) handed to the interleaved launcher
 (``hydra/launcher=interleaved``, runner/sweeps/interleaved.py), which measures every configuration against the baseline
-(a leave-one-out configuration against the fast preset) through runner/compare/. What is the ablation's own:
-
-- ``not_run``: a variant with ``ablation.requires=cuda`` (the cuDNN autotuner; the leave-one-out of the
-  CUDA-only bigger batch) on a job without CUDA, or one whose technique the task skips (an image technique on a
-  language model, ``no_op_reason``: its configuration is its reference's again), is not run; ``not_run.json``
-  in its folder says why, and the report lists it.
-- ``AblationCallback``: at the start of the sweep, ``ablation.json`` records the machine (CPU model, cores,
-  memory, GPUs, native bf16, load average) and the exact command, and the job server is started (its start-up
-  time is recorded); at the end it writes the report (runner/report/).
+(a leave-one-out configuration against the fast preset) through runner/compare/. The ablation's own: the variants
+not run here (``not_run``) and the sweep's record and report (``AblationCallback``); docs/ablation.md, "What it runs".
 """
 
 from __future__ import annotations
@@ -66,12 +59,8 @@ def not_run(cfg: DictConfig, folder: Path) -> str | None:
 
 
 def no_op_reason(cfg: DictConfig) -> str | None:
-    """Why this leave-one-in or leave-one-out variant is its reference's configuration on this job, or None.
-
-    A technique the task skips (``Task.skipped``: channels_last or input normalization on a language model,
-    whose inputs are token ids) changes nothing, so measuring it would only spend the sweep's minutes on a
-    second copy of the reference. It is a no-op when switching each of its keys (``TECHNIQUE_KEYS``) on adds
-    a skipped technique to the task's list."""
+    """Why this leave-one-in or leave-one-out variant is its reference's configuration on this job, or None: switching
+    each of its keys (``TECHNIQUE_KEYS``) on adds a technique the task skips (``Task.skipped``)."""
     from runner import task as task_mod
 
     a = cfg.ablation
@@ -95,12 +84,12 @@ def no_op_reason(cfg: DictConfig) -> str | None:
 class AblationCallback(Callback):
     """Hydra callback of ``+experiment=ablation`` (``hydra.callbacks.ablation_report``).
 
-    ``on_multirun_start`` writes ``<sweep>/ablation.json`` (machine, command, start time) and starts the job
-    server (runner/compare/server.py); a ``TMPDIR`` too long for its socket prints one ``error:`` line and exits
-    with status 2 before any job runs (Hydra turns exceptions from callbacks into warnings).
-    ``on_multirun_end`` adds the end time and load average and writes the report (under torchrun, ranks > 0
-    leave it to rank 0); a report that cannot be made (no summaries, no baseline) prints one ``error:`` line and
-    exits with status 1.
+    ``on_multirun_start`` writes ``<sweep>/ablation.json`` (machine: CPU model, cores, memory, GPUs, native bf16, load
+    average; the command; the start time) and starts the job server (runner/compare/server.py), its start-up time
+    recorded; a ``TMPDIR`` too long for its socket prints one ``error:`` line and exits with status 2 before any job
+    runs (Hydra turns exceptions from callbacks into warnings). ``on_multirun_end`` adds the end time and load
+    average and writes the report (under torchrun, ranks > 0 leave it to rank 0); a report that cannot be made (no
+    summaries, no baseline) prints one ``error:`` line and exits with status 1.
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

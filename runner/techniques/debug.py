@@ -28,9 +28,8 @@ def build(cfg: DictConfig, job_dir: Path, device: torch.device):
     - ``profile``: ``torch.profiler`` over one window, ``schedule(wait, warmup, active, repeat=1)``
       optimizer steps (skip ``wait``, record but discard ``warmup``, keep ``active``), CPU and CUDA
       activities with input shapes; the trace (``*.pt.trace.json``) is written to ``<job_dir>/profile/``
-      for TensorBoard or Perfetto (https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html).
-      A run shorter than the window writes what it recorded when it ends. Profiling slows the recorded
-      steps: do not read speed figures from a profiled run.
+      for TensorBoard or Perfetto (https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html); a run
+      shorter than the window writes what it recorded. It slows the recorded steps: no speed figures from it.
 
     Raises:
         ConfigError: an unknown ``debug.name`` or a non-positive ``profile_active``.

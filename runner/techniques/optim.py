@@ -68,10 +68,8 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     ``decay_all=false`` puts the tensors with fewer than 2 dimensions (biases, LayerNorm/BatchNorm gains)
     in a second parameter group without weight decay, as nanoGPT's ``configure_optimizers`` and GPT-2 do.
 
-    ``optimizer=muon`` (``_target_`` ``timm.optim.Muon``; Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/):
-    Muon for the hidden matrices and AdamW for the embeddings, head, norms and biases, in one optimizer whose
-    parameter groups say which rule each takes (``muon_groups``, ``muon_split``); ``adamw_lr`` and ``adamw_eps`` are
-    the AdamW part's. timm's Muon has no fused/foreach argument: ``impl`` is recorded as skipped.
+    ``optimizer=muon`` (``timm.optim.Muon``; Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/): one
+    optimizer whose parameter groups say which rule each tensor takes (``muon_groups``); ``impl`` is skipped.
 
     Raises:
         ConfigError: an unknown ``impl`` or ``_target_``, or an optimizer torch refuses to build (e.g. a
@@ -149,10 +147,9 @@ def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
     """``optimizer=muon``'s parameter groups for one ``timm.optim.Muon``: the matrices (``muon_split``) with
     ``use_muon=True``, the rest with ``use_muon=False`` (timm's AdamW fallback, with ``nesterov=False`` so it is AdamW,
     not NAdamW, and ``eps=adamw_eps``); ``decay_all=false`` moves the AdamW part's 1-D tensors to a group without
-    weight decay. Every group has the same ``lr``: the AdamW part runs at ``lr x fallback_lr_scale`` with the scale
-    ``adamw_lr / lr``, so the LR scaling and every schedule (OneCycleLR and CyclicLR set one LR for all groups) move
-    both parts in proportion. Why timm's Muon and not ``torch.optim.Muon``, and how it runs under DDP and FSDP2:
-    docs/configuration.md, "Muon".
+    weight decay. Every group has the same ``lr`` (OneCycleLR and CyclicLR set one LR for all groups): the AdamW part
+    runs at ``lr x fallback_lr_scale``, the scale ``adamw_lr / lr``. Why, and why timm's Muon: docs/configuration.md,
+    "Muon".
 
     Raises:
         ConfigError: ``lr`` or ``adamw_lr`` not > 0, ``ns_steps`` < 1, ``momentum`` outside [0, 1), or a model with no

@@ -59,13 +59,9 @@ def _has_batchnorm(model: torch.nn.Module) -> bool:
 
 
 def fsdp_mixed_precision(compute_dtype: torch.dtype):
-    """FSDP2's ``MixedPrecisionPolicy`` for the built precision's ``compute_dtype``, or None (fp32 all-gathers).
-
-    ``compute_dtype`` is ``precision.Precision.compute_dtype``, so the decision is the precision group's own
-    (fp32, tf32 or a skipped amp/bf16 -> None; under amp on CUDA DTensor reduces the GradScaler's found-inf check
-    over the shards). Gradients are reduce-scattered in fp32 (``reduce_dtype``), as torchtitan does, so the sum
-    over ranks does not lose precision (FSDP2 docs, ``MixedPrecisionPolicy``).
-    """
+    """FSDP2's ``MixedPrecisionPolicy`` for ``precision.Precision.compute_dtype``, or None (fp32, tf32 or a skipped
+    amp/bf16: fp32 all-gathers; under amp on CUDA DTensor reduces the GradScaler's found-inf check over the shards).
+    Gradients are reduce-scattered in fp32 (docs/scaling.md, "How the wrappers act")."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if compute_dtype == torch.float32:
@@ -74,14 +70,8 @@ def fsdp_mixed_precision(compute_dtype: torch.dtype):
 
 
 def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
-    """``DistributedDataParallel`` (optionally after ``SyncBatchNorm`` conversion).
-
-    DDP broadcasts rank 0's parameters and buffers at construction (``init_sync=True``) and before each forward
-    (buffers), and all-reduces gradients bucket by bucket during backward (PyTorch DDP notes, module docstring).
-
-    ``sync_batchnorm``: BatchNorm statistics over the global batch instead of each rank's share
-    (``nn.SyncBatchNorm.convert_sync_batchnorm``); its kernels exist for CUDA only, so on CPU it is
-    skipped with the reason. Docs: https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html
+    """``DistributedDataParallel``, after ``nn.SyncBatchNorm.convert_sync_batchnorm`` with ``sync_batchnorm`` (CUDA
+    only: skipped on a CPU with the reason; https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html).
     """
     techniques: dict[str, str] = {}
     if cfg.sync_batchnorm:
@@ -102,14 +92,9 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.
 
 
 def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.nn.Module, dict[str, str]]:
-    """FSDP2: ``fully_shard`` each repeated block (``repeated_blocks``), then the root.
-
-    One block's parameters are all-gathered at a time and freed after use (``reshard_after_forward=True``); the
-    root call covers the rest (stem, head). Parameters become DTensors sharded on dim 0 over a 1-D mesh of all
-    ranks. Rank 0's values are broadcast first: ``fully_shard`` keeps each rank's slice of its *own* tensor.
-    The mixed-precision policy comes from ``fsdp_mixed_precision``; under it, every BatchNorm layer is
-    sharded on its own with fp32 parameters (its running statistics are fp32 buffers, and ``batch_norm``
-    wants weight and statistics in one dtype), its input cast to fp32 on the way in.
+    """FSDP2: ``fully_shard`` each repeated block (``repeated_blocks``), then the root, after broadcasting rank 0's
+    values; under ``fsdp_mixed_precision``'s policy each BatchNorm layer is sharded on its own in fp32. Why:
+    docs/scaling.md, "How the wrappers act".
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -142,11 +127,8 @@ def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.
 
 
 def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
-    """``nn.DataParallel`` over every visible GPU, output gathered on this process's GPU.
-
-    Kept for the ablation only (it replicates the module, scatters the batch and gathers the outputs every step,
-    from threads sharing the GIL). Without CUDA it is skipped and the plain model runs.
-    """
+    """``nn.DataParallel`` over every visible GPU, output gathered on this process's GPU; kept for the ablation only.
+    Without CUDA it is skipped and the plain model runs."""
     warnings.warn("distributed=dp: nn.DataParallel is slower than DistributedDataParallel (one process, threads "
                   "under the GIL, model replicated every step); use distributed=ddp with scripts/torchrun.sh. "
                   "It is kept for the ablation.", stacklevel=2)
@@ -203,11 +185,8 @@ def no_sync(model: torch.nn.Module, last: bool):
 
 
 def sync_ddp_buffers(model: torch.nn.Module, env: Env) -> None:
-    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP itself does before each forward.
-
-    A checkpoint keeps one copy of a replicated tensor, and between forwards each rank's buffers hold its own
-    batch's statistics. A no-op for one process and for models that are not ``DistributedDataParallel``.
-    """
+    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP does before each forward, so that a checkpoint's
+    one copy of a replicated tensor is every rank's. A no-op for one process and models that are not DDP."""
     if env.distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         with torch.no_grad():
             for buffer in model.module.buffers():
@@ -225,7 +204,7 @@ def parameter_report(model: torch.nn.Module, env: Env) -> dict:
     - ``count``/``numel``: parameters and their elements; ``dtensor_count`` and ``local_numel``: how many
       are DTensors and how many elements this rank (rank 0) stores -- about ``numel / world_size`` under FSDP.
 
-    Collective (all ranks call it); costs one pass over the parameters (and one all-gather each under FSDP).
+    Collective (all ranks call it): one pass over the parameters (and one all-gather each under FSDP).
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor

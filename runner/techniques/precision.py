@@ -67,18 +67,16 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
       https://pytorch.org/docs/stable/amp.html; Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740).
       CUDA: fp16 autocast + ``GradScaler(init_scale, growth_interval)``. CPU: bf16 autocast (no scaler: bf16 has
       fp32's exponent range) only with native bf16, otherwise skipped with the reason.
-    - ``auto`` (``+experiment=fast``): ``amp``, except on a GPU that supports bf16 (Ampere and newer), where it is
-      bf16 autocast without a scaler (nothing overflows fp16's 65,504: the fp16 evaluation of ResNet-50 gave NaN on
-      an H200, docs/benchmarks/gpu.md). Recorded as ``amp``; on CUDA the dtype it picked is ``note``.
+    - ``auto`` (``+experiment=fast``): ``amp``, except bf16 autocast without a scaler on a GPU with bf16 (Ampere and
+      newer; why: docs/configuration.md, "Presets"). Recorded as ``amp``; on CUDA the dtype it picked is ``note``.
     - ``bf16``: bf16 autocast on any device (no scaler); warns when the CPU emulates bf16.
     - ``tf32``: TensorFloat-32 matmuls and convolutions on Ampere+ GPUs (fp32 storage, 10-bit mantissa
       products; https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices).
       Skipped on a CPU.
     - ``fp8``: bf16 autocast, and the model's large Linear layers converted to torchao's float8 training
       (``convert_fp8``, applied by ``runner.techniques.prepare`` before compile; torchao float8,
-      https://github.com/pytorch/ao/tree/main/torchao/float8), recipe ``precision.fp8_recipe``. Needs a CUDA GPU
-      of compute capability >= 8.9 and torchao (the ``fp8`` extra); elsewhere skipped with the reason
-      (``fp8_unavailable``), and the job trains with bf16 autocast where the device has native bf16, else fp32.
+      https://github.com/pytorch/ao/tree/main/torchao/float8), recipe ``precision.fp8_recipe``; where it cannot run
+      (``fp8_unavailable``) skipped, bf16 autocast where the device has native bf16, else fp32.
 
     Returns:
         a ``Precision``; ``techniques`` is ``{}`` for ``fp32`` and for an ``fp8`` that will be applied (its status

@@ -1,22 +1,8 @@
-"""Model transforms, one ``apply_<technique>`` each, called in a fixed order by ``prepare``.
-
-Order (torchtitan's model converters, then its ``parallelize``): memory format -> bias removal -> fp8 layers ->
-activation checkpointing -> compile -> data-parallel wrapper.
-
-1. channels_last first: it rewrites the parameters' strides, and every later step should see NHWC weights.
-2. bias removal needs the plain module tree (torch.fx traces it) before anything wraps a submodule.
-3. precision=fp8 swaps Linear layers for torchao's Float8Linear (``precision.convert_fp8``) on the plain
-   tree, as torchtitan's float8 converter runs before it parallelizes; it turns compile on.
-4. activation checkpointing wraps blocks; compile must see those wrappers to trace the recomputation.
-5. compile before DDP/FSDP so the wrapper's hooks see the compiled module (as torchtitan does), and
-   ``nn.Module.compile`` keeps the module and its ``state_dict`` keys unchanged -- the whole model, or each
-   repeated block (``compile.regional``).
-6. the data-parallel wrapper last: it registers gradient hooks on the final parameters.
-
-``apply_cudnn_benchmark`` is a process-wide backend flag rather than a model transform; the engine calls
-it before building anything, so cuDNN autotunes from the first step (which the warm-up excludes).
-
-Each function returns a status for ``summary.json`` ``techniques``: ``"applied"`` or ``"skipped: <why>"``.
+"""Model transforms, one ``apply_<technique>`` each, called by ``prepare`` in torchtitan's order (its model
+converters, then its ``parallelize``): memory format -> bias removal -> fp8 layers -> activation checkpointing ->
+compile -> data-parallel wrapper; why, docs/design.md rule 7. Each returns a ``summary.json`` ``techniques`` status,
+``"applied"`` or ``"skipped: <why>"``. ``apply_cudnn_benchmark`` is a process-wide flag the engine sets before
+building anything, so cuDNN autotunes from the first step (which the warm-up excludes).
 """
 
 from __future__ import annotations
@@ -42,15 +28,10 @@ _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
-    """``trainer.deterministic=true``: the same seed gives bit-identical weights, run after run.
-
-    ``torch.use_deterministic_algorithms(True)`` (an operation without a deterministic implementation raises
-    instead of running), cuDNN's deterministic algorithms without autotuning, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
-    (set before CUDA's first cuBLAS call when the environment has none). DataLoader workers are seeded from the
-    run's seeded generator either way (runner/data/loading.py). PyTorch "Reproducibility",
-    https://pytorch.org/docs/stable/notes/randomness.html. Sets every flag either way, so an earlier job in the
-    same process cannot leak it; torch's switch only when it changes (turning it off when it is off imports ~280
-    modules, ~0.8 s of every run).
+    """``trainer.deterministic=true``: the same seed gives bit-identical weights (docs/training.md; PyTorch
+    "Reproducibility", https://pytorch.org/docs/stable/notes/randomness.html). ``CUBLAS_WORKSPACE_CONFIG`` is set
+    before CUDA's first cuBLAS call. Sets every flag either way, so an earlier job in the same process cannot leak
+    it; torch's switch only when it changes (turning it off when off imports ~280 modules, ~0.8 s of every run).
 
     Returns:
         ``{"deterministic": "applied"}`` when on, else ``{}``.
@@ -65,10 +46,8 @@ def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
 
 @contextlib.contextmanager
 def deterministic_or_refused(enabled: bool):
-    """Around the training loop: with ``trainer.deterministic=true``, PyTorch's refusal of an operation that has
-    no deterministic kernel on this device becomes one message naming the operation and the key (PyTorch
-    "Reproducibility", https://pytorch.org/docs/stable/notes/randomness.html). Costs nothing per step: it wraps the
-    whole loop once.
+    """Around the training loop (once, so free per step): with ``trainer.deterministic=true``, PyTorch's refusal of
+    an operation without a deterministic kernel here becomes one message naming the operation and the key.
 
     Raises:
         ConfigError: the refused operation, and the fix (``runner.errors.deterministic_refusal``).
@@ -89,10 +68,8 @@ DEFAULT_NUM_THREADS = torch.get_num_threads()
 def apply_num_threads(num_threads: int | None) -> dict[str, str]:
     """``trainer.num_threads``: the CPU's intra-op threads (``torch.set_num_threads``; PyTorch "CPU threading
     and TorchScript inference", https://pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html).
-
-    torch's default is one thread per physical core; fewer can be faster when other work (DataLoader workers,
-    another process) shares the cores, and ``python -m runner.tune speed`` measures it. null restores the
-    default this process started with, so an earlier job in the same process cannot leak its setting.
+    Fewer than torch's one per core can be faster when other work shares the cores (``runner.tune speed`` measures
+    it). null restores the default this process started with, so an earlier job cannot leak its setting.
 
     Returns:
         ``{"num_threads": "applied"}`` when set, else ``{}``.
@@ -118,26 +95,14 @@ _host_allocator_reused = False  # mallopt's settings are process-wide and cannot
 
 
 def apply_host_allocator(name: str) -> str:
-    """``trainer.host_allocator=reuse`` (the default): glibc's malloc keeps freed memory for the next step.
-
-    By default glibc maps every buffer above a threshold afresh (``mmap``), raises the threshold as such buffers
-    are freed, and returns freed heap memory to the OS above a second threshold; a training step frees and
-    allocates the same activations and workspaces every step, so depending on the process's allocation history
-    they come back as fresh pages, each page-faulted and zeroed by the kernel (thousands of minor page faults
-    per step). On this project's CPU, identical resnet18/CIFAR processes then differ by 5 % and MNIST CNN
-    processes by up to 25 %, whole processes at a time (docs/ablation.md, "Where the process levels come
-    from"). ``reuse`` serves buffers up to 32 MiB from the heap (``M_MMAP_THRESHOLD``) and keeps freed heap
-    memory (``M_TRIM_THRESHOLD``): no page faults in the steady state, processes within 2 %, and faster
-    (MNIST CNN, interleaved: ``system`` ran at x0.90 [0.88-0.93] of ``reuse``, docs/training.md). The same idea as
-    PyTorch's tuning guide's advice to preload jemalloc or TCMalloc ("Performance Tuning Guide",
-    https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#switch-memory-allocator), without a library to
-    install; the cost is that the process keeps its peak heap resident. ``system``: glibc's defaults. Tensors on a
-    GPU are unaffected (PyTorch's CUDA caching allocator already reuses).
+    """``trainer.host_allocator=reuse`` (the default): glibc's malloc serves buffers up to 32 MiB from the heap
+    (``M_MMAP_THRESHOLD``) and keeps freed heap memory (``M_TRIM_THRESHOLD``), so a step's buffers are not page-faulted
+    in afresh; ``system``: glibc's defaults. Why and measurements: docs/training.md, "The host allocator". PyTorch's
+    "Performance Tuning Guide", https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#switch-memory-allocator.
 
     Returns:
         ``summary.json`` ``technique_details.host_allocator``: ``"reuse"``, ``"system"``, or ``"system (reuse
-        skipped: <why>)"`` off glibc (macOS, musl). A setting of the machine rather than a technique the ablation
-        compares: every configuration of a sweep runs with the same one.
+        skipped: <why>)"`` off glibc (macOS, musl). A setting of the machine, not a technique the ablation compares.
 
     Raises:
         ConfigError: ``system`` in a process where ``reuse`` was applied already (mallopt cannot be undone):
@@ -164,10 +129,8 @@ def apply_host_allocator(name: str) -> str:
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]:
     """Technique 6: let cuDNN time its convolution algorithms on the first batch of each input shape and
     keep the fastest (``torch.backends.cudnn.benchmark``; PyTorch "Performance Tuning Guide",
-    https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#enable-cudnn-auto-tuner).
-
-    Sets the flag explicitly either way, so a previous job in the same process cannot leak it. Helps
-    convolutional nets with fixed input shapes; the autotuning cost lands in the warm-up steps.
+    https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#enable-cudnn-auto-tuner). Sets the flag either
+    way, so a previous job in the same process cannot leak it.
 
     Returns:
         ``{}`` when off; ``{"cudnn_benchmark": "applied" | "skipped: <why>"}`` when on (skipped off CUDA).
@@ -180,12 +143,9 @@ def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]
 
 
 def apply_channels_last(model: nn.Module) -> str:
-    """Technique 19: store 4-D weights NHWC (``torch.channels_last``); inputs are converted by the loader.
-
-    Tensor cores read NHWC natively, so convolutions skip layout transposes (PyTorch tutorial "Channels
-    Last Memory Format", https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html; timm and
-    Composer switch it on for convnets). A weight ``(C_out, C_in, kH, kW)`` keeps its shape, only its
-    strides change. Skipped for a model with no 4-D parameter (nothing to convert).
+    """Technique 19: store 4-D weights NHWC (``torch.channels_last``; inputs are converted by the loader): a weight
+    ``(C_out, C_in, kH, kW)`` keeps its shape, only its strides change; skipped without a 4-D parameter. PyTorch
+    tutorial "Channels Last Memory Format", https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html.
     """
     if not any(p.dim() == 4 for p in model.parameters()):
         return "skipped: the model has no 4-D (convolution) weights to store channels_last"
@@ -194,18 +154,11 @@ def apply_channels_last(model: nn.Module) -> str:
 
 
 def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
-    """Technique 15: remove the bias of every Conv/Linear whose only consumer is a BatchNorm.
-
-    BatchNorm subtracts the per-channel batch mean, which cancels any constant per-channel bias, so the
-    bias is dead weight that still costs memory traffic and an optimizer update (Ioffe & Szegedy 2015,
-    https://arxiv.org/abs/1502.03167, section 3.2). In train mode the outputs are unchanged (up to
-    rounding); eval-mode running statistics computed with the bias would be off, so apply this before
-    training, as ``prepare`` does.
-
-    The graph comes from ``torch.fx.symbolic_trace`` (https://pytorch.org/docs/stable/fx.html). A layer is
-    changed only if *every* call of it feeds a BatchNorm directly (a layer reused elsewhere keeps its
-    bias). A model that cannot be traced (data-dependent control flow, ...) is left alone and the switch
-    is recorded as skipped with the tracer's error.
+    """Technique 15: remove the bias of every Conv/Linear whose every call feeds a BatchNorm directly, found by
+    ``torch.fx.symbolic_trace`` (https://pytorch.org/docs/stable/fx.html); BatchNorm's mean subtraction cancels it
+    (Ioffe & Szegedy 2015, https://arxiv.org/abs/1502.03167, section 3.2). Before training only; an untraceable
+    model is left alone, recorded as skipped with the tracer's error (docs/configuration.md, "How the model
+    techniques act").
 
     Returns:
         ``(status, number of biases removed)``.
@@ -239,15 +192,10 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
 
 
 def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None) -> tuple[str, list[str], int]:
-    """Technique 8: recompute the activations of each block in backward instead of storing them.
-
-    Wraps every module whose class name is in ``block_names`` (default: ``repeated_blocks``) in a
-    ``CheckpointWrapper`` running ``torch.utils.checkpoint`` with ``use_reentrant=False``, the
-    implementation PyTorch recommends (https://pytorch.org/docs/stable/checkpoint.html): it works when the
-    block's input does not require grad, with ``torch.compile`` and with keyword arguments. Only the
-    blocks' inputs are saved in forward; everything inside is recomputed in backward. Gradients are the
-    same; memory drops, at the cost of about one extra forward pass (Chen et al. 2016,
-    https://arxiv.org/abs/1604.06174). Helps when activations, not weights, limit the batch size.
+    """Technique 8: recompute the activations of each block in backward instead of storing them (Chen et al. 2016,
+    https://arxiv.org/abs/1604.06174): every module whose class name is in ``block_names`` (default:
+    ``repeated_blocks``) goes into a ``CheckpointWrapper`` running ``torch.utils.checkpoint`` with
+    ``use_reentrant=False`` (https://pytorch.org/docs/stable/checkpoint.html; why, docs/configuration.md).
 
     Returns:
         ``(status, the class names used, number of modules wrapped)``.
@@ -277,25 +225,12 @@ def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | No
 
 
 def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> tuple[dict[str, str], dict[str, object]]:
-    """Technique 18: ``torch.compile`` (TorchInductor fuses pointwise ops into generated kernels).
-
-    Uses ``nn.Module.compile`` (in place: the module object and its ``state_dict`` keys stay the same);
-    compilation happens on the first forward, so its cost lands in the warm-up steps and a recompile
-    happens when evaluation switches the model to eval mode. ``reduce-overhead`` also captures CUDA
-    graphs, which removes per-kernel launch cost (helps small models whose steps are launch-bound); on a
-    CPU it falls back to the default mode and records CUDA graphs as skipped. ``max-autotune`` also
-    benchmarks matmul/conv kernels (long compile). Docs: https://pytorch.org/docs/stable/generated/torch.compile.html
-
-    ``compile.regional=true`` compiles each repeated block (``repeated_blocks``: runner's GPT ``Block``, a ResNet's
-    ``BasicBlock``/``Bottleneck``; a block wrapped for activation checkpointing is compiled with its wrapper)
-    instead of the whole model, as torchtitan does by default (``apply_compile`` in its ``parallelize``, one
-    ``torch.compile`` per TransformerBlock; PyTorch recipe "Reducing torch.compile cold start compilation time with
-    regional compilation", https://pytorch.org/tutorials/recipes/regional_compilation.html): the blocks share one
-    class and their code, so dynamo traces it once and reuses the graph for the others (their parameters are
-    inputs, not constants), and the first compile is shorter, the more so the more blocks; what lies between the
-    blocks (embeddings, the head, the stem) runs eager, so the steady step may be a little slower (the 4-layer
-    Shakespeare GPT on a quiet CPU: compile x0.67, steady step x1.13; docs/benchmarks/compile-regional-cpu.md). A
-    model with no repeated blocks is compiled whole, and ``compile_regional`` records why.
+    """Technique 18: ``torch.compile`` (https://pytorch.org/docs/stable/generated/torch.compile.html) in place
+    (``nn.Module.compile``: the module and its ``state_dict`` keys stay the same), the whole model or, with
+    ``compile.regional=true``, each repeated block (``regional_blocks``; PyTorch recipe "Reducing torch.compile cold
+    start compilation time with regional compilation", https://pytorch.org/tutorials/recipes/regional_compilation.html;
+    torchtitan's ``apply_compile``). ``reduce-overhead`` off CUDA compiles with ``default``, CUDA graphs recorded as
+    skipped. The modes, and what regional compilation costs and saves: docs/configuration.md.
 
     Returns:
         ``(techniques, details)``: ``{"compile": "applied"}`` plus ``"cuda_graphs"`` for ``reduce-overhead`` and
@@ -351,16 +286,12 @@ def regional_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
 
 def prepare(model: nn.Module, cfg: DictConfig, env, amp,
             skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
-    """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives.
+    """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives; first
+    print the built model's line (``models.model_report``) on rank 0, unless ``trainer.progress=off``.
 
     ``amp``: the built ``precision.Precision``; the FSDP wrapper all-gathers parameters in its ``compute_dtype``; with
-    ``amp.fp8_recipe`` set (precision=fp8 on a GPU that has it) the model's large Linear layers become fp8
-    (``precision.convert_fp8``) and compile is turned on if it was off (``technique_details.fp8.compile`` says so).
-    ``skip``: status keys of techniques the task rules out (``Task.skipped``: channels_last and drop_bias_before_bn on a
-    language model); the engine records them, they are not applied here.
-
-    Prints the built model's line (``models.model_report``: weights loaded, backbone frozen, trainable
-    parameters) on rank 0 first, unless ``trainer.progress=off``.
+    ``amp.fp8_recipe`` set, the large Linear layers become fp8 (``precision.convert_fp8``) and compile is turned on.
+    ``skip``: status keys of techniques the task rules out (``Task.skipped``); the engine records them.
 
     Returns the (possibly wrapped) model, the techniques' statuses and their details (counts, names).
 
