@@ -675,3 +675,33 @@ def test_the_slice_is_calibrated_on_the_fastest_of_several_slices():
 
     assert calibrated_steps(run_slice, 1.0) == 100 and asked[0] == 2 and len(asked) <= 4
     assert calibrated_steps(lambda steps: None, 1.0) == 1  # a reference that reports nothing: one step
+
+
+#: Two cores' worth of background load that switches on and off: each process spins for 0.5 s, sleeps 0.5 s
+ON_AND_OFF = "import time\nwhile True:\n    end = time.time() + 0.5\n    while time.time() < end:\n        pass\n" \
+             "    time.sleep(0.5)\n"
+
+
+@pytest.mark.slow
+def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_and_off(tmp_path):
+    """A step that computes for 200 ms against one that computes for 80 ms (tests/test_tune_speed.py's ``Spin``:
+    x2.5 by construction, the few tenths of a ms of the rest of the step aside), measured interleaved while two
+    processes load both cores half the time: the interval contains 2.5 and the A/A interval contains 1."""
+    from runner.compare import read
+    from test_tune_speed import KNOWN_COST
+
+    (tmp_path / "known_cost.py").write_text(KNOWN_COST)
+    env = {**os.environ, "WANDB_MODE": "disabled",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    load = [subprocess.Popen([sys.executable, "-c", ON_AND_OFF]) for _ in range(2)]
+    try:
+        proc = _sweep(tmp_path, "model._target_=known_cost.Spin", "+model.ms=200,80", "interleave.slice_steps=3",
+                      "interleave.min_passes=8", "interleave.max_passes=8", env=env)
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        for p in load:
+            p.kill()
+    assert proc.returncode == 0, out[-3000:]
+    result = read(record.load(tmp_path / "sweep"))
+    ratio, aa = result.intervals["1"], result.aa
+    assert ratio.low <= 2.5 <= ratio.high * 1.01 and aa.low <= 1 <= aa.high, (ratio, aa)

@@ -1,5 +1,6 @@
-"""``python -m runner.tune speed``: the candidates that apply, the numerics guard, the greedy search measured by
-interleaved resident processes, the verification and the preset it writes (runner/tune/speed.py)."""
+"""``python -m runner.tune speed``: the candidates that apply, the numerics guard, the search (each switch alone and
+all together, then backward elimination) measured by interleaved resident processes, the job objective, the
+verification and the preset it writes (runner/tune/speed.py)."""
 
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def test_the_override_follows_the_verdict_end_to_end(tmp_path):
     # verdict rests on measured speed, which a busy machine can flip (read x2.2 and x1.7 faster beside the
     # other pytest worker), so what is asserted is that the outputs follow the verdict, whichever it was
     out = tmp_path / "out"
-    proc = run_cli("speed", "--out", str(out), *TINY, *QUICK, "tune.only=[]",
+    proc = run_cli("speed", "--out", str(out), *TINY, *QUICK, "tune.only=[]", "tune.objective=throughput",
                    "tune.switches={anomaly: {debug.name: anomaly}}", cwd=tmp_path, module="runner.tune", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_csv(out / "speed.csv")
@@ -190,7 +191,7 @@ def test_a_switch_of_known_cost_is_picked_verified_and_written_as_a_preset(tmp_p
     construction, so the round, the verification and the preset must all say so, on a quiet machine or a busy one."""
     (tmp_path / "known_cost.py").write_text(KNOWN_COST)
     out = tmp_path / "out"
-    job = [*TINY, "model._target_=known_cost.Spin", "+model.ms=40", "debug=anomaly"]
+    job = [*TINY, "model._target_=known_cost.Spin", "+model.ms=40", "debug=anomaly", "trainer.max_steps=2000"]
     proc = run_cli("speed", "--out", str(out), *job, *QUICK, "tune.only=[]",
                    "tune.switches={debug_off: {debug.name: 'off'}}", cwd=tmp_path, module="runner.tune", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -269,11 +270,11 @@ def _verification(rates: dict[str, float], passes: int = 8, noise: float = 0.02)
     return speed.read_round(r, compare.read(record, 0.95))
 
 
-def test_the_pick_with_the_hopefuls_is_chosen_only_when_firmly_faster_than_the_pick():
-    # resnet18/CIFAR: bf16 alone x1.64, with compile and channels_last x2.0 -> the extended pick wins
+def test_the_whole_combination_is_chosen_only_when_firmly_faster_than_the_pick():
+    # resnet18/CIFAR: bf16 alone x1.64, with compile and channels_last x2.0 -> the whole combination wins
     v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 164.0, "extended": 200.0})
     assert speed.choose(v, ["pick", "extended"], 1.0) == "extended"
-    # the hopefuls add nothing firm: the pick, with fewer switches to keep
+    # the rest of the combination adds nothing firm: the pick, with fewer switches to keep
     v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 164.0, "extended": 165.0})
     assert speed.choose(v, ["pick", "extended"], 1.0) == "pick"
     # nothing firmly faster than yours: no change, even where the point estimates are above 1
@@ -281,15 +282,54 @@ def test_the_pick_with_the_hopefuls_is_chosen_only_when_firmly_faster_than_the_p
     assert speed.choose(v, ["pick", "extended"], 1.0) is None
 
 
-def test_hopefuls_read_faster_are_not_slower_and_one_per_group():
-    rates = {"yours": 100.0, "yours-aa": 100.0, "compile": 107.0, "compile_max": 109.0, "channels_last": 112.0,
-             "foreach": 94.0}
-    r = _verification(rates, passes=3, noise=0.005)
-    candidates = [speed.Switch("compile", {}, group="compile"), speed.Switch("compile_max", {}, group="compile"),
-                  speed.Switch("channels_last", {}), speed.Switch("foreach", {}, group="optimizer")]
-    assert {s.name for s in speed.hopefuls(r, candidates)} == {"compile_max", "channels_last"}
-    r.failed["channels_last"] = "failed (exit 4)"
-    assert {s.name for s in speed.hopefuls(r, candidates)} == {"compile_max"}
+def test_the_job_objective_counts_one_time_costs_and_finds_the_break_even(tmp_path):
+    """``pick`` is x1.64 per step but pays 30 s once (a compile): over a 10-step job yours is shorter, so nothing is
+    recommended and the note gives the break-even; over 2,000 steps the pick is."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cfg = compose_cfg(*TINY)
+    v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 164.0})
+    v.jobs, v.one_time = {"yours": cfg, "pick": cfg}, {"yours": 1.0, "pick": 31.0}
+    search = speed._Search(cfg, SimpleNamespace(distributed=False, device=torch.device("cpu")), tmp_path)
+    batch = search.batch_of(cfg)
+    gain = batch / v.samples_per_sec["yours"] - batch / v.samples_per_sec["pick"]  # s per step
+    for steps, expected in ((10, None), (2000, "pick")):
+        search.job_steps = steps
+        row = search.figures(v, "pick", "yours")
+        assert row["pays_after_steps"] == math.ceil(30.0 / gain)
+        assert (row["job_speedup"] > 1) == (steps > row["pays_after_steps"])
+        assert search.shortest_job(v, {"pick": []}, {"pick": "compile"}, "pick") == expected
+    assert "pay after" in search.notes[0] and f"{math.ceil(30.0 / gain):,} steps" in search.notes[0]
+
+
+#: A model whose step cost depends on two switches together (``KNOWN_COST``'s wait): either alone makes the step
+#: x1.25 as long, both together x0.4 -- the interaction greedy forward selection cannot find by construction
+PAIR = KNOWN_COST + """
+
+class Pair(Spin):
+    def __init__(self, num_classes: int = 10, ms: float = 4.0, a: bool = False, b: bool = False):
+        super().__init__(num_classes, ms * (0.4 if a and b else 1.25 if a or b else 1.0))
+"""
+
+
+@pytest.mark.slow
+def test_two_switches_that_pay_only_together_are_found_and_the_interaction_reported(tmp_path):
+    (tmp_path / "known_cost.py").write_text(PAIR)
+    out = tmp_path / "out"
+    job = [*TINY, "model._target_=known_cost.Pair", "+model.ms=30", "+model.a=false", "+model.b=false",
+           "trainer.max_steps=2000"]  # a job long enough to pay for the combination's one-time costs
+    proc = run_cli("speed", "--out", str(out), *job, *QUICK, "tune.only=[]",
+                   "tune.switches={a: {model.a: true}, b: {model.b: true}}", cwd=tmp_path, module="runner.tune",
+                   timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "speed.json").read_text())
+    first = {r["switch"]: r for r in result["rows"] if r["stage"] == "round 1"}
+    assert first["a"]["speedup"] < 1 and first["b"]["speedup"] < 1 and first["a+b"]["verdict"] == "helps", first
+    assert result["recommended"]["switches"] == ["a", "b"] and result["recommended"]["ci_low"] > 1
+    assert sum(n.startswith("interaction: ") for n in result["notes"]) == 2, result["notes"]
+    assert "# objective: job" in (out / "experiment" / "tuned.yaml").read_text()
 
 
 def test_the_console_table_shows_every_decision_however_many_rounds():

@@ -85,7 +85,7 @@ class TuneConfig:
     prefetch_factors: Optional[list[int]] = None  # null: [2, 4] on CUDA, [2] on a CPU (only with workers > 0)
     loader_batches: int = 30  # batches timed on the loader alone, after warmup_steps batches
     tolerance: float = 0.05  # pick the fewest workers within this fraction of the best samples/s
-    # speed: greedy forward selection over the speed switches, measured interleaved (runner/tune/speed.py)
+    # speed: the combination of the speed switches, then backward elimination, measured interleaved (tune/speed.py)
     budget_minutes: float = 20.0  # measuring time of the whole search (a quarter kept for the verification); the guard,
     # start-up and compilation of each round's processes come on top
     allow: str = "speed"  # speed: switches that keep the recipe | recipe: also a 2x/4x micro-batch, LR scaled
@@ -97,5 +97,10 @@ class TuneConfig:
     min_speedup: float = 1.0  # a switch is kept when its interval's low end is above this
     target_ci: float = 0.05  # a round stops once every interval is within +-this (or its time is spent)
     slice_seconds: float = 1.0  # each round's slices (interleave.slice_steps, when set, wins)
+    # processes per configuration in each round; null: 1 on a CPU (resident processes compete for its few cores and
+    # the reference's copy A' still measures the process effect), interleave.processes on a GPU
+    processes: Optional[int] = None
+    # job: rank by the whole job's projected wall time (one-time costs: compilation, autotuning) | throughput: samples/s
+    objective: str = "job"
 
 

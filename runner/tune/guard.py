@@ -30,10 +30,12 @@ class LossRecorder(NullTracker):
             self.losses.append(float(row["loss"]))
 
 
-def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[float] | None, str]:
+def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int,
+               plan: dict | None = None) -> tuple[list[float] | None, str]:
     """The training loss of each of the first ``steps`` optimizer steps of ``cfg`` (built by the engine, same
     seed, so the same initial weights and batches as any other configuration of the job), and a note:
-    ``""``, ``"out of memory"`` (then None) or ``"loss not finite"``."""
+    ``""``, ``"out of memory"`` (then None) or ``"loss not finite"``. ``plan["steps"]``: the job's own optimizer
+    steps as configured (epochs counted), when a dict is given."""
     import torch
 
     from runner.engine import build as builder, train as engine
@@ -45,6 +47,8 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int) -> tuple[list[fl
     parts = state = None
     try:
         parts, state = builder.build_parts(cfg, env, Path(tempfile.mkdtemp(prefix="guard-", dir=job_dir)))
+        if plan is not None:
+            plan["steps"] = parts.plan.total_steps
         parts = for_tuning(parts, steps, 0, log_every=1, tracker=recorder)
         engine.fit(state, parts, NO_PROFILER)
     except TrainingDiverged:

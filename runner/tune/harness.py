@@ -96,6 +96,8 @@ def check_settings(t: DictConfig) -> None:
         (0 <= t.tolerance < 1, "tune.tolerance", t.tolerance, "must be in [0, 1)"),
         (t.budget_minutes > 0, "tune.budget_minutes", t.budget_minutes, "must be > 0"),
         (t.allow in ("speed", "recipe"), "tune.allow", t.allow, "must be speed or recipe"),
+        (t.objective in ("job", "throughput"), "tune.objective", t.objective, "must be job or throughput"),
+        (t.processes is None or t.processes >= 1, "tune.processes", t.processes, "must be >= 1, or null"),
         (t.guard_steps >= GUARD_MIN_STEPS, "tune.guard_steps", t.guard_steps,
          f"must be >= {GUARD_MIN_STEPS} (the guard compares the loss curves over 5 windows)"),
         (t.guard_tolerance > 0, "tune.guard_tolerance", t.guard_tolerance, "must be > 0 (relative, e.g. 0.02)"),

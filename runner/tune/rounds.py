@@ -3,18 +3,17 @@ configurations against a reference, and what the search reads from it.
 
 - ``measure_round``: the jobs compared side by side (runner/compare/), racing out the firmly slower ones.
 - ``read_round``: the comparisons, Holm's verdicts, failures and median speeds it measured.
-- ``helps``, ``hopefuls``, ``choose``: the decisions the greedy search and its verification take on them.
+- ``helps``, ``choose``: the decisions the search and its verification take on them.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
-
-from runner.tune.switches import Switch
 
 # ------------------------------------------------------------------------------------------- measuring
 
@@ -37,6 +36,8 @@ class Round:
     stopped: list[str] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)  # the round's interleave.json (rank 0's)
     measured_s: float = 0.0  # seconds spent measuring (start-ups excluded)
+    # name -> its first process's one-time seconds (summary.json one_time: warm-up excess and first evaluation)
+    one_time: dict[str, float] = field(default_factory=dict)
 
 
 def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = None) -> Round:
@@ -56,8 +57,22 @@ def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = Non
         return [n for n, v in zip(names, verdicts) if v == compare.HURTS]
 
     configs = {name: compare.measured_job(c) for name, c in r.jobs.items()}
-    return read_round(r, compare.compare(configs, r.reference, folder, settings, minutes=r.minutes, retire=retire,
-                                         ranks=ranks))
+    read_round(r, compare.compare(configs, r.reference, folder, settings, minutes=r.minutes, retire=retire,
+                                  ranks=ranks))
+    r.one_time = ranks.share(_one_time(folder, r.jobs)) if ranks is not None else _one_time(folder, r.jobs)
+    return r
+
+
+def _one_time(folder: Path, names: Any) -> dict[str, float]:
+    """Each configuration's one-time seconds, from its first process's ``summary.json`` (those that wrote one)."""
+    out = {}
+    for name in names:
+        try:
+            once = json.loads((folder / name / "summary.json").read_text())["one_time"]
+            out[name] = (once["warmup_excess_s"] or 0.0) + (once["first_eval_s"] or 0.0)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def read_round(r: Round, result: Any) -> Round:
@@ -87,26 +102,6 @@ def helps(r: Round, name: str, min_speedup: float) -> bool:
     c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
     return (c is not None and r.verdicts.get(name) == HELPS and c.low > min_speedup
             and (r.aa is None or (copy_c is not None and copy_c.low > 1)))
-
-
-def hopefuls(r: Round, candidates: list[Switch]) -> list[Switch]:
-    """The candidates of ``r`` that read faster than its reference without being firmly so: point estimate
-    above 1, not firmly slower, not failed; the best of each ``group`` only (one compile mode, one optimizer
-    kernel). Greedy selection keeps a switch only when it is firmly faster, but on a noisy machine effects of
-    5-15 % are rarely firm in a short round, and several of them add up: on resnet18/CIFAR, compile x1.07 and
-    channels_last x1.12 on top of bf16, neither firm, left the pick bf16 alone at x0.83 of +experiment=fast. So
-    the pick plus these is measured head to head too (``choose``)."""
-    from runner.compare.stats import HURTS
-
-    best: dict[str, Switch] = {}
-    for s in candidates:
-        c = r.comparisons.get(s.name)
-        if c is None or s.name in r.failed or c.estimate <= 1 or r.verdicts.get(s.name) == HURTS:
-            continue
-        key = s.group or s.name
-        if key not in best or c.estimate > r.comparisons[best[key].name].estimate:
-            best[key] = s
-    return list(best.values())
 
 
 def choose(v: Round, names: list[str], min_speedup: float) -> str | None:
