@@ -684,9 +684,11 @@ ON_AND_OFF = "import time\nwhile True:\n    end = time.time() + 0.5\n    while t
 
 @pytest.mark.slow
 def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_and_off(tmp_path):
-    """A step that computes for 200 ms against one that computes for 80 ms (tests/test_tune_speed.py's ``Spin``:
-    x2.5 by construction, the few tenths of a ms of the rest of the step aside), measured interleaved while two
-    processes load both cores half the time: the interval contains 2.5 and the A/A interval contains 1."""
+    """A step that computes for 200 ms against one that computes for 80 ms (tests/test_tune_speed.py's ``Spin``),
+    measured interleaved while two processes load both cores half the time: the interval meets their known ratio
+    and the A/A interval contains 1. The known ratio is (200 + o) / (80 + o): x2.5 but for the rest of the step, o
+    (data, backward, optimizer; 1-4 ms here, more under the load), so between x2.43 (o = 5 ms) and x2.5. Before
+    the slices were calibrated on the fastest of several (runner/compare/conductor.py), such a x2.5 read x1.04."""
     from runner.compare import read
     from test_tune_speed import KNOWN_COST
 
@@ -704,4 +706,5 @@ def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_a
     assert proc.returncode == 0, out[-3000:]
     result = read(record.load(tmp_path / "sweep"))
     ratio, aa = result.intervals["1"], result.aa
-    assert ratio.low <= 2.5 <= ratio.high * 1.01 and aa.low <= 1 <= aa.high, (ratio, aa)
+    assert ratio.low <= 2.5 and (200 + 5) / (80 + 5) <= ratio.high, ratio
+    assert aa.low <= 1 <= aa.high, aa
