@@ -137,6 +137,7 @@ def _saved_config(folder: Path, policy: trust.Policy) -> tuple[DictConfig, Path]
     except Exception as e:  # noqa: BLE001 - YAML errors: one message
         raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
                           f"saved for the job") from e
+    trust.moved(saved)  # a job folder from before the package's folders names the old paths of runner's objects
     trust.check_config(saved, policy, saved_path)  # before anything is resolved: the targets first, then how
     trust.check_interpolations(saved, policy, saved_path)
     try:

@@ -32,6 +32,10 @@ from runner.errors import ConfigError
 #: runner's configs and schemas use (models, tasks, optimizers) and the model zoos runner builds from.
 NAMESPACES = ("runner.models", "runner.task", "torchvision.models", "torch.nn", "torch.optim", "timm.optim",
               "transformers")
+#: runner's own ``_target_`` paths that moved when the package took its layer folders (2026-11-28): a job folder or a
+#: checkpoint written before names the old path of the same object, and reading it back renames it (``moved``)
+MOVED = {"runner.gpt.": "runner.models.gpt.", "runner.hf.": "runner.models.hf.",
+         "runner.ablation.": "runner.sweeps.ablation.", "runner.jobdir.": "runner.engine.jobdir."}
 #: The environment variable with more allowed module prefixes, comma-separated (as ``--allow-target``).
 ALLOW_ENV = "RUNNER_ALLOW_TARGETS"
 #: OmegaConf's resolvers that compute from the config alone; with runner's own (``runner_*``) and ``oc.env`` of
@@ -100,6 +104,21 @@ def _how(target: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ targets
+
+
+def moved(node: Any) -> Any:
+    """``node`` (a plain dict or list, or a DictConfig) with each ``_target_`` that names a ``MOVED`` path renamed to
+    the new one, in place; returns it."""
+    listed = isinstance(node, list) or type(node).__name__ == "ListConfig"
+    items = node.items() if hasattr(node, "items") else enumerate(node) if listed else ()
+    for key, value in list(items):
+        if key == "_target_" and isinstance(value, str):
+            old = next((o for o in MOVED if value.startswith(o)), None)
+            if old is not None:
+                node[key] = MOVED[old] + value[len(old):]
+        else:
+            moved(value)
+    return node
 
 
 def targets_in(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from conftest import TINY, run_cli
-from runner import checkpoint as ck
+from runner import checkpoint as ck, trust
 from runner.errors import ConfigError
 
 
@@ -375,3 +375,22 @@ def test_links_planted_in_a_job_folder_are_replaced_never_written_through(tmp_pa
     for name in ("summary.json", "eval-final.json", "report.md", "report.csv", jobdir.LOCK_FILE):
         assert (folder / name).is_file() and not (folder / name).is_symlink(), name
     assert not (folder / "summary.json.tmp").exists()
+
+
+def test_a_folder_from_before_the_package_folders_names_the_same_objects():
+    """Job folders and checkpoints written before runner's modules moved into their layer folders name the old
+    paths (``runner.gpt.GPT``): reading them back renames them, so a resume or an evaluation accepts them as
+    the same job; a path that only starts like one is left alone."""
+    from omegaconf import OmegaConf
+
+    from runner.checkpoint import resume
+
+    old = {"model": {"_target_": "runner.gpt.GPT"}, "callbacks": [{"_target_": "runner.jobdir.JobLock"}],
+           "other": {"_target_": "runner.gptx.Model"}}
+    assert trust.moved(OmegaConf.create(old)) == {"model": {"_target_": "runner.models.gpt.GPT"},
+                                                   "callbacks": [{"_target_": "runner.engine.jobdir.JobLock"}],
+                                                   "other": {"_target_": "runner.gptx.Model"}}
+    assert old["model"]["_target_"] == "runner.gpt.GPT"  # a DictConfig copy was renamed, not this dict
+    now = {"model": {"_target_": "runner.models.hf.causal_lm"}}
+    assert resume.config_differences({"model": {"_target_": "runner.hf.causal_lm"}}, now) == []
+    assert resume.config_differences({"model": {"_target_": "runner.models.MLP"}}, now)

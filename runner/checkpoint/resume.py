@@ -6,11 +6,12 @@ starting a new folder (``interrupted_run``; the folders it looks at and the lock
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from runner import techniques
+from runner import techniques, trust
 from runner.checkpoint import FOLDER, META_FILE, latest, read_meta, verify_digests
 from runner.errors import ConfigError
 
@@ -75,7 +76,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
             return out
         return {prefix[:-1]: d}
 
-    a, b = flat(saved), flat(current)
+    a, b = flat(trust.moved(copy.deepcopy(saved))), flat(current)  # an older run's moved targets: the same objects
     keys = sorted(set(a) | set(b))
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys
             if a.get(k, "<absent>") != b.get(k, "<absent>") and not k.startswith(MAY_CHANGE)]
