@@ -708,3 +708,51 @@ def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_a
     ratio, aa = result.intervals["1"], result.aa
     assert ratio.low <= 2.5 and (200 + 5) / (80 + 5) <= ratio.high, ratio
     assert aa.low <= 1 <= aa.high, aa
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+@pytest.mark.cli
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) and /proc are Linux's")
+def test_resident_jobs_end_with_their_conductor(tmp_path):
+    """The conductor of a sweep killed outright (SIGKILL: no handler runs) mid-slice takes its job server and
+    resident jobs with it within seconds: the waiting ones read the end of their pipe, and the one training (a
+    slice of 1,000 steps of 100 ms here) is killed with its server; before, it trained on to the end of its slice
+    (one did for 29 minutes)."""
+    from test_tune_speed import KNOWN_COST
+
+    (tmp_path / "known_cost.py").write_text(KNOWN_COST)
+    env = {**os.environ, "WANDB_MODE": "disabled",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = _sweep(tmp_path, "model._target_=known_cost.Spin", "+model.ms=100", "trainer.seed=0,1",
+                  "interleave.slice_steps=1000", "interleave.resume_steps=0", env=env)
+    try:
+        deadline = time.time() + 180
+        while len(list((tmp_path / "sweep").glob("*/job.json"))) < 3 and time.time() < deadline:
+            time.sleep(0.5)
+        family = _descendants(proc.pid)
+        assert len(family) >= 4, family  # the server and three jobs
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.time() + 20
+        while (alive := {p for p in family if Path(f"/proc/{p}").exists()}) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"{len(alive)} of the sweep's processes outlived its conductor"
+    finally:
+        for p in _descendants(proc.pid) if proc.poll() is None else ():
+            os.kill(p, signal.SIGKILL)
+        proc.kill()

@@ -76,6 +76,27 @@ def start() -> float:
     return time.perf_counter() - started
 
 
+def _die_with_the_server() -> None:
+    """Linux: this job is killed when its parent, the job server, ends (prctl(2) ``PR_SET_PDEATHSIG``), and the server
+    ends with the process that started it: multiprocessing's forkserver exits on EOF of its "alive" pipe, whose write
+    end every forked child inherits too (for forking children of its own), so the job closes its copy. So when a
+    conductor dies (killed, its folder removed under it), no resident job trains on for nobody."""
+    import ctypes
+    import signal
+    from multiprocessing import forkserver
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None and multiprocessing.get_start_method() != "forkserver":  # its loader workers fork
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the pipe's EOF still stops a job at its next slice
+        return
+    if os.getppid() == 1:  # the server was gone before the call
+        os._exit(1)
+
+
 def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_method: str | None = None,
                    gate: Any = None) -> None:
     """The body of a forked job: train ``cfg`` into ``job_dir`` (paused at ``gate``, a
@@ -88,6 +109,7 @@ def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_met
     os.environ.update(env)
     if start_method:
         multiprocessing.set_start_method(start_method, force=True)
+    _die_with_the_server()
     from runner.engine.train import train
     from runner.errors import TrainingDiverged
 
