@@ -58,6 +58,9 @@ def _one_line_compose_errors() -> None:
                     raise
                 print(f"error: {message}", file=sys.stderr)
                 sys.exit(2)
+            except KeyboardInterrupt:  # while composing or starting a launcher (a job's own Ctrl-C is _train's)
+                print("error: interrupted (Ctrl-C) before any job started training", file=sys.stderr)
+                sys.exit(130)
         return report(translated)
 
     run_and_report.runner_one_line = True  # type: ignore[attr-defined]

@@ -756,3 +756,24 @@ def test_resident_jobs_end_with_their_conductor(tmp_path):
         for p in _descendants(proc.pid) if proc.poll() is None else ():
             os.kill(p, signal.SIGKILL)
         proc.kill()
+
+
+@pytest.mark.cli
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job server through /proc")
+def test_ctrl_c_while_the_jobs_start_stops_cleanly_with_a_report(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) while the job processes start: the job server
+    ignores it (it was killed in its imports before, and the conductor died with two tracebacks), the conductor
+    stops, and the report is written from what was measured."""
+    proc = _sweep(tmp_path, "trainer.seed=0,1,2", "interleave.processes=2", start_new_session=True)
+    def server_importing() -> bool:  # the job server has started and no job has been forked from it yet
+        return not any((tmp_path / "sweep").glob("*/job.log")) and any(
+            b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes() for p in _descendants(proc.pid)
+            if Path(f"/proc/{p}/cmdline").exists())
+
+    deadline = time.time() + 120
+    while not server_importing() and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert "Traceback" not in out and proc.returncode in (0, 130), out[-3000:]
+    assert "interleave report:" in out and (tmp_path / "sweep" / "interleave.json").is_file(), out[-3000:]

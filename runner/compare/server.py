@@ -56,9 +56,21 @@ def context() -> Any:
     Raises:
         ConfigError: ``TMPDIR`` is too long for the server's socket (``check_socket_dir``).
     """
+    import signal
+    import threading
+    from multiprocessing import forkserver
+
     check_socket_dir()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(SERVER_PRELOAD)  # only read when the server starts
+    if threading.current_thread() is threading.main_thread():
+        # started with Ctrl-C ignored, which it inherits: a Ctrl-C meant for the conductor (the terminal signals the
+        # whole group) must not kill the server in its imports; the jobs call setsid, so no Ctrl-C reaches them
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, previous)
     return ctx
 
 
