@@ -246,3 +246,15 @@ def test_non_finite_regression_targets_are_one_error_before_training(which, valu
     with pytest.raises(ConfigError, match=rf"1 target\(s\) of the {which} set are NaN or infinite \(item 5 first\)"):
         train(cfg, job_dir=tmp_path)
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_nan_met_only_in_evaluation_names_the_evaluation_set_not_the_learning_rate(tmp_path):
+    """A dataset that is not tensors is not scanned before training: the NaN shows in the first evaluation. The
+    training loss is finite then, so the error names the evaluation set (exit 2), not divergence and the LR."""
+    from runner.engine.train import train
+
+    cfg = compose_cfg("task=regression", "data=custom", "data._target_=user_data.regression_with_a_nan_evaluation_row",
+                      "model=mlp", "trainer.max_steps=6", "trainer.eval_every=3")
+    with pytest.raises(ConfigError, match=r"step 3 gave eval_loss=nan.* while the training loss is finite.*"
+                                          r"evaluation set holds NaN or inf"):
+        train(cfg, job_dir=tmp_path)

@@ -263,3 +263,24 @@ class OwnRegression:
 #: refuse it, naming the member).
 NoTargetCheck = type("NoTargetCheck", (), {k: v for k, v in vars(OwnRegression).items()
                                           if k != "check_target" and not k.startswith("__")})
+
+
+class NanRow(Dataset):
+    """``regression``'s evaluation set as a map-style dataset (not cheaply scanned before training) whose item 3 has
+    a NaN target."""
+
+    def __init__(self, rows: TensorDataset):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        x, y = self.rows[i]
+        return x, torch.tensor(float("nan")) if i == 3 else y
+
+
+def regression_with_a_nan_evaluation_row():
+    train, evaluation = regression()
+    return train, NanRow(evaluation)
+

@@ -18,7 +18,7 @@ import torch
 from runner import checkpoint
 from runner.checkpoint import preempt
 from runner.engine.state import TrainState
-from runner.errors import EXIT_PREEMPTED, Preempted, TrainingDiverged
+from runner.errors import EXIT_PREEMPTED, ConfigError, Preempted, TrainingDiverged
 
 Parts = Any  # runner.engine.build.Parts (the engine imports this module, so not the other way round)
 
@@ -171,12 +171,20 @@ def check_skipped(state: TrainState, parts: Parts, interval_skipped: int, interv
 
 
 def check_evaluation(state: TrainState, parts: Parts) -> None:
-    """With ``trainer.on_nonfinite=skip``: a non-finite evaluation loss means the model itself diverged.
+    """A non-finite evaluation metric: bad evaluation data when the training loss is finite, else divergence.
 
     Raises:
+        ConfigError: the training loss is finite (the evaluation set holds NaN/inf, or fp16 overflows there).
         TrainingDiverged: naming the step and the metric.
     """
     bad = {k: v for k, v in state.eval.items() if isinstance(v, float) and not math.isfinite(v)}
+    recent = state.loss_sum.item() / state.interval_steps if bad and state.interval_steps else None  # a sync, here only
+    train_loss = recent if recent is not None else state.last_finite[1] if state.last_finite else None
+    if bad and train_loss is not None and math.isfinite(train_loss):  # the model is fine: the evaluation data is not
+        raise ConfigError(f"the evaluation at step {state.step} gave {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                          f"while the training loss is finite ({train_loss:.4g}): the evaluation set holds NaN or inf "
+                          f"(its targets or inputs; data.*), or evaluation overflows in fp16 (precision=bf16). No "
+                          f"summary was written; the last checkpoint (if any) is intact")
     if bad:
         raise TrainingDiverged(diverged_message(
             state, parts, f"the evaluation at step {state.step} gave {', '.join(f'{k}={v}' for k, v in bad.items())}"
