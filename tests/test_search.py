@@ -228,7 +228,7 @@ def test_a_planted_trial_in_a_shared_study_is_never_the_best_nor_launched(tmp_pa
 def test_a_search_that_cannot_run_is_one_error_line(override, words, tmp_path):
     from conftest import run_here
 
-    proc = run_here("-m", "hparams_search=mnist_optuna", override, "logger=none", cwd=tmp_path)
+    proc = run_here("hparams_search=mnist_optuna", override, "logger=none", cwd=tmp_path)  # no -m: hydra.mode
     assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
