@@ -108,6 +108,34 @@ def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
     assert "sweep report" not in r.stdout  # the search's own tables end it, not the plain sweep's
 
 
+@pytest.mark.slow  # two tiny trials, asked together
+def test_n_jobs_trials_are_asked_together_and_launched_as_one_batch(tmp_path, monkeypatch):
+    """``hydra.sweeper.n_jobs=2``: both trials are asked before either runs and reach the launcher in one call (a
+    job array under submitit_slurm); each is told its own job's figure."""
+    pytest.importorskip("optuna")
+    from conftest import run_here
+    from runner.tune import search
+
+    batches = []
+    launch = search.SearchSweeper.launch
+    monkeypatch.setattr(search.SearchSweeper, "launch", lambda self, o: batches.append(len(o)) or launch(self, o))
+    r = run_here(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", "hydra.sweeper.n_jobs=2",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert batches == [2] and r.stdout.index("trial 2/3:") < r.stdout.index("trial 1: eval_loss"), r.stdout
+    sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
+    told = sorted(trial_values(r.stdout, "eval_loss"))
+    assert told == sorted(read_summary(sweep / str(n))["eval_loss"] for n in range(2))
+
+
+def test_n_jobs_with_the_interleaved_launcher_is_refused(tmp_path):
+    from conftest import run_here
+
+    r = run_here(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.n_jobs=2", "hydra/launcher=interleaved",
+                 cwd=tmp_path)
+    assert r.returncode == 2 and "the interleaved launcher compares jobs" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.slow  # ~70 s on 2 busy cores: 2 trials, 2 x 4 verification runs, 3 interleaved passes
 @pytest.mark.longest
 def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):

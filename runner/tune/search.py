@@ -105,8 +105,8 @@ class SearchSweeper(Sweeper):
     def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
                  storage: str | None = None, study_name: str | None = None, params: Any = None,
                  verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95,
-                 recipe: Sequence[str] = (), verify_minutes: float = 3.0) -> None:
-        self.sampler, self.direction, self.n_trials = sampler, direction, n_trials
+                 recipe: Sequence[str] = (), verify_minutes: float = 3.0, n_jobs: int = 1) -> None:
+        self.sampler, self.direction, self.n_trials, self.n_jobs = sampler, direction, n_trials, n_jobs
         self.recipe = [str(o) for o in recipe or ()]  # the overrides that give the search file's own preset
         self.storage, self.study_name = storage, study_name
         self.params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params or {})
@@ -133,20 +133,24 @@ class SearchSweeper(Sweeper):
         except ConfigError as e:
             fail(str(e))
         study = self.study(plan["direction"])
-        for number in range(self.n_trials):
-            trial = study.ask(plan["space"])
-            overrides = plan["fixed"] + override_line(trial.params)
-            print(f"\ntrial {number + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
-            value, reached, note = trial_outcome(self.launch([overrides])[0], plan["metric"])
-            trial.set_user_attr("reached", reached)
-            trial.set_user_attr("note", note)
-            trial.set_user_attr("job", self.job_idx - 1)
-            exhausted = tell(study, trial, value)
-            print(f"trial {number + 1}: {plan['metric']} = {value if value is not None else '-'}"
-                  f"{f' ({note})' if note else ''}", flush=True)
-            if exhausted:
-                print("the sampler has tried every point of the space: the search ends here", flush=True)
-                break
+        number, exhausted = 0, False
+        while number < self.n_trials and not exhausted:  # a batch of n_jobs trials per launch, told as they return
+            trials = [study.ask(plan["space"]) for _ in range(min(self.n_jobs, self.n_trials - number))]
+            for i, trial in enumerate(trials):
+                print(f"\ntrial {number + i + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
+            first_job = self.job_idx
+            returns = self.launch([plan["fixed"] + override_line(t.params) for t in trials])
+            for i, (trial, ret) in enumerate(zip(trials, returns)):
+                value, reached, note = trial_outcome(ret, plan["metric"])
+                trial.set_user_attr("reached", reached)
+                trial.set_user_attr("note", note)
+                trial.set_user_attr("job", first_job + i)
+                exhausted = tell(study, trial, value) or exhausted
+                print(f"trial {number + i + 1}: {plan['metric']} = {value if value is not None else '-'}"
+                      f"{f' ({note})' if note else ''}", flush=True)
+            number += len(trials)
+        if exhausted:
+            print("the sampler has tried every point of the space: the search ends here", flush=True)
         finish(self, study, plan)
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
@@ -176,6 +180,11 @@ class SearchSweeper(Sweeper):
                               f"direction in which {metric} is better: {objective.METRICS[metric]})")
         if self.n_trials < 1:
             raise ConfigError(f"hydra.sweeper.n_trials={self.n_trials} must be >= 1 (the trials the search runs)")
+        if self.n_jobs < 1:
+            raise ConfigError(f"hydra.sweeper.n_jobs={self.n_jobs} must be >= 1 (the trials launched at once)")
+        if self.n_jobs > 1 and "InterleavedLauncher" in str(self.config.hydra.launcher.get("_target_", "")):
+            raise ConfigError("hydra.sweeper.n_jobs > 1 with hydra/launcher=interleaved: the interleaved launcher "
+                              "compares jobs, it does not run trials; use the basic launcher or submitit_slurm")
         space, fixed = search_space(self.params, arguments)
         if not space:
             raise ConfigError("nothing to search: give hydra.sweeper.params (key: interval(a, b) | choice(a, b) "
