@@ -169,3 +169,23 @@ def test_submitit_sweep_job_that_times_out_checkpoints_requeues_and_resumes(tmp_
     a = load_file(str(tmp_path / "outputs" / "straight" / "model.safetensors"))
     b = load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_search_s_n_jobs_trials_run_at_the_same_time_as_slurm_jobs(tmp_path):
+    """``hydra.sweeper.n_jobs=2`` with ``hydra/launcher=submitit_slurm``: the two trials of a batch are one
+    submission (a job array) and run at the same time on the two nodes: their job folders' lives overlap."""
+    pytest.importorskip("optuna")
+    from test_search import SEARCH
+
+    name = f"runner-test-{uuid.uuid4().hex[:8]}"
+    sweep = tmp_path / "outputs" / "search"
+    proc = run_job([sys.executable, "-m", "runner", *SEARCH, "hydra/launcher=submitit_slurm",
+                    f"hydra.launcher.name={name}", "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1",
+                    "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", "hydra.sweeper.n_jobs=2",
+                    "trainer.max_steps=60", f"hydra.sweep.dir={sweep}"], tmp_path, name, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lives = [((sweep / str(n) / ".hydra" / "config.yaml").stat().st_mtime, (sweep / str(n) / "summary.json").stat()
+              .st_mtime) for n in range(2)]
+    (a0, a1), (b0, b1) = lives
+    assert a0 < b1 and b0 < a1, lives  # each started before the other ended
+    assert len({p.parent.name for p in sweep.rglob(".submitit/*/*_result.pkl")}) == 2
