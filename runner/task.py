@@ -12,9 +12,10 @@ A model's output is its logits, or an object holding them as ``.logits`` (a Hugg
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -150,13 +151,43 @@ class LanguageModel:
     metrics = ("eval_loss", "eval_perplexity", "eval_bits_per_char")
 
     def __init__(self, sample_tokens: int = 500, sample_prompt: str = "\n", temperature: float = 1.0,
-                 top_k: int | None = None):
+                 top_k: int | None = None, loss: str = "full", loss_chunk_tokens: int = 4096):
         self.sample_tokens, self.sample_prompt = sample_tokens, sample_prompt
         self.temperature, self.top_k = temperature, top_k
+        self.loss_kind, self.loss_chunk_tokens = loss, loss_chunk_tokens
+        self.fused: Any = None  # task.loss=liger: Liger Kernel's fused linear cross-entropy (check builds it)
 
     def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
         x, y = batch
+        if self.loss_kind == "chunked":  # the model computes it, so that DDP and FSDP see one forward
+            return model(x, targets=y, chunk_tokens=self.loss_chunk_tokens)
+        if self.fused is not None:
+            return model(x, targets=y, fused=self.fused)
         return F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
+
+    def _check_loss(self, model) -> None:
+        """Raises ConfigError: an unknown ``task.loss``; chunked or liger on a model whose forward does not take
+        targets (runner's GPT does); liger off CUDA or without the ``liger`` extra."""
+        kind = self.loss_kind
+        if kind not in ("full", "chunked", "liger"):
+            raise ConfigError(f"task.loss={kind} must be full, chunked or liger")
+        if kind == "full":
+            return
+        if self.loss_chunk_tokens < 1:
+            raise ConfigError(f"task.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 1")
+        if "targets" not in inspect.signature(parallel.unwrap(model).forward).parameters:
+            raise ConfigError(f"task.loss={kind} needs a model whose forward computes its loss from targets "
+                              f"(runner's GPT, model=gpt); {type(parallel.unwrap(model)).__name__} returns its logits "
+                              f"whole: use task.loss=full")
+        if kind == "liger":
+            if next(model.parameters()).device.type != "cuda":
+                raise ConfigError("task.loss=liger runs Liger Kernel's Triton kernels on CUDA only; on this device "
+                                  "use task.loss=chunked, the same chunking in plain PyTorch")
+            try:
+                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            except ImportError as e:
+                raise ConfigError('task.loss=liger needs Liger Kernel: pip install -e ".[liger]"') from e
+            self.fused = LigerFusedLinearCrossEntropyLoss()
 
     def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
         def sums(logits, y):
@@ -202,6 +233,7 @@ class LanguageModel:
                               f"{self.temperature} > 0 and task.top_k={self.top_k} >= 1 or null")
         if self.sample_tokens:
             data.codec.encode(self.sample_prompt)  # raises ConfigError for a prompt the data cannot encode
+        self._check_loss(model)
 
     def tokens_per_sample(self, data) -> int:
         return data.sample_shape[0]

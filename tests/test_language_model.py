@@ -108,6 +108,51 @@ def test_gpt_blocks_are_the_repeated_blocks():
     assert (status, names, wrapped) == ("applied", ["Block"], 2)
 
 
+def test_the_chunked_loss_is_the_full_loss_and_never_holds_the_logits():
+    """``task.loss=chunked``: the same loss and gradients as the head's full logits and the cross-entropy (float
+    tolerance), with no (B x T, vocab) tensor saved for the backward, and the same counted FLOPs (MFU unchanged)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_gpt(vocab_size=257)
+    x, y = torch.randint(0, 257, (4, 16)), torch.randint(0, 257, (4, 16))
+    full = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    full.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        chunked = model(x, targets=y, chunk_tokens=24)  # 64 positions: chunks of 24, 24 and 16
+    chunked.backward()
+    assert chunked.item() == pytest.approx(full.item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert max(saved) < 64 * 257, max(saved)  # nothing the size of the logits is kept for the backward
+    counts = []
+    for loss in (lambda: nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()),
+                 lambda: model(x, targets=y, chunk_tokens=24)):
+        with FlopCounterMode(display=False) as counter:
+            loss().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1]
+
+
+def test_the_chunked_loss_trains_the_gpt_and_refuses_what_it_cannot_act_on(tiny_text, tmp_path):
+    """``task.loss=chunked`` trains runner's GPT as the full loss does (the same losses to float tolerance); a model
+    whose forward returns its logits whole, a bad name and ``task.loss=liger`` on a CPU are one error each."""
+    full = run_lm(tmp_path / "full", tiny_text, "trainer.max_steps=4", "trainer.log_every=1")
+    chunked = run_lm(tmp_path / "chunked", tiny_text, "trainer.max_steps=4", "trainer.log_every=1",
+                     "task.loss=chunked", "task.loss_chunk_tokens=50")
+    assert chunked["train_loss"] == pytest.approx(full["train_loss"], rel=1e-5)
+    assert chunked["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)
+    for bad, words in (("task.loss=liger", "on CUDA only; on this device use task.loss=chunked"),
+                       ("task.loss=sparse", "task.loss=sparse must be full, chunked or liger")):
+        with pytest.raises(ConfigError, match=words):
+            run_lm(tmp_path / bad.split("=")[1], tiny_text, bad)
+    task = task_mod.LanguageModel(loss="chunked")
+    with pytest.raises(ConfigError, match="needs a model whose forward computes its loss from targets"):
+        task._check_loss(nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel, gpt.generate, hf,
                                  hf.causal_lm, parallel.repeated_blocks],
                          ids=lambda o: o.__name__)

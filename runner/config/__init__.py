@@ -132,6 +132,10 @@ class LanguageModelTaskConfig(TaskConfig):
     sample_prompt: str = "\n"  # what the generation starts from
     temperature: float = 1.0  # sampling: logits / temperature
     top_k: Optional[int] = None  # sampling: keep the k most likely tokens; null = all
+    # full: the head's (B, T, vocab) logits, then the cross-entropy | chunked: head and loss loss_chunk_tokens
+    # positions at a time, the full logits never held (runner's GPT) | liger: Liger Kernel's fused kernel (CUDA)
+    loss: str = "full"
+    loss_chunk_tokens: int = 4096
 
 
 @dataclass

@@ -139,12 +139,22 @@ class GPT(nn.Module):
     def vocab_size(self) -> int:
         return self.lm_head.out_features
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, chunk_tokens: int = 0,
+                fused: nn.Module | None = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab)`` of token ids ``idx`` ``(B, T)``; with ``targets`` ``(B, T)`` and ``chunk_tokens``
+        the mean next-token cross-entropy instead, its head and loss computed ``chunk_tokens`` positions at a time
+        (``chunked_cross_entropy``: the full logits are never held), inside the forward so DDP and FSDP see it;
+        with ``fused`` (Liger's ``LigerFusedLinearCrossEntropyLoss``) that module computes it."""
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
+        if targets is not None and (chunk_tokens or fused is not None):
+            h = self.transformer.ln_f(x).flatten(0, 1)
+            if fused is not None:
+                return fused(self.lm_head.weight, h, targets.flatten())
+            return chunked_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk_tokens)
         return self.lm_head(self.transformer.ln_f(x))
 
     @torch.no_grad()
@@ -182,3 +192,43 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
         nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
         idx = torch.cat((idx, nxt), dim=1)
     return idx
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, a chunk of positions at a time: each chunk's
+    logits and their gradient are computed in the forward and dropped, so only the gradients of ``hidden`` ``(N, C)``
+    and ``weight`` ``(V, C)`` are kept for the backward, never the ``(N, V)`` logits. The same FLOPs as the plain
+    head and loss (forward 2NCV, gradients 4NCV). Liger Kernel's fused linear cross-entropy in plain PyTorch (Hsu et
+    al. 2024, "Liger Kernel", arXiv:2410.10989)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        n = targets.numel()
+        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        for start in range(0, n, chunk):
+            h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            logits = (h @ weight.to(h.dtype).t()).float()
+            loss += F.cross_entropy(logits, t, reduction="sum")
+            grad = logits.softmax(-1)  # d(sum of the losses)/d logits = softmax - one-hot
+            grad[torch.arange(len(t), device=t.device), t] -= 1
+            grad = (grad / n).to(h.dtype)
+            d_hidden[start:start + chunk] = grad @ weight.to(h.dtype)
+            d_weight += (grad.t() @ h).float()
+        ctx.save_for_backward(d_hidden, d_weight.to(weight.dtype))
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        d_hidden, d_weight = ctx.saved_tensors
+        return d_hidden * grad_loss.to(d_hidden.dtype), d_weight * grad_loss.to(d_weight.dtype), None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk_tokens: int) -> torch.Tensor:
+    """Mean cross-entropy (nats per token) of the logits ``hidden @ weight.T`` (``hidden`` ``(N, C)``, ``weight``
+    ``(V, C)``) against ``targets`` ``(N,)`` int64, ``chunk_tokens`` positions at a time, holding no ``(N, V)``
+    tensor for the backward (``_ChunkedLinearCrossEntropy``)."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+
