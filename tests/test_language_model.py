@@ -153,6 +153,21 @@ def test_the_chunked_loss_trains_the_gpt_and_refuses_what_it_cannot_act_on(tiny_
         task._check_loss(nn.Linear(2, 2))
 
 
+def test_tokens_per_sec_and_mfu_count_every_micro_batch_of_an_accumulated_step(tiny_text, tmp_path):
+    """Users of other runners report MFU wrong under gradient accumulation (litgpt #403, Composer #271): here an
+    optimizer step of 2 micro-batches counts both in samples/s, tokens/s and MFU, the FLOPs per sample do not change
+    with the accumulation, and summary.json names the peak MFU divided by."""
+    runs = {k: run_lm(tmp_path / f"acc{k}", tiny_text, "dataloader.batch_size=4", f"memory.accumulate_steps={k}",
+                      "trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.peak_tflops=0.5") for k in (1, 2)}
+    for k, s in runs.items():
+        assert (s["micro_batch_size"], s["global_batch_size"]) == (4, 4 * k)
+        assert s["samples_per_sec"] * s["measured_time_s"] == pytest.approx(4 * k * s["measured_steps"])
+        assert s["tokens_per_sec"] == pytest.approx(s["samples_per_sec"] * 16)
+        assert s["mfu"] == pytest.approx(s["flops_per_sample"] * s["samples_per_sec"] / 0.5e12)
+        assert s["peak_tflops"] == 0.5
+    assert runs[1]["flops_per_sample"] == runs[2]["flops_per_sample"]
+
+
 @pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel, gpt.generate, hf,
                                  hf.causal_lm, parallel.repeated_blocks],
                          ids=lambda o: o.__name__)

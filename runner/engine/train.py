@@ -269,6 +269,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "flops_per_sample": flops,
         "achieved_tflops": achieved / 1e12 if achieved else None,
         "mfu": achieved / peak if achieved and peak else None,
+        "peak_tflops": peak / 1e12 if peak else None,  # the peak MFU divides by (trainer.peak_tflops, or the device's)
         # what the speed doctor (runner/doctor/) reads besides the figures above
         "log_time_fraction": figures["log_time_fraction"],  # measured time spent logging (loss read, metrics row)
         "host_syncs_per_step": 1 / plan.log_every + (1 if plan.skip_nonfinite else 0),  # the loop's own
