@@ -168,6 +168,57 @@ def test_tokens_per_sec_and_mfu_count_every_micro_batch_of_an_accumulated_step(t
     assert runs[1]["flops_per_sample"] == runs[2]["flops_per_sample"]
 
 
+def test_selective_checkpointing_recomputes_the_cheap_ops_and_not_the_matmuls():
+    """``memory=selective``: a step of the GPT runs as many matmuls as without checkpointing (they were saved) and
+    recomputes its GELUs as full checkpointing does; the gradients are the same in all three."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    x, y = torch.randint(0, 11, (2, 16)), torch.randint(0, 11, (2, 16))
+    counts, grads = {}, {}
+    for policy in ("none", "full", "selective"):
+        model = tiny_gpt()
+        if policy != "none":
+            prepare.apply_activation_checkpointing(model, None, policy)
+        with Count() as c:
+            nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        counts[policy] = c.calls
+        grads[policy] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    matmuls = {k: v.get("mm", 0) + v.get("addmm", 0) for k, v in counts.items()}
+    assert matmuls["selective"] == matmuls["none"] < matmuls["full"], matmuls
+    assert counts["selective"]["gelu"] == counts["full"]["gelu"] == 2 * counts["none"]["gelu"]
+    torch.testing.assert_close(grads["selective"], grads["none"])
+    with pytest.raises(ConfigError, match="memory.checkpoint_policy=some must be full or selective"):
+        prepare.apply_activation_checkpointing(tiny_gpt(), None, "some")
+
+
+def test_memory_selective_trains_the_gpt_with_its_blocks_wrapped(tiny_text, tmp_path):
+    s = run_lm(tmp_path, tiny_text, "memory=selective", "trainer.max_steps=3")
+    assert s["techniques"]["selective_checkpointing"] == "applied" and "activation_checkpointing" not in s["techniques"]
+    assert s["technique_details"]["checkpointed_modules"] == 2 and math.isfinite(s["train_loss"])
+
+
+def test_the_activation_memory_budget_needs_compile_and_is_reset_for_the_next_job():
+    import torch._functorch.config as functorch_config
+
+    with pytest.raises(ConfigError, match="acts in torch.compile's partitioner; add compile=default"):
+        prepare.apply_memory_budget(0.5, None)
+    with pytest.raises(ConfigError, match=r"memory.budget=1.5 must be in \[0, 1\]"):
+        prepare.apply_memory_budget(1.5, "default")
+    assert prepare.apply_memory_budget(0.3, "default") == "applied"
+    assert functorch_config.activation_memory_budget == 0.3
+    assert prepare.apply_memory_budget(None, "default") is None and functorch_config.activation_memory_budget == 1.0
+
+
 @pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel, gpt.generate, hf,
                                  hf.causal_lm, parallel.repeated_blocks],
                          ids=lambda o: o.__name__)

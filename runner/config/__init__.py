@@ -329,6 +329,10 @@ class MemoryConfig:
     accumulate_steps: int = 1  # technique 9: micro-batches per optimizer step
     checkpointing: bool = False  # technique 8: activation checkpointing
     checkpoint_modules: Optional[list[str]] = None  # class names; null = the model's repeated blocks
+    # full: each checkpointed block recomputes everything | selective: its matmuls and attention are saved, the rest
+    # (norms, activations, elementwise ops) recomputed (torchtitan's selective AC)
+    checkpoint_policy: str = "full"
+    budget: Optional[float] = None  # compiled models: the fraction of activation memory kept (torch's min-cut)
 
 
 @dataclass

@@ -164,6 +164,13 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("activation_checkpointing", {"memory.checkpointing": True}, arithmetic=False,
               command=("memory=checkpointing",), variant="checkpointing", readme="8", tuner=False,
               source="torch.utils.checkpoint; Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost'"),
+    Technique("selective_checkpointing", {"memory.checkpointing": True, "memory.checkpoint_policy": "selective"},
+              arithmetic=False, command=("memory=selective",), tuner=False,
+              source="torchtitan's selective activation checkpointing; "
+                     "torch.utils.checkpoint.create_selective_checkpoint_contexts"),
+    Technique("activation_memory_budget", {"memory.budget": 0.5}, arithmetic=False, command=("memory=budget",),
+              tuner=False, source="torch._functorch.config.activation_memory_budget (PyTorch blog, 'Activation "
+                                  "checkpointing techniques')"),
     # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
     # per step and costs nothing measurable, so its step_cost is False
     Technique("onecycle", {"scheduler.name": "onecycle"}, arithmetic=True, command=("scheduler=onecycle",),

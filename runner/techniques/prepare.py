@@ -191,11 +191,32 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
     return "applied", removed
 
 
-def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None) -> tuple[str, list[str], int]:
+#: What selective activation checkpointing keeps (torchtitan's ``_save_list``): matmuls and attention, the expensive
+#: ops; the rest of a block is recomputed in backward
+SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+
+
+def _save_matmuls():
+    """``torch.utils.checkpoint``'s contexts for selective checkpointing: ``SAVED_OPS`` saved, the rest recomputed
+    (``create_selective_checkpoint_contexts``, https://pytorch.org/docs/stable/checkpoint.html)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = {getattr(torch.ops.aten, name).default for name in SAVED_OPS if hasattr(torch.ops.aten, name)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None,
+                                   policy: str = "full") -> tuple[str, list[str], int]:
     """Technique 8: recompute the activations of each block in backward instead of storing them (Chen et al. 2016,
     https://arxiv.org/abs/1604.06174): every module whose class name is in ``block_names`` (default:
     ``repeated_blocks``) goes into a ``CheckpointWrapper`` running ``torch.utils.checkpoint`` with
-    ``use_reentrant=False`` (https://pytorch.org/docs/stable/checkpoint.html; why, docs/configuration.md).
+    ``use_reentrant=False`` (https://pytorch.org/docs/stable/checkpoint.html; why, docs/configuration.md);
+    ``policy="selective"`` saves the matmuls and attention inside them (``SAVED_OPS``) and recomputes the rest.
 
     Returns:
         ``(status, the class names used, number of modules wrapped)``.
@@ -218,10 +239,35 @@ def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | No
                           f"use class names such as its repeated blocks {repeated_blocks(model)}, or null for those")
     if not names:
         return "skipped: the model has no repeated blocks to checkpoint; set memory.checkpoint_modules", names, 0
+    if policy not in ("full", "selective"):
+        raise ConfigError(f"memory.checkpoint_policy={policy} must be full or selective")
+    extra = {"context_fn": _save_matmuls} if policy == "selective" else {}
     wrap_blocks(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                               checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+                                                               checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra),
                 check_fn=lambda m: type(m).__name__ in names)
     return "applied", names, sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+
+
+def apply_memory_budget(budget: float | None, compile_mode: str | None) -> str | None:
+    """``memory.budget``: the fraction of activation memory a compiled model keeps for backward
+    (``torch._functorch.config.activation_memory_budget``; the partitioner recomputes the rest, cheapest per byte
+    first: PyTorch blog "Activation checkpointing techniques", https://pytorch.org/blog/activation-checkpointing-techniques/).
+
+    Raises:
+        ConfigError: a budget outside [0, 1], or no compile (the budget acts in torch.compile's partitioner).
+    """
+    import torch._functorch.config as functorch_config
+
+    if budget is None:  # torch's default for this compile (an earlier job in this process may have set one)
+        functorch_config.activation_memory_budget = 1.0
+        return None
+    if not 0 <= budget <= 1:
+        raise ConfigError(f"memory.budget={budget} must be in [0, 1] (0: recompute what it can, 1: keep the default)")
+    if compile_mode is None:
+        raise ConfigError(f"memory.budget={budget} acts in torch.compile's partitioner; add compile=default (or use "
+                          f"memory=selective, which needs no compile)")
+    functorch_config.activation_memory_budget = budget
+    return "applied"
 
 
 def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> tuple[dict[str, str], dict[str, object]]:
@@ -323,10 +369,14 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
                       "to fuse its casts", flush=True)
     if cfg.memory.checkpointing:
         blocks = list(cfg.memory.checkpoint_modules) if cfg.memory.checkpoint_modules else None
-        status, names, wrapped = apply_activation_checkpointing(model, blocks)
-        techniques["activation_checkpointing"] = status
+        status, names, wrapped = apply_activation_checkpointing(model, blocks, cfg.memory.checkpoint_policy)
+        techniques["activation_checkpointing" if cfg.memory.checkpoint_policy == "full" else
+                   "selective_checkpointing"] = status
         details["checkpointed_blocks"] = names
         details["checkpointed_modules"] = wrapped
+    if cfg.memory.budget is not None or compile_cfg.mode is not None:  # a process-wide setting: reset when unset
+        if (status := apply_memory_budget(cfg.memory.budget, compile_cfg.mode)) is not None:
+            techniques["activation_memory_budget"] = status
     if compile_cfg.mode is not None:
         status, compiled = apply_compile(model, compile_cfg, env.device)
         techniques |= status
