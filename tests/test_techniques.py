@@ -20,6 +20,7 @@ from torch import nn
 
 from conftest import ONE_THREAD, compose_cfg, cuda_only, metrics_rows, run_tiny
 from runner import data as data_mod, models
+from runner.engine.train import train
 from runner.errors import ConfigError
 from runner.measure import hardware
 from runner.task import evaluation_sums
@@ -499,6 +500,20 @@ def test_compile_reduce_overhead_on_cpu_compiles_without_cuda_graphs(tmp_path, s
     assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1
     assert summary["steps"] == 2 and math.isfinite(summary["train_loss"])
     torch._dynamo.reset()
+
+
+def test_the_compiled_optimizer_step_follows_the_eager_one_and_the_schedule_recompiles_nothing(tmp_path):
+    """``compile.optimizer=true``: AdamW's step under torch.compile, its LR a tensor the cosine schedule fills in place:
+    the same losses and LRs as eager, and one graph for 8 steps of changing LR (a float LR recompiles every step)."""
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["compile.optimizer=true"])):
+        s = train(compose_cfg("optimizer=adamw", "scheduler=cosine", "scheduler.warmup_steps=2", "trainer.max_steps=8",
+                              "trainer.log_every=1", *extra), job_dir=tmp_path / name)
+        runs[name] = (s, [(r["loss"], r["lr"]) for r in metrics_rows(tmp_path / name) if "loss" in r])
+    assert runs["compiled"][0]["techniques"]["compiled_optimizer_step"] == "applied"
+    for (a, lr_a), (b, lr_b) in zip(runs["eager"][1], runs["compiled"][1]):
+        assert b == pytest.approx(a, rel=1e-4) and lr_b == pytest.approx(lr_a)
+    assert runs["compiled"][0]["one_time"]["graphs_compiled"] <= 2, runs["compiled"][0]["one_time"]
 
 
 def test_bad_compile_mode_is_a_config_error():

@@ -343,6 +343,7 @@ class CompileConfig:
     fullgraph: bool = False
     dynamic: Optional[bool] = None
     regional: bool = False  # compile each repeated block (GPT blocks, ResNet blocks) instead of the whole model
+    optimizer: bool = False  # compile the optimizer's step too (its LR a tensor, so a schedule does not recompile)
 
 
 @dataclass

@@ -178,6 +178,8 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
     techniques |= status
     scheduler, status = schedule.build(cfg.scheduler, optimizer, plan.total_steps)
     techniques |= status | amp.techniques
+    if cfg.compile.optimizer:  # after the scheduler, which wraps the step it then calls compiled
+        techniques["compiled_optimizer_step"] = optim.compile_step(optimizer)
     clip = optim.gradient_clipping(cfg.optimizer.clip_grad_norm, model, amp.scaler)  # recorded by optim.build
     ema = ema_mod.EMA(model, t.ema_decay, t.ema_warmup, t.ema_every) if t.ema_decay is not None else None
     reported = tuple(task.metrics) + (tuple(f"{m}_ema" for m in task.metrics) if ema is not None else ())

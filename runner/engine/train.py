@@ -155,7 +155,7 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
             p.amp.scaler.step(p.optimizer)
             p.amp.scaler.update()
         p.optimizer.zero_grad(set_to_none=plan.set_to_none)
-        lr = p.scheduler.get_last_lr()[0]  # the LR this step used (a Python float: no sync)
+        lr = float(p.scheduler.get_last_lr()[0])  # the LR this step used (a float, or compile.optimizer's CPU tensor)
         p.scheduler.step()
         profiler.step()
         state.step += 1
@@ -233,7 +233,7 @@ def one_time_costs(parts: Parts, figures: dict[str, Any]) -> dict[str, Any]:
     import runner
 
     m, median = parts.meter, figures["step_time_ms_median"]
-    compiled = bool(parts.cfg.compile.mode)
+    compiled = bool(parts.cfg.compile.mode or parts.cfg.compile.optimizer)
     (s0, g0), (s1, g1) = parts.compiled_before, compile_cache.compiled_so_far()
     excess = m.warmup_s - min(m.warmup_steps, m.step) * median / 1e3 if m.warmup_s is not None and median else None
     return {"startup_s": m.first_step_at - runner.STARTED_S if m.first_step_at else None, "warmup_s": m.warmup_s,

@@ -135,6 +135,8 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("compile_reduce_overhead", {"compile.mode": "reduce-overhead"}, arithmetic=True, group="compile",
               where="cuda", command=("compile=reduce-overhead",), statuses=("compile",), readme="18",
               source="torch.compile docs, mode='reduce-overhead' (CUDA graphs)"),
+    Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True, tuner=False,
+              source="PyTorch recipe 'Compiling the optimizer' (torch.compile of optimizer.step)"),
     # precision
     Technique("amp", {"precision.name": "amp"}, arithmetic=True, group="precision", command=("precision=amp",),
               variant="amp", readme="4", equivalent=("auto",),  # auto: bf16 on GPUs that have it, else amp
