@@ -143,7 +143,9 @@ def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool 
     ["dataloader=device", "data.augment=true", "data.normalize=true"],  # on-device data, random crop + flip
     # the moving average of the weights (its warm-up count too) and the best weights continue exactly
     ["trainer.ema_decay=0.8", "trainer.ema_warmup=true", "checkpoint.keep_best=true", "trainer.eval_every=4"],
-], ids=["loader", "workers-accumulation", "on-device-augment", "ema-best"])
+    # the compiled optimizer step: its LR a tensor the schedule fills, saved and loaded with the optimizer's state
+    ["compile.optimizer=true", "optimizer=adamw", "scheduler=cosine", "scheduler.warmup_steps=2"],
+], ids=["loader", "workers-accumulation", "on-device-augment", "ema-best", "compiled-optimizer-step"])
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, case):
     assert_exact_resume(tmp_path, [*JOB, *case])

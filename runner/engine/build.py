@@ -176,6 +176,8 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
         techniques["gradient_accumulation"] = "applied"
     optimizer, status = optim.build(cfg.optimizer, model, plan.global_batch, env.device)
     techniques |= status
+    if cfg.compile.optimizer:  # the LRs tensors before the scheduler reads them (its state holds them too)
+        optim.tensor_lr(optimizer)
     scheduler, status = schedule.build(cfg.scheduler, optimizer, plan.total_steps)
     techniques |= status | amp.techniques
     if cfg.compile.optimizer:  # after the scheduler, which wraps the step it then calls compiled

@@ -119,13 +119,18 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     return optimizer, techniques
 
 
+def tensor_lr(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter group's LR as a 0-d CPU tensor (``compile_step``)."""
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]))
+
+
 def compile_step(optimizer: torch.optim.Optimizer) -> str:
     """``compile.optimizer``: ``torch.compile`` the optimizer's step, the update of every parameter traced into fused
     kernels (PyTorch recipe "Compiling the optimizer", https://pytorch.org/tutorials/recipes/compiling_optimizer.html).
-    Each group's LR becomes a 0-d tensor first, which the LR schedulers fill in place, so a schedule changes a value,
-    not the graph (the recipe's "with an LR scheduler"). Call it after the scheduler is built (it wraps the step)."""
-    for group in optimizer.param_groups:
-        group["lr"] = torch.tensor(float(group["lr"]))
+    Its LRs must be tensors (``tensor_lr``, before the scheduler is built), which the LR schedulers fill in place, so a
+    schedule changes a value, not the graph (the recipe's "with an LR scheduler"); call it after the scheduler is
+    built (it wraps the step)."""
     optimizer.step = torch.compile(optimizer.step, fullgraph=False)  # type: ignore[method-assign]
     return "applied"
 
