@@ -4,11 +4,9 @@
     python -m runner.evaluate outputs/<date>/<time> --weights ema trainer.eval_max_batches=20
     python -m runner.evaluate outputs/<date>/<time> data=cifar10 data.root=/path/with/cifar
 
-The job is rebuilt from its ``.hydra/config.yaml`` with the overrides composed on (``job_config``, ``rebuild``:
-the engine's own builders, the weights loaded with ``runner.models.load_weights``; shared with runner/export.py),
-and the task evaluates exactly as the training loop does. Prints the metrics and writes ``eval-<weights>.json`` (or
-``--out``) into the job folder, atomically. What is rebuilt, what is written and the limits: docs/checkpointing.md,
-"Evaluate and export a finished job". The job folder is data, never code (``runner.trust``).
+The job is rebuilt from its folder (``job_config``, ``rebuild``; shared with runner/export.py) and evaluated as the
+training loop does. What is rebuilt, what is written and the limits: docs/checkpointing.md, "Evaluate and export a
+finished job". The job folder is data, never code (``runner.trust``).
 """
 
 from __future__ import annotations

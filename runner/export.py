@@ -4,11 +4,8 @@ job's model, then check the exported model computes what the trained one does.
     python -m runner.export outputs/<date>/<time> --format torch        # model.pt2 (torch.export)
     python -m runner.export outputs/<date>/<time> --format onnx         # model.onnx (pip install 'runner[onnx]')
 
-The model is rebuilt and loaded as ``python -m runner.evaluate`` does (``runner.evaluate.rebuild``), in eval mode
-and fp32, traced on the first 2 items of the job's validation split with a dynamic batch dimension (fixed at 2 when
-the model does not allow that, said in the output), and the exported model's outputs must agree with the trained
-model's within ``TOLERANCE``. Files are written into a temporary folder inside the job folder and moved into place
-only once checked, so a failure leaves nothing half-written. The formats, the check and what was measured:
+The model is rebuilt as ``python -m runner.evaluate`` does, exported in fp32 and checked against the trained model
+within ``TOLERANCE``; its files move into place only once checked. The formats, the check and what was measured:
 docs/checkpointing.md, "Evaluate and export a finished job".
 """
 

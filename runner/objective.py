@@ -1,9 +1,6 @@
-"""``optimized_metric``: the one figure of a run's summary that ``python -m runner`` returns to a Hydra sweeper.
-
-Hydra hands the task function's return value to the sweeper (the basic sweeper ignores it): ``samples_per_sec``
-unless ``optimized_metric`` names another figure of summary.json (``METRICS``, each with the direction in which it
-is better). A run that never reached its target returns ``CENSORED_FACTOR`` × what it spent (``train_time_s``,
-samples, ``steps``); why: docs/tuners-and-doctor.md, "The metric".
+"""``optimized_metric``: the one figure of a run's summary that ``python -m runner`` returns to a Hydra sweeper:
+``samples_per_sec`` unless it names another of ``METRICS``; a run that never reached its target returns
+``CENSORED_FACTOR`` × what it spent. Why: docs/tuners-and-doctor.md, "The metric".
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ METRICS = {
 }
 #: The figures dated by the targets: a run that did not reach them is censored
 TO_TARGET = ("time_to_target_s", "samples_to_target", "steps_to_target")
-#: A censored run returns this many times what it spent (module docstring)
+#: A censored run returns this many times what it spent (``train_time_s``, samples, ``steps``)
 CENSORED_FACTOR = 2.0
 
 

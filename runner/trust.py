@@ -1,14 +1,10 @@
 """A job folder from someone else is data, never code: what a config read back from a folder may name and resolve.
 
 ``python -m runner.evaluate``, ``runner.export`` and ``runner.doctor --verify`` rebuild a job from what its folder
-recorded (``.hydra/config.yaml``, ``overrides.yaml``, ``hydra.yaml``), and Hydra's ``instantiate`` calls whatever a
-``_target_`` names. So every config read back passes these checks before anything it names is located, imported or
-called: its targets (``check_config``, ``check_package``), its interpolations (``check_interpolations``), the
-recorded search path (``check_searchpath``) and the doctor's overrides (``check_overrides``). ``python -m runner``
-itself (your own command line and configs) is not restricted. What each check allows, and how a user allows more
-(``--allow-target``, ``RUNNER_ALLOW_TARGETS``, a target given on the command line, ``--trust``):
-docs/checkpointing.md, "What is safe to load". Each refusal is one ``ConfigError`` naming the key, the value, the
-file it was read from and how to allow it; runner never adds the job folder or its parent to ``sys.path``.
+recorded, and Hydra's ``instantiate`` calls whatever a ``_target_`` names: so every config read back passes these
+checks (``check_config``, ``check_package``, ``check_interpolations``, ``check_searchpath``, ``check_overrides``)
+before anything it names is located, imported or called. What each allows and how a user allows more:
+docs/checkpointing.md, "What is safe to load".
 
 Sources: Hydra's instantiate (https://hydra.cc/docs/advanced/instantiate_objects/overview/), OmegaConf's resolvers
 (https://omegaconf.readthedocs.io/en/2.3_branch/custom_resolvers.html), Python's import system (namespace

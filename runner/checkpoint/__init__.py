@@ -1,11 +1,8 @@
 """Checkpoints: the whole training state through ``torch.distributed.checkpoint`` (DCP,
 https://pytorch.org/docs/stable/distributed.checkpoint.html), atomic, optionally async: one code path for one
-process, DDP and FSDP2 (``get_state_dict``/``set_state_dict``; every rank writes its shard), as torchtitan's
-checkpointer. A checkpoint goes into ``.step_<N>.partial`` and rank 0 renames it ``step_<N>`` once DCP's
-``.metadata``, its last file, is down. The layout, ``keep_last``, ``checkpoint.async`` and ``sha256.json``:
-docs/checkpointing.md, "What is saved"; why loading never runs code from the checkpoint (``SafeMetadataUnpickler``,
-``SafeFileSystemReader``, ``SafeLoadPlanner``; https://pytorch.org/docs/stable/notes/serialization.html#weights-only):
-"What is safe to load".
+process, DDP and FSDP2, as torchtitan's checkpointer. The layout, the atomic rename, ``keep_last``,
+``checkpoint.async`` and ``sha256.json``: docs/checkpointing.md, "What is saved"; why loading never runs code from
+the checkpoint (https://pytorch.org/docs/stable/notes/serialization.html#weights-only): "What is safe to load".
 """
 
 from __future__ import annotations

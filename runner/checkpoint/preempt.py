@@ -1,11 +1,8 @@
-"""Preemption: a signal only sets a flag; the loop checkpoints at the next step boundary and exits.
+"""Preemption: a signal (Ctrl-C too) only sets a flag; the loop checkpoints at the next step boundary and exits.
 
-Ctrl-C (``SIGINT``) is a preemption too: the first checkpoints at the step boundary and stops with
-``EXIT_PREEMPTED``, a second one exits at once (``KeyboardInterrupt``, no checkpoint); the stop message gives the
-command that resumes (``resume_command``; docs/checkpointing.md, "Ctrl-C").
-
-The loop reads ``received`` at step boundaries (``runner.engine.loop_guards``); why only there (Lightning issue
-#21406) and SLURM's requeue: docs/checkpointing.md, "Preemption and requeue on SLURM".
+A second Ctrl-C exits at once; the stop message gives the command that resumes (``resume_command``). Why only at
+step boundaries (Lightning issue #21406), Ctrl-C and SLURM's requeue: docs/checkpointing.md, "Ctrl-C",
+"Preemption and requeue on SLURM".
 
 Sources: SLURM sbatch ``--signal`` and ``--requeue``; Lightning's ``SLURMEnvironment(auto_requeue=True)``;
 submitit's checkpoint/requeue protocol.

@@ -6,22 +6,13 @@
     result.verdicts["bf16"]       # "helps" (Holm's step-down over the comparison's family)
     result.aa, result.minimum_detectable   # the reference against its own copy, and what that noise resolves
 
-Where each concern lives: ``server`` forks every job process from one job server; ``process`` (``Job``) keeps
-one resident; ``conductor`` lets them take turns in slices of about ``interleave.slice_seconds``, pass after pass
-(``schedule``: each pass's order and pairs; ``admission``: who fits in memory together; ``fallback``: rounds of
-fresh processes for a job with no room beside its reference; ``ranks``: rank 0's decisions mirrored under
-torchrun); ``stats`` turns the paired slices into an ``Interval`` and Holm's verdicts, a copy of the reference (A')
-measuring the comparison's own noise; ``record`` writes and reads ``interleave.json`` after every pass;
-``convergence`` compares samples to target over seeds (``read_seeds``, ``samples_to_target``) and combines them
-with a samples/s ratio into ``time_to_target``, whose ``TargetRatio`` joins the same Holm family:
+What each module does: docs/design.md, "The layers". Samples and time to target over seeds:
 
     seeds = {name: compare.read_seeds(folders) for name, folders in runs.items()}   # one folder per seed
     compare.time_to_target(seeds["bf16"], seeds["mine"], result.intervals["bf16"])   # TargetRatio(estimate=0.78, ...)
 
-Clients: ``hydra/launcher=interleaved`` (runner/sweeps/interleaved.py: any sweep, and the ablation), the speed
-tuner's rounds (runner/tune/rounds.py) and ``python -m runner.doctor <job> --verify``; the reports read the record
-(runner/report/). The design, and why rounds of fresh processes are not a second design: docs/ablation.md
-("Interleaved measurement", "Samples to target and time to target").
+Clients: ``hydra/launcher=interleaved`` (runner/sweeps/interleaved.py), the speed tuner's rounds and ``python -m
+runner.doctor <job> --verify``; the method: docs/ablation.md ("Interleaved measurement", "Samples to target").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Which jobs may be resident together, and in which order processes start.
 
-References start whatever the memory and stay resident to the end. Another job is admitted while the free
-memory the resident jobs last reported exceeds the largest footprint so far x (``interleave.memory_margin`` +
-the references still to start), and fewer than ``interleave.max_resident`` are resident or still to start: the
-jobs that fit form a *group*. A job with no room even alone beside the references is measured in rounds after
-the groups (runner/compare/fallback.py).
+The rule and why its margin is 3: docs/ablation.md, "Interleaved measurement" (Memory).
 """
 
 from __future__ import annotations
@@ -35,10 +31,8 @@ def fits(resident: list[Job], settings: DictConfig, ranks: Any = None, refs_to_c
 
 def start_order(jobs: Iterable[Job], reference: str) -> list[Job]:
     """The order in which processes start: the first process of every configuration (the reference's first),
-    then the second of every configuration, and so on. Processes started back to back can share a speed for
-    their whole life (measured: a configuration's three processes started one after another sat within 4 % of
-    each other while the configurations started before and after them read 10-15 % apart), so the processes of
-    one configuration are spread over the start-up instead of started together."""
+    then the second of every configuration, and so on: processes started back to back can share a speed for
+    their whole life (docs/benchmarks/ablation-methods.md)."""
     by_config: dict[str, list[Job]] = {}
     for job in sorted(jobs, key=lambda j: j.config != reference):
         by_config.setdefault(job.config, []).append(job)

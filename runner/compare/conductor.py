@@ -1,26 +1,11 @@
-"""The conductor of an interleaved comparison: resident job processes taking turns, pass after pass (the method and
-the measurements behind each step: docs/ablation.md, "Interleaved measurement").
+"""The conductor of an interleaved comparison: resident job processes taking turns, pass after pass.
 
-``run`` receives the prepared jobs (resolved configs and folders; runner/compare/process.py ``Job``) and:
-
-1. **Admits** jobs, one at a time, each forked from the job server (runner/compare/server.py) into a new session,
-   built and warmed up while every other job waits. References start whatever the memory and stay resident to
-   the end; the others are admitted while they fit (runner/compare/admission.py): a *group*.
-2. **Calibrates** the slice once, on the sweep's reference: ``interleave.slice_steps``, or the steps that take
-   about ``interleave.slice_seconds`` (``calibrated_steps``). Every slice follows ``interleave.resume_steps``
-   unmeasured steps.
-3. **Settles** the group: every resident job trains one slice, not measured (references that waited through a
-   group's start-up read x0.43-0.88 at first).
-4. **Measures** the group pass after pass (runner/compare/schedule.py: the order and the pairs) until every
-   comparison is within ``±interleave.target_ci`` (after ``min_passes``), its share of ``max_minutes`` is spent,
-   ``max_passes`` is reached, or Ctrl-C; then its jobs finish and the next group is admitted.
-5. Writes ``interleave.json`` (runner/compare/record.py) after every pass.
-6. **Falls back to rounds** (runner/compare/fallback.py) for jobs with no room beside the references, or that died
-   for memory there: ``interleave.fallback_pairs`` ABBA pairs of fresh processes once the references finish.
-
-Under torchrun rank 0's conductor decides and the others mirror it (runner/compare/ranks.py). A crashed job is
-reported (``failed.json``) and the others go on; a crashed reference stops its group. A first Ctrl-C stops after
-the current slice and finishes every job; a second one kills them.
+``run`` admits the prepared jobs (``Job``s) while they fit (runner/compare/admission.py), calibrates the slice on
+the reference (``calibrated_steps``), lets each group settle for one unmeasured slice, measures it pass after pass
+(runner/compare/schedule.py) until ``interleave.target_ci``, ``max_minutes``, ``max_passes`` or Ctrl-C, rewrites
+``interleave.json`` after every pass, and hands the jobs with no room beside the references to
+runner/compare/fallback.py. Each step, its stopping rules, faults and Ctrl-C, with the measurements behind them:
+docs/ablation.md, "Interleaved measurement".
 """
 
 from __future__ import annotations

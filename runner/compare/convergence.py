@@ -1,12 +1,9 @@
 """Samples to target over seeds, and time to target = samples to target ÷ samples per second.
 
-The method, its sources and its limits are in docs/ablation.md ("Samples to target and time to target"): samples to
-target (summary.json ``samples_to_target``) is measured over seeds, the ratio config ÷ reference is the
-Hodges–Lehmann estimate on the log scale with the exact Mann–Whitney interval (Hodges & Lehmann 1963; Hollander &
-Wolfe, ch. 4); censored seeds (the target not reached) bound the pairwise differences they enter and are never
-dropped; time to target divides the samples interval by the throughput interval (an ``Interval`` of the
-interleaved comparison), each at 1 - α/2 (Bonferroni). Fewer than ``MIN_SEEDS`` seeds on a side, or no seed that
-reached the target, give no interval (None); 4 per side is the least that can reach a 95 % verdict.
+The ratio config ÷ reference is the Hodges–Lehmann estimate on the log scale with the exact Mann–Whitney interval
+(Hodges & Lehmann 1963; Hollander & Wolfe, ch. 4), censored seeds bounding it; time to target divides it by the
+throughput ``Interval``, each at 1 - α/2 (Bonferroni). The method and its limits: docs/ablation.md, "Samples to
+target and time to target".
 """
 
 from __future__ import annotations

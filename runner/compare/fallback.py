@@ -1,10 +1,7 @@
 """The interleaved comparison's fallback to rounds: jobs that could not be resident beside their reference.
 
-A job that had no room beside the references (not even alone: free memory under one footprint, or
-``interleave.max_resident`` reached) or died for memory there (a CUDA out-of-memory error: exit status
-``process.EXIT_OUT_OF_MEMORY``; the kernel's out-of-memory killer: SIGKILL) is deferred by the conductor
-(runner/compare/conductor.py) and measured here once the groups and the references have finished, in
-pairs of fresh processes: the rounds design, with the sweep's own paired statistic.
+Which jobs, how they are measured and why drift cancels less well: docs/ablation.md, "Interleaved measurement"
+(Fallback to rounds).
 """
 
 from __future__ import annotations
@@ -20,16 +17,12 @@ RUN_SUMMARY = "run-summary.json"
 
 
 def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
-    """The fallback for jobs that could not be resident beside their reference (``Conductor.defer``), run once the
-    groups and the references have finished and freed their memory: per configuration, ``interleave.
-    fallback_pairs`` passes, each a fresh process of the reference and then of the job (the order reversed
-    every other pass: ABBA), each trained through its warm-up and one settling slice, then measured over one
-    slice of ``ROUNDS_SLICES`` x the sweep's slice steps. A pass's job slice pairs with its reference slice
-    (group ``"rounds"`` in ``interleave.json``), so the statistic is the sweep's own; the passes are minutes
-    apart, not seconds, so drift cancels less well than between resident jobs. The job's processes take the
-    passes in turn; each run writes into ``<folder>/rounds/pass<N>`` (its summary as ``RUN_SUMMARY``) and the
-    last one's summary becomes the job's ``summary.json``. ``conductor``: the comparison's ``Conductor``;
-    ``fallback``: its deferred ``Job``s; ``stop``: its Ctrl-C flag (``Stop``)."""
+    """Measure the deferred jobs (``Conductor.defer``) once the groups and references have finished: per
+    configuration, ``interleave.fallback_pairs`` ABBA passes of a fresh reference process and a fresh job process,
+    each measured over one slice of ``ROUNDS_SLICES`` x the sweep's slice steps after its warm-up and a settling
+    slice; a pass's job slice pairs with its reference slice (group ``"rounds"``). Each run writes into
+    ``<folder>/rounds/pass<N>`` (its summary as ``RUN_SUMMARY``); the last one's becomes the job's ``summary.json``.
+    ``conductor``: the comparison's ``Conductor``; ``fallback``: its deferred ``Job``s; ``stop``: its ``Stop``."""
     by_config: dict[str, list[Any]] = {}
     for job in fallback:
         by_config.setdefault(job.config, []).append(job)

@@ -1,11 +1,8 @@
 """One measured job: a resident process, forked from the job server, that trains when told and reports.
 
-The job side is the engine's pause point (runner/engine/slice_gate.py): after its warm-up the job reports (its step,
-its training time so far, its footprint and the free memory) and waits on a pipe; ``{"steps": n}`` lets it
-train ``n`` steps and report again, ``{"steps": 0}`` makes it finish (one last step, the final evaluation,
-``summary.json``). This module is the other end: ``Job.spawn``, ``Job.start`` (spawn and warm up),
-``Job.slice``, ``Job.resumed_slice``, ``Job.finish`` and ``Job.kill``. Under torchrun (runner/compare/ranks.py)
-rank 0's job tells the other ranks' conductors what it is about to do to its process, before it does it.
+This module is the other end of runner/engine/slice_gate.py's pipe (its messages are listed there): ``Job.spawn``,
+``Job.start`` (spawn and warm up), ``Job.slice``, ``Job.resumed_slice``, ``Job.finish`` and ``Job.kill``. Under
+torchrun (runner/compare/ranks.py) rank 0's job tells the other ranks' conductors what it will do to its process.
 """
 
 from __future__ import annotations

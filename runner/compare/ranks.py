@@ -1,10 +1,7 @@
 """Interleaved comparisons under torchrun: one conductor per rank; rank 0's decides, the others mirror it.
 
-Under torchrun each job of a sweep is a DDP job whose rank r is forked by rank r's conductor, and a job's ranks
-must start, train their slices and wait together or its collectives hang. So rank 0's conductor makes every
-decision and, before acting on its own process of a job, broadcasts the op over the conductors' process group
-(gloo); the others only mirror it, so the ranks agree by construction (docs/ablation.md, "DDP jobs under
-torchrun"). The ops:
+Rank 0's conductor broadcasts each op over the conductors' gloo group before acting on its own process of the job;
+the others mirror it (why: docs/ablation.md, "DDP jobs under torchrun"). The ops:
 
 - ``("spawn", job, port)``: fork this rank's process of the job with ``MASTER_PORT=port`` (the job's own
   rendezvous, hosted by its rank 0, not torchrun's agent store), then wait for its first message;
@@ -12,8 +9,7 @@ torchrun"). The ops:
 - ``("finish", job)``: tell it to finish (final evaluation, ``summary.json`` from its rank 0) and wait for it;
 - ``("end",)``: the sweep is over; finish what is still resident.
 
-A job's figures are its rank 0's (the slice ends when the slowest rank has done its steps: DDP's all-reduce
-waits). Inside each job, ``runner.engine.slice_gate`` also broadcasts rank 0's command to the job's ranks.
+A job's figures are its rank 0's; inside each job, ``runner.engine.slice_gate`` broadcasts rank 0's command.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """``interleave.json``: what an interleaved comparison measured, and the comparisons it supports.
 
-The conductor (runner/compare/conductor.py) rewrites the file after every pass (atomically), so a sweep
-stopped by Ctrl-C or a crash still has a record of every slice it measured. Its keys:
-
-- ``design``: ``"interleaved"``; ``reference``: the sweep's reference job; ``aa``: its copy (A'), or None;
-  ``settings``: the ``interleave.*`` values; ``slice_steps``: optimizer steps per slice; ``started``,
-  ``finished`` (``time.time()`` s), ``stopped`` (why each group stopped measuring).
-- ``jobs``: name (the job's folder relative to the sweep folder) -> ``{"folder", "config", "reference", "group",
-  "status", "footprint_mb", "steps"}``; ``config`` names the configuration the process runs (the name of its
-  first process), ``reference`` the configuration it is compared with; ``status`` is ``measured``, ``failed
-  (exit N)``, ``not run: ...``; ``design`` is ``interleaved``, or ``rounds`` for a job measured by the fallback
-  (its ``group`` is ``"rounds"``).
-- ``slices``: one entry per measured slice: ``group``, ``pass``, ``position`` (in the pass), ``job``,
-  ``pairs_with`` (the position of the reference slice it pairs with, None for a reference slice), ``steps``,
-  ``seconds`` (the engine's training time of the slice), ``samples_per_sec`` and ``time`` (its end); the
-  fallback's runs are slices of group ``"rounds"``, one pass per pair, with ``"design": "rounds"``.
+The conductor rewrites it after every pass; its keys: docs/ablation.md, "Interleaved measurement" (What it
+writes).
 """
 
 from __future__ import annotations

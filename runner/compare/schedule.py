@@ -1,18 +1,14 @@
 """The order of one pass of an interleaved sweep, and which slices pair up.
 
-Every job is compared with its reference (the sweep's reference job; in an ablation a leave-one-out configuration
-is compared with the fast preset). The default, ``order="rmit"``, is randomized multiple interleaved trials (Abedi
-& Brecht, ICPE 2017): every job, references included, runs once per pass in a fresh random order, and a job pairs
-with its reference's slice of the same pass. ``"abba"`` places each job next to a reference slice, two jobs per
-reference slice::
+``order="rmit"`` (the default; randomized multiple interleaved trials, Abedi & Brecht, ICPE 2017): every job,
+references included, runs once per pass in a fresh random order and pairs with its reference's slice of that pass.
+``"abba"`` places each job next to a reference slice, two jobs per reference slice::
 
     R  J1  J2  R  J3  J4  R  J5
 
 (J1 and J3 pair with the reference slice before them, J2 and J4 with the one after, J5 with the one before) and
-reverses the whole pass every other pass, so a job is measured before and after its reference equally often (the
-A-B-B-A design); ``"random"`` reverses each pass with probability 1/2. The jobs between reference slices are
-shuffled every pass (seeded), so no job always follows the same neighbour. Why ``rmit`` is the default (a process
-that waited a whole pass runs slower at first): docs/ablation.md, "Interleaved measurement".
+reverses the whole pass every other pass (A-B-B-A); ``"random"`` reverses each pass with probability 1/2. The jobs
+between reference slices are shuffled every pass (seeded). Why ``rmit`` is the default: docs/ablation.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The job server: every measured job is a process forked from one server that imported torch and runner once.
 
-A comparison keeps its jobs in processes of their own: peak memory only grows in a process, ``torch.compile``
-caches and recompile limits carry over, and global flags (``cudnn.benchmark``, TF32) stay set, so two
-configurations sharing one process would not be measured as a user runs them. Starting ``python -m runner``
-for each would cost the interpreter's start and the imports (~4-5 s on two cores) per job. So each job is
-forked from a *server*: ``multiprocessing``'s forkserver, started on first use, which imports
-``SERVER_PRELOAD`` and then only forks. No torch op has run in it (no thread pool, no compile cache, no flag
-set) and no CUDA context exists, so each child starts as clean as ``python -m runner`` would. One difference: a
-forked child's peak RSS does not count the library pages the server loaded until the child touches them, so a
-CPU job's peak memory reads a few hundred MiB lower than in a standalone run (the same for every configuration).
-
-runner/compare/process.py forks each job from it (``context``), keeps it resident and lets it train slice by
-slice (``train_in_child`` is its body).
+``multiprocessing``'s forkserver, started on first use, imports ``SERVER_PRELOAD`` and then only forks: no torch op
+has run in it and no CUDA context exists, so each child starts as clean as ``python -m runner`` would. Why, and the
+peak-RSS difference it leaves: docs/ablation.md, "One process per configuration, without paying the imports".
+runner/compare/process.py forks each job from it (``context``); ``train_in_child`` is a job's body.
 """
 
 from __future__ import annotations

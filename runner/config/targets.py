@@ -1,9 +1,8 @@
 """A user's ``_target_``: import it, check the config's arguments against its signature, call it.
 
-Shared by ``model._target_`` (a module class or factory) and ``data._target_`` (a dataset function), so
-both fail the same way, before training, with one ``ConfigError`` naming the key and the fix. A module in the
-folder ``python -m runner`` runs from imports without ``PYTHONPATH``: ``python -m`` puts that folder, as an absolute
-path, first on ``sys.path`` (and Hydra does not change directory here, ``hydra.job.chdir=false``).
+Shared by ``model._target_`` (a module class or factory) and ``data._target_`` (a dataset function), so both fail
+the same way, before training, with one ``ConfigError`` naming the key and the fix. Why a module in the folder
+``python -m runner`` runs from imports without ``PYTHONPATH``: docs/data-and-models.md, "Your own dataset".
 """
 
 from __future__ import annotations

@@ -6,24 +6,9 @@ iterable, so the data-wait figure includes it): built-in image sets, float32 ``x
 ``(B,)``; ``data=custom``, the batch of the user's items ``(B, *S)`` and of their targets (int64 ``(B,)`` class
 indices, float ``(B,)`` or ``(B, k)`` values); ``data=text``/``tokens``, int64 token windows ``(B, block_size)``.
 
-Where each concern lives:
-
-- ``source``: ``Source``, what every data source returns -- datasets and facts, never loaders.
-- ``images``: the built-in image sets (``IMAGE_DATASETS``: one function each), their transforms and ``STATS``.
-- ``text``: ``data=text`` -- corpus, vocabulary, ``TokenWindows`` and the on-device ``OnDeviceWindows``;
-  ``windows_source``, the sampling both token sources share.
-- ``tokens``: ``data=tokens`` -- nanoGPT's ``.bin`` files memory-mapped (``TokenFile``), their checks, the
-  optional tiktoken decoding, and ``python -m runner.data.tokens prepare`` (imported on use: ``python -m``
-  runs it as a script).
-- ``custom``: ``data=custom`` -- the user's ``data._target_`` function, its checks (the targets' by the task) and the
-  class-count rule.
-- ``loading``: ``assemble``, the one function that turns a ``Source`` into loaders (on the device or from
-  host ``DataLoader``s), checks the training loader is not empty and makes the example batch; ``Data``.
-- ``batches``: the iterables the engine sees (``DeviceIterable``) and the on-device ``OnDeviceLoader``.
-
-Which ``data.name`` values have an in-memory form (``dataloader=device``) is ``IN_MEMORY_DATA``, defined
-torch-free in ``runner/__init__.py`` (its ``${runner_in_memory:}`` resolver reads it at compose time) and
-re-exported here.
+Its modules: docs/design.md, "Where each concern lives". ``IN_MEMORY_DATA`` (the ``data.name`` values with an
+in-memory form, ``dataloader=device``) is defined torch-free in ``runner/__init__.py`` for its
+``${runner_in_memory:}`` resolver, and re-exported here.
 """
 
 from __future__ import annotations

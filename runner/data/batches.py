@@ -1,9 +1,5 @@
-"""The batch iterables: what the engine iterates, and the on-device loader of image/tensor data.
-
-``DeviceIterable`` copies each batch to the run's device (and resumes mid-epoch), ``SkippableSampler`` lets a
-``DataLoader`` resume without loading the batches it skips, ``OnDeviceLoader`` (technique 2b) serves a
-dataset held on the device, with ``random_crop_flip`` as its augmentation. ``runner.data.loading`` picks
-among them; the text windows' on-device loader is ``runner.data.text.OnDeviceWindows``.
+"""The batch iterables the engine sees (``DeviceIterable``, with ``SkippableSampler`` for mid-epoch resumes) and
+the on-device loader of image/tensor data (``OnDeviceLoader``); ``runner.data.loading`` picks among them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""``data=custom``: the user's own dataset function, checked, and its class count.
-
-``custom_datasets`` calls ``data._target_`` with every other key under ``data.`` as a keyword argument; it returns
-``(train_dataset, eval_dataset)``, map-style datasets of ``(input, target)`` items: ``input`` a tensor (or numpy
-array) of one shape ``S``, ``target`` what the task's ``check_target`` takes, asked with item 0's target as a batch
-holds it (``as_batched``). Integer targets are class indices, counted by ``class_count``. The items, the arguments
-and the class-count rule: docs/data-and-models.md, "Your own dataset". ``custom_source`` hands the checked datasets
-to the loader assembly as a ``Source`` of layout ``tensors``.
+"""``data=custom``: the user's own dataset function, checked (``custom_datasets``), and its class count
+(``class_count``); ``custom_source`` hands the checked datasets to the loader assembly as a ``Source`` of layout
+``tensors``. The items, the arguments and the class-count rule: docs/data-and-models.md, "Your own dataset".
 """
 
 from __future__ import annotations

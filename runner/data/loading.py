@@ -1,10 +1,5 @@
-"""Loader assembly: the one place that turns a source's datasets and facts into the engine's ``Data``.
-
-``assemble`` chooses the on-device path (``OnDeviceLoader`` for images and tensors, ``OnDeviceWindows`` for
-token streams) or host ``DataLoader``s (``host_loading``: workers, pinned memory, non_blocking copies;
-``host_loader``: this rank's sampler), checks that the training loader yields a batch, and makes the example
-batch for counting FLOPs. Each path ends in a ``DeviceIterable``, so the engine's data-wait figure includes
-the host->device copy.
+"""Loader assembly (``assemble``): the one place that turns a source's datasets and facts into the engine's
+``Data``, on the device or through host ``DataLoader``s, each path ending in a ``DeviceIterable``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Tokenized corpora in nanoGPT's format (``data=tokens``): flat binary files of token ids, memory-mapped.
-
-Each split is what nanoGPT's ``data/*/prepare.py`` (https://github.com/karpathy/nanoGPT) writes with
-``ids.tofile(path)``: ``numpy.uint16`` ids (``data.dtype=uint32`` past 65,536) in native byte order, no header.
-They are read through ``numpy.memmap``, never whole, and sampled as ``data=text``'s characters
-(``runner.data.text.windows_source``). ``python -m runner.data.tokens prepare <text file> <out dir>`` writes them
-from a text file. docs/language-models.md, "Tokenized corpora".
+"""Tokenized corpora in nanoGPT's format (``data=tokens``): flat binary files of token ids, memory-mapped
+(``TokenFile``) and sampled as ``data=text``'s characters (``runner.data.text.windows_source``); ``python -m
+runner.data.tokens prepare`` writes them from a text file. The format (https://github.com/karpathy/nanoGPT's
+``prepare.py``): docs/language-models.md, "Tokenized corpora".
 """
 
 from __future__ import annotations

@@ -3,15 +3,10 @@
     python -m runner.doctor <job folder>                  # the diagnosis (also printed after every run)
     python -m runner.doctor <job folder> --verify         # and measure what each suggestion really buys
 
-It reads what the run recorded in its folder (``summary.json``, ``metrics.jsonl``, ``.hydra/``); ``diagnose`` turns
-a summary into ``Finding``s, each a category (``CATEGORIES``, in the order they are checked) with its evidence in
-figures and ranked suggestions, printed as commands to paste. ``--verify`` measures the job's rerun and each
-suggestion interleaved (runner/compare/). The categories' thresholds and suggestions, and ``--verify``:
-docs/tuners-and-doctor.md, "Speed doctor". Sources: PyTorch Performance Tuning Guide ("disable debugging APIs"),
-PyTorch DataLoader docs, airbench (the dataset on the device).
-
-Where each part lives: ``diagnosis`` (the thresholds, ``Finding``, ``diagnose``), ``job`` (reading a job folder,
-the command to paste, ``render``), ``verify`` (``--verify``), ``cli`` (``python -m runner.doctor``).
+``diagnose`` turns a job folder's ``summary.json`` into ``Finding``s (a category of ``CATEGORIES``, evidence in
+figures, ranked suggestions as commands to paste). The categories' thresholds and suggestions, and ``--verify``:
+docs/tuners-and-doctor.md, "Speed doctor"; its modules: docs/design.md. Sources: PyTorch Performance Tuning Guide
+("disable debugging APIs"), PyTorch DataLoader docs, airbench (the dataset on the device).
 """
 
 

@@ -11,9 +11,8 @@ import runner
 from runner.techniques import TECHNIQUES
 
 # ------------------------------------------------------------------------------------------ thresholds
-#: Data wait above 10 % of the measured time: a loader that keeps up waits ~0 (the next batch is ready);
-#: 10 % is where the rounds ablation of resnet18/CIFAR-10 (2026-11-23, docs/ablation.md "Methods") saw workers
-#: start paying for themselves.
+#: Data wait above 10 % of the measured time: a loader that keeps up waits ~0; from 10 % on, workers paid for
+#: themselves in the rounds ablation of resnet18/CIFAR-10 (2026-11-23, docs/benchmarks/ablation-methods.md).
 DATA_WAIT_FRACTION_MAX = 0.10
 #: The GPU idle between kernels more than 20 % of a warm-up window beyond its data wait: kernel launches
 #: and Python are the step's critical path (CUDA graphs remove launches; torch.compile docs).

@@ -1,13 +1,9 @@
 """One run per job folder: an OS file lock, held for the run's life, and the folder's paths checked before anything
 is built.
 
-Two runs started into one ``hydra.run.dir`` would both write the folder's files, and a run with another config
-rewrites ``.hydra/config.yaml`` (which evaluate, export and the doctor rebuild from) before the engine refuses it.
-So rank 0 takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<job>/.runner.lock``
-(https://man7.org/linux/man-pages/man2/flock.2.html) and writes its holder there (pid, host, start time, command);
-the kernel drops the lock on any exit, SIGKILL included, and forked children (DataLoader workers) close their copy
-at once (``os.register_at_fork``). What the user sees, and file systems without locks: docs/checkpointing.md,
-"Resume". Where it is taken:
+Why, what the user sees, and file systems without locks: docs/checkpointing.md, "Resume". Rank 0 takes
+``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<job>/.runner.lock`` (https://man7.org/linux/man-pages/man2/flock.2.html)
+and writes its holder there; forked children close their copy at once (``os.register_at_fork``). Where it is taken:
 
 - ``python -m runner`` (one run): ``JobLock.on_run_start``, a Hydra callback (``conf/config.yaml``), before Hydra
   creates the folder and writes ``.hydra/`` (``hydra.core.utils.run_job``), with ``hydra.run.dir`` resolved on the

@@ -1,15 +1,7 @@
-"""A metric watched across evaluations: early stopping and the best checkpoint.
-
-- ``trainer.early_stopping.metric=eval_loss`` (``patience`` evaluations, ``min_delta``, ``mode``): the run stops
-  after ``patience`` evaluations in a row without an improvement larger than ``min_delta`` (Lightning's
-  ``EarlyStopping``, the Hugging Face ``EarlyStoppingCallback``; Prechelt, "Early stopping — but when?", 1998).
-  The summary says why (``stopped_early``); the final checkpoint records it, so resuming the run does not train
-  it further.
-- ``checkpoint.keep_best=true``: after an evaluation that improves ``checkpoint.best_metric`` the weights go to
-  ``best/model.safetensors`` and the metric to ``best/best.json`` (Lightning's ``ModelCheckpoint(monitor=...)``).
-
-``mode=auto`` reads the name: accuracy-like metrics (``accuracy``) are maximised, everything else (loss,
-perplexity, bits per char) minimised.
+"""A metric watched across evaluations: early stopping (``trainer.early_stopping.*``; Lightning's ``EarlyStopping``,
+Hugging Face's ``EarlyStoppingCallback``; Prechelt, "Early stopping — but when?", 1998) and the best weights
+(``checkpoint.keep_best``; Lightning's ``ModelCheckpoint(monitor=...)``). What each does, and ``mode=auto``:
+docs/training.md.
 """
 
 from __future__ import annotations

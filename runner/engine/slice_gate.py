@@ -1,25 +1,19 @@
-"""The pause point between optimizer steps that the interleaved launcher drives (runner/compare/).
+"""The pause point between optimizer steps that the interleaved launcher drives (runner/compare/; the method:
+docs/ablation.md, "Interleaved measurement"; sources: Abedi & Brecht, ICPE 2017; Bulej et al., ICPE 2020).
 
-Under ``hydra/launcher=interleaved`` the resident jobs of a sweep take turns in *slices* of optimizer steps
-(docs/ablation.md, "Interleaved measurement"). Before each step the engine asks this gate whether a slice has ended
-(``due``); ``wait`` then reports it and blocks in ``recv`` on its ``multiprocessing`` pipe (no core used, no GPU work
-launched) until the launcher says how many steps the next slice has, or that the job should finish.
-
+Before each step the engine asks this gate whether a slice has ended (``due``); ``wait`` then reports it and blocks
+in ``recv`` on its ``multiprocessing`` pipe (no core used, no GPU work launched) until the launcher's next command.
 The messages (plain dicts, pickled by ``Connection.send``):
 
-- job -> launcher: ``{"step", "train_time_s", "global_batch", "footprint_mb", "available_mb"}`` at every
-  wait: the steps done so far, the engine's cumulative training time (``TrainState.train_time_s``: wall
-  time of the steps, evaluations and checkpoints excluded, the device's queue drained first), the samples
-  per step, the process's memory footprint (peak RSS on a CPU; the CUDA caching allocator's peak reserved
-  memory on a GPU) and the memory still free (host ``MemAvailable``, or the GPU's free memory).
+- job -> launcher: ``{"step", "train_time_s", "global_batch", "footprint_mb", "available_mb"}`` at every wait:
+  the steps done so far, ``TrainState.train_time_s`` (the steps' wall time, the device's queue drained first;
+  evaluations and checkpoints excluded), the samples per step, ``footprint_mb`` and ``available_mb`` (below).
 - launcher -> job: ``{"steps": n}`` (train n more steps, then wait again) or ``{"steps": 0}`` (finish:
   one last step, the final evaluation and ``summary.json``, as if ``trainer.max_steps`` were reached).
 
-A job with several ranks (DDP under torchrun) pauses as a whole: each rank talks to its own rank's conductor
-(runner/compare/ranks.py), and rank 0's command is also broadcast over the job's process group, so the job's ranks
-train the same steps. The job process (runner/compare/process.py) hands its ``SliceGate`` to
-``runner.engine.train.train(cfg, job_dir, gate=...)``; every other run has none. Sources: randomized multiple
-interleaved trials (Abedi & Brecht, ICPE 2017), duet benchmarking (Bulej et al., ICPE 2020).
+Under torchrun each rank talks to its own rank's conductor (runner/compare/ranks.py) and rank 0's command is also
+broadcast over the job's process group, so the job's ranks train the same steps. Only a comparison's job process
+(runner/compare/process.py) passes a ``SliceGate`` to ``runner.engine.train.train``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""``TrainState``: everything the training loop changes, and how a checkpoint saves and restores it.
-
-A checkpoint (``runner.checkpoint``, torch.distributed.checkpoint) holds the model and optimizer, the LR schedule,
-the GradScaler and this state: the rank-independent fields once (``_Shared``), and each rank's RNG streams, share
-of the interval's loss and step timings (``_PerRank``), so a resumed run continues exactly.
+"""``TrainState``: everything the training loop changes, and how a checkpoint saves and restores it: the
+rank-independent fields once (``SharedState``), each rank's RNG streams, share of the interval's loss and step
+timings on their own (``PerRankState``), so a resumed run continues exactly.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Cross-key checks of a composed config, run before anything is built or written.
-
-Types and closed option lists come from the schemas (``runner.config``: Hydra refuses a misspelt key or a wrong
-type at compose time); what types cannot express (ranges, a key added with ``+`` that no schema declares) is
-checked here, each failure one ``ConfigError`` naming the key, its value and the rule.
+"""Cross-key checks of a composed config, run before anything is built or written: what the schemas' types and
+closed option lists (``runner.config``, checked by Hydra at compose time) cannot express; and Hydra's compose errors
+as one line (``compose_error_line``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""What machine is this: CUDA, native bf16, device names, peak FLOP/s, memory, how busy it is.
-
-A leaf: it imports torch and the standard library only, never another runner module, so every layer can
-ask it (precision and the FSDP policy: native bf16; measure: the peak for MFU; the ablation and its report:
-the machine record; the ``${runner_if_cuda:}`` resolver: CUDA or not).
+"""What machine is this: CUDA, native bf16, device names, peak FLOP/s, memory, how busy it is. A leaf (torch and
+the standard library only: tests/test_layers.py), so every layer can ask it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""How busy the machine was while the figures were taken, and when that makes them untrustworthy.
-
-The ``Meter`` (``runner.measure``) opens a ``LoadWindow`` over the measured steps: the load average others
-put on the machine, CPU time stolen by the hypervisor, the time runner's threads waited for a CPU, how many
-CPU-seconds per second the training thread computed, GPU contention from NVML. ``load_warnings`` turns that
-record into the warnings ``summary.json`` and the console carry (the thresholds below, each with why), which
-the speed doctor reads first: rerun on a quiet machine before trusting any figure.
+"""How busy the machine was while the figures were taken (``LoadWindow``, opened by ``runner.measure``'s ``Meter``
+over the measured steps), and when that makes them untrustworthy (``load_warnings``, which the speed doctor reads
+first).
 """
 
 from __future__ import annotations
@@ -146,19 +142,10 @@ class LoadWindow:
 
 
 def load_warnings(load: dict[str, Any] | None, device_type: str) -> list[str]:
-    """Why the figures of a run with this ``machine_load`` record cannot be trusted: one sentence per
-    reason, empty when none applies. The thresholds are this module's constants (each says why).
-
-    - others' load average above the cores runner leaves free (``cpu_cores - threads - workers``) +
-      ``LOAD_MARGIN``;
-    - steal above ``STEAL_FRACTION_MAX``;
-    - run-queue wait above ``RUN_QUEUE_WAIT_MAX`` (other processes, or runner's own threads and workers
-      outnumbering the cores: the sentence says which);
-    - on a CPU, fewer than ``BUSY_CORES_MIN`` CPU-seconds per second of compute;
-    - on CUDA, other processes on the GPU or its clocks throttled (NVML).
-
-    On a CPU, the first of the busy-machine and run-queue sentences also names the setting that helps where
-    runner's threads outnumber the cores left free (``threads_that_fit``): ``trainer.num_threads=<n>``.
+    """Why the figures of a run with this ``machine_load`` record cannot be trusted: one sentence per reason,
+    empty when none applies. The reasons: docs/outputs-and-loggers.md, summary.json ``warnings``; their thresholds
+    are this module's constants (each says why). On a CPU where runner's threads outnumber the cores left free, the
+    first busy-machine or run-queue sentence also names ``trainer.num_threads=<n>`` (``threads_that_fit``).
     """
     if not load:
         return []

@@ -342,11 +342,7 @@ def model_report(model: nn.Module, cfg: DictConfig) -> tuple[str, dict[str, obje
     """The line ``prepare`` prints once the model is built (rank 0), and its details for ``summary.json``
     (``model_details``), e.g. ``model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 5,130 of 11.2 M
     parameters trainable`` (a wrapped model counts the same: an FSDP2 DTensor's ``numel`` is the full tensor's).
-
-    Args:
-        model: the built model (``build``'s result).
-        cfg: the ``model`` node it was built from.
-    """
+    ``cfg``: the ``model`` node ``model`` was built from."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     name = str(cfg._target_).rpartition(".")[2]

@@ -1,9 +1,6 @@
-"""Hugging Face causal language models built from config (``model=hf_causal_lm``), trained by runner's loop.
-
-``causal_lm`` makes a randomly initialised model of any ``transformers`` causal-LM architecture from its config
-class (https://huggingface.co/docs/transformers/model_doc/auto); the data decides the vocabulary size and the context
-length, and ``runner.task.LanguageModel`` keeps its own loss on the output's ``.logits`` (docs/language-models.md).
-``transformers`` is an optional dependency (``pip install -e ".[hf]"``), imported only when such a model is built.
+"""Hugging Face causal language models built from config (``model=hf_causal_lm``), trained by runner's loop
+(``causal_lm``; https://huggingface.co/docs/transformers/model_doc/auto; docs/language-models.md). ``transformers``
+is an optional dependency (``pip install -e ".[hf]"``), imported only when such a model is built.
 """
 
 from __future__ import annotations

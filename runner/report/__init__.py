@@ -4,23 +4,8 @@ An ablation sweep (``+experiment=ablation``) gets the ablation report (docs/abla
 (``+experiment=convergence``) its report of time to target over seeds, and any other multirun one row per job
 (docs/configuration.md, "Sweeps").
 
-Where each concern lives:
-
-- ``load``: the sweep folder's jobs (``Job``, ``load_jobs``, ``is_ablation``), the per-configuration
-  ``Row``, what each configuration switched (``technique_status``) and the sweep's record (``load_record``);
-- ``rows``: the rows' figures and point speed-ups (``build_rows``); ``paired``: their intervals, verdicts and
-  ranks from the interleaved record (``apply_to_rows``), the plain sweep's comparisons and the method section;
-- ``write``: report.md/report.csv/jobs.csv/speedup.png, the ``--doc`` document and the W&B table
-  (``write_report``); ``markdown``: the report's text, the reading and the agreement table;
-- ``sweep``: the plain-sweep report (``write_plain_report``), where a sweep's time went (``job_times``,
-  ``budget_lines``) and the multirun's command (``sweep_command``);
-- ``convergence``: a convergence sweep's configurations, their seeds and ratios to the baseline
-  (``build_variants``, ``is_convergence``); ``convergence_text``: its report.md/report.csv, ``--doc`` and the
-  agreement of ``--replication`` (``write_convergence_report``);
-- ``end``: what a plain multirun prints at its end (its table and the report command; a Hydra callback);
-- ``__main__``: the command line.
-
-This package reads what runner/compare/ measured and never imports a tool (runner/sweeps/ablation.py imports it).
+Its modules: docs/design.md ("The layers", "Where each concern lives"). This package reads what runner/compare/
+measured and never imports a tool (runner/sweeps/ablation.py imports it).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The convergence ablation's report: what each configuration buys in time to target, over seeds.
 
 A convergence sweep (``+experiment=convergence``) holds one job folder per configuration and seed
-(``<variant>/s<seed>``). Per configuration (``Variant``): its seeds (a folder without ``summary.json`` is a seed
-that did not reach the target within its budget: counted, never dropped), the samples-to-target ratio against the
-baseline's seeds, the throughput ratio (exactly 1 where the technique does not change a step's cost,
-``runner.techniques.step_cost``, else from an interleaved ablation sweep of the same variants: ``--throughput
-SWEEP``; without one the row says it needs one) and the time-to-target ratio, with Holm's verdicts over each family.
-The statistic: docs/ablation.md, "Samples to target and time to target"; the text and the files:
-runner/report/convergence_text.py.
+(``<variant>/s<seed>``); each ``Variant`` holds its seeds and its samples, throughput and time ratios to the
+baseline with Holm's verdicts. The method and the columns: docs/ablation.md, "Samples to target and time to target",
+"Time to accuracy"; the text and the files: runner/report/convergence_text.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The end of a plain multirun: the sweep's table and the command that reports it again (a Hydra callback).
-
-``SweepReport.on_multirun_end`` (``hydra.callbacks`` in ``conf/config.yaml``) writes the report of a sweep run by
-Hydra's basic launcher (``write_plain_report``) and prints its table and ``python -m runner.report <sweep folder>``
-(docs/configuration.md, "Sweeps"); not after the interleaved launcher or a recipe search, which end with their own
-tables, nor for a SLURM sweep. Rank 0 only; a report that cannot be written costs one line, never the sweep.
-
-A convergence sweep (``+experiment=convergence``: ``ablation.measure=convergence``, on the basic launcher too) gets
-its own report instead (``print_convergence_end``: runner/report/convergence_text.py), its table printed.
+"""The end of a plain multirun: the sweep's table and the command that reports it again (``SweepReport``, a Hydra
+callback; docs/configuration.md, "Sweeps"). Only after Hydra's basic launcher (the interleaved launcher and a recipe
+search end with their own tables), rank 0 only; a convergence sweep gets its report (``print_convergence_end``). A
+report that cannot be written costs one line, never the sweep.
 """
 
 from __future__ import annotations

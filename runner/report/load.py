@@ -1,12 +1,9 @@
 """Reading an ablation sweep folder: its jobs (``Job``), the per-configuration ``Row`` they are grouped
 into (runner/report/rows.py fills it), and the sweep's record (``ablation.json``).
 
-An ablation sweep holds one ``summary.json`` per job that measured, ``not_run.json``/``failed.json`` for jobs that
-did not, and ``ablation.json`` for the machine and command; a configuration (a *variant*) is ``baseline``,
-``fast``, ``baseline+<technique>`` (leave-one-in) or ``fast-<technique>`` (leave-one-out; docs/ablation.md).
-
-Bad input (no such folder, no summaries, a corrupt summary, two sweeps in one folder) raises
-``ReportError``; ``python -m runner.report`` prints ``error: <message>`` and exits with status 2.
+A job that measured holds ``summary.json``, one that did not ``not_run.json`` or ``failed.json``; the
+configurations (``baseline``, ``fast``, ``baseline+<technique>``, ``fast-<technique>``): docs/ablation.md. Bad
+input raises ``ReportError``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """An ablation sweep's rows: one per configuration, compared with its reference, with a verdict and a rank.
 
-Figures carry their units in their names. Speed-up = a configuration against the baseline; *effect* = what the
-row's technique buys, as a factor (>1: faster with it; docs/ablation.md, "Speed-ups, intervals and verdicts").
-``build_rows`` groups the jobs and fills the figures, each configuration's point speed-up (its median samples/s ÷
-the baseline's) and what it switched; the intervals, verdicts and ranks come from the sweep's interleaved record
-(runner/report/paired.py ``apply_to_rows``). Without a record a row has no interval and no verdict.
+Speed-up = a configuration against the baseline; *effect* = what the row's technique buys, as a factor (>1: faster
+with it; docs/ablation.md, "Speed-ups, intervals and verdicts"). ``build_rows`` fills the point figures; the
+intervals, verdicts and ranks come from the interleaved record (runner/report/paired.py ``apply_to_rows``).
 """
 
 from __future__ import annotations

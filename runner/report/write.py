@@ -1,8 +1,5 @@
-"""Writing an ablation sweep's report into its folder (``write_report``): ``report.md`` and ``report.csv`` (one row
-per configuration, ranked by speed-up), ``jobs.csv`` (one row per job: samples/s and where its wall time went),
-``speedup.png`` (``plot``) and a W&B table of the rows when the jobs logged to W&B (``log_to_wandb``); ``--doc``
-also writes the report as a document, with ``--replication``'s agreement table (runner/report/markdown.py). What
-the rows hold: docs/ablation.md, "What it runs".
+"""Writing an ablation sweep's report into its folder (``write_report``): report.md, report.csv, jobs.csv,
+speedup.png (``plot``), the W&B table (``log_to_wandb``) and ``--doc``. What the rows hold: docs/ablation.md.
 """
 
 from __future__ import annotations
@@ -192,11 +189,10 @@ def _rows(jobs: list[Job], interleaved: dict | None) -> list[Row]:
 def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
                  replication: Path | None = None) -> list[Path]:
     """Write report.md, report.csv, jobs.csv and speedup.png of an ablation sweep into ``sweep`` (and
-    ``doc`` if given); log the W&B table when the jobs' logger was W&B. Returns the written paths.
+    ``doc`` if given); with ``use_wandb``, log the W&B table when the jobs' logger was W&B. Returns the paths.
 
     Args:
         doc: also write the report as a document there (``reading`` added, plot copied next to it as .png).
-        use_wandb: log the W&B table when the jobs' logger was W&B (``log_to_wandb``).
         replication: with ``doc``, an independent second sweep of the same job: the document gets the
             ``agreement`` table.
 

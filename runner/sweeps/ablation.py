@@ -1,10 +1,8 @@
 """The ablation: what each technique buys on *your* model and data, every configuration measured interleaved.
 
-``python -m runner -m +experiment=ablation model=... data=...`` is a Hydra multirun over ``ablation/variant``
-(conf/experiment/ablation.yaml, ablation/variant) handed to the interleaved launcher
-(``hydra/launcher=interleaved``, runner/sweeps/interleaved.py), which measures every configuration against the baseline
-(a leave-one-out configuration against the fast preset) through runner/compare/. The ablation's own: the variants
-not run here (``not_run``) and the sweep's record and report (``AblationCallback``); docs/ablation.md, "What it runs".
+``python -m runner -m +experiment=ablation model=... data=...`` is a Hydra multirun over ``ablation/variant`` handed
+to the interleaved launcher (runner/sweeps/interleaved.py). The ablation's own: the variants not run here
+(``not_run``) and the sweep's record and report (``AblationCallback``); docs/ablation.md, "What it runs".
 """
 
 from __future__ import annotations

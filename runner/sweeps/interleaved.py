@@ -1,16 +1,12 @@
 """``hydra/launcher=interleaved``: a Hydra launcher that measures a sweep's jobs side by side in time.
 
-``python -m runner -m hydra/launcher=interleaved trainer.seed=0,1`` (any sweep; ``+experiment=ablation`` selects it)
-prepares every job the way Hydra's basic launcher would (its folder, ``.hydra/``, the config resolved in the job's
-context) and hands the jobs to runner/compare/, where the measuring happens; the report (runner/report/, the
-ablation's for an ablation: runner/sweeps/ablation.py) is written at the end, also after Ctrl-C. Under torchrun
-rank 0 writes the record and the report (runner/compare/ranks.py). docs/ablation.md, "Interleaved measurement".
+It prepares every job as Hydra's basic launcher would (its folder, ``.hydra/``, the config resolved in the job's
+context), hands them to runner/compare/ and writes the report at the end, also after Ctrl-C (docs/ablation.md,
+"Interleaved measurement").
 
-Hydra instantiates launchers only from the ``hydra_plugins`` namespace, whose modules it finds by scanning
-installed packages, which an editable install does not expose (a ``package-dir`` mapping is invisible to
-``pkgutil``). ``register`` therefore enters this class into Hydra's plugin registry under
-``hydra_plugins.runner_interleaved.InterleavedLauncher`` (conf/hydra/launcher/interleaved.yaml); ``python -m
-runner`` calls it before Hydra starts.
+Hydra instantiates launchers only from the ``hydra_plugins`` namespace, found by scanning installed packages,
+which an editable install does not expose (a ``package-dir`` mapping is invisible to ``pkgutil``): ``register``,
+called by ``python -m runner`` before Hydra starts, enters this class into Hydra's plugin registry as ``TARGET``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Where figures go: ``metrics.jsonl`` + ``summary.json`` in the job folder, the console, and the loggers
-``logger=`` picks (one or several): W&B, TensorBoard, MLflow, ``metrics.csv``.
-
-Only rank 0 tracks; other ranks get ``NullTracker``. Files are written atomically (temp file + rename)
-so a crash never leaves a half-written ``summary.json``.
+``logger=`` picks (one or several): W&B, TensorBoard, MLflow, ``metrics.csv``. Only rank 0 tracks (the others get
+``NullTracker``); files are replaced atomically (``write_json_atomic``), never left half-written.
 """
 
 from __future__ import annotations

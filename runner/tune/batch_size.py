@@ -1,8 +1,5 @@
-"""``python -m runner.tune batch_size``: the fastest micro-batch per rank that leaves a memory margin.
-
-Powers of two from ``tune.start_batch_size``, then a binary search between the last good size and the
-first bad or slower one; each size is a fresh trial of the run (``harness.measure_config``). Memory is
-measured by ``runner.measure.peak_memory_mb`` and judged against ``runner.measure.hardware.memory_limit_mb``.
+"""``python -m runner.tune batch_size``: the fastest micro-batch per rank that leaves a memory margin
+(``tune_batch_size``: the search).
 """
 
 from __future__ import annotations

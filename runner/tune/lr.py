@@ -116,10 +116,9 @@ class RangeTest:
 
 def lr_range_test(parts, min_lr: float, max_lr: float, steps: int, smoothing: float = 0.98,
                   diverge_factor: float = 4.0) -> RangeTest:
-    """The LR range test (Smith 2017, "Cyclical Learning Rates for Training Neural Networks", section 3.3,
-    https://arxiv.org/abs/1506.01186; as fastai's ``lr_find``, https://docs.fast.ai/callback.schedule.html):
-    from the state ``parts`` holds, train with the LR rising exponentially from ``min_lr`` (first step) to
-    ``max_lr`` (step ``steps``), every parameter group alike, recording the loss of each step.
+    """The LR range test (the module docstring's sources): from the state ``parts`` holds, train with the LR rising
+    exponentially from ``min_lr`` (first step) to ``max_lr`` (step ``steps``), every parameter group alike, recording
+    the loss of each step.
 
     The engine's ``fit`` runs the steps (accumulation, autocast and loss scaling, clipping, DDP/FSDP
     gradient reduction), with a ``LambdaLR`` ramp as the schedule and ``RangeRecorder`` as the tracker; the

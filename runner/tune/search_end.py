@@ -1,11 +1,7 @@
 """The end of ``hydra/sweeper=search`` (runner/tune/search.py): the trials' table, the best trial, its verification
-against the starting recipe on fresh seeds, the line to paste, and ``<sweep>/optimization_results.yaml``.
-
-**Verification** runs the best trial and the starting recipe (the search's command without the searched
-parameters) on ``verify_seeds`` fresh seeds, alternating, in ``<sweep>/verify/{best,start}/seed<N>``, and compares
-samples to target (``samples_to_target``) and, where a searched key can change what a step costs (not in
-``SAME_STEP_COST``), samples/s interleaved (``throughput``): time to target = their ratio (``time_to_target``).
-Why, and the statistic: docs/tuners-and-doctor.md, "Searching the recipe".
+against the starting recipe on fresh seeds (samples to target; samples/s interleaved where a searched key is not in
+``SAME_STEP_COST``; their ratio, time to target), the line to paste, and ``<sweep>/optimization_results.yaml``.
+Why, and the statistic: docs/tuners-and-doctor.md, "Searching the recipe" (Verification on fresh seeds).
 """
 
 from __future__ import annotations
