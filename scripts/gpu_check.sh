@@ -5,7 +5,7 @@
 # the last thing printed is one table of the figures.
 #
 #   bash scripts/gpu_check.sh              # all parts
-#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt gpt
+#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt lm_tips gpt
 #                                          #          resnet50 resnet18 gpt_compile_modes overhead suite
 #   TESTS_K='resume' bash scripts/gpu_check.sh tests   # only the CUDA tests matching a -k expression
 #   DRY=1 bash scripts/gpu_check.sh tune_gpt aa_gpt race   # the same steps on the CPU at toy sizes (CI runs this)
@@ -17,7 +17,8 @@
 # train.py, model.py, configurator.py, config/ and its prepared data/shakespeare_char/ in $NANOGPT, default
 # .gpu/nanogpt), tune_r18 (the tuner on ResNet-18 with the CIFAR stem), gpt2 (GPT-2 124M on synthetic tokens:
 # tokens/s and MFU, bf16 against torchao's fp8, interleaved), wide_gpt (the same on a GPT of width 2048, where fp8's
-# layer filter converts every projection).
+# layer filter converts every projection), lm_tips (selective checkpointing, the chunked loss and the compiled
+# optimizer step on GPT-2 124M, interleaved).
 #
 # Needs hydra-core, omegaconf and antlr4-python3-runtime importable, and torchao for fp8 (without it fp8 is recorded
 # as skipped); where they are carried as wheels in .whl/ (a machine with no package index; torchao's built for the
@@ -39,7 +40,7 @@ if [ -d .whl ] && { ! python3 -c "import hydra" 2>/dev/null \
 fi
 GPT_TEXT=${GPT_TEXT:-data/tinyshakespeare/input.txt}
 GPT_TEXT=$(realpath "$GPT_TEXT")
-parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt gpt resnet50 resnet18 gpt_compile_modes overhead suite}
+parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt lm_tips gpt resnet50 resnet18 gpt_compile_modes overhead suite}
 NANOGPT=${NANOGPT:-.gpu/nanogpt}
 DRY=${DRY:-}
 DEV=cuda
@@ -157,6 +158,18 @@ if has wide_gpt; then
   step wide_gpt "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,fp8 \
     "${lm_sweep[@]}" "${wide[@]}" compile.regional=true hydra.sweep.dir="$RUNS/wide_gpt"
   cat "$RUNS/wide_gpt/report.md" >>"$LOGS/wide_gpt.log" 2>/dev/null
+fi
+if has lm_tips; then
+  # the language model's own tips on GPT-2 124M: peak memory and tokens/s of selective checkpointing against none and
+  # full checkpointing; the chunked loss and the compiled optimizer step against the plain ones; all interleaved
+  lm_toy=("${gpt2_toy[@]}")
+  [ -n "$DRY" ] && lm_toy+=(model.n_layer=2)  # checkpointing wraps repeated blocks: at least two
+  step lm_memory "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16 \
+    memory=none,selective,checkpointing "${lm_sweep[@]}" "${lm_toy[@]}" hydra.sweep.dir="$RUNS/lm_memory"
+  cat "$RUNS/lm_memory/report.md" >>"$LOGS/lm_memory.log" 2>/dev/null
+  step lm_loss "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16 \
+    task.loss=full,chunked compile.optimizer=false,true "${lm_sweep[@]}" "${lm_toy[@]}" hydra.sweep.dir="$RUNS/lm_loss"
+  cat "$RUNS/lm_loss/report.md" >>"$LOGS/lm_loss.log" 2>/dev/null
 fi
 if has gpt; then
   # nanoGPT's GPU recipe (6 x 384, block 256, batch 64, 5000 steps): the validation loss target 1.47

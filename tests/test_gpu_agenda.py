@@ -62,3 +62,23 @@ def test_gpu_agenda_fp8_steps_dry_run(tmp_path):
         if name == "fp8":
             assert s["techniques"]["fp8"].startswith("skipped: fp8 matmuls need a CUDA GPU"), s["techniques"]
     assert by_precision[(2, "bf16")]["config"]["compile"]["regional"] is True  # the wide GPT: block by block on a GPU
+
+
+def test_gpu_agenda_lm_tips_dry_run(tmp_path):
+    """The language-model tips step at toy sizes: memory=none,selective,checkpointing and task.loss x
+    compile.optimizer, each an interleaved sweep that completes with its report and applies what it names."""
+    out = tmp_path / "out"
+    env = os.environ | {"DRY": "1", "OUT": str(out)}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "lm_tips"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
+    assert status == {"lm_memory": "0", "lm_loss": "0"}, proc.stdout[-4000:]
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = tar.getnames()
+        assert "runs/lm_memory/report.md" in names and "runs/lm_loss/report.md" in names
+        summaries = [json.load(tar.extractfile(n)) for n in names if n.startswith("runs/lm_") and
+                     n.endswith("summary.json")]
+    applied = {t for s in summaries for t, v in s["techniques"].items() if v == "applied"}
+    assert {"selective_checkpointing", "activation_checkpointing", "compiled_optimizer_step"} <= applied
+    assert {s["config"]["task"]["loss"] for s in summaries} == {"full", "chunked"}

@@ -164,8 +164,7 @@ class _Search:
                       f"may depart up to {self.tolerance:.2%}")
 
     def guard_candidates(self, candidates: list[Switch]) -> list[Switch]:
-        """The candidates whose first ``tune.guard_steps`` stay within the tolerance of yours (or that change no
-        arithmetic)."""
+        """The candidates within the guard's tolerance over ``tune.guard_steps`` (or that change no arithmetic)."""
         passed: list[Switch] = []
         for s in candidates:
             if not s.arithmetic:
