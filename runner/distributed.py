@@ -11,6 +11,7 @@ runner/techniques/parallel.py.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +24,8 @@ from omegaconf import DictConfig
 from runner import launch
 from runner.config import check_choice
 from runner.errors import ConfigError
+
+_GROUPS = itertools.count()  # the process groups this process has joined: each gets keys of its own (attempt_store)
 
 
 @dataclass
@@ -101,31 +104,28 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
                           "distributed.backend=gloo (or null)")
     if cfg.name in ("ddp", "fsdp") and not dist.is_initialized():
         timeout = timedelta(seconds=cfg.timeout_s)
-        device_id = dev if dev.type == "cuda" else None
-        if layout.world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                    device_id=device_id)
-        else:
-            if layout.launcher == "srun":
-                os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
-                os.environ.setdefault("MASTER_PORT", str(layout.master_port))
-            dist.init_process_group(backend, store=attempt_store(layout, timeout), rank=layout.rank,
-                                    world_size=layout.world_size, timeout=timeout, device_id=device_id)
+        if layout.launcher == "srun":
+            os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
+            os.environ.setdefault("MASTER_PORT", str(layout.master_port))
+        store = attempt_store(layout, timeout) if layout.world_size > 1 else dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None)
     return Env(rank=layout.rank, local_rank=layout.local_rank, world_size=layout.world_size, nodes=layout.nodes,
                device=dev, launcher=layout.launcher)
 
 
 def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
-    """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each
-    restart of the worker group (``TORCHELASTIC_RESTART_COUNT``).
+    """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each restart
+    of the worker group (``TORCHELASTIC_RESTART_COUNT``) and each process group this process joins (``_GROUPS``).
 
-    Under ``torchrun --max-restarts=N`` the workers share the agent's store across restarts, and since
-    torch 2.x ``env://`` no longer adds a per-attempt prefix; a restarted group could then read the previous
-    attempt's process-group keys (gloo: its peers' old addresses) and fail with "connectFullMesh ... Connection
-    refused" or wait on a dead peer. The prefix is the one older torch used (``/worker/attempt_<N>``).
+    Under torchrun the workers share the agent's store across restarts (``--max-restarts=N``) and across the jobs
+    one process runs (a multirun of DDP jobs, each setting up and tearing down its group), and since torch 2.x
+    ``env://`` adds no prefix: a new group would read the previous one's keys (gloo: its peers' old addresses) and
+    fail with "connectFullMesh ... Connection refused" or wait on a dead peer. The prefix is the one older torch
+    used (``/worker/attempt_<N>``), then the group's number: every rank joins the same groups in the same order.
     """
     store, _, _ = next(dist.rendezvous("env://", rank=layout.rank, world_size=layout.world_size, timeout=timeout))
-    return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"/worker/attempt_{os.getenv('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_GROUPS)}", store)
 
 
 def teardown() -> None:
