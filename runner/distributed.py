@@ -8,6 +8,7 @@ layer: runner/techniques/parallel.py.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +21,8 @@ from omegaconf import DictConfig
 from runner import launch
 from runner.config import check_choice
 from runner.errors import ConfigError
+
+_GROUPS = itertools.count()  # the process groups this process has joined: each gets keys of its own (attempt_store)
 
 
 @dataclass
@@ -98,27 +101,25 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
                           "distributed.backend=gloo (or null)")
     if cfg.name in ("ddp", "fsdp") and not dist.is_initialized():
         timeout = timedelta(seconds=cfg.timeout_s)
-        device_id = dev if dev.type == "cuda" else None
-        if layout.world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                    device_id=device_id)
-        else:
-            if layout.launcher == "srun":
-                os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
-                os.environ.setdefault("MASTER_PORT", str(layout.master_port))
-            dist.init_process_group(backend, store=attempt_store(layout, timeout), rank=layout.rank,
-                                    world_size=layout.world_size, timeout=timeout, device_id=device_id)
+        if layout.launcher == "srun":
+            os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
+            os.environ.setdefault("MASTER_PORT", str(layout.master_port))
+        store = attempt_store(layout, timeout) if layout.world_size > 1 else dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None)
     return Env(rank=layout.rank, local_rank=layout.local_rank, world_size=layout.world_size, nodes=layout.nodes,
                device=dev, launcher=layout.launcher)
 
 
 def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
     """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each restart of the
-    worker group (``/worker/attempt_<TORCHELASTIC_RESTART_COUNT>``, as older torch did), so a restarted group never
-    reads a dead attempt's keys: docs/checkpointing.md, "Elastic restarts".
+    worker group (``/worker/attempt_<TORCHELASTIC_RESTART_COUNT>``) and each process group this process joins
+    (``_GROUPS``: a multirun of DDP jobs under torchrun sets one up per job), so a group never reads a dead attempt's
+    or an earlier group's keys (gloo: "connectFullMesh ... Connection refused"): docs/checkpointing.md, "Elastic
+    restarts".
     """
     store, _, _ = next(dist.rendezvous("env://", rank=layout.rank, world_size=layout.world_size, timeout=timeout))
-    return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"/worker/attempt_{os.getenv('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_GROUPS)}", store)
 
 
 def teardown() -> None:

@@ -7,6 +7,7 @@ the embedded MNIST, ``../shared/data`` where present (skipped where absent), rea
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import pickle
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +39,54 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 def pytest_collection_modifyitems(config, items):
     """The tests marked ``longest`` first, the rest in their order. xdist's workers take tests in collection order
     (``--dist loadgroup``), so a 3-minute test collected last (the speed tuner's, test_tune_speed.py) keeps one
-    worker busy while the other idles; taken first, it runs beside the short ones."""
+    worker busy while the other idles; taken first, it runs beside the short ones.
+
+    A test marked ``world_size(n)`` runs on each rank of one ``torchrun --nproc-per-node=n -m pytest -m world_size``
+    (tests/test_two_ranks.py); anywhere else (``WORLD_SIZE`` is not n) it skips, saying how to run it."""
     items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+    for item in items:
+        marker = item.get_closest_marker("world_size")
+        if marker is not None and os.environ.get("WORLD_SIZE") != str(marker.args[0]):
+            n, path = marker.args[0], item.path.relative_to(config.rootpath)
+            command = f"python -m torch.distributed.run --standalone --nproc-per-node={n} -m pytest -m world_size -n 0"
+            item.add_marker(pytest.mark.skip(reason=f"runs on each rank of `{command} {path}` (.ci/run)"))
+
+
+def pytest_collection_finish(session):
+    session.config.stash[_RANKS_RUN] = bool(os.environ.get("TORCHELASTIC_RUN_ID")) and any(
+        item.get_closest_marker("world_size") for item in session.items)
+
+
+def pytest_unconfigure(config):
+    """Each rank of ``torchrun ... -m pytest -m world_size`` waits for the others before it exits: torchrun stops
+    every rank once one exits non-zero, which would cut short the report of a rank still writing it."""
+    if config.stash.get(_RANKS_RUN, False):
+        rank_barrier("pytest exits")
+
+
+_RANKS_RUN = pytest.StashKey[bool]()
+
+
+@functools.cache
+def _agent_store():
+    """This torchrun's agent store (``MASTER_ADDR:MASTER_PORT``; runner's own jobs set up process groups of their
+    own on it), keys under the run id."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=300))
+    return dist.PrefixStore(f"runner-tests/{os.environ['TORCHELASTIC_RUN_ID']}", store)
+
+
+def rank_barrier(name: str, value: str = "") -> list[str]:
+    """Wait until every rank of this torchrun called ``rank_barrier(name)`` (``name``: used once in the run); returns
+    the ``value`` each rank gave, by rank. A rank that never comes fails the others after 300 s."""
+    store, world = _agent_store(), int(os.environ["WORLD_SIZE"])
+    store.set(f"{name}/{os.environ['RANK']}", value)
+    keys = [f"{name}/{rank}" for rank in range(world)]
+    store.wait(keys)
+    return [store.get(key).decode() for key in keys]
+
 
 #: Overrides that make any job tiny and quiet: synthetic 16x16 data, 4 steps, no W&B, one intra-op thread (with
 #: two, xdist's two workers put four threads on two cores and a small step runs ~30x slower).

@@ -86,23 +86,6 @@ def test_module_in_the_run_folder_not_found_elsewhere(tmp_path):
     assert list((elsewhere / "outputs").rglob("summary.json")) == []
 
 
-@pytest.mark.slow
-def test_ddp_two_processes_on_custom_data(tmp_path):
-    """Under torchrun each rank imports my_data from the run folder, draws its DistributedSampler share of
-    the same data, and the replicas stay identical."""
-    from test_distributed import make_root, only_job, torchrun
-
-    module, _ = readme_example()
-    root = make_root(tmp_path)
-    (root / "my_data.py").write_text(module)
-    proc = torchrun("distributed=ddp", *LOOP, "data=custom", "data._target_=my_data.tabular", "data.n_train=1024",
-                    "data.n_eval=256", "model=mlp", "model.hidden=32", "trainer.max_steps=8", cwd=root)
-    s = only_job(root, proc)
-    assert s["world_size"] == 2 and s["techniques"]["ddp"] == "applied" and s["global_batch_size"] == 32
-    assert s["parameters"]["identical_across_ranks"] is True
-    assert s["config"]["data"]["_target_"] == "my_data.tabular"
-
-
 # ------------------------------------------------------------------------------ what runner does with it
 
 
