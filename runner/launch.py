@@ -220,6 +220,7 @@ def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> La
     ``conf/hydra/launcher/submitit_slurm.yaml`` being validated against the plugin's schema of that name (as meant).
     """
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore")
+    argv[1:] = options_first(argv[1:])
     check_launcher(argv)
     layout = discover(env)
     if layout.world_size > 1:
@@ -231,6 +232,23 @@ def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> La
         if not any(a.startswith("hydra.run.dir=") for a in argv):
             argv += restart_overrides(layout)
     return layout
+
+
+#: Hydra's command-line options that take a value (the next argument)
+VALUE_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--cfg", "-c", "--package",
+                 "-p", "--shell-completion", "-sc", "--experimental-rerun")
+
+
+def options_first(args: list[str]) -> list[str]:
+    """``args`` with Hydra's options (and the values of ``VALUE_OPTIONS``) before the overrides: argparse takes the
+    overrides in one run, so ``+experiment=tuned --config-dir DIR trainer.max_steps=5``, the order the tuner's
+    printed line invites, stopped on "unrecognized arguments"."""
+    options, overrides, i = [], [], 0
+    while i < len(args):
+        takes_value = args[i] in VALUE_OPTIONS and i + 1 < len(args)
+        (options if args[i].startswith("-") else overrides).extend(args[i:i + 1 + takes_value])
+        i += 1 + takes_value
+    return options + overrides
 
 
 def check_launcher(argv: list[str]) -> None:

@@ -81,6 +81,9 @@ def main() -> None:
     lines += [f"Pick: `{result['override']}` (objective {result.get('objective', 'throughput')}).", "",
               "Its notes:", "", *[f"- {n}" for n in result["notes"]], "",
               f"Its table: [{tuned.name}/speed.md]({tuned / 'speed.md'}) (not committed).", ""]
+    if result["override"] == "(no change)":
+        out.write_text("\n".join(lines) + "\n")
+        sys.exit(f"the tuner recommends no change: nothing to time against the job; {out}")
     pairs = []
     lines += [f"## 2. Steady tokens/s, alternated ({a.repeats} pairs of fresh processes, {a.steps} steps, no "
               f"evaluation)", "", "| pair | recipe tokens/s | pick tokens/s | pick ÷ recipe | load before/after |",

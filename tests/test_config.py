@@ -133,6 +133,19 @@ def test_amp_and_pinned_run_here_with_cuda_parts_skipped(tmp_path):
         assert t["amp"].startswith("skipped: ") and "native bf16" in t["amp"], t["amp"]
 
 
+def test_overrides_may_follow_config_dir_as_the_tuners_printed_line_has_them(tmp_path):
+    """``python -m runner '+experiment=tuned' --config-dir DIR trainer.log_every=3``: Hydra's argparse took overrides
+    only before or after all its options and stopped on "unrecognized arguments"; runner puts the options first."""
+    from conftest import run_here
+
+    (tmp_path / "preset" / "experiment").mkdir(parents=True)
+    (tmp_path / "preset" / "experiment" / "tuned.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: 7\n")
+    proc = run_here("+experiment=tuned", "--config-dir", str(tmp_path / "preset"), "trainer.log_every=3", "--cfg",
+                    "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "max_steps: 7" in proc.stdout and "log_every: 3" in proc.stdout
+
+
 def test_help_lists_every_option_and_no_schema(tmp_path):
     """``--help`` lists each group with exactly its YAML options: the ``base_*`` schemas that the options
     extend (ConfigStore entries) are not choices and are left out."""
