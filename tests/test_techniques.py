@@ -502,6 +502,7 @@ def test_compile_reduce_overhead_on_cpu_compiles_without_cuda_graphs(tmp_path, s
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # two compiles of the optimizer step (~13 s on 2 cores)
 def test_the_compiled_optimizer_step_follows_the_eager_one_and_the_schedule_recompiles_nothing(tmp_path):
     """``compile.optimizer=true``: AdamW's step under torch.compile, its LR a tensor the cosine schedule fills in place:
     the same losses and LRs as eager, and one graph for 8 steps of changing LR (a float LR recompiles every step)."""
