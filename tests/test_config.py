@@ -80,7 +80,7 @@ LANGUAGE_MODEL = {("task", "language_model"), ("model", "gpt"), ("data", "text")
 # read each back), the presets (combinations of the options built here, trained by their own tests) and the recipe
 # searches (hparams_search: a sweeper's settings on the global package, run by tests/test_search.py).
 NOT_BUILT = ("compile", "logger", "hparams_search", *PRESETS)
-BUILD = [(g, o) for g, o in OPTIONS if g not in NOT_BUILT] + [("logger", "none")]
+BUILD = [(g, o) for g, o in OPTIONS if g not in NOT_BUILT and (g, o) != ("memory", "budget")] + [("logger", "none")]
 
 
 @pytest.mark.parametrize("group,option", BUILD, ids=[f"{g}={o}" for g, o in BUILD])
@@ -119,6 +119,19 @@ def test_compile_option_builds(option):
     model, techniques, _ = prepare.prepare(models.build(cfg.model, {"num_classes": 10}, 3), cfg, env, amp)
     assert all(v == "applied" or v.startswith("skipped: ") for v in techniques.values())
     assert (cfg.compile.mode is None) == ("compile" not in techniques)
+
+
+def test_memory_budget_option_builds_with_compile():
+    """memory=budget acts in torch.compile's partitioner: built here with compile=default (training it would compile,
+    as the compile options above are not trained); the process-wide budget is put back after."""
+    cfg = compose_cfg("memory=budget", "compile=default")
+    env = distributed.setup(cfg.distributed, cfg.trainer.device)
+    amp = precision.build(cfg.precision, env.device)
+    try:
+        _, techniques, _ = prepare.prepare(models.build(cfg.model, {"num_classes": 10}, 3), cfg, env, amp)
+        assert techniques["activation_memory_budget"] == "applied" and techniques["compile"] == "applied"
+    finally:
+        prepare.apply_memory_budget(None, "default")
 
 
 def test_amp_and_pinned_run_here_with_cuda_parts_skipped(tmp_path):
