@@ -162,13 +162,15 @@ fi
 if has lm_tips; then
   # the language model's own tips on GPT-2 124M: peak memory and tokens/s of selective checkpointing against none and
   # full checkpointing; the chunked loss and the compiled optimizer step against the plain ones; all interleaved
-  lm_toy=("${gpt2_toy[@]}")
-  [ -n "$DRY" ] && lm_toy+=(model.n_layer=2)  # checkpointing wraps repeated blocks: at least two
+  lm_toy=("${gpt2_toy[@]}"); memories=none,selective,checkpointing; optimizer_step=false,true
+  # on a CPU (DRY): two blocks (checkpointing wraps repeated blocks), and fewer configurations
+  [ -n "$DRY" ] && { lm_toy+=(model.n_layer=2); memories=selective,checkpointing; optimizer_step=true; }
   step lm_memory "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16 \
-    memory=none,selective,checkpointing "${lm_sweep[@]}" "${lm_toy[@]}" hydra.sweep.dir="$RUNS/lm_memory"
+    memory=$memories "${lm_sweep[@]}" "${lm_toy[@]}" hydra.sweep.dir="$RUNS/lm_memory"
   cat "$RUNS/lm_memory/report.md" >>"$LOGS/lm_memory.log" 2>/dev/null
   step lm_loss "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16 \
-    task.loss=full,chunked compile.optimizer=false,true "${lm_sweep[@]}" "${lm_toy[@]}" hydra.sweep.dir="$RUNS/lm_loss"
+    task.loss=full,chunked compile.optimizer=$optimizer_step "${lm_sweep[@]}" "${lm_toy[@]}" \
+    hydra.sweep.dir="$RUNS/lm_loss"
   cat "$RUNS/lm_loss/report.md" >>"$LOGS/lm_loss.log" 2>/dev/null
 fi
 if has gpt; then
