@@ -220,9 +220,12 @@ def run_here(*args: str, cwd: Path, env: dict | None = None, module: str = "runn
             except SystemExit as e:  # argparse's usage errors
                 code = e.code if isinstance(e.code, int) else 1
     finally:
+        from hydra.core.hydra_config import HydraConfig
+
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
+        HydraConfig.instance().cfg = None  # as a new process has it: no later test sees this run's Hydra config
     return subprocess.CompletedProcess(["python", "-m", "runner", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -431,9 +431,8 @@ def _rounds_folder(job_dir: Path) -> Path:
     CLI runs it; else a scratch folder under ``job_dir``)."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir) / "rounds"
-    return Path(job_dir) / "rounds"
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    return Path(OmegaConf.select(hydra, "runtime.output_dir", default=None) or job_dir if hydra else job_dir) / "rounds"
 
 
 def _paired_cells(c) -> dict[str, Any]:
