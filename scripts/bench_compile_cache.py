@@ -58,7 +58,7 @@ def main() -> None:
             for kind, once, wall, load in runs:
                 by_kind[kind].append(once["compile_s"])
                 rows.append(f"| {r + 1} | {kind} | {once['compile_s']:.2f} | {once['warmup_excess_s']:.2f} | "
-                            f"{wall:.1f} | {once['compile_cache'].split(' (')[0]} | {load:.2f} |")
+                            f"{wall:.1f} | {once['compile_cache'].split(':')[0]} | {load:.2f} |")
     median = {k: statistics.median(v) for k, v in by_kind.items()}
     lines = [f"# The compile cache in the job folder ({time.strftime('%Y-%m-%d')})", "",
              f"Machine: {os.cpu_count()} cores ({_cpu()}), Python {platform.python_version()}; command: "
