@@ -279,7 +279,8 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
                                 gate=gate, compile_cache=compile_cache.load(  # the resumed job's folder (its cache)
                                     point.path.parent.parent if point.path is not None else job_dir)
                                 if cfg.compile.mode else "off",
-                                compiled_before=compile_cache.compiled_so_far())
+                                compiled_before=compile_cache.compiled_so_far()  # dynamo's import: compiled jobs only
+                                if cfg.compile.mode or cfg.compile.optimizer else (0.0, 0))
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)
         for watch, key in ((parts.early, "early_stopping"), (parts.best, "best")):

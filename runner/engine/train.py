@@ -234,7 +234,7 @@ def one_time_costs(parts: Parts, figures: dict[str, Any]) -> dict[str, Any]:
 
     m, median = parts.meter, figures["step_time_ms_median"]
     compiled = bool(parts.cfg.compile.mode or parts.cfg.compile.optimizer)
-    (s0, g0), (s1, g1) = parts.compiled_before, compile_cache.compiled_so_far()
+    (s0, g0), (s1, g1) = parts.compiled_before, compile_cache.compiled_so_far() if compiled else (0.0, 0)
     excess = m.warmup_s - min(m.warmup_steps, m.step) * median / 1e3 if m.warmup_s is not None and median else None
     return {"startup_s": m.first_step_at - runner.STARTED_S if m.first_step_at else None, "warmup_s": m.warmup_s,
             "warmup_excess_s": excess, "compile_s": s1 - s0 if compiled else None,
