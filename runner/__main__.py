@@ -99,7 +99,10 @@ def _train(cfg: DictConfig) -> float | None:
             _diagnose(warnings_shown=cfg.trainer.progress != "off")
         return objective.value(summary, cfg.optimized_metric)
     except ConfigError as e:
+        from runner.engine.jobdir import undo_refused_run
+
         print(f"error: {e}", file=sys.stderr)
+        undo_refused_run()  # a refused run leaves no folder, and a finished run's .hydra/ as it was
         sys.exit(2)
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)

@@ -27,6 +27,8 @@ def run_bad(tmp_path: Path, *overrides: str):
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert list((cwd / "outputs").rglob("summary.json")) == []
+    if proc.returncode == 2:  # refused: no folder left behind
+        assert not (cwd / "outputs").exists(), sorted(str(p) for p in (cwd / "outputs").rglob("*"))
     assert list(cwd.rglob("*.wandb")) == [] and not (cwd / "wandb").exists()
     return proc
 
@@ -404,7 +406,7 @@ def test_bad_data_mid_training_is_one_message_naming_the_item(tmp_path, kind, wo
 
 # ----------------------------------------------------------------------------- runner.log holds the run's log
 @pytest.mark.slow
-def test_runner_log_holds_the_console_the_summary_the_doctor_and_errors(tmp_path):
+def test_runner_log_holds_the_console_the_summary_and_the_doctor_and_a_refused_run_leaves_no_folder(tmp_path):
     from conftest import job_dirs
 
     (tmp_path / "ok").mkdir()
@@ -415,11 +417,10 @@ def test_runner_log_holds_the_console_the_summary_the_doctor_and_errors(tmp_path
     assert "step 8/8" in log and f"summary ({job / 'summary.json'})" in log and "speed doctor" in log
     assert all(line in log for line in ok.stdout.splitlines() if line.strip())  # everything runner printed
 
-    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad").mkdir()  # a refused run leaves no folder: its one line is on the console
     bad = run_cli(*TINY, "trainer.max_steps=0", cwd=tmp_path / "bad")
-    assert bad.returncode == 2
-    (job,) = job_dirs(tmp_path / "bad")
-    assert "error: trainer.max_steps=0 must be >= 1" in (job / "runner.log").read_text()
+    assert bad.returncode == 2 and "error: trainer.max_steps=0 must be >= 1" in bad.stderr
+    assert list((tmp_path / "bad").iterdir()) == []
 
 
 @pytest.mark.parametrize("choice", ["optimizer=base_optimizer", "task=base_task", "scheduler=base_scheduler"])

@@ -300,6 +300,7 @@ def test_nan_stops_with_the_last_checkpoint_intact_and_skip_counts(tmp_path):
 def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
     folder = tmp_path / "job"
     run(command(folder, [*JOB, "trainer.max_steps=3"], False), tmp_path)
+    hydra = {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()}
     changed = subprocess.run(command(folder, [*JOB, "trainer.max_steps=6", "optimizer.lr=0.5"], False), cwd=tmp_path,
                              env=env(), capture_output=True, text=True, timeout=300)
     assert changed.returncode == 2 and "optimizer.lr: 0.01 -> 0.5" in changed.stderr
@@ -309,6 +310,7 @@ def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
     fresh = subprocess.run(command(folder, [*JOB, "checkpoint.resume=never"], False), cwd=tmp_path, env=env(),
                            capture_output=True, text=True, timeout=300)
     assert fresh.returncode == 2 and "would mix a new run into it" in fresh.stderr
+    assert {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()} == hydra  # the refusals left it as it was
     longer = run(command(folder, [*JOB, "trainer.max_steps=6"], False), tmp_path)  # max_steps may change
     assert "resumed from" in longer.stdout and read_summary(folder)["steps"] == 6
 

@@ -161,6 +161,59 @@ def claim(folder: Path, cfg: Any) -> bool:
     return taken
 
 
+#: ``python -m runner``'s folder as it was before Hydra wrote into it (``JobLock.on_run_start``, rank 0): the folder,
+#: whether it existed, its ``.hydra/`` files and the size and time of everything else in it
+_before: dict[str, Any] = {}
+#: what Hydra and runner write into a run's folder before training starts
+_STARTED = {".hydra", "runner.log", LOCK_FILE}
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.iterdir() if p.name not in _STARTED}
+
+
+def _remember(folder: Path) -> None:
+    hydra = folder / ".hydra"
+    files = {p.name: p.read_bytes() for p in hydra.iterdir() if p.is_file() and not p.is_symlink()} \
+        if hydra.is_dir() and not hydra.is_symlink() else {}
+    made = [folder, *[p for p in folder.absolute().parents if not p.exists()]]  # this run makes these folders
+    _before.update(folder=folder, existed=folder.is_dir(), files=files, made=made,
+                   listing=_listing(folder) if folder.is_dir() else {})
+
+
+def undo_refused_run() -> None:
+    """After ``python -m runner`` refused its config (a ``ConfigError`` before the run wrote anything of its own):
+    leave the folder as it was. A folder this run created is removed; in one it found (a finished run's), the
+    ``.hydra/`` that Hydra rewrote gets its files back byte for byte. Nothing when the run wrote anything besides
+    ``.hydra/``, ``runner.log`` and the lock, or when no single run was started in this process."""
+    import shutil
+
+    folder = _before.pop("folder", None)
+    if folder is None or not folder.is_dir() or folder.is_symlink() or _listing(folder) != _before["listing"]:
+        return
+    release(folder)
+    if not _before["existed"]:
+        shutil.rmtree(folder, ignore_errors=True)
+        for parent in _before["made"][1:]:  # outputs/<date>/ too, when this run made it and it stayed empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        return
+    hydra = folder / ".hydra"
+    if hydra.is_dir() and not hydra.is_symlink():
+        for p in hydra.iterdir():
+            if p.name not in _before["files"] and p.is_file():
+                p.unlink()
+        for name, data in _before["files"].items():
+            tmp = hydra / f".{name}.restore"
+            tmp.unlink(missing_ok=True)
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644),
+                      "wb") as f:
+                f.write(data)
+            os.replace(tmp, hydra / name)
+
+
 def _refuse(e: ConfigError) -> None:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -188,6 +241,8 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
         except Exception:  # noqa: BLE001 - a folder Hydra resolves later (${hydra:...}): train() locks it then
             return
         if folder:
+            if key == "hydra.run.dir":
+                _remember(Path(str(folder)))
             try:
                 acquire(Path(str(folder)))
             except ConfigError as e:
@@ -203,6 +258,7 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
             self._lock(config, "hydra.run.dir")
             return
         folder, step = found  # its lock is taken; Hydra makes no new folder, run_job reads hydra.run.dir next
+        _remember(folder)
         with read_write(config.hydra.run):
             config.hydra.run.dir = str(folder)
         print(f"resuming the interrupted run in {folder} (step {step}); checkpoint.resume=never starts fresh",
