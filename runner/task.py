@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner import distributed, protocols, techniques
@@ -50,10 +49,9 @@ def build(cfg: DictConfig):
         ConfigError: ``task._target_`` cannot be imported or called, or what it builds lacks a member of the task
             contract (``runner.protocols.Task``) or has one whose signature the engine's call does not fit.
     """
-    try:
-        task = instantiate(cfg)
-    except Exception as e:  # hydra wraps import and call errors in InstantiationException
-        raise ConfigError(f"task._target_={cfg._target_!r} could not be built: {e}") from e
+    from runner.config.targets import call, plain
+
+    task = call("task._target_", cfg._target_, {k: v for k, v in plain(cfg).items() if k != "_target_"})
     wrong = protocols.mismatches(task, protocols.Task)
     if wrong:
         raise ConfigError(f"task._target_={cfg._target_!r} is not a task: its {type(task).__name__} "

@@ -16,7 +16,7 @@ import typing
 import pytest
 import torch
 
-from conftest import TINY_LOOP, compose_cfg, job_dirs, metrics_rows, read_summary, run_cli
+from conftest import TINY_LOOP, compose_cfg, job_dirs, metrics_rows, read_summary, run_cli, run_here
 from runner import REPO_ROOT, data as data_mod, protocols, task as task_mod
 from runner.distributed import Env, setup
 from runner.engine.build import Parts
@@ -211,6 +211,33 @@ def test_a_users_own_task_trains_float_targets_the_same_way(tmp_path):
                          "trainer.target_loss=0.1", "trainer.stop_at_target=true"), job_dir=tmp_path)
     assert s["eval_loss"] <= 0.1 and s["eval_rmse"] == pytest.approx(math.sqrt(s["eval_loss"]))
     assert s["steps"] < 200 and s["stopped_early"].startswith("reached the targets: eval_loss")
+
+
+def test_a_tasks_own_arguments_and_metrics_reach_it_and_the_console(tmp_path):
+    """``+task.<key>`` are a task's constructor arguments when the task is the user's own (the protocol says so); its
+    own metric (``eval_mae``) shows on the console's evaluation line beside ``eval_loss``; a wrong argument is one
+    line naming the target and the argument."""
+    own = [*REGRESSION, "task._target_=user_data.WeightedRegression", "trainer.max_steps=10",
+           "trainer.progress=lines", "logger=none"]
+    (tmp_path / "a").mkdir()
+    proc = run_here(*own, "+task.weight=2", cwd=tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = [r for r in metrics_rows(next((tmp_path / "a").rglob("summary.json")).parent) if r["step"] == 10
+              and "eval_mae" in r]
+    assert f"step 10/10 | epoch 0 | eval_loss {row['eval_loss']:.4g} | eval_rmse {row['eval_rmse']:.4g} | " \
+           f"eval_mae {row['eval_mae']:.4g}" in proc.stdout
+    (tmp_path / "b").mkdir()  # weight 1: AdamW's steps do not depend on the loss's scale, so the loss is halved
+    assert run_here(*own, cwd=tmp_path / "b").returncode == 0
+    weighted, plain = ([r["loss"] for r in metrics_rows(next((tmp_path / d).rglob("summary.json")).parent)
+                        if "loss" in r][-1] for d in "ab")
+    assert weighted / plain == pytest.approx(2, rel=0.05)
+    (tmp_path / "c").mkdir()
+    wrong = run_here(*own, "+task.weigth=2", cwd=tmp_path / "c")
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
+        "error: task._target_='user_data.WeightedRegression' raised TypeError: WeightedRegression.__init__() got an "
+        "unexpected keyword argument 'weigth' (called with weigth=2)"]
+    builtin = run_here(*REGRESSION, "+task.weight=2", cwd=tmp_path / "c")  # runner's own task: the schema decides
+    assert builtin.returncode == 2 and "task.weight is not a setting runner reads" in builtin.stderr
 
 
 # ------------------------------------------------------------------------------ trainer.stop_at_target

@@ -284,3 +284,24 @@ def regression_with_a_nan_evaluation_row():
     train, evaluation = regression()
     return train, NanRow(evaluation)
 
+
+
+class WeightedRegression(OwnRegression):
+    """``OwnRegression`` with a constructor argument (``+task.weight=2``: the loss times ``weight``) and a metric of
+    its own, ``eval_mae`` (the mean absolute error), which the console shows beside ``eval_loss``."""
+
+    metrics = ("eval_loss", "eval_rmse", "eval_mae")
+
+    def __init__(self, weight: float = 1.0):
+        self.weight = weight
+
+    def loss(self, model, batch):
+        return self.weight * super().loss(model, batch)
+
+    def evaluate(self, model, batches, autocast, max_batches, env):
+        batches = list(batches)
+        figures = super().evaluate(model, batches, autocast, max_batches, env)
+        absolute, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, lambda out, y: torch.stack(
+            [(out.reshape(y.shape) - y.float()).abs().sum().double(),
+             torch.tensor(y.numel(), device=y.device, dtype=torch.float64)]))
+        return figures | {"eval_mae": absolute / count if count else None}

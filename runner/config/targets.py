@@ -235,6 +235,7 @@ def call(key: str, path: str, kwargs: dict[str, Any]) -> Any:
         cause = e.__cause__ or e
         if isinstance(cause, ConfigError):
             raise cause
-        raise ConfigError(f"{key}={path!r} raised {type(cause).__name__}: {cause} (called with "
+        said = " ".join(str(cause).split())  # one line (Hydra's import errors take three)
+        raise ConfigError(f"{key}={path!r} raised {type(cause).__name__}: {said} (called with "
                           f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items() if not hydra_key(k)) or 'no arguments'})"
                           ) from cause

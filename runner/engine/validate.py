@@ -103,7 +103,8 @@ def logger_override_error(exc: BaseException, overrides: list[str]) -> str | Non
 def _refuse_undeclared_keys(cfg: DictConfig) -> None:
     """A key added with ``+`` that no schema declares (``+trainer.max_step=3``: the fix Hydra suggests for a
     misspelt key) would be accepted and ignored; refuse it, naming the close declared key. The open nodes
-    (``model``, ``data=custom``: a constructor's or function's arguments) are checked by their builders.
+    (``model``, ``data=custom``, a task of your own: a constructor's or function's arguments) are checked by their
+    builders.
 
     Raises:
         ConfigError: naming the key and the declared keys it is closest to.
@@ -114,6 +115,8 @@ def _refuse_undeclared_keys(cfg: DictConfig) -> None:
         schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
         if not dataclasses.is_dataclass(schema) or OmegaConf.is_struct(node) is False:
             continue  # not a schema'd node, or an open one (its builder checks the names)
+        if name == "task" and not str(node.get("_target_") or "").startswith("runner."):
+            continue  # a task of your own: +task.<key> are its constructor's arguments (runner.task.build checks)
         declared = [f.name for f in dataclasses.fields(schema)]
         for key in node.keys():
             if key not in declared:

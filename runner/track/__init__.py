@@ -50,6 +50,14 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _evaluated(row: dict[str, Any]) -> list[str]:
+    """The evaluation figures of a row for the console: accuracy, loss and RMSE first, then a task's own
+    (``eval_<name>``, numbers only) in the order the task returned them."""
+    first = ["eval_accuracy", "eval_loss", "eval_rmse"]
+    return first + [k for k, v in row.items() if k.startswith("eval_") and k not in first
+                    and isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
 class Tracker:
     """Rank 0's outputs for one job: metrics rows, console progress, the loggers `logger=` picks (W&B, TensorBoard,
     MLflow, metrics.csv: ``runner.track.loggers``), the summary."""
@@ -105,14 +113,13 @@ class Tracker:
         self._metrics.flush()
         if self.bar is not None:
             self.bar.n = row["step"]
-            shown = {k: _fmt(row.get(k)) for k in ("loss", "samples_per_sec", "tokens_per_sec", "eval_accuracy",
-                                                   "eval_loss", "eval_rmse") if row.get(k) is not None}
+            shown = {k: _fmt(row.get(k)) for k in ("loss", "samples_per_sec", "tokens_per_sec", *_evaluated(row))
+                     if row.get(k) is not None}
             self.bar.set_postfix({k.replace("_per_sec", "/s"): v for k, v in shown.items()}, refresh=True)
         elif self.mode == "lines":
             parts = [f"step {row['step']}/{self.total_steps}"] + [
                 f"{k} {_fmt(row[k])}" for k in ("epoch", "loss", "lr", "samples_per_sec", "tokens_per_sec",
-                                                "step_time_ms", "data_wait_ms", "peak_memory_mb", "eval_accuracy",
-                                                "eval_loss", "eval_rmse")
+                                                "step_time_ms", "data_wait_ms", "peak_memory_mb", *_evaluated(row))
                 if row.get(k) is not None]
             print(" | ".join(parts), flush=True)
         if self.wandb is not None:
