@@ -186,3 +186,21 @@ def test_on_cuda_the_warmup_is_profiled_for_gpu_idle(tmp_path):
     off = train(compose_cfg("trainer.device=cuda", "trainer.max_steps=8", "trainer.warmup_steps=4",
                             "trainer.doctor=false"), job_dir=tmp_path / "off")
     assert off["gpu_idle_fraction"] is None
+
+
+@pytest.mark.parametrize("trainer, reached, said", [
+    ({"target_accuracy": 0.99}, None, "note: the target was not reached in 20 steps: trainer.target_accuracy=0.99 "
+                                      "(the last eval_accuracy: 0.893); train longer (trainer.max_steps) or change "
+                                      "the recipe (optimizer.lr, scheduler)"),
+    ({"target_accuracy": 0.8}, 1.5, None),  # reached: nothing said
+    ({}, None, None),  # no target: nothing said
+    ({"target_loss": 0.1, "target_weights": "ema"}, None, "trainer.target_loss=0.1 (the last eval_loss_ema: 0.38)"),
+])
+def test_a_run_that_misses_its_target_says_so_after_its_summary(tmp_path, capsys, trainer, reached, said):
+    summary = {"measurement": "15 steps measured", "steps": 20, "eval_accuracy": 0.893, "eval_loss_ema": 0.38,
+               "eval_mae": 0.25, "time_to_target_s": reached, "techniques": {}, "config": {"trainer": trainer}}
+    print_summary(summary, tmp_path)
+    out = capsys.readouterr().out
+    assert "  eval_mae " in out  # a task's own metric is in the table too
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert (notes == []) if said is None else (len(notes) == 1 and said in notes[0]), out

@@ -192,6 +192,8 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
             "eval_rmse_ema", "stopped_early",
             "time_to_target_s", "train_time_s", "eval_time_s", "checkpoint_time_s", "restarts", "skipped_steps",
             "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
+    keys[keys.index("eval_bits_per_char"):keys.index("eval_bits_per_char")] = [  # a task's own (eval_mae), numbers
+        k for k in _evaluated(summary)[3:] if k not in keys and not k.endswith("_ema")]
     rows = ([(k, _fmt(summary[k])) for k in keys
              if k in summary and (k not in ("skipped_steps", "stopped_early") or summary[k])]
             + [(f"technique {k}", v) for k, v in summary["techniques"].items()])
@@ -199,8 +201,25 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     print(f"\nsummary ({job_dir / 'summary.json'})")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    if (missed := missed_target(summary)) is not None:
+        print(f"note: {missed}")
     for warning in summary.get("warnings") or []:
         print(f"warning: {warning}; rerun on a quiet machine for figures to trust")
+
+
+def missed_target(summary: dict[str, Any]) -> str | None:
+    """One clause when the run set ``trainer.target_accuracy``/``target_loss`` and never met them (``time_to_target_s``
+    null): the targets, the last evaluation's figures and the fix; None otherwise."""
+    trainer = (summary.get("config") or {}).get("trainer") or {}
+    suffix = "_ema" if trainer.get("target_weights") == "ema" else ""
+    wanted = [(f"eval_{m}{suffix}", trainer[f"target_{m}"]) for m in ("accuracy", "loss")
+              if trainer.get(f"target_{m}") is not None]
+    if not wanted or summary.get("time_to_target_s") is not None:
+        return None
+    said = ", ".join(f"trainer.target_{k.split('_')[1]}={t:g} (the last {k}: {_fmt(summary.get(k))})"
+                     for k, t in wanted)
+    return (f"the target was not reached in {summary.get('steps')} steps: {said}; train longer (trainer.max_steps) "
+            f"or change the recipe (optimizer.lr, scheduler)")
 
 
 def print_job_line(summary: dict[str, Any], job_dir: Path) -> None:
