@@ -31,13 +31,13 @@ def test_gpu_agenda_dry_run(tmp_path):
 
     with tarfile.open(out / "logs.tgz") as tar:
         names = tar.getnames()
-        assert "runs/tune_gpt/experiment/tuned.yaml" in names  # the race's tuned run reads this
+        assert "runs/tune_gpt/experiment/tuned.yaml" not in names  # no round fits the budget: no change, no preset
         assert "runs/tune_r18/speed.md" in names
         assert "runs/aa_gpt/report.md" in names
         report = tar.extractfile("runs/aa_gpt/report.md").read().decode()
     assert "**Noise (A/A):** the reference against its copy `0-aa`" in report
     race = (out / "race.md").read_text()
-    assert "| runner recipe (compile=default) |" in race and "| runner recipe + tuned |" in race
+    assert "| runner recipe (compile=default) |" in race and "| runner recipe + tuned |" not in race
     assert "nanoGPT" not in race.split("|---")[1]  # no nanoGPT checkout here: left out, not failed
 
 

@@ -114,6 +114,7 @@ def test_the_guard_rejects_a_switch_that_changes_what_is_learned(tmp_path):
         "verdict"]
     assert guard["foreach_optimizer"]["verdict"] == "passed" and guard["foreach_optimizer"]["guard_departure"] < 0.02
     assert result["override"] == "(no change)" and result["recommended"]["switches"] == []
+    assert not (tmp_path / "out" / "experiment" / "tuned.yaml").exists()  # no change writes no preset
 
 
 def test_on_device_batches_are_the_loaders_batches():
@@ -151,12 +152,12 @@ def test_the_override_follows_the_verdict_end_to_end(tmp_path):
     assert [r["switch"] for r in measured] == ["anomaly"]
     low, speedup, high = (float(measured[0][k]) for k in ("ci_low", "speedup", "ci_high"))
     assert low <= speedup <= high
-    tuned = (out / "experiment" / "tuned.yaml").read_text()
+    tuned = out / "experiment" / "tuned.yaml"
     if measured[0]["verdict"] == "helps":
-        assert proc.stdout.strip().splitlines()[-1] == "override: debug.name=anomaly" and "anomaly" in tuned
+        assert proc.stdout.strip().splitlines()[-1] == "override: debug.name=anomaly" and "anomaly" in tuned.read_text()
     else:
         assert proc.stdout.strip().splitlines()[-1] == "override: (no change)"
-        assert "switches: none (no change)" in tuned
+        assert not tuned.exists()  # no change: no preset to apply
     assert (out / "rounds" / "round1" / "interleave.json").is_file()
 
 

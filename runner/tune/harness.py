@@ -369,6 +369,7 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
     """Write ``<name>.csv`` (the rows), ``.md`` (table, override, notes), ``.png`` and ``.json`` (the result and
     ``tune.*``) into ``out``; returns their paths."""
     from runner.track import write_json_atomic
+    from runner.track.records import write_own
 
     kind = tuner.name
     out.mkdir(parents=True, exist_ok=True)
@@ -390,8 +391,11 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
     extra = []
     for name, text in result.get("files", {}).items():  # a tuner's own files, e.g. speed's experiment/tuned.yaml
         path = out / name
+        if text is None:  # the tuner has none to write this time: an earlier run's copy goes
+            path.unlink(missing_ok=True)
+            continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_own(path, text)
         extra.append(path)
     json_path = out / f"{kind}.json"
     write_json_atomic(json_path, {"tuner": kind, **{k: v for k, v in result.items() if k != "files"},

@@ -390,7 +390,7 @@ class _Search:
                             f"to head (tune.objective={self.t.objective})")
         else:
             override = "(no change)"
-            notes.insert(0, "no change: no switch made your job firmly faster on this machine")
+            notes.insert(0, "no change: no switch made your job firmly faster on this machine (no preset written)")
         biased = [r for r in self.rounds if r.aa is not None and (r.aa.low > 1 or r.aa.high < 1)]
         if biased:
             notes.insert(1, "warning: " + "; ".join(f"{r.title.split(':')[0]}: your configuration against its own "
@@ -412,7 +412,9 @@ class _Search:
                 "rounds": [{"title": r.title, "aa": _paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
                            for r in self.rounds],
                 "objective": self.t.objective, "job_steps": self.job_steps,
-                "files": {"experiment/tuned.yaml": tuned_yaml(picked, recommended, self.t.objective)}}
+                # no change: no preset (and none left from an earlier tuning into this folder)
+                "files": {"experiment/tuned.yaml": tuned_yaml(picked, recommended, self.t.objective) if picked
+                          else None}}
 
 
 ALL = "all"  # the round's job with every switch of the combination
@@ -457,7 +459,7 @@ def _describe(c) -> str:
 def tuned_yaml(picked: list[Switch], recommended: dict[str, Any], objective: str = "job") -> str:
     """The pick as a preset (``experiment/tuned.yaml``, package ``_global_``)."""
     lines = ["# @package _global_", "# python -m runner.tune speed: the pick, verified head to head against the "
-             "configuration it was tuned on", f"# switches: {', '.join(recommended['switches']) or 'none (no change)'}",
+             "configuration it was tuned on", f"# switches: {', '.join(recommended['switches'])}",
              f"# objective: {objective} (tune.objective: job = the whole job's wall time, one-time costs included; "
              f"throughput = steady samples/s)"]
     if recommended.get("ci_low") is not None:
