@@ -596,3 +596,29 @@ def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_pat
     cfg = compose_cfg("data=custom", "data._target_=user_data.unpicklable", "model=mlp", *TINY_LOOP,
                       "dataloader.num_workers=1")
     assert forked(cfg, tmp_path / "job2")["steps"] >= 1
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda r: r.update(jobs=[]), "jobs is []"),
+    (lambda r: r.pop("settings"), "settings is None"),
+    (lambda r: r.update(started="x"), "started is 'x'"),
+    (lambda r: r["slices"].__setitem__(0, None), "slices[0] is NoneType, not an object"),
+    (lambda r: r["slices"][0].update(samples_per_sec=-1.0), "slices[0].samples_per_sec is -1.0"),
+    (lambda r: r["slices"][0].update(samples_per_sec=float("inf")), "slices[0].samples_per_sec is inf"),
+    (lambda r: r["slices"][0].update(job="ghost"), "slices[0].job 'ghost' is not in jobs"),
+    (lambda r: r["jobs"]["baseline/r0"].update(group="x"), "jobs.baseline/r0.group is 'x'"),
+    (lambda r: r["settings"].update(confidence=2), "settings.confidence is 2"),
+])
+def test_a_damaged_interleave_record_is_one_line_naming_the_key(tmp_path, capsys, damage, named):
+    """``interleave.json`` is read by every report; one not written by the conductor (edited, or another tool's)
+    is refused before any reader indexes it: one ``error:`` line naming the file and the key, status 2."""
+    from runner.report.__main__ import main
+
+    sweep = write_sweep(tmp_path / "sweep")
+    record = json.loads((sweep / "interleave.json").read_text())
+    damage(record)
+    (sweep / "interleave.json").write_text(json.dumps(record))
+    assert main([str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {sweep / 'interleave.json'} is not a record runner's "
+                                                   f"conductor wrote: {named}; run the sweep again"), err

@@ -26,9 +26,66 @@ def load(sweep: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} cannot be read ({e}); run the sweep again") from e
+    wrong = malformed(record)
+    if wrong:
+        raise ValueError(f"{path} is not a record runner's conductor wrote: {wrong}; run the sweep again (or restore "
+                         f"the file)")
+    return record
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+#: what the conductor writes, per key: the test its value passes; a key marked optional may be absent or null
+_TOP = {"reference": (_text, False), "aa": (_text, True), "settings": (lambda v: isinstance(v, dict), False),
+        "started": (_number, True), "finished": (_number, True), "slice_steps": (_integer, True),
+        "jobs": (lambda v: isinstance(v, dict), False), "slices": (lambda v: isinstance(v, list), False),
+        "stopped": (lambda v: isinstance(v, list) and all(map(_text, v)), True), "design": (_text, True)}
+_JOB = {"folder": (_text, True), "config": (_text, True), "reference": (_text, True), "group": (_integer, True),
+        "status": (_text, False), "footprint_mb": (_number, True), "steps": (_integer, True), "design": (_text, True)}
+_SLICE = {"group": (_integer, False), "pass": (_integer, False), "position": (_integer, True), "job": (_text, False),
+          "pairs_with": (_integer, True), "steps": (_integer, True), "seconds": (_number, True),
+          "samples_per_sec": (lambda v: _number(v) and v >= 0, True), "resume_steps": (_integer, True),
+          "time": (_number, True)}
+
+
+def _wrong(where: str, item: Any, spec: dict[str, tuple[Any, bool]]) -> str | None:
+    if not isinstance(item, dict):
+        return f"{where} is {type(item).__name__}, not an object"
+    for key, (test, optional) in spec.items():
+        value = item.get(key)
+        if (value is None and not optional) or (value is not None and not test(value)):
+            return f"{where}{'.' if where else ''}{key} is {value!r}"
+    return None
+
+
+def malformed(record: Any) -> str | None:
+    """What in a parsed ``interleave.json`` is not what the conductor writes (the first key of the wrong type or
+    missing, or a slice naming no job), or None: the readers index it without checking."""
+    wrong = _wrong("", record, _TOP)
+    if wrong is None and (confidence := record.get("settings", {}).get("confidence")) is not None and not (
+            _number(confidence) and 0 < confidence < 1):
+        wrong = f"settings.confidence is {confidence!r}"
+    for name, job in (record.get("jobs") or {}).items() if wrong is None else ():
+        if (wrong := _wrong(f"jobs.{name}", job, _JOB)) is not None:
+            return wrong
+    for i, piece in enumerate(record.get("slices") or []) if wrong is None else ():
+        if (wrong := _wrong(f"slices[{i}]", piece, _SLICE) or (
+                None if piece["job"] in record["jobs"] else f"slices[{i}].job {piece['job']!r} is not in jobs")):
+            return wrong
+    return wrong.lstrip(".") if wrong else None
 
 
 def configs(record: dict[str, Any]) -> dict[str, list[str]]:
