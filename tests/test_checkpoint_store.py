@@ -268,3 +268,22 @@ def test_a_checkpoint_every_30_minutes_is_the_default_and_a_short_run_writes_non
     assert not store.due(7, now=start + 29 * 60) and store.due(7, now=start + 30 * 60 + 0.01)
     train(compose_cfg("trainer.max_steps=4", "trainer.log_every=1"), job_dir=tmp_path / "job")
     assert [p.name for p in ck.complete_checkpoints(tmp_path / "job" / "checkpoints")] == ["step_00000004"]
+
+
+def test_the_weights_get_a_new_files_usual_mode_and_never_write_through_a_link(tmp_path):
+    """safetensors creates its file 0600: runner's ``model.safetensors`` gets what the umask gives any new file
+    (a team reads a shared run's weights); a link planted at the temporary name is replaced, its target untouched."""
+    import os
+    import stat
+
+    from runner import checkpoint
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    (tmp_path / "model.partial").symlink_to(outside)
+    mask = os.umask(0o022)
+    try:
+        path = checkpoint.save_weights(torch.nn.Linear(2, 2), tmp_path / "model.safetensors", True)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644 and outside.read_text() == "keep"

@@ -35,6 +35,7 @@ def test_amp_on_a_cpu_with_native_bf16_runs_the_forward_in_bf16(tmp_path, spy, m
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     summary = run_precision(tmp_path, "precision=amp")
     assert summary["techniques"] == {"amp": "applied", **ONE_THREAD}
+    assert summary["technique_details"]["precision"].startswith("precision=amp on a CPU: bf16 autocast")
     assert spy.train_calls() and spy.eval_calls()
     assert all(c.out_dtype == torch.bfloat16 and c.x_dtype == torch.float32 for c in spy.calls)
     assert math.isfinite(summary["train_loss"])
@@ -239,5 +240,8 @@ def test_auto_on_a_cpu_is_exactly_amp(monkeypatch, native):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
     cpu = torch.device("cpu")
     auto, amp = (precision.build(compose_cfg(f"precision={n}").precision, cpu) for n in ("auto", "amp"))
-    assert (auto.techniques, auto.compute_dtype, auto.note) == (amp.techniques, amp.compute_dtype, None)
+    assert (auto.techniques, auto.compute_dtype) == (amp.techniques, amp.compute_dtype)
+    said = "on a CPU: bf16 autocast, no loss scaling" if native else None  # the note names the dtype amp means here
+    assert [n and n.split(" (")[0] for n in (auto.note, amp.note)] == (
+        [f"precision=auto {said}", f"precision=amp {said}"] if native else [None, None])
     assert auto.scaler.is_enabled() is amp.scaler.is_enabled() is False

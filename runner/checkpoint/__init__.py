@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import pickle
 import random
 import re
@@ -301,8 +302,12 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Path | No
         plain[name] = tensor.clone() if ptr in seen else tensor
         seen.add(ptr)
     tmp = path.with_suffix(".partial")
+    tmp.unlink(missing_ok=True)  # a link planted there is removed, never written through
     try:
         save_file(plain, str(tmp), metadata={"format": "pt"})
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # safetensors creates 0600: the weights get a new file's usual mode
     except (OSError, RuntimeError) as e:
         tmp.unlink(missing_ok=True)
         if write_failures.disk_full(e, path.parent):

@@ -167,8 +167,10 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
     amp = precision.build(cfg.precision, env.device)  # before the wrapper: FSDP all-gathers in its compute dtype
     model, applied, details = prepare.prepare(model, cfg, env, amp, skip=skipped)
     details["host_allocator"] = host_allocator
-    if amp.note:
-        details["precision"] = amp.note  # precision=auto: the dtype it picked on this device
+    if amp.note:  # precision=auto or amp: the dtype it trains with on this device
+        details["precision"] = amp.note
+        if env.is_main and cfg.trainer.progress != "off":
+            print(f"note: {amp.note}", flush=True)
     seed_everything(t.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
     plan = _plan(cfg, env, len(data.train))

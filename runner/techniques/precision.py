@@ -156,6 +156,8 @@ def _mixed(name: str, cfg: DictConfig, device: torch.device, bf16, off: Precisio
                                  "autocast is 14-100x slower than fp32, use precision=bf16 to force it")
         off.note = note
         return off
+    note = note or (f"precision={name} on a CPU: bf16 autocast, no loss scaling (CPU autocast's dtype; fp16 with a "
+                    f"GradScaler is what amp means on CUDA)")
     return Precision(bf16, off.scaler, torch.bfloat16, {"amp": "applied"}, note=note)
 
 
