@@ -94,7 +94,7 @@ def _train(cfg: DictConfig) -> float | None:
         validate(cfg)  # before the engine (torch) is imported: a config mistake is reported in about a second
         from runner.engine.train import train
 
-        summary = train(cfg)
+        summary = train(cfg, on_evaluation=_pruning(cfg))
         if cfg.trainer.doctor and cfg.ablation.variant is None:
             _diagnose(warnings_shown=cfg.trainer.progress != "off")
         return objective.value(summary, cfg.optimized_metric)
@@ -118,6 +118,20 @@ def _train(cfg: DictConfig) -> float | None:
               f"started); the last complete checkpoint, if any, is intact and the same command with "
               f"hydra.run.dir={job_folder().resolve()} resumes from it", file=sys.stderr)
         sys.exit(130)
+
+
+def _pruning(cfg: DictConfig):
+    """A recipe search's pruner for this trial (runner/tune/pruning.py), or None: only a search with
+    ``hydra.sweeper.pruner`` set imports Optuna here."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner.objective import SEARCH_SWEEPER
+
+    if not HydraConfig.initialized() or (HydraConfig.get().get("sweeper") or {}).get("_target_") != SEARCH_SWEEPER:
+        return None
+    from runner.tune.pruning import listener
+
+    return listener(cfg)
 
 
 def _diagnose(warnings_shown: bool) -> None:

@@ -39,7 +39,7 @@ def test_python_m_runner_returns_the_named_metric(monkeypatch):
 
     summary = {"samples_per_sec": 123.0, "eval_loss": 0.25, "eval_accuracy": 0.9, "time_to_target_s": None,
                "train_time_s": 7.0, "steps": 10, "global_batch_size": 16}
-    monkeypatch.setattr(runner.engine.train, "train", lambda cfg: summary)
+    monkeypatch.setattr(runner.engine.train, "train", lambda cfg, on_evaluation=None: summary)
     assert cli._train(compose_cfg("trainer.doctor=false")) == 123.0
     assert cli._train(compose_cfg("trainer.doctor=false", "optimized_metric=eval_loss")) == 0.25
     assert cli._train(compose_cfg("trainer.doctor=false", "optimized_metric=eval_accuracy")) == 0.9
@@ -273,3 +273,61 @@ def test_a_search_where_no_trial_gives_the_metric_fails_with_the_fix(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "error: no trial gave eval_accuracy" in proc.stderr and "optimized_metric is a figure" in proc.stderr
     assert "widen the search space" not in proc.stdout
+
+
+@pytest.mark.parametrize("storage", [None, "sqlite"])
+def test_a_pruner_stops_a_hopeless_trial_at_an_evaluation_and_records_it_censored(tmp_path, storage):
+    """``hydra.sweeper.pruner``: each trial reports its evaluations to the study and stops where the pruner says.
+    A threshold pruner (order-independent, unlike the median) at eval_loss 3: LR 0.05 overshoots to ~18 at its first
+    evaluation and stops there, 4 of 12 steps, recorded pruned (censored), never failed; LR 1e-6 stays near 2.3,
+    runs to its end and is the best. The end says what the pruning saved. With a storage each trial opens the study
+    there, as one in a process of its own (submitit_slurm) does."""
+    pytest.importorskip("optuna")
+    from conftest import run_here
+
+    stored = [f"hydra.sweeper.storage=sqlite:///{tmp_path / 'search.db'}"] if storage else []
+    r = run_here(*SEARCH, *stored, "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", "trainer.max_steps=12",
+                 "trainer.eval_every=4", "+hydra.sweeper.pruner={_target_: optuna.pruners.ThresholdPruner, upper: 3.0}",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
+    jobs = {read_summary(sweep / str(n))["config"]["optimizer"]["lr"]: read_summary(sweep / str(n)) for n in range(2)}
+    pruned, kept = jobs[0.05], jobs[1e-06]
+    assert pruned["steps"] == 4 and pruned["total_steps"] == 12 and pruned["eval_loss"] > 3
+    assert pruned["stopped_early"].startswith("pruned by the search (ThresholdPruner) at 64 samples (step 4)")
+    assert kept["steps"] == 12 and kept["stopped_early"] is None
+    assert re.search(r"^trial \d: eval_loss = - \(pruned at 64 samples: censored there\)$", r.stdout, re.M), r.stdout
+    assert re.search(r"^pruning \(ThresholdPruner\): 1 of 2 trials stopped early, saving about \d+\.\d min", r.stdout,
+                     re.M), r.stdout
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_params"] == {"optimizer.lr": 1e-06}
+
+
+def test_a_pruner_on_a_figure_no_evaluation_gives_is_refused(tmp_path):
+    from conftest import run_here
+
+    r = run_here(*SEARCH, "optimized_metric=samples_per_sec",
+                 "+hydra.sweeper.pruner={_target_: optuna.pruners.MedianPruner}", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: hydra.sweeper.pruner stops trials on their evaluations, but optimized_metric=samples_per_sec is no "
+        "evaluation figure: prune a search for time_to_target_s, eval_loss or eval_accuracy, or set "
+        "hydra.sweeper.pruner=null"], r.stderr
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("summary.json"))
+    misspelt = run_here(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.pruner=medain", cwd=tmp_path)
+    assert misspelt.returncode == 2 and misspelt.stderr.strip().splitlines() == [
+        "error: hydra.sweeper.pruner=medain is not a pruner runner knows: use one of none, median, successive_halving, "
+        "hyperband, or {_target_: optuna.pruners.<Class>, ...} for its arguments"], misspelt.stderr
+
+
+def test_the_pruners_by_name_are_optunas():
+    optuna = pytest.importorskip("optuna")
+    from runner.tune import pruning
+
+    assert {name: type(pruning.build(name)) for name in pruning.NAMES} == {
+        "none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
+        "successive_halving": optuna.pruners.SuccessiveHalvingPruner, "hyperband": optuna.pruners.HyperbandPruner}
+    assert type(pruning.build(None)) is optuna.pruners.NopPruner
+    assert pruning.build({"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 2})._n_startup_trials == 2
+    assert pruning.intermediate("eval_accuracy", 0.9, "minimize") == pytest.approx(0.1)  # an error rate
+    assert pruning.intermediate("eval_loss_ema", 0.5, "minimize") == 0.5
+    assert pruning.intermediate("eval_accuracy", 0.9, "maximize") == 0.9

@@ -55,6 +55,13 @@ def evaluate(state, parts) -> bool:
     if reached and p.plan.stop_at_target and state.stopped_early is None:  # trainer.stop_at_target
         state.stopped_early = f"reached the targets: {p.plan.met(state.eval)}"
         p.tracker.note(f"step {state.step}: stopping (trainer.stop_at_target): {state.stopped_early}")
+    if p.on_evaluation is not None and state.stopped_early is None:  # a recipe search's pruner (rank 0 asks it)
+        from runner.engine.build import agree
+
+        samples = state.step * p.plan.global_batch
+        state.stopped_early = agree(lambda: p.on_evaluation(state.eval, state.step, samples), p.env)
+        if state.stopped_early is not None:
+            p.tracker.note(f"step {state.step}: stopping: {state.stopped_early}")
     return True
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -32,11 +32,14 @@ from runner.techniques import compile_cache, debug, parallel, prepare
 from runner.track import git_sha, job_folder, sweep_group
 
 
-def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGate | None = None) -> dict[str, Any]:
+def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGate | None = None,
+          on_evaluation: Callable[[dict, int, int], str | None] | None = None) -> dict[str, Any]:
     """Train ``cfg`` and return the summary written to ``<job_dir>/summary.json``.
 
     ``job_dir`` defaults to the Hydra job's folder. ``gate``: the pause point of an interleaved comparison
-    (runner/engine/slice_gate.py; the comparison's job process passes it), None for every other run. Raises
+    (runner/engine/slice_gate.py; the comparison's job process passes it), None for every other run.
+    ``on_evaluation(metrics, step, global samples)``: asked on rank 0 after each evaluation, its answer (a reason)
+    ends the run there (``stopped_early``; a recipe search's pruner: runner/tune/pruning.py). Raises
     ``ConfigError`` for bad input, before any result file is written.
     """
     validate(cfg)
@@ -53,6 +56,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
                     print(f"{job_dir}: finished already (summary.json, step {done.get('steps')}); skipped", flush=True)
                 return done
         parts, state = build(cfg, env, job_dir, gate)
+        parts.on_evaluation = on_evaluation
         try:
             with debug.build(cfg.debug, parts.job_dir, env.device) as (profiler, status), parts.preemption:
                 parts.techniques |= status
@@ -288,6 +292,7 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "restart_lost_time_s": state.restart_lost_time_s,
         "skipped_steps": state.skipped_steps,
         "steps": state.step,
+        "total_steps": plan.total_steps,  # the optimizer steps the run was configured for
         "stopped_early": state.stopped_early,  # why early stopping or stop_at_target ended the run, or null
         "best": {**p.best.as_dict(), "metric": p.best.metric, "weights": "best/model.safetensors"} if p.best else None,
         "weights_sha256": checkpoint.weights_sha256(p.job_dir, p.at_end, p.ema, p.best) if env.is_main else None,

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner import objective
 from runner.errors import ConfigError
+from runner.tune import pruning
 from runner.tune.search_end import finish, job_folder, override_line
 
 #: The pip command that brings Optuna (the ``hpo`` extra)
@@ -89,8 +90,7 @@ def trial_outcome(ret: JobReturn, metric: str) -> tuple[float | None, bool, str]
     if ret.status != JobStatus.COMPLETED:
         return None, False, f"failed: {type(ret._return_value).__name__}: {ret._return_value}"
     value = ret.return_value
-    path = job_folder(ret) / "summary.json"
-    summary = json.loads(path.read_text()) if path.is_file() else {}
+    summary = summary_of(ret)
     reached = objective.reached(summary)
     if value is None or not math.isfinite(float(value)):
         return None, reached, f"no {metric} (diverged, or the run has no such figure)"
@@ -99,14 +99,24 @@ def trial_outcome(ret: JobReturn, metric: str) -> tuple[float | None, bool, str]
     return float(value), reached, note
 
 
+def summary_of(ret: JobReturn) -> dict[str, Any]:
+    """The trial's ``summary.json`` ({} when its job wrote none: it failed)."""
+    path = job_folder(ret) / "summary.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
 class SearchSweeper(Sweeper):
     """Hydra's ``Sweeper`` interface: ``setup`` (the launcher), then ``sweep`` with the command line's overrides."""
 
     def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
                  storage: str | None = None, study_name: str | None = None, params: Any = None,
                  verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95,
-                 recipe: Sequence[str] = (), verify_minutes: float = 3.0, n_jobs: int = 1) -> None:
+                 recipe: Sequence[str] = (), verify_minutes: float = 3.0, n_jobs: int = 1, pruner: Any = None) -> None:
         self.sampler, self.direction, self.n_trials, self.n_jobs = sampler, direction, n_trials, n_jobs
+        self.pruner = pruner  # a name of pruning.NAMES or an Optuna pruner's node; None: every trial runs to its end
         self.recipe = [str(o) for o in recipe or ()]  # the overrides that give the search file's own preset
         self.storage, self.study_name = storage, study_name
         self.params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params or {})
@@ -133,24 +143,37 @@ class SearchSweeper(Sweeper):
         except ConfigError as e:
             fail(str(e))
         study = self.study(plan["direction"])
-        number, exhausted = 0, False
+        # trials report to it (pruning.py): in memory, those the basic launcher runs here; with a storage, every
+        # trial opens it, in this process or another (submitit_slurm)
+        pruning.STUDY = study if self.storage is None else None
+        number, exhausted, summaries = 0, False, []
         while number < self.n_trials and not exhausted:  # a batch of n_jobs trials per launch, told as they return
             trials = [study.ask(plan["space"]) for _ in range(min(self.n_jobs, self.n_trials - number))]
             for i, trial in enumerate(trials):
                 print(f"\ntrial {number + i + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
-            first_job = self.job_idx
+                trial.set_user_attr("job", self.job_idx + i)  # how its job finds it to report (pruning.listener)
+                trial.set_user_attr("sweep", str(self.config.hydra.sweep.dir))
             returns = self.launch([plan["fixed"] + override_line(t.params) for t in trials])
-            for i, (trial, ret) in enumerate(zip(trials, returns)):
+            for trial, ret in zip(trials, returns):
                 value, reached, note = trial_outcome(ret, plan["metric"])
+                summaries.append(summary_of(ret))
+                pruned = str(summaries[-1].get("stopped_early") or "").startswith(pruning.PRUNED)
+                if pruned:
+                    samples = (summaries[-1].get("steps") or 0) * (summaries[-1].get("global_batch_size") or 0)
+                    value, note = None, f"pruned at {samples:,} samples: censored there{f' ({note})' if note else ''}"
                 trial.set_user_attr("reached", reached)
                 trial.set_user_attr("note", note)
-                trial.set_user_attr("job", first_job + i)
-                exhausted = tell(study, trial, value) or exhausted
+                exhausted = tell(study, trial, value, pruned) or exhausted
                 print(f"trial {number + i + 1}: {plan['metric']} = {value if value is not None else '-'}"
                       f"{f' ({note})' if note else ''}", flush=True)
             number += len(trials)
         if exhausted:
             print("the sampler has tried every point of the space: the search ends here", flush=True)
+        if pruning.active(self.pruner):
+            count, seconds = pruning.saved(summaries)
+            print(f"pruning ({pruning.name_of(self.pruner)}): {count} of {number} trials "
+                  f"stopped early, saving about {seconds / 60:.1f} min of training (their remaining steps at their "
+                  f"own pace)", flush=True)
         finish(self, study, plan)
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
@@ -185,6 +208,11 @@ class SearchSweeper(Sweeper):
         if self.n_jobs > 1 and "InterleavedLauncher" in str(self.config.hydra.launcher.get("_target_", "")):
             raise ConfigError("hydra.sweeper.n_jobs > 1 with hydra/launcher=interleaved: the interleaved launcher "
                               "compares jobs, it does not run trials; use the basic launcher or submitit_slurm")
+        pruning.build(self.pruner)  # an unknown name or a node that does not build: one line
+        if pruning.active(self.pruner) and pruning.figure(cfg) is None:
+            raise ConfigError(f"hydra.sweeper.pruner stops trials on their evaluations, but optimized_metric={metric} "
+                              f"is no evaluation figure: prune a search for time_to_target_s, eval_loss or "
+                              f"eval_accuracy, or set hydra.sweeper.pruner=null")
         space, fixed = search_space(self.params, arguments)
         if not space:
             raise ConfigError("nothing to search: give hydra.sweeper.params (key: interval(a, b) | choice(a, b) "
@@ -202,24 +230,27 @@ class SearchSweeper(Sweeper):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # runner prints one line per trial itself
         sampler = instantiate(self.sampler) if self.sampler is not None else None
-        name = self.study_name or ("runner-search" if self.storage else None)  # unnamed: a new study every run
+        pruner = pruning.build(self.pruner)
+        name = pruning.study_name(self.study_name, self.storage)
         try:
-            return optuna.create_study(sampler=sampler, direction=direction, storage=self.storage, study_name=name,
-                                       load_if_exists=self.storage is not None)
+            return optuna.create_study(sampler=sampler, pruner=pruner, direction=direction, storage=self.storage,
+                                       study_name=name, load_if_exists=self.storage is not None)
         except Exception as e:  # noqa: BLE001 - an unopenable URL or file: one line, not Optuna's traceback
             fail(f"hydra.sweeper.storage={self.storage} cannot be opened ({type(e).__name__}: {e}); give a URL "
                  f"Optuna opens, e.g. sqlite:///search.db, or null for a study in memory")
 
 
-def tell(study: Any, trial: Any, value: float | None) -> bool:
-    """Tell the study a trial's value (None: the trial failed); whether the sampler has exhausted the space.
+def tell(study: Any, trial: Any, value: float | None, pruned: bool = False) -> bool:
+    """Tell the study a trial's value (None: the trial failed, or was ``pruned``); whether the sampler has exhausted
+    the space.
 
     A grid or brute-force sampler ends a study by calling ``Study.stop``, which outside ``study.optimize`` raises
     a RuntimeError after the trial is stored (optuna/study/_tell.py stores it in a ``finally``)."""
     from optuna.trial import TrialState
 
     try:
-        study.tell(trial, value, state=None if value is not None else TrialState.FAIL)
+        state = TrialState.PRUNED if pruned else None if value is not None else TrialState.FAIL
+        study.tell(trial, None if pruned else value, state=state)
     except RuntimeError as e:
         if "Study.stop" not in str(e):
             raise

@@ -1,0 +1,152 @@
+"""Pruning a recipe search's hopeless trials on their evaluation grid (``hydra.sweeper.pruner``).
+
+Each trial reports, after every evaluation, the figure its target is about to the study (``trial.report`` at the
+global samples trained, so trials of different batch sizes meet on a samples grid) and stops where the pruner
+says so (``trial.should_prune``): Optuna's pruners (median, successive halving, Hyperband; Li et al. 2018,
+https://optuna.readthedocs.io/en/stable/reference/pruners.html). A pruned trial ends like one stopped at its
+target, with ``stopped_early`` saying why, and the search records it as censored at the samples it reached.
+
+The trial is found from the job: in the search's own process (the basic launcher) through ``STUDY``; in another
+process (``submitit_slurm``) by opening ``hydra.sweeper.storage``. Either way by the user attributes the sweeper
+set before the launch: the sweep folder and the job number.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from runner import objective
+
+#: the search's study in this process (``SearchSweeper.sweep`` sets it), for trials the basic launcher runs here
+STUDY: Any = None
+#: how ``stopped_early`` of a pruned trial begins (the sweeper reads it from the trial's summary)
+PRUNED = "pruned by the search"
+
+
+#: ``hydra.sweeper.pruner=<name>``: Optuna's pruners by name, with Optuna's defaults (a ``{_target_: ...}`` node sets
+#: their arguments)
+NAMES = {"none": "optuna.pruners.NopPruner", "median": "optuna.pruners.MedianPruner",
+         "successive_halving": "optuna.pruners.SuccessiveHalvingPruner", "hyperband": "optuna.pruners.HyperbandPruner"}
+
+
+def build(pruner: Any) -> Any:
+    """The Optuna pruner of ``hydra.sweeper.pruner``: null or ``none`` (every trial runs to its end), a name of
+    ``NAMES``, or a ``{_target_: optuna.pruners.<Class>, ...}`` node.
+
+    Raises:
+        ConfigError: an unknown name (listing ``NAMES``), or a node that does not build.
+    """
+    from hydra.utils import instantiate
+
+    from runner.errors import ConfigError
+
+    if isinstance(pruner, str):
+        if pruner not in NAMES:
+            raise ConfigError(f"hydra.sweeper.pruner={pruner} is not a pruner runner knows: use one of "
+                              f"{', '.join(NAMES)}, or {{_target_: optuna.pruners.<Class>, ...}} for its arguments")
+        pruner = {"_target_": NAMES[pruner]}
+    try:
+        return instantiate(pruner if pruner is not None else {"_target_": NAMES["none"]})
+    except Exception as e:  # noqa: BLE001 - Hydra wraps the pruner's own error: one line
+        raise ConfigError(f"hydra.sweeper.pruner does not build ({' '.join(str(e).split())}); give a name of "
+                          f"{', '.join(NAMES)} or an optuna.pruners class") from e
+
+
+def active(pruner: Any) -> bool:
+    """Whether ``hydra.sweeper.pruner`` prunes (not null or ``none``)."""
+    return pruner is not None and pruner != "none"
+
+
+def name_of(pruner: Any) -> str:
+    """The pruner's class name, for the lines that say it stopped a trial."""
+    target = NAMES.get(pruner, "") if isinstance(pruner, str) else str(pruner.get("_target_", ""))
+    return target.rsplit(".", 1)[-1]
+
+
+def study_name(name: str | None, storage: str | None) -> str | None:
+    """The study's name: ``hydra.sweeper.study_name``, or with a storage and none given, ``runner-search`` (a second
+    run adds trials to it); None for a study in memory."""
+    return name or ("runner-search" if storage else None)
+
+
+def figure(cfg: DictConfig) -> str | None:
+    """The evaluation figure a trial reports: the one its ``optimized_metric`` is about (``eval_accuracy`` or
+    ``eval_loss``; for a time to target, the target's, of the EMA with ``trainer.target_weights=ema``); None where
+    the metric is no evaluation figure (samples/s, ``train_loss``): nothing to prune on."""
+    metric = cfg.get("optimized_metric")
+    if metric in ("eval_accuracy", "eval_loss"):
+        return metric
+    if metric in objective.TO_TARGET:
+        suffix = "_ema" if cfg.trainer.get("target_weights") == "ema" else ""
+        return ("eval_accuracy" if cfg.trainer.target_accuracy is not None else "eval_loss") + suffix
+    return None
+
+
+def intermediate(name: str, value: float, direction: str) -> float:
+    """``value`` of figure ``name`` as the study compares it: Optuna's pruners read intermediate values in the
+    study's ``direction``, so an accuracy in a minimized study (time to target) is reported as its error rate."""
+    if objective.METRICS[name.removesuffix("_ema")] == direction:
+        return value
+    return 1.0 - value if name.startswith("eval_accuracy") else -value
+
+
+def listener(cfg: DictConfig) -> Callable[[dict, int, int], str | None] | None:
+    """``runner.engine.train.train``'s ``on_evaluation`` for a job that is a trial of a search with a pruner, else
+    None (any other run, or a search whose trial cannot be found: said in one line)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    sweeper = hc.get("sweeper") or {}
+    if sweeper.get("_target_") != objective.SEARCH_SWEEPER or not active(sweeper.get("pruner")):
+        return None
+    name = figure(cfg)
+    study = STUDY if STUDY is not None else _open(sweeper)
+    trial = None if study is None else next(
+        (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("sweep") == str(hc.sweep.dir)
+         and t.user_attrs.get("job") == hc.job.num), None)
+    if name is None or trial is None:
+        print(f"note: hydra.sweeper.pruner: trial {hc.job.num} of this search cannot report to its study (a study "
+              f"in memory is not seen from another process: give hydra.sweeper.storage, e.g. sqlite:///search.db); "
+              f"it runs to its end", flush=True)
+        return None
+    import optuna
+
+    live = optuna.trial.Trial(study, trial._trial_id)
+    direction = study.direction.name.lower()
+
+    def on_evaluation(metrics: dict, step: int, samples: int) -> str | None:
+        value = metrics.get(name)
+        if value is None:
+            return None
+        live.report(intermediate(name, float(value), direction), samples)
+        if not live.should_prune():
+            return None
+        return (f"{PRUNED} ({type(study.pruner).__name__}) at {samples:,} samples (step {step}): {name} {value:.4g}, "
+                f"worse than the trials before it there")
+
+    return on_evaluation
+
+
+def _open(sweeper: Any) -> Any:
+    """The study in ``hydra.sweeper.storage`` (a job in a process of its own), or None without a storage."""
+    if not sweeper.get("storage"):
+        return None
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=study_name(sweeper.get("study_name"), sweeper.storage),
+                             storage=sweeper.storage, pruner=build(sweeper.pruner))  # not kept in the storage
+
+
+def saved(summaries: list[dict[str, Any]]) -> tuple[int, float]:
+    """``(trials pruned, training seconds saved)`` over the trials' summaries: each pruned trial's remaining steps
+    (``total_steps - steps``) at its own pace (``train_time_s / steps``) -- what it would have spent had it run to
+    its limit without reaching the target."""
+    pruned = [s for s in summaries if str(s.get("stopped_early") or "").startswith(PRUNED)]
+    seconds = sum((s["total_steps"] - s["steps"]) * s["train_time_s"] / s["steps"] for s in pruned
+                  if s.get("total_steps") and s.get("steps") and s.get("train_time_s"))
+    return len(pruned), seconds
