@@ -130,3 +130,21 @@ def test_the_table_decides_where_a_technique_acts_for_the_loader_the_tuner_and_t
     assert f"cudnn_benchmark: not a candidate ({cudnn})" in notes
     reason = not_run(compose_cfg("+experiment=ablation", "ablation/variant=baseline+cudnn_benchmark"), tmp_path)
     assert reason.startswith(f"needs CUDA ({cudnn})")
+
+
+def test_the_language_models_tips_are_the_tuners_candidates_on_the_gpt_and_noted_elsewhere():
+    """Selective checkpointing and the chunked loss act on token inputs (``where="tokens"``), the chunked loss on a
+    model whose forward takes the targets (runner's GPT); the compiled optimizer step on any job."""
+    from runner.tune.switches import switches
+
+    def names(*overrides):
+        cfg = compose_cfg(*overrides, tiny=False)
+        OmegaConf.set_struct(cfg, False)
+        offered, notes = switches(cfg, torch.device("cpu"))
+        return {s.name for s in offered}, {n.split(":")[0]: n for n in notes}
+
+    gpt, _ = names("+experiment=shakespeare_char")
+    assert {"selective_checkpointing", "chunked_loss", "compiled_optimizer_step"} <= gpt
+    image, notes = names()
+    assert "compiled_optimizer_step" in image and not {"selective_checkpointing", "chunked_loss"} & image
+    assert "a language-model technique; the inputs are not token ids" in notes["chunked_loss"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 #: Where a technique can act: on any device, on CUDA only, on images only (not on token ids), or both.
-WHERE = ("any", "cuda", "image", "image+cuda")
+WHERE = ("any", "cuda", "image", "image+cuda", "tokens")
 
 
 def _workers() -> int:
@@ -135,7 +135,8 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("compile_reduce_overhead", {"compile.mode": "reduce-overhead"}, arithmetic=True, group="compile",
               where="cuda", command=("compile=reduce-overhead",), statuses=("compile",), readme="18",
               source="torch.compile docs, mode='reduce-overhead' (CUDA graphs)"),
-    Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True, tuner=False,
+    Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True,
+              command=("compile.optimizer=true",), readme="18b",
               source="PyTorch recipe 'Compiling the optimizer' (torch.compile of optimizer.step)"),
     # precision
     Technique("amp", {"precision.name": "amp"}, arithmetic=True, group="precision", command=("precision=amp",),
@@ -167,12 +168,16 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               command=("memory=checkpointing",), variant="checkpointing", readme="8", tuner=False,
               source="torch.utils.checkpoint; Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost'"),
     Technique("selective_checkpointing", {"memory.checkpointing": True, "memory.checkpoint_policy": "selective"},
-              arithmetic=False, command=("memory=selective",), tuner=False,
+              arithmetic=False, where="tokens", command=("memory=selective",), readme="8b",
               source="torchtitan's selective activation checkpointing; "
                      "torch.utils.checkpoint.create_selective_checkpoint_contexts"),
     Technique("activation_memory_budget", {"memory.budget": 0.5}, arithmetic=False, command=("memory=budget",),
-              tuner=False, source="torch._functorch.config.activation_memory_budget (PyTorch blog, 'Activation "
-                                  "checkpointing techniques')"),
+              readme="8b", tuner=False, source="torch._functorch.config.activation_memory_budget (PyTorch blog, "
+                                                "'Activation checkpointing techniques')"),
+    # the language model's loss: the head and the cross-entropy over chunks of the sequence (runner's GPT)
+    Technique("chunked_loss", {"task.loss": "chunked"}, arithmetic=True, where="tokens",
+              command=("task.loss=chunked",), readme="20",
+              source="Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), in plain PyTorch chunks"),
     # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
     # per step and costs nothing measurable, so its step_cost is False
     Technique("onecycle", {"scheduler.name": "onecycle"}, arithmetic=True, command=("scheduler=onecycle",),
@@ -252,6 +257,8 @@ def applies(technique: Technique | str, *, cuda: bool, image: bool = True) -> st
         return t.why_not or "it acts on CUDA only"
     if t.where.startswith("image") and not image:
         return "an image technique; the inputs are token ids"
+    if t.where == "tokens" and image:
+        return "a language-model technique; the inputs are not token ids"
     return None
 
 

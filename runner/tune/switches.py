@@ -157,6 +157,12 @@ def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
     for name in ("channels_last", "cudnn_benchmark"):
         why_not = applies(name, cuda=cuda, image=image)
         offer(Switch.of(name), why_not is None, why_not or "")
+    for name in ("selective_checkpointing", "chunked_loss"):
+        why_not = applies(name, cuda=cuda, image=image)
+        if name == "chunked_loss" and why_not is None and "runner.models.gpt" not in str(cfg.model.get("_target_")):
+            why_not = "the model's forward takes no targets to chunk the loss over (runner's GPT does)"
+        offer(Switch.of(name), why_not is None, why_not or "")
+    offer(Switch.of("compiled_optimizer_step"), True, "")
     offer(Switch.of("set_to_none"), True, "")
     offer(Switch.of("fewer_syncs"), cfg.trainer.log_every < 50,
           f"trainer.log_every={cfg.trainer.log_every} already syncs at most every 50 steps")
