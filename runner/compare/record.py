@@ -48,14 +48,18 @@ def _text(v: Any) -> bool:
     return isinstance(v, str)
 
 
+def _group(v: Any) -> bool:  # a group's number, or "rounds" (measured in rounds of fresh processes: fallback.py)
+    return _integer(v) or v == "rounds"
+
+
 #: what the conductor writes, per key: the test its value passes; a key marked optional may be absent or null
 _TOP = {"reference": (_text, False), "aa": (_text, True), "settings": (lambda v: isinstance(v, dict), False),
         "started": (_number, True), "finished": (_number, True), "slice_steps": (_integer, True),
         "jobs": (lambda v: isinstance(v, dict), False), "slices": (lambda v: isinstance(v, list), False),
         "stopped": (lambda v: isinstance(v, list) and all(map(_text, v)), True), "design": (_text, True)}
-_JOB = {"folder": (_text, True), "config": (_text, True), "reference": (_text, True), "group": (_integer, True),
+_JOB = {"folder": (_text, True), "config": (_text, True), "reference": (_text, True), "group": (_group, True),
         "status": (_text, False), "footprint_mb": (_number, True), "steps": (_integer, True), "design": (_text, True)}
-_SLICE = {"group": (_integer, False), "pass": (_integer, False), "position": (_integer, True), "job": (_text, False),
+_SLICE = {"group": (_group, False), "pass": (_integer, False), "position": (_integer, True), "job": (_text, False),
           "pairs_with": (_integer, True), "steps": (_integer, True), "seconds": (_number, True),
           "samples_per_sec": (lambda v: _number(v) and v >= 0, True), "resume_steps": (_integer, True),
           "time": (_number, True)}

@@ -154,7 +154,7 @@ class SearchSweeper(Sweeper):
                 trial.set_user_attr("job", self.job_idx + i)  # how its job finds it to report (pruning.listener)
                 trial.set_user_attr("sweep", str(self.config.hydra.sweep.dir))
             returns = self.launch([plan["fixed"] + override_line(t.params) for t in trials])
-            for trial, ret in zip(trials, returns):
+            for i, (trial, ret) in enumerate(zip(trials, returns)):
                 value, reached, note = trial_outcome(ret, plan["metric"])
                 summaries.append(summary_of(ret))
                 pruned = str(summaries[-1].get("stopped_early") or "").startswith(pruning.PRUNED)
