@@ -48,7 +48,7 @@ gpt_toy=(); r18_toy=(); gpt2_toy=(); wide_toy=(); tune_minutes=1.4
 aa_stop=(interleave.max_minutes=0.8)  # the A/A sweep's measuring time
 fp8_minutes=${FP8_MINUTES:-1.5}  # of measuring in each bf16-against-fp8 sweep, after its processes compiled
 r18_minutes=${R18_MINUTES:-1.4}  # the ResNet-18 tuner's budget; its step's time limit grows with it
-lm_compile=default; quick=(); scale=1
+lm_compile=default; quick=(); lm_quick=(); scale=1
 if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
   # (the tuners' budgets leave no time for a round: their guard and verification run; slices of 4 steps; the
   # steps' time limits x3, for a CI machine busy with other tests)
@@ -60,7 +60,8 @@ if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script 
             data.synthetic_tokens=20000 optimizer.base_batch_size=4)
   wide_toy=(model.n_layer=2 model.n_head=2 model.n_embd=64 data.block_size=32 data.vocab_size=512
             data.synthetic_tokens=20000 optimizer.base_batch_size=2)
-  quick=(interleave.slice_steps=4 interleave.min_passes=2 tune.guard_steps=10)
+  quick=(interleave.slice_steps=4 interleave.min_passes=2 tune.guard_steps=10 tune.target_ci=0.5)
+  lm_quick=(interleave.slice_steps=4 interleave.min_passes=2 interleave.max_passes=2)  # passes, not seconds
 fi
 
 if [ -z "$DRY" ]; then
@@ -142,7 +143,7 @@ fi
 lm_sweep=(trainer.max_steps=1000000 trainer.eval_every=1000000 trainer.eval_max_batches=1 trainer.warmup_steps=10
           scheduler.warmup_steps=10 task.sample_tokens=0 memory.accumulate_steps=1 dataloader=device compile=$lm_compile
           trainer.device=$DEV logger=none interleave.processes=1 interleave.slice_seconds=2
-          interleave.max_minutes=$fp8_minutes)
+          interleave.max_minutes=$fp8_minutes "${lm_quick[@]}")
 lm_limit=$(awk "BEGIN { print int($fp8_minutes * 60 + 240) }")  # 1.5 minutes: 330 s, as it was
 if has gpt2; then
   # conf/experiment/gpt2_124m.yaml (12 x 768, context 1024, micro-batch 12): llm.c reports ~468 K tokens/s per H100
