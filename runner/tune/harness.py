@@ -391,7 +391,7 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
     extra = []
     for name, text in result.get("files", {}).items():  # a tuner's own files, e.g. speed's experiment/tuned.yaml
         path = out / name
-        if text is None:  # the tuner has none to write this time: an earlier run's copy goes
+        if not text:  # the tuner has none to write this time (speed: no change): an earlier run's copy goes
             path.unlink(missing_ok=True)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -412,9 +412,7 @@ class _Search:
                 "rounds": [{"title": r.title, "aa": _paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
                            for r in self.rounds],
                 "objective": self.t.objective, "job_steps": self.job_steps,
-                # no change: no preset (and none left from an earlier tuning into this folder)
-                "files": {"experiment/tuned.yaml": tuned_yaml(picked, recommended, self.t.objective) if picked
-                          else None}}
+                "files": {"experiment/tuned.yaml": picked and tuned_yaml(picked, recommended, self.t.objective)}}
 
 
 ALL = "all"  # the round's job with every switch of the combination
