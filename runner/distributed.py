@@ -1,9 +1,7 @@
 """The process layer: who am I (rank, world size), which device, the process group, collectives.
 
-``runner.launch.discover`` reads the launcher's environment (torchrun, ``srun``, or none) and ``setup`` joins the
-process group (``nccl`` on CUDA, ``gloo`` on CPU). The collectives below (sums, means, broadcasts, the job folder
-every rank shares, the global figures) are no-ops in a single process. The data-parallel wrappers built on this
-layer: runner/techniques/parallel.py.
+``setup`` joins the process group (``nccl`` on CUDA, ``gloo`` on CPU); the collectives are no-ops in a single process.
+docs/scaling.md, "What runner does for you".
 """
 
 from __future__ import annotations
@@ -84,10 +82,7 @@ def _check(cfg: DictConfig, layout: launch.Layout) -> None:
 def setup(cfg: DictConfig, device: str = "auto") -> Env:
     """Discover the process layout (``launch.discover``), pick the device, join the process group.
 
-    The group is created for ``ddp``/``fsdp`` even with one process (a one-rank group on an in-memory
-    store), so their wrappers can be measured alone; ``none`` and ``dp`` never create one.
-    ``srun`` tasks rendezvous at ``MASTER_ADDR:MASTER_PORT`` from ``launch.discover``.
-    Collectives time out after ``distributed.timeout_s`` seconds.
+    ``ddp``/``fsdp`` get a group even with one process; collectives time out after ``distributed.timeout_s`` s.
 
     Raises:
         ConfigError: an impossible combination (``_check``), ``nccl`` without CUDA, no GPU for this rank.
@@ -112,11 +107,8 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
 
 
 def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
-    """The ``env://`` rendezvous store (``MASTER_ADDR:MASTER_PORT``), under a prefix of its own for each restart of the
-    worker group (``/worker/attempt_<TORCHELASTIC_RESTART_COUNT>``) and each process group this process joins
-    (``_GROUPS``: a multirun of DDP jobs under torchrun sets one up per job), so a group never reads a dead attempt's
-    or an earlier group's keys (gloo: "connectFullMesh ... Connection refused"): docs/checkpointing.md, "Elastic
-    restarts".
+    """The ``env://`` rendezvous store under a prefix of its own per restart and per process group this process
+    joins (``_GROUPS``); why: docs/checkpointing.md, "Elastic restarts".
     """
     store, _, _ = next(dist.rendezvous("env://", rank=layout.rank, world_size=layout.world_size, timeout=timeout))
     return dist.PrefixStore(f"/worker/attempt_{os.getenv('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_GROUPS)}", store)
@@ -193,8 +185,7 @@ def shared_job_dir(job_dir: Path, env: Env) -> Path:
 def reduce_figures(totals: dict, peak_memory_mb: float, env: Env) -> dict:
     """Global figures from each rank's ``Meter.totals()``: the slowest rank's times, max peak memory.
 
-    samples/s is global: the global batch per step is already in ``totals``; dividing by the slowest
-    rank's measured time gives all ranks' samples per second of wall time.
+    samples/s is global: all ranks' samples per second of the slowest rank's time.
     """
     out = dict(totals, peak_memory_mb=peak_memory_mb)
     if not env.distributed:

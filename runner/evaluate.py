@@ -4,9 +4,7 @@
     python -m runner.evaluate outputs/<date>/<time> --weights ema trainer.eval_max_batches=20
     python -m runner.evaluate outputs/<date>/<time> data=cifar10 data.root=/path/with/cifar
 
-The job is rebuilt from its folder (``job_config``, ``rebuild``; shared with runner/export.py) and evaluated as the
-training loop does. What is rebuilt, what is written and the limits: docs/checkpointing.md, "Evaluate and export a
-finished job". The job folder is data, never code (``runner.trust``).
+What is rebuilt, what is written and the limits: docs/checkpointing.md, "Evaluate and export a finished job".
 """
 
 from __future__ import annotations
@@ -85,13 +83,9 @@ def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
 
 def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
                policy: trust.Policy | None = None) -> DictConfig:
-    """The job's config (``<folder>/.hydra/config.yaml``, resolved) with Hydra-style ``overrides`` composed on (as
-    Hydra applies them: ``+key=`` adds, ``~key`` deletes), laid over a config Hydra composes from runner's conf/ with
-    the job's group choices (``.hydra/hydra.yaml``), so every node keeps its schema (docs/checkpointing.md, "What is
-    rebuilt"). Resolved before the overrides apply, so the model keeps its trained sizes (``model.block_size``
-    follows ``data.block_size`` only at training time). ``runner.trust`` checks the folder's files under ``policy``
-    (default: runner's own targets and resolvers, plus ``RUNNER_ALLOW_TARGETS``) before anything in them is
-    resolved, imported or called; a target given as an override is the user's.
+    """The job's config (``<folder>/.hydra/config.yaml``, resolved, then Hydra-style ``overrides``) over runner's
+    conf/ composed with the job's group choices (docs/checkpointing.md, "What is rebuilt"); checked by
+    ``runner.trust`` under ``policy`` first.
 
     Raises:
         ConfigError: no ``.hydra/config.yaml`` in ``folder`` (not a job folder), an unreadable config, a sweep
@@ -243,10 +237,8 @@ class Rebuilt:
 
 def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
             policy: trust.Policy | None = None) -> Rebuilt:
-    """Rebuild job ``folder`` as the engine builds it (``runner.engine.train.build``'s order: seed, task, data, model,
-    precision; channels_last when the job used it) in one process on ``trainer.device``, and load ``--weights``.
-    ``trainer.eval_max_batches`` defaults to null (the whole validation split); no ``torch.compile`` or wrapper.
-    ``policy``: what the job's config may name (``runner.trust``; default runner's own targets only).
+    """Rebuild job ``folder`` as the engine builds it (no compile or wrapper) on ``trainer.device`` and load
+    ``--weights``; ``policy``: what the job's config may name (``runner.trust``).
 
     Raises:
         ConfigError: from ``job_config`` and ``weights_file``; a weights file whose SHA-256 differs from the one
@@ -311,8 +303,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
 
 
 def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) -> None:
-    """Token data: the text's vocabulary must be the job's (``vocab.json``), or token ids would mean other
-    characters (the same count scrambles the model silently).
+    """Token data: the text's vocabulary must be the job's (``vocab.json``).
 
     Raises:
         ConfigError: naming ``data.path``, the job's ``vocab.json`` and the fix.
@@ -334,15 +325,9 @@ def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) ->
 
 def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
              out: Path | None = None, policy: trust.Policy | None = None) -> dict[str, Any]:
-    """Evaluate the job in ``folder`` with ``weights`` on its validation split (or the data the overrides name)
-    and write the record to ``out`` (default ``<folder>/eval-<weights>.json``, atomically via
-    ``runner.track.write_json_atomic``).
-
-    Returns the record: ``metrics`` (the task's: classification ``eval_accuracy``, ``eval_loss``; language model
-    ``eval_loss``, ``eval_perplexity``, ``eval_bits_per_char``), ``weights``, ``weights_file``,
-    ``weights_verified`` (its SHA-256 matched the run's ``summary.json``), ``overrides``,
-    ``data`` (the resolved data node), ``batch_size``, ``eval_max_batches``, ``batches`` (evaluated), ``device``,
-    ``precision``, ``eval_time_s``, ``torch_version``.
+    """Evaluate the job in ``folder`` with ``weights`` on its validation split (or the overrides' data) and write
+    the record atomically to ``out`` (default ``<folder>/eval-<weights>.json``); returns it (its fields:
+    docs/checkpointing.md, "Evaluate and export a finished job"; ``eval_time_s`` in seconds).
 
     Raises:
         ConfigError: see ``rebuild``; ``out`` in a folder that cannot be made or written (checked before the

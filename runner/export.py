@@ -25,8 +25,7 @@ from runner.evaluate import parse, rebuild
 FORMATS = {"torch": ".pt2", "onnx": ".onnx"}
 
 #: (rtol, atol) of the check: ``|exported - trained| <= atol + rtol * |trained|`` elementwise (``torch.allclose``).
-#: torch.export runs the same ATen kernels (exact on a CPU); ONNX Runtime has its own kernels, whose float32
-#: sums differ in the last bits (measured ~2e-7 on runner's small models).
+#: ONNX Runtime's own kernels differ in the last bits (measured ~2e-7 on runner's small models).
 TOLERANCE = {"torch": (1e-4, 1e-5), "onnx": (1e-3, 1e-4)}
 
 #: The first line of ``--format onnx`` without its packages.
@@ -114,11 +113,9 @@ def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] 
     """Export job ``folder``'s model (``--weights``) in format ``fmt`` (``torch`` or ``onnx``) next to its weights
     file, and check the exported model's output on the example input against the trained model's.
 
-    ``torch``: ``torch.export.export`` + ``save`` -> ``.pt2`` (https://pytorch.org/docs/stable/export.html);
-    ``onnx``: ``torch.onnx.export(..., dynamo=True)`` -> ``.onnx`` (https://pytorch.org/docs/stable/onnx_export.html).
-    Input ``example_input``, ``(2, *item shape)``; outputs ``(2, classes)`` or ``(2, T, vocab)`` logits. Returns the
-    ``Exported`` record (path, input shape and dtype, dynamic batch or not, the largest absolute difference, or why
-    the check was skipped).
+    ``torch``: ``.pt2`` (https://pytorch.org/docs/stable/export.html); ``onnx``: ``.onnx``, dynamo=True
+    (https://pytorch.org/docs/stable/onnx_export.html). Input ``(2, *item shape)``; outputs ``(2, classes)`` or
+    ``(2, T, vocab)`` logits. Returns the ``Exported`` record.
 
     Raises:
         ConfigError: ``fmt`` not torch/onnx; onnx without its packages (``ONNX_MISSING``); ``rebuild``'s errors

@@ -1,10 +1,6 @@
 """Who am I, before Hydra and torch start: the process layout from torchrun or ``srun``.
 
-``python -m runner`` is the same command on one process, under ``torchrun`` and under ``srun``; this module reads
-the launcher's environment so that ``runner.distributed.setup`` knows rank, world size and the rendezvous, and
-``runner.__main__`` keeps every rank but 0 out of the job folder *before* Hydra makes one (Hydra issue #2070). It
-imports neither torch nor Hydra, so ``python -m runner --help`` stays fast. docs/scaling.md, "What runner does for
-you".
+Imports neither torch nor Hydra (a fast ``--help``). Why: docs/scaling.md, "What runner does for you".
 
 Sources: torchrun's worker environment (https://pytorch.org/docs/stable/elastic/run.html#environment-variables),
 SLURM's task environment (https://slurm.schedmd.com/srun.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES).
@@ -30,13 +26,8 @@ from runner.errors import EXIT_PREEMPTED, ConfigError
 
 @dataclass(frozen=True)
 class Layout:
-    """The process layout of this job as the launcher describes it.
-
-    ``rank`` is global (0 .. world_size-1), ``local_rank`` the index among this node's processes (the GPU
-    index), ``nodes`` the number of machines (torchrun agents, or SLURM nodes of the step). ``launcher`` is
-    ``"single"``, ``"torchrun"`` or ``"srun"``. ``master_addr``/``master_port``: where rank 0 listens
-    (srun only; torchrun workers get them from their agent).
-    """
+    """The process layout: global ``rank``, ``local_rank`` (the GPU index), ``nodes``, ``launcher`` (``"single"``,
+    ``"torchrun"``, ``"srun"``); ``master_addr``/``master_port``: where rank 0 listens (srun only)."""
 
     rank: int = 0
     local_rank: int = 0
@@ -55,16 +46,9 @@ def _int(env: Mapping[str, str], key: str) -> int:
 
 
 def discover(env: Mapping[str, str] | None = None) -> Layout:
-    """Read the layout from the environment (``os.environ`` by default).
-
-    - torchrun (or any ``env://`` launcher): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; nodes =
-      ``GROUP_WORLD_SIZE`` (the number of agents), else ``WORLD_SIZE // LOCAL_WORLD_SIZE``.
-    - ``srun python -m runner`` (one task per process): ``SLURM_PROCID``, ``SLURM_LOCALID``,
-      ``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_NUM_NODES``; rank 0 is on the first host of the step's node
-      list (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``); the port is ``MASTER_PORT`` when set,
-      else derived from ``SLURM_JOB_ID`` (``master_port_for_job``).
-    - anything else is one process, the *batch script* of an sbatch job included (``SLURM_PROCID=0`` and
-      ``SLURM_NTASKS=<all tasks>``, but no ``SLURM_STEP_*``): not rank 0 of a group that would never form.
+    """Read the layout from the environment (``os.environ`` by default): torchrun's ``RANK``/``WORLD_SIZE``/...,
+    else an srun step's ``SLURM_PROCID``/``SLURM_STEP_NUM_TASKS``/... (rank 0 on the node list's first host, port
+    ``MASTER_PORT`` or ``master_port_for_job``), else one process (an sbatch batch script included).
 
     Raises:
         ConfigError: a launcher variable that is not an integer, or a rank outside the world.
@@ -98,10 +82,7 @@ def discover(env: Mapping[str, str] | None = None) -> Layout:
 
 
 def master_port_for_job(job_id: str) -> int:
-    """A rendezvous port every task of a SLURM job derives alike: 20000 + job id mod 20000.
-
-    Deterministic, so no task has to tell the others; set ``MASTER_PORT`` in the batch script to choose it.
-    """
+    """A rendezvous port every task of a SLURM job derives alike: 20000 + job id mod 20000."""
     digits = re.sub(r"\D", "", job_id) or "0"
     return 20000 + int(digits) % 20000
 
@@ -109,8 +90,7 @@ def master_port_for_job(job_id: str) -> int:
 def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compressed host list -> host names: ``"n[1-3,7],gpu-a[08-09]"`` -> ``n1 n2 n3 n7 gpu-a08 gpu-a09``.
 
-    A pure-Python reading of the syntax ``scontrol show hostnames`` expands (one bracket group per name,
-    ranges keep their zero padding); used where ``scontrol`` is not on PATH.
+    The syntax ``scontrol show hostnames`` expands (one bracket group per name, zero padding kept).
 
     Raises:
         ConfigError: unbalanced brackets or a malformed range.
@@ -154,16 +134,14 @@ SCRATCH: str | None = None
 
 
 def drop_scratch(job_dir: object) -> None:
-    """Remove ``job_dir`` if it is this rank's scratch folder: it has served its purpose (Hydra ran in it)
-    once rank 0's folder is known, and a rank killed later (SIGKILL skips ``atexit``) leaves nothing behind."""
+    """Remove ``job_dir`` if it is this rank's scratch folder (once rank 0's folder is known)."""
     if SCRATCH is not None and str(job_dir) == SCRATCH:
         shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 def elastic_pointer(env: Mapping[str, str] | None = None) -> Path | None:
-    """Where rank 0 of a torchrun job notes its job folder for restarted workers: a file in the temp
-    directory keyed by ``TORCHELASTIC_RUN_ID`` (the same for every restart of one torchrun), or None outside
-    torchrun."""
+    """Where rank 0 of a torchrun job notes its job folder for restarted workers (a temp file keyed by
+    ``TORCHELASTIC_RUN_ID``), or None outside torchrun."""
     env = os.environ if env is None else env
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if not run_id or "RANK" not in env:
@@ -173,8 +151,7 @@ def elastic_pointer(env: Mapping[str, str] | None = None) -> Path | None:
 
 
 def forget_elastic_pointer(env: Mapping[str, str] | None = None) -> None:
-    """Remove the ``elastic_pointer`` file once the job has finished (rank 0); a no-op outside torchrun.
-    A preempted or failed job keeps it, so the next attempt finds its folder."""
+    """Remove the ``elastic_pointer`` file once the job has finished (rank 0); a no-op outside torchrun."""
     pointer = elastic_pointer(env)
     if pointer is not None:
         pointer.unlink(missing_ok=True)
@@ -182,9 +159,8 @@ def forget_elastic_pointer(env: Mapping[str, str] | None = None) -> None:
 
 def restart_overrides(layout: Layout, env: Mapping[str, str] | None = None) -> list[str]:
     """``hydra.run.dir=<the first attempt's job folder>`` for rank 0 of a restarted torchrun worker group
-    (``torchrun --max-restarts=N``; ``TORCHELASTIC_RESTART_COUNT`` > 0), so it finds the checkpoints there
-    and resumes (``checkpoint.resume=auto``) instead of starting over in a new timestamped folder. ``[]``
-    otherwise, or when the job folder was named on the command line anyway."""
+    (``TORCHELASTIC_RESTART_COUNT`` > 0), so it resumes there; else ``[]`` (docs/checkpointing.md, "Elastic restarts").
+    """
     env = os.environ if env is None else env
     pointer = elastic_pointer(env)
     if layout.rank != 0 or pointer is None or int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
@@ -195,11 +171,8 @@ def restart_overrides(layout: Layout, env: Mapping[str, str] | None = None) -> l
 
 
 def hydra_overrides(layout: Layout) -> list[str]:
-    """Overrides that keep a rank other than 0 out of ``outputs/`` (Hydra issue #2070).
-
-    Hydra creates the job folder (and ``.hydra/``) on every rank before the task starts, so ranks > 0 get a private
-    scratch folder in the system temp directory, removed at exit, and no ``.hydra/``; they learn rank 0's folder
-    over the process group (``runner.distributed.shared_job_dir``). Returns ``[]`` on rank 0.
+    """Overrides that keep a rank other than 0 out of ``outputs/`` (Hydra issue #2070): a scratch folder in the temp
+    directory, removed at exit, and no ``.hydra/``. Returns ``[]`` on rank 0.
     """
     global SCRATCH
     if layout.rank == 0:
@@ -213,11 +186,8 @@ def hydra_overrides(layout: Layout) -> list[str]:
 def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> Layout:
     """Get this process ready before Hydra starts; called by ``python -m runner`` only.
 
-    In a job of more than one process: ``HYDRA_FULL_ERROR=1`` (unless set), for torchelastic's ``@record``
-    (``record_if_elastic``); ``faulthandler`` on SIGTERM, crashes and ``kill -USR1 <pid>``
-    (https://docs.python.org/3/library/faulthandler.html; docs/scaling.md, "What runner does for you");
-    ranks > 0 get ``hydra_overrides`` appended to ``argv``. Always: silence Hydra's deprecation note about
-    ``conf/hydra/launcher/submitit_slurm.yaml`` being validated against the plugin's schema of that name (as meant).
+    More than one process: ``HYDRA_FULL_ERROR=1``, ``faulthandler``, ``hydra_overrides`` (docs/scaling.md, "What
+    runner does for you"; https://docs.python.org/3/library/faulthandler.html). Silences Hydra's submitit_slurm note.
     """
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore")
     argv[1:] = options_first(argv[1:])
@@ -240,9 +210,8 @@ VALUE_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name",
 
 
 def options_first(args: list[str]) -> list[str]:
-    """``args`` with Hydra's options (and the values of ``VALUE_OPTIONS``) before the overrides: argparse takes the
-    overrides in one run, so ``+experiment=tuned --config-dir DIR trainer.max_steps=5``, the order the tuner's
-    printed line invites, stopped on "unrecognized arguments"."""
+    """``args`` with Hydra's options (and the values of ``VALUE_OPTIONS``) before the overrides, which argparse
+    takes in one run."""
     options, overrides, i = [], [], 0
     while i < len(args):
         takes_value = args[i] in VALUE_OPTIONS and i + 1 < len(args)
@@ -252,8 +221,7 @@ def options_first(args: list[str]) -> list[str]:
 
 
 def check_launcher(argv: list[str]) -> None:
-    """Refuse ``hydra/launcher=submitit_slurm`` on a machine without SLURM's commands, before Hydra starts
-    (submitit would stop with a traceback from inside the launcher).
+    """Refuse ``hydra/launcher=submitit_slurm`` on a machine without SLURM's commands, before Hydra starts.
 
     Raises:
         ConfigError: naming the missing command and the fix.
@@ -269,11 +237,8 @@ def check_launcher(argv: list[str]) -> None:
 
 
 def record_if_elastic(fn: Callable) -> Callable:
-    """``torch.distributed.elastic.multiprocessing.errors.record`` when running under torchrun, else ``fn``.
-
-    ``@record`` writes an uncaught exception's traceback to ``TORCHELASTIC_ERROR_FILE`` for torchrun's failure
-    summary (https://pytorch.org/docs/stable/elastic/errors.html); importing it pulls in torch, hence only there.
-    """
+    """``torch.distributed.elastic.multiprocessing.errors.record`` under torchrun, else ``fn``
+    (https://pytorch.org/docs/stable/elastic/errors.html)."""
     if "TORCHELASTIC_ERROR_FILE" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         return fn
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -284,10 +249,7 @@ def record_if_elastic(fn: Callable) -> Callable:
 def torchrun(argv: list[str]) -> int:
     """``torchrun`` (``torch.distributed.run``) with ``argv``, returning runner's exit status for a preemption.
 
-    torchrun exits 1 whenever a worker failed, which a job manager reads as a crash. Here the workers' statuses
-    are read from the ``ChildFailedError``: when the failed ranks exited with ``EXIT_PREEMPTED`` (75: "requeue";
-    or were stopped by the agent with a signal after another rank did), the status is 75; any other failure is
-    torchrun's own. ``python -m runner.torchrun`` is this function on the command line.
+    75 (``EXIT_PREEMPTED``) when the failed ranks exited with it or by the agent's signal (``runner.torchrun``).
 
     Raises:
         ChildFailedError: a worker failed other than by a preemption (torchrun's own report and status 1).

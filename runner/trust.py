@@ -1,14 +1,9 @@
 """A job folder from someone else is data, never code: what a config read back from a folder may name and resolve.
 
-``python -m runner.evaluate``, ``runner.export`` and ``runner.doctor --verify`` rebuild a job from what its folder
-recorded, and Hydra's ``instantiate`` calls whatever a ``_target_`` names: so every config read back passes these
-checks (``check_config``, ``check_package``, ``check_interpolations``, ``check_searchpath``, ``check_overrides``)
-before anything it names is located, imported or called. What each allows and how a user allows more:
-docs/checkpointing.md, "What is safe to load".
-
-Sources: Hydra's instantiate (https://hydra.cc/docs/advanced/instantiate_objects/overview/), OmegaConf's resolvers
-(https://omegaconf.readthedocs.io/en/2.3_branch/custom_resolvers.html), Python's import system (namespace
-packages, ``sys.path[0]`` under ``-m``: https://docs.python.org/3/reference/import.html).
+Every config that ``runner.evaluate``, ``runner.export`` and ``runner.doctor --verify`` read back passes the
+``check_*`` functions before anything it names is imported or called; why: docs/checkpointing.md, "What is safe to
+load". Sources: https://hydra.cc/docs/advanced/instantiate_objects/overview/,
+https://omegaconf.readthedocs.io/en/2.3_branch/custom_resolvers.html, https://docs.python.org/3/reference/import.html.
 """
 
 from __future__ import annotations
@@ -51,11 +46,8 @@ def within(name: str, prefixes: Iterable[str]) -> bool:
 
 @dataclass(frozen=True)
 class Policy:
-    """What the user allowed a config read back from ``folder`` to name.
-
-    ``trust``: everything (``--trust``); ``allowed``: module prefixes (``--allow-target``, ``RUNNER_ALLOW_TARGETS``);
-    ``named``: exact targets the user gave as overrides on the command line.
-    """
+    """What the user allowed a config read back from ``folder`` to name: everything (``trust``), module prefixes
+    (``allowed``), or exact targets given as command-line overrides (``named``)."""
 
     trust: bool = False
     allowed: tuple[str, ...] = ()
@@ -173,9 +165,8 @@ def check_target(key: str, target: Any, policy: Policy, source: Path | str) -> N
 
 
 def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, user: bool) -> None:
-    """Import ``target``'s module (only modules inside the allowed prefixes) and walk its attributes, checking
-    that each object is defined inside them. A target that cannot be imported here is left to its builder, which
-    reports it (it cannot import anything else either)."""
+    """Import ``target``'s module (inside the allowed prefixes only) and check each attribute on the way is defined
+    inside them; an unimportable target is left to its builder to report."""
     prefixes = NAMESPACES + policy.allowed
     parts = target.split(".")
     obj = None
@@ -216,9 +207,8 @@ FUNCTIONS = ("runner.models", "runner.task", "torchvision.models")
 
 
 def _kind(target: str, obj: Any) -> str | None:
-    """Why ``obj`` (what built-in-namespace ``target`` resolves to) is not a target a config read back may name, or
-    None: a class, a module-level function of ``FUNCTIONS``; under ``transformers`` only a model or config class
-    (the library also holds tools that run code)."""
+    """Why ``obj`` (a built-in namespace's ``target``) may not be named, or None: a class, a ``FUNCTIONS`` function,
+    or under ``transformers`` a model or config class."""
     if within(target, ("transformers",)):
         import transformers
 
@@ -260,8 +250,7 @@ def _not_from_folder(key: str, target: str, module: str, policy: Policy, source:
 
 
 def check_package(folder: Path, policy: Policy) -> None:
-    """Refuse a job folder that is a Python package (``__init__.py``): run from its parent, it could shadow an
-    installed package of its name (a folder ``torch/`` would be imported as torch). runner never writes one.
+    """Refuse a job folder that is a Python package (``__init__.py``), which could shadow an installed package.
 
     Raises:
         ConfigError: naming the file and the fix.

@@ -39,11 +39,10 @@ class Seed:
 
 @dataclass(frozen=True)
 class TargetRatio:
-    """One comparison of samples to target (``quantity`` ``samples``) or time to target (``time``): ``estimate`` =
-    config ÷ reference (below 1: the config needs fewer samples, less time: faster), its interval ``low``..``high``
-    at ``confidence`` (0 or inf where the censored seeds leave an end open), the ``p_value`` of "no difference"
-    (below 1 - confidence exactly when the interval excludes 1), and how many seeds reached the target of how many
-    on each side. ``stats.verdicts`` reads it like an ``Interval``: ``faster`` when the estimate is below 1."""
+    """One comparison of samples (``quantity`` ``samples``) or time to target (``time``): ``estimate`` = config ÷
+    reference (below 1: faster), ``low``..``high`` at ``confidence`` (0 or inf where censoring leaves an end open),
+    the ``p_value`` of "no difference", and the seeds that reached the target on each side (read as an ``Interval``).
+    """
 
     quantity: str
     estimate: float
@@ -183,12 +182,9 @@ def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confide
 
 def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput: Interval | float | None = 1.0,
                    confidence: float = 0.95) -> TargetRatio | None:
-    """Time to target of ``config`` ÷ ``reference`` = samples-to-target ratio ÷ ``throughput`` (config ÷ reference
-    samples/s: the interleaved comparison's ``Interval``, or a number known exactly, 1 for a technique that does not
-    change a step's cost). With an ``Interval``, each factor's interval is taken at 1 - α/2 and the ends divided
-    (Bonferroni: coverage at least ``confidence``); the p-value is the smallest α at which that interval excludes 1.
-    None where ``samples_to_target`` is, and for a throughput of None (the interleaved comparison had no interval:
-    fewer than 2 pairs).
+    """Time to target of ``config`` ÷ ``reference`` = samples-to-target ratio ÷ ``throughput`` (samples/s ratio: an
+    ``Interval``, combined at 1 - α/2 each (Bonferroni), or an exact number). None where ``samples_to_target`` is,
+    or for a throughput of None.
 
     Raises:
         ValueError: as ``samples_to_target``; a throughput that is not positive and finite.

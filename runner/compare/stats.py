@@ -1,17 +1,8 @@
 """The statistics of every comparison runner makes: paired ratios, their intervals, Holm's verdicts, the A/A noise.
 
-A comparison is a list of paired log ratios ``d_p = log(x_p / r_p)`` (x: the job's samples/s in pass p, r: its
-reference's in the paired slice, runner/compare/schedule.py); the estimate is ``exp(mean d)`` with a Student-t
-interval ``exp(mean d ± t_{n-1} · sd/√n)`` and a two-sided p-value for "no effect" (``paired``; Student 1908). With
-``interleave.processes`` > 1 the process is the unit of replication (``between_processes``, ``pooled_spread``).
-Verdicts over a sweep are one family under Holm's step-down procedure (``holm``, ``verdicts``; Holm 1979, "A simple
-sequentially rejective multiple test procedure", Scand. J. Statist. 6). ``minimum_detectable`` is the effect a
-comparison with the A/A's standard error detects with 80 % power; an interval within ±X % reads "no effect larger
-than ±X %" (Schuirmann 1987, "two one-sided tests"). Why paired, why processes, and the A/A: docs/ablation.md,
-"Interleaved measurement".
-
-The t distribution is computed here (the regularized incomplete beta function by its continued fraction,
-Numerical Recipes 3rd ed. §6.4) so that runner needs no SciPy.
+Paired log ratios of samples/s with Student-t intervals (``paired``; Student 1908), the process as the unit
+(``between_processes``), Holm's step-down verdicts (Holm 1979, Scand. J. Statist. 6), equivalence (Schuirmann 1987).
+Why: docs/ablation.md, "Interleaved measurement". The t distribution: Numerical Recipes 3rd ed. §6.4 (no SciPy).
 """
 
 from __future__ import annotations
@@ -155,12 +146,9 @@ def pooled_spread(process_means: Sequence[Sequence[float]]) -> tuple[float, int]
 
 def between_processes(job: Sequence[float], reference: Sequence[float], sd: float, df: int,
                       confidence: float = 0.95) -> Interval | None:
-    """A configuration against its reference when the *process* is the unit of replication: ``job`` and
-    ``reference`` hold one value per process, its mean log samples/s relative to the reference's processes in
-    the same passes (drift in time removed), and ``sd``/``df`` come from ``pooled_spread`` over the sweep. The
-    estimate is exp(mean(job) - mean(reference)) with the two-sample t interval ``± t_df · sd · sqrt(1/k_job +
-    1/k_ref)`` (a nested design: slices within processes, processes within configurations; docs/ablation.md). None
-    without a process on either side or without a spread (``df`` 0).
+    """A configuration against its reference with the *process* as the unit: one mean log samples/s per process,
+    ``sd``/``df`` from ``pooled_spread``; exp(mean(job) - mean(reference)) ``± t_df · sd · sqrt(1/k_job + 1/k_ref)``
+    (docs/ablation.md). None without a process on either side or a spread.
 
     Raises:
         ValueError: ``confidence`` outside (0, 1).

@@ -1,16 +1,8 @@
 """Structured-config schemas: one dataclass per config group, stored in Hydra's ConfigStore.
 
-Each YAML option in ``conf/<group>/`` starts with ``defaults: [base_<group>, _self_]`` and only sets values, so a
-misspelt key or a value of the wrong type fails at compose time with Hydra's own message (Hydra structured-config
-tutorial, step 5.1: https://hydra.cc/docs/tutorials/structured_config/schema/).
-
-Fields that are *not* constructor arguments (``lr_scaling``, ``cifar_stem``, ...) are listed in ``RUNNER_KEYS`` of the
-module that consumes the group; everything else is passed to ``_target_``.
-
-Nodes open to keys no schema declares carry a user's own arguments: ``model``, ``data`` when ``data=custom`` and
-``tune.switches``, stored with the struct flag off (``open_node``), so ``key=value`` adds a key without Hydra's ``+``;
-the builders check those keys against the callable's signature (``targets.check_arguments``). Every other node stays
-closed (docs/configuration.md, "Config groups").
+Each YAML option in ``conf/<group>/`` extends ``base_<group>``, so a misspelt key or a wrong type fails at compose time
+(https://hydra.cc/docs/tutorials/structured_config/schema/). Open nodes (``OPEN``, ``open_node``) and why:
+docs/configuration.md, "Config groups".
 """
 
 from __future__ import annotations
@@ -25,11 +17,8 @@ from runner.config.logger import LoggerConfig
 from runner.config.tools import AblationConfig, InterleaveConfig, TuneConfig
 from runner.errors import ConfigError
 
-#: Every closed list of options, declared once: ``runner.engine.validate.validate`` checks a composed config against all
-#: of them before anything is built, and the builder of each key calls ``check_choice`` with the same list, so a direct
-#: call with a bad value fails with the same message. ``None`` in a list: the key may be null. The schemas keep these
-#: fields plain strings: a bad value stops in ``validate`` with one ``error:`` line naming the choices (an Enum field
-#: would also change what the composed config and summary.json hold).
+#: Every closed list of options, declared once (checked by ``validate`` and each builder's ``check_choice``); ``None``
+#: in a list: the key may be null.
 CHOICES: dict[str, tuple[str | None, ...]] = {
     "data.name": ("mnist", "cifar10", "imagefolder", "synthetic", "text", "tokens", "custom"),
     "scheduler.name": ("constant", "onecycle", "cosine", "cyclic"),
@@ -54,12 +43,8 @@ _NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode
 
 
 def global_batch_size(micro_batch: int, accumulate_steps: int, world_size: int) -> int:
-    """Samples per optimizer step over all ranks: micro-batch x gradient-accumulation steps x world size.
-
-    The one formula behind ``summary.json`` ``global_batch_size``, the LR scaling rule
-    (``runner.techniques.optim.scaled_lr``, Goyal et al. 2017) and the tuners' figures. ``micro_batch`` is
-    ``dataloader.batch_size`` (per rank), ``accumulate_steps`` is ``memory.accumulate_steps``.
-    """
+    """Samples per optimizer step over all ranks: ``dataloader.batch_size`` x ``memory.accumulate_steps`` x world
+    size (``summary.json`` ``global_batch_size``, ``scaled_lr``, the tuners)."""
     return micro_batch * accumulate_steps * world_size
 
 
@@ -329,8 +314,7 @@ class MemoryConfig:
     accumulate_steps: int = 1  # technique 9: micro-batches per optimizer step
     checkpointing: bool = False  # technique 8: activation checkpointing
     checkpoint_modules: Optional[list[str]] = None  # class names; null = the model's repeated blocks
-    # full: each checkpointed block recomputes everything | selective: its matmuls and attention are saved, the rest
-    # (norms, activations, elementwise ops) recomputed (torchtitan's selective AC)
+    # full: each checkpointed block recomputes everything | selective: its matmuls and attention are saved (torchtitan)
     checkpoint_policy: str = "full"
     budget: Optional[float] = None  # compiled models: the fraction of activation memory kept (torch's min-cut)
 
@@ -467,12 +451,8 @@ OPEN = (ModelConfig, CustomDataConfig, HFCausalLMConfig)
 
 
 def open_node(schema: type) -> DictConfig:
-    """``schema`` as a config node with the struct flag off: undeclared keys can be set without ``+``.
-
-    Hydra sets struct mode on the composed root; a node's own flag wins over its parent's (OmegaConf
-    flags, https://omegaconf.readthedocs.io/en/2.3_branch/usage.html#struct-flag), and the flag survives
-    composition, so only this node opens. Its declared fields keep their types.
-    """
+    """``schema`` as a config node with the struct flag off: undeclared keys can be set without ``+``
+    (https://omegaconf.readthedocs.io/en/2.3_branch/usage.html#struct-flag); declared fields keep their types."""
     node = OmegaConf.structured(schema)
     OmegaConf.set_struct(node, False)
     return node

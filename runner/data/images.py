@@ -1,9 +1,7 @@
 """Built-in image datasets: MNIST, CIFAR-10, an image folder and synthetic images, as ``Source``s.
 
-Each entry of ``IMAGE_DATASETS`` is a function ``(data_cfg) -> ImageSets``: the two splits, the statistics they are
-normalized with, and their in-memory form when they have one (adding one: docs/design.md, "Adding an image
-dataset"). ``image_source`` turns an entry's result into the ``Source`` the loader assembly takes: items are float32
-``(C, H, W)`` in [0, 1] (normalized when ``data.normalize``), labels int.
+Each entry of ``IMAGE_DATASETS`` is a function ``(data_cfg) -> ImageSets`` (adding one: docs/design.md, "Adding an
+image dataset"); ``image_source`` makes it a ``Source``: float32 ``(C, H, W)`` items in [0, 1], int labels.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ class UInt8ImageDataset(Dataset):
 def images_as_tensor(array) -> torch.Tensor:
     """View a uint8 image array as an ``(N, C, H, W)`` tensor without copying (technique 12).
 
-    ``array``: numpy ``(N, H, W, C)`` (CIFAR), numpy/tensor ``(N, H, W)`` (MNIST) or tensor NCHW.
-    ``torch.from_numpy`` shares the buffer (https://pytorch.org/docs/stable/generated/torch.from_numpy.html);
-    the NHWC->NCHW ``permute`` is a view too, so no byte is copied.
+    ``array``: numpy ``(N, H, W, C)`` (CIFAR), numpy/tensor ``(N, H, W)`` (MNIST) or tensor NCHW
+    (https://pytorch.org/docs/stable/generated/torch.from_numpy.html; the ``permute`` is a view too).
     """
     t = torch.from_numpy(array) if isinstance(array, np.ndarray) else torch.as_tensor(array)
     if t.dim() == 3:
@@ -70,12 +67,9 @@ def images_as_tensor(array) -> torch.Tensor:
 class ImageSets:
     """What an ``IMAGE_DATASETS`` function returns.
 
-    ``train``/``eval``: map-style datasets of ``(float32 (C, H, W) image, int label)`` items, normalized with
-    ``mean``/``std`` (per-channel statistics in [0, 1] units) when those are set. ``in_memory``: a callable
-    giving ``((train_images, train_labels), (eval_images, eval_labels))`` as uint8 ``(N, C, H, W)`` / int64
-    ``(N,)`` tensors that share memory with the datasets' arrays (technique 12: ``images_as_tensor``), or None
-    for data read from files (``dataloader.on_device`` is then a ConfigError). ``num_classes``: None means
-    ``len(train.classes)``.
+    ``train``/``eval``: datasets of ``(float32 (C, H, W), int)`` items, normalized with ``mean``/``std`` (per
+    channel, [0, 1] units) when set. ``in_memory``: a callable giving ``((train_images, train_labels), (eval_images,
+    eval_labels))``, uint8 ``(N, C, H, W)`` / int64 ``(N,)``, or None for files. ``num_classes``: None = the classes.
     """
 
     train: Dataset
@@ -94,11 +88,9 @@ def normalization(cfg: DictConfig, stats: tuple[tuple[float, ...], tuple[float, 
 def transforms(cfg: DictConfig, train: bool, mean, std, *, crop: int | None = None, resize: int | None = None):
     """torchvision transforms of one split: PIL image -> float32 ``(C, H, W)`` in [0, 1], then normalized.
 
-    ``crop``: images of side ``crop`` px; with ``data.augment`` the training split gets RandomCrop(crop,
-    padding 4) + horizontal flip (the CIFAR recipe, https://github.com/kuangliu/pytorch-cifar). ``resize``:
-    images of any size made ``resize`` px square: RandomResizedCrop + flip for training with ``data.augment``,
-    else Resize(resize x 256/224) + CenterCrop (torchvision's ImageNet reference,
-    https://github.com/pytorch/vision/tree/main/references/classification).
+    ``crop`` (px): RandomCrop(padding 4) + flip when augmented (https://github.com/kuangliu/pytorch-cifar);
+    ``resize`` (px, square): RandomResizedCrop + flip, else Resize + CenterCrop
+    (https://github.com/pytorch/vision/tree/main/references/classification).
     """
     from torchvision import transforms as T
 
@@ -119,9 +111,7 @@ def transforms(cfg: DictConfig, train: bool, mean, std, *, crop: int | None = No
 def mnist(cfg: DictConfig) -> ImageSets:
     """MNIST from ``<root>/MNIST/raw``: each ``.gz`` is md5-checked and extracted next to itself, once.
 
-    The copy inside an installed package is only read (site-packages may be read-only, and files written there would
-    outlive ``pip uninstall``): it is extracted into ``runner.cache_dir()`` instead. Each file is written under a
-    temporary name and renamed, so jobs extracting at once (DDP ranks) never read half a file.
+    An installed package's copy is extracted into ``runner.cache_dir()``; each file is written then renamed.
 
     Raises:
         ConfigError: a ``.gz`` is missing (names it, ``data.root`` and ``data.download=true``), corrupt
@@ -178,10 +168,8 @@ def mnist(cfg: DictConfig) -> ImageSets:
 
 
 class ArrayUnpickler(pickle.Unpickler):
-    """Unpickles a CIFAR-10 batch file admitting only plain data: numpy arrays and dtypes (and the bytes
-    helper older pickles use) besides dicts, lists, strings and numbers, which need no global. A planted
-    pickle (``os.system``, a class whose ``__reduce__`` runs code) raises ``pickle.UnpicklingError`` before
-    anything runs: the idea of ``torch.load(weights_only=True)``, for the python pickles CIFAR-10 ships as."""
+    """Unpickles a CIFAR-10 batch file admitting only numpy arrays and dtypes besides plain data; anything else
+    raises ``pickle.UnpicklingError`` before it runs (as ``torch.load(weights_only=True)``)."""
 
     _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
                 ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.numeric", "_frombuffer"),
@@ -200,9 +188,8 @@ def load_array_pickle(f, encoding: str = "ASCII"):
 
 
 def _cifar_batch_problem(path: Path) -> str | None:
-    """Why ``path`` is not a readable CIFAR-10 batch (a pickled dict with ``data`` (N, 3072) uint8 and
-    ``labels``/``label_names``), or None when it is. Read through ``ArrayUnpickler``: a planted pickle is
-    named as such, and never runs."""
+    """Why ``path`` is not a readable CIFAR-10 batch (a dict with ``data`` (N, 3072) uint8 and
+    ``labels``/``label_names``, read through ``ArrayUnpickler``), or None when it is."""
     try:
         with open(path, "rb") as f:
             entry = load_array_pickle(f, encoding="latin1")
@@ -228,12 +215,8 @@ class _ArrayPickleModule:
 
 
 def cifar10_class() -> type:
-    """torchvision's CIFAR10 without its md5 checks against the official archive (batches.meta too, in _load_meta),
-    so CIFAR-format sets other than the official one (the tests' tiny ones) load too: runner checks presence and
-    names a corrupt file itself. Every batch is unpickled through ``ArrayUnpickler`` (torchvision's ``pickle.load``
-    is pointed at it while the dataset reads its files). Made on first use (torchvision's import costs ~1 s) and kept
-    as the module attribute ``_CIFAR10``, which pickle looks up: in a DataLoader worker started by spawn or
-    forkserver ``__getattr__`` below makes it again."""
+    """torchvision's CIFAR10 without its md5 checks (CIFAR-format sets other than the official one load too), every
+    batch unpickled through ``ArrayUnpickler``; made on first use and kept as ``_CIFAR10`` (``__getattr__``)."""
     if "_CIFAR10" in globals():
         return globals()["_CIFAR10"]
     import torchvision.datasets.cifar as torchvision_cifar
@@ -363,9 +346,7 @@ IMAGE_DATASETS: dict[str, Callable[[DictConfig], ImageSets]] = {
 
 
 def image_source(cfg: DictConfig) -> Source:
-    """``data=<a key of IMAGE_DATASETS>`` as a ``Source`` of layout ``images``: its function's splits, the
-    class count, the first training image ``(C, H, W)``, the statistics the on-device path normalizes with
-    and ``data.augment`` (crop + flip on the device too).
+    """``data=<a key of IMAGE_DATASETS>`` as a ``Source`` of layout ``images`` (first training image ``(C, H, W)``).
 
     Raises:
         ConfigError: whatever the dataset function raises (missing or corrupt files, bad sizes), or a

@@ -76,10 +76,8 @@ def save_vocab(vocab: list[str], job_dir: Path) -> Path:
 
 
 def check_vocab(vocab: list[str], path: str, meta: dict, checkpoint: Path) -> None:
-    """Refuse to resume a language model on text whose vocabulary differs from the checkpoint's: token ids
-    would mean other characters (the same count of characters scrambles the model silently; another count
-    fails to load). The checkpoint's vocabulary is its ``runner.json`` ``vocab``, or, for a checkpoint
-    written before runner saved it there, the ``vocab.json`` of its job folder (none: nothing to compare).
+    """Refuse to resume a language model on text whose vocabulary differs from the checkpoint's (``runner.json``
+    ``vocab``, else its job folder's ``vocab.json``).
 
     Raises:
         ConfigError: naming ``data.path``, the saved vocabulary, the first difference and the fix.
@@ -118,10 +116,8 @@ def decode(ids: list[int], vocab: list[str]) -> str:
 class TokenWindows(Dataset):
     """Windows of a 1-D token sequence: item i = ``(tokens[s : s+block], tokens[s+1 : s+block+1])``, s = i x stride.
 
-    ``tokens``: an int64 ``(N,)`` tensor (``data=text``), or anything with ``len`` whose slices are int64
-    tensors (``data=tokens``: a memory-mapped ``runner.data.tokens.TokenFile``, read one window at a time).
-    ``stride=1`` (training): every start position, drawn at random by the sampler; ``stride=block_size``
-    (evaluation): consecutive windows that tile the split once. Items are int64 ``(block_size,)`` views.
+    ``tokens``: int64 ``(N,)``, or a ``TokenFile``. ``stride=1``: training; ``stride=block_size``: evaluation.
+    Items are int64 ``(block_size,)``.
     """
 
     def __init__(self, tokens: torch.Tensor, block_size: int, stride: int = 1):
@@ -139,11 +135,8 @@ class TokenWindows(Dataset):
 class OnDeviceWindows:
     """Technique 2b for text: the split lives on the device; each batch is one gather there.
 
-    nanoGPT's ``get_batch`` (https://github.com/karpathy/nanoGPT/blob/master/train.py) without the host: per batch
-    one ``torch.randint`` draws ``batch_size`` start offsets on the device (training) or the next ``batch_size`` of
-    the fixed ``starts`` are taken (evaluation: the same windows every time), and one indexing op gathers
-    ``(B, block_size + 1)`` tokens; ``x`` and ``y`` are its first and last ``block_size`` columns (int64
-    ``(B, block_size)`` views).
+    nanoGPT's ``get_batch`` (https://github.com/karpathy/nanoGPT/blob/master/train.py) on the device: random or
+    fixed ``starts``, one gather of ``(B, block_size + 1)``; ``x``, ``y``: int64 ``(B, block_size)`` views.
 
     Args:
         tokens: int64 ``(N,)`` on the device. num_batches: batches per epoch (random windows only).
@@ -184,11 +177,8 @@ def windows_source(name: str, train_tokens, val_tokens, block_size: int, train_s
                    in_memory, vocab: list[str] | None = None, codec=None) -> Source:
     """The ``Source`` of a token corpus, shared by ``data=text`` and ``data=tokens``: nanoGPT's sampling.
 
-    Training: ``train_size`` random windows of ``block_size`` + 1 tokens per epoch (null: train tokens //
-    block_size), drawn by the loader assembly (``draws_per_epoch``; each rank its own seeded draw).
-    Evaluation: the consecutive windows that tile ``val_tokens``, the same every time (strided over the
-    ranks). Both are ``TokenWindows`` over ``train_tokens``/``val_tokens`` (int64 ``(N,)`` tensors or
-    ``TokenFile``s), so two corpora with the same token ids give the same windows for the same seed.
+    Training: ``train_size`` random windows per epoch (null: train tokens // block_size); evaluation: the windows
+    that tile ``val_tokens``. Both ``TokenWindows`` (int64 ``(N,)`` tensors or ``TokenFile``s).
 
     Args:
         in_memory: ``Source.in_memory`` for ``dataloader.on_device``: a callable returning

@@ -33,9 +33,7 @@ PREPARE_HINT = "python -m runner.data.tokens prepare <text file> <out dir> write
 class TokenFile:
     """A flat binary file of token ids (nanoGPT's ``.bin``), memory-mapped read-only (``memmap``, of ``dtype``).
 
-    ``len(f)``: the number of tokens; ``f[a:b]``: those tokens as a fresh int64 ``(b - a,)`` tensor (only these pages
-    are read). Pickled (into a ``DataLoader`` worker started by spawn or forkserver) as its path and dtype, so no
-    copy of the data travels.
+    ``len(f)``: the number of tokens; ``f[a:b]``: a fresh int64 ``(b - a,)`` tensor. Pickled as its path and dtype.
     """
 
     def __init__(self, path: str | Path, dtype: str):
@@ -117,9 +115,8 @@ HALVES_SAMPLE = 1 << 16
 
 
 def _refuse_wider_ids(key: str, path: str, tokens: TokenFile, vocab_size: int) -> None:
-    """Ids written wider than ``data.dtype`` (uint32 or int64 read as uint16, int64 as uint32) would train with exit 0
-    on every second (or three of four) tokens being their high words, at most ``(vocab_size - 1) >> bits``: a sample
-    of the first ``HALVES_SAMPLE`` tokens whose high words all fit that bound, the low ones not, is such a file.
+    """Refuse ids written wider than ``data.dtype`` (uint32/int64 read as uint16, ...), found in the first
+    ``HALVES_SAMPLE`` tokens: high words all <= ``(vocab_size - 1) >> bits``, the low ones not.
 
     Raises:
         ConfigError: naming ``data.<key>``, ``data.dtype``, what the file holds and the fix.
@@ -225,8 +222,7 @@ def _tiktoken_codec(vocab_size: int, name: str, encoding) -> Codec:
 
 def codec(vocab_size: int, tokenizer: str | None) -> Codec:
     """The ``Codec`` of ``data=tokens``: decoded text when ``tokenizer`` names a tiktoken encoding that loads
-    offline, else token ids (its ``note`` says why: no tokenizer, tiktoken not installed, BPE files not
-    cached). tiktoken is optional: imported here only when ``data.tokenizer`` is set.
+    offline, else token ids (its ``note`` says why).
 
     Raises:
         ConfigError: tiktoken is installed and ``tokenizer`` names no encoding of it.
@@ -245,9 +241,8 @@ SYNTHETIC_SEED = 1234
 
 def synthetic_splits(count: int, vocab_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``data.synthetic_tokens=count``: a training split of ``count`` ids and a validation split of ``count // 10``
-    (at least one window, ``block_size`` + 1), int64 ``(N,)`` tensors drawn uniformly below ``vocab_size`` from
-    ``SYNTHETIC_SEED``: nothing to learn, a stand-in for tokens/s and MFU, as nanoGPT's ``bench.py`` with
-    ``real_data = False`` (https://github.com/karpathy/nanoGPT/blob/master/bench.py).
+    (at least one window), int64 ``(N,)`` uniform below ``vocab_size`` from ``SYNTHETIC_SEED``: a stand-in for
+    tokens/s and MFU (https://github.com/karpathy/nanoGPT/blob/master/bench.py, ``real_data = False``).
 
     Raises:
         ConfigError: ``count`` smaller than one window (``block_size`` + 1).
@@ -261,10 +256,8 @@ def synthetic_splits(count: int, vocab_size: int, block_size: int) -> tuple[torc
 
 
 def tokens_source(cfg: DictConfig) -> Source:
-    """``data=tokens``: ``data.train_path``/``data.val_path`` (nanoGPT's ``.bin`` files of ``data.dtype`` ids,
-    memory-mapped as ``TokenFile``s), windows of ``data.block_size`` sampled as ``data=text``'s
-    (``runner.data.text.windows_source``); ``dataloader.on_device`` loads both whole onto the device as int64. With
-    both paths null and ``data.synthetic_tokens`` set, random ids stand in (``synthetic_splits``).
+    """``data=tokens``: ``data.train_path``/``data.val_path`` as ``TokenFile``s (or ``synthetic_splits``), windows
+    of ``data.block_size`` sampled as ``data=text``'s (``runner.data.text.windows_source``).
 
     Raises:
         ConfigError: ``data.vocab_size`` unset or < 1, ``data.dtype`` not uint16/uint32, a bad split file
@@ -292,10 +285,8 @@ def tokens_source(cfg: DictConfig) -> Source:
 
 
 def prepare(text_file: str | Path, out_dir: str | Path) -> dict:
-    """Write ``train.bin``, ``val.bin`` and ``meta.pkl`` of ``text_file`` into ``out_dir``, as nanoGPT's
-    ``data/shakespeare_char/prepare.py`` does: ``runner.data.text.read_corpus``'s ids, the first 90 % train, the
-    rest validate, each written with ``ndarray.tofile`` as uint16 (uint32 past 65,536 characters); ``meta.pkl`` is
-    nanoGPT's pickle of ``{"vocab_size", "itos", "stoi"}``.
+    """Write ``train.bin``, ``val.bin`` (90 % / 10 %, uint16 ids, uint32 past 65,536 characters) and ``meta.pkl`` of
+    ``text_file`` into ``out_dir``, as nanoGPT's ``data/shakespeare_char/prepare.py`` does.
 
     Returns:
         ``{"vocab_size", "dtype", "train_tokens", "val_tokens", "train_path", "val_path"}``.

@@ -43,9 +43,8 @@ VERIFY_MEASURED_STEPS = 30
 
 CATEGORIES = ("untrustworthy", "not measured", "debug tools on", "input-bound", "host/launch-bound",
               "sync/overhead-bound", "memory-bound", "near the hardware ceiling", "gradient spikes")
-#: Datasets the doctor may send to the device (``dataloader=device``): runner's in-memory list
-#: (``runner.IN_MEMORY_DATA``) less ``custom``, whose data goes there only when it is whole tensors (a
-#: TensorDataset), which a summary cannot tell.
+#: Datasets the doctor may send to the device (``dataloader=device``): ``runner.IN_MEMORY_DATA`` less ``custom``
+#: (whole tensors only, which a summary cannot tell).
 IN_MEMORY_DATA = tuple(name for name in runner.IN_MEMORY_DATA if name != "custom")
 
 

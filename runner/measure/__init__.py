@@ -2,11 +2,7 @@
 was while the figures were taken (the device's peak FLOP/s for MFU and the /proc probes are machine
 knowledge: runner/measure/hardware.py).
 
-Rules (docs/design.md): on CUDA each step records device events and they are read only at log intervals;
-on CPU ``time.perf_counter`` is exact. Data wait is the time blocked getting the next batch, host->device
-copy included; step time is the rest of the iteration. Warm-up steps are left out of every figure.
-Noise is part of the figure: the ``Meter`` opens a ``runner.measure.machine_load.LoadWindow`` over the measured
-steps, and ``runner.measure.machine_load.load_warnings`` says when the figures cannot be trusted.
+Rules: docs/design.md and docs/outputs-and-loggers.md, "How the figures are taken". Warm-up steps are in no figure.
 """
 
 from __future__ import annotations
@@ -30,11 +26,9 @@ def flops_per_sample(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor
                      loss: Callable[[nn.Module, tuple], torch.Tensor]) -> float | None:
     """FLOPs of one forward + backward pass per sample, counted once by ``FlopCounterMode``.
 
-    A copy of the model runs ``loss(copy, example)`` and its backward on ``example``, a batch ``(x, y)``
-    shaped like the real ones (the task's loss, so the head and the loss are counted as trained); the
-    model itself is untouched (BatchNorm statistics, gradients). Counts matmuls, convolutions and
-    attention, as the MFU convention does (PaLM, appendix B, https://arxiv.org/abs/2204.02311).
-    Returns None when the model cannot be counted.
+    A copy of the model runs ``loss(copy, example)`` and its backward on ``example``, a real-shaped ``(x, y)``;
+    matmuls, convolutions and attention count (PaLM, appendix B, https://arxiv.org/abs/2204.02311). None when
+    the model cannot be counted.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -116,14 +110,8 @@ class Meter:
         meter.end_step()
         if log step: row = meter.flush()           # the one host-device sync of the interval
 
-    A step's data wait is the sum of its fetches (ready - start); its step time is the rest of the iteration (end -
-    first start - data wait). ``flush`` turns pending marks into milliseconds and returns the interval's figures; steps
-    with index < ``warmup_steps`` are dropped. Evaluation must run between ``end_step`` and the next ``start_fetch`` so
-    it is never timed. Figures are per rank; the engine reduces them across ranks.
-
-    The engine calls ``flush`` before the logging step's ``end_step`` (so the log's own sync is timed as
-    part of that step): a ``metrics.jsonl`` row at step s covers the measured steps that ended before s,
-    and the final ``flush`` after the loop picks up the last one. ``totals`` covers every measured step.
+    Data wait: the sum of a step's fetches; step time: the rest of the iteration (ms, per rank). ``flush`` drops
+    steps < ``warmup_steps``; evaluation runs between ``end_step`` and ``start_fetch``, untimed.
 
     Args:
         device: the run's device (CUDA events there, perf_counter elsewhere).
@@ -131,14 +119,10 @@ class Meter:
         samples_per_step: global samples per optimizer step (global batch size).
         tokens_per_sample: the task's tokens per sample (language models), or None: then ``flush`` and
             ``totals`` also report ``tokens_per_sec``.
-        timings: where measured steps' milliseconds accumulate (the engine passes its ``TrainState``'s,
-            so the totals are part of the state a checkpoint saves); a fresh one by default.
-        gpu_profile_steps: on CUDA, profile this many of the last warm-up steps (``GpuIdleProbe``: how long
-            the GPU idles between kernels); 0 = none. Warm-up steps are in no figure, so this costs none.
+        timings: where measured steps' milliseconds accumulate (the ``TrainState``'s, checkpointed).
+        gpu_profile_steps: on CUDA, profile this many of the last warm-up steps (``GpuIdleProbe``); 0 = none.
 
-    Besides the step figures it keeps (for this process's measured steps, not restored by a resume):
-    ``load`` (a ``LoadWindow`` open from the first measured step to ``pause``: how busy the machine was)
-    and the time spent in logging steps' bookkeeping (``log_started``/``log_done``).
+    Also (this process only): ``load`` (a ``LoadWindow``) and the logging steps' time (``log_started``/``log_done``).
     """
 
     def __init__(self, device: torch.device, warmup_steps: int, samples_per_step: int,
@@ -297,13 +281,9 @@ class Meter:
 class GpuIdleProbe:
     """How long the GPU idles between kernels, from a short ``torch.profiler`` window (CUDA activity only).
 
-    The engine's ``Meter`` opens the window after optimizer step ``first`` and closes it after step
-    ``last`` (both inside the warm-up, which no figure includes). Each edge synchronizes, so the GPU starts
-    and ends the window with an empty queue; ``idle_fraction`` = 1 - (union of the kernels' and copies'
-    device time) / (host wall time of the window). A GPU waiting on the host (Python, kernel launches,
-    syncs, the data loader) idles; a busy one does not. Profiler recipe:
-    https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html. Any profiler failure leaves
-    ``idle_fraction`` None and the reason in ``note``.
+    Steps ``first`` to ``last`` of the warm-up; ``idle_fraction`` = 1 - (union of kernels' and copies' device time) /
+    (the window's wall time), or None with the reason in ``note``
+    (https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html).
     """
 
     def __init__(self, first: int, last: int):

@@ -12,12 +12,9 @@ from typing import Any
 
 import torch
 
-# Dense (no sparsity) peak TFLOP/s per GPU model and compute dtype, from the vendors' data sheets: where a sheet
-# gives a figure "with sparsity" (NVIDIA marks them *), half of it. "tf32" is used for fp32 matmuls when TF32 is
-# allowed; "fp8" is e4m3/e5m2 with fp32 accumulation. Each pattern is a regular expression searched in
-# torch.cuda.get_device_name() ignoring case; the first that matches decides, so a variant comes before its family
-# ("H100 NVL" and "H100 PCIe" before plain H100, whose SXM5 board torch names "NVIDIA H100 80GB HBM3"), and a
-# model missing a dtype has no peak for it (never another model's). Override with trainer.peak_tflops.
+# Dense (no sparsity: half a "with sparsity" figure) peak TFLOP/s per GPU model and compute dtype, from the vendors'
+# data sheets. Patterns are searched in torch.cuda.get_device_name() ignoring case, the first match decides (a variant
+# before its family). Override with trainer.peak_tflops.
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 NVL column
     (r"H100.*NVL", {"fp8": 1670.0, "bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
@@ -27,8 +24,7 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"H100", {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),
     # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 NVL column
     (r"H200.*NVL", {"fp8": 1670.0, "bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
-    # the same datasheet, H200 SXM column ("NVIDIA H200"); the GH200 Grace Hopper Superchip datasheet gives its
-    # GPU the same figures
+    # the same datasheet, H200 SXM column ("NVIDIA H200"); the GH200's GPU has the same figures
     (r"H200", {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),
     # NVIDIA GB200 NVL72 datasheet (nvidia.com/en-us/data-center/gb200-nvl72): the rack's figures / 72 GPUs
     (r"GB200", {"fp8": 5000.0, "bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0, "fp32": 80.0}),
@@ -58,9 +54,8 @@ _DTYPE_KEY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp3
 
 
 def peak_tflops(name: str, key: str) -> float | None:
-    """The dense peak TFLOP/s of the GPU that ``torch.cuda.get_device_name()`` calls ``name``, for ``key`` (``fp8``,
-    ``bf16``, ``fp16``, ``tf32``, ``fp32``): the first row of ``PEAK_TFLOPS`` whose pattern matches decides; None
-    where no row matches or that row has no figure for ``key`` (an A100 has no fp8)."""
+    """The dense peak TFLOP/s of the GPU ``name`` for ``key`` (``fp8``, ``bf16``, ``fp16``, ``tf32``, ``fp32``) from
+    ``PEAK_TFLOPS``; None where no row matches or it has no figure for ``key``."""
     for pattern, peaks in PEAK_TFLOPS:
         if re.search(pattern, name, re.IGNORECASE):
             return peaks.get(key)
@@ -129,9 +124,7 @@ def cpu_cores() -> int:
 
 # ------------------------------------------------------------------------ how busy the machine is (Linux /proc)
 def cpu_ticks() -> tuple[int, int] | None:
-    """``(steal, total)`` clock ticks of all CPUs since boot, from the first line of ``/proc/stat``
-    (user nice system idle iowait irq softirq steal ...; proc(5)); None where there is none (not Linux) or
-    the kernel reports no steal column. Steal is time a hypervisor gave this VM's virtual CPUs to others."""
+    """``(steal, total)`` clock ticks of all CPUs since boot, from ``/proc/stat`` (proc(5)); None where absent."""
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     except OSError:
@@ -143,10 +136,8 @@ def cpu_ticks() -> tuple[int, int] | None:
 
 
 def thread_schedule_ns() -> tuple[int, int] | None:
-    """``(on_cpu, waiting)`` ns summed over this process's threads: time they ran, and time they were
-    runnable but waited for a CPU (other processes, or more threads than cores), from
-    ``/proc/self/task/*/schedstat`` (Linux with schedstats, kernel docs ``scheduler/sched-stats``); None
-    where absent."""
+    """``(on_cpu, waiting)`` ns summed over this process's threads: ran, and runnable but waiting for a CPU, from
+    ``/proc/self/task/*/schedstat`` (kernel docs ``scheduler/sched-stats``); None where absent."""
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         return None
@@ -206,9 +197,8 @@ def physical_memory_mb() -> float | None:
 
 
 def host_memory_mb() -> float | None:
-    """The host memory this process may use, in MiB: ``physical_memory_mb``, or the cgroup's limit when that
-    is lower (``CGROUP_MEMORY_LIMITS``: v2 ``memory.max``, v1 ``memory.limit_in_bytes``; a container, a
-    SLURM job); None where neither is known."""
+    """The host memory this process may use, in MiB: ``physical_memory_mb`` or the lower cgroup limit
+    (``CGROUP_MEMORY_LIMITS``); None where neither is known."""
     limits = [physical_memory_mb()]
     for path in CGROUP_MEMORY_LIMITS:
         try:
@@ -258,14 +248,11 @@ def descends_from(pid: int, ancestor: int) -> bool:
 
 
 def gpu_contention(device: torch.device) -> dict[str, Any] | None:
-    """Other processes on the run's GPU and whether its clocks are throttled, through NVML's Python bindings (the
-    module ``pynvml`` that NVIDIA's maintained ``nvidia-ml-py`` package installs: runner's ``gpu`` extra; the PyPI
-    package called ``pynvml`` is a deprecated shim over it) when importable; None on a CPU, without them, or when
-    NVML fails (never an error).
+    """Other processes on the run's GPU and clock throttling, through NVML (``nvidia-ml-py``, the ``gpu`` extra);
+    None on a CPU, without it, or when NVML fails (never an error).
 
     Returns ``{"other_processes": n, "sweep_processes": m, "throttle_reasons": [names], "utilization_percent": p}``
-    (the utilization: the share of NVML's last sample period in which a kernel ran). In a job of an interleaved
-    comparison (``SWEEP_ROOT_ENV`` set), the comparison's own processes count in ``sweep_processes``, not as others.
+    (``sweep_processes``: an interleaved comparison's own, ``SWEEP_ROOT_ENV``).
     """
     if device.type != "cuda":
         return None

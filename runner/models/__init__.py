@@ -100,9 +100,8 @@ def _first_conv(model: nn.Module) -> tuple[nn.Module, str, nn.Conv2d] | None:
 def resolve_weights(builder, target: str, name: str):
     """The torchvision ``WeightsEnum`` member ``model.weights=name`` means for the builder ``target``.
 
-    ``name`` is a member of the builder's own enum (``IMAGENET1K_V1``, ``DEFAULT``) or a full name
-    (``ResNet18_Weights.IMAGENET1K_V1``, via ``torchvision.models.get_weight``); the enum comes from the
-    builder's ``weights`` annotation (``torchvision.models.get_model_weights``).
+    ``name``: a member of the builder's enum (``DEFAULT``) or a full name (``ResNet18_Weights.IMAGENET1K_V1``);
+    sources: ``torchvision.models.get_model_weights``, ``get_weight``.
 
     Raises:
         ConfigError: the builder takes no torchvision weights, the name is unknown (lists the builder's
@@ -135,11 +134,8 @@ def resolve_weights(builder, target: str, name: str):
 
 
 def cached_weights_file(weights) -> Path:
-    """Where torchvision keeps ``weights``: ``torch.hub.get_dir()/checkpoints/<file name of its URL>``.
-
-    ``torch.hub.get_dir()`` is ``$TORCH_HOME/hub`` (``$TORCH_HOME`` defaults to ``~/.cache/torch``); the
-    file name is the URL's last part, e.g. ``resnet18-f37072fd.pth`` (its SHA-256 prefix after the dash).
-    """
+    """Where torchvision keeps ``weights``: ``$TORCH_HOME/hub/checkpoints/<URL's file name>`` (``torch.hub.get_dir``;
+    ``$TORCH_HOME`` defaults to ``~/.cache/torch``), e.g. ``resnet18-f37072fd.pth`` (SHA-256 prefix after the dash)."""
     return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(weights.url).path)
 
 
@@ -153,9 +149,8 @@ def _first_line(e: Exception) -> str:
 
 
 def _check_weights_file(weights, path: Path) -> dict[str, torch.Tensor]:
-    """The state dict in ``path``, read with ``torch.load(weights_only=True)`` (tensors and plain
-    containers only: no code runs); logs a warning when its SHA-256 does not start with the hash prefix in
-    its name (torch.hub checks that only while downloading, never for a file already in the cache).
+    """The state dict in ``path``, read with ``torch.load(weights_only=True)``; warns when its SHA-256 does not start
+    with the hash prefix in its name (torch.hub checks that only while downloading).
 
     Raises:
         ConfigError: the file is missing (gives the path and the URL to fetch it from), unreadable, or
@@ -207,8 +202,7 @@ def _mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str:
 
 
 def _load_pretrained(builder, target: str, kwargs: dict, weights) -> nn.Module:
-    """Build the model through torchvision's own API, ``builder(weights=..., **kwargs)``, which sets what the weights
-    need (their class count, ...) and loads the cached file, found first, so it never downloads.
+    """``builder(weights=..., **kwargs)``, torchvision's own API, on the cached file (checked first: never downloads).
 
     Raises:
         ConfigError: the file is missing/unreadable (``_check_weights_file``), or it holds weights of
@@ -233,10 +227,8 @@ def _load_pretrained(builder, target: str, kwargs: dict, weights) -> nn.Module:
 
 
 def _replace_head(model: nn.Module, weights_classes: int, num_classes: int) -> nn.Module:
-    """Replace the last Linear (or 1x1 Conv2d, SqueezeNet) producing ``weights_classes`` outputs by a fresh
-    one with ``num_classes`` outputs (``fc`` in ResNets, ``classifier[-1]``, ``head``, ``heads.head``),
-    the fine-tuning recipe of the torchvision tutorial
-    (https://pytorch.org/tutorials/beginner/finetuning_torchvision_models_tutorial.html). Returns the new head.
+    """Replace the last Linear (or 1x1 Conv2d) with ``weights_classes`` outputs by a fresh ``num_classes`` one; returns
+    it. Source: https://pytorch.org/tutorials/beginner/finetuning_torchvision_models_tutorial.html
 
     Raises:
         ConfigError: no such layer (the model is not a classifier with the weights' class count).
@@ -298,10 +290,8 @@ def _first_layer(model: nn.Module) -> str:
 
 
 def check_forward(model: nn.Module, example: torch.Tensor, size: int, classes: bool = True) -> None:
-    """Run the model once on a batch of 2 copies of ``example`` (one real input item, shape ``S``) in eval
-    mode under ``torch.inference_mode`` (no BatchNorm statistics change, no RNG is drawn), and check the
-    output is ``(2, size)``: logits for ``size`` classes, or (``classes=False``) ``size`` values per item, where
-    ``(2,)`` does for one value. Skipped for outputs that are not tensors.
+    """Run the model (eval, ``torch.inference_mode``) once on 2 copies of ``example`` (shape ``S``) and check the
+    output is ``(2, size)`` (``(2,)`` also for one regression value, ``classes=False``); non-tensor outputs pass.
 
     Raises:
         ConfigError: the forward fails (names the data's input shape and what the first layer expects) or
@@ -339,10 +329,8 @@ def _count(n: int) -> str:
 
 
 def model_report(model: nn.Module, cfg: DictConfig) -> tuple[str, dict[str, object]]:
-    """The line ``prepare`` prints once the model is built (rank 0), and its details for ``summary.json``
-    (``model_details``), e.g. ``model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 5,130 of 11.2 M
-    parameters trainable`` (a wrapped model counts the same: an FSDP2 DTensor's ``numel`` is the full tensor's).
-    ``cfg``: the ``model`` node ``model`` was built from."""
+    """The console line for the built model (``model: resnet18, ...; 5,130 of 11.2 M parameters trainable``) and
+    ``summary.json``'s ``model_details``; ``cfg``: the ``model`` node it was built from."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     name = str(cfg._target_).rpartition(".")[2]
@@ -359,12 +347,8 @@ def model_report(model: nn.Module, cfg: DictConfig) -> tuple[str, dict[str, obje
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load a job's ``model.safetensors`` (a plain state dict) into ``model``, the plain model class.
-
-    A conv/linear bias missing from the file (``model.drop_bias_before_bn=true`` removed it before training) is
-    set to zero, which BatchNorm makes equivalent; every other key must match exactly.
-
-    Returns ``model``, loaded in place. Sources: ``safetensors.torch.load_file``; Ioffe & Szegedy 2015 §3.2.
+    """Load a job's ``model.safetensors`` into ``model`` (the plain class) in place and return it; a conv/linear bias
+    the file lacks (``drop_bias_before_bn``) is zero. Sources: ``safetensors.torch.load_file``; Ioffe & Szegedy 2015.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -393,16 +377,11 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
 
     Args:
         cfg: the ``model`` node; keys other than ``_target_`` and ``RUNNER_KEYS`` are constructor arguments.
-        data_kwargs: the sizes the data dictates (the task's ``model_kwargs``): ``num_classes`` for labelled
-            data, ``vocab_size`` for token data (e.g. ``runner.models.gpt.GPT``), ``num_outputs`` for a regression's
-            targets; each is passed when the constructor takes it.
+        data_kwargs: the task's ``model_kwargs`` (``num_classes``, ``vocab_size``, ``num_outputs``), passed when taken.
         in_channels: image channels of the input items (None for data that is not images).
-        example: one input item as the dataset returns it (shape ``S``); when given, ``in_features=prod(S)``
-            is passed if the constructor takes it and the config leaves it unset, and a classifier (or a
-            regression's model) is run once on it (``check_forward``).
+        example: one input item (shape ``S``): ``in_features=prod(S)`` when taken and unset, and ``check_forward``.
 
-    Steps: ``weights`` (then a fresh head for ``num_classes``), ``_fit_to_images``, ``freeze_backbone`` (all but the
-    new head and the layers runner built fresh), the input check; docs/data-and-models.md, "Fine-tuning".
+    Steps: docs/data-and-models.md, "Fine-tuning".
 
     Raises:
         ConfigError: ``_target_`` unset (``model=base_model``), cannot be imported or called, an argument its signature
@@ -447,8 +426,8 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
 
 def _constructor_kwargs(cfg: DictConfig, builder, data_kwargs: dict[str, int],
                         example: torch.Tensor | None) -> tuple[dict, set, bool]:
-    """The constructor's keyword arguments from the config (``in_features`` from the example when it takes it),
-    checked against its signature; its parameter names, and whether it takes any keyword.
+    """The constructor's keyword arguments (checked against its signature), its parameter names, and whether it
+    takes any keyword.
 
     Raises:
         ConfigError: ``model.num_classes``/``model.vocab_size`` set (they follow the data), an argument the

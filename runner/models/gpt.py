@@ -1,10 +1,8 @@
 """A decoder-only transformer language model, small and readable, in the style of nanoGPT's ``model.py``.
 
-Architecture: GPT-2 (Radford et al. 2019) = the Transformer decoder of Vaswani et al. 2017
-(https://arxiv.org/abs/1706.03762) with pre-LayerNorm blocks, learned position embeddings, GELU MLPs
-and the token embedding tied to the output head (Press & Wolf 2017). Code layout, names and
-initialization follow Karpathy's nanoGPT (https://github.com/karpathy/nanoGPT/blob/master/model.py), so its
-checkpoints' parameter names (``transformer.h.0.attn.c_attn.weight``, ...) and its training recipes carry over.
+Architecture: GPT-2 (Radford et al. 2019): the Transformer decoder (https://arxiv.org/abs/1706.03762), pre-LayerNorm,
+learned positions, GELU, tied embedding (Press & Wolf 2017). Names and initialization follow nanoGPT
+(https://github.com/karpathy/nanoGPT/blob/master/model.py), so its parameter names carry over.
 
 Attention is ``F.scaled_dot_product_attention(..., is_causal=True)``, the fastest kernel the device, dtype and shapes
 allow, without a ``(T, T)`` mask: https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html
@@ -22,13 +20,8 @@ from torch import nn
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: ``(B, T, n_embd)`` -> ``(B, T, n_embd)``.
 
-    One fused ``c_attn`` projection gives queries, keys and values for all ``n_head`` heads (head size
-    ``n_embd // n_head``); position t attends to positions <= t only (``is_causal=True``).
-
-    ``upcast_attention`` (the name diffusers gives the same switch): when queries, keys and values are bf16/fp16
-    (autocast, or bf16 weights), the attention itself (softmax(QK^T)V and its backward) runs in fp32 while the
-    projections stay in the low precision. It pays on a CPU at small shapes only (docs/language-models.md), so the
-    speed tuner measures it (``bf16_upcast_attention``).
+    Head size ``n_embd // n_head``; ``upcast_attention``: softmax(QK^T)V in fp32 when Q, K, V are bf16/fp16
+    (why: docs/language-models.md).
     """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, upcast_attention: bool = False):
@@ -71,11 +64,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; shape-preserving.
-
-    The unit that activation checkpointing wraps and FSDP shards (``runner.techniques.parallel.repeated_blocks``
-    finds it because the model holds ``n_layer`` of them).
-    """
+    """One pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; shape-preserving."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, upcast_attention: bool = False):
         super().__init__()
@@ -92,8 +81,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT language model: token ids ``(B, T)`` int64 -> next-token logits ``(B, T, vocab_size)``, T <= block_size.
 
-    nanoGPT's ``GPT`` (https://github.com/karpathy/nanoGPT/blob/master/model.py) without its optimizer and
-    checkpoint helpers: the engine owns those.
+    nanoGPT's ``GPT`` (https://github.com/karpathy/nanoGPT/blob/master/model.py) without its optimizer helpers.
 
     Args:
         vocab_size: number of token ids (from the data: ``data=text`` passes its character count).
@@ -101,13 +89,9 @@ class GPT(nn.Module):
         n_layer, n_head, n_embd: depth, attention heads per block, width (``n_embd % n_head == 0``).
         dropout: on embeddings, attention weights, residual branches (0 = off; training mode only).
         bias: biases in the Linear and LayerNorm layers (nanoGPT: False is slightly better and faster).
-        upcast_attention: attention in fp32 under bf16/fp16 autocast (``CausalSelfAttention``: faster on a
-            CPU at small shapes, slower at large ones).
+        upcast_attention: attention in fp32 under bf16/fp16 autocast (``CausalSelfAttention``).
 
-    Initialization (nanoGPT, after GPT-2): every Linear and Embedding weight ~ N(0, 0.02), biases zero,
-    and each residual branch's output projection (``c_proj``) ~ N(0, 0.02 / sqrt(2 n_layer)), so the
-    residual stream's variance does not grow with depth. The token embedding and ``lm_head`` share one
-    ``(vocab_size, n_embd)`` matrix.
+    Initialization (nanoGPT): weights ~ N(0, 0.02), biases zero, ``c_proj`` ~ N(0, 0.02 / sqrt(2 n_layer)).
     """
 
     def __init__(self, vocab_size: int, block_size: int = 256, n_layer: int = 6, n_head: int = 6,
@@ -142,9 +126,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, chunk_tokens: int = 0,
                 fused: nn.Module | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` of token ids ``idx`` ``(B, T)``; with ``targets`` ``(B, T)`` and ``chunk_tokens``
-        the mean next-token cross-entropy instead, its head and loss computed ``chunk_tokens`` positions at a time
-        (``chunked_cross_entropy``: the full logits are never held), inside the forward so DDP and FSDP see it;
-        with ``fused`` (Liger's ``LigerFusedLinearCrossEntropyLoss``) that module computes it."""
+        the mean cross-entropy instead (``chunked_cross_entropy``, or the Liger module ``fused``)."""
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
@@ -171,11 +153,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns
     ``(B, T0 + max_new_tokens)``.
 
-    Works for any model whose output (or its ``.logits``, a Hugging Face ``ModelOutput``) is ``(B, T, vocab)``:
-    each step feeds the last ``context`` tokens (all when None), takes the last position's logits /
-    ``temperature``, keeps the ``top_k`` largest (all when None) and samples from their softmax with
-    ``generator`` (nanoGPT's ``generate``, https://github.com/karpathy/nanoGPT/blob/master/model.py). No KV
-    cache: small models, short samples. Call it in eval mode for dropout-free samples.
+    Any model whose output (or its ``.logits``) is ``(B, T, vocab)``; the last ``context`` tokens, ``temperature``,
+    ``top_k``, no KV cache (nanoGPT's ``generate``, https://github.com/karpathy/nanoGPT/blob/master/model.py).
 
     Raises:
         ValueError: ``temperature`` <= 0.
@@ -195,11 +174,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, a chunk of positions at a time: each chunk's
-    logits and their gradient are computed in the forward and dropped, so only the gradients of ``hidden`` ``(N, C)``
-    and ``weight`` ``(V, C)`` are kept for the backward, never the ``(N, V)`` logits. The same FLOPs as the plain
-    head and loss (forward 2NCV, gradients 4NCV). Liger Kernel's fused linear cross-entropy in plain PyTorch (Hsu et
-    al. 2024, "Liger Kernel", arXiv:2410.10989)."""
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, a chunk at a time: only the gradients of
+    ``hidden`` ``(N, C)`` and ``weight`` ``(V, C)`` are kept, never the ``(N, V)`` logits. Liger Kernel's fused
+    linear cross-entropy in plain PyTorch (Hsu et al. 2024, arXiv:2410.10989); docs/language-models.md."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -45,17 +45,10 @@ class SweepError(ValueError):
 def job_times(folder: Path, summary: dict[str, Any] | None) -> dict[str, float | None]:
     """Where one job's wall time went, in seconds (None where the folder cannot tell).
 
-    Keys: ``wall_s`` (job start to its end: the parent's ``finished`` from ``job.json``, else the
-    summary's write), ``setup_s``, ``train_s`` (``train_time_s``: the training loop, warm-up included, evaluation
-    excluded), ``measured_s`` (``measured_time_s``: the measured steps), ``eval_s`` (``eval_time_s``),
-    ``teardown_s`` (summary written to process exit, e.g. closing W&B; only with ``job.json``).
-
-    ``setup_s`` = (summary.json written) − (job start) − ``train_time_s`` − ``eval_time_s``: everything before the
-    first step (process start and imports where the job has its own process, dataset load, model build, the FLOP
-    count, the W&B start) plus the few ms of bookkeeping after the last. The job start is ``job.json``'s
-    ``started`` where the ablation wrote one, else the time Hydra wrote ``<job>/.hydra/config.yaml``; an
-    interleaved job's ``job.json`` holds ``setup_s`` itself (fork to the first step), since it spends most of its
-    life waiting for its turn. Wall-clock stamps of one machine.
+    Keys: ``wall_s``, ``setup_s`` (summary written − job start − train − eval: everything before the first step;
+    an interleaved job's ``job.json`` holds its own), ``train_s`` (``train_time_s``), ``measured_s``
+    (``measured_time_s``), ``eval_s`` (``eval_time_s``), ``teardown_s`` (summary to process exit; with ``job.json``).
+    The job start: ``job.json``'s ``started``, else when Hydra wrote ``.hydra/config.yaml``.
     """
     record: dict[str, Any] = {}
     path = folder / "job.json"
@@ -204,10 +197,8 @@ def _from_slices(jobs: list[SweepJob], record: dict[str, Any]) -> list[SweepJob]
 
 
 def slice_summary(slices: list[dict[str, Any]]) -> dict[str, Any]:
-    """A summary made of a job's measured slices in ``interleave.json``, for a job killed before its
-    ``summary.json``: ``samples_per_sec`` (samples ÷ seconds over its slices), ``step_time_ms_median`` (the median
-    slice's seconds per step, in ms), ``steps_measured`` and ``unfinished: true``; no evaluation, memory or
-    technique figures."""
+    """A summary made of a job's measured slices in ``interleave.json`` (a job killed before its ``summary.json``):
+    ``samples_per_sec``, ``step_time_ms_median`` (ms), ``steps_measured`` and ``unfinished: true``."""
     seconds = sum(s["seconds"] for s in slices)
     samples = sum(s["samples_per_sec"] * s["seconds"] for s in slices)
     per_step = sorted(1000 * s["seconds"] / s["steps"] for s in slices)

@@ -82,12 +82,9 @@ def no_op_reason(cfg: DictConfig) -> str | None:
 class AblationCallback(Callback):
     """Hydra callback of ``+experiment=ablation`` (``hydra.callbacks.ablation_report``).
 
-    ``on_multirun_start`` writes ``<sweep>/ablation.json`` (machine: CPU model, cores, memory, GPUs, native bf16, load
-    average; the command; the start time) and starts the job server (runner/compare/server.py), its start-up time
-    recorded; a ``TMPDIR`` too long for its socket prints one ``error:`` line and exits with status 2 before any job
-    runs (Hydra turns exceptions from callbacks into warnings). ``on_multirun_end`` adds the end time and load
-    average and writes the report (under torchrun, ranks > 0 leave it to rank 0); a report that cannot be made (no
-    summaries, no baseline) prints one ``error:`` line and exits with status 1.
+    ``on_multirun_start`` writes ``<sweep>/ablation.json`` (machine, command, start) and starts the job server
+    (a ``TMPDIR`` too long for its socket: exit status 2); ``on_multirun_end`` writes the report (rank 0; none can
+    be made: exit status 1). Each failure is one ``error:`` line.
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

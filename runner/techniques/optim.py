@@ -4,9 +4,8 @@ Techniques recorded here (their switches live in the ``optimizer`` group; docs/c
 
 - 3, LR scaling: ``optimizer.lr_scaling`` (``scaled_lr``).
 - 5, the optimizer and its kernel: ``optimizer=sgd|adamw|lamb|lars|muon``, ``optimizer.impl``.
-- 11, ``optimizer.set_to_none``: the engine's ``optimizer.zero_grad(set_to_none=cfg.set_to_none)`` frees the
-  ``.grad`` tensors instead of writing zeros into them (PyTorch Performance Tuning Guide,
-  https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#use-parameter-grad-none-instead-of-model-zero-grad-or-optimizer-zero-grad).
+- 11, ``optimizer.set_to_none``: ``zero_grad(set_to_none=...)``
+  (https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html).
 - 14, gradient clipping: ``optimizer.clip_grad_norm`` (``gradient_clipping``; Pascanu et al. 2013,
   https://arxiv.org/abs/1211.5063).
 """
@@ -36,10 +35,8 @@ _IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"fore
 def scaled_lr(cfg: DictConfig, global_batch_size: int) -> float:
     """Technique 3: scale the LR with the global batch (Goyal et al. 2017, https://arxiv.org/abs/1706.02677).
 
-    ``linear``: lr x B / B0 (the paper's rule for SGD); ``sqrt``: lr x sqrt(B / B0) (Krizhevsky 2014,
-    https://arxiv.org/abs/1404.5997, common for Adam-type optimizers); ``none``: lr unchanged.
-    B = ``global_batch_size`` (micro-batch x accumulate_steps x world size, in samples),
-    B0 = ``optimizer.base_batch_size`` (the batch ``optimizer.lr`` was tuned for).
+    ``linear``: lr x B / B0; ``sqrt``: lr x sqrt(B / B0) (Krizhevsky 2014, https://arxiv.org/abs/1404.5997); ``none``.
+    B = ``global_batch_size`` (samples), B0 = ``optimizer.base_batch_size`` (the batch ``optimizer.lr`` was tuned for).
 
     Raises:
         ConfigError: an unknown ``lr_scaling`` or a non-positive ``base_batch_size``.
@@ -55,21 +52,11 @@ def scaled_lr(cfg: DictConfig, global_batch_size: int) -> float:
 def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, device: torch.device):
     """Return ``(optimizer, techniques)`` for the model's trainable parameters.
 
-    ``_target_`` is any optimizer class: ``torch.optim.SGD``/``AdamW`` (Loshchilov & Hutter 2019,
-    https://arxiv.org/abs/1711.05101), and LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962) and
-    LARS (You et al. 2017, https://arxiv.org/abs/1708.03888) from ``timm.optim``
-    (https://huggingface.co/docs/timm/reference/optimizers). Note timm's ``Lamb`` clips the global grad
-    norm to ``max_grad_norm=1.0`` by default.
-
-    ``impl`` picks the kernel (https://pytorch.org/docs/stable/optim.html#algorithms): ``fused``, ``foreach``
-    or ``loop`` (``_IMPLS``); null keeps torch's default. An optimizer class without that argument (timm's
-    LAMB/LARS have no ``fused``) records the switch as skipped with the reason.
-
-    ``decay_all=false`` puts the tensors with fewer than 2 dimensions (biases, LayerNorm/BatchNorm gains)
-    in a second parameter group without weight decay, as nanoGPT's ``configure_optimizers`` and GPT-2 do.
-
-    ``optimizer=muon`` (``timm.optim.Muon``; Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/): one
-    optimizer whose parameter groups say which rule each tensor takes (``muon_groups``); ``impl`` is skipped.
+    ``_target_``: any optimizer class: SGD, AdamW (https://arxiv.org/abs/1711.05101), timm's LAMB
+    (https://arxiv.org/abs/1904.00962; clips the grad norm to 1.0 by default) and LARS
+    (https://arxiv.org/abs/1708.03888), Muon (``muon_groups``). ``impl``: the kernel (``_IMPLS``;
+    https://pytorch.org/docs/stable/optim.html#algorithms), skipped where the class lacks it. ``decay_all=false``:
+    no weight decay on tensors of < 2 dimensions, as nanoGPT's ``configure_optimizers``.
 
     Raises:
         ConfigError: an unknown ``impl`` or ``_target_``, or an optimizer torch refuses to build (e.g. a
@@ -126,11 +113,9 @@ def tensor_lr(optimizer: torch.optim.Optimizer) -> None:
 
 
 def compile_step(optimizer: torch.optim.Optimizer) -> str:
-    """``compile.optimizer``: ``torch.compile`` the optimizer's step, the update of every parameter traced into fused
-    kernels (PyTorch recipe "Compiling the optimizer", https://pytorch.org/tutorials/recipes/compiling_optimizer.html).
-    Its LRs must be tensors (``tensor_lr``, before the scheduler is built), which the LR schedulers fill in place, so a
-    schedule changes a value, not the graph (the recipe's "with an LR scheduler"); call it after the scheduler is
-    built (it wraps the step)."""
+    """``compile.optimizer``: ``torch.compile`` the optimizer's step; its LRs must be tensors (``tensor_lr``, before
+    the scheduler); call it after the scheduler is built. https://pytorch.org/tutorials/recipes/compiling_optimizer.html
+    """
     optimizer.step = torch.compile(optimizer.step, fullgraph=False)  # type: ignore[method-assign]
     return "applied"
 
@@ -142,10 +127,8 @@ def muon_split(model: torch.nn.Module) -> tuple[Named, Named]:
     """``(matrices, rest)``: the trainable parameters that take Muon and those that take AdamW, as ``(name, tensor)``
     in ``named_parameters`` order (a tied weight once, under its first name).
 
-    The matrices are the tensors of >= 2 dimensions except every ``nn.Embedding``'s weights, the output head's (the
-    last ``Linear``/``Conv`` module in registration order) and a tensor whose ``(shape[0], rest)`` view has a side
-    of 1; conv filters take Muon on their ``(out, in*kh*kw)`` view (timm's ``conv_mode="flatten"``). Why these:
-    docs/configuration.md, "Muon" (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/).
+    Matrices: tensors of >= 2 dimensions but embeddings, the output head and ``(shape[0], rest)`` views with a side
+    of 1 (conv filters as ``(out, in*kh*kw)``). Why: docs/configuration.md, "Muon".
     """
     modules = list(model.modules())
     embeddings = {id(p) for m in modules if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
@@ -160,12 +143,9 @@ def muon_split(model: torch.nn.Module) -> tuple[Named, Named]:
 
 
 def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
-    """``optimizer=muon``'s parameter groups for one ``timm.optim.Muon``: the matrices (``muon_split``) with
-    ``use_muon=True``, the rest with ``use_muon=False`` (timm's AdamW fallback, with ``nesterov=False`` so it is AdamW,
-    not NAdamW, and ``eps=adamw_eps``); ``decay_all=false`` moves the AdamW part's 1-D tensors to a group without
-    weight decay. Every group has the same ``lr`` (OneCycleLR and CyclicLR set one LR for all groups): the AdamW part
-    runs at ``lr x fallback_lr_scale``, the scale ``adamw_lr / lr``. Why, and why timm's Muon: docs/configuration.md,
-    "Muon".
+    """``optimizer=muon``'s parameter groups for one ``timm.optim.Muon`` (Jordan et al. 2024,
+    https://kellerjordan.github.io/posts/muon/): ``muon_split``'s matrices with ``use_muon=True``, the rest AdamW at
+    ``lr x fallback_lr_scale`` (``adamw_lr / lr``). Why: docs/configuration.md, "Muon".
 
     Raises:
         ConfigError: ``lr`` or ``adamw_lr`` not > 0, ``ns_steps`` < 1, ``momentum`` outside [0, 1), or a model with no
@@ -195,13 +175,9 @@ def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
 
 
 def gradient_clipping(max_norm: float | None, model: torch.nn.Module, scaler: torch.amp.GradScaler):
-    """Technique 14 as the callable the loop runs before each optimizer step: clip the global L2 norm of
-    the gradients to ``max_norm`` after ``scaler.unscale_`` (so the true gradients are clipped, not the
-    loss-scaled ones; PyTorch AMP examples, https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping).
-
-    ``clip(optimizer, norm=False)`` returns the global L2 norm before clipping as a 0-dim tensor on the device (no
-    host sync) when ``norm`` is true (the loop asks at log steps: the row's ``grad_norm``), and None otherwise.
-    ``max_norm`` None: nothing is clipped. Under FSDP the norm covers every shard."""
+    """Technique 14: clip the gradients' global L2 norm to ``max_norm`` (None: no clipping) after ``scaler.unscale_``
+    (https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping). ``clip(optimizer, norm=False)``
+    returns the norm before clipping as a 0-dim device tensor when ``norm``, else None."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def full(norm: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,7 @@
 - ``dp``: ``nn.DataParallel`` -- one process driving all local GPUs; kept only for the ablation, DDP is
   faster (https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel).
 
-What runner does for a job of several processes: docs/scaling.md. ``repeated_blocks`` lives here because FSDP
-shards by it and ``prepare``'s activation checkpointing wraps by it (layers: docs/design.md).
+What runner does for a job of several processes: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -33,11 +32,9 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
-    """Class names of the model's repeated blocks: non-container modules with children that occur at least
-    twice and are not nested inside another such block (ResNet: ``BasicBlock``/``Bottleneck``; runner's GPT:
-    ``Block``). A Hugging Face model names its blocks itself in ``_no_split_modules`` (the layers a device map
-    never splits, ``GPT2Block``, ``LlamaDecoderLayer``: Accelerate's ``no_split_module_classes``,
-    https://huggingface.co/docs/accelerate/usage_guides/big_modeling); those present in the model are used."""
+    """Class names of the model's repeated blocks: modules with children occurring at least twice, not nested in
+    another (ResNet ``BasicBlock``, GPT ``Block``), or a Hugging Face model's ``_no_split_modules``
+    (https://huggingface.co/docs/accelerate/usage_guides/big_modeling)."""
     declared = getattr(model, "_no_split_modules", None)
     if declared:
         present = {type(m).__name__ for m in model.modules()}
@@ -142,7 +139,6 @@ def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[st
 def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, amp: Precision):
     """Wrap the model for data parallelism (``distributed.name``); ``none`` returns it unchanged.
 
-    Called last by ``prepare`` (after compile): the wrapper registers its hooks on the final parameters.
     Returns ``(model, techniques)`` with ``"applied"`` / ``"skipped: <why>"`` per technique.
 
     Raises:
@@ -170,10 +166,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def no_sync(model: torch.nn.Module, last: bool):
     """Skip the gradient reduction on every micro-batch of an accumulated step but the last.
 
-    DDP: its ``no_sync()`` context (the flag is read in forward, so backward may run after the context
-    exits, as the engine's loop does). FSDP2: ``set_requires_gradient_sync(last)`` -- a flag read in
-    backward, so it is set here and left set until the next micro-batch sets it again (a context that
-    restored it on exit would restore it before backward). Others: nothing to skip.
+    DDP: ``no_sync()`` (read in forward); FSDP2: ``set_requires_gradient_sync(last)``, read in backward, left set.
     Docs: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync
     """
     if hasattr(model, "set_requires_gradient_sync"):
@@ -196,15 +189,9 @@ def sync_ddp_buffers(model: torch.nn.Module, env: Env) -> None:
 def parameter_report(model: torch.nn.Module, env: Env) -> dict:
     """What the trained parameters look like on every rank, to prove the ranks agree.
 
-    - ``sha256_by_rank``: on each rank, a SHA-256 over the bytes of every parameter's *full* value in
-      ``named_parameters`` order (an FSDP DTensor all-gathered one at a time), gathered to all ranks; buffers
-      are left out (each rank's last forward updates its own BatchNorm statistics).
-    - ``identical_across_ranks``: all entries equal (null for one process).
-    - ``l2_norm``: float64 L2 norm over all parameters, comparable between runs of different layouts.
-    - ``count``/``numel``: parameters and their elements; ``dtensor_count`` and ``local_numel``: how many
-      are DTensors and how many elements this rank (rank 0) stores -- about ``numel / world_size`` under FSDP.
-
-    Collective (all ranks call it): one pass over the parameters (and one all-gather each under FSDP).
+    ``sha256_by_rank`` (each rank's SHA-256 of the full parameters, buffers left out), ``identical_across_ranks``
+    (null for one process), ``l2_norm`` (float64), ``count``/``numel``, ``dtensor_count``, ``local_numel``.
+    Collective: all ranks call it.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor

@@ -1,8 +1,7 @@
 """Model transforms, one ``apply_<technique>`` each, called by ``prepare`` in torchtitan's order (its model
 converters, then its ``parallelize``): memory format -> bias removal -> fp8 layers -> activation checkpointing ->
 compile -> data-parallel wrapper; why, docs/design.md rule 7. Each returns a ``summary.json`` ``techniques`` status,
-``"applied"`` or ``"skipped: <why>"``. ``apply_cudnn_benchmark`` is a process-wide flag the engine sets before
-building anything, so cuDNN autotunes from the first step (which the warm-up excludes).
+``"applied"`` or ``"skipped: <why>"``.
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
-    """``trainer.deterministic=true``: the same seed gives bit-identical weights (docs/training.md; PyTorch
-    "Reproducibility", https://pytorch.org/docs/stable/notes/randomness.html). ``CUBLAS_WORKSPACE_CONFIG`` is set
-    before CUDA's first cuBLAS call. Sets every flag either way, so an earlier job in the same process cannot leak
-    it; torch's switch only when it changes (turning it off when off imports ~280 modules, ~0.8 s of every run).
+    """``trainer.deterministic=true``: the same seed gives bit-identical weights (docs/training.md;
+    https://pytorch.org/docs/stable/notes/randomness.html). Sets every flag either way (no leak between jobs).
 
     Returns:
         ``{"deterministic": "applied"}`` when on, else ``{}``.
@@ -46,8 +43,8 @@ def apply_deterministic(enabled: bool, device: torch.device) -> dict[str, str]:
 
 @contextlib.contextmanager
 def deterministic_or_refused(enabled: bool):
-    """Around the training loop (once, so free per step): with ``trainer.deterministic=true``, PyTorch's refusal of
-    an operation without a deterministic kernel here becomes one message naming the operation and the key.
+    """Around the training loop: with ``trainer.deterministic=true``, PyTorch's refusal of a nondeterministic
+    operation becomes one message naming the operation and the key.
 
     Raises:
         ConfigError: the refused operation, and the fix (``runner.errors.deterministic_refusal``).
@@ -66,10 +63,8 @@ DEFAULT_NUM_THREADS = torch.get_num_threads()
 
 
 def apply_num_threads(num_threads: int | None) -> dict[str, str]:
-    """``trainer.num_threads``: the CPU's intra-op threads (``torch.set_num_threads``; PyTorch "CPU threading
-    and TorchScript inference", https://pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html).
-    Fewer than torch's one per core can be faster when other work shares the cores (``runner.tune speed`` measures
-    it). null restores the default this process started with, so an earlier job cannot leak its setting.
+    """``trainer.num_threads``: the CPU's intra-op threads (``torch.set_num_threads``;
+    https://pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html); null restores the default.
 
     Returns:
         ``{"num_threads": "applied"}`` when set, else ``{}``.
@@ -95,14 +90,12 @@ _host_allocator_reused = False  # mallopt's settings are process-wide and cannot
 
 
 def apply_host_allocator(name: str) -> str:
-    """``trainer.host_allocator=reuse`` (the default): glibc's malloc serves buffers up to 32 MiB from the heap
-    (``M_MMAP_THRESHOLD``) and keeps freed heap memory (``M_TRIM_THRESHOLD``), so a step's buffers are not page-faulted
-    in afresh; ``system``: glibc's defaults. Why and measurements: docs/training.md, "The host allocator". PyTorch's
-    "Performance Tuning Guide", https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#switch-memory-allocator.
+    """``trainer.host_allocator=reuse`` (the default): glibc's malloc serves buffers up to 32 MiB from the heap and
+    keeps freed heap memory (``mallopt``); ``system``: glibc's defaults. Why: docs/training.md, "The host allocator";
+    https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#switch-memory-allocator.
 
     Returns:
-        ``summary.json`` ``technique_details.host_allocator``: ``"reuse"``, ``"system"``, or ``"system (reuse
-        skipped: <why>)"`` off glibc (macOS, musl). A setting of the machine, not a technique the ablation compares.
+        ``technique_details.host_allocator``: ``"reuse"``, ``"system"``, or ``"system (reuse skipped: <why>)"``.
 
     Raises:
         ConfigError: ``system`` in a process where ``reuse`` was applied already (mallopt cannot be undone):
@@ -127,10 +120,8 @@ def apply_host_allocator(name: str) -> str:
 
 
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]:
-    """Technique 6: let cuDNN time its convolution algorithms on the first batch of each input shape and
-    keep the fastest (``torch.backends.cudnn.benchmark``; PyTorch "Performance Tuning Guide",
-    https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html#enable-cudnn-auto-tuner). Sets the flag either
-    way, so a previous job in the same process cannot leak it.
+    """Technique 6: cuDNN times its convolution algorithms per input shape and keeps the fastest
+    (``torch.backends.cudnn.benchmark``; https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html).
 
     Returns:
         ``{}`` when off; ``{"cudnn_benchmark": "applied" | "skipped: <why>"}`` when on (skipped off CUDA).
@@ -154,11 +145,9 @@ def apply_channels_last(model: nn.Module) -> str:
 
 
 def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
-    """Technique 15: remove the bias of every Conv/Linear whose every call feeds a BatchNorm directly, found by
-    ``torch.fx.symbolic_trace`` (https://pytorch.org/docs/stable/fx.html); BatchNorm's mean subtraction cancels it
-    (Ioffe & Szegedy 2015, https://arxiv.org/abs/1502.03167, section 3.2). Before training only; an untraceable
-    model is left alone, recorded as skipped with the tracer's error (docs/configuration.md, "How the model
-    techniques act").
+    """Technique 15: remove the bias of every Conv/Linear whose every call feeds a BatchNorm directly (found by
+    ``torch.fx.symbolic_trace``), which cancels it (Ioffe & Szegedy 2015, https://arxiv.org/abs/1502.03167, §3.2);
+    an untraceable model is skipped (docs/configuration.md, "How the model techniques act").
 
     Returns:
         ``(status, number of biases removed)``.
@@ -191,8 +180,7 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
     return "applied", removed
 
 
-#: What selective activation checkpointing keeps (torchtitan's ``_save_list``): matmuls and attention, the expensive
-#: ops; the rest of a block is recomputed in backward
+#: What selective activation checkpointing keeps (torchtitan's ``_save_list``): matmuls and attention
 SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
 
@@ -212,11 +200,9 @@ def _save_matmuls():
 
 def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None,
                                    policy: str = "full") -> tuple[str, list[str], int]:
-    """Technique 8: recompute the activations of each block in backward instead of storing them (Chen et al. 2016,
-    https://arxiv.org/abs/1604.06174): every module whose class name is in ``block_names`` (default:
-    ``repeated_blocks``) goes into a ``CheckpointWrapper`` running ``torch.utils.checkpoint`` with
-    ``use_reentrant=False`` (https://pytorch.org/docs/stable/checkpoint.html; why, docs/configuration.md);
-    ``policy="selective"`` saves the matmuls and attention inside them (``SAVED_OPS``) and recomputes the rest.
+    """Technique 8: recompute each block's activations in backward (Chen et al. 2016, https://arxiv.org/abs/1604.06174):
+    modules of the classes ``block_names`` (default ``repeated_blocks``) go into a non-reentrant ``CheckpointWrapper``
+    (https://pytorch.org/docs/stable/checkpoint.html); ``policy="selective"`` keeps ``SAVED_OPS``.
 
     Returns:
         ``(status, the class names used, number of modules wrapped)``.
@@ -250,8 +236,7 @@ def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | No
 
 def apply_memory_budget(budget: float | None, compile_mode: str | None) -> str | None:
     """``memory.budget``: the fraction of activation memory a compiled model keeps for backward
-    (``torch._functorch.config.activation_memory_budget``; the partitioner recomputes the rest, cheapest per byte
-    first: PyTorch blog "Activation checkpointing techniques", https://pytorch.org/blog/activation-checkpointing-techniques/).
+    (``activation_memory_budget``; https://pytorch.org/blog/activation-checkpointing-techniques/).
 
     Raises:
         ConfigError: a budget outside [0, 1], or no compile (the budget acts in torch.compile's partitioner).
@@ -271,12 +256,9 @@ def apply_memory_budget(budget: float | None, compile_mode: str | None) -> str |
 
 
 def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> tuple[dict[str, str], dict[str, object]]:
-    """Technique 18: ``torch.compile`` (https://pytorch.org/docs/stable/generated/torch.compile.html) in place
-    (``nn.Module.compile``: the module and its ``state_dict`` keys stay the same), the whole model or, with
-    ``compile.regional=true``, each repeated block (``regional_blocks``; PyTorch recipe "Reducing torch.compile cold
-    start compilation time with regional compilation", https://pytorch.org/tutorials/recipes/regional_compilation.html;
-    torchtitan's ``apply_compile``). ``reduce-overhead`` off CUDA compiles with ``default``, CUDA graphs recorded as
-    skipped. The modes, and what regional compilation costs and saves: docs/configuration.md.
+    """Technique 18: ``torch.compile`` in place (``nn.Module.compile``;
+    https://pytorch.org/docs/stable/generated/torch.compile.html), the whole model or, with ``compile.regional=true``,
+    each repeated block (https://pytorch.org/tutorials/recipes/regional_compilation.html); modes: docs/configuration.md.
 
     Returns:
         ``(techniques, details)``: ``{"compile": "applied"}`` plus ``"cuda_graphs"`` for ``reduce-overhead`` and
@@ -313,9 +295,8 @@ def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> tu
 
 
 def regional_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
-    """What ``compile.regional`` compiles: the class names of the model's repeated blocks (``repeated_blocks``) and
-    every module of those classes, outermost first -- a block inside activation checkpointing's ``CheckpointWrapper``
-    is given as the wrapper, so the compiled region holds the recomputation too (torchtitan compiles after AC)."""
+    """What ``compile.regional`` compiles: the repeated blocks' class names and their modules, outermost first (a
+    checkpointed block as its ``CheckpointWrapper``, as torchtitan compiles after AC)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     names = repeated_blocks(model)
@@ -332,14 +313,9 @@ def regional_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
 
 def prepare(model: nn.Module, cfg: DictConfig, env, amp,
             skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
-    """Apply the model-level techniques that ``cfg`` switches on, in the order the module docstring gives; first
-    print the built model's line (``models.model_report``) on rank 0, unless ``trainer.progress=off``.
-
-    ``amp``: the built ``precision.Precision``; the FSDP wrapper all-gathers parameters in its ``compute_dtype``; with
-    ``amp.fp8_recipe`` set, the large Linear layers become fp8 (``precision.convert_fp8``) and compile is turned on.
-    ``skip``: status keys of techniques the task rules out (``Task.skipped``); the engine records them.
-
-    Returns the (possibly wrapped) model, the techniques' statuses and their details (counts, names).
+    """Apply the model-level techniques ``cfg`` switches on, in the module docstring's order, after printing
+    ``models.model_report``'s line. ``amp``: the built ``precision.Precision`` (fp8 turns compile on); ``skip``:
+    status keys the task rules out. Returns the (possibly wrapped) model, the statuses and their details.
 
     Raises:
         ConfigError: ``memory.checkpoint_modules`` set while ``memory.checkpointing`` is off, or naming a
