@@ -615,4 +615,6 @@ def test_switches_combine(tmp_path, spy, monkeypatch):
     assert len(spy.steps) == 3 and math.isfinite(summary["train_loss"])
     assert all(c.out_dtype == torch.bfloat16 and c.x_channels_last for c in spy.calls)
     details = {k: v for k, v in summary["technique_details"].items() if k != "host_allocator"}  # the machine's
+    said = details.pop("precision", None)  # amp on a CPU with native bf16 says it is bf16 autocast (else skipped)
+    assert said is None or said.startswith("precision=amp on a CPU: bf16 autocast"), said
     assert details == {"biases_removed": 2, "checkpointed_blocks": ["ConvBlock"], "checkpointed_modules": 2}
