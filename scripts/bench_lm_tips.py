@@ -10,7 +10,7 @@ paired slices, the reference's copy as the A/A), so samples/s carry intervals; p
 peak RSS (VmHWM: the same imported libraries in every process, so differences are the activations'):
 1. the Shakespeare GPT recipe (+experiment=shakespeare_char), uncompiled: memory=none, selective, checkpointing;
 2. the same, compiled (memory=budget needs torch.compile's min-cut partitioner): none, budget, checkpointing;
-3. GPT-2 124M's vocabulary (50,304) on a narrow GPT (2 x 256, context 256, micro-batch 8, synthetic tokens):
+3. GPT-2 124M's vocabulary (50,304) on a narrow GPT (2 x 256, context 64, micro-batch 4, synthetic tokens):
    task.loss=full against chunked.
 Then the loss curves: 50 steps of the recipe with task.loss=full and chunked, one row per step (``metrics.jsonl``).
 """
@@ -35,7 +35,7 @@ SWEEPS = {
     "memory, uncompiled": [*GPT, "memory=none,selective,checkpointing", "compile=off"],
     "memory, compiled": [*GPT, "memory=none,budget,checkpointing", "compile=default"],
     "loss at GPT-2's vocabulary": ["+experiment=gpt2_124m", "model.n_layer=2", "model.n_head=4", "model.n_embd=256",
-                                   "data.block_size=256", "optimizer.base_batch_size=8", "compile=off",
+                                   "data.block_size=64", "optimizer.base_batch_size=4", "compile=off",
                                    "precision=fp32", "dataloader=default", "data.synthetic_tokens=2000000",
                                    "trainer.max_steps=1000000", "trainer.eval_every=1000000",
                                    "trainer.eval_max_batches=1", "task.sample_tokens=0", "checkpoint.at_end=false",
