@@ -89,7 +89,7 @@ def malformed(record: Any) -> str | None:
         if (wrong := _wrong(f"slices[{i}]", piece, _SLICE) or (
                 None if piece["job"] in record["jobs"] else f"slices[{i}].job {piece['job']!r} is not in jobs")):
             return wrong
-    return wrong.lstrip(".") if wrong else None
+    return wrong
 
 
 def configs(record: dict[str, Any]) -> dict[str, list[str]]:
