@@ -331,3 +331,49 @@ def test_the_pruners_by_name_are_optunas():
     assert pruning.intermediate("eval_accuracy", 0.9, "minimize") == pytest.approx(0.1)  # an error rate
     assert pruning.intermediate("eval_loss_ema", 0.5, "minimize") == 0.5
     assert pruning.intermediate("eval_accuracy", 0.9, "maximize") == 0.9
+
+
+def test_the_evaluation_that_meets_the_target_is_reported_with_the_samples_the_run_skips(tmp_path):
+    """The engine asks ``on_evaluation`` at the evaluation that meets the target too, with the global samples the
+    run would have trained to (``ends``), so a pruner's study hears the trial's last figure; its answer is ignored."""
+    from runner.engine.train import train
+
+    calls = []
+    cfg = compose_cfg("trainer.max_steps=8", "trainer.eval_every=2", "trainer.target_loss=1e9",
+                      "trainer.stop_at_target=true")
+    summary = train(cfg, job_dir=tmp_path / "job",
+                    on_evaluation=lambda metrics, step, samples, ends: calls.append((step, samples, ends)) or "no")
+    batch = summary["global_batch_size"]
+    assert calls == [(2, 2 * batch, 8 * batch)]
+    assert summary["steps"] == 2 and summary["stopped_early"].startswith("reached the targets")
+
+
+def test_a_trial_that_met_its_target_stands_for_the_grid_it_skipped_so_a_slower_one_is_pruned():
+    """Optuna's median pruner compares a trial only with finished trials that reported at the same step. A trial that
+    stopped at its target reports its last figure on the grid it skipped (``carried_forward``): a later trial still
+    short of the target there is compared with it, and pruned, where without it no trial would be compared."""
+    optuna = pytest.importorskip("optuna")
+    from runner.tune import pruning
+
+    assert list(pruning.carried_forward(2560, 40, 40, 10240)) == [5120, 7680, 10240]
+    assert list(pruning.carried_forward(2560, 40, 0, 10240)) == []
+
+    def search(carry: bool) -> bool:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
+        fast = study.ask()  # error rate 0.019 at 2,560 samples: met the target (0.02) and stopped
+        fast.report(0.019, 2560)
+        for later in pruning.carried_forward(2560, 40, 40, 10240) if carry else ():
+            fast.report(0.019, later)
+        study.tell(fast, 10.0)
+        full = study.ask()  # ran its whole budget without reaching it
+        for samples, error in ((2560, 0.05), (5120, 0.03), (7680, 0.025), (10240, 0.022)):
+            full.report(error, samples)
+        study.tell(full, 80.0)
+        slow = study.ask()
+        slow.report(0.03, 2560)  # between the two: kept
+        assert not slow.should_prune()
+        slow.report(0.028, 5120)  # behind the one that met the target, ahead of the one that did not
+        return slow.should_prune()
+
+    assert search(carry=True) and not search(carry=False)

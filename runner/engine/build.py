@@ -119,7 +119,7 @@ class Parts:
     best: monitor.Watch | None = None  # checkpoint.keep_best
     stop: Callable[[TrainState], str | None] | None = None  # after each logged step: why to stop now, or None
     # after each evaluation, on rank 0: (metrics, step, global samples) -> why to stop now, or None (a search's pruner)
-    on_evaluation: Callable[[dict, int, int], str | None] | None = None
+    on_evaluation: Callable[[dict, int, int, int | None], str | None] | None = None
 
 
 def checkpoint_state(state: TrainState, parts: Parts) -> dict[str, Any]:

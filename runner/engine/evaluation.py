@@ -52,15 +52,18 @@ def evaluate(state, parts) -> bool:
     p.tracker.log({"step": state.step, "epoch": state.epoch, **state.eval})
     guards.check_evaluation(state, parts)
     _watch(state, parts)
-    if reached and p.plan.stop_at_target and state.stopped_early is None:  # trainer.stop_at_target
+    at_target = reached and p.plan.stop_at_target and state.stopped_early is None
+    if at_target:  # trainer.stop_at_target
         state.stopped_early = f"reached the targets: {p.plan.met(state.eval)}"
         p.tracker.note(f"step {state.step}: stopping (trainer.stop_at_target): {state.stopped_early}")
-    if p.on_evaluation is not None and state.stopped_early is None:  # a recipe search's pruner (rank 0 asks it)
+    if p.on_evaluation is not None and (state.stopped_early is None or at_target):  # a search's pruner (rank 0)
         from runner.engine.build import agree
 
         samples = state.step * p.plan.global_batch
-        state.stopped_early = agree(lambda: p.on_evaluation(state.eval, state.step, samples), p.env)
-        if state.stopped_early is not None:
+        ends = p.plan.total_steps * p.plan.global_batch if at_target else None  # the samples it stops short of
+        answer = agree(lambda: p.on_evaluation(state.eval, state.step, samples, ends), p.env)
+        if state.stopped_early is None and answer is not None:
+            state.stopped_early = answer
             p.tracker.note(f"step {state.step}: stopping: {state.stopped_early}")
     return True
 

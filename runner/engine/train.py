@@ -33,13 +33,15 @@ from runner.track import git_sha, job_folder, sweep_group
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGate | None = None,
-          on_evaluation: Callable[[dict, int, int], str | None] | None = None) -> dict[str, Any]:
+          on_evaluation: Callable[[dict, int, int, int | None], str | None] | None = None) -> dict[str, Any]:
     """Train ``cfg`` and return the summary written to ``<job_dir>/summary.json``.
 
     ``job_dir`` defaults to the Hydra job's folder. ``gate``: the pause point of an interleaved comparison
     (runner/engine/slice_gate.py; the comparison's job process passes it), None for every other run.
-    ``on_evaluation(metrics, step, global samples)``: asked on rank 0 after each evaluation, its answer (a reason)
-    ends the run there (``stopped_early``; a recipe search's pruner: runner/tune/pruning.py). Raises
+    ``on_evaluation(metrics, step, global samples, ends)``: asked on rank 0 after each evaluation, its answer (a
+    reason) ends the run there (``stopped_early``; a recipe search's pruner: runner/tune/pruning.py); ``ends`` is
+    None, or, at the evaluation that met the targets of ``trainer.stop_at_target``, the global samples the run
+    would have trained to (its answer is then ignored). Raises
     ``ConfigError`` for bad input, before any result file is written.
     """
     validate(cfg)

@@ -118,17 +118,37 @@ def listener(cfg: DictConfig) -> Callable[[dict, int, int], str | None] | None:
     live = optuna.trial.Trial(study, trial._trial_id)
     direction = study.direction.name.lower()
 
-    def on_evaluation(metrics: dict, step: int, samples: int) -> str | None:
+    every = int(cfg.trainer.get("eval_every") or 0)  # steps between evaluations: the grid the trials share
+
+    def on_evaluation(metrics: dict, step: int, samples: int, ends: int | None = None) -> str | None:
         value = metrics.get(name)
         if value is None:
             return None
-        live.report(intermediate(name, float(value), direction), samples)
+        reported = intermediate(name, float(value), direction)
+        live.report(reported, samples)
+        if ends is not None:  # it met its target and stops: its figure stands for the grid it skips
+            for later in carried_forward(samples, step, every, ends):
+                live.report(reported, later)
+            return None
         if not live.should_prune():
             return None
         return (f"{PRUNED} ({type(study.pruner).__name__}) at {samples:,} samples (step {step}): {name} {value:.4g}, "
                 f"worse than the trials before it there")
 
     return on_evaluation
+
+
+def carried_forward(samples: int, step: int, every: int, ends: int) -> range:
+    """The evaluation grid (global samples) a trial that met its target at ``samples`` (``step``) skips, up to
+    ``ends``: it reports its last figure at each, as if it had run on. Optuna's median and percentile pruners compare
+    a trial only with trials that reported at the same step; without these, a trial slower to the target than all
+    trials before it is compared with none of them once it passes their targets, and is never pruned. The figure
+    carried is one that already met the target (last observation carried forward: a conservative stand-in, since a
+    run that went on would likely do better)."""
+    if every <= 0 or step <= 0:
+        return range(0)
+    spacing = samples // step * every
+    return range(samples + spacing, ends + 1, spacing)
 
 
 def _open(sweeper: Any) -> Any:
