@@ -59,6 +59,8 @@ IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "tok
 #                                            dataloader.on_device works (IN_MEMORY_DATA above)
 #   ${runner_steps:S,B}                      the optimizer steps of S samples at batch B: ceil(S / B), at least 1
 #                                            (conf/experiment/convergence.yaml: a budget in samples)
+#   ${runner_for_tokens:${task._target_},A,B} "A,B," for a language model's task, else "" (conf/experiment/
+#                                            ablation.yaml: the variants that act on token ids only)
 def _if_cuda(device, then, otherwise):
     from runner.measure.hardware import uses_cuda  # imported on first use only (it imports torch): composing stays fast
 
@@ -70,6 +72,8 @@ _RESOLVERS = {
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in IN_MEMORY_DATA,
     "runner_steps": lambda samples, batch: max(1, -(-int(samples) // int(batch))),
+    "runner_for_tokens": lambda target, *names: "".join(f"{n}," for n in names) if "LanguageModel" in str(target)
+    else "",
 }
 
 

@@ -71,15 +71,24 @@ def test_the_sweep_lists_every_variant_once_and_is_interleaved():
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=ablation"], return_hydra_config=True)
+        gpt = compose("config", overrides=["+experiment=[shakespeare_char,ablation]"], return_hydra_config=True)
         convergence = compose("config", overrides=["+experiment=convergence"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
-    swept = [v.strip() for v in params["ablation/variant"].split(",")]
+
+    def listed(c) -> list[str]:
+        return [v.strip() for v in c.hydra.sweeper.params["ablation/variant"].split(",") if v.strip()]
+
+    swept = listed(cfg)
+    # the language model's own techniques are swept on a language model only (${runner_for_tokens:...})
+    assert set(listed(gpt)) - set(swept) == {"baseline+selective", "baseline+chunked_loss"}
+    assert set(swept) < set(listed(gpt))
+    swept = listed(gpt)
     # the variants only the convergence ablation sweeps: recipes that buy steps, not speed
     recipes = {v.strip() for v in convergence.hydra.sweeper.params["ablation/variant"].split(",")} - set(swept)
     assert recipes and sorted([*swept, *recipes]) == NAMES and len(swept) == len(set(swept))
     assert list(params) == ["ablation/variant"]
     overrides = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
-    assert len(BasicSweeper.split_arguments(overrides, None)[0]) == len(swept)
+    assert len(BasicSweeper.split_arguments(overrides, None)[0]) == len(listed(cfg))
     assert cfg.hydra.launcher._target_.endswith("InterleavedLauncher") and cfg.trainer.max_steps >= 100_000
 
 
@@ -104,7 +113,9 @@ def test_no_variant_file_is_one_the_table_generates():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_variant_composes_and_names_itself(name):
-    cfg = compose_cfg("+experiment=ablation", f"ablation/variant={name}", tiny=False)
+    tokens = name in ("baseline+selective", "baseline+chunked_loss")  # a language model's keys: on the GPT
+    experiment = "+experiment=[shakespeare_char,ablation]" if tokens else "+experiment=ablation"
+    cfg = compose_cfg(experiment, f"ablation/variant={name}", tiny=False)
     OmegaConf.to_container(cfg, resolve=True)
     a = cfg.ablation
     assert a.variant == name

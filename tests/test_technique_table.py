@@ -22,9 +22,14 @@ VARIANTS = sorted({p.stem for p in (REPO_ROOT / "conf" / "ablation" / "variant")
 NOT_ONE_TECHNIQUE = {"big_batch", "big_batch_sqrt", "data_loading"}
 
 
-def variant_cfg(name: str):
+#: the variants of the techniques that act on token ids only: composed on the GPT (their keys are a language model's)
+TOKENS = {t.variant for t in TECHNIQUES.values() if t.where == "tokens" and t.variant}
+
+
+def variant_cfg(name: str, gpt: bool = False):
     # trainer.device=cuda: the hardware-aware presets resolve their CUDA branch without a GPU
-    return compose_cfg("+experiment=ablation", f"ablation/variant={name}", "trainer.device=cuda", tiny=False)
+    experiment = "+experiment=[shakespeare_char,ablation]" if gpt else "+experiment=ablation"
+    return compose_cfg(experiment, f"ablation/variant={name}", "trainer.device=cuda", tiny=False)
 
 
 def test_every_entry_is_well_formed():
@@ -37,16 +42,17 @@ def test_every_entry_is_well_formed():
 def test_every_ablation_variant_switches_its_technique_as_the_table_says(variant):
     """A leave-one-in variant has its technique on where the baseline has it off; a leave-one-out variant has it off
     where the fast preset has it on. The variant names its technique by the table's ``variant`` name."""
-    cfg = variant_cfg(variant)
+    gpt = variant.split("+")[-1] in TOKENS
+    cfg = variant_cfg(variant, gpt)
     named = cfg.ablation.technique
     if named in NOT_ONE_TECHNIQUE:
         return
     technique = by_variant(named)
     assert technique is not None, f"{variant}: ablation.technique={named} is not a technique of runner/techniques/"
     if cfg.ablation.kind == "leave-one-in":
-        assert technique.is_on(cfg) and not technique.is_on(variant_cfg("baseline")), variant
+        assert technique.is_on(cfg) and not technique.is_on(variant_cfg("baseline", gpt)), variant
     else:
-        assert not technique.is_on(cfg) and technique.is_on(variant_cfg("fast")), variant
+        assert not technique.is_on(cfg) and technique.is_on(variant_cfg("fast", gpt)), variant
 
 
 def test_the_speed_tuners_candidates_are_the_tables():
@@ -148,3 +154,22 @@ def test_the_language_models_tips_are_the_tuners_candidates_on_the_gpt_and_noted
     image, notes = names()
     assert "compiled_optimizer_step" in image and not {"selective_checkpointing", "chunked_loss"} & image
     assert "a language-model technique; the inputs are not token ids" in notes["chunked_loss"]
+
+
+def test_the_ablation_runs_the_language_models_tips_where_they_act(tmp_path):
+    """On the GPT, baseline+selective and baseline+chunked_loss run; on a causal LM whose forward takes no targets
+    the chunked loss is recorded as not run with the table's reason; the compiled optimizer step runs on images."""
+    from runner.sweeps.ablation import not_run
+
+    def why(*overrides):
+        cfg = compose_cfg(*overrides, tiny=False)
+        return not_run(cfg, tmp_path)
+
+    gpt = "+experiment=[shakespeare_char,ablation]"
+    assert why(gpt, "ablation/variant=baseline+selective") is None
+    assert why(gpt, "ablation/variant=baseline+chunked_loss") is None
+    assert why("+experiment=ablation", "ablation/variant=baseline+compiled_optimizer") is None
+    reason = why(gpt, "ablation/variant=baseline+chunked_loss", "model=hf_causal_lm")
+    assert reason == "does not act on this job (the model's forward takes no targets to chunk the loss over " \
+                     "(runner's GPT does))"
+    assert (tmp_path / "not_run.json").is_file()

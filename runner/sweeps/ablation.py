@@ -31,8 +31,9 @@ TECHNIQUE_KEYS = techniques.variant_keys()
 
 def not_run(cfg: DictConfig, folder: Path) -> str | None:
     """Why this ablation job is not run here, or None (it runs). A variant whose technique cannot act without CUDA
-    (the technique table's ``applies``; ``ablation.requires=cuda`` for a variant that is no technique of the table)
-    on a job that will not use CUDA, or one that does nothing on this job (``no_op_reason``), gets
+    (the technique table's ``applies_to_job``; ``ablation.requires=cuda`` for a variant that is no technique of the
+    table) on a job that will not use CUDA, a language model's technique on images, or one that does nothing on
+    this job (``no_op_reason``), gets
     ``<folder>/not_run.json`` (variant, repeat, reason) and a console line.
 
     Raises:
@@ -45,11 +46,16 @@ def not_run(cfg: DictConfig, folder: Path) -> str | None:
         raise ConfigError(f"ablation.requires={a.requires!r} must be null or 'cuda'")
     cuda = hardware.uses_cuda(str(cfg.trainer.device))
     technique = techniques.by_variant(a.get("technique") or "")
-    # the table decides (an image technique on token ids: the task, no_op_reason); ablation.requires for the rest
-    why = techniques.applies(technique, cuda=cuda) if technique else \
+    # the table decides (an image technique on token ids: the task says which, no_op_reason); ablation.requires
+    # for the variants that are no technique of the table
+    why = techniques.applies_to_job(technique, cfg, cuda=cuda) if technique else \
         ("ablation.requires=cuda" if a.requires == "cuda" and not cuda else None)
-    reason = (f"needs CUDA ({why}); this job runs on trainer.device={cfg.trainer.device} without CUDA" if why
-              else no_op_reason(cfg))
+    if why and not cuda and (technique is None or "cuda" in technique.where):
+        reason = f"needs CUDA ({why}); this job runs on trainer.device={cfg.trainer.device} without CUDA"
+    elif why and not technique.where.startswith("image"):
+        reason = f"does not act on this job ({why})"
+    else:
+        reason = no_op_reason(cfg)
     if reason is not None:  # recorded, not run: the report lists it with its reason
         write_json_atomic(folder / "not_run.json", {"variant": a.variant, "repeat": a.repeat, "reason": reason})
         print(f"ablation: {a.variant} r{a.repeat} not run: {reason}", flush=True)

@@ -136,7 +136,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               where="cuda", command=("compile=reduce-overhead",), statuses=("compile",), readme="18",
               source="torch.compile docs, mode='reduce-overhead' (CUDA graphs)"),
     Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True,
-              command=("compile.optimizer=true",), readme="18b",
+              command=("compile.optimizer=true",), variant="compiled_optimizer", readme="18b",
               source="PyTorch recipe 'Compiling the optimizer' (torch.compile of optimizer.step)"),
     # precision
     Technique("amp", {"precision.name": "amp"}, arithmetic=True, group="precision", command=("precision=amp",),
@@ -168,7 +168,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               command=("memory=checkpointing",), variant="checkpointing", readme="8", tuner=False,
               source="torch.utils.checkpoint; Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost'"),
     Technique("selective_checkpointing", {"memory.checkpointing": True, "memory.checkpoint_policy": "selective"},
-              arithmetic=False, where="tokens", command=("memory=selective",), readme="8b",
+              arithmetic=False, where="tokens", command=("memory=selective",), variant="selective", readme="8b",
               source="torchtitan's selective activation checkpointing; "
                      "torch.utils.checkpoint.create_selective_checkpoint_contexts"),
     Technique("activation_memory_budget", {"memory.budget": 0.5}, arithmetic=False, command=("memory=budget",),
@@ -176,7 +176,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
                                                 "'Activation checkpointing techniques')"),
     # the language model's loss: the head and the cross-entropy over chunks of the sequence (runner's GPT)
     Technique("chunked_loss", {"task.loss": "chunked"}, arithmetic=True, where="tokens",
-              command=("task.loss=chunked",), readme="20",
+              command=("task.loss=chunked",), variant="chunked_loss", readme="20",
               source="Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), in plain PyTorch chunks"),
     # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
     # per step and costs nothing measurable, so its step_cost is False
@@ -262,5 +262,21 @@ def applies(technique: Technique | str, *, cuda: bool, image: bool = True) -> st
     return None
 
 
-__all__ = ["TECHNIQUES", "WHERE", "Technique", "applies", "by_variant", "image_only", "moves_data_only",
-           "same_step_cost", "select", "step_cost", "variant_keys"]
+def token_inputs(cfg) -> bool:
+    """Whether the job ``cfg`` is a language model (its inputs are token ids, not images)."""
+    task = select(cfg, "task") or {}
+    return "LanguageModel" in str(task.get("_target_", "")) or task.get("name") == "language_model"
+
+
+def applies_to_job(technique: Technique | str, cfg, *, cuda: bool) -> str | None:
+    """``applies`` for the job ``cfg`` (image or token inputs from its task), and the one technique that needs a
+    model of its own: the chunked loss needs a forward that takes the targets (runner's GPT). None: it can act."""
+    t = TECHNIQUES[technique] if isinstance(technique, str) else technique
+    why = applies(t, cuda=cuda, image=not token_inputs(cfg))
+    if why is None and t.name == "chunked_loss" and "runner.models.gpt" not in str(select(cfg, "model._target_")):
+        why = "the model's forward takes no targets to chunk the loss over (runner's GPT does)"
+    return why
+
+
+__all__ = ["TECHNIQUES", "WHERE", "Technique", "applies", "applies_to_job", "by_variant", "image_only",
+           "moves_data_only", "same_step_cost", "select", "step_cost", "token_inputs", "variant_keys"]

@@ -46,8 +46,8 @@ def _settings(t: Technique, base: tuple[dict, dict], fast: tuple[dict, dict]) ->
     if keys:
         on, off = {k: fast[1][k] for k in keys}, {k: base[1][k] for k in keys}
         return {"groups": {}, "values": on}, ({"groups": {}, "values": off} if on != off else None)
-    if t.command and len(t.command) == 1 and "=" in t.command[0]:
-        group, option = t.command[0].split("=", 1)
+    if t.command and len(t.command) == 1 and "=" in t.command[0] and "." not in t.command[0].split("=")[0]:
+        group, option = t.command[0].split("=", 1)  # a config group's option, e.g. memory=selective
         chosen = fast[0].get(group)
         if chosen == option or chosen in t.equivalent:
             return {"groups": {group: chosen}, "values": {}}, {"groups": {group: base[0][group]}, "values": {}}

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
-from runner.techniques import TECHNIQUES, applies
+from runner.techniques import TECHNIQUES, applies, applies_to_job, token_inputs
 
 #: Candidates that are not one technique of runner/techniques/: a combination (bf16 with the attention in fp32),
 #: a setting of the machine (half the threads), recipe changes (a larger micro-batch with the LR scaled)
@@ -65,7 +65,7 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
     _compile_and_optimizer(offers, cfg, cuda)
     _data(offers, cfg, cuda)
     _precision(offers, cfg, device)
-    _the_rest(offers, cfg, cuda, image=not is_language_model(cfg))
+    _the_rest(offers, cfg, cuda, image=not token_inputs(cfg))
     if allow == "recipe":
         b = int(cfg.dataloader.batch_size)
         scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
@@ -158,9 +158,7 @@ def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
         why_not = applies(name, cuda=cuda, image=image)
         offer(Switch.of(name), why_not is None, why_not or "")
     for name in ("selective_checkpointing", "chunked_loss"):
-        why_not = applies(name, cuda=cuda, image=image)
-        if name == "chunked_loss" and why_not is None and "runner.models.gpt" not in str(cfg.model.get("_target_")):
-            why_not = "the model's forward takes no targets to chunk the loss over (runner's GPT does)"
+        why_not = applies_to_job(name, cfg, cuda=cuda)
         offer(Switch.of(name), why_not is None, why_not or "")
     offer(Switch.of("compiled_optimizer_step"), True, "")
     offer(Switch.of("set_to_none"), True, "")
@@ -170,10 +168,6 @@ def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
     offer(Switch("half_threads", {"trainer.num_threads": threads}),
           not cuda and threads != torch.get_num_threads(), "CPU threads matter on a CPU job only"
           if cuda else "one core: no fewer threads to try")
-
-
-def is_language_model(cfg: DictConfig) -> bool:
-    return "LanguageModel" in str(cfg.task.get("_target_", "")) or cfg.task.get("name") == "language_model"
 
 
 def chosen(cfg: DictConfig, t: DictConfig, device) -> tuple[list[Switch], list[str]]:
