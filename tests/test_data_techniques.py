@@ -67,6 +67,25 @@ def test_pinned_preset_in_the_engine(tmp_path, spy):
     assert spy.datas[-1].train.batches.num_workers == 2
 
 
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_run_stops_its_loader_workers_when_it_ends_even_by_an_error(tmp_path, monkeypatch, persistent):
+    """The workers end with ``train``, not when the garbage collector reaches the loader: a run that raised keeps
+    its frames (and a pass's iterator) alive in the traceback, a persistent iterator lives in its DataLoader."""
+    from runner.engine import train as train_mod
+
+    def broken_log(state, parts, lr):
+        raise RuntimeError("a bug at the first log")
+
+    before = set(multiprocessing.active_children())
+    workers = ["dataloader.num_workers=2", f"dataloader.persistent_workers={str(persistent).lower()}"]
+    summary = run_tiny(tmp_path / "done", *workers, "trainer.max_steps=2")
+    assert summary["steps"] == 2 and set(multiprocessing.active_children()) == before
+    monkeypatch.setattr(train_mod, "log", broken_log)
+    with pytest.raises(RuntimeError, match="a bug at the first log") as raised:
+        run_tiny(tmp_path / "raised", *workers, "trainer.max_steps=4", "trainer.log_every=2")
+    assert raised.traceback and set(multiprocessing.active_children()) == before  # the traceback is still held
+
+
 @pytest.mark.gpu
 @cuda_only
 def test_pin_memory_and_non_blocking_on_cuda(tmp_path, spy):

@@ -27,6 +27,7 @@ class DeviceIterable:
         self.non_blocking = non_blocking
         self.memory_format = memory_format
         self._skip = 0
+        self._live = None  # the iterator of the current pass (its worker processes: ``close``)
         # the random generators that order an epoch (the DataLoader's, its sampler's, an on-device loader's),
         # with their first seeds: ``set_epoch`` reseeds them from these, so epoch e is the same sequence
         # however the run got there (straight through, or resumed from a checkpoint)
@@ -58,11 +59,25 @@ class DeviceIterable:
         elif skip and hasattr(batches, "skip_next"):
             batches.skip_next(skip)
             skip = 0
-        for i, (x, y) in enumerate(batches):
+        self._live = live = iter(batches)
+        for i, (x, y) in enumerate(live):
             if i < skip:
                 continue  # a loader that cannot skip by index: draw and drop
             x = x.to(self.device, non_blocking=self.non_blocking, memory_format=self.memory_format)
             yield x, y.to(self.device, non_blocking=self.non_blocking)
+
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now (a pass left unfinished, a persistent iterator), not whenever the
+        garbage collector reaches the iterator: a run that raised keeps its frames, and with them its workers,
+        alive in the traceback (``DataLoader`` joins each worker up to 5 s when it shuts them down)."""
+        persistent = getattr(self.batches, "_iterator", None)
+        for it in (self._live, persistent):
+            if hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
+        if persistent is not None:
+            self.batches._iterator = None  # a later pass starts workers of its own
+        self._live = None
 
 
 def _generators_of(batches) -> list[torch.Generator]:

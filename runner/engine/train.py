@@ -89,6 +89,9 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
         except BaseException:
             parts.tracker.abort(exit_code=1)
             raise
+        finally:
+            parts.data.train.close()  # the loaders' worker processes end with the run, however it ends
+            parts.data.eval.close()
         summary = summarize(state, parts)
         if env.is_main:
             launch.forget_elastic_pointer()  # finished: no restart will look for this job folder again
