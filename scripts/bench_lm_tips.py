@@ -1,5 +1,5 @@
-"""The language model's own tips on a CPU: what selective and budgeted checkpointing cost against none and full
-checkpointing, what the chunked loss saves at GPT-2's vocabulary, and whether it trains the same; writes
+"""The language model's own tips on a CPU: what selective and budgeted checkpointing cost and save against none and
+full checkpointing, what the chunked loss saves at GPT-2's vocabulary, and whether it trains the same; writes
 docs/benchmarks/lm-tips-cpu-<date>.md.
 
     python scripts/bench_lm_tips.py                    # three interleaved sweeps of 4 minutes' measuring, ~25 min
@@ -7,12 +7,16 @@ docs/benchmarks/lm-tips-cpu-<date>.md.
 
 Each sweep is ``python -m runner -m hydra/launcher=interleaved`` (runner/compare/: resident processes taking turns,
 paired slices, the reference's copy as the A/A), so samples/s carry intervals; peak memory is each process's own
-peak RSS (VmHWM: the same imported libraries in every process, so differences are the activations'):
-1. the Shakespeare GPT recipe (+experiment=shakespeare_char), uncompiled: memory=none, selective, checkpointing;
-2. the same, compiled (memory=budget needs torch.compile's min-cut partitioner): none, budget, checkpointing;
+peak RSS from after its build (VmHWM reset through /proc/self/clear_refs: the same imported libraries in every
+process, so differences are the activations'). The GPT is the Shakespeare recipe widened until its activations
+show in the RSS (4 x 256, context 128, micro-batch 16: ~50 MiB of activations a block; the recipe's own 4 x 128,
+context 64, micro-batch 12 holds ~1 MiB, inside the allocator's noise):
+1. uncompiled: memory=none, selective, checkpointing;
+2. compiled (memory=budget needs torch.compile's min-cut partitioner): none, budget, checkpointing;
 3. GPT-2 124M's vocabulary (50,304) on a narrow GPT (2 x 256, context 64, micro-batch 4, synthetic tokens):
-   task.loss=full against chunked.
-Then the loss curves: 50 steps of the recipe with task.loss=full and chunked, one row per step (``metrics.jsonl``).
+   task.loss=full against chunked (64 positions a chunk: four per micro-batch).
+Then the loss curves: 50 steps of the recipe with task.loss=full and chunked (128 positions a chunk: six chunks of
+the 768), one row per step (``metrics.jsonl``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-GPT = ["+experiment=shakespeare_char", "trainer.max_steps=1000000", "trainer.eval_every=1000000",
+GPT = ["+experiment=shakespeare_char", "model.n_layer=4", "model.n_head=4", "model.n_embd=256", "data.block_size=128",
+       "optimizer.base_batch_size=16", "trainer.max_steps=1000000", "trainer.eval_every=1000000",
        "trainer.eval_max_batches=1", "task.sample_tokens=0", "checkpoint.at_end=false"]
 SWEEPS = {
     "memory, uncompiled": [*GPT, "memory=none,selective,checkpointing", "compile=off"],
@@ -39,7 +44,7 @@ SWEEPS = {
                                    "precision=fp32", "dataloader=default", "data.synthetic_tokens=2000000",
                                    "trainer.max_steps=1000000", "trainer.eval_every=1000000",
                                    "trainer.eval_max_batches=1", "task.sample_tokens=0", "checkpoint.at_end=false",
-                                   "task.loss=full,chunked"],
+                                   "task.loss_chunk_tokens=64", "task.loss=full,chunked"],
 }
 
 
@@ -80,12 +85,14 @@ def loss_curves(work: Path) -> list[str]:
         folder = work / f"curve-{loss}"
         runner(["+experiment=shakespeare_char", "trainer.max_steps=50", "trainer.log_every=1",
                 "trainer.eval_every=1000000", "trainer.eval_max_batches=1", "task.sample_tokens=0",
-                f"task.loss={loss}", "trainer.progress=off", f"hydra.run.dir={folder}"], REPO)
+                f"task.loss={loss}", "task.loss_chunk_tokens=128", "trainer.progress=off",
+                f"hydra.run.dir={folder}"], REPO)
         rows[loss] = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()
                       if '"loss"' in line]
     worst = max(abs(a - b) for a, b in zip(rows["full"], rows["chunked"]))
     return ["## The chunked loss trains the same", "",
-            f"50 steps of `+experiment=shakespeare_char`, `task.loss=full` and `task.loss=chunked`, the training loss "
+            f"50 steps of `+experiment=shakespeare_char`, `task.loss=full` and `task.loss=chunked "
+            f"task.loss_chunk_tokens=128` (six chunks of each micro-batch's 768 positions), the training loss "
             f"of every step: the largest difference {worst:.2e} ({len(rows['full'])} steps; final losses "
             f"{rows['full'][-1]:.5f} and {rows['chunked'][-1]:.5f}).", ""]
 
