@@ -151,9 +151,10 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path):
                 "trainer.eval_every=2", "trainer.stop_at_target=true", "hydra.sweeper.verify_seeds=4",
                 "hydra.sweeper.recipe=['+experiment=baseline']", "hydra.sweeper.verify_minutes=5",
                 "interleave.processes=1", "interleave.slice_seconds=0.5", "interleave.max_passes=3",  # 3 passes
-                cwd=tmp_path)
+                "hydra.sweeper.pruner=median", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "target not reached" in r.stdout and "reached the target" in r.stdout, r.stdout
+    assert "cannot report" not in r.stdout + r.stderr  # the verification's runs are no trials of the study
     sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
     seeds = {f"{p.parent.parent.name}/{p.parent.name}": read_summary(p.parent)["config"]["trainer"]["seed"]
              for side in ("best", "start") for p in (sweep / "verify" / side).rglob("summary.json")}
@@ -377,3 +378,16 @@ def test_a_trial_that_met_its_target_stands_for_the_grid_it_skipped_so_a_slower_
         return slow.should_prune()
 
     assert search(carry=True) and not search(carry=False)
+
+
+def test_the_time_pruning_saved_counts_the_evaluations_the_pruned_trials_skipped():
+    """A pruned trial would have gone on to its limit at its own pace, evaluating every ``eval_every`` steps: the
+    saving is its remaining steps at (training + evaluation seconds) per step; trials that were not pruned save
+    nothing."""
+    from runner.tune import pruning
+
+    pruned = {"stopped_early": f"{pruning.PRUNED} (MedianPruner) at 2,560 samples", "steps": 80, "total_steps": 1875,
+              "train_time_s": 2.0, "eval_time_s": 6.0}
+    reached = {"stopped_early": "reached the targets: ...", "steps": 400, "total_steps": 1875, "train_time_s": 11.0,
+               "eval_time_s": 40.0}
+    assert pruning.saved([pruned, reached]) == (1, pytest.approx(1795 * 8.0 / 80))

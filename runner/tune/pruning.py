@@ -163,10 +163,11 @@ def _open(sweeper: Any) -> Any:
 
 
 def saved(summaries: list[dict[str, Any]]) -> tuple[int, float]:
-    """``(trials pruned, training seconds saved)`` over the trials' summaries: each pruned trial's remaining steps
-    (``total_steps - steps``) at its own pace (``train_time_s / steps``) -- what it would have spent had it run to
-    its limit without reaching the target."""
+    """``(trials pruned, seconds saved)`` over the trials' summaries: each pruned trial's remaining steps
+    (``total_steps - steps``) at its own pace, its evaluations included (``(train_time_s + eval_time_s) / steps``:
+    the evaluations come every ``eval_every`` steps) -- what it would have spent had it run to its limit without
+    reaching the target."""
     pruned = [s for s in summaries if str(s.get("stopped_early") or "").startswith(PRUNED)]
-    seconds = sum((s["total_steps"] - s["steps"]) * s["train_time_s"] / s["steps"] for s in pruned
-                  if s.get("total_steps") and s.get("steps") and s.get("train_time_s"))
+    seconds = sum((s["total_steps"] - s["steps"]) * (s["train_time_s"] + (s.get("eval_time_s") or 0)) / s["steps"]
+                  for s in pruned if s.get("total_steps") and s.get("steps") and s.get("train_time_s"))
     return len(pruned), seconds

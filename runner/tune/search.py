@@ -160,7 +160,7 @@ class SearchSweeper(Sweeper):
                 pruned = str(summaries[-1].get("stopped_early") or "").startswith(pruning.PRUNED)
                 if pruned:
                     samples = (summaries[-1].get("steps") or 0) * (summaries[-1].get("global_batch_size") or 0)
-                    value, note = None, f"pruned at {samples:,} samples: censored there{f' ({note})' if note else ''}"
+                    value, note = None, f"pruned at {samples:,} samples: censored there"  # not "not reached": cut
                 trial.set_user_attr("reached", reached)
                 trial.set_user_attr("note", note)
                 exhausted = tell(study, trial, value, pruned) or exhausted
@@ -172,8 +172,8 @@ class SearchSweeper(Sweeper):
         if pruning.active(self.pruner):
             count, seconds = pruning.saved(summaries)
             print(f"pruning ({pruning.name_of(self.pruner)}): {count} of {number} trials "
-                  f"stopped early, saving about {seconds / 60:.1f} min of training (their remaining steps at their "
-                  f"own pace)", flush=True)
+                  f"stopped early, saving about {seconds / 60:.1f} min of training and evaluation (their remaining "
+                  f"steps at their own pace)", flush=True)
         finish(self, study, plan)
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:

@@ -168,8 +168,10 @@ def verify(sweeper: Any, plan: dict[str, Any], params: dict[str, Any]) -> tuple[
     fixed = [o for o in plan["fixed"] if not o.startswith(("trainer.seed=", "hydra."))]
     jobs = []
     for s in seeds:  # best and start alternate: a machine growing busier slows both alike
-        jobs.append(fixed + override_line(params) + [f"trainer.seed={s}", f"hydra.sweep.subdir=verify/best/seed{s}"])
-        jobs.append(fixed + [f"trainer.seed={s}", f"hydra.sweep.subdir=verify/start/seed{s}"])
+        jobs.append(fixed + override_line(params) + [f"trainer.seed={s}", f"hydra.sweep.subdir=verify/best/seed{s}",
+                                                     "hydra.sweeper.pruner=null"])  # no trial: runs to its end
+        jobs.append(fixed + [f"trainer.seed={s}", f"hydra.sweep.subdir=verify/start/seed{s}",
+                             "hydra.sweeper.pruner=null"])
     print(f"\nverifying the best trial against the starting recipe on fresh seeds {seeds[0]}..{seeds[-1]} "
           f"({len(jobs)} runs)", flush=True)
     returns = sweeper.launch(jobs)
