@@ -13,8 +13,11 @@ show in the RSS (4 x 256, context 128, micro-batch 16: ~50 MiB of activations a 
 context 64, micro-batch 12 holds ~1 MiB, inside the allocator's noise):
 1. uncompiled: memory=none, selective, checkpointing;
 2. compiled (memory=budget needs torch.compile's min-cut partitioner): none, budget, checkpointing;
-3. GPT-2 124M's vocabulary (50,304) on a narrow GPT (2 x 256, context 64, micro-batch 4, synthetic tokens):
-   task.loss=full against chunked (64 positions a chunk: four per micro-batch).
+3. GPT-2 124M's vocabulary (50,304) on a narrow GPT (2 x 128, context 256, micro-batch 8, no accumulation,
+   synthetic tokens): task.loss=full against chunked (256 positions a chunk: eight per micro-batch). As in GPT-2 124M
+   (12 x 1024 positions, width 768) a micro-batch has 16x as many positions as the model is wide: the logits
+   (positions x vocabulary) then outweigh the head's weight gradient (vocabulary x width), which the chunked loss
+   holds in fp32 from its forward to its backward.
 Then the loss curves: 50 steps of the recipe with task.loss=full and chunked (128 positions a chunk: six chunks of
 the 768), one row per step (``metrics.jsonl``).
 """
@@ -39,12 +42,15 @@ GPT = ["+experiment=shakespeare_char", "model.n_layer=4", "model.n_head=4", "mod
 SWEEPS = {
     "memory, uncompiled": [*GPT, "memory=none,selective,checkpointing", "compile=off"],
     "memory, compiled": [*GPT, "memory=none,budget,checkpointing", "compile=default"],
-    "loss at GPT-2's vocabulary": ["+experiment=gpt2_124m", "model.n_layer=2", "model.n_head=4", "model.n_embd=256",
-                                   "data.block_size=64", "optimizer.base_batch_size=4", "compile=off",
+    # the logits (N positions x V) outweigh the head's weight gradient (V x C, which the chunked loss holds in fp32)
+    # only where N >> C: GPT-2 124M's micro-batch has N = 12 x 1024 = 16 C; here N = 8 x 256 = 16 C as well
+    "loss at GPT-2's vocabulary": ["+experiment=gpt2_124m", "model.n_layer=2", "model.n_head=2", "model.n_embd=128",
+                                   "data.block_size=256", "optimizer.base_batch_size=8", "memory.accumulate_steps=1",
+                                   "compile=off",
                                    "precision=fp32", "dataloader=default", "data.synthetic_tokens=2000000",
                                    "trainer.max_steps=1000000", "trainer.eval_every=1000000",
                                    "trainer.eval_max_batches=1", "task.sample_tokens=0", "checkpoint.at_end=false",
-                                   "task.loss_chunk_tokens=64", "task.loss=full,chunked"],
+                                   "task.loss_chunk_tokens=256", "task.loss=full,chunked"],
 }
 
 
@@ -85,7 +91,7 @@ def loss_curves(work: Path) -> list[str]:
         folder = work / f"curve-{loss}"
         runner(["+experiment=shakespeare_char", "trainer.max_steps=50", "trainer.log_every=1",
                 "trainer.eval_every=1000000", "trainer.eval_max_batches=1", "task.sample_tokens=0",
-                f"task.loss={loss}", "task.loss_chunk_tokens=128", "trainer.progress=off",
+                f"task.loss={loss}", "task.loss_chunk_tokens=128", "scheduler.warmup_steps=10", "trainer.progress=off",
                 f"hydra.run.dir={folder}"], REPO)
         rows[loss] = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()
                       if '"loss"' in line]
@@ -101,6 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=4.0, help="measuring time of each sweep (interleave.max_minutes)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", type=int, choices=range(len(SWEEPS)), help="run this sweep alone (0-based), no curves")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     import torch
@@ -113,14 +120,18 @@ def main() -> None:
              f"{hardware.cpu_has_native_bf16()}), torch {torch.__version__}; command: `python scripts/bench_lm_tips.py "
              f"{' '.join(sys.argv[1:])}`; each sweep measured {a.minutes:g} min, one process per configuration and "
              f"the reference's copy (A/A), the recipe's threads.", ""]
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for i, (title, args) in enumerate(SWEEPS.items()):
-            lines += sweep_section(title, [*args, f"interleave.max_minutes={a.minutes}", "interleave.processes=1"],
-                                   work / f"sweep{i}")
-        lines += loss_curves(work)
-    out.write_text("\n".join(lines) + "\n")
+    work = Path(tempfile.mkdtemp(prefix="bench_lm_tips-"))  # kept: each sweep's report.md and jobs
+    if a.only is None:
+        lines += loss_curves(work)  # the cheap check first: a failure shows in a minute, not after the sweeps
+        out.write_text("\n".join(lines) + "\n")
+    for i, (title, args) in enumerate(SWEEPS.items()):
+        if a.only is not None and i != a.only:
+            continue
+        lines += sweep_section(title, [*args, f"interleave.max_minutes={a.minutes}", "interleave.processes=1"],
+                               work / f"sweep{i}")
+        out.write_text("\n".join(lines) + "\n")  # each section as it is measured: a later failure keeps them
     print(out.read_text())
+    print(f"the sweeps' folders: {work}")
 
 
 if __name__ == "__main__":
