@@ -66,7 +66,6 @@ class DeviceIterable:
             x = x.to(self.device, non_blocking=self.non_blocking, memory_format=self.memory_format)
             yield x, y.to(self.device, non_blocking=self.non_blocking)
 
-
     def close(self) -> None:
         """Stop the loader's worker processes now (a pass left unfinished, a persistent iterator), not whenever the
         garbage collector reaches the iterator: a run that raised keeps its frames, and with them its workers,

@@ -118,7 +118,8 @@ class Parts:
     patience: int = 0
     best: monitor.Watch | None = None  # checkpoint.keep_best
     stop: Callable[[TrainState], str | None] | None = None  # after each logged step: why to stop now, or None
-    # after each evaluation, on rank 0: (metrics, step, global samples) -> why to stop now, or None (a search's pruner)
+    # after each evaluation, on rank 0: (metrics, step, global samples, the samples a run stopped at its target
+    # skips, else None) -> why to stop now, or None (a search's pruner)
     on_evaluation: Callable[[dict, int, int, int | None], str | None] | None = None
 
 

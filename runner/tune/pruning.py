@@ -92,7 +92,7 @@ def intermediate(name: str, value: float, direction: str) -> float:
     return 1.0 - value if name.startswith("eval_accuracy") else -value
 
 
-def listener(cfg: DictConfig) -> Callable[[dict, int, int], str | None] | None:
+def listener(cfg: DictConfig) -> Callable[[dict, int, int, int | None], str | None] | None:
     """``runner.engine.train.train``'s ``on_evaluation`` for a job that is a trial of a search with a pruner, else
     None (any other run, or a search whose trial cannot be found: said in one line)."""
     from hydra.core.hydra_config import HydraConfig
