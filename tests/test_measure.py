@@ -191,6 +191,9 @@ class SlowFirstBatches:
             self.served += 1
             yield batch
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 def slow_start(monkeypatch, n: int, seconds: float) -> None:
     build = data_mod.build
