@@ -2,7 +2,7 @@
 full checkpointing, what the chunked loss saves at GPT-2's vocabulary, and whether it trains the same; writes
 docs/benchmarks/lm-tips-cpu-<date>.md.
 
-    python scripts/bench_lm_tips.py                    # three interleaved sweeps of 4 minutes' measuring, ~25 min
+    python scripts/bench_lm_tips.py                    # four interleaved sweeps of 4 minutes' measuring, ~30 min
     python scripts/bench_lm_tips.py --minutes 1        # shorter
 
 Each sweep is ``python -m runner -m hydra/launcher=interleaved`` (runner/compare/: resident processes taking turns,
@@ -18,6 +18,7 @@ context 64, micro-batch 12 holds ~1 MiB, inside the allocator's noise):
    (12 x 1024 positions, width 768) a micro-batch has 16x as many positions as the model is wide: the logits
    (positions x vocabulary) then outweigh the head's weight gradient (vocabulary x width), which the chunked loss
    holds in fp32 from its forward to its backward.
+4. the optimizer step compiled (AdamW, its LR a tensor) against eager, the model uncompiled: compile.optimizer.
 Then the loss curves: 50 steps of the recipe with task.loss=full and chunked (128 positions a chunk: six chunks of
 the 768), one row per step (``metrics.jsonl``).
 """
@@ -51,6 +52,7 @@ SWEEPS = {
                                    "trainer.max_steps=1000000", "trainer.eval_every=1000000",
                                    "trainer.eval_max_batches=1", "task.sample_tokens=0", "checkpoint.at_end=false",
                                    "task.loss_chunk_tokens=256", "task.loss=full,chunked"],
+    "the compiled optimizer step": [*GPT, "compile=off", "compile.optimizer=false,true"],
 }
 
 
@@ -76,10 +78,10 @@ def sweep_section(title: str, args: list[str], folder: Path) -> list[str]:
     for summary in sorted(folder.glob("*/summary.json")):  # the reference's copy (0-aa) after the reference (0)
         chosen = [o.split("=", 1)[1] for o in yaml.safe_load((summary.parent / ".hydra" / "overrides.yaml").read_text())
                   if o.startswith(f"{swept}=")]
-        peaks.setdefault(chosen[0], json.loads(summary.read_text())["peak_memory_mb"])
-    reference = peaks.get("none", peaks.get("full"))
+        peaks.setdefault(chosen[0].lower(), json.loads(summary.read_text())["peak_memory_mb"])  # Hydra: False
+    reference = peaks.get("none", peaks.get("full", peaks.get("false")))
     deltas = ", ".join(f"{k} {v - reference:+,.0f} MiB" for k, v in peaks.items() if v != reference or k in
-                       ("none", "full"))
+                       ("none", "full", "false"))
     return [f"## {title}", "", f"`python -m runner {' '.join(cmd[:-1])}` (load average {load:.2f} at the start)", "",
             *table, "", noise, "", f"Peak RSS against the reference ({reference:,.0f} MiB): {deltas}.", ""]
 
