@@ -248,26 +248,28 @@ def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_pat
     assert proc.stdout.count("override: ") == 1  # rank 0 prints
 
 
-def _verification(rates: dict[str, float], passes: int = 8, noise: float = 0.02) -> "speed.Round":
-    """A verification round read from a synthetic record: each configuration's samples/s (``yours`` is the
-    reference, ``yours-aa`` its copy), one slice per pass each, with ±``noise`` per slice and a drift shared by
-    the whole pass (which pairing cancels)."""
+def _verification(rates: dict[str, float], passes: int = 8, noise: float = 0.02, reference: str = "yours",
+                  ) -> "speed.Round":
+    """A round read from a synthetic record: each configuration's samples/s (``reference`` is the reference,
+    ``<reference>-aa`` its copy), one slice per pass each, with ±``noise`` per slice and a drift shared by the whole
+    pass (which pairing cancels)."""
     import random
 
     rng = random.Random(0)
-    jobs = {name: {"config": name, "reference": None if name == "yours" else "yours", "group": 1,
+    jobs = {name: {"config": name, "reference": None if name == reference else reference, "group": 1,
                    "status": "measured"} for name in rates}
     slices = []
     for p in range(passes):
         drift = 1 + 0.2 * math.sin(p)
         for position, (name, rate) in enumerate(rates.items()):
             slices.append({"group": 1, "pass": p, "position": position, "job": name,
-                           "pairs_with": None if name == "yours" else 0,
+                           "pairs_with": None if name == reference else 0,
                            "samples_per_sec": rate * drift * (1 + rng.uniform(-noise, noise))})
-    record = {"reference": "yours", "aa": "yours-aa", "settings": {"confidence": 0.95}, "jobs": jobs, "slices": slices}
+    record = {"reference": reference, "aa": f"{reference}-aa", "settings": {"confidence": 0.95}, "jobs": jobs,
+              "slices": slices}
     from runner import compare
 
-    r = speed.Round("verification", "yours", {}, minutes=0.0)
+    r = speed.Round("verification", reference, {}, minutes=0.0)
     return speed.read_round(r, compare.read(record, 0.95))
 
 
@@ -345,3 +347,76 @@ def test_the_console_table_shows_every_decision_however_many_rounds():
     table = markdown_table(speed.TUNER, rows, {"switches": ["s0"]}, max_rows=speed.TUNER.console_rows)
     assert len(table.splitlines()) == 2 + len(rows) and "+experiment=fast" in table and "| s13 |" in table
     assert "**<- recommended**" in table.splitlines()[2 + 21]
+
+
+def _elimination(tmp_path, speed_of):
+    """A search whose rounds are synthetic: each job's samples/s is ``speed_of(its config)``; returns the search
+    (its ``rounds`` list holds one entry per round measured)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    search = speed._Search(compose_cfg(*TINY), SimpleNamespace(distributed=False, device=torch.device("cpu")),
+                           tmp_path)
+
+    def measured(title, reference, jobs, share=0.5):
+        rates = {name: speed_of(c) for name, c in jobs.items()}
+        r = _verification({reference: rates[reference], f"{reference}-aa": rates[reference], **rates},
+                          reference=reference)
+        r.jobs = jobs
+        search.rounds.append(r)
+        return r
+
+    search.round = measured
+    return search
+
+
+def test_elimination_takes_a_firm_swap_and_drops_every_firm_hurt_in_one_round(tmp_path):
+    """``a1`` and ``a2`` are one group's alternatives (a2 x1.45 a1's speed), ``b`` helps x1.3, ``c`` costs x0.7: from
+    a1+b+c, the first round both swaps a1 for a2 and drops c, and the second finds that every switch pays."""
+    from runner.tune.switches import Switch
+
+    a1, a2 = Switch("a1", {"trainer.log_every": 11}, "g"), Switch("a2", {"trainer.log_every": 12}, "g")
+    b, c = Switch("b", {"trainer.seed": 5}), Switch("c", {"trainer.eval_every": 7})
+
+    def speed_of(cfg):
+        return (100.0 * {11: 1.1, 12: 1.6}.get(cfg.trainer.log_every, 1.0) * (1.3 if cfg.trainer.seed == 5 else 1)
+                * (0.7 if cfg.trainer.eval_every == 7 else 1))
+
+    search = _elimination(tmp_path, speed_of)
+    assert search.eliminate([a1, b, c], [a1, a2, b, c]) == [a2, b]
+    assert len(search.rounds) == 2, search.notes  # one round to swap and drop, one to find nothing left to do
+    assert "round 1: a2 in place of a1, firmly faster in the combination" in search.notes
+    assert "+c" in search.rounds[1].comparisons  # the dropped switch was tried again in the new combination
+
+
+def test_two_substitutes_dropped_together_are_added_back_one_at_a_time(tmp_path):
+    """``d`` and ``e`` do the same job (each x1.5 alone, x1.4 together: one's overhead without its benefit). Each
+    is firmly slower beside the other, so both go in one round; the next round adds one back."""
+    from runner.tune.switches import Switch
+
+    d, e = Switch("d", {"trainer.seed": 5}), Switch("e", {"trainer.eval_every": 7})
+
+    def speed_of(cfg):
+        on = (cfg.trainer.seed == 5) + (cfg.trainer.eval_every == 7)
+        return 100.0 * (1.0, 1.5, 1.4)[on]
+
+    search = _elimination(tmp_path, speed_of)
+    pick = search.eliminate([d, e], [d, e])
+    assert len(pick) == 1 and pick[0] in (d, e), (pick, search.notes)
+    assert "round 1: d, e dropped together, each firmly slower in the combination" in search.notes
+    assert any(n.startswith("round 2: ") and "added back" in n for n in search.notes), search.notes
+
+
+def test_the_elimination_starts_from_each_groups_fastest_alternative_alone():
+    from types import SimpleNamespace
+
+    from runner.tune.rounds import group_best
+    from runner.tune.switches import Switch
+
+    bf16, upcast = Switch("bf16", {}, "precision"), Switch("bf16_upcast_attention", {}, "precision")
+    compile_, autotune, fused = Switch("compile", {}, "compile"), Switch("max", {}, "compile"), Switch("fused", {})
+    alone = {"bf16": SimpleNamespace(estimate=1.006), "bf16_upcast_attention": SimpleNamespace(estimate=1.283),
+             "compile": SimpleNamespace(estimate=1.04), "max": SimpleNamespace(estimate=1.04)}
+    best = group_best([compile_, fused, bf16], [compile_, autotune, fused, bf16, upcast], alone)
+    assert best == [compile_, fused, upcast]  # a tie keeps the first offered; a switch without a group stays

@@ -26,36 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
 from runner.tune.harness import Tuner, fmt, pyplot, say, with_overrides
-from runner.tune.rounds import Round, choose, helps, measure_round, read_round
-from runner.tune.switches import Switch, applied, chosen, switches
-
-# ------------------------------------------------------------------------------------------- the fast preset
-
-
-def fast_config() -> tuple[DictConfig | None, str]:
-    """The user's command with ``+experiment=fast`` layered under it (``+experiment=[fast,<theirs>]``: their
-    preset's keys win, as in scripts/bench_gpt.py), composed by Hydra; ``(None, why)`` outside a Hydra app or
-    when it does not compose."""
-    from hydra import compose
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None, "the fast preset is composed from the command line (python -m runner.tune speed ...)"
-    overrides = list(HydraConfig.get().overrides.task)
-    mine = [o for o in overrides if o.lstrip("+").startswith("experiment=")]
-    rest = [o for o in overrides if o not in mine]
-    if mine:
-        theirs = mine[0].split("=", 1)[1].strip("[]")
-        if "fast" in [x.strip() for x in theirs.split(",")]:
-            return None, "your command already uses +experiment=fast"
-        experiment = f"+experiment=[fast,{theirs}]"
-    else:
-        experiment = "+experiment=fast"
-    try:
-        return compose(config_name="config", overrides=[*rest, experiment]), experiment
-    except Exception as e:  # noqa: BLE001 - any composition error only drops the comparison
-        return None, f"{experiment} does not compose with your overrides ({e})"
-
+from runner.tune.rounds import Round, choose, firmly_hurting, group_best, helps, measure_round, read_round
+from runner.tune.switches import Switch, applied, chosen, fast_config, switches
 
 # ------------------------------------------------------------------------------------------- the search
 
@@ -226,22 +198,31 @@ class _Search:
                 self.rows.append({"stage": "round 1", "switch": _label(combination) if name == ALL else name,
                                   "on_top_of": "yours", **self.figures(r, name, "yours")})
         self.alone = {s.name: r.comparisons.get(s.name) for s in candidates}
-        return combination if len(combination) > 1 else [s for s in candidates if helps(r, s.name, self.t.min_speedup)]
+        if len(combination) < 2:
+            return [s for s in candidates if helps(r, s.name, self.t.min_speedup)]
+        best = group_best(combination, candidates, self.alone)
+        self.notes += [f"round 1: the elimination starts with {b.name} in place of {c.name}, faster alone "
+                       f"({_describe(self.alone[b.name])} against {_describe(self.alone[c.name])})"
+                       for c, b in zip(combination, best) if b is not c]
+        return best
 
     def eliminate(self, pick: list[Switch], candidates: list[Switch]) -> list[Switch]:
-        """Backward elimination from the combination ``pick``: each round measures it against itself without each
-        switch and with each switch's group alternatives; a swap firmly faster is taken, else the switch whose
-        removal reads best is dropped when removing it is not firmly slower (steady samples/s: one process's one-time
-        costs are too noisy to drop a switch on; the verification ranks by ``tune.objective``). Ends when every
-        switch pays or the time is spent."""
+        """Backward elimination from the combination ``pick``. Each round measures it against itself without each
+        switch, with each switch's group alternatives, and with each switch the last round dropped added back. The
+        firmly fastest swap or add-back is taken, and every switch whose removal is firmly faster is dropped in the
+        same round; with nothing firm, the switch whose removal reads best is dropped when removing it is not
+        firmly slower (steady samples/s: one process's one-time costs are too noisy to drop a switch on; the
+        verification ranks by ``tune.objective``). Ends when every switch pays or the time is spent."""
         from runner.compare.stats import HURTS
 
-        while pick:
+        dropped: list[Switch] = []
+        while pick or dropped:
+            moves = {f"{s.name}->{a.name}": [a if x is s else x for x in pick] for s in pick for a in candidates
+                     if s.group and a.group == s.group and a is not s}
+            moves |= {f"+{d.name}": [*pick, d] for d in dropped if d not in pick}
             jobs = {ALL: applied(self.cfg, pick), **{f"-{s.name}": applied(self.cfg, [x for x in pick if x is not s])
                                                      for s in pick}}
-            swaps = {f"{s.name}->{a.name}": (s, a) for s in pick for a in candidates
-                     if s.group and a.group == s.group and a is not s}
-            jobs |= {name: applied(self.cfg, [a if x is s else x for x in pick]) for name, (s, a) in swaps.items()}
+            jobs |= {name: applied(self.cfg, sw) for name, sw in moves.items()}
             r = self.round(f"round {len(self.rounds) + 1}: backward elimination from {_label(pick)}", ALL, jobs)
             if r is None:
                 break
@@ -249,21 +230,29 @@ class _Search:
                 if name != ALL:
                     self.rows.append({"stage": f"round {len(self.rounds)}", "switch": name, "on_top_of": _label(pick),
                                       **self.figures(r, name, ALL)})
-            firm = [n for n in swaps if helps(r, n, self.t.min_speedup)]
+            dropped = firmly_hurting(r, pick, self.t.min_speedup)
+            firm = [n for n in moves if helps(r, n, self.t.min_speedup)]
             if firm:
-                s, a = swaps[max(firm, key=lambda n: r.comparisons[n].estimate)]
-                pick = [a if x is s else x for x in pick]
-                self.notes.append(f"round {len(self.rounds)}: {a.name} in place of {s.name}, firmly faster in the "
-                                  f"combination")
-                continue
-            removable = [s for s in pick if f"-{s.name}" not in r.failed and r.comparisons.get(f"-{s.name}")
-                         is not None and r.verdicts.get(f"-{s.name}") != HURTS]
-            if not removable:
-                self.notes.append(f"round {len(self.rounds)}: every switch of {_label(pick)} pays in the combination")
-                break
-            drop = max(removable, key=lambda s: r.comparisons[f"-{s.name}"].estimate)
-            self.interaction(drop, r.comparisons[f"-{drop.name}"], dropped=True)
-            pick = [x for x in pick if x is not drop]
+                move = max(firm, key=lambda n: r.comparisons[n].estimate)
+                pick = moves[move]
+                old, _, new = move.partition("->")
+                what = f"{new} in place of {old}" if new else f"{old[1:]} added back"
+                self.notes.append(f"round {len(self.rounds)}: {what}, firmly faster in the combination")
+            elif not dropped:
+                removable = [s for s in pick if f"-{s.name}" not in r.failed and r.comparisons.get(f"-{s.name}")
+                             is not None and r.verdicts.get(f"-{s.name}") != HURTS]
+                if not removable:
+                    self.notes.append(f"round {len(self.rounds)}: every switch of {_label(pick)} pays in the "
+                                      f"combination")
+                    break
+                dropped = [max(removable, key=lambda s: r.comparisons[f"-{s.name}"].estimate)]
+            dropped = [s for s in dropped if s in pick]
+            for s in dropped:
+                self.interaction(s, r.comparisons[f"-{s.name}"], dropped=True)
+            if len(dropped) > 1:
+                self.notes.append(f"round {len(self.rounds)}: {', '.join(s.name for s in dropped)} dropped together, "
+                                  f"each firmly slower in the combination")
+            pick = [x for x in pick if x not in dropped]
         for s in pick:
             if self.rounds and (c := self.rounds[-1].comparisons.get(f"-{s.name}")) is not None:
                 self.interaction(s, c, dropped=False)

@@ -1,5 +1,6 @@
 """The speed tuner's candidates (runner/tune/speed.py): the switches that apply to a job on its hardware, the
-user's own (``tune.switches``), and a config with switches applied."""
+user's own (``tune.switches``), a config with switches applied, and ``+experiment=fast`` under the user's command
+(what the verification compares the pick with)."""
 
 from __future__ import annotations
 
@@ -207,3 +208,28 @@ def applied(cfg: DictConfig, chosen_switches: list[Switch]) -> DictConfig:
         for key, value in s.changes.items():
             OmegaConf.update(out, key, value, merge=False)
     return out
+
+
+def fast_config() -> tuple[DictConfig | None, str]:
+    """The user's command with ``+experiment=fast`` layered under it (``+experiment=[fast,<theirs>]``: their
+    preset's keys win, as in scripts/bench_gpt.py), composed by Hydra; ``(None, why)`` outside a Hydra app or
+    when it does not compose."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None, "the fast preset is composed from the command line (python -m runner.tune speed ...)"
+    overrides = list(HydraConfig.get().overrides.task)
+    mine = [o for o in overrides if o.lstrip("+").startswith("experiment=")]
+    rest = [o for o in overrides if o not in mine]
+    if mine:
+        theirs = mine[0].split("=", 1)[1].strip("[]")
+        if "fast" in [x.strip() for x in theirs.split(",")]:
+            return None, "your command already uses +experiment=fast"
+        experiment = f"+experiment=[fast,{theirs}]"
+    else:
+        experiment = "+experiment=fast"
+    try:
+        return compose(config_name="config", overrides=[*rest, experiment]), experiment
+    except Exception as e:  # noqa: BLE001 - any composition error only drops the comparison
+        return None, f"{experiment} does not compose with your overrides ({e})"
