@@ -223,6 +223,15 @@ def test_validate_names_the_key(bad):
         validate(compose_cfg(bad))
 
 
+def test_a_compiled_optimizer_step_with_foreach_kernels_is_refused_before_anything_runs():
+    """torch's foreach kernels refuse the compiled step's tensor LR ("lr as a Tensor is not supported for
+    capturable=False and foreach=True", raised inside dynamo at the first step); the default and fused take it."""
+    with pytest.raises(ConfigError, match="^optimizer.impl=foreach cannot run with compile.optimizer=true"):
+        validate(compose_cfg("compile.optimizer=true", "optimizer.impl=foreach"))
+    for impl in ("null", "fused"):
+        validate(compose_cfg("compile.optimizer=true", f"optimizer.impl={impl}"))
+
+
 def test_validate_accepts_the_defaults():
     validate(compose_cfg(tiny=False))
 

@@ -420,3 +420,22 @@ def test_the_elimination_starts_from_each_groups_fastest_alternative_alone():
              "compile": SimpleNamespace(estimate=1.04), "max": SimpleNamespace(estimate=1.04)}
     best = group_best([compile_, fused, bf16], [compile_, autotune, fused, bf16, upcast], alone)
     assert best == [compile_, fused, upcast]  # a tie keeps the first offered; a switch without a group stays
+
+
+def test_a_candidate_that_cannot_train_is_rejected_by_the_guard_not_the_end_of_the_search(tmp_path):
+    """A combination torch refuses at its first step (foreach kernels with the compiled step's tensor LR ended a
+    search there) is a rejected candidate with the reason; only your own configuration failing stops the tuner."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from runner.tune.switches import Switch
+
+    env = SimpleNamespace(distributed=False, device=torch.device("cpu"), is_main=True, rank=0, world_size=1,
+                          local_rank=0)
+    search = speed._Search(compose_cfg(*TINY, "tune.guard_steps=3"), env, tmp_path)
+    search.guard_reference()
+    broken = Switch("broken", {"model._target_": "no_such_module.Net"})
+    assert search.guard_candidates([broken]) == []
+    row = search.rows[-1]
+    assert row["switch"] == "broken" and row["verdict"].startswith("rejected (cannot train: "), row

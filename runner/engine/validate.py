@@ -37,6 +37,8 @@ def validate(cfg: DictConfig) -> None:
         (not t.stop_at_target or t.target_loss is not None or t.target_accuracy is not None, "trainer.stop_at_target",
          "true", "stops at the first evaluation meeting the targets: set trainer.target_loss or "
          "trainer.target_accuracy (or leave stop_at_target=false)"),
+        (not (cfg.compile.optimizer and cfg.optimizer.impl == "foreach"), "optimizer.impl", "foreach", "cannot "
+         "run with compile.optimizer=true (foreach refuses its tensor LR): leave it null (Inductor fuses) or fused"),
         (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
          cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
         (t.ema_decay is None or 0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay,

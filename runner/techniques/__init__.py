@@ -135,7 +135,8 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("compile_reduce_overhead", {"compile.mode": "reduce-overhead"}, arithmetic=True, group="compile",
               where="cuda", command=("compile=reduce-overhead",), statuses=("compile",), readme="18",
               source="torch.compile docs, mode='reduce-overhead' (CUDA graphs)"),
-    Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True,
+    # one of the optimizer kernels: Inductor fuses the step's loop; torch's foreach kernels refuse its tensor LR
+    Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True, group="optimizer_impl",
               command=("compile.optimizer=true",), variant="compiled_optimizer", readme="18b",
               source="PyTorch recipe 'Compiling the optimizer' (torch.compile of optimizer.step)"),
     # precision

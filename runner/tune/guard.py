@@ -33,9 +33,9 @@ class LossRecorder(NullTracker):
 def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int,
                plan: dict | None = None) -> tuple[list[float] | None, str]:
     """The training loss of each of the first ``steps`` optimizer steps of ``cfg`` (built by the engine, same
-    seed, so the same initial weights and batches as any other configuration of the job), and a note:
-    ``""``, ``"out of memory"`` (then None) or ``"loss not finite"``. ``plan["steps"]``: the job's own optimizer
-    steps as configured (epochs counted), when a dict is given."""
+    seed, so the same initial weights and batches as any other configuration of the job), and a note: ``""``,
+    ``"loss not finite"``, or (then None) ``"out of memory"`` or ``"cannot train: <the error>"``. ``plan["steps"]``:
+    the job's own optimizer steps as configured (epochs counted), when a dict is given."""
     import torch
 
     from runner.engine import build as builder, train as engine
@@ -53,10 +53,9 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int,
         engine.fit(state, parts, NO_PROFILER)
     except TrainingDiverged:
         note = "loss not finite"
-    except Exception as e:  # noqa: BLE001 - out of memory rejects the candidate; anything else is re-raised
-        if not is_oom(e):
-            raise
-        return None, "out of memory"
+    except Exception as e:  # noqa: BLE001 - a configuration that cannot train is rejected, with the reason
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        return None, "out of memory" if is_oom(e) else f"cannot train: {why}"
     finally:
         parts = state = None
         free_memory(env.device)

@@ -124,13 +124,10 @@ def choose(v: Round, names: list[str], min_speedup: float) -> str | None:
 
 def group_best(combination: list, candidates: list, alone: dict[str, Any]) -> list:
     """``combination`` (switches, one per group) with each group's member replaced by the alternative that read
-    fastest alone (``alone``: name -> its round-1 interval against yours); a tie or a missing reading keeps the
-    member. Each alternative was measured alone anyway, so the elimination starts from the likelier combination at
-    no cost (bf16 with fp32 attention on a CPU GPT: ×1.28 alone where plain bf16 read ×1.01)."""
+    fastest alone (``alone``: name -> its round-1 interval against yours); a tie or no reading keeps the member."""
 
     def estimate(s: Any) -> float:
-        c = alone.get(s.name)
-        return c.estimate if c is not None else float("-inf")
+        return alone[s.name].estimate if alone.get(s.name) is not None else float("-inf")
 
     return [max([a for a in candidates if s.group and a.group == s.group] or [s],
                 key=lambda a: (estimate(a), a is s)) for s in combination]

@@ -207,12 +207,11 @@ class _Search:
         return best
 
     def eliminate(self, pick: list[Switch], candidates: list[Switch]) -> list[Switch]:
-        """Backward elimination from the combination ``pick``. Each round measures it against itself without each
-        switch, with each switch's group alternatives, and with each switch the last round dropped added back. The
-        firmly fastest swap or add-back is taken, and every switch whose removal is firmly faster is dropped in the
-        same round; with nothing firm, the switch whose removal reads best is dropped when removing it is not
-        firmly slower (steady samples/s: one process's one-time costs are too noisy to drop a switch on; the
-        verification ranks by ``tune.objective``). Ends when every switch pays or the time is spent."""
+        """Backward elimination from the combination ``pick`` (docs/tuners-and-doctor.md): each round measures it
+        without each switch, with each group alternative and with each switch the last round dropped added back; it
+        takes the firmly fastest swap or add-back and drops every switch whose removal is firmly faster, or with
+        nothing firm the one whose removal reads best, if not firmly slower (steady samples/s: one process's
+        one-time costs are too noisy to decide on). Ends when every switch pays or the time is spent."""
         from runner.compare.stats import HURTS
 
         dropped: list[Switch] = []
@@ -224,7 +223,8 @@ class _Search:
                                                      for s in pick}}
             jobs |= {name: applied(self.cfg, sw) for name, sw in moves.items()}
             r = self.round(f"round {len(self.rounds) + 1}: backward elimination from {_label(pick)}", ALL, jobs)
-            if r is None:
+            if r is None or ALL in r.failed:  # no time left, or no reference to compare with (a note)
+                self.notes += [f"round {len(self.rounds)}: the combination failed ({r.failed[ALL]})"] if r else []
                 break
             for name in jobs:
                 if name != ALL:
@@ -340,8 +340,7 @@ class _Search:
         f = rows[chosen_name]
         self.notes.append(f"{label[chosen_name]} is firmly faster per step (×{f['speedup']:.3f}) but your job of "
                           f"{self.job_steps:,} steps would take ×{1 / f['job_speedup']:.2f} as long: its one-time "
-                          f"costs "
-                          f"(compilation, autotuning) pay after {_steps(f.get('pays_after_steps'))}; "
+                          f"costs (compilation, autotuning) pay after {_steps(f.get('pays_after_steps'))}; "
                           f"tune.objective=throughput ranks by steady samples/s alone")
         return None
 
