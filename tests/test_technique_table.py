@@ -140,17 +140,21 @@ def test_the_table_decides_where_a_technique_acts_for_the_loader_the_tuner_and_t
 
 def test_the_language_models_tips_are_the_tuners_candidates_on_the_gpt_and_noted_elsewhere():
     """Selective checkpointing and the chunked loss act on token inputs (``where="tokens"``), the chunked loss on a
-    model whose forward takes the targets (runner's GPT); the compiled optimizer step on any job."""
+    model whose forward takes the targets (runner's GPT); the compiled optimizer step on any job. Selective
+    checkpointing recomputes to save memory: a speed candidate only where the micro-batch may grow."""
     from runner.tune.switches import switches
 
-    def names(*overrides):
+    def names(*overrides, allow="speed"):
         cfg = compose_cfg(*overrides, tiny=False)
         OmegaConf.set_struct(cfg, False)
-        offered, notes = switches(cfg, torch.device("cpu"))
+        offered, notes = switches(cfg, torch.device("cpu"), allow)
         return {s.name for s in offered}, {n.split(":")[0]: n for n in notes}
 
-    gpt, _ = names("+experiment=shakespeare_char")
-    assert {"selective_checkpointing", "chunked_loss", "compiled_optimizer_step"} <= gpt
+    gpt, notes = names("+experiment=shakespeare_char")
+    assert {"chunked_loss", "compiled_optimizer_step"} <= gpt and "selective_checkpointing" not in gpt
+    assert "tune.allow=recipe" in notes["selective_checkpointing"]
+    gpt, _ = names("+experiment=shakespeare_char", allow="recipe")
+    assert {"selective_checkpointing", "chunked_loss", "compiled_optimizer_step", "batch_x2"} <= gpt
     image, notes = names()
     assert "compiled_optimizer_step" in image and not {"selective_checkpointing", "chunked_loss"} & image
     assert "a language-model technique; the inputs are not token ids" in notes["chunked_loss"]

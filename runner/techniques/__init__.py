@@ -107,7 +107,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               why_not="page-locked memory only speeds up copies to a CUDA device",
               source="PyTorch DataLoader docs, memory pinning; CUDA semantics, non_blocking copies"),
     Technique("loader_workers", {"dataloader.num_workers": _workers, "dataloader.persistent_workers": True},
-              arithmetic=False, statuses=("num_workers", "persistent_workers"), readme="2",
+              arithmetic=False, group="data", statuses=("num_workers", "persistent_workers"), readme="2",
               source="PyTorch DataLoader docs, multi-process data loading"),
     Technique("pinned_workers", {"dataloader.num_workers": _workers, "dataloader.pin_memory": True,
                                  "dataloader.persistent_workers": True, "dataloader.non_blocking": True},

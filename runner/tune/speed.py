@@ -337,10 +337,11 @@ class _Search:
         shorter = [n for n in firm if rows[n]["job_speedup"] > 1]
         if shorter:
             return max(shorter, key=lambda n: rows[n]["job_speedup"])
-        f = rows[chosen_name]
+        f, pays = rows[chosen_name], rows[chosen_name].get("pays_after_steps")
+        pays = "never (it is not faster per step)" if pays is None else f"{pays:,} steps"
         self.notes.append(f"{label[chosen_name]} is firmly faster per step (×{f['speedup']:.3f}) but your job of "
                           f"{self.job_steps:,} steps would take ×{1 / f['job_speedup']:.2f} as long: its one-time "
-                          f"costs (compilation, autotuning) pay after {_steps(f.get('pays_after_steps'))}; "
+                          f"costs (compilation, autotuning) pay after {pays}; "
                           f"tune.objective=throughput ranks by steady samples/s alone")
         return None
 
@@ -408,10 +409,6 @@ ALL = "all"  # the round's job with every switch of the combination
 
 def _label(switches: list[Switch]) -> str:
     return "+".join(s.name for s in switches)
-
-
-def _steps(n: int | None) -> str:
-    return "never (it is not faster per step)" if n is None else f"{n:,} steps"
 
 
 def _rounds_folder(job_dir: Path) -> Path:

@@ -66,7 +66,7 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
     _compile_and_optimizer(offers, cfg, cuda)
     _data(offers, cfg, cuda)
     _precision(offers, cfg, device)
-    _the_rest(offers, cfg, cuda, image=not token_inputs(cfg))
+    _the_rest(offers, cfg, cuda, not token_inputs(cfg), allow)
     if allow == "recipe":
         b = int(cfg.dataloader.batch_size)
         scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
@@ -150,7 +150,7 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     offer(Switch.of("tf32"), precision == "fp32" and ampere, no_tf32)
 
 
-def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
+def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool, allow: str) -> None:
     import torch
 
     from runner.measure import hardware
@@ -159,8 +159,10 @@ def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
         why_not = applies(name, cuda=cuda, image=image)
         offer(Switch.of(name), why_not is None, why_not or "")
     for name in ("selective_checkpointing", "chunked_loss"):
-        why_not = applies_to_job(name, cfg, cuda=cuda)
-        offer(Switch.of(name), why_not is None, why_not or "")
+        why_not = applies_to_job(name, cfg, cuda=cuda) or (name == "selective_checkpointing" and allow != "recipe" and
+                                                           "it recomputes to save memory: it pays for speed only "
+                                                           "through a larger micro-batch, tune.allow=recipe")
+        offer(Switch.of(name), not why_not, why_not or "")
     offer(Switch.of("compiled_optimizer_step"), True, "")
     offer(Switch.of("set_to_none"), True, "")
     offer(Switch.of("fewer_syncs"), cfg.trainer.log_every < 50,
