@@ -9,9 +9,9 @@ wall clock; writes docs/benchmarks/tuner-<job>-<device>-<date>.md.
 2. the job and the job with the pick (``'+experiment=[<recipe>,tuned]' --config-dir <dir>``) alternated ``--repeats``
    times for ``--steps`` steps each without evaluation, each a fresh ``python -m runner`` process: tokens/s (warm-up
    left out), the pick's ratio per pair, their median and spread;
-3. the whole job (``trainer.max_steps`` of the recipe, its evaluations included) once each, recipe first, the pick in
-   a fresh process after the tuner (the machine's compile cache as the tuner left it): wall clock of the process,
-   and the one-time costs of ``summary.json`` (``one_time``).
+3. the whole job (``trainer.max_steps`` of the recipe, its evaluations included), recipe and pick alternated
+   ``--whole-repeats`` times, each a fresh process after the tuner (the machine's compile cache as the tuner left
+   it): wall clock of the process, the one-time costs of ``summary.json`` (``one_time``) and the median ratio.
 The load average is recorded before and after each process: a busy machine changes every figure.
 """
 
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=8.0, help="tune.budget_minutes")
     ap.add_argument("--steps", type=int, default=400, help="steps of each alternated run")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--whole-repeats", type=int, default=3, help="pairs of whole jobs, alternated")
     ap.add_argument("--tuned", type=Path, help="a finished tuner folder: skip step 1")
     ap.add_argument("--work", type=Path, default=REPO / "outputs" / "bench_tuner")
     ap.add_argument("--out", type=Path)
@@ -97,19 +98,24 @@ def main() -> None:
         lines.append(f"| {i + 1} | {base['tokens_per_sec']:,.0f} | {pick['tokens_per_sec']:,.0f} | "
                      f"×{pairs[-1]:.3f} | {b0}/{b1}, {p0}/{p1} |")
     lines += ["", f"Median ×{statistics.median(pairs):.3f} (range ×{min(pairs):.3f}–×{max(pairs):.3f}).", "",
-              "## 3. The whole job (the recipe's steps and evaluations), wall clock of the process", "",
-              "| run | wall s | train s | eval s | start-up s | warm-up excess s | compile s | compile cache | "
-              "val loss | load before/after |", "|---|---|---|---|---|---|---|---|---|---|"]
-    walls = {}
-    for name, use in (("recipe", None), ("pick", tuned)):
-        s, wall, before, after = job(a.work / f"whole-{name}", use, [])
-        walls[name] = wall
-        o = s["one_time"]
-        lines.append(f"| {name} | {wall:.1f} | {s['train_time_s']:.1f} | {s['eval_time_s']:.1f} | "
-                     f"{o['startup_s']:.1f} | {o['warmup_excess_s'] or 0:.1f} | {o['compile_s'] or 0:.1f} | "
-                     f"{o['compile_cache']} | {s.get('eval_loss', float('nan')):.4f} | {before}/{after} |")
-    lines += ["", f"The pick's job took ×{walls['pick'] / walls['recipe']:.3f} the recipe's wall time "
-                  f"(the recipe {walls['recipe'] / walls['pick']:.2f}× as long).", ""]
+              f"## 3. The whole job (the recipe's steps and evaluations), wall clock of the process, {a.whole_repeats} "
+              f"pairs alternated", "",
+              "| pair | run | wall s | train s | eval s | start-up s | warm-up excess s | compile s | compile cache | "
+              "val loss | load before/after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for i in range(a.whole_repeats):
+        walls = {}
+        for name, use in (("recipe", None), ("pick", tuned)):
+            s, wall, before, after = job(a.work / f"whole-{name}-{i}", use, [])
+            walls[name] = wall
+            o = s["one_time"]
+            lines.append(f"| {i + 1} | {name} | {wall:.1f} | {s['train_time_s']:.1f} | {s['eval_time_s']:.1f} | "
+                         f"{o['startup_s']:.1f} | {o['warmup_excess_s'] or 0:.1f} | {o['compile_s'] or 0:.1f} | "
+                         f"{o['compile_cache'].split(':')[0]} | {s.get('eval_loss', float('nan')):.4f} | "
+                         f"{before}/{after} |")
+        ratios.append(walls["recipe"] / walls["pick"])
+    lines += ["", f"The recipe's job took {statistics.median(ratios):.2f}× as long as the pick's, median of "
+                  f"{len(ratios)} pairs (range {min(ratios):.2f}–{max(ratios):.2f}×).", ""]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
 
