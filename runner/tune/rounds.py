@@ -3,8 +3,7 @@ configurations against a reference, and what the search reads from it.
 
 - ``measure_round``: the jobs compared side by side (runner/compare/), racing out the firmly slower ones.
 - ``read_round``: the comparisons, Holm's verdicts, failures and median speeds it measured.
-- ``helps``, ``choose``, ``group_best``, ``firmly_hurting``: the decisions the search and its verification take on
-  them.
+- ``helps``, ``choose``, ``group_best``, ``firmly_hurting``: the decisions the search and its verification take.
 """
 
 from __future__ import annotations
@@ -122,15 +121,17 @@ def choose(v: Round, names: list[str], min_speedup: float) -> str | None:
     return pick
 
 
-def group_best(combination: list, candidates: list, alone: dict[str, Any]) -> list:
-    """``combination`` (switches, one per group) with each group's member replaced by the alternative that read
-    fastest alone (``alone``: name -> its round-1 interval against yours); a tie or no reading keeps the member."""
+def group_best(combination: list, candidates: list, r: Round) -> list:
+    """``combination`` with each group's member replaced by the alternative round ``r`` (each alone) read firmly
+    faster than it head to head, the fastest of those: a point estimate would let noise pick among equals."""
+    from runner.compare import record as record_mod
 
-    def estimate(s: Any) -> float:
-        return alone[s.name].estimate if alone.get(s.name) is not None else float("-inf")
+    def firmly_faster(a: Any, s: Any) -> float:
+        c = record_mod.versus(r.record or {"slices": [], "jobs": {}}, a.name, s.name)
+        return c.estimate if c is not None and c.low > 1 else 0.0
 
-    return [max([a for a in candidates if s.group and a.group == s.group] or [s],
-                key=lambda a: (estimate(a), a is s)) for s in combination]
+    return [max([a for a in candidates if s.group and a.group == s.group and firmly_faster(a, s)] or [s],
+                key=lambda a: firmly_faster(a, s)) for s in combination]
 
 
 def firmly_hurting(r: Round, pick: list, min_speedup: float) -> list:

@@ -200,8 +200,8 @@ class _Search:
         self.alone = {s.name: r.comparisons.get(s.name) for s in candidates}
         if len(combination) < 2:
             return [s for s in candidates if helps(r, s.name, self.t.min_speedup)]
-        best = group_best(combination, candidates, self.alone)
-        self.notes += [f"round 1: the elimination starts with {b.name} in place of {c.name}, faster alone "
+        best = group_best(combination, candidates, r)
+        self.notes += [f"round 1: the elimination starts with {b.name} in place of {c.name}, firmly faster alone "
                        f"({_describe(self.alone[b.name])} against {_describe(self.alone[c.name])})"
                        for c, b in zip(combination, best) if b is not c]
         return best
