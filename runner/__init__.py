@@ -67,10 +67,9 @@ def _if_cuda(device, then, otherwise):
     return then if uses_cuda(str(device)) else otherwise
 
 
-def _language_model(target) -> bool:
-    from runner.techniques import language_model_task  # torch-free; imported on use (the ablation file only)
-
-    return language_model_task(target)
+def language_model_task(target: object) -> bool:
+    """Whether a task's ``_target_`` names runner's language-model task (its inputs are token ids)."""
+    return "LanguageModel" in str(target)
 
 
 _RESOLVERS = {
@@ -78,7 +77,7 @@ _RESOLVERS = {
     "runner_mul": lambda a, b: a * b,
     "runner_in_memory": lambda name: name in IN_MEMORY_DATA,
     "runner_steps": lambda samples, batch: max(1, -(-int(samples) // int(batch))),
-    "runner_for_tokens": lambda target, *names: "".join(f"{n}," for n in names) if _language_model(target) else "",
+    "runner_for_tokens": lambda target, *names: "".join(f"{n}," for n in names) if language_model_task(target) else "",
 }
 
 

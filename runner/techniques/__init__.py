@@ -263,13 +263,10 @@ def applies(technique: Technique | str, *, cuda: bool, image: bool = True) -> st
     return None
 
 
-def language_model_task(target: object) -> bool:
-    """Whether a task's ``_target_`` names runner's language-model task (its inputs are token ids)."""
-    return "LanguageModel" in str(target)
-
-
 def token_inputs(cfg) -> bool:
     """Whether the job ``cfg`` is a language model (its inputs are token ids, not images)."""
+    from runner import language_model_task  # the one test, which the ablation's resolver asks too
+
     task = select(cfg, "task") or {}
     return language_model_task(task.get("_target_", "")) or task.get("name") == "language_model"
 
@@ -285,5 +282,4 @@ def applies_to_job(technique: Technique | str, cfg, *, cuda: bool) -> str | None
 
 
 __all__ = ["TECHNIQUES", "WHERE", "Technique", "applies", "applies_to_job", "by_variant", "image_only",
-           "language_model_task", "moves_data_only", "same_step_cost", "select", "step_cost", "token_inputs",
-           "variant_keys"]
+           "moves_data_only", "same_step_cost", "select", "step_cost", "token_inputs", "variant_keys"]
