@@ -307,6 +307,28 @@ def test_the_job_objective_counts_one_time_costs_and_finds_the_break_even(tmp_pa
     assert "pay after" in search.notes[0] and f"{math.ceil(30.0 / gain):,} steps" in search.notes[0]
 
 
+def test_the_job_objective_keeps_the_pick_with_fewer_switches_unless_its_job_is_not_shorter(tmp_path):
+    """ResNet-18 on the CPU: the pick and the whole combination read x1.957 and x1.955 per step, their projected jobs
+    x1.915 and x1.924 yours. The pick stays (more switches need a firm win); only where the pick's job is not
+    shorter than yours (a 40 s compile over 100 steps) does a firmly faster option whose job is shorter replace it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cfg = compose_cfg(*TINY)
+    v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 195.7, "extended": 195.5})
+    v.jobs = {"yours": cfg, "pick": cfg, "extended": cfg}
+    search = speed._Search(cfg, SimpleNamespace(distributed=False, device=torch.device("cpu")), tmp_path)
+    options, label = {"pick": [], "extended": []}, {"pick": "p", "extended": "e"}
+    search.job_steps = 2000
+    v.one_time = {"yours": 1.0, "pick": 10.0, "extended": 1.0}  # the extended job projects shorter
+    assert search.figures(v, "extended", "yours")["job_speedup"] > search.figures(v, "pick", "yours")["job_speedup"]
+    assert search.shortest_job(v, options, label, "pick") == "pick"
+    search.job_steps = 100
+    v.one_time = {"yours": 1.0, "pick": 40.0, "extended": 1.0}
+    assert search.shortest_job(v, options, label, "pick") == "extended"
+
+
 #: A model whose step cost depends on two switches together (``KNOWN_COST``'s wait): either alone makes the step
 #: x1.25 as long, both together x0.4 -- the interaction greedy forward selection cannot find by construction
 PAIR = KNOWN_COST + """

@@ -327,11 +327,12 @@ class _Search:
         return options[chosen_name], v.comparisons.get(chosen_name)
 
     def shortest_job(self, v: Round, options: dict, label: dict, chosen_name: str) -> str | None:
-        """``tune.objective=job``: of the options firmly faster than yours, the one whose projected job is shortest,
-        and only if it is shorter than yours (else None, with the break-even in a note); ``chosen_name`` where the
-        projection cannot be made (no measured one-time costs, or the job's steps unknown)."""
+        """``tune.objective=job``: ``chosen_name`` (``choose``'s: fewer switches unless more are firmly faster) when
+        its projected job is shorter than yours, else the option firmly faster than yours whose job is shortest
+        (None when none is shorter: the break-even in a note); ``chosen_name`` where the projection cannot be made
+        (no measured one-time costs, or the job's steps unknown). A projection has no interval to rank by."""
         rows = {n: self.figures(v, n, "yours") for n in options}
-        if any("job_speedup" not in f for f in rows.values()):
+        if any("job_speedup" not in f for f in rows.values()) or rows[chosen_name]["job_speedup"] > 1:
             return chosen_name
         firm = [n for n in options if helps(v, n, self.t.min_speedup)]
         shorter = [n for n in firm if rows[n]["job_speedup"] > 1]
