@@ -3,7 +3,8 @@ configurations against a reference, and what the search reads from it.
 
 - ``measure_round``: the jobs compared side by side (runner/compare/), racing out the firmly slower ones.
 - ``read_round``: the comparisons, Holm's verdicts, failures and median speeds it measured.
-- ``helps``, ``choose``, ``group_best``, ``firmly_hurting``: the decisions the search and its verification take.
+- ``helps``, ``choose``, ``group_best``, ``firmly_hurting``, ``head_to_head``: the decisions the search and its
+  verification take.
 """
 
 from __future__ import annotations
@@ -104,18 +105,24 @@ def helps(r: Round, name: str, min_speedup: float) -> bool:
             and (r.aa is None or (copy_c is not None and copy_c.low > 1)))
 
 
+def head_to_head(r: Round, name: str, other: str) -> Any:
+    """``name`` against ``other`` in round ``r``, both paired with its reference (``compare.record.versus``):
+    a ``compare.Interval`` of the samples/s ratio, or None (under 2 passes that measured both, or no record)."""
+    from runner.compare import record as record_mod
+
+    return record_mod.versus(r.record or {"slices": [], "jobs": {}}, name, other)
+
+
 def choose(v: Round, names: list[str], min_speedup: float) -> str | None:
     """Of the verification's configurations ``names`` (fewest switches first), the one to recommend: those
     firmly faster than your configuration (``helps``); of two, the one with more switches only when it is
     firmly faster than the other head to head (fewer switches otherwise: fewer things to keep). None: no change."""
-    from runner.compare import record as record_mod
-
     good = [n for n in names if helps(v, n, min_speedup)]
     if not good:
         return None
     pick = good[0]
     for other in good[1:]:
-        head = record_mod.versus(v.record or {"slices": [], "jobs": {}}, other, pick)
+        head = head_to_head(v, other, pick)
         if head is not None and head.low > 1:
             pick = other
     return pick
@@ -124,10 +131,8 @@ def choose(v: Round, names: list[str], min_speedup: float) -> str | None:
 def group_best(combination: list, candidates: list, r: Round) -> list:
     """``combination`` with each group's member replaced by the alternative round ``r`` (each alone) read firmly
     faster than it head to head, the fastest of those: a point estimate would let noise pick among equals."""
-    from runner.compare import record as record_mod
-
     def firmly_faster(a: Any, s: Any) -> float:
-        c = record_mod.versus(r.record or {"slices": [], "jobs": {}}, a.name, s.name)
+        c = head_to_head(r, a.name, s.name)
         return c.estimate if c is not None and c.low > 1 else 0.0
 
     return [max([a for a in candidates if s.group and a.group == s.group and firmly_faster(a, s)] or [s],

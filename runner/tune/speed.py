@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
 from runner.tune.harness import Tuner, fmt, pyplot, say, with_overrides
-from runner.tune.rounds import Round, choose, firmly_hurting, group_best, helps, measure_round, read_round
+from runner.tune.rounds import Round, choose, firmly_hurting, group_best, head_to_head, helps, measure_round, read_round
 from runner.tune.switches import Switch, applied, chosen, fast_config, switches
 
 # ------------------------------------------------------------------------------------------- the search
@@ -347,11 +347,8 @@ class _Search:
         return None
 
     def _verification_notes(self, v: Round, options: dict, label: dict, chosen_name: str | None, fast: bool) -> None:
-        from runner.compare import record as record_mod
-
-        record = v.record or {"slices": [], "jobs": {}}
         if "extended" in options:
-            head = record_mod.versus(record, "extended", "pick") if "pick" in options else None
+            head = head_to_head(v, "extended", "pick") if "pick" in options else None
             self.notes.append(f"the whole combination ({label['extended']})"
                               + (f" against the pick alone, head to head: {_describe(head)}" if head else "")
                               + f": {'recommended' if chosen_name == 'extended' else 'not recommended'}")
@@ -360,7 +357,7 @@ class _Search:
                 self.notes.append(f"{label[name]} was not firmly faster than your configuration head to head "
                                   f"({_describe(v.comparisons.get(name))})")
         if chosen_name is not None and fast:
-            head = record_mod.versus(record, chosen_name, "fast")
+            head = head_to_head(v, chosen_name, "fast")
             if head is not None:
                 self.notes.append(f"the pick against +experiment=fast, head to head: {_describe(head)}")
 

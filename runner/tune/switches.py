@@ -66,7 +66,11 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
     _compile_and_optimizer(offers, cfg, cuda)
     _data(offers, cfg, cuda)
     _precision(offers, cfg, device)
-    _the_rest(offers, cfg, cuda, not token_inputs(cfg), allow)
+    _the_rest(offers, cfg, cuda, image=not token_inputs(cfg))
+    # selective checkpointing recomputes to save memory: it pays for speed only through the larger micro-batch
+    recipe_only = "it recomputes to save memory for a larger micro-batch: tune.allow=recipe"
+    why_not = applies_to_job("selective_checkpointing", cfg, cuda=cuda) or (allow != "recipe" and recipe_only)
+    offers(Switch.of("selective_checkpointing"), not why_not, why_not or "")
     if allow == "recipe":
         b = int(cfg.dataloader.batch_size)
         scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
@@ -150,7 +154,7 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     offer(Switch.of("tf32"), precision == "fp32" and ampere, no_tf32)
 
 
-def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool, allow: str) -> None:
+def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
     import torch
 
     from runner.measure import hardware
@@ -158,11 +162,8 @@ def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool, allow: s
     for name in ("channels_last", "cudnn_benchmark"):
         why_not = applies(name, cuda=cuda, image=image)
         offer(Switch.of(name), why_not is None, why_not or "")
-    for name in ("selective_checkpointing", "chunked_loss"):
-        why_not = applies_to_job(name, cfg, cuda=cuda) or (name == "selective_checkpointing" and allow != "recipe" and
-                                                           "it recomputes to save memory: it pays for speed only "
-                                                           "through a larger micro-batch, tune.allow=recipe")
-        offer(Switch.of(name), not why_not, why_not or "")
+    why_not = applies_to_job("chunked_loss", cfg, cuda=cuda)
+    offer(Switch.of("chunked_loss"), why_not is None, why_not or "")
     offer(Switch.of("compiled_optimizer_step"), True, "")
     offer(Switch.of("set_to_none"), True, "")
     offer(Switch.of("fewer_syncs"), cfg.trainer.log_every < 50,
