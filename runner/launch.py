@@ -71,8 +71,7 @@ def discover(env: Mapping[str, str] | None = None) -> Layout:
                         local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
                         world_size=_int(env, "SLURM_STEP_NUM_TASKS"),
                         nodes=_int(env, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in env else 1,
-                        launcher="srun", master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
-                        master_port=port)
+                        launcher="srun", master_addr=env.get("MASTER_ADDR") or first_host(nodelist), master_port=port)
     else:
         return Layout()
     if not 0 <= layout.rank < layout.world_size:

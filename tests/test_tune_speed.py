@@ -371,9 +371,9 @@ def test_the_console_table_shows_every_decision_however_many_rounds():
     assert "**<- recommended**" in table.splitlines()[2 + 21]
 
 
-def _elimination(tmp_path, speed_of):
-    """A search whose rounds are synthetic: each job's samples/s is ``speed_of(its config)``; returns the search
-    (its ``rounds`` list holds one entry per round measured)."""
+def _elimination(tmp_path, speed_of, noise: float = 0.02):
+    """A search whose rounds are synthetic: each job's samples/s is ``speed_of(its config)`` (± ``noise`` per slice);
+    returns the search (its ``rounds`` list holds one entry per round measured)."""
     from types import SimpleNamespace
 
     import torch
@@ -384,7 +384,7 @@ def _elimination(tmp_path, speed_of):
     def measured(title, reference, jobs, share=0.5):
         rates = {name: speed_of(c) for name, c in jobs.items()}
         r = _verification({reference: rates[reference], f"{reference}-aa": rates[reference], **rates},
-                          reference=reference)
+                          reference=reference, noise=noise)
         r.jobs = jobs
         search.rounds.append(r)
         return r
@@ -442,3 +442,46 @@ def test_the_elimination_starts_from_an_alternative_only_where_it_was_firmly_fas
                        "compile": 104.0, "max": 104.5, "fused": 103.0}, noise=0.03)
     best = group_best([compile_, fused, bf16], [compile_, autotune, fused, bf16, upcast], r)
     assert best == [compile_, fused, upcast]  # a switch without a group stays too
+
+
+def test_a_switch_not_shown_to_pay_goes_only_where_the_round_resolves_its_cost(tmp_path):
+    """``z`` does nothing, ``b`` helps x1.3. A round that resolves ``z``'s removal to within tune.target_ci drops it;
+    one too noisy to (a light process beside the 8-minute GPT search: -fused_optimizer x1.208 [0.353-4.130] in a
+    0.7-minute round) drops nothing and ends the elimination, keeping the pick it has."""
+    from runner.tune.switches import Switch
+
+    z, b = Switch("z", {"trainer.eval_every": 7}), Switch("b", {"trainer.seed": 5})
+
+    def speed_of(cfg):
+        return 100.0 * (1.3 if cfg.trainer.seed == 5 else 1)
+
+    search = _elimination(tmp_path / "resolved", speed_of)
+    assert search.eliminate([z, b], [z, b]) == [b], search.notes
+    search = _elimination(tmp_path / "noisy", speed_of, noise=0.9)
+    assert search.eliminate([z, b], [z, b]) == [z, b], search.notes
+    assert len(search.rounds) == 1 and "not shown to cost under 5%" in search.notes[-1], search.notes
+
+
+def test_a_round_too_short_for_its_passes_is_not_measured_and_the_verification_takes_more_pairs(tmp_path,
+                                                                                                   monkeypatch):
+    """The last elimination round of an 8-minute search had 0.7 min for 12 jobs of 1 s slices (under 4 passes: most
+    jobs not measured); it is skipped with a note. The verification, whose verdict is the recommendation, runs at
+    least ``VERIFICATION_PASSES`` passes (5 calm passes had decided it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from runner.tune.switches import Switch
+
+    seen = []
+    monkeypatch.setattr(speed, "measure_round", lambda r, folder, settings, ranks: seen.append((r, settings)) or r)
+    cfg = compose_cfg(*TINY, "tune.slice_seconds=1", "interleave.min_passes=4", "interleave.max_passes=200")
+    env = SimpleNamespace(distributed=False, device=torch.device("cpu"), is_main=True)
+    search = speed._Search(cfg, env, tmp_path)
+    search.budget_s = 100.0  # 75 s left past the verification's quarter: half of it is 37.5 s
+    assert search.round("round 3: short", "all", {f"j{i}": cfg for i in range(12)}) is None and not seen
+    assert "round 3 not measured" in search.notes[-1] and "min_passes=4" in search.notes[-1]
+    assert search.round("round 3: three jobs", "all", {f"j{i}": cfg for i in range(3)}) is not None
+    assert seen[-1][1].min_passes == 4
+    search.verify([Switch("b", {"trainer.seed": 5})], [Switch("b", {"trainer.seed": 5})])
+    assert seen[-1][0].title == "verification" and seen[-1][1].min_passes == speed.VERIFICATION_PASSES == 16

@@ -170,11 +170,12 @@ class _Search:
     # ------------------------------------------------------------ 2. the combination, then backward elimination
     def round(self, title: str, reference: str, jobs: dict[str, DictConfig], share: float = 0.5) -> Round | None:
         """Measure one round with ``share`` of the measuring time left (a quarter kept for the verification); None
-        (and a note) when under a minute is left."""
+        (and a note) when under a minute, or under ``interleave.min_passes`` passes of its slices, is left."""
         left = self.agreed(self.budget_s - sum(r.measured_s for r in self.rounds) - 0.25 * self.budget_s)
-        if left < 60:
+        passes = share * left / ((len(jobs) + 1) * self.settings.slice_seconds)  # + 1: the reference's copy
+        if left < 60 or (self.settings.slice_steps is None and passes < self.settings.min_passes):
             self.notes.append(f"{title.split(':')[0]} not measured: tune.budget_minutes={self.t.budget_minutes:g} "
-                              f"spent")
+                              f"spent (under interleave.min_passes={self.settings.min_passes} passes left)")
             return None
         r = Round(title, reference, jobs, minutes=share * left / 60)
         say(self.env, f"speed: {r.title}: {len(jobs) - 1} against {reference}, up to {r.minutes:.1f} min of measuring")
@@ -210,10 +211,9 @@ class _Search:
         """Backward elimination from the combination ``pick`` (docs/tuners-and-doctor.md): each round measures it
         without each switch, with each group alternative and with each switch the last round dropped added back; it
         takes the firmly fastest swap or add-back and drops every switch whose removal is firmly faster, or with
-        nothing firm the one whose removal reads best, if not firmly slower (steady samples/s: one process's
-        one-time costs are too noisy to decide on). Ends when every switch pays or the time is spent."""
-        from runner.compare.stats import HURTS
-
+        nothing firm the one whose removal reads best of those it shows to cost under ``tune.target_ci`` (low end
+        above 1 - target_ci: a round too short to resolve drops none). Steady samples/s: one process's one-time
+        costs are too noisy to decide on. Ends when no switch can go or the time is spent."""
         dropped: list[Switch] = []
         while pick or dropped:
             moves = {f"{s.name}->{a.name}": [a if x is s else x for x in pick] for s in pick for a in candidates
@@ -239,11 +239,11 @@ class _Search:
                 what = f"{new} in place of {old}" if new else f"{old[1:]} added back"
                 self.notes.append(f"round {len(self.rounds)}: {what}, firmly faster in the combination")
             elif not dropped:
-                removable = [s for s in pick if f"-{s.name}" not in r.failed and r.comparisons.get(f"-{s.name}")
-                             is not None and r.verdicts.get(f"-{s.name}") != HURTS]
+                removable = [s for s in pick if f"-{s.name}" not in r.failed and (c := r.comparisons.get(
+                             f"-{s.name}")) is not None and c.low >= 1 - self.t.target_ci]
                 if not removable:
-                    self.notes.append(f"round {len(self.rounds)}: every switch of {_label(pick)} pays in the "
-                                      f"combination")
+                    self.notes.append(f"round {len(self.rounds)}: no switch of {_label(pick)} goes: removing each "
+                                      f"is firmly slower or not shown to cost under {self.t.target_ci:.0%}")
                     break
                 dropped = [max(removable, key=lambda s: r.comparisons[f"-{s.name}"].estimate)]
             dropped = [s for s in dropped if s in pick]
@@ -310,7 +310,9 @@ class _Search:
         shown = ", ".join(f"the {'pick' if n == 'pick' else 'whole combination'} ({label[n]})" for n in options)
         say(self.env, f"speed: verification: your configuration{', ' + shown if shown else ''}"
                       f"{', +experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min")
-        measure_round(v, self.rounds_dir / "verification", self.settings, self.ranks)
+        settings = copy.deepcopy(self.settings)  # the decisive round: pairs over minutes, not one calm moment
+        settings.min_passes = min(settings.max_passes, max(settings.min_passes, VERIFICATION_PASSES))
+        measure_round(v, self.rounds_dir / "verification", settings, self.ranks)
         self.rounds.append(v)
         for name in jobs:
             if name != "yours":
@@ -403,6 +405,8 @@ class _Search:
 
 
 ALL = "all"  # the round's job with every switch of the combination
+#: The verification's fewest passes: pairs over minutes, so that a passing calm or load does not decide (docs)
+VERIFICATION_PASSES = 16
 
 
 def _label(switches: list[Switch]) -> str:
@@ -481,20 +485,17 @@ def _is_pick(row: dict, rec: dict) -> bool:
 
 
 TUNER = Tuner(
-    name="speed",
+    name="speed", tune=tune_speed, is_pick=_is_pick, plot=_plot,
     help="the fastest combination of the speed switches that apply to your job (compile, fused/foreach\n"
          "optimizer, on-device data, workers, bf16/AMP/TF32, channels_last, threads, ...): guarded against\n"
          "a changed loss, found by backward elimination from all of them together with interleaved paired\n"
          "measurement, ranked by the whole job's time (tune.objective), verified head to head against your\n"
          "configuration and +experiment=fast; writes experiment/tuned.yaml",
-    tune=tune_speed,
     columns=[("stage", "stage", ""), ("switch", "switch", ""), ("on_top_of", "on top of", ""),
              ("speedup", "speed-up ×", ".3f"), ("ci_low", "95 % low", ".3f"), ("ci_high", "95 % high", ".3f"),
              ("verdict", "verdict", ""), ("vs_copy", "× its copy", ".3f"), ("samples_per_sec", "samples/s", ",.1f"),
              ("job_speedup", "job time ÷", ".3f"), ("pays_after_steps", "pays after steps", ",d"),
              ("guard_loss", "loss at guard_steps", ".4f"), ("guard_departure", "departure", ".2%")],
-    is_pick=_is_pick,
-    plot=_plot,
     console_rows=None,  # every row is a decision: the console shows the verification against fast too
 )
 
