@@ -12,8 +12,7 @@ LOGGERS = ("wandb", "tensorboard", "mlflow", "csv")
 #: logger -> (the module it imports, the pip command that installs it)
 LOGGER_PACKAGES = {"wandb": ("wandb", "pip install wandb"),
                    "tensorboard": ("tensorboard", 'pip install tensorboard (or pip install -e ".[tensorboard]")'),
-                   "mlflow": ("mlflow", 'pip install mlflow (or pip install -e ".[mlflow]")'),
-                   "csv": (None, None)}
+                   "mlflow": ("mlflow", 'pip install mlflow (or pip install -e ".[mlflow]")'), "csv": (None, None)}
 
 
 @dataclass

@@ -150,8 +150,7 @@ def lr_range_test(parts, min_lr: float, max_lr: float, steps: int, smoothing: fl
             group["lr"] = group["initial_lr"] = min_lr
         ramp = LambdaLR(optimizer, lambda i: ratio ** (min(i, steps - 1) / (steps - 1)))
         run = for_tuning(parts, steps, 0, log_every=1, tracker=recorder, scheduler=ramp, stop=recorder.should_stop)
-        state = TrainState(eval=dict.fromkeys(parts.task.metrics),
-                                  loss_sum=torch.zeros((), device=parts.env.device))
+        state = TrainState(eval=dict.fromkeys(parts.task.metrics), loss_sum=torch.zeros((), device=parts.env.device))
         try:
             engine.fit(state, run, NO_PROFILER)
         except TrainingDiverged:  # the loss became NaN/inf (trainer.on_nonfinite=stop): the same on every rank

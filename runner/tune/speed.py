@@ -211,9 +211,11 @@ class _Search:
         """Backward elimination from the combination ``pick`` (docs/tuners-and-doctor.md): each round measures it
         without each switch, with each group alternative and with each switch the last round dropped added back; it
         takes the firmly fastest swap or add-back and drops every switch whose removal is firmly faster, or with
-        nothing firm the one whose removal reads best of those it shows to cost under ``tune.target_ci`` (low end
-        above 1 - target_ci: a round too short to resolve drops none). Steady samples/s: one process's one-time
+        nothing firm the one whose removal reads best, if not firmly slower and, where it reads slower, shown to
+        cost under ``tune.target_ci`` (low end above 1 - target_ci). Steady samples/s: one process's one-time
         costs are too noisy to decide on. Ends when no switch can go or the time is spent."""
+        from runner.compare.stats import HURTS
+
         dropped: list[Switch] = []
         while pick or dropped:
             moves = {f"{s.name}->{a.name}": [a if x is s else x for x in pick] for s in pick for a in candidates
@@ -240,10 +242,11 @@ class _Search:
                 self.notes.append(f"round {len(self.rounds)}: {what}, firmly faster in the combination")
             elif not dropped:
                 removable = [s for s in pick if f"-{s.name}" not in r.failed and (c := r.comparisons.get(
-                             f"-{s.name}")) is not None and c.low >= 1 - self.t.target_ci]
+                             f"-{s.name}")) is not None and r.verdicts.get(f"-{s.name}") != HURTS
+                             and (c.estimate >= 1 or c.low >= 1 - self.t.target_ci)]
                 if not removable:
                     self.notes.append(f"round {len(self.rounds)}: no switch of {_label(pick)} goes: removing each "
-                                      f"is firmly slower or not shown to cost under {self.t.target_ci:.0%}")
+                                      f"reads slower and is not shown to cost under {self.t.target_ci:.0%}")
                     break
                 dropped = [max(removable, key=lambda s: r.comparisons[f"-{s.name}"].estimate)]
             dropped = [s for s in dropped if s in pick]
