@@ -35,6 +35,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.enviro
 
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
+# The compile caches' signing key (runner/techniques/compile_cache.py): the tests' own, never the user's; every test
+# process and the jobs they start share it (a test of another user's key sets its own)
+os.environ["RUNNER_COMPILE_CACHE_KEY"] = str(Path(tempfile.gettempdir()) / f"runner-tests-{os.getuid()}" / "cache.key")
+
 
 def pytest_collection_modifyitems(config, items):
     """The tests marked ``longest`` first, the rest in their order. xdist's workers take tests in collection order

@@ -295,7 +295,7 @@ def test_the_job_objective_counts_one_time_costs_and_finds_the_break_even(tmp_pa
     cfg = compose_cfg(*TINY)
     v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 164.0})
     v.jobs, v.one_time = {"yours": cfg, "pick": cfg}, {"yours": 1.0, "pick": 31.0}
-    search = speed._Search(cfg, SimpleNamespace(distributed=False, device=torch.device("cpu")), tmp_path)
+    search = speed._Search(cfg, SimpleNamespace(distributed=False, is_main=True, device=torch.device("cpu")), tmp_path)
     batch = search.batch_of(cfg)
     gain = batch / v.samples_per_sec["yours"] - batch / v.samples_per_sec["pick"]  # s per step
     for steps, expected in ((10, None), (2000, "pick")):
@@ -318,7 +318,7 @@ def test_the_job_objective_keeps_the_pick_with_fewer_switches_unless_its_job_is_
     cfg = compose_cfg(*TINY)
     v = _verification({"yours": 100.0, "yours-aa": 100.0, "pick": 195.7, "extended": 195.5})
     v.jobs = {"yours": cfg, "pick": cfg, "extended": cfg}
-    search = speed._Search(cfg, SimpleNamespace(distributed=False, device=torch.device("cpu")), tmp_path)
+    search = speed._Search(cfg, SimpleNamespace(distributed=False, is_main=True, device=torch.device("cpu")), tmp_path)
     options, label = {"pick": [], "extended": []}, {"pick": "p", "extended": "e"}
     search.job_steps = 2000
     v.one_time = {"yours": 1.0, "pick": 10.0, "extended": 1.0}  # the extended job projects shorter
@@ -378,8 +378,8 @@ def _elimination(tmp_path, speed_of, noise: float = 0.02):
 
     import torch
 
-    search = speed._Search(compose_cfg(*TINY), SimpleNamespace(distributed=False, device=torch.device("cpu")),
-                           tmp_path)
+    env = SimpleNamespace(distributed=False, is_main=True, device=torch.device("cpu"))
+    search = speed._Search(compose_cfg(*TINY), env, tmp_path)
 
     def measured(title, reference, jobs, share=0.5):
         rates = {name: speed_of(c) for name, c in jobs.items()}

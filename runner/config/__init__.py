@@ -328,6 +328,9 @@ class CompileConfig:
     dynamic: Optional[bool] = None
     regional: bool = False  # compile each repeated block (GPT blocks, ResNet blocks) instead of the whole model
     optimizer: bool = False  # compile the optimizer's step too (its LR a tensor, so a schedule does not recompile)
+    # a shared compile cache folder of yours (runner/techniques/compile_cache.py): loaded before the first compile
+    # (only what verifies as yours) and added to; null: a multirun's <sweep>/compile_cache, else none
+    cache: Optional[str] = None
 
 
 @dataclass

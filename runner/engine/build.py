@@ -111,8 +111,9 @@ class Parts:
     preemption: preempt.Preemption
     at_end: bool  # checkpoint.at_end: a checkpoint and model.safetensors after the last step
     gate: slice_gate.SliceGate | None = None  # the interleaved launcher's pause point (runner/engine/slice_gate.py)
-    compile_cache: str = "off"  # compile on: what runner/techniques/compile_cache.py loaded from the job folder
-    compiled_before: tuple[float, int] = (0.0, 0)  # compile_cache.compiled_so_far() when the run opened
+    compile_cache: str = "off"  # compile on: what runner/techniques/compile_cache.py loaded (job folder, shared)
+    compiled_before: tuple[float, int, int] = (0.0, 0, 0)  # compile_cache.compiled_so_far() when the run opened
+    compile_store: compile_cache.Store | None = None  # compile on: where the job writes its compiled code
     ema: ema_mod.EMA | None = None  # trainer.ema_decay: the moving average of the weights (runner/techniques/ema.py)
     early: monitor.Watch | None = None  # trainer.early_stopping (runner/engine/monitor.py)
     patience: int = 0
@@ -281,11 +282,13 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
                                            async_save=ck["async"], is_main=env.is_main)
     parts = dataclasses.replace(parts, tracker=tracker, checkpointer=checkpointer, at_end=ck["at_end"],
                                 preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
-                                gate=gate, compile_cache=compile_cache.load(  # the resumed job's folder (its cache)
-                                    point.path.parent.parent if point.path is not None else job_dir)
-                                if cfg.compile.mode else "off",
-                                compiled_before=compile_cache.compiled_so_far()  # dynamo's import: compiled jobs only
-                                if cfg.compile.mode or cfg.compile.optimizer else (0.0, 0))
+                                gate=gate)
+    if cfg.compile.mode or cfg.compile.optimizer:  # before the first compile: the resumed job's cache, the shared one
+        shared = compile_cache.shared_folder(cfg)
+        resumed = point.path.parent.parent if point.path is not None else job_dir
+        parts.compile_cache = compile_cache.load([resumed / compile_cache.FOLDER, *([shared] if shared else [])])
+        parts.compile_store = compile_cache.Store(job_dir, shared, env.is_main)
+        parts.compiled_before = compile_cache.compiled_so_far()
     if point.path is not None:
         checkpointer.load(checkpoint_state(state, parts), point.path)
         for watch, key in ((parts.early, "early_stopping"), (parts.best, "best")):

@@ -72,8 +72,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
             try:
                 if parts.at_end:
                     save_checkpoint(state, parts)
-                elif cfg.compile.mode:
-                    compile_cache.save(parts.job_dir, env.is_main)
+                elif parts.compile_store is not None:
+                    parts.compile_store.save()
                 parts.checkpointer.finish()
             except ConfigError as e:
                 raise ConfigError(f"{e}" + (f". The trained weights are in {parts.job_dir / 'model.safetensors'}"
@@ -113,8 +113,8 @@ def save_checkpoint(state: TrainState, parts: Parts) -> None:
     before = p.checkpointer.time_s
     p.checkpointer.save(checkpoint_state(state, parts), state.step, meta)
     state.checkpoint_time_s += p.checkpointer.time_s - before
-    if p.cfg.compile.mode:  # beside the checkpoint: a resume on any node compiles from it (compile_cache.py)
-        compile_cache.save(p.job_dir, p.env.is_main)
+    if p.compile_store is not None:  # beside the checkpoint: a resume on any node compiles from it (compile_cache.py)
+        p.compile_store.save()
 
 
 def fit(state: TrainState, parts: Parts, profiler) -> None:
@@ -134,6 +134,8 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
         if p.gate is not None and p.gate.due(state.step):  # interleaved: a slice ended; wait, untimed, for the next
             state.train_time_s += measure.wall_clock(p.env.device) - segment_start
             p.meter.pause()
+            if p.compile_store is not None:  # what it compiled so far, for the comparison's jobs still to start
+                p.compile_store.save()
             if not p.gate.wait(state.step, state.train_time_s, plan.global_batch, p.env):
                 plan.total_steps = state.step + 1  # finish: one last step, then the final log and evaluation
             p.meter.resume()
@@ -237,17 +239,22 @@ def one_time_costs(parts: Parts, figures: dict[str, Any]) -> dict[str, Any]:
     """This process's one-time costs, in seconds (rank 0's): ``startup_s`` (runner's import to the first step:
     imports, data, model, checkpoint), ``warmup_s`` (the warm-up steps' wall time) and ``warmup_excess_s`` (its excess
     over as many steady steps: compilation, autotuning, allocator growth), ``compile_s`` and ``graphs_compiled``
-    (torch.compile's own wall time and graphs, recompiles included), ``compile_cache`` (compile_cache.load),
+    (torch.compile's own wall time and graphs, recompiles included), ``graph_breaks`` (dynamo's, with a note when
+    there are any), ``compile_cache`` (compile_cache.load),
     ``first_eval_s`` and ``job_s`` (runner's import to this summary)."""
     import runner
 
     m, median = parts.meter, figures["step_time_ms_median"]
-    compiled = bool(parts.cfg.compile.mode or parts.cfg.compile.optimizer)
-    (s0, g0), (s1, g1) = parts.compiled_before, compile_cache.compiled_so_far() if compiled else (0.0, 0)
+    compiled = parts.compile_store is not None
+    (s0, g0, b0), (s1, g1, b1) = parts.compiled_before, compile_cache.compiled_so_far() if compiled else (0.0, 0, 0)
     excess = m.warmup_s - min(m.warmup_steps, m.step) * median / 1e3 if m.warmup_s is not None and median else None
+    if b1 > b0 and parts.env.is_main:
+        print(f"note: torch.compile broke the graph {b1 - b0} time(s), each break a piece run eager between compiled "
+              f"ones ({'; '.join(compile_cache.graph_break_reasons())}); TORCH_LOGS=graph_breaks shows where",
+              flush=True)
     return {"startup_s": m.first_step_at - runner.STARTED_S if m.first_step_at else None, "warmup_s": m.warmup_s,
             "warmup_excess_s": excess, "compile_s": s1 - s0 if compiled else None,
-            "graphs_compiled": g1 - g0 if compiled else None,
+            "graphs_compiled": g1 - g0 if compiled else None, "graph_breaks": b1 - b0 if compiled else None,
             "compile_cache": parts.compile_cache, "first_eval_s": m.first_eval_s,
             "job_s": time.perf_counter() - runner.STARTED_S}
 

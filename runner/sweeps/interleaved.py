@@ -188,6 +188,7 @@ def _resolve_job(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     from hydra.core.hydra_config import HydraConfig
 
     from runner.sweeps import ablation
+    from runner.techniques import compile_cache
 
     folder = Path(HydraConfig.get().runtime.output_dir)
     if ablation.not_run(cfg, folder) is not None:  # e.g. a CUDA-only variant: not_run.json written
@@ -195,6 +196,8 @@ def _resolve_job(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     job_cfg = copy.deepcopy(cfg)
     OmegaConf.resolve(job_cfg)
     job_cfg.trainer.progress = "off"  # the conductor prints one line per pass
+    shared = compile_cache.shared_folder(job_cfg)  # the sweep's, found through Hydra, which the job process lacks
+    job_cfg.compile.cache = str(shared) if shared else None
     return job_cfg, folder
 
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import check_choice
 from runner.errors import ConfigError
+from runner.techniques import compile_cache
 
 #: Optimizer-group keys that are runner switches, not constructor arguments.
 RUNNER_KEYS = ("lr_scaling", "base_batch_size", "impl", "set_to_none", "clip_grad_norm", "decay_all")
@@ -116,6 +117,7 @@ def compile_step(optimizer: torch.optim.Optimizer) -> str:
     """``compile.optimizer``: ``torch.compile`` the optimizer's step; its LRs must be tensors (``tensor_lr``, before
     the scheduler); call it after the scheduler is built. https://pytorch.org/tutorials/recipes/compiling_optimizer.html
     """
+    compile_cache.isolate()  # this process's own Inductor cache folder, never the global one
     optimizer.step = torch.compile(optimizer.step, fullgraph=False)  # type: ignore[method-assign]
     return "applied"
 

@@ -20,7 +20,7 @@ from torch import nn
 from runner import models
 from runner.config import check_choice
 from runner.errors import ConfigError, deterministic_refusal
-from runner.techniques import parallel, precision
+from runner.techniques import compile_cache, parallel, precision
 from runner.techniques.parallel import repeated_blocks
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -271,6 +271,7 @@ def apply_compile(model: nn.Module, cfg: DictConfig, device: torch.device) -> tu
     if cfg.mode is None:  # null is compile=off, which prepare never passes here
         raise ConfigError("compile.mode=None: nothing to compile with (compile=off); give a mode to apply_compile")
     check_choice("compile.mode", cfg.mode)
+    compile_cache.isolate()  # this process's own Inductor cache folder, never the global one
     status = {"compile": "applied"}
     mode = cfg.mode
     if mode == "reduce-overhead":

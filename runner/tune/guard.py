@@ -30,12 +30,13 @@ class LossRecorder(NullTracker):
             self.losses.append(float(row["loss"]))
 
 
-def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int,
-               plan: dict | None = None) -> tuple[list[float] | None, str]:
+def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int, plan: dict | None = None,
+               built: dict | None = None) -> tuple[list[float] | None, str]:
     """The training loss of each of the first ``steps`` optimizer steps of ``cfg`` (built by the engine, same
     seed, so the same initial weights and batches as any other configuration of the job), and a note: ``""``,
     ``"loss not finite"``, or (then None) ``"out of memory"`` or ``"cannot train: <the error>"``. ``plan["steps"]``:
-    the job's own optimizer steps as configured (epochs counted), when a dict is given."""
+    the job's own optimizer steps as configured (epochs counted), when a dict is given; ``built["techniques"]``: what
+    the builders recorded (``summary.json``'s ``techniques``: ``applied`` or ``skipped: <why>``), when one is."""
     import torch
 
     from runner.engine import build as builder, train as engine
@@ -49,6 +50,8 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int,
         parts, state = builder.build_parts(cfg, env, Path(tempfile.mkdtemp(prefix="guard-", dir=job_dir)))
         if plan is not None:
             plan["steps"] = parts.plan.total_steps
+        if built is not None:
+            built["techniques"] = dict(parts.techniques)
         parts = for_tuning(parts, steps, 0, log_every=1, tracker=recorder)
         engine.fit(state, parts, NO_PROFILER)
     except TrainingDiverged:

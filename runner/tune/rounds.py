@@ -39,6 +39,8 @@ class Round:
     measured_s: float = 0.0  # seconds spent measuring (start-ups excluded)
     # name -> its first process's one-time seconds (summary.json one_time: warm-up excess and first evaluation)
     one_time: dict[str, float] = field(default_factory=dict)
+    # name -> its first process's compile seconds and what it loaded (one_time.compile_s, .compile_cache)
+    compiled: dict[str, tuple[float | None, str]] = field(default_factory=dict)
 
 
 def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = None) -> Round:
@@ -60,20 +62,22 @@ def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = Non
     configs = {name: compare.measured_job(c) for name, c in r.jobs.items()}
     read_round(r, compare.compare(configs, r.reference, folder, settings, minutes=r.minutes, retire=retire,
                                   ranks=ranks))
-    r.one_time = ranks.share(_one_time(folder, r.jobs)) if ranks is not None else _one_time(folder, r.jobs)
+    r.one_time, r.compiled = ranks.share(_one_time(folder, r.jobs)) if ranks is not None else _one_time(folder, r.jobs)
     return r
 
 
-def _one_time(folder: Path, names: Any) -> dict[str, float]:
-    """Each configuration's one-time seconds, from its first process's ``summary.json`` (those that wrote one)."""
-    out = {}
+def _one_time(folder: Path, names: Any) -> tuple[dict[str, float], dict[str, tuple[float | None, str]]]:
+    """Each configuration's one-time seconds, and its compile seconds and what it loaded, from its first process's
+    ``summary.json`` (those that wrote one)."""
+    out, compiled = {}, {}
     for name in names:
         try:
             once = json.loads((folder / name / "summary.json").read_text())["one_time"]
             out[name] = (once["warmup_excess_s"] or 0.0) + (once["first_eval_s"] or 0.0)
+            compiled[name] = (once.get("compile_s"), str(once.get("compile_cache", "off")))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return out
+    return out, compiled
 
 
 def read_round(r: Round, result: Any) -> Round:

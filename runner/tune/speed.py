@@ -24,9 +24,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
+from runner.techniques import TECHNIQUES, compile_cache
 from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
-from runner.tune.harness import Tuner, fmt, pyplot, say, with_overrides
+from runner.tune.harness import Tuner, fmt, say, with_overrides
 from runner.tune.rounds import Round, choose, firmly_hurting, group_best, head_to_head, helps, measure_round, read_round
+from runner.tune.speed_report import describe, figures as figures_of, is_pick, paired_cells, plot, tuned_yaml
 from runner.tune.switches import Switch, applied, chosen, fast_config, switches
 
 # ------------------------------------------------------------------------------------------- the search
@@ -74,6 +76,12 @@ class _Search:
         self.ranks = Ranks.join(cfg.distributed.timeout_s) if env.distributed else None
         self.budget_s = 60 * self.t.budget_minutes  # of measuring: the guard, start-ups and compilation on top
         self.rounds_dir = _rounds_folder(out)
+        # the compile cache every round's compiled jobs share (and the guard's compiles feed): each configuration's
+        # graphs compile once in the whole search (runner/techniques/compile_cache.py)
+        self.cache = self.rounds_dir / compile_cache.FOLDER
+        self.store = compile_cache.Store(None, self.cache, env.is_main)
+        self.chosen_name: str | None = None  # the verification's pick ("pick" or "extended")
+        self.compile_s: float | None = None  # the last guard's compile seconds (cold but for kernels shared before)
         self.rows: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.rounds: list[Round] = []
@@ -85,6 +93,14 @@ class _Search:
         self.settings.target_ci = self.t.target_ci
         self.settings.slice_seconds = self.t.slice_seconds
         self.settings.processes = self.t.processes or (1 if env.device.type == "cpu" else self.settings.processes)
+
+    def sharing(self, c: DictConfig) -> DictConfig:
+        """``c`` with the search's compile cache as its ``compile.cache`` (a compiled configuration; else ``c``)."""
+        if not (c.compile.mode or c.compile.optimizer):
+            return c
+        out = copy.deepcopy(c)
+        out.compile.cache = str(self.cache)
+        return out
 
     def agreed(self, value: Any) -> Any:
         """What rank 0 measured or decided, on every rank."""
@@ -98,10 +114,19 @@ class _Search:
 
     # ----------------------------------------------------------------------------------------- 1. the guard
     def guard(self, sw: list[Switch]) -> tuple[float, float | None, str]:
-        """How far ``sw``'s loss curve departs from yours over the guard's samples, its last losses' mean, a note."""
+        """How far ``sw``'s loss curve departs from yours over the guard's samples, its last losses' mean, a note
+        (a switch whose builder recorded it skipped does not act on this job: rejected with the builder's reason)."""
         c = applied(self.cfg, [s for s in sw if s.arithmetic])
         steps = max(1, math.ceil(self.t.guard_steps * self.batch_of(self.cfg) / self.batch_of(c)))
-        losses, note = self.agreed(loss_curve(c, self.env, self.out, steps))
+        built: dict[str, Any] = {}
+        before = compile_cache.compiled_so_far()[0] if c.compile.mode or c.compile.optimizer else None
+        losses, note = self.agreed(loss_curve(c, self.env, self.out, steps, built=built))
+        self.compile_s = None if before is None else self.agreed(compile_cache.compiled_so_far()[0] - before)
+        statuses = built.get("techniques", {})
+        skipped = [f"{s.name} {statuses[k]}" for s in sw if s.name in TECHNIQUES
+                   for k in TECHNIQUES[s.name].statuses or (s.name,) if str(statuses.get(k)).startswith("skipped")]
+        if skipped:
+            return math.inf, None, self.agreed(f"it does not act on this job ({skipped[0]})")
         if losses is None:
             return math.inf, None, note
         tail = losses[-max(1, len(losses) // GUARD_WINDOWS):]
@@ -148,11 +173,12 @@ class _Search:
             ok = dep <= self.tolerance
             why = note or f"loss departs {fmt(dep, '.1%')}"
             self.rows.append({"stage": "guard", "switch": s.name, "guard_loss": loss, "guard_departure": dep,
-                              "verdict": "passed" if ok else f"rejected ({why})"})
+                              "compile_s": self.compile_s, "verdict": "passed" if ok else f"rejected ({why})"})
             say(self.env, f"speed: guard {s.name}: loss after {self.t.guard_steps} steps {fmt(loss, '.4f')}, departs "
                           f"{fmt(dep, '.2%')} -> {'passed' if ok else 'REJECTED'}")
             if ok:
                 passed.append(s)
+        self.store.save()  # what the guard compiled: the rounds' jobs of the same configurations load it
         return passed
 
     def guarded(self, sw: list[Switch], what: str) -> bool:
@@ -177,7 +203,7 @@ class _Search:
             self.notes.append(f"{title.split(':')[0]} not measured: tune.budget_minutes={self.t.budget_minutes:g} "
                               f"spent (under interleave.min_passes={self.settings.min_passes} passes left)")
             return None
-        r = Round(title, reference, jobs, minutes=share * left / 60)
+        r = Round(title, reference, {name: self.sharing(c) for name, c in jobs.items()}, minutes=share * left / 60)
         say(self.env, f"speed: {r.title}: {len(jobs) - 1} against {reference}, up to {r.minutes:.1f} min of measuring")
         measure_round(r, self.rounds_dir / f"round{len(self.rounds) + 1}", self.settings, self.ranks)
         self.rounds.append(r)
@@ -203,7 +229,7 @@ class _Search:
             return [s for s in candidates if helps(r, s.name, self.t.min_speedup)]
         best = group_best(combination, candidates, r)
         self.notes += [f"round 1: the elimination starts with {b.name} in place of {c.name}, firmly faster alone "
-                       f"({_describe(self.alone[b.name])} against {_describe(self.alone[c.name])})"
+                       f"({describe(self.alone[b.name])} against {describe(self.alone[c.name])})"
                        for c, b in zip(combination, best) if b is not c]
         return best
 
@@ -276,7 +302,7 @@ class _Search:
         """A row's figures (``_figures``) plus the job's projected wall time against the reference's
         (``job_speedup``: one-time costs as measured in the round, steps at its median samples/s) and the step
         count after which its one-time costs are paid back (``pays_after_steps``)."""
-        out = _figures(r, name)
+        out = figures_of(r, name)
         mine, theirs = self.job_time(r, name), self.job_time(r, reference)
         if mine and theirs:
             out["job_speedup"] = theirs / mine
@@ -303,7 +329,9 @@ class _Search:
         options = {name: sw for name, sw in (("pick", incumbent), ("extended", whole))
                    if sw and (name == "pick" or whole != incumbent)}
         label = {name: "+".join(s.name for s in sw) for name, sw in options.items()}
-        jobs = {"yours": self.cfg, **{name: applied(self.cfg, sw) for name, sw in options.items()}}
+        # the options with the search's compile cache, as their preset carries it; yours and fast compile cold, as a
+        # job started from them on a fresh node does: each one-time cost is what its job will pay (tune.objective=job)
+        jobs = {"yours": self.cfg, **{name: self.sharing(applied(self.cfg, sw)) for name, sw in options.items()}}
         if fast is not None:
             jobs["fast"] = fast
         if len(jobs) == 1:
@@ -322,11 +350,12 @@ class _Search:
                 self.rows.append({"stage": "verification", "switch": label.get(name, fast_note), "on_top_of": "yours",
                                   **self.figures(v, name, "yours")})
         self.rows.append({"stage": "verification", "switch": "(yours, A/A)", "on_top_of": "yours",
-                          **_paired_cells(v.aa), "verdict": "noise"})
+                          **paired_cells(v.aa), "verdict": "noise"})
         chosen_name = choose(v, list(options), self.t.min_speedup)
         if self.t.objective == "job" and chosen_name is not None:
             chosen_name = self.shortest_job(v, options, label, chosen_name)
         self._verification_notes(v, options, label, chosen_name, fast is not None)
+        self.chosen_name = chosen_name
         if chosen_name is None:
             return [], None
         return options[chosen_name], v.comparisons.get(chosen_name)
@@ -355,16 +384,21 @@ class _Search:
         if "extended" in options:
             head = head_to_head(v, "extended", "pick") if "pick" in options else None
             self.notes.append(f"the whole combination ({label['extended']})"
-                              + (f" against the pick alone, head to head: {_describe(head)}" if head else "")
+                              + (f" against the pick alone, head to head: {describe(head)}" if head else "")
                               + f": {'recommended' if chosen_name == 'extended' else 'not recommended'}")
         for name in options:
             if name != chosen_name and not helps(v, name, self.t.min_speedup):
                 self.notes.append(f"{label[name]} was not firmly faster than your configuration head to head "
-                                  f"({_describe(v.comparisons.get(name))})")
+                                  f"({describe(v.comparisons.get(name))})")
         if chosen_name is not None and fast:
             head = head_to_head(v, chosen_name, "fast")
             if head is not None:
-                self.notes.append(f"the pick against +experiment=fast, head to head: {_describe(head)}")
+                self.notes.append(f"the pick against +experiment=fast, head to head: {describe(head)}")
+        said = [f"{label.get(n, n)} {fmt(v.compiled[n][0], '.1f')} s ({'warm' if n in options else 'cold'})"
+                for n in v.jobs if v.compiled.get(n, (None,))[0] is not None]
+        if said:
+            self.notes.append(f"compile in the projected jobs: {', '.join(said)}; warm: the pick with the compile "
+                              f"cache its preset carries, cold: as a job compiles on a fresh node")
 
     # ----------------------------------------------------------------------------------------------- the result
     def result(self, picked: list[Switch], verified: Any) -> dict[str, Any]:
@@ -386,7 +420,7 @@ class _Search:
         biased = [r for r in self.rounds if r.aa is not None and (r.aa.low > 1 or r.aa.high < 1)]
         if biased:
             notes.insert(1, "warning: " + "; ".join(f"{r.title.split(':')[0]}: your configuration against its own "
-                                                      f"copy read {_describe(r.aa)}" for r in biased)
+                                                      f"copy read {describe(r.aa)}" for r in biased)
                          + ": the round's own noise check failed, so its verdicts are less sure than their intervals "
                            "say (a switch is kept only when it beats both copies; more processes per configuration, "
                            "interleave.processes, widen the intervals to what the machine does)")
@@ -394,17 +428,36 @@ class _Search:
             from runner.compare.stats import minimum_detectable
 
             aa = self.rounds[-1].aa
-            notes.append(f"noise: your configuration against its own copy read {_describe(aa)}; effects below about "
+            notes.append(f"noise: your configuration against its own copy read {describe(aa)}; effects below about "
                          f"{minimum_detectable(aa):.1%} could not be resolved")
         notes.append(f"measured by interleaved slices of resident processes (runner/compare/), slices of "
                      f"{self.settings.slice_seconds:g} s (tune.slice_seconds); the guard: {self.t.guard_steps} steps, "
                      f"tolerance {self.tolerance:.1%} (yours under another seed, at least tune.guard_tolerance); the "
                      f"rounds' processes and interleave.json: {self.rounds_dir}")
         return {"recommended": recommended, "override": override, "rows": self.rows, "notes": notes,
-                "rounds": [{"title": r.title, "aa": _paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
+                "rounds": [{"title": r.title, "aa": paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
                            for r in self.rounds],
                 "objective": self.t.objective, "job_steps": self.job_steps,
-                "files": {"experiment/tuned.yaml": picked and tuned_yaml(picked, recommended, self.t.objective)}}
+                "files": {"experiment/tuned.yaml": picked and tuned_yaml(picked, recommended, self.t.objective,
+                                                                         self.preset_cache(picked))}}
+
+    def preset_cache(self, picked: list[Switch]) -> Path | None:
+        """The pick's compiled code for its preset: its verification job's signed cache copied (checked first) to
+        ``experiment/compile_cache/`` beside ``tuned.yaml``, which names it, so the first job of the preset on any
+        node of yours starts warm. None (and a note) for a pick that does not compile, or a cache that cannot be
+        copied."""
+        c = applied(self.cfg, picked)
+        if not (c.compile.mode or c.compile.optimizer) or self.chosen_name is None:
+            return None
+        source = self.rounds_dir / "verification" / self.chosen_name / compile_cache.FOLDER
+        folder = self.rounds_dir.parent / "experiment" / compile_cache.FOLDER
+        problem = compile_cache.copy_entry(source, folder / "pick") if self.env.is_main else None
+        if self.agreed(problem):
+            self.notes.append(f"the preset carries no compile cache ({problem}): its first job compiles cold")
+            return None
+        self.notes.append(f"the preset carries the pick's compiled code ({folder}, signed with your key): its first "
+                          f"job on any node of yours loads it instead of compiling cold")
+        return folder
 
 
 ALL = "all"  # the round's job with every switch of the combination
@@ -425,70 +478,8 @@ def _rounds_folder(job_dir: Path) -> Path:
     return Path(OmegaConf.select(hydra, "runtime.output_dir", default=None) or job_dir if hydra else job_dir) / "rounds"
 
 
-def _paired_cells(c) -> dict[str, Any]:
-    return {"speedup": c.estimate, "ci_low": c.low, "ci_high": c.high} if c else {}
-
-
-def _figures(r: Round, name: str) -> dict[str, Any]:
-    from runner.compare.stats import HELPS
-
-    c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
-    verdict = r.failed.get(name) if name in r.failed and c is None else r.verdicts.get(name) or "not measured"
-    if verdict == HELPS and r.aa is not None and not (copy_c and copy_c.low > 1):
-        verdict = "helps vs the reference, not vs its copy"
-    return {**_paired_cells(c), "verdict": verdict, "samples_per_sec": r.samples_per_sec.get(name),
-            "vs_copy": copy_c.estimate if copy_c else None, "aa_speedup": r.aa.estimate if r.aa else None}
-
-
-def _describe(c) -> str:
-    return f"×{c.estimate:.3f} [{c.low:.3f}–{c.high:.3f}]" if c else "no interval"
-
-
-def tuned_yaml(picked: list[Switch], recommended: dict[str, Any], objective: str = "job") -> str:
-    """The pick as a preset (``experiment/tuned.yaml``, package ``_global_``)."""
-    lines = ["# @package _global_", "# python -m runner.tune speed: the pick, verified head to head against the "
-             "configuration it was tuned on", f"# switches: {', '.join(recommended['switches'])}",
-             f"# objective: {objective} (tune.objective: job = the whole job's wall time, one-time costs included; "
-             f"throughput = steady samples/s)"]
-    if recommended.get("ci_low") is not None:
-        lines.append(f"# samples/s x{recommended['speedup']:.3f} "
-                     f"[{recommended['ci_low']:.3f}-{recommended['ci_high']:.3f}]")
-    tree: dict[str, Any] = {}
-    for s in picked:
-        for key, value in s.changes.items():
-            node = tree
-            *path, last = key.split(".")
-            for p in path:
-                node = node.setdefault(p, {})
-            node[last] = value
-    body = OmegaConf.to_yaml(OmegaConf.create(tree)) if tree else "{}\n"
-    return "\n".join(lines) + "\n" + body
-
-
-def _plot(result: dict[str, Any]):
-    plt = pyplot()
-    rows = [r for r in result["rows"] if r.get("speedup") is not None]
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(rows) + 1)))
-    for i, r in enumerate(rows):
-        color = "tab:green" if r["verdict"] == "helps" else "tab:red" if r["verdict"] == "hurts" else "tab:gray"
-        ax.errorbar(r["speedup"], i, xerr=[[r["speedup"] - r["ci_low"]], [r["ci_high"] - r["speedup"]]], fmt="o",
-                    color=color, capsize=3)
-    ax.set_yticks(range(len(rows)), [f"{r['stage']}: {r['switch']}" for r in rows], fontsize=7)
-    ax.axvline(1.0, color="black", lw=1)
-    ax.invert_yaxis()
-    ax.set_xlabel("samples/s ÷ the round's reference (95 % interval)")
-    ax.set_title("runner.tune speed")
-    ax.grid(axis="x", alpha=0.3)
-    return fig
-
-
-def _is_pick(row: dict, rec: dict) -> bool:
-    return (row.get("stage") == "verification" and row.get("switch") == "+".join(rec["switches"])
-            and bool(rec["switches"]))
-
-
 TUNER = Tuner(
-    name="speed", tune=tune_speed, is_pick=_is_pick, plot=_plot,
+    name="speed", tune=tune_speed, is_pick=is_pick, plot=plot,
     help="the fastest combination of the speed switches that apply to your job (compile, fused/foreach\n"
          "optimizer, on-device data, workers, bf16/AMP/TF32, channels_last, threads, ...): guarded against\n"
          "a changed loss, found by backward elimination from all of them together with interleaved paired\n"
@@ -498,6 +489,7 @@ TUNER = Tuner(
              ("speedup", "speed-up ×", ".3f"), ("ci_low", "95 % low", ".3f"), ("ci_high", "95 % high", ".3f"),
              ("verdict", "verdict", ""), ("vs_copy", "× its copy", ".3f"), ("samples_per_sec", "samples/s", ",.1f"),
              ("job_speedup", "job time ÷", ".3f"), ("pays_after_steps", "pays after steps", ",d"),
+             ("compile_s", "compile s (guard)", ".1f"),
              ("guard_loss", "loss at guard_steps", ".4f"), ("guard_departure", "departure", ".2%")],
     console_rows=None,  # every row is a decision: the console shows the verification against fast too
 )

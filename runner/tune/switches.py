@@ -104,6 +104,9 @@ def _compile_and_optimizer(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
     # max-autotune also picks among inductor's GEMM/conv templates on a CPU (the GPT recipe, interleaved: x1.137
     # on top of bf16, the default mode x1.121); reduce-overhead adds CUDA graphs, on a CPU it is the default mode
     offer(Switch.of("compile_max_autotune"), True, "")
+    # each repeated block compiled once: a shorter cold compile, which a short job or a fresh node pays (a model
+    # without repeated blocks compiles whole, and the guard drops the candidate: it would be compile again)
+    offer(Switch.of("compile_regional"), mode is None or cuda or not cfg.compile.regional, "")
     offer(Switch.of("compile_reduce_overhead"), cuda,
           "its CUDA graphs need a GPU; on a CPU it is the default mode")
     target = cfg.optimizer._target_

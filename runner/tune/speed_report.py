@@ -1,0 +1,82 @@
+"""What the speed tuner (runner/tune/speed.py) reports and writes: a row's figures, the pick as a preset
+(``experiment/tuned.yaml``) and the plot of every round's intervals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from runner.tune.harness import pyplot
+from runner.tune.rounds import Round
+from runner.tune.switches import Switch
+
+
+def paired_cells(c) -> dict[str, Any]:
+    """A row's interval cells from a ``compare.Interval`` (none for None)."""
+    return {"speedup": c.estimate, "ci_low": c.low, "ci_high": c.high} if c else {}
+
+
+def figures(r: Round, name: str) -> dict[str, Any]:
+    """A row's figures for ``name`` in round ``r``: its interval against the reference, the verdict (a "helps" that
+    does not beat the reference's copy too is said so), its median samples/s, its ratio to the copy and the A/A."""
+    from runner.compare.stats import HELPS
+
+    c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
+    verdict = r.failed.get(name) if name in r.failed and c is None else r.verdicts.get(name) or "not measured"
+    if verdict == HELPS and r.aa is not None and not (copy_c and copy_c.low > 1):
+        verdict = "helps vs the reference, not vs its copy"
+    return {**paired_cells(c), "verdict": verdict, "samples_per_sec": r.samples_per_sec.get(name),
+            "vs_copy": copy_c.estimate if copy_c else None, "aa_speedup": r.aa.estimate if r.aa else None}
+
+
+def describe(c) -> str:
+    """``×1.234 [1.100–1.380]``, or "no interval"."""
+    return f"×{c.estimate:.3f} [{c.low:.3f}–{c.high:.3f}]" if c else "no interval"
+
+
+def tuned_yaml(picked: list[Switch], recommended: dict[str, Any], objective: str = "job",
+               cache: Path | None = None) -> str:
+    """The pick as a preset (``experiment/tuned.yaml``, package ``_global_``), naming ``cache`` (the pick's compiled
+    code, ``compile.cache``) when given."""
+    lines = ["# @package _global_", "# python -m runner.tune speed: the pick, verified head to head against the "
+             "configuration it was tuned on", f"# switches: {', '.join(recommended['switches'])}",
+             f"# objective: {objective} (tune.objective: job = the whole job's wall time, one-time costs included; "
+             f"throughput = steady samples/s)"]
+    if recommended.get("ci_low") is not None:
+        lines.append(f"# samples/s x{recommended['speedup']:.3f} "
+                     f"[{recommended['ci_low']:.3f}-{recommended['ci_high']:.3f}]")
+    tree: dict[str, Any] = {}
+    changes = [(k, v) for s in picked for k, v in s.changes.items()]
+    changes += [("compile.cache", str(cache))] if cache else []
+    for key, value in changes:
+        node = tree
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    body = OmegaConf.to_yaml(OmegaConf.create(tree)) if tree else "{}\n"
+    return "\n".join(lines) + "\n" + body
+
+
+def plot(result: dict[str, Any]):
+    plt = pyplot()
+    rows = [r for r in result["rows"] if r.get("speedup") is not None]
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(rows) + 1)))
+    for i, r in enumerate(rows):
+        color = "tab:green" if r["verdict"] == "helps" else "tab:red" if r["verdict"] == "hurts" else "tab:gray"
+        ax.errorbar(r["speedup"], i, xerr=[[r["speedup"] - r["ci_low"]], [r["ci_high"] - r["speedup"]]], fmt="o",
+                    color=color, capsize=3)
+    ax.set_yticks(range(len(rows)), [f"{r['stage']}: {r['switch']}" for r in rows], fontsize=7)
+    ax.axvline(1.0, color="black", lw=1)
+    ax.invert_yaxis()
+    ax.set_xlabel("samples/s ÷ the round's reference (95 % interval)")
+    ax.set_title("runner.tune speed")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def is_pick(row: dict, rec: dict) -> bool:
+    return (row.get("stage") == "verification" and row.get("switch") == "+".join(rec["switches"])
+            and bool(rec["switches"]))
