@@ -281,7 +281,21 @@ def applies_to_job(technique: Technique | str, cfg, *, cuda: bool) -> str | None
     why = applies(t, cuda=cuda, image=not token_inputs(cfg))
     if why is None and t.name == "chunked_loss" and "runner.models.gpt" not in str(select(cfg, "model._target_")):
         why = "the model's forward takes no targets to chunk the loss over (runner's GPT does)"
+    if why is None and t.where.startswith("image"):
+        why = _not_images(cfg)
     return why
+
+
+def _not_images(cfg) -> str | None:
+    """Why the job ``cfg`` has no images for an image technique to act on, where its config tells: an MLP (it
+    flattens its inputs: no 4-D weights) or synthetic inputs that are not ``(C, H, W)``; None otherwise (the
+    user's own data and models: their builders record a skip, which the speed tuner's guard reads)."""
+    if str(select(cfg, "model._target_")) == "runner.models.MLP":
+        return "an image technique; the model (runner.models.MLP) has no convolutions"
+    shape = select(cfg, "data.shape")
+    if select(cfg, "data.name") == "synthetic" and shape is not None and len(shape) != 3:
+        return f"an image technique; the inputs of shape {list(shape)} are not images (C, H, W)"
+    return None
 
 
 __all__ = ["TECHNIQUES", "WHERE", "Technique", "applies", "applies_to_job", "by_variant", "image_only",

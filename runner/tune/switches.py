@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
-from runner.techniques import TECHNIQUES, applies, applies_to_job, token_inputs
+from runner.techniques import TECHNIQUES, applies, applies_to_job
 
 #: Candidates that are not one technique of runner/techniques/: a combination (bf16 with the attention in fp32),
 #: a setting of the machine (half the threads), recipe changes (a larger micro-batch with the LR scaled)
@@ -66,7 +66,7 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
     _compile_and_optimizer(offers, cfg, cuda)
     _data(offers, cfg, cuda)
     _precision(offers, cfg, device)
-    _the_rest(offers, cfg, cuda, image=not token_inputs(cfg))
+    _the_rest(offers, cfg, cuda)
     # selective checkpointing recomputes to save memory: it pays for speed only through the larger micro-batch
     recipe_only = "it recomputes to save memory for a larger micro-batch: tune.allow=recipe"
     why_not = applies_to_job("selective_checkpointing", cfg, cuda=cuda) or (allow != "recipe" and recipe_only)
@@ -157,13 +157,13 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
     offer(Switch.of("tf32"), precision == "fp32" and ampere, no_tf32)
 
 
-def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool, image: bool) -> None:
+def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
     import torch
 
     from runner.measure import hardware
 
     for name in ("channels_last", "cudnn_benchmark"):
-        why_not = applies(name, cuda=cuda, image=image)
+        why_not = applies_to_job(name, cfg, cuda=cuda)
         offer(Switch.of(name), why_not is None, why_not or "")
     why_not = applies_to_job("chunked_loss", cfg, cuda=cuda)
     offer(Switch.of("chunked_loss"), why_not is None, why_not or "")
