@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import time
 
 import pytest
 
@@ -99,11 +100,11 @@ def test_departure_compares_mean_losses_at_the_same_samples():
 def test_the_guard_rejects_a_switch_that_changes_what_is_learned(tmp_path):
     # lr 50 changes the arithmetic and what is learned; the foreach kernel changes neither beyond rounding; a
     # trillion synthetic images (768 TB) cannot be allocated: a real out-of-memory error (the CPU allocator's),
-    # which rejects that candidate while the search goes on. With no measuring time left after the guard (budget
-    # 0.01 min) the search stops there.
+    # which rejects that candidate while the search goes on. With no round's minute left after the guard and the
+    # verification's reserve (a budget of 0.5 min of wall time) the search stops there.
     cfg = compose_cfg("tune.only=[foreach_optimizer]",
                       "tune.switches={broken: {optimizer.lr: 50.0}, huge: {data.train_size: 1000000000000}}",
-                      "tune.guard_steps=10", "tune.budget_minutes=0.01")
+                      "tune.guard_steps=10", "tune.budget_minutes=0.5")
     result = tune.run("speed", cfg, tmp_path / "out")
     guard = {r["switch"]: r for r in result["rows"] if r["stage"] == "guard"}
     assert guard["broken"]["verdict"].startswith("rejected") and guard["broken"]["guard_departure"] > 0.02
@@ -479,10 +480,65 @@ def test_a_round_too_short_for_its_passes_is_not_measured_and_the_verification_t
     cfg = compose_cfg(*TINY, "tune.slice_seconds=1", "interleave.min_passes=4", "interleave.max_passes=200")
     env = SimpleNamespace(distributed=False, device=torch.device("cpu"), is_main=True)
     search = speed._Search(cfg, env, tmp_path)
-    search.budget_s = 100.0  # 75 s left past the verification's quarter: half of it is 37.5 s
+    # 160 s of wall time left, 85 s kept for the verification (5 jobs x (1 s start-up + 16 slices of 1 s)), 1 s per
+    # process to start: 12 jobs get half of 62 s (2.4 passes), 3 jobs half of 71 s (8.9 passes)
+    search.budget_s, search.deadline, search.startup_s = 160.0, time.perf_counter() + 160.0, 1.0
     assert search.round("round 3: short", "all", {f"j{i}": cfg for i in range(12)}) is None and not seen
     assert "round 3 not measured" in search.notes[-1] and "min_passes=4" in search.notes[-1]
     assert search.round("round 3: three jobs", "all", {f"j{i}": cfg for i in range(3)}) is not None
     assert seen[-1][1].min_passes == 4
     search.verify([Switch("b", {"trainer.seed": 5})], [Switch("b", {"trainer.seed": 5})])
     assert seen[-1][0].title == "verification" and seen[-1][1].min_passes == speed.VERIFICATION_PASSES == 16
+
+
+def _search(tmp_path, *overrides):
+    from types import SimpleNamespace
+
+    import torch
+
+    env = SimpleNamespace(distributed=False, is_main=True, device=torch.device("cpu"))
+    search = speed._Search(compose_cfg(*TINY, *overrides), env, tmp_path)
+    search.deadline = time.perf_counter() + search.budget_s  # as if the command started now
+    return search
+
+
+def test_the_guard_rejects_a_switch_that_its_builder_skipped_with_the_builder_s_reason(tmp_path, monkeypatch):
+    """``compile_regional`` on a model without repeated blocks compiles it whole: the same job as ``compile``, so the
+    guard drops it with the reason the builder recorded instead of measuring it twice."""
+    from runner.tune.switches import Switch
+
+    def curve(cfg, env, job_dir, steps, plan=None, built=None):
+        built["techniques"] = {"compile": "applied", "compile_regional": "skipped: the model has no repeated blocks"}
+        return [1.0] * steps, ""
+
+    monkeypatch.setattr(speed, "loss_curve", curve)
+    search = _search(tmp_path)
+    search.reference = [1.0] * search.t.guard_steps
+    assert search.guard_candidates([Switch.of("compile_regional")]) == []
+    assert "does not act on this job (compile_regional skipped: the model has no repeated blocks)" in \
+        search.rows[-1]["verdict"]
+
+
+def test_the_preset_carries_the_pick_s_compile_cache_and_names_it(tmp_path, monkeypatch):
+    """The verification's pick left a signed compile_cache/: the preset's folder gets a checked copy and tuned.yaml
+    names it as compile.cache, so the tuned job's first compile loads it; a cache that is not yours is not copied."""
+    from omegaconf import OmegaConf
+
+    from runner.techniques import compile_cache
+    from runner.tune.switches import Switch
+    from test_compile_cache import _entry
+
+    search = _search(tmp_path)
+    search.rounds_dir = tmp_path / "out" / "rounds"
+    search.chosen_name = "pick"
+    pick = [Switch.of("compile"), Switch.of("fused_optimizer")]
+    source = search.rounds_dir / "verification" / "pick" / compile_cache.FOLDER
+    _entry(source, compile_cache.user_key(create=True))
+    folder = search.preset_cache(pick)
+    assert folder == tmp_path / "out" / "experiment" / compile_cache.FOLDER
+    assert compile_cache.load([folder]).startswith(f"warm: loaded {folder / 'pick'} ")
+    preset = OmegaConf.create(speed.tuned_yaml(pick, {"switches": ["compile", "fused_optimizer"]}, cache=folder))
+    assert preset.compile == {"mode": "default", "cache": str(folder)} and preset.optimizer.impl == "fused"
+    assert search.preset_cache([Switch.of("fused_optimizer")]) is None  # nothing compiled: nothing to carry
+    (source / compile_cache.SIGNATURE).unlink()  # not signed as yours: the preset compiles cold, and says so
+    assert search.preset_cache(pick) is None and "the preset carries no compile cache" in search.notes[-1]

@@ -63,10 +63,12 @@ TUNERS: dict[str, Tuner] = {t.name: t for t in (
 )}
 
 
-def run(kind: str, cfg: DictConfig, out: Path) -> dict[str, Any]:
+def run(kind: str, cfg: DictConfig, out: Path, started_s: float | None = None) -> dict[str, Any]:
     """Run the tuner named ``kind`` (a key of ``TUNERS``) on the composed run config ``cfg``; rank 0 writes the
     outputs into ``out`` and prints the table and the override line (``harness.run``, which returns the
     result: ``recommended``, ``override``, ``rows``, ``notes``, ``ranks``: each rank's recommendation).
+    ``started_s``: when the command started (``time.perf_counter()``; default now), whence ``tune.budget_minutes``
+    counts.
 
     Raises:
         ConfigError: an unknown tuner, bad ``tune.*`` values, bad run config (``runner.engine.validate.validate`` and
@@ -78,4 +80,4 @@ def run(kind: str, cfg: DictConfig, out: Path) -> dict[str, Any]:
     if kind not in TUNERS:
         raise ConfigError(f"unknown tuner {kind!r}: use one of {', '.join(TUNERS)} "
                           f"(python -m runner.tune batch_size [overrides])")
-    return harness.run(TUNERS[kind], cfg, out)
+    return harness.run(TUNERS[kind], cfg, out, started_s)

@@ -10,6 +10,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
+import runner
 from runner import CONF_DIR
 from runner.errors import ConfigError
 from runner.tune import TUNERS, run
@@ -35,7 +36,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     from runner.track import job_folder
 
     try:
-        run(_KIND[0], cfg, job_folder())
+        run(_KIND[0], cfg, job_folder(), started_s=runner.STARTED_S)  # the budget counts the whole command
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -406,10 +406,16 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
 # ------------------------------------------------------------------------------------------- entry
 
 
-def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
+#: When the running tuner's command started (``time.perf_counter()``), set by ``run``: ``tune.budget_minutes`` counts
+#: the command's wall time from here (runner/tune/speed.py)
+COMMAND_STARTED_S = [0.0]
+
+
+def run(tuner: Tuner, cfg: DictConfig, out: Path, started_s: float | None = None) -> dict[str, Any]:
     """Run ``tuner`` on the composed run config ``cfg``; rank 0 writes the outputs into ``out`` and prints
     the table and the override line. Returns the result (``recommended``, ``override``, ``rows``, ``notes``,
     ``device``, ``world_size``, ``tune_time_s`` in seconds, ``ranks``: each rank's recommendation).
+    ``started_s``: when the command started (``python -m runner.tune``: runner's import), else now.
 
     Raises:
         ConfigError: bad ``tune.*`` values, bad run config (``runner.engine.validate.validate`` and the builders), or
@@ -420,6 +426,7 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path) -> dict[str, Any]:
     from runner.engine.validate import validate
     from runner.measure import hardware
 
+    COMMAND_STARTED_S[0] = time.perf_counter() if started_s is None else started_s
     validate(cfg)
     check_settings(cfg.tune)
     env = distributed.setup(cfg.distributed, cfg.trainer.device)

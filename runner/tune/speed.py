@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
 from runner.techniques import TECHNIQUES, compile_cache
+from runner.tune import speed_report
 from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
-from runner.tune.harness import Tuner, fmt, say, with_overrides
-from runner.tune.rounds import Round, choose, firmly_hurting, group_best, head_to_head, helps, measure_round, read_round
-from runner.tune.speed_report import describe, figures as figures_of, is_pick, paired_cells, plot, tuned_yaml
+from runner.tune.harness import COMMAND_STARTED_S, Tuner, fmt, say, with_overrides
+from runner.tune.rounds import Round, choose, firmly_hurting, group_best, helps, measure_round, read_round
+from runner.tune.speed_report import describe, is_pick, paired_cells, plot, round_figures, tuned_yaml
 from runner.tune.switches import Switch, applied, chosen, fast_config, switches
 
 # ------------------------------------------------------------------------------------------- the search
@@ -74,7 +76,10 @@ class _Search:
 
         self.cfg, self.env, self.out, self.t = cfg, env, out, cfg.tune
         self.ranks = Ranks.join(cfg.distributed.timeout_s) if env.distributed else None
-        self.budget_s = 60 * self.t.budget_minutes  # of measuring: the guard, start-ups and compilation on top
+        self.budget_s = 60 * self.t.budget_minutes  # of wall time: the whole command, from runner's import
+        self.deadline = COMMAND_STARTED_S[0] + self.budget_s  # time.perf_counter()'s
+        self.startup_s = START_GUESS_S  # a job process's start-up and finish, as the last round paid them
+        self.cold_compile_s = 0.0  # the guard's longest compile: what a job that carries no cache pays
         self.rounds_dir = _rounds_folder(out)
         # the compile cache every round's compiled jobs share (and the guard's compiles feed): each configuration's
         # graphs compile once in the whole search (runner/techniques/compile_cache.py)
@@ -160,10 +165,28 @@ class _Search:
         say(self.env, f"speed: guard: your configuration under another seed departs {fmt(spread, '.2%')}; a candidate "
                       f"may depart up to {self.tolerance:.2%}")
 
+    def wall_left(self) -> float:
+        """Seconds left of ``tune.budget_minutes`` (the whole command's wall time), rank 0's."""
+        return self.agreed(self.deadline - time.perf_counter())
+
+    def verification_reserve(self) -> float:
+        """The wall time kept for the verification: a quarter of the budget, or what its five configurations'
+        processes need (start-ups, ``VERIFICATION_PASSES`` slices each, a cold compile) where that is more."""
+        jobs = 5 * self.settings.processes  # yours, its copy, the pick, the whole combination, +experiment=fast
+        need = jobs * (self.startup_s + VERIFICATION_PASSES * self.settings.slice_seconds) + self.cold_compile_s
+        return max(0.25 * self.budget_s, need)
+
     def guard_candidates(self, candidates: list[Switch]) -> list[Switch]:
-        """The candidates within the guard's tolerance over ``tune.guard_steps`` (or that change no arithmetic)."""
+        """The candidates within the guard's tolerance over ``tune.guard_steps`` (or that change no arithmetic);
+        those not guarded once ``GUARD_SHARE`` of the budget is spent are left out, named in a note."""
         passed: list[Switch] = []
-        for s in candidates:
+        for i, s in enumerate(candidates):
+            if s.arithmetic and self.wall_left() < (1 - GUARD_SHARE) * self.budget_s:
+                left = [c.name for c in candidates[i:] if c.arithmetic]
+                self.notes.append(f"not guarded, so not measured: {', '.join(left)} (the guard had spent "
+                                  f"{GUARD_SHARE:.0%} of tune.budget_minutes={self.t.budget_minutes:g})")
+                passed += [c for c in candidates[i:] if not c.arithmetic]
+                break
             if not s.arithmetic:
                 self.rows.append({"stage": "guard", "switch": s.name,
                                   "verdict": "not needed (same batches, same arithmetic)"})
@@ -178,6 +201,7 @@ class _Search:
                           f"{fmt(dep, '.2%')} -> {'passed' if ok else 'REJECTED'}")
             if ok:
                 passed.append(s)
+            self.cold_compile_s = max(self.cold_compile_s, self.compile_s or 0.0)
         self.store.save()  # what the guard compiled: the rounds' jobs of the same configurations load it
         return passed
 
@@ -195,17 +219,21 @@ class _Search:
 
     # ------------------------------------------------------------ 2. the combination, then backward elimination
     def round(self, title: str, reference: str, jobs: dict[str, DictConfig], share: float = 0.5) -> Round | None:
-        """Measure one round with ``share`` of the measuring time left (a quarter kept for the verification); None
-        (and a note) when under a minute, or under ``interleave.min_passes`` passes of its slices, is left."""
-        left = self.agreed(self.budget_s - sum(r.measured_s for r in self.rounds) - 0.25 * self.budget_s)
-        passes = share * left / ((len(jobs) + 1) * self.settings.slice_seconds)  # + 1: the reference's copy
+        """Measure one round with ``share`` of the wall time left past the verification's (``verification_reserve``)
+        and its processes' start-ups; None (and a note) when under a minute, or under ``interleave.min_passes``
+        passes of its slices, is left."""
+        processes = (len(jobs) + 1) * self.settings.processes  # + 1: the reference's copy
+        left = self.wall_left() - self.verification_reserve() - processes * self.startup_s
+        passes = share * left / ((len(jobs) + 1) * self.settings.slice_seconds)
         if left < 60 or (self.settings.slice_steps is None and passes < self.settings.min_passes):
             self.notes.append(f"{title.split(':')[0]} not measured: tune.budget_minutes={self.t.budget_minutes:g} "
                               f"spent (under interleave.min_passes={self.settings.min_passes} passes left)")
             return None
         r = Round(title, reference, {name: self.sharing(c) for name, c in jobs.items()}, minutes=share * left / 60)
         say(self.env, f"speed: {r.title}: {len(jobs) - 1} against {reference}, up to {r.minutes:.1f} min of measuring")
+        started = time.perf_counter()
         measure_round(r, self.rounds_dir / f"round{len(self.rounds) + 1}", self.settings, self.ranks)
+        self.startup_s = max(1.0, self.agreed(time.perf_counter() - started - r.measured_s) / processes)
         self.rounds.append(r)
         return r
 
@@ -302,7 +330,7 @@ class _Search:
         """A row's figures (``_figures``) plus the job's projected wall time against the reference's
         (``job_speedup``: one-time costs as measured in the round, steps at its median samples/s) and the step
         count after which its one-time costs are paid back (``pays_after_steps``)."""
-        out = figures_of(r, name)
+        out = round_figures(r, name)
         mine, theirs = self.job_time(r, name), self.job_time(r, reference)
         if mine and theirs:
             out["job_speedup"] = theirs / mine
@@ -336,7 +364,8 @@ class _Search:
             jobs["fast"] = fast
         if len(jobs) == 1:
             return [], None
-        minutes = max(1.0, (self.budget_s - self.agreed(sum(r.measured_s for r in self.rounds))) / 60)
+        starting = len(jobs) * (self.settings.processes * self.startup_s) + self.cold_compile_s
+        minutes = max(1.0, (self.wall_left() - starting) / 60)
         v = Round("verification", "yours", jobs, minutes=minutes)
         shown = ", ".join(f"the {'pick' if n == 'pick' else 'whole combination'} ({label[n]})" for n in options)
         say(self.env, f"speed: verification: your configuration{', ' + shown if shown else ''}"
@@ -354,7 +383,8 @@ class _Search:
         chosen_name = choose(v, list(options), self.t.min_speedup)
         if self.t.objective == "job" and chosen_name is not None:
             chosen_name = self.shortest_job(v, options, label, chosen_name)
-        self._verification_notes(v, options, label, chosen_name, fast is not None)
+        self.notes += speed_report.verification_notes(v, options, label, chosen_name, fast is not None,
+                                                      self.t.min_speedup)
         self.chosen_name = chosen_name
         if chosen_name is None:
             return [], None
@@ -379,26 +409,6 @@ class _Search:
                           f"costs (compilation, autotuning) pay after {pays}; "
                           f"tune.objective=throughput ranks by steady samples/s alone")
         return None
-
-    def _verification_notes(self, v: Round, options: dict, label: dict, chosen_name: str | None, fast: bool) -> None:
-        if "extended" in options:
-            head = head_to_head(v, "extended", "pick") if "pick" in options else None
-            self.notes.append(f"the whole combination ({label['extended']})"
-                              + (f" against the pick alone, head to head: {describe(head)}" if head else "")
-                              + f": {'recommended' if chosen_name == 'extended' else 'not recommended'}")
-        for name in options:
-            if name != chosen_name and not helps(v, name, self.t.min_speedup):
-                self.notes.append(f"{label[name]} was not firmly faster than your configuration head to head "
-                                  f"({describe(v.comparisons.get(name))})")
-        if chosen_name is not None and fast:
-            head = head_to_head(v, chosen_name, "fast")
-            if head is not None:
-                self.notes.append(f"the pick against +experiment=fast, head to head: {describe(head)}")
-        said = [f"{label.get(n, n)} {fmt(v.compiled[n][0], '.1f')} s ({'warm' if n in options else 'cold'})"
-                for n in v.jobs if v.compiled.get(n, (None,))[0] is not None]
-        if said:
-            self.notes.append(f"compile in the projected jobs: {', '.join(said)}; warm: the pick with the compile "
-                              f"cache its preset carries, cold: as a job compiles on a fresh node")
 
     # ----------------------------------------------------------------------------------------------- the result
     def result(self, picked: list[Switch], verified: Any) -> dict[str, Any]:
@@ -461,6 +471,10 @@ class _Search:
 
 
 ALL = "all"  # the round's job with every switch of the combination
+#: The guard's share of ``tune.budget_minutes`` at most; candidates not guarded by then are left out (a note)
+GUARD_SHARE = 0.4
+#: A job process's start-up and finish (fork, data, model, warm-up, final step) before a round has measured one
+START_GUESS_S = 5.0
 #: The verification's fewest passes: pairs over minutes, so that a passing calm or load does not decide (docs)
 VERIFICATION_PASSES = 16
 

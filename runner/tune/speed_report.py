@@ -8,8 +8,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from runner.tune.harness import pyplot
-from runner.tune.rounds import Round
+from runner.tune.harness import fmt, pyplot
+from runner.tune.rounds import Round, head_to_head, helps
 from runner.tune.switches import Switch
 
 
@@ -18,9 +18,10 @@ def paired_cells(c) -> dict[str, Any]:
     return {"speedup": c.estimate, "ci_low": c.low, "ci_high": c.high} if c else {}
 
 
-def figures(r: Round, name: str) -> dict[str, Any]:
+def round_figures(r: Round, name: str) -> dict[str, Any]:
     """A row's figures for ``name`` in round ``r``: its interval against the reference, the verdict (a "helps" that
-    does not beat the reference's copy too is said so), its median samples/s, its ratio to the copy and the A/A."""
+    does not beat the reference's copy too is said so), its median samples/s, its ratio to the copy and the A/A, and
+    its process's busy-machine warnings (``load_warnings``, which the harness's note counts)."""
     from runner.compare.stats import HELPS
 
     c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
@@ -28,7 +29,8 @@ def figures(r: Round, name: str) -> dict[str, Any]:
     if verdict == HELPS and r.aa is not None and not (copy_c and copy_c.low > 1):
         verdict = "helps vs the reference, not vs its copy"
     return {**paired_cells(c), "verdict": verdict, "samples_per_sec": r.samples_per_sec.get(name),
-            "vs_copy": copy_c.estimate if copy_c else None, "aa_speedup": r.aa.estimate if r.aa else None}
+            "vs_copy": copy_c.estimate if copy_c else None, "aa_speedup": r.aa.estimate if r.aa else None,
+            "load_warnings": "; ".join(r.warnings.get(name, []))}
 
 
 def describe(c) -> str:
@@ -80,3 +82,29 @@ def plot(result: dict[str, Any]):
 def is_pick(row: dict, rec: dict) -> bool:
     return (row.get("stage") == "verification" and row.get("switch") == "+".join(rec["switches"])
             and bool(rec["switches"]))
+
+
+def verification_notes(v: Round, options: dict[str, list[Switch]], label: dict[str, str], chosen_name: str | None,
+                       fast: bool, min_speedup: float) -> list[str]:
+    """The verification's notes: the whole combination against the pick, each option not firmly faster than yours,
+    the pick against ``+experiment=fast`` and each job's compile time, warm (a preset's cache) or cold."""
+    notes = []
+    if "extended" in options:
+        head = head_to_head(v, "extended", "pick") if "pick" in options else None
+        notes.append(f"the whole combination ({label['extended']})"
+                     + (f" against the pick alone, head to head: {describe(head)}" if head else "")
+                     + f": {'recommended' if chosen_name == 'extended' else 'not recommended'}")
+    for name in options:
+        if name != chosen_name and not helps(v, name, min_speedup):
+            notes.append(f"{label[name]} was not firmly faster than your configuration head to head "
+                         f"({describe(v.comparisons.get(name))})")
+    if chosen_name is not None and fast:
+        head = head_to_head(v, chosen_name, "fast")
+        if head is not None:
+            notes.append(f"the pick against +experiment=fast, head to head: {describe(head)}")
+    said = [f"{label.get(n, n)} {fmt(v.compiled[n][0], '.1f')} s ({'warm' if n in options else 'cold'})"
+            for n in v.jobs if v.compiled.get(n, (None,))[0] is not None]
+    if said:
+        notes.append(f"compile in the projected jobs: {', '.join(said)}; warm: the pick with the compile cache its "
+                     f"preset carries, cold: as a job compiles on a fresh node")
+    return notes
