@@ -41,6 +41,8 @@ class Round:
     one_time: dict[str, float] = field(default_factory=dict)
     # name -> its first process's compile seconds and what it loaded (one_time.compile_s, .compile_cache)
     compiled: dict[str, tuple[float | None, str]] = field(default_factory=dict)
+    # name -> its first process's busy-machine warnings over its measured steps (summary.json warnings)
+    warnings: dict[str, list[str]] = field(default_factory=dict)
 
 
 def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = None) -> Round:
@@ -62,22 +64,26 @@ def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = Non
     configs = {name: compare.measured_job(c) for name, c in r.jobs.items()}
     read_round(r, compare.compare(configs, r.reference, folder, settings, minutes=r.minutes, retire=retire,
                                   ranks=ranks))
-    r.one_time, r.compiled = ranks.share(_one_time(folder, r.jobs)) if ranks is not None else _one_time(folder, r.jobs)
+    once = _one_time(folder, r.jobs)
+    r.one_time, r.compiled, r.warnings = ranks.share(once) if ranks is not None else once
     return r
 
 
-def _one_time(folder: Path, names: Any) -> tuple[dict[str, float], dict[str, tuple[float | None, str]]]:
-    """Each configuration's one-time seconds, and its compile seconds and what it loaded, from its first process's
-    ``summary.json`` (those that wrote one)."""
-    out, compiled = {}, {}
+def _one_time(folder: Path, names: Any) -> tuple[dict[str, float], dict[str, tuple[float | None, str]],
+                                                dict[str, list[str]]]:
+    """Each configuration's one-time seconds, its compile seconds and what it loaded, and its busy-machine warnings,
+    from its first process's ``summary.json`` (those that wrote one)."""
+    out, compiled, warnings = {}, {}, {}
     for name in names:
         try:
-            once = json.loads((folder / name / "summary.json").read_text())["one_time"]
+            summary = json.loads((folder / name / "summary.json").read_text())
+            once = summary["one_time"]
             out[name] = (once["warmup_excess_s"] or 0.0) + (once["first_eval_s"] or 0.0)
             compiled[name] = (once.get("compile_s"), str(once.get("compile_cache", "off")))
+            warnings[name] = [str(w) for w in summary.get("warnings") or []]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return out, compiled
+    return out, compiled, warnings
 
 
 def read_round(r: Round, result: Any) -> Round:
