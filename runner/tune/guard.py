@@ -36,14 +36,17 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int, plan: dict | Non
     seed, so the same initial weights and batches as any other configuration of the job), and a note: ``""``,
     ``"loss not finite"``, or (then None) ``"out of memory"`` or ``"cannot train: <the error>"``. ``plan["steps"]``:
     the job's own optimizer steps as configured (epochs counted), when a dict is given; ``built["techniques"]``: what
-    the builders recorded (``summary.json``'s ``techniques``: ``applied`` or ``skipped: <why>``), when one is."""
+    the builders recorded (``summary.json``'s ``techniques``: ``applied`` or ``skipped: <why>``), and
+    ``built["compile_s"]``: torch.compile's seconds in these steps, when a dict is given."""
     import torch
 
     from runner.engine import build as builder, train as engine
     from runner.errors import TrainingDiverged
+    from runner.techniques.compile_cache import compiled_so_far
 
     if cfg.compile.mode is not None:
         torch._dynamo.reset()
+    compiled_before = compiled_so_far()[0]  # after the reset, which may clear dynamo's timers
     recorder, note = LossRecorder(), ""
     parts = state = None
     try:
@@ -54,6 +57,8 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int, plan: dict | Non
             built["techniques"] = dict(parts.techniques)
         parts = for_tuning(parts, steps, 0, log_every=1, tracker=recorder)
         engine.fit(state, parts, NO_PROFILER)
+        if built is not None:
+            built["compile_s"] = compiled_so_far()[0] - compiled_before
     except TrainingDiverged:
         note = "loss not finite"
     except Exception as e:  # noqa: BLE001 - a configuration that cannot train is rejected, with the reason

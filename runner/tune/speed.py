@@ -63,7 +63,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     if whole is not incumbent and not search.guarded(whole, "the whole combination"):
         whole = incumbent
     picked, verified = search.verify(incumbent, whole)
-    return search.result(picked, verified)
+    return speed_report.result(search, picked, verified)
 
 
 class _Search:
@@ -124,9 +124,9 @@ class _Search:
         c = applied(self.cfg, [s for s in sw if s.arithmetic])
         steps = max(1, math.ceil(self.t.guard_steps * self.batch_of(self.cfg) / self.batch_of(c)))
         built: dict[str, Any] = {}
-        before = compile_cache.compiled_so_far()[0] if c.compile.mode or c.compile.optimizer else None
         losses, note = self.agreed(loss_curve(c, self.env, self.out, steps, built=built))
-        self.compile_s = None if before is None else self.agreed(compile_cache.compiled_so_far()[0] - before)
+        compiled = c.compile.mode or c.compile.optimizer
+        self.compile_s = self.agreed(built.get("compile_s")) if compiled else None
         statuses = built.get("techniques", {})
         skipped = [f"{s.name} {statuses[k]}" for s in sw if s.name in TECHNIQUES
                    for k in TECHNIQUES[s.name].statuses or (s.name,) if str(statuses.get(k)).startswith("skipped")]
@@ -173,7 +173,8 @@ class _Search:
         """The wall time kept for the verification: a quarter of the budget, or what its five configurations'
         processes need (start-ups, ``VERIFICATION_PASSES`` slices each, a cold compile) where that is more."""
         jobs = 5 * self.settings.processes  # yours, its copy, the pick, the whole combination, +experiment=fast
-        need = jobs * (self.startup_s + VERIFICATION_PASSES * self.settings.slice_seconds) + self.cold_compile_s
+        slices = VERIFICATION_PASSES * self.settings.slice_seconds * SLICE_COST
+        need = jobs * (self.startup_s + slices) + self.cold_compile_s
         return max(0.25 * self.budget_s, need)
 
     def guard_candidates(self, candidates: list[Switch]) -> list[Switch]:
@@ -224,10 +225,13 @@ class _Search:
         passes of its slices, is left."""
         processes = (len(jobs) + 1) * self.settings.processes  # + 1: the reference's copy
         left = self.wall_left() - self.verification_reserve() - processes * self.startup_s
-        passes = share * left / ((len(jobs) + 1) * self.settings.slice_seconds)
-        if left < 60 or (self.settings.slice_steps is None and passes < self.settings.min_passes):
+        per_pass = (len(jobs) + 1) * self.settings.slice_seconds * SLICE_COST
+        fewest = min(self.settings.max_passes, max(self.settings.min_passes, ROUND_PASSES))
+        if share * left < fewest * per_pass:  # too little for this round and another: this one takes it all
+            share = 1.0
+        if left < 60 or (self.settings.slice_steps is None and share * left < fewest * per_pass):
             self.notes.append(f"{title.split(':')[0]} not measured: tune.budget_minutes={self.t.budget_minutes:g} "
-                              f"spent (under interleave.min_passes={self.settings.min_passes} passes left)")
+                              f"spent (under {fewest} passes of its {len(jobs) + 1} jobs left)")
             return None
         r = Round(title, reference, {name: self.sharing(c) for name, c in jobs.items()}, minutes=share * left / 60)
         say(self.env, f"speed: {r.title}: {len(jobs) - 1} against {reference}, up to {r.minutes:.1f} min of measuring")
@@ -279,6 +283,8 @@ class _Search:
                                                      for s in pick}}
             jobs |= {name: applied(self.cfg, sw) for name, sw in moves.items()}
             r = self.round(f"round {len(self.rounds) + 1}: backward elimination from {_label(pick)}", ALL, jobs)
+            if r is None and len(self.rounds) == 1:  # no elimination round fits: round 1's reading decides
+                return self.unmeasured_pick(pick)
             if r is None or ALL in r.failed:  # no time left, or no reference to compare with (a note)
                 self.notes += [f"round {len(self.rounds)}: the combination failed ({r.failed[ALL]})"] if r else []
                 break
@@ -314,6 +320,18 @@ class _Search:
             if self.rounds and (c := self.rounds[-1].comparisons.get(f"-{s.name}")) is not None:
                 self.interaction(s, c, dropped=False)
         return pick
+
+    def unmeasured_pick(self, combination: list[Switch]) -> list[Switch]:
+        """The pick when no elimination round fits the budget: the combination without the switches that read slower
+        alone in round 1 (a note names them); the verification measures the whole combination beside it and keeps
+        the switches only if the whole is firmly faster."""
+        slower = [s for s in combination if (c := self.alone.get(s.name)) is not None and c.estimate < 1]
+        if not slower or len(slower) == len(combination):
+            return combination
+        self.notes.append(f"no elimination round fitted tune.budget_minutes={self.t.budget_minutes:g}: the pick "
+                          f"leaves out {', '.join(f'{s.name} ({describe(self.alone[s.name])} alone)' for s in slower)}"
+                          f"; the verification measures the whole combination beside it")
+        return [s for s in combination if s not in slower]
 
     def interaction(self, s: Switch, without: Any, dropped: bool) -> None:
         """A note when a switch's effect in the combination differs from its effect alone (round 1)."""
@@ -411,46 +429,6 @@ class _Search:
         return None
 
     # ----------------------------------------------------------------------------------------------- the result
-    def result(self, picked: list[Switch], verified: Any) -> dict[str, Any]:
-        """The harness's result (``tune_speed``'s return value) for the recommended switches ``picked``."""
-        recommended = {"switches": [s.name for s in picked],
-                       "changes": {k: v for s in picked for k, v in s.changes.items()},
-                       "speedup": verified.estimate if picked and verified else 1.0,
-                       "ci_low": verified.low if picked and verified else None,
-                       "ci_high": verified.high if picked and verified else None}
-        notes = self.notes
-        if picked:
-            override = " ".join(o for s in picked for o in s.overrides)
-            notes.insert(0, f"the pick {'+'.join(s.name for s in picked)}: ×{verified.estimate:.3f} "
-                            f"[{verified.low:.3f}–{verified.high:.3f}] your configuration's samples/s, measured head "
-                            f"to head (tune.objective={self.t.objective})")
-        else:
-            override = "(no change)"
-            notes.insert(0, "no change: no switch made your job firmly faster on this machine (no preset written)")
-        biased = [r for r in self.rounds if r.aa is not None and (r.aa.low > 1 or r.aa.high < 1)]
-        if biased:
-            notes.insert(1, "warning: " + "; ".join(f"{r.title.split(':')[0]}: your configuration against its own "
-                                                      f"copy read {describe(r.aa)}" for r in biased)
-                         + ": the round's own noise check failed, so its verdicts are less sure than their intervals "
-                           "say (a switch is kept only when it beats both copies; more processes per configuration, "
-                           "interleave.processes, widen the intervals to what the machine does)")
-        if self.rounds and self.rounds[-1].aa is not None:
-            from runner.compare.stats import minimum_detectable
-
-            aa = self.rounds[-1].aa
-            notes.append(f"noise: your configuration against its own copy read {describe(aa)}; effects below about "
-                         f"{minimum_detectable(aa):.1%} could not be resolved")
-        notes.append(f"measured by interleaved slices of resident processes (runner/compare/), slices of "
-                     f"{self.settings.slice_seconds:g} s (tune.slice_seconds); the guard: {self.t.guard_steps} steps, "
-                     f"tolerance {self.tolerance:.1%} (yours under another seed, at least tune.guard_tolerance); the "
-                     f"rounds' processes and interleave.json: {self.rounds_dir}")
-        return {"recommended": recommended, "override": override, "rows": self.rows, "notes": notes,
-                "rounds": [{"title": r.title, "aa": paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
-                           for r in self.rounds],
-                "objective": self.t.objective, "job_steps": self.job_steps,
-                "files": {"experiment/tuned.yaml": picked and tuned_yaml(picked, recommended, self.t.objective,
-                                                                         self.preset_cache(picked))}}
-
     def preset_cache(self, picked: list[Switch]) -> Path | None:
         """The pick's compiled code for its preset: its verification job's signed cache copied (checked first) to
         ``experiment/compile_cache/`` beside ``tuned.yaml``, which names it, so the first job of the preset on any
@@ -473,6 +451,11 @@ class _Search:
 ALL = "all"  # the round's job with every switch of the combination
 #: The guard's share of ``tune.budget_minutes`` at most; candidates not guarded by then are left out (a note)
 GUARD_SHARE = 0.4
+#: The fewest passes a round is measured with (or interleave.min_passes where more): with 14 jobs and Holm's
+#: correction, 4 passes read ×0.5-2.0 for every switch on the CPU GPT, resolving nothing
+ROUND_PASSES = 6
+#: A slice's wall time over ``tune.slice_seconds``: its resume steps (a quarter slice) and the switch of process
+SLICE_COST = 1.5
 #: A job process's start-up and finish (fork, data, model, warm-up, final step) before a round has measured one
 START_GUESS_S = 5.0
 #: The verification's fewest passes: pairs over minutes, so that a passing calm or load does not decide (docs)

@@ -108,3 +108,45 @@ def verification_notes(v: Round, options: dict[str, list[Switch]], label: dict[s
         notes.append(f"compile in the projected jobs: {', '.join(said)}; warm: the pick with the compile cache its "
                      f"preset carries, cold: as a job compiles on a fresh node")
     return notes
+
+
+def result(search, picked: list[Switch], verified: Any) -> dict[str, Any]:
+    """The harness's result (``tune_speed``'s return value) for the recommended switches ``picked`` of the speed
+    tuner's ``search`` (its notes, rows, rounds and settings)."""
+    recommended = {"switches": [s.name for s in picked],
+                   "changes": {k: v for s in picked for k, v in s.changes.items()},
+                   "speedup": verified.estimate if picked and verified else 1.0,
+                   "ci_low": verified.low if picked and verified else None,
+                   "ci_high": verified.high if picked and verified else None}
+    notes = search.notes
+    if picked:
+        override = " ".join(o for s in picked for o in s.overrides)
+        notes.insert(0, f"the pick {'+'.join(s.name for s in picked)}: ×{verified.estimate:.3f} "
+                        f"[{verified.low:.3f}–{verified.high:.3f}] your configuration's samples/s, measured head "
+                        f"to head (tune.objective={search.t.objective})")
+    else:
+        override = "(no change)"
+        notes.insert(0, "no change: no switch made your job firmly faster on this machine (no preset written)")
+    biased = [r for r in search.rounds if r.aa is not None and (r.aa.low > 1 or r.aa.high < 1)]
+    if biased:
+        notes.insert(1, "warning: " + "; ".join(f"{r.title.split(':')[0]}: your configuration against its own "
+                                                  f"copy read {describe(r.aa)}" for r in biased)
+                     + ": the round's own noise check failed, so its verdicts are less sure than their intervals "
+                       "say (a switch is kept only when it beats both copies; more processes per configuration, "
+                       "interleave.processes, widen the intervals to what the machine does)")
+    if search.rounds and search.rounds[-1].aa is not None:
+        from runner.compare.stats import minimum_detectable
+
+        aa = search.rounds[-1].aa
+        notes.append(f"noise: your configuration against its own copy read {describe(aa)}; effects below about "
+                     f"{minimum_detectable(aa):.1%} could not be resolved")
+    notes.append(f"measured by interleaved slices of resident processes (runner/compare/), slices of "
+                 f"{search.settings.slice_seconds:g} s (tune.slice_seconds); the guard: {search.t.guard_steps} steps, "
+                 f"tolerance {search.tolerance:.1%} (yours under another seed, at least tune.guard_tolerance); the "
+                 f"rounds' processes and interleave.json: {search.rounds_dir}")
+    return {"recommended": recommended, "override": override, "rows": search.rows, "notes": notes,
+            "rounds": [{"title": r.title, "aa": paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
+                       for r in search.rounds],
+            "objective": search.t.objective, "job_steps": search.job_steps,
+            "files": {"experiment/tuned.yaml": picked and tuned_yaml(picked, recommended, search.t.objective,
+                                                                     search.preset_cache(picked))}}
