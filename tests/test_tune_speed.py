@@ -547,18 +547,23 @@ def test_the_preset_carries_the_pick_s_compile_cache_and_names_it(tmp_path, monk
 def test_with_no_elimination_round_the_pick_leaves_out_what_read_slower_alone(tmp_path, monkeypatch):
     """An 8-minute search on the CPU GPT measured round 1 only; the combination it started from kept half_threads
     (×0.74 alone) and its pick ran ×1.14 yours where the combination without it had run ×1.54. With no elimination
-    round, the switches that read slower alone leave the pick; the whole combination is verified beside it."""
+    round, the switches that read slower alone leave the pick; the combination without those firmly slower alone is
+    verified beside it."""
     from types import SimpleNamespace
 
+    from runner.compare.stats import HURTS
     from runner.tune.switches import Switch
 
     search = _search(tmp_path)
-    fast, slow = Switch("compile", {"trainer.seed": 5}), Switch("half_threads", {"trainer.num_threads": 1})
-    search.alone = {"compile": SimpleNamespace(estimate=1.05, low=0.6, high=1.9),
-                    "half_threads": SimpleNamespace(estimate=0.74, low=0.5, high=1.1)}
-    search.rounds = [object()]  # round 1 was measured
+    sw = {name: Switch(name, {"trainer.seed": i}) for i, name in enumerate(("bf16", "compile", "half_threads"))}
+    combination = list(sw.values())
+    search.alone = {"bf16": SimpleNamespace(estimate=1.3, low=1.1, high=1.5),
+                    "compile": SimpleNamespace(estimate=0.99, low=0.9, high=1.1),
+                    "half_threads": SimpleNamespace(estimate=0.72, low=0.63, high=0.81)}
+    search.rounds = [SimpleNamespace(verdicts={"bf16": "helps", "half_threads": HURTS})]  # round 1 was measured
     monkeypatch.setattr(search, "round", lambda *a, **k: None)  # no time for round 2
-    assert search.eliminate([fast, slow], [fast, slow]) == [fast]
-    assert "the pick leaves out half_threads (×0.740" in search.notes[-1]
-    search.alone["half_threads"] = SimpleNamespace(estimate=1.01, low=0.5, high=1.9)
-    assert search.eliminate([fast, slow], [fast, slow]) == [fast, slow]  # nothing read slower: all stay
+    assert search.eliminate(combination, combination) == [sw["bf16"]]
+    assert "the pick leaves out compile (×0.990" in search.notes[-1]
+    assert search.whole == [sw["bf16"], sw["compile"]]  # verified beside the pick: half_threads firmly hurts
+    search.alone["compile"] = SimpleNamespace(estimate=1.01, low=0.9, high=1.1)
+    assert search.eliminate(combination, combination) == [sw["bf16"], sw["compile"]]  # nothing else reads slower

@@ -59,6 +59,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     while incumbent and not search.guarded(incumbent, "the pick's switches together"):
         search.notes.append(f"{incumbent[-1].name} dropped from the pick")
         incumbent.pop()
+    combination = search.whole or combination
     whole = combination if len(combination) > 1 and combination != incumbent else incumbent
     if whole is not incumbent and not search.guarded(whole, "the whole combination"):
         whole = incumbent
@@ -93,6 +94,7 @@ class _Search:
         self.reference: list[float] = []
         self.job_steps: int | None = None  # the job's optimizer steps as configured (from the guard's build)
         self.alone: dict[str, Any] = {}  # round 1: each switch alone against yours
+        self.whole: list[Switch] | None = None  # the combination verified beside the pick, where not round 1's
         self.tolerance = self.t.guard_tolerance
         self.settings = copy.deepcopy(cfg.interleave)
         self.settings.target_ci = self.t.target_ci
@@ -323,15 +325,18 @@ class _Search:
 
     def unmeasured_pick(self, combination: list[Switch]) -> list[Switch]:
         """The pick when no elimination round fits the budget: the combination without the switches that read slower
-        alone in round 1 (a note names them); the verification measures the whole combination beside it and keeps
-        the switches only if the whole is firmly faster."""
-        slower = [s for s in combination if (c := self.alone.get(s.name)) is not None and c.estimate < 1]
-        if not slower or len(slower) == len(combination):
-            return combination
+        alone in round 1 (a note names them). The verification measures beside it the combination without only
+        those firmly slower alone (``self.whole``), and keeps the others only if that is firmly faster."""
+        from runner.compare.stats import HURTS
+
+        self.whole = [s for s in combination if self.rounds[0].verdicts.get(s.name) != HURTS]
+        slower = [s for s in self.whole if (c := self.alone.get(s.name)) is not None and c.estimate < 1]
+        if not slower or len(slower) == len(self.whole):
+            return self.whole
         self.notes.append(f"no elimination round fitted tune.budget_minutes={self.t.budget_minutes:g}: the pick "
                           f"leaves out {', '.join(f'{s.name} ({describe(self.alone[s.name])} alone)' for s in slower)}"
-                          f"; the verification measures the whole combination beside it")
-        return [s for s in combination if s not in slower]
+                          f"; the verification measures the combination with them beside it")
+        return [s for s in self.whole if s not in slower]
 
     def interaction(self, s: Switch, without: Any, dropped: bool) -> None:
         """A note when a switch's effect in the combination differs from its effect alone (round 1)."""
