@@ -213,9 +213,11 @@ class _Search:
         if not any(s.arithmetic for s in sw):
             return True
         dep, loss, note = self.guard(sw)
+        self.store.save()  # its compiled code: the verification's job of the same switches loads it
         ok = dep <= self.tolerance
         self.rows.append({"stage": "guard", "switch": "+".join(s.name for s in sw), "guard_loss": loss,
-                          "guard_departure": dep, "verdict": "passed" if ok else "rejected"})
+                          "guard_departure": dep, "verdict": "passed" if ok else "rejected",
+                          "compile_s": self.compile_s})
         if not ok:
             self.notes.append(f"{what} ({'+'.join(s.name for s in sw)}) departs {fmt(dep, '.1%')} from your loss curve")
         return ok
