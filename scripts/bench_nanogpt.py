@@ -22,9 +22,10 @@ also the speed tuner's pick (``'+experiment=[shakespeare_char,tuned]' --config-d
 
 The runs alternate (each repeat in a new random order), so drift on this shared machine falls on every
 program alike; the table gives each program's median and range over the repeats. Wall time is the whole
-process, start-up included, as a user waits for it. Validation loss is each program's 20-batch estimate at
-step 2000 (nanoGPT: 20 random batches; runner: the first 20 windows of the split): its sampling error is
-about 0.015 (docs/benchmarks/gpt-cpu.md).
+process, start-up included, as a user waits for it; every process starts with empty TorchInductor and Triton
+caches, as on a fresh node (the tuned run loads only the compile cache its preset carries, checked as yours).
+Validation loss is each program's 20-batch estimate at step 2000 (nanoGPT: 20 random batches; runner: the first
+20 windows of the split): its sampling error is about 0.015 (docs/benchmarks/gpt-cpu.md).
 """
 
 from __future__ import annotations
@@ -102,9 +103,13 @@ def raced(cmd: list[str], cwd: Path, target: float, limit_s: float, scratch: Pat
             "best_val_loss": min(e[1] for e in evals), "evals": evals, "wall_s": time.perf_counter() - started}
 
 
-def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
+def timed(cmd: list[str], cwd: Path, scratch: Path) -> tuple[float, str]:
+    """``cmd``'s whole wall time and stdout, run as on a fresh node: empty TorchInductor and Triton caches of its own
+    (runner compiles in a private folder anyway; a compiled run starts warm only from the cache its preset names)."""
+    caches = Path(tempfile.mkdtemp(prefix="caches-", dir=scratch))
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -113,18 +118,43 @@ def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
 
 def run_nanogpt(root: Path, scratch: Path) -> dict:
     out = scratch / f"nanogpt-{time.time_ns()}"
-    wall, stdout = timed([sys.executable, *NANOGPT, f"--out_dir={out}"], root)
+    wall, stdout = timed([sys.executable, *NANOGPT, f"--out_dir={out}"], root, scratch)
     losses = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", stdout)
     return {"wall_s": wall, "val_loss": float(losses[-1][1]) if losses else None}
 
 
-def run_runner(experiment: str, config_dir: Path | None, scratch: Path) -> dict:
+#: The tuned preset's compile cache as the tuner wrote it (``keep_preset_cache``): (the folder, its copy)
+PRESET_CACHE: list[tuple[Path, Path]] = []
+
+
+def keep_preset_cache(tuned: Path, scratch: Path) -> None:
+    """Copy the compile cache the tuned preset names (``compile.cache``), so that each tuned run starts from it as
+    the tuner wrote it: a job adds its own entry to the folder, which a later run would load."""
+    import shutil
+
+    import yaml
+
+    cache = (yaml.safe_load((tuned / "experiment" / "tuned.yaml").read_text()).get("compile") or {}).get("cache")
+    if cache:
+        shutil.copytree(cache, scratch / "preset-cache", symlinks=True)
+        PRESET_CACHE.append((Path(cache), scratch / "preset-cache"))
+
+
+def run_runner(experiment: str, config_dir: Path | None, scratch: Path, fresh_cache: bool = False) -> dict:
+    if fresh_cache and PRESET_CACHE:  # the preset's compile cache exactly as the tuner wrote it
+        import shutil
+
+        (cache, kept), = PRESET_CACHE
+        shutil.rmtree(cache)
+        shutil.copytree(kept, cache, symlinks=True)
     folder = scratch / f"runner-{time.time_ns()}"
     search = ["--config-dir", str(config_dir.resolve())] if config_dir else []
     wall, _ = timed([sys.executable, "-m", "runner", *search, f"+experiment={experiment}", *RUNNER,
-                     f"hydra.run.dir={folder}"], REPO)
+                     f"hydra.run.dir={folder}"], REPO, scratch)
     summary = json.loads((folder / "summary.json").read_text())
-    return {"wall_s": wall, "val_loss": summary.get("eval_loss"), "tokens_per_sec": summary.get("tokens_per_sec")}
+    once = summary.get("one_time") or {}
+    return {"wall_s": wall, "val_loss": summary.get("eval_loss"), "tokens_per_sec": summary.get("tokens_per_sec"),
+            "compile_s": once.get("compile_s"), "compile_cache": once.get("compile_cache")}
 
 
 def main() -> None:
@@ -147,11 +177,14 @@ def main() -> None:
     programs = {"nanoGPT train.py": lambda s: run_nanogpt(args.nanogpt, s),
                 "runner recipe": lambda s: run_runner("shakespeare_char", None, s)}
     if args.tuned:
-        programs["runner recipe + tuned"] = lambda s: run_runner("[shakespeare_char,tuned]", args.tuned, s)
+        programs["runner recipe + tuned"] = lambda s: run_runner("[shakespeare_char,tuned]", args.tuned, s,
+                                                                 fresh_cache=True)
     results: dict[str, list[dict]] = {name: [] for name in programs}
     started = time.strftime("%Y-%m-%d %H:%M")
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="bench-nanogpt-") as scratch:
+        if args.tuned:
+            keep_preset_cache(args.tuned, Path(scratch))
         for r in range(args.repeats):
             order = list(programs)
             rng.shuffle(order)
@@ -237,16 +270,21 @@ def write(args, results: dict[str, list[dict]], started: str) -> None:
              f"Python {platform.python_version()}; "
              f"ran {started}.", "", f"Command: `{command}` (the module docstring says what each program runs).", "",
              "| program | wall time, median (s) | range (s) | validation loss at step 2000 (20 batches) "
-             "| tokens/s (runner) |",
-             "|---|---|---|---|---|"]
+             "| tokens/s (runner) | compile s (runner) |",
+             "|---|---|---|---|---|---|"]
     base = statistics.median(x["wall_s"] for x in results["nanoGPT train.py"])
     for name, runs in results.items():
         walls = [x["wall_s"] for x in runs]
         losses = ", ".join(f"{x['val_loss']:.4f}" for x in runs if x["val_loss"] is not None)
         tps = ", ".join(f"{x['tokens_per_sec']:,.0f}" for x in runs if x.get("tokens_per_sec"))
+        compiled = ", ".join(f"{x['compile_s']:.1f}" for x in runs if x.get("compile_s") is not None)
         lines.append(f"| {name} | {statistics.median(walls):.1f} (×{statistics.median(walls) / base:.2f}) | "
-                     f"{min(walls):.1f}–{max(walls):.1f} | {losses} | {tps or '-'} |")
-    lines += ["", f"Load average (1 min) before each run: {loads}.", ""]
+                     f"{min(walls):.1f}–{max(walls):.1f} | {losses} | {tps or '-'} | {compiled or '-'} |")
+    caches = sorted({str(x["compile_cache"]) for runs in results.values() for x in runs if x.get("compile_cache")})
+    lines += ["", f"Load average (1 min) before each run: {loads}.", "",
+              "Every run starts with empty TorchInductor and Triton caches of its own, as on a fresh node; what "
+              "runner's compiled runs loaded (`summary.json` `one_time.compile_cache`): "
+              + ("; ".join(caches) if caches else "nothing (no run compiled)") + ".", ""]
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 
