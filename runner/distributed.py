@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from runner import launch
 from runner.config import check_choice
 from runner.errors import ConfigError
+from runner.files import write_own
 
 _GROUPS = itertools.count()  # the process groups this process has joined: each gets keys of its own (attempt_store)
 
@@ -177,7 +178,7 @@ def shared_job_dir(job_dir: Path, env: Env) -> Path:
             launch.drop_scratch(job_dir)
         pointer = launch.elastic_pointer()
         if env.rank == 0 and pointer is not None:  # restarted workers (torchrun --max-restarts) come back here
-            pointer.write_text(str(Path(box[0]).resolve()))
+            write_own(pointer, str(Path(box[0]).resolve()))
         return Path(box[0])
     return job_dir
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from runner.errors import EXIT_PREEMPTED, ConfigError
+from runner.files import private_dir
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,21 @@ def drop_scratch(job_dir: object) -> None:
 
 
 def elastic_pointer(env: Mapping[str, str] | None = None) -> Path | None:
-    """Where rank 0 of a torchrun job notes its job folder for restarted workers (a temp file keyed by
-    ``TORCHELASTIC_RUN_ID``), or None outside torchrun."""
+    """Where rank 0 of a torchrun job notes its job folder for restarted workers (a file keyed by
+    ``TORCHELASTIC_RUN_ID`` in a temp folder of this user's own: another user's file there would choose the folder a
+    restart resumes in), or None outside torchrun.
+
+    Raises:
+        ConfigError: that folder is not private (``runner.files.private_dir``)."""
     env = os.environ if env is None else env
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if not run_id or "RANK" not in env:
         return None
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
-    return Path(tempfile.gettempdir()) / f"runner-elastic-{safe}.jobdir"
+    try:
+        return private_dir("runner-elastic") / f"{safe}.jobdir"
+    except OSError as e:
+        raise ConfigError(str(e)) from e
 
 
 def forget_elastic_pointer(env: Mapping[str, str] | None = None) -> None:

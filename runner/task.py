@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import distributed, protocols, techniques
 from runner.errors import ConfigError
+from runner.files import write_own
 from runner.models import gpt, hf
 from runner.techniques import parallel
 
@@ -258,7 +259,7 @@ class LanguageModel:
                                context=data.sample_shape[0])
         plain.train()
         if env.is_main:
-            (job_dir / "samples.txt").write_text(data.codec.decode(out[0].tolist()), encoding="utf-8")
+            write_own(job_dir / "samples.txt", data.codec.decode(out[0].tolist()))
 
 
 class Regression(SampleTask):

@@ -25,7 +25,7 @@ LAYERS = {
     "service": {"compare"},  # the comparison service the tools share
     "engine": {"engine"},
     "parts": {"task", "data", "models", "techniques", "checkpoint", "measure", "track", "distributed"},
-    "leaves": {"config", "errors", "protocols", "objective", "trust", "launch"},
+    "leaves": {"config", "errors", "protocols", "objective", "trust", "launch", "files"},
 }
 #: Modules that must import no other runner module (only torch and the standard library, or nothing); the contracts
 #: (``protocols``: Task, Tracker) too, so that every layer may name them without a cycle.

@@ -344,7 +344,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rows(tmp_path / "straight") == rows(folder)
-    pointers = [p for p in Path(tempfile.gettempdir()).glob("runner-elastic-*.jobdir")
+    pointers = [p for p in (Path(tempfile.gettempdir()) / f"runner-elastic-{os.getuid()}").glob("*.jobdir")
                 if p.read_text().strip() == str(folder.resolve())]
     assert not pointers, "the finished job left its restart pointer behind"
 

@@ -356,8 +356,9 @@ def test_links_planted_in_a_job_folder_are_replaced_never_written_through(tmp_pa
     summary.json and eval-*.json), the report's files and the job folder's lock are written as files of their own,
     and the files the links pointed at are left as they were."""
     from runner.engine import jobdir
+    from runner.files import write_own
     from runner.report.write import write_csv
-    from runner.track.records import write_json_atomic, write_own
+    from runner.track.records import write_json_atomic
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")

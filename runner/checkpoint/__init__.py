@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from runner.checkpoint import write_failures
 from runner.errors import ConfigError
+from runner.files import replace_own, write_own
 from runner.track.records import sha256_file
 
 # one process without a process group is DCP's supported "no_dist" case (passed explicitly below), not a mistake
@@ -95,9 +96,7 @@ def write_digests(folder: Path) -> None:
     removed meanwhile (pruned by ``keep_last``) is left alone."""
     try:
         digests = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != DIGEST_FILE}
-        tmp = folder / f".{DIGEST_FILE}.tmp"
-        tmp.write_text(json.dumps(digests, indent=1) + "\n")
-        tmp.replace(folder / DIGEST_FILE)
+        replace_own(folder / DIGEST_FILE, json.dumps(digests, indent=1) + "\n")
     except OSError:
         pass
 
@@ -371,7 +370,7 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # a leftover of a killed run
             with self._write_failures(partial):
                 partial.mkdir(parents=True)
-                (partial / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2, default=str) + "\n")
+                write_own(partial / META_FILE, json.dumps({**meta, "step": step}, indent=2, default=str) + "\n")
         _barrier()
         if self.async_save:
             if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:

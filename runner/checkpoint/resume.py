@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 from runner import techniques, trust
 from runner.checkpoint import FOLDER, META_FILE, latest, read_meta, verify_digests
 from runner.errors import ConfigError
+from runner.files import replace_own
 
 #: Config keys (dotted prefixes) that may differ between a checkpoint and the run resuming from it: the run's
 #: length and bookkeeping, where things live, how fast batches load. Anything else changes the experiment.
@@ -147,7 +148,6 @@ def record_restart(job_dir: Path, saved: int) -> int:
     checkpoint's count) and ``<job_dir>/restarts.json``'s, plus one, written back atomically. Why both:
     docs/checkpointing.md, "Resume"."""
     import json
-    import os
 
     path = job_dir / RESTARTS_FILE
     try:
@@ -155,9 +155,7 @@ def record_restart(job_dir: Path, saved: int) -> int:
     except (OSError, ValueError, KeyError, TypeError):
         counted = 0
     restarts = max(saved, counted) + 1
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"restarts": restarts}) + "\n")
-    os.replace(tmp, path)
+    replace_own(path, json.dumps({"restarts": restarts}) + "\n")
     return restarts
 
 

@@ -6,9 +6,10 @@ Which jobs, how they are measured and why drift cancels less well: docs/ablation
 
 from __future__ import annotations
 
-import shutil
 import time
 from typing import Any
+
+from runner.files import replace_own
 
 #: A fallback run's measured slice, in slices: each run is one figure, so it is longer than an interleaved slice.
 ROUNDS_SLICES = 4
@@ -56,7 +57,7 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
         for job in processes:
             runs = sorted((job.folder / "rounds").glob(f"pass*/{RUN_SUMMARY}"), key=lambda p: p.stat().st_mtime)
             if runs:
-                shutil.copyfile(runs[-1], job.folder / "summary.json")
+                replace_own(job.folder / "summary.json", runs[-1].read_bytes())
                 (job.folder / "failed.json").unlink(missing_ok=True)
                 job.status = "measured"
             elif job.status == "pending":

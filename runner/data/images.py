@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from runner.data.source import Source
 from runner.errors import ConfigError
+from runner.files import open_own
 
 # Per-channel statistics of the training sets (the values torchvision's references use).
 STATS = {
@@ -146,7 +147,7 @@ def mnist(cfg: DictConfig) -> ImageSets:
         try:
             out.mkdir(parents=True, exist_ok=True)
             partial = extracted.with_name(f"{extracted.name}.{os.getpid()}.partial")
-            with gzip.open(gz) as src, open(partial, "wb") as dst:
+            with gzip.open(gz) as src, open_own(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             os.replace(partial, extracted)
         except OSError as e:

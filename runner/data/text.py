@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from runner.data.source import Source
 from runner.errors import ConfigError
+from runner.files import replace_own
 
 TRAIN_FRACTION = 0.9
 
@@ -71,7 +72,7 @@ def split(tokens: torch.Tensor, block_size: int, path: str) -> tuple[torch.Tenso
 def save_vocab(vocab: list[str], job_dir: Path) -> Path:
     """Write ``vocab.json`` (a JSON list: token id i is the string at index i) so outputs can be decoded later."""
     path = job_dir / "vocab.json"
-    path.write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
+    replace_own(path, json.dumps(vocab, ensure_ascii=False) + "\n")
     return path
 
 

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from runner.data.source import Codec, Source
 from runner.data.text import TRAIN_FRACTION, read_corpus, windows_source
 from runner.errors import ConfigError
+from runner.files import open_own, write_own
 
 #: ``data.dtype`` -> the NumPy dtype of the ids in the files (nanoGPT writes uint16).
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -300,9 +301,9 @@ def prepare(text_file: str | Path, out_dir: str | Path) -> dict:
     cut = int(TRAIN_FRACTION * len(ids))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids[:cut].tofile(out / "train.bin")
-    ids[cut:].tofile(out / "val.bin")
-    with open(out / "meta.pkl", "wb") as f:
+    write_own(out / "train.bin", ids[:cut].tobytes())
+    write_own(out / "val.bin", ids[cut:].tobytes())
+    with open_own(out / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": len(vocab), "itos": dict(enumerate(vocab)),
                      "stoi": {ch: i for i, ch in enumerate(vocab)}}, f)
     return {"vocab_size": len(vocab), "dtype": dtype, "train_tokens": cut, "val_tokens": len(ids) - cut,

@@ -8,6 +8,7 @@ from pathlib import Path
 from runner.doctor.diagnosis import Finding
 from runner.doctor.job import Job, command, merge_overrides
 from runner.errors import ConfigError
+from runner.files import write_own
 
 #: What every --verify run adds to the job's overrides (runner.compare.measured_job quiets the rest).
 VERIFY_FIXED = ["logger=none", "trainer.progress=off", "trainer.doctor=false"]
@@ -171,4 +172,4 @@ def _write_verify(job: Job, trials: list[Trial], result, out: Path) -> None:
             "(runner/compare/); a suggestion's speed-up is the mean log ratio of its samples/s to the job's rerun "
             "in the paired slices, with its 95 % Student-t interval; verdicts are Holm's over the suggestions.",
             "", noise, "", *verify_table(trials), "", f"Stopped: {'; '.join(result.stopped)}", ""]
-    (out / "verify.md").write_text("\n".join(text))
+    write_own(out / "verify.md", "\n".join(text))

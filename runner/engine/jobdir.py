@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -225,12 +226,31 @@ except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks; train() 
     Callback = object  # type: ignore[assignment,misc]
 
 
+def _new_folder(folder: Path, remember: bool) -> Path:
+    """``folder`` (Hydra's dated run or sweep folder, not one the user named), or the first of ``folder-2``,
+    ``folder-3``, ... that this process creates: ``mkdir`` is the claim, so two runs started in the same second from
+    one folder get a folder each. ``remember``: ``_remember`` it first (a refused run removes it again)."""
+    for n in itertools.count(1):
+        candidate = folder if n == 1 else folder.with_name(f"{folder.name}-{n}")
+        if candidate.exists() or candidate.is_symlink():
+            continue
+        if remember:
+            _remember(candidate)
+        candidate.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise AssertionError("unreachable")
+
+
 class JobLock(Callback):  # type: ignore[misc,valid-type]
     """Hydra callback (``hydra.callbacks.job_lock`` in ``conf/config.yaml``; the module docstring): lock the run's
     folder, or the sweep's, before Hydra writes into it; rank 0 only. A refusal is one ``error:`` line, status 2."""
 
     def _lock(self, config: Any, key: str) -> None:
-        from omegaconf import OmegaConf
+        from omegaconf import OmegaConf, read_write
 
         from runner.launch import discover
 
@@ -241,7 +261,11 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
         except Exception:  # noqa: BLE001 - a folder Hydra resolves later (${hydra:...}): train() locks it then
             return
         if folder:
-            if key == "hydra.run.dir":
+            if not any(o.startswith(f"{key}=") for o in OmegaConf.select(config, "hydra.overrides.hydra") or []):
+                folder = _new_folder(Path(str(folder)), remember=key == "hydra.run.dir")  # Hydra's dated name
+                with read_write(config.hydra):
+                    OmegaConf.update(config, key, str(folder))
+            elif key == "hydra.run.dir":
                 _remember(Path(str(folder)))
             try:
                 acquire(Path(str(folder)))

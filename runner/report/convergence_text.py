@@ -15,9 +15,9 @@ from typing import Any
 
 from runner.compare.convergence import TargetRatio
 from runner.compare.stats import HELPS, HURTS, Interval
+from runner.files import open_own, write_own
 from runner.report.convergence import NEEDS_THROUGHPUT, REFERENCE, Variant, build_variants, median_samples
 from runner.report.sweep import sweep_command
-from runner.track.records import open_own, write_own
 
 #: Columns of report.csv, in order (ratios config ÷ baseline; ``*_p``: the p-value of "no difference").
 COLUMNS = ["configuration", "technique", "step_cost", "seeds", "reached", "failed", "eval_every_samples",
@@ -208,6 +208,6 @@ def write_convergence_report(sweep: Path, throughput: Path | None = None, doc: P
             section, _ = agreement(rows, other)
             command = _record(Path(replication)).get("command", "(command not recorded)")
             text += f"\n## Replication: the same job with other seeds\n\n`{command}` in `{replication}`.\n\n{section}\n"
-        doc.write_text(text)
+        write_own(doc, text)
         written.append(doc)
     return written

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.track.records import open_own, write_own
+from runner.files import open_own, write_own
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

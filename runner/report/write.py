@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from runner.compare import record as record_file
 from runner.compare.stats import HELPS, HURTS
+from runner.files import open_own, write_own
 from runner.report import paired
 from runner.report.load import Job, ReportError, Row, load_jobs, load_record, unfinished_jobs
 from runner.report.markdown import agreement, markdown, reading
 from runner.report.rows import build_rows
-from runner.track.records import open_own, write_own
 
 #: Columns of report.csv and of the W&B table, in order. Intervals are 95 % intervals from the paired slices
 #: (runner/compare/stats.py); ``effect_ci_half_width`` is relative (0.05 = ±5 %); ``repeats``: measured processes.
@@ -215,7 +214,7 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
         doc = Path(doc)
         doc.parent.mkdir(parents=True, exist_ok=True)
         image = doc.with_suffix(".png")
-        shutil.copyfile(written[2], image)
+        write_own(image, written[2].read_bytes())
         text = markdown(rows, jobs, sweep, record, image.name,
                         title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
         text = text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1)
@@ -228,7 +227,7 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
                      f"{rec.get('started', '?')} to {rec.get('finished') or '? (it did not record its end: killed)'}; "
                      f"load average (1 min) {(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
                      f"{rec.get('load_average_1min_at_end', '?')} at the end.\n\n{table}\n")
-        doc.write_text(text)
+        write_own(doc, text)
         written += [doc, image]
     logger = (baseline.jobs[0].summary or {}).get("config", {}).get("logger", {})
     if use_wandb and (logger.get("wandb") is not None or logger.get("name") == "wandb"):  # name: older sweeps

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from runner.files import replace_own, write_own
+
 FOLDER = "compile_cache"  # in a job folder: one entry; in a sweep folder or a preset's: a folder of entries
 SIGNATURE = "signature.json"  # {"format", "torch", "files": {relative path: sha256}, "mac"}
 ARTIFACTS = "artifacts.bin"  # torch's portable cache artifacts
@@ -230,9 +232,7 @@ def _install(files: dict[str, bytes]) -> tuple[int, int]:
         target = folder / name.removeprefix("kernels/")
         if name != ARTIFACTS and not target.exists():
             target.parent.mkdir(exist_ok=True)
-            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
+            replace_own(target, data)
             kernels += 1
     CacheArtifactManager.populate_caches(artifacts)
     return len(keys), kernels
@@ -304,10 +304,10 @@ def write_entry(entry: Path, files: dict[str, bytes], key: bytes) -> None:
     try:
         for name, data in files.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / name).write_bytes(data)
+            write_own(tmp / name, data)
         body = {"format": FORMAT, "torch": torch.__version__,
                 "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
-        (tmp / SIGNATURE).write_text(json.dumps({**body, "mac": _mac(body, key)}, indent=1))
+        write_own(tmp / SIGNATURE, json.dumps({**body, "mac": _mac(body, key)}, indent=1))
         old = None
         if entry.is_symlink() or entry.is_file():
             entry.unlink()

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from runner import REPO_ROOT
 from runner.config.logger import logger_names
+from runner.files import open_own, replace_own
 from runner.track.records import panel_figures, reachable, to_json, write_json_atomic
 
 
@@ -37,9 +38,7 @@ def drop_rows_after(path: Path, step: int) -> None:
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
             kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    os.replace(tmp, path)
+    replace_own(path, "".join(f"{line}\n" for line in kept))
 
 
 def _fmt(value: Any) -> str:
@@ -72,7 +71,7 @@ class Tracker:
         if resume_step is not None:  # rows of the steps after the checkpoint are logged again; a finished
             drop_rows_after(self.metrics_path, resume_step)  # run's summary is replaced by the resumed run's
             (job_dir / "summary.json").unlink(missing_ok=True)
-        self._metrics = self.metrics_path.open("a")
+        self._metrics = open_own(self.metrics_path, "a")
         mode = cfg.trainer.progress
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "lines"
@@ -275,7 +274,7 @@ def console_to_log(path: Path | None):
     if path is None:
         yield
         return
-    with open(path, "a", encoding="utf-8") as log:
+    with open_own(path, "a", encoding="utf-8") as log:
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
         try:

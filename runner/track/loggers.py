@@ -19,6 +19,7 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import EXIT_PREEMPTED
+from runner.files import open_own
 from runner.track.records import panel_figures, reachable, summary_figures, to_json
 
 
@@ -83,7 +84,7 @@ class CSVLogger:
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         tmp = self.path.with_suffix(".csv.tmp")
         try:
-            with tmp.open("w", newline="") as f:
+            with open_own(tmp, newline="") as f:
                 writer = csv.DictWriter(f, self.fields, restval="")
                 writer.writeheader()
                 writer.writerows(rows)
@@ -99,7 +100,7 @@ class CSVLogger:
             self.fields += new
             self._rewrite([*rows, values])
             return
-        with self.path.open("a", newline="") as f:
+        with open_own(self.path, "a", newline="") as f:
             csv.DictWriter(f, self.fields, restval="").writerow(values)
 
     def finish(self, summary: dict[str, Any]) -> None:  # noqa: D102 - every line is written already

@@ -9,11 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import socket
 import urllib.parse
 from pathlib import Path
 from typing import Any
+
+from runner.files import replace_own
 
 # metrics.jsonl key -> logger key (panel prefix), for every logger (W&B, TensorBoard, MLflow); W&B logs the rows
 # against the step metric "trainer/step", the others against the optimizer step itself.
@@ -63,31 +64,11 @@ def to_json(obj: Any, **kwargs: Any) -> str:
     return json.dumps(finite_or_none(obj), allow_nan=False, default=str, **kwargs)
 
 
-def open_own(path: Path, mode: str = "w", **kwargs: Any):
-    """``path`` opened for writing as a file of its own: a link there (planted in a copied folder) is removed, never
-    written through, so runner cannot overwrite a file outside the folder."""
-    if Path(path).is_symlink():
-        Path(path).unlink()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-    return os.fdopen(os.open(path, flags, 0o644), mode, **kwargs)
-
-
-def write_own(path: Path, text: str) -> None:
-    """``text`` written to ``path`` as a file of its own (``open_own``: never through a link)."""
-    with open_own(path, encoding="utf-8") as f:
-        f.write(text)
-
-
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as strict JSON to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX), so
     a crash or a full disk never leaves a half-written file under the final name; a link at either name is
-    replaced, never written through (``open_own``)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        write_own(tmp, to_json(obj, indent=2) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replaced, never written through (``runner.files.replace_own``)."""
+    replace_own(path, to_json(obj, indent=2) + "\n")
 
 
 def reachable(url: str, timeout_s: float = 3.0) -> bool:

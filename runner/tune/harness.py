@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config import global_batch_size
 from runner.config.logger import LOGGERS
 from runner.errors import ConfigError
+from runner.files import open_own, write_own
 
 GUARD_MIN_STEPS = 5  # tune.guard_steps: at least one step per window of the speed tuner's guard
 NO_PROFILER = types.SimpleNamespace(step=lambda: None)  # fit() steps a profiler; tuning runs none
@@ -361,7 +362,8 @@ def plot(tuner: Tuner, result: dict, path: Path) -> None:
     plt = pyplot()
     fig = tuner.plot(result)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with open_own(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -369,14 +371,13 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
     """Write ``<name>.csv`` (the rows), ``.md`` (table, override, notes), ``.png`` and ``.json`` (the result and
     ``tune.*``) into ``out``; returns their paths."""
     from runner.track import write_json_atomic
-    from runner.track.records import write_own
 
     kind = tuner.name
     out.mkdir(parents=True, exist_ok=True)
     rows, rec = result["rows"], result["recommended"]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     csv_path = out / f"{kind}.csv"
-    with csv_path.open("w", newline="") as f:
+    with open_own(csv_path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows([{k: ("" if r.get(k) is None else r.get(k)) for k in keys} for r in rows])
@@ -385,7 +386,7 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
           markdown_table(tuner, rows, rec, max_rows=tuner.console_rows and 2 * tuner.console_rows), "",
           f"**override:** `{result['override']}`", "", *[f"- {n}" for n in result["notes"]], ""]
     md_path = out / f"{kind}.md"
-    md_path.write_text("\n".join(md))
+    write_own(md_path, "\n".join(md))
     png_path = out / f"{kind}.png"
     plot(tuner, result, png_path)
     extra = []

@@ -1,0 +1,81 @@
+"""runner writes every file of a job, sweep or tuner folder through runner/files.py, never through a link."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_GPT, TINY_LOOP, make_tiny_text, run_tiny
+
+RUNNER = Path(__file__).resolve().parent.parent / "runner"
+#: A raw write: ``write_text``/``write_bytes``, ``open(..., "w"|"a"|"x")``, ``Path.open("w")``, numpy's ``tofile``,
+#: matplotlib's ``savefig`` to a path, ``shutil.copy*``
+RAW_WRITE = re.compile(r"\.write_(text|bytes)\(|\bopen\([^)]*[\"'][wax]b?\+?[\"']|\.open\([\"'][wax]|\.tofile\("
+                       r"|\.savefig\((?!f\b)|shutil\.copy(file)?\(")
+#: The writes that are not to a folder a user can share: the kernel's own file
+ALLOWED = {("measure/__init__.py", 'Path("/proc/self/clear_refs").write_text("5")')}
+
+
+def test_runner_writes_no_file_but_through_runner_files():
+    """Every write site in runner/ goes through ``runner.files`` (open_own, write_own, replace_own), which removes a
+    link planted at the name instead of writing through it: a new write site that opens a path directly fails here."""
+    raw = {(str(p.relative_to(RUNNER)), line.strip()) for p in RUNNER.rglob("*.py") if p.name != "files.py"
+           for line in p.read_text().splitlines() if RAW_WRITE.search(line) and not line.lstrip().startswith("#")}
+    assert raw - ALLOWED == set(), sorted(raw - ALLOWED)
+
+
+def test_links_planted_at_a_job_s_write_sites_leave_their_targets_unchanged(tmp_path):
+    """A colleague's job folder, continued: links planted at the metrics' and the CSV logger's temporary files, the
+    metrics file itself (appended to), the vocabulary, the generated sample and the restart count's temporary file
+    are replaced by files of the job's own, and the file they pointed at (a stand-in ``~/.bashrc``) is unchanged."""
+    victim = tmp_path / "bashrc"
+    victim.write_text("precious\n")
+    job = tmp_path / "job"
+    text = make_tiny_text(tmp_path / "tiny.txt")
+    common = [*TINY_LOOP, *TINY_GPT, f"data.path={text}", "logger=csv", "checkpoint.every_steps=2"]
+    run_tiny(job, *common)
+    sites = ["metrics.jsonl", "metrics.jsonl.tmp", "metrics.csv.tmp", "vocab.json", "vocab.json.tmp", "samples.txt",
+             "restarts.json.tmp"]
+    for name in sites:
+        (job / name).unlink(missing_ok=True)
+        (job / name).symlink_to(victim)
+    summary = run_tiny(job, *common, "trainer.max_steps=8")  # continues the job from its step-4 checkpoint
+    assert summary["steps"] == 8
+    assert victim.read_text() == "precious\n"
+    for name in ("metrics.jsonl", "vocab.json", "samples.txt"):
+        assert (job / name).is_file() and not (job / name).is_symlink(), name
+    assert not any((job / name).is_symlink() for name in sites)
+
+
+def test_the_restart_pointer_lives_in_a_private_folder(tmp_path, monkeypatch):
+    """torchrun's restart pointer (the job folder a restarted worker resumes in) is in a temp folder of the user's
+    own: a folder of that name open to others, or a link, is refused with one message, since another user's pointer
+    there would choose the folder a restart writes into."""
+    from runner import launch
+    from runner.errors import ConfigError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = {"TORCHELASTIC_RUN_ID": "job/1", "RANK": "0"}
+    pointer = launch.elastic_pointer(env)
+    assert pointer == tmp_path / f"runner-elastic-{os.getuid()}" / "job_1.jobdir"
+    assert (pointer.parent.stat().st_mode & 0o777) == 0o700
+    pointer.parent.chmod(0o777)
+    with pytest.raises(ConfigError, match="not a private folder of yours"):
+        launch.elastic_pointer(env)
+
+
+def test_two_runs_started_in_the_same_second_get_a_folder_each(tmp_path):
+    """Hydra's run folder is ``outputs/<date>/<time>``, to the second: the second run of that second (it found the
+    folder made) gets ``<time>-2``, the third ``<time>-3``, each made by the run that claims it."""
+    from runner.engine import jobdir
+
+    dated = tmp_path / "outputs" / "2026-12-06" / "16-40-01"
+    first = jobdir._new_folder(dated, remember=False)
+    second = jobdir._new_folder(dated, remember=False)
+    third = jobdir._new_folder(dated, remember=False)
+    assert (first, second, third) == (dated, dated.with_name("16-40-01-2"), dated.with_name("16-40-01-3"))
+    assert all(p.is_dir() for p in (first, second, third))
