@@ -53,6 +53,12 @@ def test_unknown_group_option_gets_did_you_mean(tmp_path):
     assert "mnist_cnn" in msg and "base_" not in msg
 
 
+def test_lightning_s_precision_values_are_pointed_to_runner_s_options(tmp_path):
+    msg = only_line(run_bad(tmp_path, "precision=16-mixed"))
+    assert msg.startswith("error: precision=16-mixed: no such option in group precision; Lightning's 16-mixed is "
+                          "runner's precision=amp (options: "), msg
+
+
 def test_unknown_option_of_an_added_group_names_what_was_typed(tmp_path):
     msg = only_line(run_bad(tmp_path, "+experiment=fsat"))
     assert msg.startswith("error: +experiment=fsat: no such option in group experiment; did you mean fast?")
@@ -333,6 +339,11 @@ def test_resuming_a_language_model_on_other_text_is_refused_naming_the_vocabular
     ("trainer.max_step=3", ["trainer.max_step is not a setting", "did you mean trainer.max_steps?"]),
     ("checkpoint.every_minute=3", ["did you mean checkpoint.every_minutes?"]),
     ("trainr.max_steps=3", ["trainr is not a setting", "did you mean trainer?"]),
+    # Lightning's and the Hugging Face Trainer's names are pointed to runner's
+    ("trainer.gradient_clip_val=1.0", ["trainer.gradient_clip_val", "runner's setting for it is "
+                                                                    "optimizer.clip_grad_norm"]),
+    ("trainer.accumulate_grad_batches=4", ["runner's setting for it is memory.accumulate_steps"]),
+    ("trainer.devices=2", ["torchrun --nproc-per-node=<N> -m runner distributed=ddp"]),
 ])
 def test_a_misspelt_key_gets_runners_did_you_mean_not_hydras_plus_advice(tmp_path, override, words):
     proc = run_cli(*TINY, override, cwd=tmp_path)

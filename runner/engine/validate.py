@@ -125,14 +125,38 @@ def _refuse_undeclared_keys(cfg: DictConfig) -> None:
                 raise ConfigError(undeclared_key(name, str(key), declared, "added with '+', it would be ignored"))
 
 
+#: The names PyTorch Lightning's Trainer and the Hugging Face Trainer give runner's settings: a key of theirs typed as
+#: an override is pointed to runner's (``undeclared_key``), an option of theirs to runner's (``unknown_option``)
+HABITS = {
+    "gradient_clip_val": "optimizer.clip_grad_norm", "max_grad_norm": "optimizer.clip_grad_norm",
+    "accumulate_grad_batches": "memory.accumulate_steps", "gradient_accumulation_steps": "memory.accumulate_steps",
+    "max_epochs": "trainer.max_epochs", "num_train_epochs": "trainer.max_epochs", "max_steps": "trainer.max_steps",
+    "learning_rate": "optimizer.lr", "lr": "optimizer.lr", "per_device_train_batch_size": "dataloader.batch_size",
+    "batch_size": "dataloader.batch_size", "val_check_interval": "trainer.eval_every",
+    "eval_steps": "trainer.eval_every", "log_every_n_steps": "trainer.log_every", "logging_steps": "trainer.log_every",
+    "seed": "trainer.seed", "accelerator": "trainer.device (cpu, cuda or auto)",
+    "precision": "precision=<amp|bf16|fp32|tf32|fp8>", "bf16": "precision=bf16", "fp16": "precision=amp",
+    "devices": "torchrun --nproc-per-node=<N> -m runner distributed=ddp (docs/scaling.md)",
+    "strategy": "distributed=<ddp|fsdp>", "num_nodes": "sbatch scripts/multinode.sh (docs/scaling.md)",
+    "gradient_checkpointing": "memory=checkpointing", "torch_compile": "compile=default",
+    "dataloader_num_workers": "dataloader.num_workers", "dataloader_pin_memory": "dataloader=pinned",
+}
+#: Lightning's ``precision=`` values and runner's option for each
+PRECISION_HABITS = {"16-mixed": "amp", "16": "amp", "bf16-mixed": "bf16", "bf16-true": "bf16", "32": "fp32",
+                    "32-true": "fp32", "transformer-engine": "fp8"}
+
+
 def undeclared_key(node: str, key: str, declared, why: str) -> str:
-    """One line for a key runner does not read: ``<node>.<key>``, ``why``, the close declared key
-    (did you mean ...?) and the node's keys. ``node`` is "" for a top-level key."""
+    """One line for a key runner does not read: ``<node>.<key>``, ``why``, runner's key where it is a Lightning or
+    Hugging Face Trainer name (``HABITS``), else the close declared key (did you mean ...?), and the node's keys.
+    ``node`` is "" for a top-level key."""
     import difflib
 
     where = f"{node}." if node else ""
     close = difflib.get_close_matches(key, sorted(declared), n=1)
     hint = f"; did you mean {where}{close[0]}?" if close else "."
+    if key in HABITS and f"{where}{key}" != HABITS[key]:
+        hint = f"; runner's setting for it is {HABITS[key]}."
     return (f"{where}{key} is not a setting runner reads ({why}){hint} The {node or 'top-level'} keys are: "
             f"{', '.join(sorted(declared))}")
 
@@ -262,6 +286,8 @@ def unknown_option(exc: BaseException, overrides: list[str]) -> str | None:
                   and name in o.split("=", 1)[-1]), f"{group}={name}")
     close = difflib.get_close_matches(name, options, n=1)
     hint = f"; did you mean {close[0]}?" if close else ""
+    if group == "precision" and name in PRECISION_HABITS:
+        hint = f"; Lightning's {name} is runner's precision={PRECISION_HABITS[name]}"
     return f"{typed}: no such option in group {group}{hint} (options: {', '.join(options) or 'none'})"
 
 
