@@ -87,9 +87,16 @@ def test_the_search_refuses_a_bad_metric_before_any_trial(tmp_path):
 @pytest.mark.slow  # ~14 s on 2 busy cores: two tiny trials in one multirun
 def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
     """Each trial's value is the job's summary figure (the sweeper got the named metric); the best is the lower
-    eval loss; with the space exhausted the search stops early; the paste line carries the best LR."""
+    eval loss; with the space exhausted the search stops early; the paste line carries the best LR and the
+    ``--config-dir`` the search's preset came from, and runs as printed."""
+    import shlex
+
     pytest.importorskip("optuna")
-    r = run_cli(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", cwd=tmp_path)
+    mine = tmp_path / "my-configs" / "experiment"
+    mine.mkdir(parents=True)
+    (mine / "tab.yaml").write_text("# @package _global_\ntrainer:\n  eval_every: 2\n")
+    r = run_cli("--config-dir", "my-configs", "+experiment=tab", *SEARCH, "optimized_metric=eval_loss",
+                "hydra.sweeper.verify_seeds=0", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     values = trial_values(r.stdout, "eval_loss")
     assert len(values) == 2, r.stdout  # two points: the brute-force sampler ends the search after them
@@ -106,6 +113,12 @@ def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_params"] == {"optimizer.lr": best_lr} and results["command"] == paste
     assert "sweep report" not in r.stdout  # the search's own tables end it, not the plain sweep's
+    assert f"--config-dir {tmp_path / 'my-configs'} +experiment=tab" in paste
+    (tmp_path / "elsewhere").mkdir()  # run as pasted, from another folder
+    pasted = run_cli(*shlex.split(paste)[3:], "hydra.run.dir=pasted", cwd=tmp_path / "elsewhere")
+    assert pasted.returncode == 0, pasted.stderr[-2000:]
+    config = read_summary(tmp_path / "elsewhere" / "pasted")["config"]
+    assert config["optimizer"]["lr"] == best_lr and config["trainer"]["eval_every"] == 2
 
 
 @pytest.mark.slow  # two tiny trials, asked together

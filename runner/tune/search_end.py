@@ -79,13 +79,22 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def paste_line(fixed: Sequence[str], params: dict[str, Any], recipe: Sequence[str] = ()) -> str:
-    """``python -m runner`` with the command line's own overrides (less the search file) and the best trial's.
-    ``recipe`` (``hydra.sweeper.recipe``) comes first: the overrides that give the preset a search file composes
-    itself (``+experiment=shakespeare_char`` for conf/hparams_search/gpt_optuna.yaml), which leaving the search
-    file out would otherwise lose."""
+def paste_line(fixed: Sequence[str], params: dict[str, Any], recipe: Sequence[str] = (),
+               config_dir: str | None = None) -> str:
+    """``python -m runner`` with the search's ``--config-dir`` (where its presets came from), the command line's
+    own overrides (less the search file) and the best trial's. ``recipe`` (``hydra.sweeper.recipe``) comes first:
+    the overrides that give the preset a search file composes itself (``+experiment=shakespeare_char`` for
+    conf/hparams_search/gpt_optuna.yaml), which leaving the search file out would otherwise lose."""
     kept = [o for o in fixed if not o.startswith(("hparams_search=", "hydra/sweeper=", "optimized_metric="))]
-    return "python -m runner " + " ".join(shlex.quote(o) for o in [*recipe, *kept, *override_line(params)])
+    where = ["--config-dir", str(Path(config_dir).resolve())] if config_dir else []
+    return "python -m runner " + " ".join(shlex.quote(o) for o in [*where, *recipe, *kept, *override_line(params)])
+
+
+def config_dir(config: Any) -> str | None:
+    """The ``--config-dir`` of the running Hydra command (its ``hydra.runtime.config_sources``), or None."""
+    sources = OmegaConf.select(config, "hydra.runtime.config_sources") or []
+    given = [s.path for s in sources if s.provider == "command-line"]
+    return given[0] if given else None
 
 
 def seed_of(ret: JobReturn) -> Seed | None:
@@ -228,7 +237,7 @@ def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
         return
     print(f"best trial: {best.number + 1}, {metric} = {best.value:.4g}", flush=True)
     lines, record = verify(sweeper, plan, best.params)
-    line = paste_line(plan["fixed"], best.params, sweeper.recipe)
+    line = paste_line(plan["fixed"], best.params, sweeper.recipe, config_dir(sweeper.config))
     print("\n".join(lines), "", "the recipe found (paste it):", line, sep="\n", flush=True)
     _write(sweep_dir, results | {"best_params": dict(best.params), "best_value": best.value,
                                  "verification": record, "command": line})
