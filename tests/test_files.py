@@ -79,3 +79,39 @@ def test_two_runs_started_in_the_same_second_get_a_folder_each(tmp_path):
     third = jobdir._new_folder(dated, remember=False)
     assert (first, second, third) == (dated, dated.with_name("16-40-01-2"), dated.with_name("16-40-01-3"))
     assert all(p.is_dir() for p in (first, second, third))
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("refusal", ["another text", "a damaged checkpoint"])
+def test_a_refused_continuation_leaves_the_finished_run_as_it_was(tmp_path, refusal):
+    """A finished run continued to more steps (``hydra.run.dir=<its folder>``), refused after its checkpoint was found
+    -- the text has another vocabulary, or the newest checkpoint (one without checksums) is damaged -- exits 2 with
+    one ``error:`` line and leaves every file of the folder byte for byte: summary.json, metrics.jsonl, .hydra/,
+    runner.log (the refusal used to come after the tracker had dropped summary.json and Hydra rewrote .hydra/)."""
+    from conftest import run_here
+
+    text = make_tiny_text(tmp_path / "tiny.txt")
+    job = tmp_path / "job"
+    common = [*TINY_LOOP, *TINY_GPT, "checkpoint.every_steps=2", f"hydra.run.dir={job}"]
+    first = run_here(*common, f"data.path={text}", cwd=tmp_path)
+    assert first.returncode == 0 and (job / "summary.json").is_file(), first.stderr
+    if refusal == "another text":
+        other = tmp_path / "other.txt"
+        other.write_text(text.read_text().replace("a", "Q"))
+        data = f"data.path={other}"
+    else:
+        data = f"data.path={text}"
+        newest = max((job / "checkpoints").glob("step_*"))
+        (newest / "sha256.json").unlink()  # written by a runner without checksums, or killed before they were
+        shard = next(newest.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = _snapshot(job)
+    refused = run_here(*common, data, "trainer.max_steps=8", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert [ln for ln in refused.stderr.splitlines() if ln.startswith("error:")], refused.stderr
+    after = _snapshot(job)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert changed == [], changed

@@ -255,7 +255,8 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
     resuming. Returns the parts with these in place.
 
     Raises:
-        ConfigError: a checkpoint written by another world size, a vocabulary that differs from the checkpoint's.
+        ConfigError: a checkpoint written by another world size, a vocabulary that differs from the checkpoint's, a
+            checkpoint that does not load; each before the tracker opens, so a refused run changes nothing there.
     """
     cfg, env, job_dir, data = parts.cfg, parts.env, parts.job_dir, parts.data
     ck = resume.settings(cfg.checkpoint)
@@ -265,22 +266,14 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
         raise ConfigError(f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes "
                           f"and this run has {env.world_size}; exact resume needs the same world size (same launch), "
                           f"or start fresh with checkpoint.resume=never in a new folder")
-    tracker = (Tracker(job_dir, cfg, parts.resolved, total, sweep_group(),
-                       resume_step=point.step if point.stale_rows else None,
-                       wandb_run_id=point.meta.get("wandb_run_id"), mlflow_run_id=point.meta.get("mlflow_run_id"))
-               if env.is_main else NullTracker())
     if data.vocab is not None and point.path is not None:  # data.path may move, but must hold the same text
         agree(lambda: text.check_vocab(data.vocab, cfg.data.path, point.meta, point.path), env)
-    if env.is_main and data.vocab is not None:
-        text.save_vocab(data.vocab, job_dir)
-    if env.is_main and data.codec is not None and data.codec.note:
-        print(f"note: {data.codec.note}", flush=True)  # data=tokens: why samples.txt holds token ids
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     checkpointer = checkpoint.Checkpointer(job_dir / checkpoint.FOLDER, every_steps=ck["every_steps"],
                                            every_minutes=ck["every_minutes"], keep_last=ck["keep_last"],
                                            async_save=ck["async"], is_main=env.is_main)
-    parts = dataclasses.replace(parts, tracker=tracker, checkpointer=checkpointer, at_end=ck["at_end"],
+    parts = dataclasses.replace(parts, checkpointer=checkpointer, at_end=ck["at_end"],
                                 preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
                                 gate=gate)
     if cfg.compile.mode or cfg.compile.optimizer:  # before the first compile: the resumed job's cache, the shared one
@@ -295,6 +288,17 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
             if watch is not None:
                 watch.restore(state.monitors.get(key))
         state.restart_lost_time_s += max(0.0, time.time() - float(point.meta.get("time", time.time())))
+    # every refusal (world size, vocabulary, a checkpoint that does not load) is behind: only now does the run change
+    # its folder (a finished run's summary.json and metrics stay as they were when a continuation is refused)
+    parts.tracker = (Tracker(job_dir, cfg, parts.resolved, total, sweep_group(),
+                             resume_step=point.step if point.stale_rows else None,
+                             wandb_run_id=point.meta.get("wandb_run_id"),
+                             mlflow_run_id=point.meta.get("mlflow_run_id"))
+                     if env.is_main else NullTracker())
+    if env.is_main and data.vocab is not None:
+        text.save_vocab(data.vocab, job_dir)
+    if env.is_main and data.codec is not None and data.codec.note:
+        print(f"note: {data.codec.note}", flush=True)  # data=tokens: why samples.txt holds token ids
     if point.path is not None or point.stale_rows:  # an earlier attempt stopped early: counted outside checkpoints
         state.restarts = agree(lambda: resume.record_restart(job_dir, state.restarts), env)
         if env.is_main:

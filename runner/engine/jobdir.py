@@ -178,15 +178,18 @@ def _remember(folder: Path) -> None:
     files = {p.name: p.read_bytes() for p in hydra.iterdir() if p.is_file() and not p.is_symlink()} \
         if hydra.is_dir() and not hydra.is_symlink() else {}
     made = [folder, *[p for p in folder.absolute().parents if not p.exists()]]  # this run makes these folders
+    log = folder / "runner.log"
     _before.update(folder=folder, existed=folder.is_dir(), files=files, made=made,
-                   listing=_listing(folder) if folder.is_dir() else {})
+                   listing=_listing(folder) if folder.is_dir() else {},
+                   log_size=log.lstat().st_size if log.is_file() and not log.is_symlink() else None)
 
 
 def undo_refused_run() -> None:
     """After ``python -m runner`` refused its config (a ``ConfigError`` before the run wrote anything of its own):
     leave the folder as it was. A folder this run created is removed; in one it found (a finished run's), the
-    ``.hydra/`` that Hydra rewrote gets its files back byte for byte. Nothing when the run wrote anything besides
-    ``.hydra/``, ``runner.log`` and the lock, or when no single run was started in this process."""
+    ``.hydra/`` that Hydra rewrote gets its files back byte for byte and ``runner.log`` its length. Nothing when the
+    run wrote anything besides ``.hydra/``, ``runner.log`` and the lock, or when no single run was started in this
+    process."""
     import shutil
 
     folder = _before.pop("folder", None)
@@ -213,6 +216,16 @@ def undo_refused_run() -> None:
                       "wb") as f:
                 f.write(data)
             os.replace(tmp, hydra / name)
+    log = folder / "runner.log"  # the refused run's lines (Hydra's log, the console) go; the earlier run's stay
+    if log.is_file() and not log.is_symlink():
+        if _before["log_size"] is None:
+            log.unlink()
+        else:
+            fd = os.open(log, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.ftruncate(fd, min(_before["log_size"], os.fstat(fd).st_size))
+            finally:
+                os.close(fd)
 
 
 def _refuse(e: ConfigError) -> None:
