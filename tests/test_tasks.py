@@ -214,13 +214,19 @@ def test_a_users_own_task_trains_float_targets_the_same_way(tmp_path):
 
 
 def test_a_tasks_own_arguments_and_metrics_reach_it_and_the_console(tmp_path):
-    """``+task.<key>`` are a task's constructor arguments when the task is the user's own (the protocol says so); its
-    own metric (``eval_mae``) shows on the console's evaluation line beside ``eval_loss``; a wrong argument is one
-    line naming the target and the argument."""
+    """A task's keys are its constructor arguments when the task is the user's own (the protocol says so), from a
+    task config file of one's own (``--config-dir``) as from the command line (``+task.<key>``); its own metric
+    (``eval_mae``) shows on the console's evaluation line beside ``eval_loss``; a wrong argument, in either place, is
+    one line naming the target and the argument (the config file's used to be Hydra's raw error, exit 1)."""
     own = [*REGRESSION, "task._target_=user_data.WeightedRegression", "trainer.max_steps=10",
            "trainer.progress=lines", "logger=none"]
+    configs = tmp_path / "my-configs"
+    (configs / "task").mkdir(parents=True)
+    (configs / "task" / "weighted.yaml").write_text(
+        "defaults: [base_task, _self_]\n_target_: user_data.WeightedRegression\nweight: 2\n")
+    from_file = ["--config-dir", str(configs), *(o for o in own if not o.startswith("task")), "task=weighted"]
     (tmp_path / "a").mkdir()
-    proc = run_here(*own, "+task.weight=2", cwd=tmp_path / "a")
+    proc = run_here(*from_file, cwd=tmp_path / "a")
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = [r for r in metrics_rows(next((tmp_path / "a").rglob("summary.json")).parent) if r["step"] == 10
               and "eval_mae" in r]
@@ -233,6 +239,12 @@ def test_a_tasks_own_arguments_and_metrics_reach_it_and_the_console(tmp_path):
     assert weighted / plain == pytest.approx(2, rel=0.05)
     (tmp_path / "c").mkdir()
     wrong = run_here(*own, "+task.weigth=2", cwd=tmp_path / "c")
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
+        "error: task._target_='user_data.WeightedRegression' raised TypeError: WeightedRegression.__init__() got an "
+        "unexpected keyword argument 'weigth' (called with weigth=2)"]
+    (configs / "task" / "weighted.yaml").write_text(
+        "defaults: [base_task, _self_]\n_target_: user_data.WeightedRegression\nweigth: 2\n")
+    wrong = run_here(*from_file, cwd=tmp_path / "c")
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
         "error: task._target_='user_data.WeightedRegression' raised TypeError: WeightedRegression.__init__() got an "
         "unexpected keyword argument 'weigth' (called with weigth=2)"]

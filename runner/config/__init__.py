@@ -450,7 +450,7 @@ OPTION_SCHEMAS = {
     "task": {"language_model": LanguageModelTaskConfig},
 }
 #: Schemas whose nodes accept keys they do not declare (a user's constructor/function arguments).
-OPEN = (ModelConfig, CustomDataConfig, HFCausalLMConfig)
+OPEN = (ModelConfig, CustomDataConfig, HFCausalLMConfig, TaskConfig)
 
 
 def open_node(schema: type) -> DictConfig:

@@ -115,14 +115,15 @@ def _refuse_undeclared_keys(cfg: DictConfig) -> None:
 
     for name, node in cfg.items():
         schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
-        if not dataclasses.is_dataclass(schema) or OmegaConf.is_struct(node) is False:
-            continue  # not a schema'd node, or an open one (its builder checks the names)
-        if name == "task" and not str(node.get("_target_") or "").startswith("runner."):
-            continue  # a task of your own: +task.<key> are its constructor's arguments (runner.task.build checks)
+        own_task = name == "task" and str(node.get("_target_") or "").startswith("runner.")
+        if not dataclasses.is_dataclass(schema) or (OmegaConf.is_struct(node) is False and not own_task):
+            continue  # not a schema'd node, or an open one (its builder checks the names): a task of your own's keys
+            # are its constructor's arguments (runner.task.build checks), runner's own tasks take what they declare
         declared = [f.name for f in dataclasses.fields(schema)]
+        why = f"{node.get('_target_')} takes no such argument" if own_task else "added with '+', it would be ignored"
         for key in node.keys():
             if key not in declared:
-                raise ConfigError(undeclared_key(name, str(key), declared, "added with '+', it would be ignored"))
+                raise ConfigError(undeclared_key(name, str(key), declared, why))
 
 
 #: The names PyTorch Lightning's Trainer and the Hugging Face Trainer give runner's settings: a key of theirs typed as
