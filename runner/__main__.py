@@ -61,6 +61,12 @@ def _one_line_compose_errors() -> None:
             except KeyboardInterrupt:  # while composing or starting a launcher (a job's own Ctrl-C is _train's)
                 print("error: interrupted (Ctrl-C) before any job started training", file=sys.stderr)
                 sys.exit(130)
+            except Exception as e:  # a full disk or a read-only folder, at any write (Hydra's .hydra/ too)
+                message = _unwritable(e)
+                if message is None:
+                    raise
+                print(f"error: {message}", file=sys.stderr)
+                sys.exit(2)
         return report(translated)
 
     run_and_report.runner_one_line = True  # type: ignore[attr-defined]
@@ -74,9 +80,9 @@ def main(cfg: DictConfig) -> float | None:
     """Train the composed job; return what a Hydra sweeper optimizes: the summary's ``optimized_metric``
     (runner/objective.py: a run that missed its target returns twice what it spent), samples/s when it is null.
 
-    Exit status: 2 for bad input (``ConfigError``), 3 for a diverged run (``TrainingDiverged``; inside a
-    multirun the sweep goes on and the job returns None, not a figure), 75 after a preemption checkpoint (a
-    signal or Ctrl-C), 130 after a second Ctrl-C (no checkpoint).
+    Exit status: 2 for bad input (``ConfigError``) or an output that cannot be written (a full disk), 3 for a
+    diverged run (``TrainingDiverged``; inside a multirun the sweep goes on and the job returns None, not a figure),
+    75 after a preemption checkpoint (a signal or Ctrl-C), 130 after a second Ctrl-C (no checkpoint).
     """
     from runner.launch import discover
     from runner.track import console_to_log, job_folder
@@ -118,6 +124,37 @@ def _train(cfg: DictConfig) -> float | None:
               f"started); the last complete checkpoint, if any, is intact and the same command with "
               f"hydra.run.dir={job_folder().resolve()} resumes from it", file=sys.stderr)
         sys.exit(130)
+
+
+def _unwritable(e: BaseException) -> str | None:
+    """The one line for an output that could not be written (a full disk, a read-only or foreign folder): what,
+    where, the last complete checkpoint (kept: checkpoints are written to a partial folder and renamed) and the
+    command that resumes from it; None for any other failure."""
+    from pathlib import Path
+
+    from runner.checkpoint import FOLDER, latest, write_failures
+    from runner.engine.jobdir import started_folder
+    from runner.track import job_folder
+
+    try:
+        job: Path | None = job_folder().resolve()
+    except Exception:  # noqa: BLE001 - Hydra's run ended (it resets its config): the folder runner started it in
+        job = started_folder()
+        job = job.resolve() if job is not None else None
+    found = write_failures.unwritable(e, job or Path.cwd())
+    if found is None:
+        return None
+    why, path = found
+    where = path or job or Path.cwd()
+    free = f" ({write_failures.describe_free(Path(where))})" if "disk" in why else ""
+    fix = "free space there" if "disk" in why else f"make {Path(where).parent} writable"
+    kept = latest(job / FOLDER) if job is not None and (job / FOLDER).is_dir() else None
+    if kept is not None:
+        then = f"the last complete checkpoint, {kept}, is kept; {fix} and run the same command with " \
+               f"hydra.run.dir={job} to resume from it"
+    else:
+        then = f"no checkpoint was written; {fix} (or run into another folder: hydra.run.dir) and run it again"
+    return f"{why}: could not write {where}{free}; {then}"
 
 
 def _pruning(cfg: DictConfig):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_GPT, TINY_LOOP, make_tiny_text, run_tiny
+from conftest import TINY_GPT, TINY_LOOP, make_tiny_text, read_summary, run_tiny
 
 RUNNER = Path(__file__).resolve().parent.parent / "runner"
 #: A raw write: ``write_text``/``write_bytes``, ``open(..., "w"|"a"|"x")``, ``Path.open("w")``, numpy's ``tofile``,
@@ -115,3 +115,93 @@ def test_a_refused_continuation_leaves_the_finished_run_as_it_was(tmp_path, refu
     after = _snapshot(job)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert changed == [], changed
+
+
+# ----------------------------------------------------------------------------- outputs that cannot be written
+def _one_error_line(proc) -> str:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    return line
+
+
+def test_a_disk_full_while_logging_is_one_line_and_the_same_command_resumes(tmp_path, monkeypatch):
+    """The disk fills mid-run (the metrics row of step 3 cannot be written): one ``error:`` line naming the folder,
+    the last complete checkpoint (step 2, kept) and the command; once space is back the same command resumes from
+    it and finishes the run."""
+    import errno
+
+    from conftest import TINY, run_here
+    from runner.track import Tracker
+
+    job = tmp_path / "job"
+    command = [*TINY, "trainer.max_steps=6", "trainer.log_every=1", "checkpoint.every_steps=2", f"hydra.run.dir={job}"]
+    log = Tracker.log
+
+    def full_at_step_3(self, row):
+        if row["step"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        log(self, row)
+
+    monkeypatch.setattr(Tracker, "log", full_at_step_3)
+    line = _one_error_line(run_here(*command, cwd=tmp_path))
+    assert line.startswith("error: disk full: could not write ") and str(job) in line
+    assert f"the last complete checkpoint, {job / 'checkpoints' / 'step_00000002'}, is kept" in line
+    assert f"hydra.run.dir={job}" in line and not (job / "summary.json").exists()
+    monkeypatch.setattr(Tracker, "log", log)  # space is back
+    again = run_here(*command, cwd=tmp_path)
+    assert again.returncode == 0 and "resumed from" in again.stdout and "step 2" in again.stdout, again.stderr
+    assert read_summary(job)["steps"] == 6
+
+
+def test_a_read_only_checkpoint_folder_is_one_line_keeping_the_last_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint folder that cannot be written (read-only: what DCP's writer raises there) stops the run with one
+    line that says so and names the kept checkpoint; nothing partial is left."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    from conftest import TINY, run_here
+
+    job = tmp_path / "job"
+    command = [*TINY, "trainer.max_steps=4", "checkpoint.every_steps=2", f"hydra.run.dir={job}"]
+    write_data = filesystem._FileSystemWriter.write_data
+    saves = []
+
+    def read_only_after_the_first(self, plan, planner):
+        saves.append(1)
+        if len(saves) > 1:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(filesystem._FileSystemWriter, "write_data", read_only_after_the_first)
+    line = _one_error_line(run_here(*command, cwd=tmp_path))
+    assert line.startswith(f"error: read-only file system: could not write checkpoint {job / 'checkpoints'}")
+    assert f"the last complete checkpoint, {job / 'checkpoints' / 'step_00000002'}, is kept" in line
+    assert [p.name for p in (job / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_a_full_disk_at_hydra_s_own_files_or_the_final_weights_is_one_line(tmp_path, monkeypatch):
+    """Hydra's ``.hydra/`` files (written before runner's code runs) and the final weights (safetensors reports a
+    full disk as its own ``SafetensorError ... (os error 28)``) on a full disk: one line each, status 2."""
+    import errno
+
+    import hydra.core.utils
+    import safetensors.torch
+
+    from conftest import TINY, run_here
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(hydra.core.utils, "_save_config", full)
+        line = _one_error_line(run_here(*TINY, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path))
+    assert line.startswith(f"error: disk full: could not write {tmp_path / 'a'}") and "no checkpoint" in line
+
+    def rust_full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", rust_full)
+    line = _one_error_line(run_here(*TINY, f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path))
+    assert line.startswith(f"error: disk full while writing {tmp_path / 'b' / 'model.safetensors'}")
+    assert not (tmp_path / "b" / "model.safetensors").exists() and not (tmp_path / "b" / "model.partial").exists()

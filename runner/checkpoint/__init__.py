@@ -307,9 +307,9 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Path | No
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # safetensors creates 0600: the weights get a new file's usual mode
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - safetensors' own SafetensorError says "(os error 28)" for a full disk
         tmp.unlink(missing_ok=True)
-        if write_failures.disk_full(e, path.parent):
+        if write_failures.disk_full(e, path.parent) or "(os error 28)" in str(e):
             raise ConfigError(f"disk full while writing {path} ({write_failures.describe_free(path.parent)}); free "
                               f"space there and run the same command with hydra.run.dir={path.parent} to finish from "
                               f"the last checkpoint") from e
@@ -422,6 +422,14 @@ class Checkpointer:
                     + (f"the last complete one, {kept}, is kept" if kept else "there is no earlier checkpoint")
                     + "; free space there (or lower checkpoint.keep_last, or put hydra.run.dir on a larger disk) and "
                       "run the same command with hydra.run.dir=<this job folder> to resume") from e
+            found = write_failures.unwritable(e, self.root)
+            if found is not None:  # a read-only or foreign folder
+                kept = latest(self.root)
+                raise ConfigError(
+                    f"{found[0]}: could not write checkpoint {partial}; "
+                    + (f"the last complete checkpoint, {kept}, is kept" if kept else "there is no earlier checkpoint")
+                    + f"; make {self.root} writable and run the same command with hydra.run.dir=<this job folder> "
+                      f"to resume") from e
             raise
 
     def _publish(self, partial: Path, final: Path) -> None:

@@ -64,6 +64,25 @@ def disk_full(exc: BaseException, where: Path) -> bool:
     return False
 
 
+#: errno -> what it says of an output that cannot be written; and what a library's message says for it (safetensors'
+#: Rust errors carry "(os error 28)", not an OSError)
+UNWRITABLE = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",
+              errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
+UNWRITABLE_TEXT = {f"(os error {n})": why for n, why in UNWRITABLE.items()}
+
+
+def unwritable(exc: BaseException, where: Path) -> tuple[str, str | None] | None:
+    """Why ``exc`` (anything behind it) is an output that could not be written -- ``"disk full"``, ``"read-only file
+    system"``, ... -- and the file it names (None when unknown); None for any other failure."""
+    for e in causes(exc):
+        if isinstance(e, OSError) and e.errno in UNWRITABLE:
+            return UNWRITABLE[e.errno], (str(e.filename) if e.filename else None)
+        for text, why in UNWRITABLE_TEXT.items():
+            if text in str(e):
+                return why, None
+    return ("disk full", None) if disk_full(exc, where) else None
+
+
 def interrupted(exc: BaseException) -> bool:
     """Whether a ``KeyboardInterrupt`` (a second Ctrl-C) is behind ``exc`` (DCP wraps it too)."""
     return any(isinstance(e, KeyboardInterrupt) for e in causes(exc))

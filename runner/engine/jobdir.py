@@ -105,8 +105,13 @@ def acquire(folder: Path) -> bool:
                           f"there") from e
     info = {"pid": os.getpid(), "host": socket.gethostname(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": _command()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    except OSError as e:  # a full disk: the lock opens, but its line does not fit
+        os.close(fd)
+        raise ConfigError(f"cannot write the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): free space "
+                          f"there, or run into another folder (hydra.run.dir)") from e
     _held[key] = fd
     return True
 
@@ -182,6 +187,12 @@ def _remember(folder: Path) -> None:
     _before.update(folder=folder, existed=folder.is_dir(), files=files, made=made,
                    listing=_listing(folder) if folder.is_dir() else {},
                    log_size=log.lstat().st_size if log.is_file() and not log.is_symlink() else None)
+
+
+def started_folder() -> Path | None:
+    """The folder of the single run this process started (``python -m runner``, rank 0), once Hydra's run of it
+    ended (``HydraConfig`` is reset then); None otherwise."""
+    return _before.get("folder")
 
 
 def undo_refused_run() -> None:

@@ -154,7 +154,8 @@ class Tracker:
         ``exit_code`` says which (``runner.errors.EXIT_PREEMPTED`` for a preemption, 130 for Ctrl-C)."""
         if self.bar is not None:
             self.bar.close()
-        self._metrics.close()
+        with contextlib.suppress(OSError):  # the failure may be this file's (a full disk): it is closed all the same
+            self._metrics.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
         for logger in self.loggers:
