@@ -50,6 +50,17 @@ def replace_own(path: Path | str, data: str | bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def own_folder(path: Path | str) -> Path:
+    """``path`` as a folder of the job's own, made when missing (with its parents): a link there (a copied folder's
+    ``checkpoints`` pointing elsewhere) is removed first, so what runner writes, renames and prunes inside stays in
+    the job folder. Returns the path; raises OSError as ``mkdir`` does."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def private_dir(name: str) -> Path:
     """``<tmp>/<name>-<uid>``: a scratch folder of this user's own (mode 0700), made on first use. One that is a link,
     belongs to another user or is open to others is refused: someone else made it, to see or steer what is written

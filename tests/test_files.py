@@ -51,6 +51,24 @@ def test_links_planted_at_a_job_s_write_sites_leave_their_targets_unchanged(tmp_
     assert not any((job / name).is_symlink() for name in sites)
 
 
+def test_links_planted_at_a_job_s_folders_leave_their_targets_unchanged(tmp_path):
+    """``checkpoints/``, ``best/`` and ``tensorboard/`` planted as links to a folder of someone's: the run makes
+    folders of its own there, so its pruning (``checkpoint.keep_last=1``) and writes never touch the target."""
+    victim = tmp_path / "victim"
+    (victim / "step_00000001").mkdir(parents=True)
+    (victim / "step_00000001" / "data").write_text("precious\n")
+    job = tmp_path / "job"
+    job.mkdir()
+    for name in ("checkpoints", "best", "tensorboard"):
+        (job / name).symlink_to(victim, target_is_directory=True)
+    summary = run_tiny(job, *TINY_LOOP, "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+                       "checkpoint.keep_best=true", "trainer.eval_every=2", "logger=tensorboard")
+    assert summary["steps"] == 4
+    assert sorted(p.name for p in victim.rglob("*")) == ["data", "step_00000001"]
+    for name in ("checkpoints", "best", "tensorboard"):
+        assert (job / name).is_dir() and not (job / name).is_symlink() and any((job / name).iterdir()), name
+
+
 def test_the_restart_pointer_lives_in_a_private_folder(tmp_path, monkeypatch):
     """torchrun's restart pointer (the job folder a restarted worker resumes in) is in a temp folder of the user's
     own: a folder of that name open to others, or a link, is refused with one message, since another user's pointer

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from runner.checkpoint import write_failures
 from runner.errors import ConfigError
-from runner.files import replace_own, write_own
+from runner.files import own_folder, replace_own, write_own
 from runner.track.records import sha256_file
 
 # one process without a process group is DCP's supported "no_dist" case (passed explicitly below), not a mistake
@@ -369,7 +369,8 @@ class Checkpointer:
         if self.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # a leftover of a killed run
             with self._write_failures(partial):
-                partial.mkdir(parents=True)
+                own_folder(self.root)  # a link planted at checkpoints/ would have runner prune its target
+                partial.mkdir()
                 write_own(partial / META_FILE, json.dumps({**meta, "step": step}, indent=2, default=str) + "\n")
         _barrier()
         if self.async_save:

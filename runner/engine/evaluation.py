@@ -11,6 +11,7 @@ import time
 
 from runner import checkpoint
 from runner.engine import loop_guards as guards, monitor
+from runner.files import own_folder
 from runner.track import write_json_atomic
 
 
@@ -84,7 +85,7 @@ def _watch(state, parts) -> None:
     if p.best is not None and p.best.observe(state.eval, state.step):
         best_dir = p.job_dir / "best"
         if p.env.is_main:
-            best_dir.mkdir(exist_ok=True)
+            own_folder(best_dir)
         checkpoint.save_weights(p.model, best_dir / "model.safetensors", p.env.is_main)
         if p.env.is_main:
             write_json_atomic(best_dir / "best.json", {"metric": p.best.metric, "value": p.best.best,

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import EXIT_PREEMPTED
-from runner.files import open_own
+from runner.files import open_own, own_folder
 from runner.track.records import panel_figures, reachable, summary_figures, to_json
 
 
@@ -32,7 +32,8 @@ class TensorBoardLogger:
     def __init__(self, log_dir: Path, resolved: dict, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir), purge_step=None if resume_step is None else resume_step + 1)
+        self.writer = SummaryWriter(str(own_folder(log_dir)),  # a link planted at tensorboard/ is not followed
+                                    purge_step=None if resume_step is None else resume_step + 1)
         self.writer.add_text("config", _code_block(OmegaConf.to_yaml(resolved)), global_step=0)
         self.step = 0
 
