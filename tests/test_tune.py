@@ -247,3 +247,15 @@ def test_a_new_tuner_is_one_registry_entry(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.glob("fake.*")) == ["fake.csv", "fake.json", "fake.md", "fake.png"]
     assert capsys.readouterr().out.strip().endswith("override: fake.x=2")
     assert "  fake         a tuner for this test" in usage() and "{batch_size,lr,dataloader,speed,fake}" in usage()
+
+
+def test_a_tuner_named_after_its_options_is_refused_with_the_command_in_order():
+    """``python -m runner.tune --config-dir my-configs speed ...`` (the tuner after an option): one line that says the
+    tuner comes first and gives the command reordered, not "unknown tuner '--config-dir'"."""
+    from runner.tune.__main__ import parse_args
+
+    with pytest.raises(ConfigError) as caught:
+        parse_args(["--config-dir", "my configs", "speed", "+experiment=tab"])
+    assert str(caught.value) == ("the tuner's name comes first, before --config-dir and every override: "
+                                 "python -m runner.tune speed --config-dir 'my configs' +experiment=tab")
+    assert parse_args(["speed", "--config-dir", "c", "x=1"]) == ("speed", None, ["--config-dir", "c", "x=1"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import time
 
@@ -155,7 +156,9 @@ def test_the_override_follows_the_verdict_end_to_end(tmp_path):
     assert low <= speedup <= high
     tuned = out / "experiment" / "tuned.yaml"
     if measured[0]["verdict"] == "helps":
-        assert proc.stdout.strip().splitlines()[-1] == "override: debug.name=anomaly" and "anomaly" in tuned.read_text()
+        *_, override, run_it = proc.stdout.strip().splitlines()
+        assert override == "override: debug.name=anomaly" and "anomaly" in tuned.read_text()
+        assert run_it.startswith("run it: python -m runner ") and run_it.endswith(" debug.name=anomaly")
     else:
         assert proc.stdout.strip().splitlines()[-1] == "override: (no change)"
         assert not tuned.exists()  # no change: no preset to apply
@@ -192,9 +195,12 @@ def test_a_switch_of_known_cost_is_picked_verified_and_written_as_a_preset(tmp_p
     """The job runs with anomaly detection on and a step of known cost (``KNOWN_COST``): turning it off is x2.5 by
     construction, so the round, the verification and the preset must all say so, on a quiet machine or a busy one."""
     (tmp_path / "known_cost.py").write_text(KNOWN_COST)
+    (tmp_path / "my-configs" / "model").mkdir(parents=True)  # the model is an option of the user's own configs
+    (tmp_path / "my-configs" / "model" / "spin.yaml").write_text(
+        "defaults: [base_model, _self_]\n_target_: known_cost.Spin\nms: 40\n")
     out = tmp_path / "out"
-    job = [*TINY, "model._target_=known_cost.Spin", "+model.ms=40", "debug=anomaly", "trainer.max_steps=2000"]
-    proc = run_cli("speed", "--out", str(out), *job, *QUICK, "tune.only=[]",
+    job = [*TINY, "model=spin", "debug=anomaly", "trainer.max_steps=2000"]
+    proc = run_cli("speed", "--out", str(out), "--config-dir", "my-configs", *job, *QUICK, "tune.only=[]",
                    "tune.switches={debug_off: {debug.name: 'off'}}", cwd=tmp_path, module="runner.tune", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "speed.json").read_text())
@@ -205,9 +211,13 @@ def test_a_switch_of_known_cost_is_picked_verified_and_written_as_a_preset(tmp_p
     assert result["recommended"]["switches"] == ["debug_off"] and result["recommended"]["ci_low"] > 1
     preset = (out / "experiment" / "tuned.yaml").read_text()
     assert preset.startswith("# @package _global_") and "debug:\n  name: 'off'" in preset
-    # the preset is usable as the README says: python -m runner +experiment=tuned --config-dir <out>
-    shown = run_cli(*job, "+experiment=tuned", "--config-dir", str(out), "--cfg", "job", cwd=tmp_path, timeout=120)
-    assert shown.returncode == 0 and "name: off" in shown.stdout.replace("'", ""), shown.stdout[-2000:] + shown.stderr
+    # the line the tuner prints to paste, run as printed (from another folder), composes the job it tuned with the pick
+    (line,) = [ln.removeprefix("run it: ") for ln in proc.stdout.splitlines() if ln.startswith("run it: ")]
+    assert line.startswith(f"python -m runner --config-dir {tmp_path / 'my-configs'} ") and "tune." not in line
+    (tmp_path / "elsewhere").mkdir()
+    shown = run_cli(*shlex.split(line)[3:], "--cfg", "job", cwd=tmp_path / "elsewhere", timeout=120)
+    assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr
+    assert "name: off" in shown.stdout.replace("'", "") and "_target_: known_cost.Spin" in shown.stdout
 
 
 def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):

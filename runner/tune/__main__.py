@@ -4,6 +4,7 @@ Hydra as ``python -m runner`` does and run one tuner of ``runner.tune.TUNERS`` (
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 
@@ -51,6 +52,10 @@ def parse_args(args: list[str]) -> tuple[str, str | None, list[str]]:
     Raises:
         ConfigError: no or an unknown tuner, ``--out`` without a folder, a multirun (``-m``).
     """
+    if args and args[0] not in TUNERS and (named := [a for a in args if a in TUNERS]):
+        reordered = " ".join(shlex.quote(a) for a in [named[0], *(a for a in args if a != named[0])])
+        raise ConfigError(f"the tuner's name comes first, before {args[0]} and every override: "
+                          f"python -m runner.tune {reordered}")
     if not args or args[0] not in TUNERS:
         given = f"unknown tuner {args[0]!r}" if args else "no tuner named"
         raise ConfigError(f"{given}: use one of {', '.join(TUNERS)}, e.g. python -m runner.tune batch_size "

@@ -384,7 +384,9 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
     md = [f"# runner.tune {kind}", "", f"model `{cfg.model._target_}`, data `{cfg.data.name}`, device "
           f"{result['device']}, {result['world_size']} process(es)", "",
           markdown_table(tuner, rows, rec, max_rows=tuner.console_rows and 2 * tuner.console_rows), "",
-          f"**override:** `{result['override']}`", "", *[f"- {n}" for n in result["notes"]], ""]
+          f"**override:** `{result['override']}`", "",
+          *([f"**run it:** `{result['command']}`", ""] if result.get("command") else []),
+          *[f"- {n}" for n in result["notes"]], ""]
     md_path = out / f"{kind}.md"
     write_own(md_path, "\n".join(md))
     png_path = out / f"{kind}.png"
@@ -451,6 +453,8 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path, started_s: float | None = None
                 print(note if note.startswith("warning:") else f"note: {note}")
             print(f"\nwrote {', '.join(p.name for p in paths)} in {out}")
             print(f"override: {result['override']}", flush=True)
+            if result.get("command"):
+                print(f"run it: {result['command']}", flush=True)
         return result
     finally:
         distributed.teardown()

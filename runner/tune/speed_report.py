@@ -119,6 +119,7 @@ def result(search, picked: list[Switch], verified: Any) -> dict[str, Any]:
                    "ci_low": verified.low if picked and verified else None,
                    "ci_high": verified.high if picked and verified else None}
     notes = search.notes
+    cache = search.preset_cache(picked) if picked else None
     if picked:
         override = " ".join(o for s in picked for o in s.overrides)
         notes.insert(0, f"the pick {'+'.join(s.name for s in picked)}: ×{verified.estimate:.3f} "
@@ -148,5 +149,24 @@ def result(search, picked: list[Switch], verified: Any) -> dict[str, Any]:
             "rounds": [{"title": r.title, "aa": paired_cells(r.aa), "stopped": r.stopped, "failed": r.failed}
                        for r in search.rounds],
             "objective": search.t.objective, "job_steps": search.job_steps,
-            "files": {"experiment/tuned.yaml": picked and tuned_yaml(picked, recommended, search.t.objective,
-                                                                     search.preset_cache(picked))}}
+            "command": run_line(picked, cache) if picked else None,
+            "files": {"experiment/tuned.yaml": picked and tuned_yaml(picked, recommended, search.t.objective, cache)}}
+
+
+def run_line(picked: list[Switch], cache: Path | None) -> str | None:
+    """The command that trains the job with the pick, to paste: ``python -m runner`` with the tuner command's own
+    ``--config-dir`` and overrides (less the tuner's ``tune.*`` and ``interleave.*``), then the pick's overrides
+    (last: they win, as the tuner applied them over your configuration) and ``compile.cache`` naming the preset's
+    compiled code. None outside a Hydra app."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    yours = [o for o in hydra.overrides.task if not o.lstrip("+~").startswith(("tune.", "interleave."))]
+    where = [s.path for s in OmegaConf.select(hydra, "runtime.config_sources") or [] if s.provider == "command-line"]
+    words = [*(["--config-dir", str(Path(where[0]).resolve())] if where else []), *yours,
+             *(o for s in picked for o in s.overrides), *([f"compile.cache={cache.resolve()}"] if cache else [])]
+    return "python -m runner " + " ".join(shlex.quote(w) for w in words)
