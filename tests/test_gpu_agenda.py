@@ -23,16 +23,17 @@ def test_gpu_agenda_dry_run(tmp_path):
     corpus.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9)) for i in range(4000)))
     out = tmp_path / "out"
     env = os.environ | {"DRY": "1", "OUT": str(out), "GPT_TEXT": str(corpus), "NANOGPT": str(tmp_path / "none")}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "tune_gpt", "aa_gpt", "race", "tune_r18"], cwd=REPO_ROOT,
+    # (tune_r18 is the same tuner command as tune_gpt on another model: left out of CI, a minute of two busy cores)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "tune_gpt", "aa_gpt", "race"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
-    assert status == {"tune_gpt": "0", "aa_gpt": "0", "race": "0", "tune_r18": "0"}, proc.stdout[-4000:]
+    assert status == {"tune_gpt": "0", "aa_gpt": "0", "race": "0"}, proc.stdout[-4000:]
 
     with tarfile.open(out / "logs.tgz") as tar:
         names = tar.getnames()
         assert "runs/tune_gpt/experiment/tuned.yaml" not in names  # no round fits the budget: no change, no preset
-        assert "runs/tune_r18/speed.md" in names
+        assert "runs/tune_gpt/speed.md" in names
         assert "runs/aa_gpt/report.md" in names
         report = tar.extractfile("runs/aa_gpt/report.md").read().decode()
     assert "**Noise (A/A):** the reference against its copy `0-aa`" in report
