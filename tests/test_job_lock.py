@@ -54,6 +54,7 @@ def test_a_second_run_into_a_running_jobs_folder_is_refused_and_writes_nothing(t
         assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
         assert lines[0].startswith(f"error: the job folder {folder} is in use by another run: pid {first.pid} on ")
         assert "started 20" in lines[0] and "python -m runner" in lines[0]
+        assert f"(drop hydra.run.dir={folder} for a new one)" in lines[0]  # what the user typed
         assert first.poll() is None  # the first run was running all along
         assert {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()} == hydra_files  # lr 0.01 still
         assert (folder / jobdir.LOCK_FILE).read_text() == lock

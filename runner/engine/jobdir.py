@@ -72,9 +72,10 @@ def holder(folder: Path) -> str:
         return "a process that has not written its name yet"
 
 
-def acquire(folder: Path) -> bool:
+def acquire(folder: Path, typed: str | None = None) -> bool:
     """Lock job ``folder`` for this process (creating the folder). True when taken now; False when this process
-    holds it already, or the file system does not support locks (said in one line).
+    holds it already, or the file system does not support locks (said in one line). ``typed``: the command line's
+    override that named the folder (``hydra.run.dir=...``), which the refusal names.
 
     Raises:
         ConfigError: another process holds it (names the holder: pid, host, start time, command) and the fix; the
@@ -100,9 +101,9 @@ def acquire(folder: Path) -> bool:
             print(f"note: cannot lock the job folder {folder} ({e.strerror}): this file system does not support "
                   f"locks, so runs into it are not kept apart", file=sys.stderr, flush=True)
             return False
+        fix = f"drop {typed} for a new one" if typed else "hydra.run.dir=<another folder>"
         raise ConfigError(f"the job folder {folder} is in use by another run: {holder(folder)}; wait for it to end, "
-                          f"or run into another folder (drop hydra.run.dir for a new one). Nothing was written "
-                          f"there") from e
+                          f"or run into another folder ({fix}). Nothing was written there") from e
     info = {"pid": os.getpid(), "host": socket.gethostname(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": _command()}
     try:
@@ -285,14 +286,15 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
         except Exception:  # noqa: BLE001 - a folder Hydra resolves later (${hydra:...}): train() locks it then
             return
         if folder:
-            if not any(o.startswith(f"{key}=") for o in OmegaConf.select(config, "hydra.overrides.hydra") or []):
+            typed = [o for o in OmegaConf.select(config, "hydra.overrides.hydra") or [] if o.startswith(f"{key}=")]
+            if not typed:
                 folder = _new_folder(Path(str(folder)), remember=key == "hydra.run.dir")  # Hydra's dated name
                 with read_write(config.hydra):
                     OmegaConf.update(config, key, str(folder))
             elif key == "hydra.run.dir":
                 _remember(Path(str(folder)))
             try:
-                acquire(Path(str(folder)))
+                acquire(Path(str(folder)), typed[0] if typed else None)
             except ConfigError as e:
                 _refuse(e)
 
