@@ -223,3 +223,25 @@ def test_a_full_disk_at_hydra_s_own_files_or_the_final_weights_is_one_line(tmp_p
     line = _one_error_line(run_here(*TINY, f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path))
     assert line.startswith(f"error: disk full while writing {tmp_path / 'b' / 'model.safetensors'}")
     assert not (tmp_path / "b" / "model.safetensors").exists() and not (tmp_path / "b" / "model.partial").exists()
+
+
+def test_links_planted_where_hydra_writes_a_job_s_files_leave_their_targets_unchanged(tmp_path):
+    """A copied run folder continued (``hydra.run.dir=<it>``): links at ``.hydra/config.yaml``, ``overrides.yaml`` and
+    the job log ``runner.log`` -- files Hydra itself opens through any link -- are removed when the folder is locked,
+    before Hydra writes, so the stand-in ``~/.bashrc`` they point at is unchanged."""
+    from conftest import run_here
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("precious\n")
+    job = tmp_path / "job"
+    common = [*TINY_LOOP, "checkpoint.every_steps=2", "trainer.doctor=false", f"hydra.run.dir={job}"]
+    assert run_here(*common, cwd=tmp_path).returncode == 0
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "runner.log"):
+        (job / name).unlink()
+        (job / name).symlink_to(victim)
+    again = run_here(*common, "trainer.max_steps=8", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert victim.read_text() == "precious\n"
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "runner.log"):
+        assert (job / name).is_file() and not (job / name).is_symlink(), name
+    assert "max_steps: 8" in (job / ".hydra" / "config.yaml").read_text()

@@ -251,6 +251,26 @@ except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks; train() 
     Callback = object  # type: ignore[assignment,misc]
 
 
+#: How deep under a run or sweep folder Hydra writes a job's files (``<sweep>/<subdir>/<seed>/.hydra/config.yaml``)
+PLANTED_DEPTH = 4
+
+
+def drop_planted_links(folder: Path) -> None:
+    """Remove the links a copied folder may hold where Hydra writes each job's files -- ``.hydra/``, its YAML files,
+    the job log (``*.log``) -- in ``folder`` and the job folders under it. Hydra opens them through a link
+    (``hydra.core.utils._save_config``, ``logging.FileHandler``), so this runs first, when the folder is locked."""
+    top = len(folder.parts)
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        for name in [*dirs, *files]:
+            path = here / name
+            if path.is_symlink() and (name == ".hydra" or name.endswith(".log")
+                                      or (here.name == ".hydra" and name.endswith(".yaml"))):
+                path.unlink()
+        if len(here.parts) - top >= PLANTED_DEPTH:
+            dirs.clear()
+
+
 def _new_folder(folder: Path, remember: bool) -> Path:
     """``folder`` (Hydra's dated run or sweep folder, not one the user named), or the first of ``folder-2``,
     ``folder-3``, ... that this process creates: ``mkdir`` is the claim, so two runs started in the same second from
@@ -297,6 +317,7 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
                 acquire(Path(str(folder)), typed[0] if typed else None)
             except ConfigError as e:
                 _refuse(e)
+            drop_planted_links(Path(str(folder)))
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: D102 - the class says it
         from omegaconf import read_write
@@ -308,6 +329,7 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
             self._lock(config, "hydra.run.dir")
             return
         folder, step = found  # its lock is taken; Hydra makes no new folder, run_job reads hydra.run.dir next
+        drop_planted_links(folder)
         _remember(folder)
         with read_write(config.hydra.run):
             config.hydra.run.dir = str(folder)
