@@ -245,3 +245,24 @@ def test_links_planted_where_hydra_writes_a_job_s_files_leave_their_targets_unch
     for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "runner.log"):
         assert (job / name).is_file() and not (job / name).is_symlink(), name
     assert "max_steps: 8" in (job / ".hydra" / "config.yaml").read_text()
+
+
+def test_a_sweep_report_on_a_full_disk_is_one_error_line_naming_the_command_that_writes_it(tmp_path, monkeypatch):
+    """Two jobs finish, then the sweep's report cannot be written (a full disk): one ``error:`` line naming the sweep
+    folder and ``python -m runner.report`` (which writes it once there is room), status 2; the jobs' folders stay."""
+    import errno
+
+    from conftest import TINY, run_here
+    from runner.report import end
+
+    def full(sweep):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(end, "write_plain_report", full)
+    sweep = tmp_path / "sweep"
+    proc = run_here("-m", *TINY, "trainer.max_steps=2", "trainer.doctor=false", "optimizer.lr=0.01,0.02",
+                    f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    line = _one_error_line(proc)
+    assert line.startswith(f"error: disk full: could not write the sweep report in {sweep}")
+    assert line.endswith(f"python -m runner.report {sweep}")
+    assert read_summary(sweep / "0")["steps"] == read_summary(sweep / "1")["steps"] == 2

@@ -1,7 +1,7 @@
 """The end of a plain multirun: the sweep's table and the command that reports it again (``SweepReport``, a Hydra
 callback; docs/configuration.md, "Sweeps"). Only after Hydra's basic launcher (the interleaved launcher and a recipe
 search end with their own tables), rank 0 only; a convergence sweep gets its report (``print_convergence_end``). A
-report that cannot be written costs one line, never the sweep.
+report that cannot be written costs one line, never the sweep (an ``error:`` line and status 2 on a full disk).
 """
 
 from __future__ import annotations
@@ -19,6 +19,24 @@ MEASURE_KEY = "ablation.measure"  # convergence: the sweep's report is the conve
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 
+def _not_written(kind: str, e: Exception, sweep: Path, command: str) -> None:
+    """A report that could not be written: one line. A full disk or a read-only folder is an ``error:`` line and exit
+    status 2 (the jobs' folders are complete; the command writes the report once there is room); anything else a
+    plain line, the sweep's status unchanged."""
+    import sys
+
+    from runner.checkpoint.write_failures import describe_free, unwritable
+
+    found = unwritable(e, sweep)
+    if found is None:
+        print(f"{kind}: not written ({type(e).__name__}: {e}); {command} writes it", flush=True)
+        return
+    free = f" ({describe_free(sweep)})" if "disk" in found[0] else ""
+    print(f"error: {found[0]}: could not write the {kind} in {sweep}{free}; every job's folder is complete: free space "
+          f"there (or make it writable) and run {command}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def print_sweep_end(sweep: Path) -> None:
     """Write the report of the plain sweep in ``sweep`` and print its jobs' table, the files and the report
     command; one line instead when the report cannot be written (the jobs' folders are all there is then)."""
@@ -28,7 +46,7 @@ def print_sweep_end(sweep: Path) -> None:
         table = jobs_table(sweep)
         busy = load_warning(load_sweep(sweep))
     except Exception as e:  # noqa: BLE001 - the jobs are done and their folders written; the report is extra
-        print(f"sweep report: not written ({type(e).__name__}: {e}); {command} writes it", flush=True)
+        _not_written("sweep report", e, sweep, command)
         return
     lines = ["", f"sweep {sweep}, jobs fastest first:", *table]
     if busy:
@@ -48,7 +66,7 @@ def print_convergence_end(sweep: Path) -> None:
         rows = build_variants(sweep)
         written = write_convergence_report(sweep, rows=rows)
     except Exception as e:  # noqa: BLE001 - the seeds are done and their folders written; the report is extra
-        print(f"convergence report: not written ({type(e).__name__}: {e}); {command} writes it", flush=True)
+        _not_written("convergence report", e, sweep, command)
         return
     lines = ["", f"convergence sweep {sweep}, ratios to the baseline:", *table(rows),
              f"wrote {', '.join(str(p) for p in written)}"]
