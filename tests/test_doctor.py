@@ -341,3 +341,27 @@ def test_every_run_ends_with_the_diagnosis_and_verify_measures_a_suggestion(tmp_
     assert float(cells[1].replace(",", "")) == pytest.approx(sugg["samples_per_sec"], abs=0.05)
     assert float(cells[2]) == pytest.approx(sugg["speedup"], abs=0.0005) and cells[4] == sugg["verdict"]
     assert re.search(r"\| the job \(rerun\) \| [\d,.]+ \| 1\.000 \| – \| reference \|", proc.stdout)
+
+
+def test_a_suggestion_from_a_job_run_with_a_config_dir_runs_as_printed_from_another_folder(tmp_path):
+    """A job that ran with ``--config-dir my-configs model=tiny`` (a model option of the user's own): the doctor's
+    suggested command, read back from the job folder, carries the config folder (absolute) and the job's overrides,
+    and runs as printed from another folder."""
+    import shlex
+
+    from conftest import TINY, run_here
+    from runner.doctor.job import load_job
+
+    (tmp_path / "my-configs" / "model").mkdir(parents=True)
+    (tmp_path / "my-configs" / "model" / "tiny.yaml").write_text(
+        "defaults: [base_model, _self_]\n_target_: runner.models.MLP\nhidden: 8\n")
+    job = tmp_path / "job"
+    ran = run_here("--config-dir", "my-configs", *TINY, "model=tiny", "trainer.doctor=false", f"hydra.run.dir={job}",
+                   cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    line = doctor.command(load_job(job), ["debug=off"])
+    assert line.startswith(f"python -m runner --config-dir {tmp_path / 'my-configs'} ") and "model=tiny" in line
+    (tmp_path / "elsewhere").mkdir()
+    shown = run_here(*shlex.split(line)[3:], "--cfg", "job", cwd=tmp_path / "elsewhere")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "_target_: runner.models.MLP" in shown.stdout and "hidden: 8" in shown.stdout
