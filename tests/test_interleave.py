@@ -686,7 +686,7 @@ ON_AND_OFF = "import time\nwhile True:\n    end = time.time() + 0.5\n    while t
 def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_and_off(tmp_path):
     """A step that computes for 200 ms against one that computes for 80 ms (tests/test_tune_speed.py's ``Spin``),
     measured interleaved while two processes load both cores half the time: the interval meets their known ratio
-    and the A/A interval contains 1. The known ratio is (200 + o) / (80 + o): x2.5 but for the rest of the step, o
+    and the A/A interval lies within ±2 %. The known ratio is (200 + o) / (80 + o): x2.5 but for the rest of the step, o
     (data, backward, optimizer; 1-4 ms here, more under the load), so between x2.43 (o = 5 ms) and x2.5. Before
     the slices were calibrated on the fastest of several (runner/compare/conductor.py), such a x2.5 read x1.04."""
     from runner.compare import read
@@ -707,7 +707,10 @@ def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_a
     result = read(record.load(tmp_path / "sweep"))
     ratio, aa = result.intervals["1"], result.aa
     assert ratio.low <= 2.5 and (200 + 5) / (80 + 5) <= ratio.high, ratio
-    assert aa.low <= 1 <= aa.high, aa
+    # the A/A reads no material difference: within ±2 %. (Not "contains 1": steps that end on a wall-clock deadline
+    # repeat to 0.03 %, so a 0.07 % bias of the slice order once made [1.0002-1.0013] "firm", and a 95 % interval
+    # misses 1 one time in twenty anyway)
+    assert 0.98 <= aa.low and aa.high <= 1.02, aa
 
 
 def _descendants(pid: int) -> set[int]:
