@@ -217,6 +217,19 @@ def test_the_search_file_composes():
     assert Path(REPO_ROOT / "conf" / "hydra" / "sweeper" / "search.yaml").is_file()
 
 
+@pytest.mark.parametrize("name", ["mnist_optuna", "gpt_optuna"])
+def test_a_search_file_sets_its_sampler_so_every_optuna_samples_alike(name):
+    """Optuna 5 made multivariate TPE and the constant liar TPESampler's defaults: a search file that left them
+    unset sampled other trials under Optuna 4. Each file sets them (and its seed), and the sampler built from it
+    has them on under the installed Optuna."""
+    from hydra.utils import instantiate
+
+    sampler = search_sweeper(name).sampler
+    assert sampler.multivariate is True and sampler.constant_liar is True and sampler.seed == 1234
+    built = instantiate(sampler)
+    assert built._multivariate is True and built._constant_liar is True
+
+
 def test_the_gpt_search_brings_the_recipe_and_its_own_target():
     """conf/hparams_search/gpt_optuna.yaml composes +experiment=shakespeare_char itself, so the recipe's target
     (1.88) cannot overwrite the search's 1.96, and the space leaves the recipe's optimizer alone."""
