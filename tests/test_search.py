@@ -417,3 +417,44 @@ def test_the_time_pruning_saved_counts_the_evaluations_the_pruned_trials_skipped
     reached = {"stopped_early": "reached the targets: ...", "steps": 400, "total_steps": 1875, "train_time_s": 11.0,
                "eval_time_s": 40.0}
     assert pruning.saved([pruned, reached]) == (1, pytest.approx(1795 * 8.0 / 80))
+
+
+def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path):
+    """A search on a SQLite study was killed (-9) after 2 trials, a third RUNNING (its process gone) and its jobs'
+    folders 0-2 in the sweep folder. The same command marks the dead trial FAILED (it does not count), runs the 2
+    trials left to n_trials=4 into new folders (3, 4: a finished folder is never taken for a new trial) and leaves no
+    RUNNING trial."""
+    import subprocess
+    import sys
+
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from conftest import run_here
+    from runner.tune.search import DEAD, OWNER
+
+    sweep, db = tmp_path / "sweep", f"sqlite:///{tmp_path / 'search.db'}"
+    study = optuna.create_study(storage=db, study_name="s", direction="minimize")
+    lr = {"optimizer.lr": FloatDistribution(0.0001, 0.01, log=True)}
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = {"host": __import__("socket").gethostname(), "pid": int(gone.stdout)}  # a process that has ended
+    for job, value in enumerate((9.0, 8.0)):
+        study.add_trial(optuna.trial.create_trial(params={"optimizer.lr": 0.001}, distributions=lr, value=value,
+                                                  user_attrs={"sweep": str(sweep), "job": job, OWNER: owner}))
+    killed = study.ask(lr)
+    for key, value in (("sweep", str(sweep)), ("job", 2), (OWNER, owner)):
+        killed.set_user_attr(key, value)
+    for job in range(3):
+        (sweep / str(job)).mkdir(parents=True)
+    proc = run_here("-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=4", "trainer.doctor=false", *TINY,
+                    "+hydra.sweeper.params={optimizer.lr: 'tag(log, interval(0.0001, 0.01))'}",
+                    "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", f"hydra.sweeper.storage={db}",
+                    "hydra.sweeper.study_name=s", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "1 trial(s) of a search that died" in proc.stdout and "trial 3/4:" in proc.stdout
+    trials = optuna.load_study(study_name="s", storage=db).trials
+    states = [t.state.name for t in trials]
+    assert states == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"], states
+    assert trials[2].user_attrs["note"] == DEAD
+    assert [t.user_attrs["job"] for t in trials[3:]] == [3, 4]
+    assert all((sweep / str(job) / "summary.json").is_file() for job in (3, 4))

@@ -105,9 +105,12 @@ def listener(cfg: DictConfig) -> Callable[[dict, int, int, int | None], str | No
         return None
     name = figure(cfg)
     study = STUDY if STUDY is not None else _open(sweeper)
-    trial = None if study is None else next(
-        (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("sweep") == str(hc.sweep.dir)
-         and t.user_attrs.get("job") == hc.job.num), None)
+    from optuna.trial import TrialState
+
+    trial = None if study is None else max(  # the running one: a dead search's trial of that job is not it
+        (t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+         if t.user_attrs.get("sweep") == str(hc.sweep.dir) and t.user_attrs.get("job") == hc.job.num),
+        key=lambda t: t.number, default=None)
     if name is None or trial is None:
         print(f"note: hydra.sweeper.pruner: trial {hc.job.num} of this search cannot report to its study (a study "
               f"in memory is not seen from another process: give hydra.sweeper.storage, e.g. sqlite:///search.db); "

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -146,13 +149,20 @@ class SearchSweeper(Sweeper):
         # trials report to it (pruning.py): in memory, those the basic launcher runs here; with a storage, every
         # trial opens it, in this process or another (submitit_slurm)
         pruning.STUDY = study if self.storage is None else None
+        dead = fail_dead_trials(study)
+        if dead:
+            print(f"note: {len(dead)} trial(s) of a search that died (killed) were still RUNNING in the study: "
+                  f"marked FAILED ({', '.join(str(n + 1) for n in dead)}); they do not count", flush=True)
+        self.job_idx = max(self.job_idx, next_job_index(Path(str(self.config.hydra.sweep.dir))))
         number, exhausted, summaries = 0, False, []
-        while number < self.n_trials and not exhausted:  # a batch of n_jobs trials per launch, told as they return
-            trials = [study.ask(plan["space"]) for _ in range(min(self.n_jobs, self.n_trials - number))]
+        while (left := self.n_trials - counted(study)) > 0 and not exhausted:  # n_jobs a launch, told as they end
+            done = self.n_trials - left
+            trials = [study.ask(plan["space"]) for _ in range(min(self.n_jobs, left))]
             for i, trial in enumerate(trials):
-                print(f"\ntrial {number + i + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
+                print(f"\ntrial {done + i + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
                 trial.set_user_attr("job", self.job_idx + i)  # how its job finds it to report (pruning.listener)
                 trial.set_user_attr("sweep", str(self.config.hydra.sweep.dir))
+                trial.set_user_attr(OWNER, {"host": socket.gethostname(), "pid": os.getpid()})
             returns = self.launch([plan["fixed"] + override_line(t.params) for t in trials])
             for i, (trial, ret) in enumerate(zip(trials, returns)):
                 value, reached, note = trial_outcome(ret, plan["metric"])
@@ -164,7 +174,7 @@ class SearchSweeper(Sweeper):
                 trial.set_user_attr("reached", reached)
                 trial.set_user_attr("note", note)
                 exhausted = tell(study, trial, value, pruned) or exhausted
-                print(f"trial {number + i + 1}: {plan['metric']} = {value if value is not None else '-'}"
+                print(f"trial {done + i + 1}: {plan['metric']} = {value if value is not None else '-'}"
                       f"{f' ({note})' if note else ''}", flush=True)
             number += len(trials)
         if exhausted:
@@ -238,6 +248,57 @@ class SearchSweeper(Sweeper):
         except Exception as e:  # noqa: BLE001 - an unopenable URL or file: one line, not Optuna's traceback
             fail(f"hydra.sweeper.storage={self.storage} cannot be opened ({type(e).__name__}: {e}); give a URL "
                  f"Optuna opens, e.g. sqlite:///search.db, or null for a study in memory")
+
+
+#: A trial's user attribute naming the search process that asked it: ``{"host": ..., "pid": ...}``
+OWNER = "search_process"
+#: What a trial of a dead search is told (its note)
+DEAD = "its search process died before the trial ended"
+
+
+def _alive(owner: Any) -> bool:
+    """Whether the search process ``owner`` (``OWNER``'s value) may still be running: another host's is taken as
+    alive (it cannot be checked from here)."""
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError, TypeError, KeyError):
+        return True
+    return True
+
+
+def fail_dead_trials(study: Any) -> list[int]:
+    """Mark FAILED the RUNNING trials of the study whose search process on this host is gone (killed with -9: it
+    never told them); their numbers. Trials of a live search (another one sharing the study) are left alone."""
+    from optuna.trial import TrialState
+
+    dead = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if OWNER in t.user_attrs and not _alive(t.user_attrs[OWNER])]
+    for t in dead:
+        study._storage.set_trial_user_attr(t._trial_id, "note", DEAD)
+        study.tell(t.number, state=TrialState.FAIL)
+    return [t.number for t in dead]
+
+
+def counted(study: Any) -> int:
+    """The trials that count towards ``n_trials``: those that ended (complete, pruned, failed by their own run),
+    and those a live search sharing the study is running now; never one of a dead search."""
+    from optuna.trial import TrialState
+
+    ended = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    return sum(1 for t in study.get_trials(deepcopy=False) if "sweep" in t.user_attrs  # asked by a search of runner's
+               and ((t.state in ended and t.user_attrs.get("note") != DEAD)
+                    or (t.state == TrialState.RUNNING and _alive(t.user_attrs.get(OWNER)))))
+
+
+def next_job_index(sweep: Path) -> int:
+    """The first job number after the job folders already in ``sweep`` (a rerun into the same sweep folder): a new
+    trial never lands in, nor is taken for, an earlier trial's finished folder."""
+    numbers = [int(p.name) for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()] if sweep.is_dir() else []
+    return max(numbers, default=-1) + 1
 
 
 def tell(study: Any, trial: Any, value: float | None, pruned: bool = False) -> bool:
