@@ -458,3 +458,55 @@ def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path)
     assert trials[2].user_attrs["note"] == DEAD
     assert [t.user_attrs["job"] for t in trials[3:]] == [3, 4]
     assert all((sweep / str(job) / "summary.json").is_file() for job in (3, 4))
+
+
+def test_two_searches_on_one_study_ask_no_point_twice_and_share_n_trials(tmp_path):
+    """Another search with the same seed is running the sampler's first point on the shared study (a live process
+    owns it): this search's first ask draws that same point, is told FAILED as taken and asks again, so no point is
+    asked twice; the other's running trial counts, so n_trials=2 runs one trial here."""
+    import subprocess
+    import sys
+
+    import optuna
+
+    from conftest import run_here
+    from runner.tune.search import OWNER, TAKEN, search_space
+
+    space, _ = search_space({"optimizer.lr": "tag(log, interval(0.0001, 0.01))"}, [])
+    first = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=7)).ask(space).params
+    db = f"sqlite:///{tmp_path / 'search.db'}"
+    study = optuna.create_study(storage=db, study_name="s", direction="minimize",
+                                sampler=optuna.samplers.TPESampler(seed=7))  # the other search's
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        running = study.ask(space)
+        assert running.params == first
+        for key, value in (("sweep", str(tmp_path / "theirs")), ("job", 0),
+                           (OWNER, {"host": __import__("socket").gethostname(), "pid": other.pid})):
+            running.set_user_attr(key, value)
+        proc = run_here("-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=2", "trainer.doctor=false", *TINY,
+                        "+hydra.sweeper.params={optimizer.lr: 'tag(log, interval(0.0001, 0.01))'}",
+                        "hydra.sweeper.sampler.seed=7", "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0",
+                        f"hydra.sweeper.storage={db}", "hydra.sweeper.study_name=s",
+                        f"hydra.sweep.dir={tmp_path / 'mine'}", cwd=tmp_path)
+    finally:
+        other.kill()
+        other.wait()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    trials = optuna.load_study(study_name="s", storage=db).trials
+    assert [(t.state.name, t.user_attrs.get("note")) for t in trials[1:]] == [("FAIL", TAKEN), ("COMPLETE", "")]
+    assert trials[1].params == first and trials[2].params != first
+
+
+def test_the_search_says_when_its_pruner_starts_to_act():
+    """Optuna's median pruner waits for 5 finished trials: a 6-trial search can stop only the last one and a 4-trial
+    search none, which the search says at its start (a user saw pruner=median prune 0 of 6 trials, unexplained)."""
+    import optuna
+
+    from runner.tune.pruning import acts_when
+
+    assert acts_when(optuna.pruners.MedianPruner(), 6).endswith("it can stop only trial 6")
+    assert acts_when(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=5000), 6).startswith(
+        "MedianPruner acts once 2 trials have finished (n_startup_trials), at evaluations past 5,000 samples")
+    none = acts_when(optuna.pruners.MedianPruner(), 4)
+    assert "n_trials=4 it stops none" in none and "n_startup_trials: <fewer>" in none

@@ -65,6 +65,23 @@ def name_of(pruner: Any) -> str:
     return target.rsplit(".", 1)[-1]
 
 
+def acts_when(pruner: Any, n_trials: int) -> str:
+    """When the built Optuna ``pruner`` starts to stop trials, in one line: the median and percentile pruners wait
+    for ``n_startup_trials`` finished trials (with ``n_trials`` no more than that, it stops none) and report steps
+    past ``n_warmup_steps`` (samples here); the halving pruners from their first rung."""
+    startup, warmup = getattr(pruner, "_n_startup_trials", None), getattr(pruner, "_n_warmup_steps", 0)
+    name = type(pruner).__name__
+    if startup is not None:
+        later = f"trial {n_trials}" if n_trials == startup + 1 else f"trials {startup + 1}-{n_trials}"
+        can = (f"it can stop only {later}" if n_trials > startup else
+               f"with hydra.sweeper.n_trials={n_trials} it stops none (raise n_trials, or give "
+               f"{{_target_: optuna.pruners.{name}, n_startup_trials: <fewer>}})")
+        return (f"{name} acts once {startup} trials have finished (n_startup_trials), at evaluations past "
+                f"{warmup:,} samples (n_warmup_steps): {can}")
+    rung = getattr(pruner, "_min_resource", None)
+    return f"{name} acts from its first rung ({rung if rung not in (None, 'auto') else 'set from the first trial'})"
+
+
 def study_name(name: str | None, storage: str | None) -> str | None:
     """The study's name: ``hydra.sweeper.study_name``, or with a storage and none given, ``runner-search`` (a second
     run adds trials to it); None for a study in memory."""

@@ -154,15 +154,16 @@ class SearchSweeper(Sweeper):
             print(f"note: {len(dead)} trial(s) of a search that died (killed) were still RUNNING in the study: "
                   f"marked FAILED ({', '.join(str(n + 1) for n in dead)}); they do not count", flush=True)
         self.job_idx = max(self.job_idx, next_job_index(Path(str(self.config.hydra.sweep.dir))))
+        if pruning.active(self.pruner):
+            print(f"pruning: {pruning.acts_when(study.pruner, self.n_trials)}", flush=True)
         number, exhausted, summaries = 0, False, []
         while (left := self.n_trials - counted(study)) > 0 and not exhausted:  # n_jobs a launch, told as they end
             done = self.n_trials - left
-            trials = [study.ask(plan["space"]) for _ in range(min(self.n_jobs, left))]
+            trials = [ask_new_point(study, plan["space"]) for _ in range(min(self.n_jobs, left))]
             for i, trial in enumerate(trials):
                 print(f"\ntrial {done + i + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
                 trial.set_user_attr("job", self.job_idx + i)  # how its job finds it to report (pruning.listener)
                 trial.set_user_attr("sweep", str(self.config.hydra.sweep.dir))
-                trial.set_user_attr(OWNER, {"host": socket.gethostname(), "pid": os.getpid()})
             returns = self.launch([plan["fixed"] + override_line(t.params) for t in trials])
             for i, (trial, ret) in enumerate(zip(trials, returns)):
                 value, reached, note = trial_outcome(ret, plan["metric"])
@@ -254,6 +255,33 @@ class SearchSweeper(Sweeper):
 OWNER = "search_process"
 #: What a trial of a dead search is told (its note)
 DEAD = "its search process died before the trial ended"
+#: What a point another search sharing the study had asked already is told (its note), before it is asked again
+TAKEN = "another search of the study asked this point already"
+#: How many times a point another search holds is asked again, reseeded, before it is run anyway
+REASKS = 5
+
+
+def _mine() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def ask_new_point(study: Any, space: dict[str, Any]) -> Any:
+    """``study.ask(space)``, marked as this process's, asked again (the sampler reseeded) while another search
+    sharing the study has the same point: two searches with one seed draw the same startup points, and ran them
+    twice (a taken point is told FAILED with the note ``TAKEN``; it does not count)."""
+    from optuna.trial import TrialState
+
+    for attempt in range(REASKS + 1):
+        trial = study.ask(space)
+        trial.set_user_attr(OWNER, _mine())
+        others = [t for t in study.get_trials(deepcopy=False) if t.number != trial.number
+                  and t.user_attrs.get(OWNER) not in (None, _mine()) and t.user_attrs.get("note") not in (DEAD, TAKEN)]
+        if attempt == REASKS or all(t.params != trial.params for t in others):
+            return trial
+        trial.set_user_attr("note", TAKEN)
+        study.tell(trial, state=TrialState.FAIL)
+        study.sampler.reseed_rng()
+    raise AssertionError("unreachable")
 
 
 def _alive(owner: Any) -> bool:
@@ -290,7 +318,7 @@ def counted(study: Any) -> int:
 
     ended = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     return sum(1 for t in study.get_trials(deepcopy=False) if "sweep" in t.user_attrs  # asked by a search of runner's
-               and ((t.state in ended and t.user_attrs.get("note") != DEAD)
+               and ((t.state in ended and t.user_attrs.get("note") not in (DEAD, TAKEN))
                     or (t.state == TrialState.RUNNING and _alive(t.user_attrs.get(OWNER)))))
 
 
