@@ -198,8 +198,9 @@ def test_your_cache_resumes_warm_and_a_colleague_s_planted_code_never_runs(tmp_p
     assert again["steps"] == 9
     assert once["compile_s"] < 0.5 * first["one_time"]["compile_s"], (once, first["one_time"])
 
-    colleague = tmp_path / "colleague"  # their job folder: a real run of theirs, then kernels and pickles planted
-    _job(colleague, tmp_path / "global-theirs", key=tmp_path / "theirs.key")
+    colleague = tmp_path / "colleague"  # their job folder (a copy of a real run's), kernels and pickles planted,
+    shutil.copytree(tmp_path / "job", colleague)  # signed with their own key (a run of theirs compiled the same)
+    (tmp_path / "theirs.key").write_bytes(os.urandom(32))
     marker, outside = tmp_path / "kernel-ran", tmp_path / "written-outside"
     planted = _planted_kernel(tmp_path, marker)
     files = {name: planted for name in compile_cache._files_in(colleague / "compile_cache") if name.endswith(".so")}
