@@ -160,11 +160,14 @@ def _unwritable(e: BaseException) -> str | None:
 def _pruning(cfg: DictConfig):
     """A recipe search's pruner for this trial (runner/tune/pruning.py), or None: only a search with
     ``hydra.sweeper.pruner`` set imports Optuna here."""
+    import os
+
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.objective import SEARCH_SWEEPER
+    from runner.objective import SEARCH_SWEEPER, TRIAL_ENV
 
-    if not HydraConfig.initialized() or (HydraConfig.get().get("sweeper") or {}).get("_target_") != SEARCH_SWEEPER:
+    if not HydraConfig.initialized() or ((HydraConfig.get().get("sweeper") or {}).get("_target_") != SEARCH_SWEEPER
+                                         and not os.environ.get(TRIAL_ENV)):  # a trial in a process of its own
         return None
     from runner.tune.pruning import listener
 

@@ -121,24 +121,30 @@ def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
     assert config["optimizer"]["lr"] == best_lr and config["trainer"]["eval_every"] == 2
 
 
-@pytest.mark.slow  # two tiny trials, asked together
-def test_n_jobs_trials_are_asked_together_and_launched_as_one_batch(tmp_path, monkeypatch):
-    """``hydra.sweeper.n_jobs=2``: both trials are asked before either runs and reach the launcher in one call (a
-    job array under submitit_slurm); each is told its own job's figure."""
+@pytest.mark.cli  # trials in processes of their own
+def test_n_jobs_trials_run_in_slots_and_a_freed_slot_starts_the_next_at_once(tmp_path):
+    """``hydra.sweeper.n_jobs=2`` on the basic launcher: trials run two at a time in processes of their own, in
+    ``<sweep>/<job>``; a slot that frees starts the next trial while the long one still runs (no batch barrier); each
+    trial is told its own job's figure, and the search says how busy its slots were."""
     pytest.importorskip("optuna")
-    from conftest import run_here
-    from runner.tune import search
-
-    batches = []
-    launch = search.SearchSweeper.launch
-    monkeypatch.setattr(search.SearchSweeper, "launch", lambda self, o: batches.append(len(o)) or launch(self, o))
-    r = run_here(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", "hydra.sweeper.n_jobs=2",
-                 cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert batches == [2] and r.stdout.index("trial 2/3:") < r.stdout.index("trial 1: eval_loss"), r.stdout
-    sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
+    job = [o for o in TINY if not o.startswith("trainer.max_steps=")]  # the searched key
+    r = run_cli("-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.doctor=false", *job,
+                "+hydra.sweeper.params={trainer.max_steps: 'choice(400, 3, 4)'}", "optimized_metric=eval_loss",
+                "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "hydra.sweeper.sampler.seed=5",
+                "hydra.sweeper.verify_seeds=0", "hydra.sweeper.n_jobs=2", "trainer.log_every=1",
+                f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"^slots: 2 trials at a time, busy \d+% of the slot-time$", r.stdout, re.M), r.stdout
+    jobs = {n: read_summary(tmp_path / "sweep" / str(n)) for n in range(3)}
     told = sorted(trial_values(r.stdout, "eval_loss"))
-    assert told == sorted(read_summary(sweep / str(n))["eval_loss"] for n in range(2))
+    assert told == sorted(s["eval_loss"] for s in jobs.values())
+    import optuna
+
+    trials = optuna.load_study(study_name="runner-search", storage=f"sqlite:///{tmp_path / 'sweep' / 'study.db'}")
+    started = {t.user_attrs["job"]: t.user_attrs["started"] for t in trials.trials}  # when the search started it
+    ended = {n: (tmp_path / "sweep" / str(n) / "summary.json").stat().st_mtime for n in jobs}
+    assert jobs[0]["steps"] == 400 and jobs[1]["steps"] < 10, jobs  # the seed asks the long trial first
+    assert ended[1] <= started[2] < ended[0], (started, ended)  # the third started in the slot the short one freed
 
 
 def test_n_jobs_with_the_interleaved_launcher_is_refused(tmp_path):
@@ -302,17 +308,19 @@ def test_a_search_where_no_trial_gives_the_metric_fails_with_the_fix(tmp_path):
     assert "widen the search space" not in proc.stdout
 
 
-@pytest.mark.parametrize("storage", [None, "sqlite"])
+@pytest.mark.parametrize("storage", [None, "sqlite", "slots"])
 def test_a_pruner_stops_a_hopeless_trial_at_an_evaluation_and_records_it_censored(tmp_path, storage):
     """``hydra.sweeper.pruner``: each trial reports its evaluations to the study and stops where the pruner says.
     A threshold pruner (order-independent, unlike the median) at eval_loss 3: LR 0.05 overshoots to ~18 at its first
     evaluation and stops there, 4 of 12 steps, recorded pruned (censored), never failed; LR 1e-6 stays near 2.3,
     runs to its end and is the best. The end says what the pruning saved. With a storage each trial opens the study
-    there, as one in a process of its own (submitit_slurm) does."""
+    there, as one in a process of its own (submitit_slurm) does; with ``n_jobs=2`` each trial runs in a process of
+    its own beside the other and finds its trial in the study the search keeps in its folder."""
     pytest.importorskip("optuna")
     from conftest import run_here
 
-    stored = [f"hydra.sweeper.storage=sqlite:///{tmp_path / 'search.db'}"] if storage else []
+    stored = [f"hydra.sweeper.storage=sqlite:///{tmp_path / 'search.db'}"] if storage == "sqlite" else \
+        ["hydra.sweeper.n_jobs=2"] if storage == "slots" else []
     r = run_here(*SEARCH, *stored, "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", "trainer.max_steps=12",
                  "trainer.eval_every=4", "+hydra.sweeper.pruner={_target_: optuna.pruners.ThresholdPruner, upper: 3.0}",
                  cwd=tmp_path)

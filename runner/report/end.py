@@ -10,13 +10,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from runner.objective import SEARCH_SWEEPER
+from runner.objective import BASIC_LAUNCHER, SEARCH_SWEEPER
 from runner.report.sweep import jobs_table, load_sweep, load_warning, write_plain_report
 
 MEASURE_KEY = "ablation.measure"  # convergence: the sweep's report is the convergence report
 
-#: The launcher whose sweeps end with the table: Hydra's own, one job after the other in this process.
-BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 
 def _not_written(kind: str, e: Exception, sweep: Path, command: str) -> None:

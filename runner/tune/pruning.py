@@ -13,6 +13,8 @@ set before the launch: the sweep folder and the job number.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Callable
 
 from omegaconf import DictConfig
@@ -69,7 +71,7 @@ def acts_when(pruner: Any, n_trials: int) -> str:
     """When the built Optuna ``pruner`` starts to stop trials, in one line: the median and percentile pruners wait
     for ``n_startup_trials`` finished trials (with ``n_trials`` no more than that, it stops none) and report steps
     past ``n_warmup_steps`` (samples here); the halving pruners from their first rung."""
-    startup, warmup = getattr(pruner, "_n_startup_trials", None), getattr(pruner, "_n_warmup_steps", 0)
+    startup, warmup = getattr(pruner, "_n_startup_trials", None), getattr(pruner, "_n_warmup_steps", None)
     name = type(pruner).__name__
     if startup is not None:
         later = f"trial {n_trials}" if n_trials == startup + 1 else f"trials {startup + 1}-{n_trials}"
@@ -77,7 +79,9 @@ def acts_when(pruner: Any, n_trials: int) -> str:
                f"with hydra.sweeper.n_trials={n_trials} it stops none (raise n_trials, or give "
                f"{{_target_: optuna.pruners.{name}, n_startup_trials: <fewer>}})")
         return (f"{name} acts once {startup} trials have finished (n_startup_trials), at evaluations past "
-                f"{warmup:,} samples (n_warmup_steps): {can}")
+                f"{warmup or 0:,} samples (n_warmup_steps): {can}")
+    if warmup is not None:
+        return f"{name} acts at evaluations past {warmup:,} samples (n_warmup_steps)"
     rung = getattr(pruner, "_min_resource", None)
     return f"{name} acts from its first rung ({rung if rung not in (None, 'auto') else 'set from the first trial'})"
 
@@ -117,17 +121,23 @@ def listener(cfg: DictConfig) -> Callable[[dict, int, int, int | None], str | No
     if not HydraConfig.initialized():
         return None
     hc = HydraConfig.get()
-    sweeper = hc.get("sweeper") or {}
-    if sweeper.get("_target_") != objective.SEARCH_SWEEPER or not active(sweeper.get("pruner")):
+    given = json.loads(os.environ[objective.TRIAL_ENV]) if os.environ.get(objective.TRIAL_ENV) else None  # slots.py
+    sweeper = given or hc.get("sweeper") or {}
+    if (given is None and sweeper.get("_target_") != objective.SEARCH_SWEEPER) or not active(sweeper.get("pruner")):
         return None
     name = figure(cfg)
-    study = STUDY if STUDY is not None else _open(sweeper)
     from optuna.trial import TrialState
 
-    trial = None if study is None else max(  # the running one: a dead search's trial of that job is not it
-        (t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-         if t.user_attrs.get("sweep") == str(hc.sweep.dir) and t.user_attrs.get("job") == hc.job.num),
-        key=lambda t: t.number, default=None)
+    if given is not None:  # named to it: its study and trial
+        study = _open(given)
+        trial = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                      if t._trial_id == given["trial_id"]), None)
+    else:
+        study = STUDY if STUDY is not None else _open(sweeper)
+        trial = None if study is None else max(  # the running one: a dead search's trial of that job is not it
+            (t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+             if t.user_attrs.get("sweep") == str(hc.sweep.dir) and t.user_attrs.get("job") == hc.job.num),
+            key=lambda t: t.number, default=None)
     if name is None or trial is None:
         print(f"note: hydra.sweeper.pruner: trial {hc.job.num} of this search cannot report to its study (a study "
               f"in memory is not seen from another process: give hydra.sweeper.storage, e.g. sqlite:///search.db); "
@@ -178,8 +188,8 @@ def _open(sweeper: Any) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.load_study(study_name=study_name(sweeper.get("study_name"), sweeper.storage),
-                             storage=sweeper.storage, pruner=build(sweeper.pruner))  # not kept in the storage
+    return optuna.load_study(study_name=study_name(sweeper.get("study_name"), sweeper["storage"]),
+                             storage=sweeper["storage"], pruner=build(sweeper.get("pruner")))  # not kept there
 
 
 def saved(summaries: list[dict[str, Any]]) -> tuple[int, float]:

@@ -31,8 +31,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner import objective
 from runner.errors import ConfigError
+from runner.objective import BASIC_LAUNCHER
 from runner.tune import pruning
 from runner.tune.search_end import finish, job_folder, override_line
+from runner.tune.slots import Slots, job_return
 
 #: The pip command that brings Optuna (the ``hpo`` extra)
 INSTALL = 'pip install -e ".[hpo]" (or pip install "optuna>=4")'
@@ -129,6 +131,7 @@ class SearchSweeper(Sweeper):
         self.hydra_context: Any = None
         self.launcher: Any = None
         self.job_idx = 0
+        self.position: dict[int, int] = {}  # trial number -> its place among the n_trials, as printed
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -145,47 +148,100 @@ class SearchSweeper(Sweeper):
             plan = self.plan(arguments)
         except ConfigError as e:
             fail(str(e))
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        if self.in_slots() and self.storage is None:  # trials in processes of their own open the study from there
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            self.storage = f"sqlite:///{sweep_dir.resolve() / 'study.db'}"
         study = self.study(plan["direction"])
         # trials report to it (pruning.py): in memory, those the basic launcher runs here; with a storage, every
-        # trial opens it, in this process or another (submitit_slurm)
+        # trial opens it, in this process or another (submitit_slurm, slots.py)
         pruning.STUDY = study if self.storage is None else None
         dead = fail_dead_trials(study)
         if dead:
             print(f"note: {len(dead)} trial(s) of a search that died (killed) were still RUNNING in the study: "
                   f"marked FAILED ({', '.join(str(n + 1) for n in dead)}); they do not count", flush=True)
-        self.job_idx = max(self.job_idx, next_job_index(Path(str(self.config.hydra.sweep.dir))))
+        self.job_idx = max(self.job_idx, next_job_index(sweep_dir))
         if pruning.active(self.pruner):
             print(f"pruning: {pruning.acts_when(study.pruner, self.n_trials)}", flush=True)
-        number, exhausted, summaries = 0, False, []
-        while (left := self.n_trials - counted(study)) > 0 and not exhausted:  # n_jobs a launch, told as they end
-            done = self.n_trials - left
-            trials = [ask_new_point(study, plan["space"]) for _ in range(min(self.n_jobs, left))]
-            for i, trial in enumerate(trials):
-                print(f"\ntrial {done + i + 1}/{self.n_trials}: {' '.join(override_line(trial.params))}", flush=True)
-                trial.set_user_attr("job", self.job_idx + i)  # how its job finds it to report (pruning.listener)
-                trial.set_user_attr("sweep", str(self.config.hydra.sweep.dir))
-            returns = self.launch([plan["fixed"] + override_line(t.params) for t in trials])
-            for i, (trial, ret) in enumerate(zip(trials, returns)):
-                value, reached, note = trial_outcome(ret, plan["metric"])
-                summaries.append(summary_of(ret))
-                pruned = str(summaries[-1].get("stopped_early") or "").startswith(pruning.PRUNED)
-                if pruned:
-                    samples = (summaries[-1].get("steps") or 0) * (summaries[-1].get("global_batch_size") or 0)
-                    value, note = None, f"pruned at {samples:,} samples: censored there"  # not "not reached": cut
-                trial.set_user_attr("reached", reached)
-                trial.set_user_attr("note", note)
-                exhausted = tell(study, trial, value, pruned) or exhausted
-                print(f"trial {done + i + 1}: {plan['metric']} = {value if value is not None else '-'}"
-                      f"{f' ({note})' if note else ''}", flush=True)
-            number += len(trials)
+        summaries: list[dict[str, Any]] = []
+        exhausted = (self.in_slots_run if self.in_slots() else self.in_batches)(study, plan, summaries)
         if exhausted:
             print("the sampler has tried every point of the space: the search ends here", flush=True)
         if pruning.active(self.pruner):
             count, seconds = pruning.saved(summaries)
-            print(f"pruning ({pruning.name_of(self.pruner)}): {count} of {number} trials "
+            print(f"pruning ({pruning.name_of(self.pruner)}): {count} of {len(summaries)} trials "
                   f"stopped early, saving about {seconds / 60:.1f} min of training and evaluation (their remaining "
                   f"steps at their own pace)", flush=True)
         finish(self, study, plan)
+
+    def in_slots(self) -> bool:
+        """Whether trials run ``n_jobs`` at a time in processes of their own (runner/tune/slots.py): ``n_jobs`` > 1
+        on Hydra's basic launcher, which would run a batch one job after the other; another launcher (SLURM) gets
+        each batch as its jobs."""
+        return self.n_jobs > 1 and OmegaConf.select(self.config, "hydra.launcher._target_") == BASIC_LAUNCHER
+
+    def ask(self, study: Any, plan: dict[str, Any], job: int) -> Any:
+        """A new trial, printed and named to its job (``job``: its number in the sweep folder)."""
+        trial = ask_new_point(study, plan["space"])
+        trial.set_user_attr("job", job)  # how its job finds it to report (pruning.listener)
+        trial.set_user_attr("sweep", str(self.config.hydra.sweep.dir))
+        self.position[trial.number] = counted(study)  # its place among the n_trials (it counts itself, running)
+        print(f"\ntrial {self.position[trial.number]}/{self.n_trials}: {' '.join(override_line(trial.params))}",
+              flush=True)
+        return trial
+
+    def told(self, study: Any, trial: Any, ret: JobReturn, plan: dict[str, Any], summaries: list) -> bool:
+        """Tell the study how ``trial``'s job ``ret`` ended, print it; whether the sampler has exhausted the space."""
+        value, reached, note = trial_outcome(ret, plan["metric"])
+        summaries.append(summary_of(ret))
+        pruned = str(summaries[-1].get("stopped_early") or "").startswith(pruning.PRUNED)
+        if pruned:
+            samples = (summaries[-1].get("steps") or 0) * (summaries[-1].get("global_batch_size") or 0)
+            value, note = None, f"pruned at {samples:,} samples: censored there"  # not "not reached": cut
+        trial.set_user_attr("reached", reached)
+        trial.set_user_attr("note", note)
+        exhausted = tell(study, trial, value, pruned)
+        print(f"trial {self.position[trial.number]}: {plan['metric']} = {value if value is not None else '-'}"
+              f"{f' ({note})' if note else ''}", flush=True)
+        return exhausted
+
+    def in_batches(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
+        """``n_jobs`` trials a launch through Hydra's launcher, told when the batch returns."""
+        exhausted = False
+        while (left := self.n_trials - counted(study)) > 0 and not exhausted:
+            trials = [self.ask(study, plan, self.job_idx + i) for i in range(min(self.n_jobs, left))]
+            returns = self.launch([plan["fixed"] + override_line(t.params) for t in trials])
+            for trial, ret in zip(trials, returns):
+                exhausted = self.told(study, trial, ret, plan, summaries) or exhausted
+        return exhausted
+
+    def in_slots_run(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
+        """``n_jobs`` trials at a time, each in a process of its own; a slot that frees starts the next trial at
+        once. Ends with the share of slot-time the trials used."""
+        slots, exhausted = Slots(self.n_jobs), False
+        sweep = Path(str(self.config.hydra.sweep.dir))
+        name = pruning.study_name(self.study_name, self.storage)
+        try:
+            while True:
+                while (not exhausted and len(slots.running) < self.n_jobs
+                       and self.n_trials - counted(study) > 0):
+                    trial = self.ask(study, plan, self.job_idx)
+                    slots.start(trial, self.job_idx, sweep / str(self.job_idx),
+                                plan["fixed"] + override_line(trial.params), str(self.storage), str(name),
+                                OmegaConf.to_container(self.pruner) if isinstance(self.pruner, DictConfig)
+                                else self.pruner)
+                    self.job_idx += 1
+                if not slots.running:
+                    break
+                done, code = slots.wait_one()
+                exhausted = self.told(study, done.trial, job_return(done.folder, code, plan["metric"]), plan,
+                                      summaries) or exhausted
+        finally:
+            slots.stop()
+        used = slots.utilization()
+        if used is not None:
+            print(f"slots: {self.n_jobs} trials at a time, busy {used:.0%} of the slot-time", flush=True)
+        return exhausted
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
         """The job config of ``overrides`` as a trial gets it (Hydra's sweep composition), its ``hydra`` node
