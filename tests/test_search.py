@@ -236,6 +236,54 @@ def test_a_search_file_sets_its_sampler_so_every_optuna_samples_alike(name):
     assert built._multivariate is True and built._constant_liar is True
 
 
+def asked_trials(name: str, n: int = 12, n_jobs: int = 2) -> list[dict]:
+    """The points the sampler of ``hparams_search=<name>`` asks over its space, ``n_jobs`` running at a time (the
+    constant liar sees them), each told a value that depends on its point alone: the search's trials, less the
+    training."""
+    import optuna
+    from hydra.utils import instantiate
+
+    from runner.tune.search import search_space
+
+    sweeper = search_sweeper(name)
+    space, _ = search_space(dict(sweeper.params), [])
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=instantiate(sweeper.sampler))
+    asked, running = [], []
+    for _ in range(n):
+        running.append(study.ask(space))
+        asked.append(running[-1].params)
+        if len(running) == n_jobs:
+            done = running.pop(0)
+            study.tell(done, sum((math.log(v) if isinstance(v, float) else len(str(v))) ** 2
+                                 for v in done.params.values()))
+    return asked
+
+
+#: The trials conf/hparams_search/mnist_optuna.yaml asks (``asked_trials``), recorded under Optuna 5.1.0; the same
+#: under 5.0.0, the oldest the project supports (.ci/run runs the search's tests under it too)
+RECORDED = Path(__file__).parent / "data" / "mnist_optuna_trials.json"
+
+
+def test_the_search_file_asks_the_recorded_trials_under_every_optuna():
+    """One search file, one set of trials, whichever supported Optuna runs it: each 4.x release (4.0 to 4.6) asked
+    other trials than 5.x from the sixth on, with the file's seed and options, so the search needs 5.0."""
+    pytest.importorskip("optuna")
+    assert asked_trials("mnist_optuna") == json.loads(RECORDED.read_text())
+
+
+def test_an_optuna_older_than_the_recorded_trials_is_one_line(monkeypatch, capsys):
+    optuna = pytest.importorskip("optuna")
+    from runner.tune.search import make_sweeper
+
+    monkeypatch.setattr(optuna, "__version__", "4.6.0")
+    with pytest.raises(SystemExit) as e:
+        make_sweeper()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Optuna >= 5.0, found 4.6.0" in err and "pip install" in err, err
+
+
 def test_the_gpt_search_brings_the_recipe_and_its_own_target():
     """conf/hparams_search/gpt_optuna.yaml composes +experiment=shakespeare_char itself, so the recipe's target
     (1.88) cannot overwrite the search's 1.96, and the space leaves the recipe's optimizer alone."""

@@ -1,4 +1,4 @@
-"""``hydra/sweeper=search``: search the training recipe with Optuna (>= 4, its ask-and-tell interface) as a Hydra
+"""``hydra/sweeper=search``: search the training recipe with Optuna (>= 5, its ask-and-tell interface) as a Hydra
 sweeper, then verify the best trial against the starting recipe on fresh seeds.
 
     python -m runner -m hparams_search=mnist_optuna            # conf/hparams_search/mnist_optuna.yaml
@@ -37,7 +37,10 @@ from runner.tune.search_end import finish, job_folder, override_line
 from runner.tune.slots import Slots, job_return
 
 #: The pip command that brings Optuna (the ``hpo`` extra)
-INSTALL = 'pip install -e ".[hpo]" (or pip install "optuna>=4")'
+INSTALL = 'pip install -e ".[hpo]" (or pip install "optuna>=5")'
+#: The oldest Optuna whose TPE asks the trials the search files' seeds record (tests/data/mnist_optuna_trials.json):
+#: each 4.x release asked other points from the sixth trial on, whatever the sampler's options
+OLDEST = (5, 0)
 
 
 def fail(message: str) -> None:
@@ -47,11 +50,16 @@ def fail(message: str) -> None:
 
 
 def make_sweeper(**settings: Any) -> "SearchSweeper":
-    """The sweeper Hydra instantiates from conf/hydra/sweeper/search.yaml; one line where Optuna is missing."""
+    """The sweeper Hydra instantiates from conf/hydra/sweeper/search.yaml; one line where Optuna is missing or
+    older than ``OLDEST``."""
     try:
-        import optuna  # noqa: F401 - only whether it imports
+        import optuna
     except ImportError:
         fail(f"hydra/sweeper=search needs Optuna, which is not installed: {INSTALL}")
+    found = tuple(int(p) for p in optuna.__version__.split(".")[:2] if p.isdigit())
+    if found < OLDEST:
+        fail(f"hydra/sweeper=search needs Optuna >= {'.'.join(map(str, OLDEST))}, found {optuna.__version__} (older "
+             f"releases' TPE asks other trials with the same seed and options): {INSTALL}")
     return SearchSweeper(**settings)
 
 
