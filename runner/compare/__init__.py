@@ -107,13 +107,15 @@ def plan(configs: Mapping[str, DictConfig], reference: str, folder: Path, proces
 
 
 def measure(jobs: list[Job], settings: DictConfig, folder: Path, reference: str, aa: str | None, *,
-            retire: Callable[[dict[str, Interval | None]], list[str]] | None = None, ranks: Any = None) -> Comparisons:
+            retire: Callable[[dict[str, Interval | None]], list[str]] | None = None, ranks: Any = None,
+            enough: Callable[[dict[str, Interval | None]], str | None] | None = None) -> Comparisons:
     """Measure ``jobs`` interleaved into ``folder`` with ``settings`` (``interleave.*``) and return what was measured.
-    ``retire``: racing, see ``Conductor``; ``ranks``: under torchrun (runner/compare/ranks.py), every rank gets rank
-    0's record. A first Ctrl-C stops after the current slice and returns what was measured; a second kills the jobs
-    and raises KeyboardInterrupt (``interleave.json`` holds what was measured)."""
+    ``retire``: racing, ``enough``: a stop when the caller's verdict is firm, see ``Conductor``; ``ranks``: under
+    torchrun (runner/compare/ranks.py), every rank gets rank 0's record. A first Ctrl-C stops after the current
+    slice and returns what was measured; a second kills the jobs and raises KeyboardInterrupt (``interleave.json``
+    holds what was measured)."""
     folder.mkdir(parents=True, exist_ok=True)
-    conductor = Conductor(jobs, settings, folder, reference, aa, retire=retire, ranks=ranks)
+    conductor = Conductor(jobs, settings, folder, reference, aa, retire=retire, ranks=ranks, enough=enough)
     conduct(conductor)
     record = record_mod.load(folder) if ranks is None or ranks.leader else None
     record = (ranks.share(record) if ranks is not None else record) or {"jobs": {}, "slices": []}
@@ -124,7 +126,8 @@ def measure(jobs: list[Job], settings: DictConfig, folder: Path, reference: str,
 
 def compare(configs: Mapping[str, DictConfig], reference: str, folder: Path, settings: DictConfig, *,
             minutes: float | None = None, retire: Callable[[dict[str, Interval | None]], list[str]] | None = None,
-            ranks: Any = None) -> Comparisons:
+            ranks: Any = None, enough: Callable[[dict[str, Interval | None]], str | None] | None = None
+            ) -> Comparisons:
     """Compare ``configs`` (name -> resolved config, each made a measured job: ``measured_job``) with
     ``configs[reference]``: ``plan`` with ``settings.processes`` processes each, then ``measure`` with at most
     ``minutes`` of measuring (default ``settings.max_minutes``). Writes each job's folder and ``interleave.json``
@@ -133,7 +136,7 @@ def compare(configs: Mapping[str, DictConfig], reference: str, folder: Path, set
     if minutes is not None:
         s.max_minutes = minutes
     jobs, aa = plan(configs, reference, folder, s.processes)
-    return measure(jobs, s, folder, reference, aa, retire=retire, ranks=ranks)
+    return measure(jobs, s, folder, reference, aa, retire=retire, ranks=ranks, enough=enough)
 
 
 def measured_job(cfg: DictConfig) -> DictConfig:

@@ -70,14 +70,15 @@ class Conductor:
     stopped), ``measuring_s`` (seconds spent measuring, start-ups excluded)."""
 
     def __init__(self, jobs: list[Job], settings: DictConfig, folder: Path, reference: str, aa: str | None,
-                 retire: Any = None, ranks: Any = None):
+                 retire: Any = None, ranks: Any = None, enough: Any = None):
         """``retire``: optional ``retire(comparisons) -> names``, asked after every pass from the
         ``interleave.min_passes``-th on with ``record.compare`` of the slices so far; the jobs it names finish at
         once and leave the passes (racing: the speed tuner retires candidates firmly slower than their
         reference, so the others get the time). ``ranks``: under torchrun, this conductor's place among the
         ranks' conductors (``runner.compare.ranks.Ranks``): rank 0's runs the comparison and tells the others
-        what to do to their processes of each job; None with one process."""
-        self.retire = retire
+        what to do to their processes of each job; None with one process. ``enough``: optional ``enough(comparisons)
+        -> why or None``, asked like ``retire``: a reason stops the comparison (its caller's verdict is firm)."""
+        self.retire, self.enough = retire, enough
         self.ranks = ranks
         self.jobs = {j.name: j for j in jobs}
         for job in jobs:
@@ -262,6 +263,10 @@ class Conductor:
             return "Ctrl-C"
         if p + 1 >= s.min_passes and widest is not None and widest <= s.target_ci:
             return f"every interval within ±{s.target_ci:.1%} after {p + 1} passes"
+        if self.enough is not None and p + 1 >= s.min_passes:
+            said = self.enough(record_mod.compare(self.snapshot()))
+            if said:
+                return f"{said} after {p + 1} passes"
         if elapsed >= budget_s:
             return f"its share of interleave.max_minutes={s.max_minutes:g} spent ({elapsed / 60:.1f} min)"
         return None

@@ -19,6 +19,7 @@ import math
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,8 +34,9 @@ from runner import objective
 from runner.errors import ConfigError
 from runner.objective import BASIC_LAUNCHER
 from runner.tune import pruning
-from runner.tune.search_end import finish, job_folder, override_line
-from runner.tune.slots import Slots, job_return
+from runner.tune.search_end import finish, job_folder
+from runner.tune.slots import Slots, job_return, threads_each
+from runner.tune.verify import override_line
 
 #: The pip command that brings Optuna (the ``hpo`` extra)
 INSTALL = 'pip install -e ".[hpo]" (or pip install "optuna>=5")'
@@ -127,7 +129,8 @@ class SearchSweeper(Sweeper):
     def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
                  storage: str | None = None, study_name: str | None = None, params: Any = None,
                  verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95,
-                 recipe: Sequence[str] = (), verify_minutes: float = 3.0, n_jobs: int = 1, pruner: Any = None) -> None:
+                 recipe: Sequence[str] = (), verify_minutes: float = 3.0, n_jobs: int = 1, pruner: Any = None,
+                 verify_candidates: int = 1, verify_processes: int = 1) -> None:
         self.sampler, self.direction, self.n_trials, self.n_jobs = sampler, direction, n_trials, n_jobs
         self.pruner = pruner  # a name of pruning.NAMES or an Optuna pruner's node; None: every trial runs to its end
         self.recipe = [str(o) for o in recipe or ()]  # the overrides that give the search file's own preset
@@ -135,6 +138,9 @@ class SearchSweeper(Sweeper):
         self.params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params or {})
         self.verify_seeds, self.verify_first_seed, self.confidence = verify_seeds, verify_first_seed, confidence
         self.verify_minutes = verify_minutes  # of interleaved samples/s measuring (0: the time verdict is skipped)
+        self.verify_candidates, self.verify_processes = verify_candidates, verify_processes
+        self.started = time.monotonic()  # when the search began (``sweep``): its wall time and the verification's share
+        self.busy_share: float | None = None  # of the slots' time the trials used (``in_slots_run``)
         self.config: DictConfig | None = None
         self.hydra_context: Any = None
         self.launcher: Any = None
@@ -152,6 +158,7 @@ class SearchSweeper(Sweeper):
         return returns
 
     def sweep(self, arguments: list[str]) -> None:
+        self.started = time.monotonic()
         try:
             plan = self.plan(arguments)
         except ConfigError as e:
@@ -226,30 +233,40 @@ class SearchSweeper(Sweeper):
     def in_slots_run(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
         """``n_jobs`` trials at a time, each in a process of its own; a slot that frees starts the next trial at
         once. Ends with the share of slot-time the trials used."""
-        slots, exhausted = Slots(self.n_jobs), False
+        slots, exhausted = self.slots(), False
         sweep = Path(str(self.config.hydra.sweep.dir))
-        name = pruning.study_name(self.study_name, self.storage)
+        pruner = OmegaConf.to_container(self.pruner) if isinstance(self.pruner, DictConfig) else self.pruner
+        where = {"storage": str(self.storage), "study_name": str(pruning.study_name(self.study_name, self.storage)),
+                 "pruner": pruner}
         try:
             while True:
                 while (not exhausted and len(slots.running) < self.n_jobs
                        and self.n_trials - counted(study) > 0):
                     trial = self.ask(study, plan, self.job_idx)
-                    slots.start(trial, self.job_idx, sweep / str(self.job_idx),
-                                plan["fixed"] + override_line(trial.params), str(self.storage), str(name),
-                                OmegaConf.to_container(self.pruner) if isinstance(self.pruner, DictConfig)
-                                else self.pruner)
+                    slots.start(trial, sweep / str(self.job_idx), plan["fixed"] + override_line(trial.params),
+                                trial=where | {"trial_id": trial._trial_id})
+                    trial.set_user_attr("started", time.time())  # wall clock, as the study's own datetime_start
                     self.job_idx += 1
                 if not slots.running:
                     break
                 done, code = slots.wait_one()
-                exhausted = self.told(study, done.trial, job_return(done.folder, code, plan["metric"]), plan,
+                exhausted = self.told(study, done.key, job_return(done.folder, code, plan["metric"]), plan,
                                       summaries) or exhausted
         finally:
             slots.stop()
         used = slots.utilization()
         if used is not None:
+            self.busy_share = used
             print(f"slots: {self.n_jobs} trials at a time, busy {used:.0%} of the slot-time", flush=True)
         return exhausted
+
+    def slots(self) -> Slots:
+        """``n_jobs`` slots, each job's threads the CPUs shared out where ``trainer.num_threads`` is null (said)."""
+        threads = threads_each(self.config, self.n_jobs)
+        if threads is not None:
+            print(f"slots: {self.n_jobs} jobs at a time, each with trainer.num_threads={threads} (this process's "
+                  f"CPUs shared out; set trainer.num_threads to choose)", flush=True)
+        return Slots(self.n_jobs, threads)
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
         """The job config of ``overrides`` as a trial gets it (Hydra's sweep composition), its ``hydra`` node
@@ -280,6 +297,9 @@ class SearchSweeper(Sweeper):
             raise ConfigError(f"hydra.sweeper.n_trials={self.n_trials} must be >= 1 (the trials the search runs)")
         if self.n_jobs < 1:
             raise ConfigError(f"hydra.sweeper.n_jobs={self.n_jobs} must be >= 1 (the trials launched at once)")
+        for key in ("verify_candidates", "verify_processes"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ConfigError(f"hydra.sweeper.{key}={getattr(self, key)} must be an integer >= 1")
         if self.n_jobs > 1 and "InterleavedLauncher" in str(self.config.hydra.launcher.get("_target_", "")):
             raise ConfigError("hydra.sweeper.n_jobs > 1 with hydra/launcher=interleaved: the interleaved launcher "
                               "compares jobs, it does not run trials; use the basic launcher or submitit_slurm")

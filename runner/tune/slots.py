@@ -29,10 +29,10 @@ from runner.objective import TRIAL_ENV
 
 @dataclass
 class Running:
-    """One trial's job process: the trial, its job number, folder, process and start (``time.monotonic``)."""
+    """One job's process: what it runs for (``key``: a trial, a verification run), its folder, process and start
+    (``time.monotonic``)."""
 
-    trial: Any
-    job: int
+    key: Any
     folder: Path
     proc: subprocess.Popen
     started: float
@@ -40,31 +40,31 @@ class Running:
 
 @dataclass
 class Slots:
-    """``n`` slots for trials' job processes; ``busy_s`` sums the seconds slots were busy, ``since`` the first
-    start (for the share of slot-time used: ``utilization``)."""
+    """``n`` slots for job processes; ``busy_s`` sums the seconds slots were busy, ``since`` the first start (for
+    the share of slot-time used: ``utilization``). ``threads``: the ``trainer.num_threads`` each job gets where
+    its config leaves it null (``threads_each``), else None."""
 
     n: int
+    threads: int | None = None
     running: list[Running] = field(default_factory=list)
     busy_s: float = 0.0
     since: float | None = None
 
-    def start(self, trial: Any, job: int, folder: Path, argv: list[str], storage: str, study: str,
-              pruner: Any = None) -> None:
-        """Start ``python -m runner ARGV hydra.run.dir=<folder>`` for ``trial`` of the study ``study`` in ``storage``
-        (a single run: ``hydra.mode=RUN``; its console in ``<folder>/console.log``), pruned by ``pruner``
-        (``hydra.sweeper.pruner``, plain)."""
+    def start(self, key: Any, folder: Path, argv: list[str], trial: dict[str, Any] | None = None) -> None:
+        """Start ``python -m runner ARGV hydra.run.dir=<folder>`` for ``key`` (a single run: ``hydra.mode=RUN``; its
+        console in ``<folder>/console.log``); ``trial``: the study's trial it runs (``TRIAL_ENV``: ``storage``,
+        ``study_name``, ``pruner``, ``trial_id``), for its pruning reports."""
         folder.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, TRIAL_ENV: json.dumps({"storage": storage, "study_name": study, "pruner": pruner,
-                                                    "trial_id": trial._trial_id})}
-        command = [sys.executable, "-m", "runner", *argv, "hydra.mode=RUN", f"hydra.run.dir={folder}"]
+        env = {**os.environ, **({TRIAL_ENV: json.dumps(trial)} if trial is not None else {})}
+        threads = [f"trainer.num_threads={self.threads}"] if self.threads else []  # first: ARGV's own wins
+        command = [sys.executable, "-m", "runner", *threads, *argv, "hydra.mode=RUN", f"hydra.run.dir={folder}"]
         from runner.files import open_own
 
         with open_own(folder / "console.log", "w") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        trial.set_user_attr("started", time.time())  # wall clock, as the study's own datetime_start
         now = time.monotonic()
         self.since = now if self.since is None else self.since
-        self.running.append(Running(trial, job, folder, proc, now))
+        self.running.append(Running(key, folder, proc, now))
 
     def wait_one(self, poll_s: float = 0.1) -> tuple[Running, int]:
         """Wait until a trial's process ends; it (removed from the slots) and its exit status."""
@@ -90,6 +90,16 @@ class Slots:
             r.proc.terminate()
         for r in self.running:
             r.proc.wait()
+
+
+def threads_each(config: Any, n: int) -> int | None:
+    """The intra-op threads each of ``n`` jobs at once gets, this process's CPUs shared out (at least 1), where
+    ``config.trainer.num_threads`` is null; None where the config sets it. torch's default is every core for each
+    process: two trials on two cores then ran each step ~30x slower than one alone."""
+    if OmegaConf.select(config, "trainer.num_threads") is not None:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // n)
 
 
 def job_return(folder: Path, code: int, metric: str) -> JobReturn:
