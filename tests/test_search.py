@@ -206,6 +206,8 @@ def test_the_looks_start_where_an_interval_can_exclude_1_and_share_the_error_rat
     assert verify.look_confidence(8, 1, 0.95) == pytest.approx(1 - 0.05 / 4)
     assert verify.first_look(4, 1, 0.95) == 4 and verify.look_confidence(4, 1, 0.95) == pytest.approx(0.95)
     assert verify.first_look(8, 2, 0.95) == 6 and verify.look_confidence(8, 2, 0.95) == pytest.approx(1 - 0.05 / 6)
+    # a time verdict shares each look's α with samples/s: an even split would need 6 seeds, SAMPLES_SHARE keeps 5
+    assert verify.first_look(8, 1, 0.95, 0.5) == 6 and verify.first_look(8, 1, 0.95, verify.SAMPLES_SHARE) == 5
 
 
 def _false_verdicts(level: float, first: int, seeds: int = 8, searches: int = 2000) -> float:
@@ -386,26 +388,36 @@ def test_the_gpt_search_brings_the_recipe_and_its_own_target():
 
 def test_a_planted_trial_in_a_shared_study_is_never_the_best_nor_launched(tmp_path):
     """A finished trial planted in a shared SQLite study with a key the search does not own (a ``_target_`` that
-    would run a pickle) or a value outside its space is not the best trial: only the search's own rows are."""
+    would run a pickle), a value outside its space, or inside it but with no record of a runner run (its folder and
+    summary), is not the best trial: only the search's own rows are; the table lists the last as foreign."""
     import optuna
     from optuna.distributions import FloatDistribution
 
     from runner.tune.search import search_space
-    from runner.tune.search_end import best_trial, in_space
+    from runner.tune.search_end import RUN, best_trial, in_space, trials_table
 
     space, _ = search_space({"optimizer.lr": "interval(0.01, 0.5)"}, [])
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'shared.db'}", study_name="s", direction="minimize")
     lr = {"optimizer.lr": FloatDistribution(0.01, 0.5)}
-    good = optuna.trial.create_trial(params={"optimizer.lr": 0.1}, distributions=lr, value=0.5)
+    (tmp_path / "job0").mkdir()
+    (tmp_path / "job0" / "summary.json").write_text("{}")
+    good = optuna.trial.create_trial(params={"optimizer.lr": 0.1}, distributions=lr, value=0.5,
+                                     user_attrs={RUN: {"folder": str(tmp_path / "job0"), "value": 0.5}})
+    inside = optuna.trial.create_trial(params={"optimizer.lr": 0.2}, distributions=lr, value=0.05)  # no record
+    (tmp_path / "job1").mkdir()  # a record whose folder has no summary: not a run
+    emptied = optuna.trial.create_trial(params={"optimizer.lr": 0.3}, distributions=lr, value=0.04,
+                                        user_attrs={RUN: {"folder": str(tmp_path / "job1"), "value": 0.04}})
     outside = optuna.trial.create_trial(params={"optimizer.lr": 0.9}, distributions={
         "optimizer.lr": FloatDistribution(0.01, 1.0)}, value=0.1)
     planted = optuna.trial.create_trial(
         params={"optimizer.lr": 0.1, "model._target_": "numpy.load"}, value=0.01,
         distributions={**lr, "model._target_": optuna.distributions.CategoricalDistribution(["numpy.load"])})
-    for t in (good, outside, planted):
+    for t in (good, outside, planted, inside, emptied):
         study.add_trial(t)
-    assert [in_space(t, space) for t in study.trials] == [True, False, False]
+    assert [in_space(t, space) for t in study.trials] == [True, False, False, True, True]
     assert best_trial(study, "train_loss", "minimize", space).params == {"optimizer.lr": 0.1}
+    table = "\n".join(trials_table(study, "train_loss"))
+    assert table.count("foreign: not run by a search of runner's") == 4, table
 
 
 @pytest.mark.parametrize("override, words", [
@@ -551,6 +563,42 @@ def test_the_time_pruning_saved_counts_the_evaluations_the_pruned_trials_skipped
     reached = {"stopped_early": "reached the targets: ...", "steps": 400, "total_steps": 1875, "train_time_s": 11.0,
                "eval_time_s": 40.0}
     assert pruning.saved([pruned, reached]) == (1, pytest.approx(1795 * 8.0 / 80))
+
+
+def test_a_search_on_another_host_is_dead_once_its_heartbeat_is_five_minutes_old(tmp_path):
+    """Searches on several machines share a study: a trial whose search process ran on another host is failed once
+    its heartbeat is older than ``STALE_S`` (a fresh one, or none from an older runner, is left RUNNING); a live
+    search stamps its own running trials."""
+    import time
+
+    optuna = pytest.importorskip("optuna")
+    from optuna.trial import TrialState
+
+    from runner.tune import search
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'shared.db'}", study_name="s")
+    elsewhere = {"host": "another-machine", "pid": 1}
+    beats = {"stale": time.time() - search.STALE_S - 1, "fresh": time.time() - 10, "none": None}
+    trials = {}
+    for name, beat in beats.items():
+        trials[name] = study.ask()
+        trials[name].set_user_attr("sweep", "x")
+        trials[name].set_user_attr(search.OWNER, elsewhere)
+        if beat is not None:
+            trials[name].set_user_attr(search.HEARTBEAT, beat)
+    assert search.counted(study) == 2  # the stale one no longer counts
+    assert search.fail_dead_trials(study) == [trials["stale"].number]
+    states = {t.number: t.state for t in study.trials}
+    assert states[trials["stale"].number] == TrialState.FAIL
+    assert {states[trials[n].number] for n in ("fresh", "none")} == {TrialState.RUNNING}
+    mine = study.ask()
+    mine.set_user_attr(search.OWNER, search._mine())
+    with search.heartbeat(study, every_s=0.05):
+        time.sleep(0.5)
+    stamped = study.trials[mine.number].user_attrs.get(search.HEARTBEAT)
+    assert stamped is not None and time.time() - stamped < 5
+    assert search.HEARTBEAT not in study.trials[trials["fresh"].number].user_attrs or \
+        study.trials[trials["fresh"].number].user_attrs[search.HEARTBEAT] == beats["fresh"]  # another's: untouched
 
 
 def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path):

@@ -181,10 +181,11 @@ def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confide
 
 
 def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput: Interval | float | None = 1.0,
-                   confidence: float = 0.95) -> TargetRatio | None:
+                   confidence: float = 0.95, samples_share: float = 0.5) -> TargetRatio | None:
     """Time to target of ``config`` ÷ ``reference`` = samples-to-target ratio ÷ ``throughput`` (samples/s ratio: an
-    ``Interval``, combined at 1 - α/2 each (Bonferroni), or an exact number). None where ``samples_to_target`` is,
-    or for a throughput of None.
+    ``Interval``, combined by Bonferroni: the samples interval at 1 - ``samples_share``·α, the throughput's at
+    1 - (1 - ``samples_share``)·α; or an exact number). None where ``samples_to_target`` is, or for a throughput of
+    None.
 
     Raises:
         ValueError: as ``samples_to_target``; a throughput that is not positive and finite.
@@ -201,8 +202,8 @@ def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput
                       confidence)
 
     def bounds(alpha: float) -> tuple[float, float]:
-        level = 1 - alpha / 2
-        (low, high), t = shift.interval(level), at_confidence(throughput, level)
+        (low, high) = shift.interval(1 - samples_share * alpha)
+        t = at_confidence(throughput, 1 - (1 - samples_share) * alpha)
         return low - math.log(t.high), high - math.log(t.low)
 
     def excludes_one(alpha: float) -> bool:

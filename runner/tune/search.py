@@ -14,14 +14,16 @@ the study; the best trial is then verified against the starting recipe on fresh 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, Transformer
@@ -34,7 +36,7 @@ from runner import objective
 from runner.errors import ConfigError
 from runner.objective import BASIC_LAUNCHER
 from runner.tune import pruning
-from runner.tune.search_end import finish, job_folder
+from runner.tune.search_end import RUN, finish, job_folder
 from runner.tune.slots import Slots, job_return, threads_each
 from runner.tune.verify import override_line
 
@@ -179,7 +181,8 @@ class SearchSweeper(Sweeper):
         if pruning.active(self.pruner):
             print(f"pruning: {pruning.acts_when(study.pruner, self.n_trials)}", flush=True)
         summaries: list[dict[str, Any]] = []
-        exhausted = (self.in_slots_run if self.in_slots() else self.in_batches)(study, plan, summaries)
+        with heartbeat(study if self.storage is not None else None):
+            exhausted = (self.in_slots_run if self.in_slots() else self.in_batches)(study, plan, summaries)
         if exhausted:
             print("the sampler has tried every point of the space: the search ends here", flush=True)
         if pruning.active(self.pruner):
@@ -215,6 +218,8 @@ class SearchSweeper(Sweeper):
             value, note = None, f"pruned at {samples:,} samples: censored there"  # not "not reached": cut
         trial.set_user_attr("reached", reached)
         trial.set_user_attr("note", note)
+        if value is not None:  # the record that makes it the search's own (search_end.own): a planted row has none
+            trial.set_user_attr(RUN, {"folder": str(job_folder(ret).resolve()), "value": value})
         exhausted = tell(study, trial, value, pruned)
         print(f"trial {self.position[trial.number]}: {plan['metric']} = {value if value is not None else '-'}"
               f"{f' ({note})' if note else ''}", flush=True)
@@ -341,6 +346,10 @@ OWNER = "search_process"
 DEAD = "its search process died before the trial ended"
 #: What a point another search sharing the study had asked already is told (its note), before it is asked again
 TAKEN = "another search of the study asked this point already"
+#: A trial's user attribute: when its search process last said it was alive (``time.time()``; ``heartbeat``)
+HEARTBEAT = "heartbeat"
+#: Seconds between a search's heartbeats, and the age past which another host's trial is taken as dead
+BEAT_S, STALE_S = 30.0, 300.0
 #: How many times a point another search holds is asked again, reseeded, before it is run anyway
 REASKS = 5
 
@@ -368,11 +377,42 @@ def ask_new_point(study: Any, space: dict[str, Any]) -> Any:
     raise AssertionError("unreachable")
 
 
-def _alive(owner: Any) -> bool:
-    """Whether the search process ``owner`` (``OWNER``'s value) may still be running: another host's is taken as
-    alive (it cannot be checked from here)."""
+@contextlib.contextmanager
+def heartbeat(study: Any, every_s: float = BEAT_S) -> Iterator[None]:
+    """While the block runs, a thread stamps ``HEARTBEAT`` (``time.time()``) on this process's RUNNING trials of
+    ``study`` every ``every_s`` seconds, so a search on another host can tell a dead one's trials (``_alive``); a
+    study in memory (None) needs none. A stamp that fails (a busy database) waits for the next."""
+    if study is None:
+        yield
+        return
+    from optuna.trial import TrialState
+
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            try:
+                for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                    if t.user_attrs.get(OWNER) == _mine():
+                        study._storage.set_trial_user_attr(t._trial_id, HEARTBEAT, time.time())
+            except Exception:  # noqa: BLE001 - e.g. sqlite's "database is locked": the next beat stamps it
+                continue
+
+    thread = threading.Thread(target=beat, name="search-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _alive(owner: Any, beat: float | None = None) -> bool:
+    """Whether the search process ``owner`` (``OWNER``'s value) may still be running: on this host, whether its
+    process exists; on another, whether its trial's last ``HEARTBEAT`` (``beat``) is younger than ``STALE_S``
+    (a trial with none, from a runner before heartbeats, is taken as alive)."""
     if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
-        return True
+        return beat is None or time.time() - float(beat) < STALE_S
     try:
         os.kill(int(owner["pid"]), 0)
     except ProcessLookupError:
@@ -383,12 +423,13 @@ def _alive(owner: Any) -> bool:
 
 
 def fail_dead_trials(study: Any) -> list[int]:
-    """Mark FAILED the RUNNING trials of the study whose search process on this host is gone (killed with -9: it
-    never told them); their numbers. Trials of a live search (another one sharing the study) are left alone."""
+    """Mark FAILED the RUNNING trials of the study whose search process is gone (killed with -9: it never told
+    them): on this host, its process; on another, no ``HEARTBEAT`` for ``STALE_S``; their numbers. Trials of a live
+    search (another one sharing the study) are left alone."""
     from optuna.trial import TrialState
 
     dead = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if OWNER in t.user_attrs and not _alive(t.user_attrs[OWNER])]
+            if OWNER in t.user_attrs and not _alive(t.user_attrs[OWNER], t.user_attrs.get(HEARTBEAT))]
     for t in dead:
         study._storage.set_trial_user_attr(t._trial_id, "note", DEAD)
         study.tell(t.number, state=TrialState.FAIL)
@@ -403,7 +444,8 @@ def counted(study: Any) -> int:
     ended = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     return sum(1 for t in study.get_trials(deepcopy=False) if "sweep" in t.user_attrs  # asked by a search of runner's
                and ((t.state in ended and t.user_attrs.get("note") not in (DEAD, TAKEN))
-                    or (t.state == TrialState.RUNNING and _alive(t.user_attrs.get(OWNER)))))
+                    or (t.state == TrialState.RUNNING
+                        and _alive(t.user_attrs.get(OWNER), t.user_attrs.get(HEARTBEAT)))))
 
 
 def next_job_index(sweep: Path) -> int:

@@ -34,13 +34,36 @@ def in_space(trial: Any, space: dict[str, Any]) -> bool:
         return False
 
 
-def best_trials(study: Any, metric: str, direction: str, space: dict[str, Any], n: int = 1) -> list[Any]:
-    """The ``n`` best complete trials of the search ``space`` (``in_space``), best first, one per point; for a
-    to-target metric only among those that reached the target (a censored trial's value is a penalty, not a
-    measurement)."""
+#: A trial's user attribute that a search of runner's writes as it tells the study a job's value: ``{"folder": the
+#: job's run folder, "value": the value told}``
+RUN = "run"
+
+
+def own(trial: Any) -> bool:
+    """Whether a completed trial was run by a search of runner's: it has the ``RUN`` record, with the value it was
+    told, and its run folder, where it is on this machine, holds the run's summary.json (a folder on another
+    machine of a shared study cannot be checked from here). A row planted in a shared study has no such record."""
+    run = trial.user_attrs.get(RUN)
+    if not isinstance(run, dict) or run.get("value") != trial.value or not isinstance(run.get("folder"), str):
+        return False
+    folder = Path(run["folder"])
+    return not folder.exists() or (folder / "summary.json").is_file()
+
+
+def foreign(trial: Any) -> bool:
+    """A completed trial that a search of runner's did not run (``own``)."""
     from optuna.trial import TrialState
 
-    done = [t for t in study.trials if t.state == TrialState.COMPLETE and in_space(t, space)]
+    return trial.state == TrialState.COMPLETE and not own(trial)
+
+
+def best_trials(study: Any, metric: str, direction: str, space: dict[str, Any], n: int = 1) -> list[Any]:
+    """The ``n`` best complete trials of the search ``space`` (``in_space``) that a search of runner's ran (``own``),
+    best first, one per point; for a to-target metric only among those that reached the target (a censored trial's
+    value is a penalty, not a measurement)."""
+    from optuna.trial import TrialState
+
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE and in_space(t, space) and own(t)]
     if metric in TO_TARGET:
         done = [t for t in done if t.user_attrs.get("reached")]
     out: list[Any] = []
@@ -62,7 +85,8 @@ def trials_table(study: Any, metric: str) -> list[str]:
     for t in study.trials:
         cells = [_short(t.params.get(k, "")) for k in keys]
         value = f"{t.value:.4g}" if t.value is not None else "-"
-        lines.append(f"| {t.number + 1} | {' | '.join(cells)} | {value} | {t.user_attrs.get('note', '')} | "
+        note = "foreign: not run by a search of runner's" if foreign(t) else t.user_attrs.get("note", "")
+        lines.append(f"| {t.number + 1} | {' | '.join(cells)} | {value} | {note} | "
                      f"`{t.user_attrs.get('job', '')}` |")
     return lines
 
@@ -96,6 +120,10 @@ def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
     print(f"\nsearch {sweep_dir}: {len(study.trials)} trials, {metric} ({direction}):", *trials_table(study, metric),
           sep="\n", flush=True)
     trials_s = time.monotonic() - sweeper.started
+    planted = [t.number + 1 for t in study.trials if foreign(t)]
+    if planted:
+        print(f"note: trial(s) {', '.join(map(str, planted))} of the study were not run by a search of runner's (no "
+              f"record of their run folder and summary): listed, never the recipe found", flush=True)
     candidates = best_trials(study, metric, direction, plan["space"], max(1, sweeper.verify_candidates))
     results: dict[str, Any] = {"name": study.study_name, "optimized_metric": metric, "direction": direction}
     if not candidates:

@@ -9,8 +9,10 @@ that happened to end first), each candidate's samples-to-target ratio gets its M
 Bonferroni's inequality the chance of any false "faster" or "slower" over all looks and candidates stays within α,
 whatever the looks' correlation: conservative beside Pocock's or O'Brien–Fleming's group-sequential boundaries
 (Jennison & Turnbull, *Group Sequential Methods*, 2000), but valid for a rank test's discrete p-values. The first
-look is the fewest seeds whose interval can exclude 1 at that level. Why: docs/tuners-and-doctor.md, "Searching
-the recipe".
+look is the fewest seeds whose interval can exclude 1 at that level. Where a candidate's samples/s is measured
+too, its time verdict splits each look's α between the two intervals: ``SAMPLES_SHARE`` to samples to target, the
+rest to samples/s (whose interval narrows with minutes of measuring, not with seeds). Why: docs/tuners-and-doctor.md,
+"Searching the recipe".
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ SAME_STEP_COST = ("optimizer.lr", "optimizer.adamw_lr", "optimizer.weight_decay"
                   *techniques.same_step_cost())
 
 
+#: The share of a look's α that the samples-to-target interval gets where the time verdict also needs a samples/s
+#: interval (Bonferroni: the two shares sum to α). An even split asked for 6 seeds a side before a first look of 8;
+#: 0.8 keeps the first look at 5 and leaves samples/s an interval at 99.75 %, a few passes of measuring
+SAMPLES_SHARE = 0.8
+
+
 @dataclass
 class Side:
     """One side of the verification: ``name`` (its folder, ``verify/<name>/seed<N>``), ``label`` (its row),
@@ -51,19 +59,19 @@ def override_line(params: dict[str, Any]) -> list[str]:
     return [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()]
 
 
-def first_look(seeds: int, candidates: int, confidence: float) -> int:
-    """The fewest seeds a side whose Mann–Whitney interval can exclude 1 at each look's level (all k runs of one
-    side below all of the other's: two-sided p = 2 / C(2k, k)), at most ``seeds``."""
+def first_look(seeds: int, candidates: int, confidence: float, share: float = 1.0) -> int:
+    """The fewest seeds a side whose Mann–Whitney interval can exclude 1 at each look's level, its α times ``share``
+    (all k runs of one side below all of the other's: two-sided p = 2 / C(2k, k)), at most ``seeds``."""
     alpha = 1 - confidence
     for k in range(MIN_SEEDS, seeds):
-        if 2 / math.comb(2 * k, k) <= alpha / ((seeds - k + 1) * candidates):
+        if 2 / math.comb(2 * k, k) <= share * alpha / ((seeds - k + 1) * candidates):
             return k
     return seeds
 
 
-def look_confidence(seeds: int, candidates: int, confidence: float) -> float:
+def look_confidence(seeds: int, candidates: int, confidence: float, share: float = 1.0) -> float:
     """Each look's confidence: 1 - α / (looks × candidates) (Bonferroni; the module docstring)."""
-    looks = seeds - first_look(seeds, candidates, confidence) + 1
+    looks = seeds - first_look(seeds, candidates, confidence, share) + 1
     return 1 - (1 - confidence) / (looks * candidates)
 
 
@@ -146,13 +154,14 @@ def _median_figure(folders: Sequence[Path], key: str) -> float | None:
 
 
 def throughput(sweeper: Any, start: Side, candidates: Sequence[Side], found: dict[str, list[Seed]],
-               level: float) -> tuple[dict[str, Interval | float | None], str]:
+               level: float, share: float) -> tuple[dict[str, Interval | float | None], str]:
     """Each candidate's samples/s ÷ the start's (> 1: it trains faster): 1 where no searched key changes a step's
     cost; else measured interleaved into ``<sweep>/verify/throughput`` (runner/compare/ ``compare``: randomized
     multiple interleaved trials, Abedi & Brecht, ICPE 2017), ``hydra.sweeper.verify_processes`` processes each,
     for at most ``verify_minutes`` and only until every candidate's time-to-target verdict (``found``'s seeds, at
-    ``level``) is firm: an ``Interval``, None below 2 pairs or with ``verify_minutes`` 0. Returns them and the
-    line that says how they were had. A job that fails to start is recorded as failed (no interval), not raised."""
+    ``level``, the samples interval's ``share`` of α) is firm: an ``Interval``, None below 2 pairs or with
+    ``verify_minutes`` 0. Returns them and the line that says how they were had. A job that fails to start is
+    recorded as failed (no interval), not raised."""
     measured = [c for c in candidates if changes_step_cost(c.params or {})]
     ratios: dict[str, Interval | float | None] = {c.name: 1.0 for c in candidates if c not in measured}
     if not measured:
@@ -169,7 +178,8 @@ def throughput(sweeper: Any, start: Side, candidates: Sequence[Side], found: dic
     settings.processes = sweeper.verify_processes
 
     def enough(comparisons: dict[str, Interval | None]) -> str | None:
-        timed = [time_to_target(found[c.name], found[start.name], comparisons.get(c.name), level) for c in measured]
+        timed = [time_to_target(found[c.name], found[start.name], comparisons.get(c.name), level, share)
+                 for c in measured]
         return "every time-to-target verdict firm" if all(map(firm, timed)) else None
 
     print(f"\nmeasuring {', '.join(c.name for c in measured)} against start's samples/s interleaved (at most "
@@ -197,12 +207,16 @@ def verify(sweeper: Any, plan: dict[str, Any], trials: Sequence[Any]) -> tuple[l
                   for i, t in enumerate(trials)]
     start = Side("start", "starting recipe", fixed)
     sides = [*candidates, start]
-    first = first_look(len(seeds), len(candidates), sweeper.confidence)
-    level = look_confidence(len(seeds), len(candidates), sweeper.confidence)
+    timed_too = sweeper.verify_minutes > 0 and any(changes_step_cost(c.params or {}) for c in candidates)
+    share = SAMPLES_SHARE if timed_too else 1.0
+    first = first_look(len(seeds), len(candidates), sweeper.confidence, share)
+    level = look_confidence(len(seeds), len(candidates), sweeper.confidence, share)
+    samples_level = 1 - share * (1 - level)
     print(f"\nverifying {len(candidates)} candidate(s) against the starting recipe on fresh seeds {seeds[0]}.."
           f"{seeds[-1]}, seed by seed: a look after seed {first} and each one after stops at the first where every "
-          f"interval excludes 1 (each at {level:.2%}: over {len(seeds) - first + 1} looks and {len(candidates)} "
-          f"candidate(s) the chance of any false verdict stays within {1 - sweeper.confidence:.0%})", flush=True)
+          f"samples-to-target interval excludes 1 (each at {samples_level:.2%}: over {len(seeds) - first + 1} looks "
+          f"and {len(candidates)} candidate(s) the chance of any false verdict stays within "
+          f"{1 - sweeper.confidence:.0%})", flush=True)
     ended: dict[int, Seed | None] = {}
 
     def upto(side: int, k: int) -> list[Seed]:
@@ -214,7 +228,7 @@ def verify(sweeper: Any, plan: dict[str, Any], trials: Sequence[Any]) -> tuple[l
         for i, seed in it:
             ended[i] = seed
             while k <= len(seeds) and all(j in ended for j in range(k * len(sides))):
-                ratios = {c.name: samples_to_target(upto(n, k), upto(len(candidates), k), level)
+                ratios = {c.name: samples_to_target(upto(n, k), upto(len(candidates), k), samples_level)
                           for n, c in enumerate(candidates)}
                 looked, k = k, k + 1
                 if all(map(firm, ratios.values())):
@@ -238,12 +252,14 @@ def verify(sweeper: Any, plan: dict[str, Any], trials: Sequence[Any]) -> tuple[l
         lines.append(f"| {side.label} | {sum(s.reached for s in got)}/{looked} | {median} | "
                      f"{f'{t:.2f}' if t is not None else '-'} |")
     lines += [f"samples to target, {c.name} / start: {verdict(ratios.get(c.name))}" for c in candidates]
-    record: dict[str, Any] = {"seeds": seeds[:looked], "look_confidence": level, "stopped": stop,
+    record: dict[str, Any] = {"seeds": seeds[:looked], "look_confidence": level, "samples_confidence": samples_level,
+                              "stopped": stop,
                               "samples_to_target": _figures(ratios.get("best"))}
     timed: dict[str, TargetRatio | None] = {}
     if any(r is not None for r in ratios.values()):
-        speed, said = throughput(sweeper, start, candidates, found, level)
-        timed = {c.name: time_to_target(found[c.name], found["start"], speed.get(c.name), level) for c in candidates}
+        speed, said = throughput(sweeper, start, candidates, found, level, share)
+        timed = {c.name: time_to_target(found[c.name], found["start"], speed.get(c.name), level, share)
+                 for c in candidates}
         lines += [said, *(f"time to target, {c.name} / start (samples ratio / samples/s ratio): "
                           f"{verdict(timed[c.name])}" for c in candidates)]
         best_speed = speed.get("best")
