@@ -18,8 +18,8 @@ register_interleaved_launcher()  # hydra/launcher=interleaved (runner/sweeps/int
 
 
 def _search_sweeper(**settings):
-    """``hydra/sweeper=search`` (runner/tune/search.py), imported only when a search starts (Optuna is heavy)."""
-    from runner.tune.search import make_sweeper
+    """``hydra/sweeper=search`` (runner/sweeps/search.py), imported only when a search starts (Optuna is heavy)."""
+    from runner.sweeps.search import make_sweeper
 
     return make_sweeper(**settings)
 
@@ -158,7 +158,7 @@ def _unwritable(e: BaseException) -> str | None:
 
 
 def _pruning(cfg: DictConfig):
-    """A recipe search's pruner for this trial (runner/tune/pruning.py), or None: only a search with
+    """A recipe search's pruner for this trial (runner/sweeps/pruning.py), or None: only a search with
     ``hydra.sweeper.pruner`` set imports Optuna here."""
     import os
 
@@ -169,7 +169,7 @@ def _pruning(cfg: DictConfig):
     if not HydraConfig.initialized() or ((HydraConfig.get().get("sweeper") or {}).get("_target_") != SEARCH_SWEEPER
                                          and not os.environ.get(TRIAL_ENV)):  # a trial in a process of its own
         return None
-    from runner.tune.pruning import listener
+    from runner.sweeps.pruning import listener
 
     return listener(cfg)
 

@@ -72,7 +72,7 @@ def value(summary: dict[str, Any], name: str | None) -> float | None:
 #: The ``_target_`` of ``hydra/sweeper=search`` (conf/hydra/sweeper/search.yaml), registered by ``python -m runner``
 SEARCH_SWEEPER = "hydra_plugins.runner_search.SearchSweeper"
 #: The environment variable that names a search trial's study, pruner and trial to its job process
-#: (runner/tune/slots.py): ``{"storage", "study_name", "pruner", "trial_id"}`` as JSON
+#: (runner/sweeps/slots.py): ``{"storage", "study_name", "pruner", "trial_id"}`` as JSON
 TRIAL_ENV = "RUNNER_SEARCH_TRIAL"
 #: Hydra's own launcher: one job after the other in this process
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"

@@ -1,5 +1,5 @@
 """The recipe search: ``optimized_metric`` (what ``python -m runner`` returns to a Hydra sweeper) and
-``hydra/sweeper=search`` (runner/tune/search.py: Optuna ask-and-tell, verification on fresh seeds, the paste line).
+``hydra/sweeper=search`` (runner/sweeps/search.py: Optuna ask-and-tell, verification on fresh seeds, the paste line).
 
 The searches are real multiruns of ``python -m runner`` on a tiny synthetic job. On that job's random labels a
 tiny LR keeps the evaluation loss near ln(10) while LR 0.05 makes it blow up within 4 steps: the constructed case
@@ -19,8 +19,8 @@ import yaml
 from conftest import TINY, compose_cfg, read_summary, run_cli, run_tiny
 from runner import REPO_ROOT, objective
 from runner.errors import ConfigError
-from runner.tune.search_end import paste_line
-from runner.tune.verify import changes_step_cost
+from runner.sweeps.search_end import paste_line
+from runner.sweeps.search_verify import changes_step_cost
 
 #: A search over two LRs that tries both (BruteForceSampler), each trial the tiny job
 SEARCH = ["-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.doctor=false",
@@ -185,6 +185,8 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path, n_jobs):
     assert re.search(r"\| best trial \(trial \d\) \| 4/4 \|", r.stdout), r.stdout[-3000:]
     assert re.search(r"\| starting recipe \| 0/4 \|", r.stdout), r.stdout[-3000:]
     assert re.search(r"^wall time: [\d.]+ min, the trials [\d.]+ and the verification [\d.]+ \(\d+%\)", r.stdout, re.M)
+    # in slots, the start's runs up to the first look begin as soon as no trial is left to take a slot
+    assert ("verification run ahead: the starting recipe on seed 100" in r.stdout) == (n_jobs == 2), r.stdout[-3000:]
     # the base batch size is not one of the keys known to leave a step's cost alone: samples/s measured interleaved
     record = json.loads((sweep / "verify" / "throughput" / "interleave.json").read_text())
     assert {j["config"] or n for n, j in record["jobs"].items()} >= {"best", "start"}, record["jobs"]
@@ -200,7 +202,7 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path, n_jobs):
 
 
 def test_the_looks_start_where_an_interval_can_exclude_1_and_share_the_error_rate():
-    from runner.tune import verify
+    from runner.sweeps import search_verify as verify
 
     assert verify.first_look(8, 1, 0.95) == 5  # 4 a side: p >= 2/70 > 0.05/5 looks; 5 a side: 2/252 <= 0.05/4
     assert verify.look_confidence(8, 1, 0.95) == pytest.approx(1 - 0.05 / 4)
@@ -215,7 +217,7 @@ def _false_verdicts(level: float, first: int, seeds: int = 8, searches: int = 20
     import random
 
     from runner.compare.convergence import Seed, samples_to_target
-    from runner.tune.verify import firm
+    from runner.sweeps.search_verify import firm
 
     rng, false = random.Random(7), 0
     for _ in range(searches):
@@ -228,7 +230,7 @@ def test_the_sequential_looks_keep_false_verdicts_within_the_stated_rate():
     """Two recipes alike, 2,000 simulated verifications of 8 seeds: looking after each seed from the 5th at the
     Bonferroni level gives a false verdict in at most 5 % of them (+ Monte Carlo error); looking at 95 % each time,
     as the single-look verification did, gives more."""
-    from runner.tune import verify
+    from runner.sweeps import search_verify as verify
 
     sequential = _false_verdicts(verify.look_confidence(8, 1, 0.95), verify.first_look(8, 1, 0.95))
     naive = _false_verdicts(0.95, 4)
@@ -244,7 +246,7 @@ def _verification(monkeypatch, best: list[float], start: list[float], seeds: int
     from omegaconf import OmegaConf
 
     from runner.compare.convergence import Seed
-    from runner.tune import verify
+    from runner.sweeps import search_verify as verify
 
     asked = []
 
@@ -323,7 +325,7 @@ def asked_trials(name: str, n: int = 12, n_jobs: int = 2) -> list[dict]:
     import optuna
     from hydra.utils import instantiate
 
-    from runner.tune.search import search_space
+    from runner.sweeps.search import search_space
 
     sweeper = search_sweeper(name)
     space, _ = search_space(dict(sweeper.params), [])
@@ -354,7 +356,7 @@ def test_the_search_file_asks_the_recorded_trials_under_every_optuna():
 
 def test_an_optuna_older_than_the_recorded_trials_is_one_line(monkeypatch, capsys):
     optuna = pytest.importorskip("optuna")
-    from runner.tune.search import make_sweeper
+    from runner.sweeps.search import make_sweeper
 
     monkeypatch.setattr(optuna, "__version__", "4.6.0")
     with pytest.raises(SystemExit) as e:
@@ -393,8 +395,8 @@ def test_a_planted_trial_in_a_shared_study_is_never_the_best_nor_launched(tmp_pa
     import optuna
     from optuna.distributions import FloatDistribution
 
-    from runner.tune.search import search_space
-    from runner.tune.search_end import RUN, best_trial, in_space, trials_table
+    from runner.sweeps.search import search_space
+    from runner.sweeps.search_end import RUN, best_trial, in_space, trials_table
 
     space, _ = search_space({"optimizer.lr": "interval(0.01, 0.5)"}, [])
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'shared.db'}", study_name="s", direction="minimize")
@@ -494,7 +496,7 @@ def test_a_pruner_on_a_figure_no_evaluation_gives_is_refused(tmp_path):
 
 def test_the_pruners_by_name_are_optunas():
     optuna = pytest.importorskip("optuna")
-    from runner.tune import pruning
+    from runner.sweeps import pruning
 
     assert {name: type(pruning.build(name)) for name in pruning.NAMES} == {
         "none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
@@ -526,7 +528,7 @@ def test_a_trial_that_met_its_target_stands_for_the_grid_it_skipped_so_a_slower_
     stopped at its target reports its last figure on the grid it skipped (``carried_forward``): a later trial still
     short of the target there is compared with it, and pruned, where without it no trial would be compared."""
     optuna = pytest.importorskip("optuna")
-    from runner.tune import pruning
+    from runner.sweeps import pruning
 
     assert list(pruning.carried_forward(2560, 40, 40, 10240)) == [5120, 7680, 10240]
     assert list(pruning.carried_forward(2560, 40, 0, 10240)) == []
@@ -556,7 +558,7 @@ def test_the_time_pruning_saved_counts_the_evaluations_the_pruned_trials_skipped
     """A pruned trial would have gone on to its limit at its own pace, evaluating every ``eval_every`` steps: the
     saving is its remaining steps at (training + evaluation seconds) per step; trials that were not pruned save
     nothing."""
-    from runner.tune import pruning
+    from runner.sweeps import pruning
 
     pruned = {"stopped_early": f"{pruning.PRUNED} (MedianPruner) at 2,560 samples", "steps": 80, "total_steps": 1875,
               "train_time_s": 2.0, "eval_time_s": 6.0}
@@ -574,7 +576,7 @@ def test_a_search_on_another_host_is_dead_once_its_heartbeat_is_five_minutes_old
     optuna = pytest.importorskip("optuna")
     from optuna.trial import TrialState
 
-    from runner.tune import search
+    from runner.sweeps import search
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'shared.db'}", study_name="s")
     elsewhere = {"host": "another-machine", "pid": 1}
@@ -613,7 +615,7 @@ def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path)
     from optuna.distributions import FloatDistribution
 
     from conftest import run_here
-    from runner.tune.search import DEAD, OWNER
+    from runner.sweeps.search import DEAD, OWNER
 
     sweep, db = tmp_path / "sweep", f"sqlite:///{tmp_path / 'search.db'}"
     study = optuna.create_study(storage=db, study_name="s", direction="minimize")
@@ -652,7 +654,7 @@ def test_two_searches_on_one_study_ask_no_point_twice_and_share_n_trials(tmp_pat
     import optuna
 
     from conftest import run_here
-    from runner.tune.search import OWNER, TAKEN, search_space
+    from runner.sweeps.search import OWNER, TAKEN, search_space
 
     space, _ = search_space({"optimizer.lr": "tag(log, interval(0.0001, 0.01))"}, [])
     first = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=7)).ask(space).params
@@ -685,7 +687,7 @@ def test_the_search_says_when_its_pruner_starts_to_act():
     search none, which the search says at its start (a user saw pruner=median prune 0 of 6 trials, unexplained)."""
     import optuna
 
-    from runner.tune.pruning import acts_when
+    from runner.sweeps.pruning import acts_when
 
     assert acts_when(optuna.pruners.MedianPruner(), 6).endswith("it can stop only trial 6")
     assert acts_when(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=5000), 6).startswith(

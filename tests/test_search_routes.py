@@ -73,8 +73,8 @@ def compose_search(args: list[str]):
     search sweeper, built from the composed ``hydra.sweeper`` (an unknown setting is a TypeError), makes its plan
     (metric, space, verification seeds). The composed config."""
     from runner.engine.validate import validate
+    from runner.sweeps.search import make_sweeper
     from runner.techniques import variants
-    from runner.tune.search import make_sweeper
 
     variants.register()
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):

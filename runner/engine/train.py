@@ -39,7 +39,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
     ``job_dir`` defaults to the Hydra job's folder. ``gate``: the pause point of an interleaved comparison
     (runner/engine/slice_gate.py; the comparison's job process passes it), None for every other run.
     ``on_evaluation(metrics, step, global samples, ends)``: asked on rank 0 after each evaluation, its answer (a
-    reason) ends the run there (``stopped_early``; a recipe search's pruner: runner/tune/pruning.py); ``ends`` is
+    reason) ends the run there (``stopped_early``; a recipe search's pruner: runner/sweeps/pruning.py); ``ends`` is
     None, or, at the evaluation that met the targets of ``trainer.stop_at_target``, the global samples the run
     would have trained to (its answer is then ignored). Raises
     ``ConfigError`` for bad input, before any result file is written.

@@ -227,7 +227,7 @@ def step_cost(variant_technique: str | None) -> bool:
 def same_step_cost() -> tuple[str, ...]:
     """The config groups (or keys) of the techniques that cannot change what a training step costs
     (``step_cost=False``: the LR schedules, ``scheduler``): the recipe search takes their time ratio to be their
-    samples ratio (runner/tune/search_end.py)."""
+    samples ratio (runner/sweeps/search_end.py)."""
     # a group option's group (scheduler=onecycle -> scheduler), else the technique's first key
     names = (t.command[0].split("=")[0] if t.command else t.keys()[0] for t in TECHNIQUES.values() if not t.step_cost)
     return tuple(dict.fromkeys(names))

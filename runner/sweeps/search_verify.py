@@ -1,4 +1,4 @@
-"""The fresh-seed verification of a recipe search (``hydra/sweeper=search``, runner/tune/search.py): the best
+"""The fresh-seed verification of a recipe search (``hydra/sweeper=search``, runner/sweeps/search.py): the best
 ``verify_candidates`` trials and the starting recipe run seed by seed, in the search's slots, and the verification
 stops at the first look at which every candidate's verdict is firm; then their samples/s, interleaved, only until
 the time verdicts are firm.
@@ -117,11 +117,30 @@ def changes_step_cost(params: dict[str, Any]) -> bool:
     return any(not any(k == same or k.startswith(same + ".") for same in SAME_STEP_COST) for k in params)
 
 
+def fixed_overrides(plan: dict[str, Any]) -> list[str]:
+    """The search's fixed overrides as the verification's runs take them (no seed, no ``hydra.*``)."""
+    return [o for o in plan["fixed"] if not o.startswith(("trainer.seed=", "hydra."))]
+
+
+def ahead(sweeper: Any, plan: dict[str, Any]) -> list[tuple[tuple[str, int], Path, list[str]]]:
+    """The starting recipe's verification runs that are sure to be needed -- its seeds up to the first look --
+    as ``Slots.start`` arguments ``((side, seed), folder, argv)``, for slots that the search's last trials leave
+    free (none where the verification will not run)."""
+    seeds, cfg = plan["seeds"], sweeper.config
+    if not seeds or (cfg.trainer.target_accuracy is None and cfg.trainer.target_loss is None):
+        return []
+    sweep = Path(str(cfg.hydra.sweep.dir))
+    first = first_look(len(seeds), max(1, sweeper.verify_candidates), sweeper.confidence)
+    return [(("start", s), sweep / "verify" / "start" / f"seed{s}", [*fixed_overrides(plan), f"trainer.seed={s}"])
+            for s in seeds[:first]]
+
+
 def runs(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int]) -> Iterator[tuple[int, Seed | None]]:
     """Run every side on every seed, seed by seed (job ``i`` = seed ``i // len(sides)``, side ``i % len(sides)``),
     and yield ``(i, its Seed)`` as runs end: in the search's slots where its trials ran in them (a freed slot takes
-    the next run at once; closing the generator stops the running ones), else one launch per seed through Hydra's
-    launcher (a SLURM array of ``len(sides)`` jobs)."""
+    the next run at once, and the runs the trials' slots started ``ahead`` are taken as they are; closing the
+    generator stops the running ones), else one launch per seed through Hydra's launcher (a SLURM array of
+    ``len(sides)`` jobs)."""
     jobs = [(side, s) for s in seeds for side in sides]
     sweep = Path(str(sweeper.config.hydra.sweep.dir))
     if not sweeper.in_slots():
@@ -132,14 +151,22 @@ def runs(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int]) -> Iterator[
             for i, ret in enumerate(returns, first):
                 yield i, seed_of(Path(str(OmegaConf.select(ret.hydra_cfg, "hydra.runtime.output_dir"))))
         return
-    slots, queue = sweeper.slots(), list(enumerate(jobs))
+    slots, done_ahead = sweeper.pending or sweeper.slots(), dict(sweeper.ahead_done)
+    index = {(side.name, s): i for i, (side, s) in enumerate(jobs)}
+    started = done_ahead.keys() | {r.key for r in slots.running}
+    queue = [(side, s) for side, s in jobs if (side.name, s) not in started]
     try:
+        for key, folder in done_ahead.items():
+            if key in index:
+                yield index[key], seed_of(folder)
         while queue or slots.running:
             while queue and len(slots.running) < slots.n:
-                i, (side, s) = queue.pop(0)
-                slots.start(i, sweep / "verify" / side.name / f"seed{s}", [*side.argv, f"trainer.seed={s}"])
+                side, s = queue.pop(0)
+                folder = sweep / "verify" / side.name / f"seed{s}"
+                slots.start((side.name, s), folder, [*side.argv, f"trainer.seed={s}"])
             done, _ = slots.wait_one()
-            yield done.key, seed_of(done.folder)
+            if done.key in index:
+                yield index[done.key], seed_of(done.folder)
     finally:
         slots.stop()
 
@@ -191,6 +218,34 @@ def throughput(sweeper: Any, start: Side, candidates: Sequence[Side], found: dic
                              f"copy (A/A) {describe(result.aa)}" for c in measured)
 
 
+def sequential(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int], first: int, level: float
+               ) -> tuple[dict[str, list[Seed]], int, dict[str, TargetRatio | None]]:
+    """Run ``sides`` (the candidates, then the start) seed by seed (``runs``) and look after the first ``first``
+    seeds and each one after: stop at the first look where every candidate's samples-to-target interval at ``level``
+    excludes 1. The seeds each side ran up to the last look, that look's seed count, and its ratios."""
+    ended: dict[int, Seed | None] = {}
+
+    def upto(side: int, k: int) -> list[Seed]:
+        return [s for i in range(k) if (s := ended[i * len(sides) + side]) is not None]
+
+    k, ratios, looked = first, {}, 0
+    it = runs(sweeper, sides, seeds)
+    try:
+        for i, seed in it:
+            ended[i] = seed
+            while k <= len(seeds) and all(j in ended for j in range(k * len(sides))):
+                ratios = {c.name: samples_to_target(upto(n, k), upto(len(sides) - 1, k), level)
+                          for n, c in enumerate(sides[:-1])}
+                looked, k = k, k + 1
+                if all(map(firm, ratios.values())):
+                    k = len(seeds) + 1
+            if k > len(seeds):
+                break
+    finally:
+        it.close()
+    return {side.name: upto(n, looked) for n, side in enumerate(sides)}, looked, ratios
+
+
 def verify(sweeper: Any, plan: dict[str, Any], trials: Sequence[Any]) -> tuple[list[str], dict[str, Any], Any]:
     """Run the candidate ``trials`` (best first) and the starting recipe seed by seed on ``plan['seeds']``, stopping
     at the first firm look; the printed lines, the record, and the trial whose recipe is found (the candidate with
@@ -201,7 +256,7 @@ def verify(sweeper: Any, plan: dict[str, Any], trials: Sequence[Any]) -> tuple[l
     if cfg.trainer.target_accuracy is None and cfg.trainer.target_loss is None:
         why = "it compares samples to target and the runs have no target: set trainer.target_accuracy"
         return [f"verification skipped: {why}"], {"skipped": why}, trials[0]
-    fixed = [o for o in plan["fixed"] if not o.startswith(("trainer.seed=", "hydra."))]
+    fixed = fixed_overrides(plan)
     candidates = [Side("best" if i == 0 else f"best{i + 1}", f"{'best trial' if i == 0 else 'candidate'} ("
                        f"trial {t.number + 1})", fixed + override_line(t.params), dict(t.params))
                   for i, t in enumerate(trials)]
@@ -217,27 +272,7 @@ def verify(sweeper: Any, plan: dict[str, Any], trials: Sequence[Any]) -> tuple[l
           f"samples-to-target interval excludes 1 (each at {samples_level:.2%}: over {len(seeds) - first + 1} looks "
           f"and {len(candidates)} candidate(s) the chance of any false verdict stays within "
           f"{1 - sweeper.confidence:.0%})", flush=True)
-    ended: dict[int, Seed | None] = {}
-
-    def upto(side: int, k: int) -> list[Seed]:
-        return [s for i in range(k) if (s := ended[i * len(sides) + side]) is not None]
-
-    k, ratios, looked = first, {}, 0
-    it = runs(sweeper, sides, seeds)
-    try:
-        for i, seed in it:
-            ended[i] = seed
-            while k <= len(seeds) and all(j in ended for j in range(k * len(sides))):
-                ratios = {c.name: samples_to_target(upto(n, k), upto(len(candidates), k), samples_level)
-                          for n, c in enumerate(candidates)}
-                looked, k = k, k + 1
-                if all(map(firm, ratios.values())):
-                    k = len(seeds) + 1
-            if k > len(seeds):
-                break
-    finally:
-        it.close()
-    found = {side.name: upto(n, looked) for n, side in enumerate(sides)}
+    found, looked, ratios = sequential(sweeper, sides, seeds, first, samples_level)
     sweep = Path(str(cfg.hydra.sweep.dir))
     stop = (f"firm at seed {looked} of {len(seeds)}" if looked < len(seeds) else
             f"all {len(seeds)} seeds run")

@@ -9,7 +9,7 @@ too where that installs; why not the plugin (hydra-optuna-sweeper 1.3.0 pins opt
 docs/tuners-and-doctor.md, "Searching the recipe".
 
 Each trial is one job of the sweep (``<sweep>/<n>``); its ``optimized_metric`` (runner/objective.py) is told to
-the study; the best trial is then verified against the starting recipe on fresh seeds (runner/tune/search_end.py).
+the study; the best trial is then verified against the starting recipe on fresh seeds (runner/sweeps/search_end.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from runner import objective
 from runner.errors import ConfigError
 from runner.objective import BASIC_LAUNCHER
-from runner.tune import pruning
-from runner.tune.search_end import RUN, finish, job_folder
-from runner.tune.slots import Slots, job_return, threads_each
-from runner.tune.verify import override_line
+from runner.sweeps import pruning, search_verify
+from runner.sweeps.search_end import RUN, finish, job_folder
+from runner.sweeps.search_verify import override_line
+from runner.sweeps.slots import Slots, job_return, threads_each
 
 #: The pip command that brings Optuna (the ``hpo`` extra)
 INSTALL = 'pip install -e ".[hpo]" (or pip install "optuna>=5")'
@@ -143,6 +143,8 @@ class SearchSweeper(Sweeper):
         self.verify_candidates, self.verify_processes = verify_candidates, verify_processes
         self.started = time.monotonic()  # when the search began (``sweep``): its wall time and the verification's share
         self.busy_share: float | None = None  # of the slots' time the trials used (``in_slots_run``)
+        self.pending: Slots | None = None  # the slots, with the verification's runs started ahead (``in_slots_run``)
+        self.ahead_done: dict[tuple[str, int], Path] = {}  # (side, seed) -> the folder of one that ended
         self.config: DictConfig | None = None
         self.hydra_context: Any = None
         self.launcher: Any = None
@@ -193,7 +195,7 @@ class SearchSweeper(Sweeper):
         finish(self, study, plan)
 
     def in_slots(self) -> bool:
-        """Whether trials run ``n_jobs`` at a time in processes of their own (runner/tune/slots.py): ``n_jobs`` > 1
+        """Whether trials run ``n_jobs`` at a time in processes of their own (runner/sweeps/slots.py): ``n_jobs`` > 1
         on Hydra's basic launcher, which would run a batch one job after the other; another launcher (SLURM) gets
         each batch as its jobs."""
         return self.n_jobs > 1 and OmegaConf.select(self.config, "hydra.launcher._target_") == BASIC_LAUNCHER
@@ -237,12 +239,15 @@ class SearchSweeper(Sweeper):
 
     def in_slots_run(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
         """``n_jobs`` trials at a time, each in a process of its own; a slot that frees starts the next trial at
-        once. Ends with the share of slot-time the trials used."""
+        once, and once no trial is left to ask, the verification's runs of the starting recipe (``ahead``: they do
+        not depend on which trial is best), left running for it in ``self.pending``. Ends with the share of
+        slot-time used."""
         slots, exhausted = self.slots(), False
         sweep = Path(str(self.config.hydra.sweep.dir))
         pruner = OmegaConf.to_container(self.pruner) if isinstance(self.pruner, DictConfig) else self.pruner
         where = {"storage": str(self.storage), "study_name": str(pruning.study_name(self.study_name, self.storage)),
                  "pruner": pruner}
+        ahead = search_verify.ahead(self, plan)
         try:
             while True:
                 while (not exhausted and len(slots.running) < self.n_jobs
@@ -252,13 +257,23 @@ class SearchSweeper(Sweeper):
                                 trial=where | {"trial_id": trial._trial_id})
                     trial.set_user_attr("started", time.time())  # wall clock, as the study's own datetime_start
                     self.job_idx += 1
-                if not slots.running:
+                while ahead and len(slots.running) < self.n_jobs and (exhausted or counted(study) >= self.n_trials):
+                    key, folder, argv = ahead.pop(0)  # a slot no trial will take: the start's verification runs
+                    print(f"verification run ahead: the starting recipe on seed {key[1]} (a slot no trial will "
+                          f"take)", flush=True)
+                    slots.start(key, folder, argv)
+                if not any(not isinstance(r.key, tuple) for r in slots.running):
                     break
                 done, code = slots.wait_one()
+                if isinstance(done.key, tuple):  # a verification run: search_verify.runs reads it
+                    self.ahead_done[done.key] = done.folder
+                    continue
                 exhausted = self.told(study, done.key, job_return(done.folder, code, plan["metric"]), plan,
                                       summaries) or exhausted
-        finally:
+        except BaseException:
             slots.stop()
+            raise
+        self.pending = slots
         used = slots.utilization()
         if used is not None:
             self.busy_share = used

@@ -1,6 +1,6 @@
-"""The end of ``hydra/sweeper=search`` (runner/tune/search.py): the trials' table, the best trials, their
-verification against the starting recipe on fresh seeds (runner/tune/verify.py), the line to paste, the search's
-wall time and its verification's share, and ``<sweep>/optimization_results.yaml``.
+"""The end of ``hydra/sweeper=search`` (runner/sweeps/search.py): the trials' table, the best trials, their
+verification against the starting recipe on fresh seeds (runner/sweeps/search_verify.py), the line to paste, the
+search's wall time and its verification's share, and ``<sweep>/optimization_results.yaml``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hydra.core.utils import JobReturn
 from omegaconf import OmegaConf
 
 from runner.objective import TO_TARGET
-from runner.tune.verify import override_line, verify
+from runner.sweeps.search_verify import override_line, verify
 
 
 def job_folder(ret: JobReturn) -> Path:

@@ -6,7 +6,7 @@ as not planned), so a batch of trials idles a slot for as long as its slowest tr
 launcher runs a batch one job after the other. Here the search asks a trial whenever a slot frees (Optuna's
 ask-and-tell; the TPE sampler's constant liar keeps running trials apart) and starts ``python -m runner`` with the
 trial's overrides in ``<sweep>/<job>``. Each trial finds its own trial in the study through ``TRIAL_ENV``
-(``runner.tune.pruning.listener``), so a pruner acts on it across processes.
+(``runner.sweeps.pruning.listener``), so a pruner acts on it across processes.
 """
 
 from __future__ import annotations
