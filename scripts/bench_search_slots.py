@@ -41,13 +41,17 @@ def run(search: str, sweep: Path) -> None:
 
 
 def running_at_once(sweep: Path) -> dict[int, float]:
-    """Seconds of the trials' phase during which 1, 2... trials ran: each trial from its ``started`` (set by the
-    search as it started the job) to its ``datetime_complete`` in the study (``<sweep>/study.db``)."""
-    import optuna
-
-    study = optuna.load_study(study_name="runner-search", storage=f"sqlite:///{sweep / 'study.db'}")
-    spans = [(t.user_attrs["started"], t.datetime_complete.timestamp()) for t in study.trials
-             if "started" in t.user_attrs and t.datetime_complete is not None]
+    """Seconds of the trials' phase (to the last trial's end) during which 0, 1, 2... jobs ran, trials and the
+    verification's runs started ahead alike: each job from its ``.hydra/config.yaml`` (written as it starts) to
+    its last file written."""
+    spans = []
+    for folder in [*(p for p in sweep.iterdir() if p.name.isdigit()), *sweep.glob("verify/*/seed*")]:
+        start = folder / ".hydra" / "config.yaml"
+        if start.is_file():
+            spans.append((start.stat().st_mtime, max(p.stat().st_mtime for p in folder.rglob("*") if p.is_file()),
+                          folder.name.isdigit()))
+    phase = max(b for _, b, trial in spans if trial)
+    spans = [(a, min(b, phase)) for a, b, _ in spans if a < phase]
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
     out: dict[int, float] = {}
     level, last = 0, None

@@ -78,11 +78,13 @@ class Slots:
             time.sleep(poll_s)
 
     def utilization(self) -> float | None:
-        """The share of the slots' time (``n`` × the time since the first start) that trials used."""
+        """The share of the slots' time (``n`` × the time since the first start) that jobs used, those still
+        running included."""
         if self.since is None:
             return None
-        span = self.n * (time.monotonic() - self.since)
-        return self.busy_s / span if span > 0 else None
+        now = time.monotonic()
+        span = self.n * (now - self.since)
+        return (self.busy_s + sum(now - r.started for r in self.running)) / span if span > 0 else None
 
     def stop(self) -> None:
         """Stop every running trial (the search was interrupted)."""
