@@ -265,6 +265,37 @@ def _verification(monkeypatch, best: list[float], start: list[float], seeds: int
     return lines, record, asked
 
 
+def test_the_best_few_are_verified_side_by_side_and_the_fastest_on_fresh_seeds_is_the_recipe(monkeypatch):
+    """``verify_candidates=2``: each seed runs both candidates and the start; the second-best trial of the search,
+    the faster one on fresh seeds, is the recipe found, and the record keeps both."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from runner.compare.convergence import Seed
+    from runner.sweeps import search_verify as verify
+
+    samples = {0: 2000.0, 1: 1000.0, 2: 3000.0}  # best, best2, start
+
+    def runs(sweeper, sides, seed_list):
+        assert [s.name for s in sides] == ["best", "best2", "start"]
+        for i in range(len(sides) * len(seed_list)):
+            yield i, Seed(samples[i % 3] + i, True)
+
+    monkeypatch.setattr(verify, "runs", runs)
+    cfg = OmegaConf.create({"trainer": {"target_accuracy": 0.9, "target_loss": None, "seed": 0},
+                            "hydra": {"sweep": {"dir": "/nonexistent"}}})
+    sweeper = SimpleNamespace(config=cfg, confidence=0.95, verify_minutes=0)
+    trials = [SimpleNamespace(number=n, params={"optimizer.lr": lr}, value=v)
+              for n, lr, v in ((3, 0.02, 1.0), (5, 0.03, 1.1))]
+    lines, record, found = verify.verify(sweeper, {"seeds": list(range(100, 108)), "fixed": []}, trials)
+    assert found is trials[1], lines
+    assert record["stopped"] == "firm at seed 6 of 8"  # 2 candidates: the first look needs 6 seeds a side
+    assert set(record["candidates"]) == {"best", "best2"} and record["candidates"]["best2"]["params"] == {
+        "optimizer.lr": 0.03}
+    assert any(line.startswith("the recipe found is best2 (candidate (trial 6))") for line in lines), lines
+
+
 def test_the_verification_stops_at_the_first_firm_look(monkeypatch):
     lines, record, asked = _verification(monkeypatch, [1000.0 + i for i in range(8)], [3000.0 + i for i in range(8)])
     assert len(asked) == 10 and record["seeds"] == [100, 101, 102, 103, 104], (asked, record)

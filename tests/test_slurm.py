@@ -171,21 +171,26 @@ def test_submitit_sweep_job_that_times_out_checkpoints_requeues_and_resumes(tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_search_s_n_jobs_trials_run_at_the_same_time_as_slurm_jobs(tmp_path):
-    """``hydra.sweeper.n_jobs=2`` with ``hydra/launcher=submitit_slurm``: the two trials of a batch are one
-    submission (a job array) and run at the same time on the two nodes: their job folders' lives overlap."""
+def test_a_search_s_n_jobs_trials_run_at_the_same_time_as_slurm_jobs_without_a_barrier(tmp_path):
+    """``hydra.sweeper.n_jobs=2`` with ``hydra/launcher=submitit_slurm``: each trial is a SLURM job of its own, two
+    run at the same time on the two nodes (their job folders' lives overlap), and the third is submitted as soon
+    as the short one ends, while the long one still runs (a job array of two held its slot until the long one
+    ended)."""
     pytest.importorskip("optuna")
-    from test_search import SEARCH
-
     name = f"runner-test-{uuid.uuid4().hex[:8]}"
     sweep = tmp_path / "outputs" / "search"
-    proc = run_job([sys.executable, "-m", "runner", *SEARCH, "hydra/launcher=submitit_slurm",
-                    f"hydra.launcher.name={name}", "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1",
-                    "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", "hydra.sweeper.n_jobs=2",
-                    "trainer.max_steps=60", f"hydra.sweep.dir={sweep}"], tmp_path, name, timeout=400)
+    job = [o for o in TINY if not o.startswith("trainer.max_steps=")]  # the searched key
+    proc = run_job([sys.executable, "-m", "runner", "-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3",
+                    "trainer.doctor=false", *job, "+hydra.sweeper.params={trainer.max_steps: 'choice(4000, 3, 4)'}",
+                    "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "hydra.sweeper.sampler.seed=5",
+                    "hydra/launcher=submitit_slurm", f"hydra.launcher.name={name}", "hydra.launcher.timeout_min=5",
+                    "hydra.launcher.cpus_per_task=1", "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0",
+                    "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={sweep}"], tmp_path, name, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lives = [((sweep / str(n) / ".hydra" / "config.yaml").stat().st_mtime, (sweep / str(n) / "summary.json").stat()
-              .st_mtime) for n in range(2)]
-    (a0, a1), (b0, b1) = lives
-    assert a0 < b1 and b0 < a1, lives  # each started before the other ended
-    assert len({p.parent.name for p in sweep.rglob(".submitit/*/*_result.pkl")}) == 2
+    lives = {n: ((sweep / str(n) / ".hydra" / "config.yaml").stat().st_mtime,
+                 (sweep / str(n) / "summary.json").stat().st_mtime) for n in range(3)}
+    steps = {n: read_summary(sweep / str(n))["steps"] for n in range(3)}
+    assert steps[0] == 4000 and steps[1] < 10, steps  # the seed asks the long trial first
+    assert lives[0][0] < lives[1][1] and lives[1][0] < lives[0][1], lives  # each started before the other ended
+    assert lives[1][1] <= lives[2][0] < lives[0][1], lives  # the third ran in the slot the short one freed
+    assert len({p.parent.name for p in sweep.rglob(".submitit/*/*_result.pkl")}) == 3

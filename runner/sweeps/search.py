@@ -184,7 +184,8 @@ class SearchSweeper(Sweeper):
             print(f"pruning: {pruning.acts_when(study.pruner, self.n_trials)}", flush=True)
         summaries: list[dict[str, Any]] = []
         with heartbeat(study if self.storage is not None else None):
-            exhausted = (self.in_slots_run if self.in_slots() else self.in_batches)(study, plan, summaries)
+            run = self.in_slots_run if self.in_slots() else self.in_jobs if self.n_jobs > 1 else self.in_batches
+        exhausted = run(study, plan, summaries)
         if exhausted:
             print("the sampler has tried every point of the space: the search ends here", flush=True)
         if pruning.active(self.pruner):
@@ -197,7 +198,7 @@ class SearchSweeper(Sweeper):
     def in_slots(self) -> bool:
         """Whether trials run ``n_jobs`` at a time in processes of their own (runner/sweeps/slots.py): ``n_jobs`` > 1
         on Hydra's basic launcher, which would run a batch one job after the other; another launcher (SLURM) gets
-        each batch as its jobs."""
+        each trial as a launch of its own (``in_jobs``)."""
         return self.n_jobs > 1 and OmegaConf.select(self.config, "hydra.launcher._target_") == BASIC_LAUNCHER
 
     def ask(self, study: Any, plan: dict[str, Any], job: int) -> Any:
@@ -228,7 +229,7 @@ class SearchSweeper(Sweeper):
         return exhausted
 
     def in_batches(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
-        """``n_jobs`` trials a launch through Hydra's launcher, told when the batch returns."""
+        """One trial a launch through Hydra's launcher (``n_jobs`` 1), told when it returns."""
         exhausted = False
         while (left := self.n_trials - counted(study)) > 0 and not exhausted:
             trials = [self.ask(study, plan, self.job_idx + i) for i in range(min(self.n_jobs, left))]
@@ -236,6 +237,37 @@ class SearchSweeper(Sweeper):
             for trial, ret in zip(trials, returns):
                 exhausted = self.told(study, trial, ret, plan, summaries) or exhausted
         return exhausted
+
+    def in_jobs(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
+        """``n_jobs`` trials at once through a launcher that runs jobs elsewhere (``submitit_slurm``): each trial
+        is a launch of its own from one of ``n_jobs`` threads, told as it returns, and the next trial is launched
+        at once (one launch of ``n_jobs`` would be a job array whose slowest job holds the others' slots). The
+        threads are daemons: a search stopped by Ctrl-C does not wait for its jobs to end."""
+        import queue
+
+        ended: queue.Queue = queue.Queue()
+        exhausted, running = False, 0
+
+        def launch(trial: Any, argv: list[str], job: int) -> None:
+            try:
+                ended.put((trial, self.launcher.launch([argv], initial_job_idx=job)[0], None))
+            except BaseException as e:  # noqa: BLE001 - raised in the search's own thread below
+                ended.put((trial, None, e))
+
+        while True:
+            while not exhausted and running < self.n_jobs and self.n_trials - counted(study) > 0:
+                trial = self.ask(study, plan, self.job_idx)
+                threading.Thread(target=launch, args=(trial, plan["fixed"] + override_line(trial.params),
+                                                      self.job_idx), name="search-trial", daemon=True).start()
+                trial.set_user_attr("started", time.time())
+                running, self.job_idx = running + 1, self.job_idx + 1
+            if not running:
+                return exhausted
+            trial, ret, error = ended.get()
+            running -= 1
+            if error is not None:
+                raise error
+            exhausted = self.told(study, trial, ret, plan, summaries) or exhausted
 
     def in_slots_run(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
         """``n_jobs`` trials at a time, each in a process of its own; a slot that frees starts the next trial at
