@@ -661,6 +661,36 @@ def test_the_measuring_budget_bounds_the_passes_to_one_slice(tmp_path, monkeypat
     assert c.stopped == ["group 1: its share of interleave.max_minutes=1 spent (1.0 min)"]
 
 
+def test_a_caller_whose_verdict_is_firm_stops_the_comparison_after_the_minimum_passes(tmp_path):
+    """``enough(comparisons)``: asked after each pass from ``min_passes`` on with the comparisons so far; a reason
+    stops the group there (the recipe search's samples/s measure stops once its time verdict is firm)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from runner.compare import Job, conductor as conductor_mod
+
+    jobs = [Job(name, None, tmp_path / name, None if name == "R" else "R") for name in ("R", "a")]
+    for job in jobs:
+        job.status = "resident"
+        rate = 2.0 if job.name == "a" else 1.0
+        job.slice = lambda steps, rate=rate: {"steps": steps, "seconds": 1.0, "samples_per_sec": rate}
+        job.resumed_slice = lambda steps, resume, job=job: {**job.slice(steps), "resume_steps": resume}
+    asked = []
+
+    def enough(comparisons):
+        asked.append(comparisons["a"])
+        return "firm" if comparisons["a"] is not None and comparisons["a"].low > 1.5 else None
+
+    settings = OmegaConf.create({"seed": 0, "slice_steps": 2, "resume_steps": 0, "max_passes": 50, "min_passes": 3,
+                                 "order": "rmit", "target_ci": 0.0, "max_minutes": 10.0, "confidence": 0.95})
+    c = conductor_mod.Conductor(jobs, settings, tmp_path, "R", None, enough=enough)
+    c.write = lambda: None
+    c._progress = lambda *args: None
+    c._measure(1, jobs, 600.0, SimpleNamespace(requested=False))
+    assert c.stopped == ["group 1: firm after 3 passes"] and len(asked) == 1, (c.stopped, asked)
+
+
 def test_the_slice_is_calibrated_on_the_fastest_of_several_slices():
     """One descheduled calibration slice (50x slower) no longer sets every slice's length: slices grow until one
     covers half of ``slice_seconds`` and the fastest per-step time decides (10 ms steps: 100 steps in 1 s)."""

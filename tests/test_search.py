@@ -148,6 +148,30 @@ def test_n_jobs_trials_run_in_slots_and_a_freed_slot_starts_the_next_at_once(tmp
     assert ended[1] <= started[2] < ended[0], (started, ended)  # the third started in the slot the short one freed
 
 
+def test_slot_jobs_share_the_cpus_out_and_the_busy_share_counts_running_jobs(tmp_path, monkeypatch):
+    """Where ``trainer.num_threads`` is null each of ``n`` slot jobs gets the CPUs shared out, first on its command
+    line (the job's own override wins); the busy share counts a job still running when it is read."""
+    import os
+    import subprocess
+    import time
+
+    from omegaconf import OmegaConf
+
+    from runner.sweeps import slots
+
+    cpus = len(os.sched_getaffinity(0))
+    assert slots.threads_each(OmegaConf.create({"trainer": {"num_threads": None}}), 2) == max(1, cpus // 2)
+    assert slots.threads_each(OmegaConf.create({"trainer": {"num_threads": 3}}), 2) is None
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda command, **kw: started.append(command) or
+                        subprocess.CompletedProcess(command, 0))
+    pool = slots.Slots(2, threads=1)
+    pool.start("job", tmp_path / "j", ["trainer.num_threads=2", "trainer.max_steps=3"])
+    assert started[0][3:6] == ["trainer.num_threads=1", "trainer.num_threads=2", "trainer.max_steps=3"], started
+    time.sleep(0.2)
+    assert pool.utilization() == pytest.approx(0.5, abs=0.05)  # one of two slots busy since the start
+
+
 def test_n_jobs_with_the_interleaved_launcher_is_refused(tmp_path):
     from conftest import run_here
 
