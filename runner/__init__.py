@@ -137,7 +137,10 @@ _hide_schema_options()
 #: CUDA_HOME='/usr/local/cuda'" when it is imported on a machine without a GPU but with a CUDA toolkit folder --
 #: which inductor does whenever it compiles on a CPU (compile=...); no setting or variable silences it
 #: (torch/utils/cpp_extension.py ``_find_cuda_home``), and it says nothing about the run.
-LIBRARY_NOISE = {"torch.utils.cpp_extension": ("No CUDA runtime is found",)}
+#: torchao (0.18) registers its enums with pytree's register_constant on import, and torch logs a deprecation warning
+#: per enum ("... is an Enum subclass and is now natively supported by torch.compile"): nothing about the run.
+LIBRARY_NOISE = {"torch.utils.cpp_extension": ("No CUDA runtime is found",),
+                 "torch.utils._pytree": ("%s is an Enum subclass",)}
 
 
 class _DropNoise(logging.Filter):

@@ -237,8 +237,8 @@ class Rebuilt:
 
 def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
             policy: trust.Policy | None = None) -> Rebuilt:
-    """Rebuild job ``folder`` as the engine builds it (no compile or wrapper) on ``trainer.device`` and load
-    ``--weights``; ``policy``: what the job's config may name (``runner.trust``).
+    """Rebuild job ``folder`` as the engine builds it (no compile or wrapper; ``compress=qat``'s fake-quantized
+    layers) on ``trainer.device`` and load ``--weights``; ``policy``: what the job's config may name (``runner.trust``).
 
     Raises:
         ConfigError: from ``job_config`` and ``weights_file``; a weights file whose SHA-256 differs from the one
@@ -263,7 +263,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
 
     from runner import data as data_mod, distributed, models, task as task_mod
     from runner.engine.validate import validate
-    from runner.techniques import precision, prepare
+    from runner.techniques import compress, precision, prepare
 
     validate(cfg)
     env = distributed.Env(rank=0, local_rank=0, world_size=1, nodes=1,
@@ -295,6 +295,7 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
                           f"{str(e).splitlines()[0][:300] if str(e) else ''}): the file is corrupt or truncated; "
                           f"{WEIGHTS[weights][1]}, so train the job again") from e
     model = model.to(env.device)
+    compress.for_evaluation(model, cfg)  # compress=qat: its fake-quantized layers, as it trained
     if channels_last:
         prepare.apply_channels_last(model)
     model.eval()
@@ -404,7 +405,8 @@ def parse(prog: str, description: str, argv: list[str] | None, export: bool = Fa
     parser.add_argument("--weights", default="final",
                         help="; ".join(f"{k}: {v[0]}" for k, v in WEIGHTS.items()) + " (default final)")
     if export:
-        parser.add_argument("--format", required=True, help="torch: model.pt2 (torch.export); onnx: model.onnx")
+        parser.add_argument("--format", required=True, help="torch: model.pt2 (torch.export); onnx: model.onnx; "
+                            "int8: model.int8.pt2 (int8 Linear layers, torchao; both accuracies printed)")
     else:
         parser.add_argument("--out", type=Path, help="the record's file (default <job>/eval-<weights>.json)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job's config (data=..., key=value)")

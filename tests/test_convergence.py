@@ -34,7 +34,8 @@ from runner.techniques import step_cost
 BATCH, EVERY, LIMIT = 64, 10, 400  # global batch, evaluation interval (steps), step limit
 #: the convergence preset's configurations (conf/experiment/convergence.yaml)
 PRESET = ["baseline", "baseline+onecycle", "baseline+cosine", "baseline+cyclic", "baseline+big_batch",
-          "baseline+big_batch_sqrt", "baseline+normalize", "baseline+adamw", "baseline+muon", "baseline+ema"]
+          "baseline+big_batch_sqrt", "baseline+normalize", "baseline+adamw", "baseline+muon", "baseline+ema",
+          "baseline+qat"]
 TECHNIQUE = {"baseline+onecycle": "onecycle", "baseline+cosine": "cosine", "baseline+adamw": "adamw"}
 
 

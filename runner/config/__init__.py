@@ -22,11 +22,12 @@ from runner.errors import ConfigError
 CHOICES: dict[str, tuple[str | None, ...]] = {
     "data.name": ("mnist", "cifar10", "imagefolder", "synthetic", "text", "tokens", "custom"),
     "scheduler.name": ("constant", "onecycle", "cosine", "cyclic"),
-    "precision.name": ("fp32", "amp", "bf16", "tf32", "fp8", "auto"),
+    "precision.name": ("fp32", "amp", "bf16", "tf32", "fp8", "int8", "auto"),
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "distributed.name": ("none", "ddp", "fsdp", "dp"),
     "distributed.backend": (None, "gloo", "nccl", "mpi", "xccl", "ucc"),
     "debug.name": ("off", "anomaly", "profile"),
+    "compress.name": ("none", "qat", "sparse24"),
     "compile.mode": (None, "default", "reduce-overhead", "max-autotune"),
     "optimizer.impl": (None, "fused", "foreach", "loop"),
     "optimizer.lr_scaling": ("none", "linear", "sqrt"),
@@ -334,6 +335,17 @@ class CompileConfig:
 
 
 @dataclass
+class CompressConfig:
+    """``compress`` group: compression during training (runner/techniques/compress.py; docs/configuration.md,
+    "Compression during training")."""
+
+    name: str = "none"  # CHOICES["compress.name"]: none | qat (int8 fake-quantized Linear layers) | sparse24 (2:4)
+    # sparse24: a Linear layer is made 2:4 sparse when both its in_features and out_features are >= this (and
+    # multiples of 64); the first and last layers stay dense
+    min_features: int = 1024
+
+
+@dataclass
 class DebugConfig:
     """``debug`` group: anomaly detection or a profiler window (in optimizer steps)."""
 
@@ -419,6 +431,7 @@ class RunnerConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # options fill logger.<name>
     compile: CompileConfig = MISSING
     debug: DebugConfig = MISSING
+    compress: CompressConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
@@ -436,7 +449,7 @@ GROUP_SCHEMAS = {
     "task": TaskConfig, "model": ModelConfig, "data": DataConfig, "dataloader": DataLoaderConfig,
     "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "precision": PrecisionConfig,
     "distributed": DistributedConfig, "memory": MemoryConfig, "logger": LoggerConfig, "compile": CompileConfig,
-    "debug": DebugConfig,
+    "debug": DebugConfig, "compress": CompressConfig,
 }
 
 

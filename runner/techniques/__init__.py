@@ -153,6 +153,20 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("fp8", {"precision.name": "fp8"}, arithmetic=True, group="precision", where="cuda",
               command=("precision=fp8",), readme="4b", tuner=False,
               source="torchao float8 training (convert_to_float8_training)"),
+    Technique("int8", {"precision.name": "int8"}, arithmetic=True, group="precision", command=("precision=int8",),
+              variant="int8", readme="4c", tuner=False,
+              source="torchao INT8 mixed-precision training (Int8MixedPrecisionTrainingConfig; "
+                     "https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training)"),
+    # compression during training: what the model computes changes (int8 rounding, 2:4 pruning)
+    Technique("qat", {"compress.name": "qat"}, arithmetic=True, group="compress", command=("compress=qat",),
+              variant="qat", readme="21", tuner=False,
+              source="torchao quantization-aware training (QATConfig; "
+                     "https://docs.pytorch.org/ao/stable/generated/torchao.quantization.qat.QATConfig.html)"),
+    Technique("sparse24", {"compress.name": "sparse24"}, arithmetic=True, group="compress", where="cuda",
+              command=("compress=sparse24",), variant="sparse24", readme="21", tuner=False,
+              why_not="2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer",
+              source="torchao 2:4 sparse training (torchao.sparsity.training.SemiSparseLinear; "
+                     "https://github.com/pytorch/ao/tree/main/torchao/sparsity/training)"),
     # images
     Technique("channels_last", {"channels_last": True}, arithmetic=True, where="image", variant="channels_last",
               readme="19", source="PyTorch channels-last memory format tutorial"),

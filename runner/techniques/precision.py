@@ -41,6 +41,8 @@ class Precision:
     peak_dtype: torch.dtype | None = None
     #: ``auto``: the precision it picked on this device and why (``summary.json`` ``technique_details.precision``)
     note: str | None = None
+    #: precision=int8 where it can apply: ``convert_int8`` swaps the Linear layers for torchao's int8 ones
+    int8: bool = False
 
     @property
     def mfu_dtype(self) -> torch.dtype:
@@ -77,10 +79,14 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
       (``convert_fp8``, applied by ``runner.techniques.prepare`` before compile; torchao float8,
       https://github.com/pytorch/ao/tree/main/torchao/float8), recipe ``precision.fp8_recipe``; where it cannot run
       (``fp8_unavailable``) skipped, bf16 autocast where the device has native bf16, else fp32.
+    - ``int8``: torchao's INT8 mixed-precision training of the Linear layers (``convert_int8``, applied by
+      ``runner.techniques.prepare``), the rest under bf16 autocast where the device has native bf16, else fp32; on
+      CUDA and CPUs alike; without torchao skipped with the reason.
 
     Returns:
-        a ``Precision``; ``techniques`` is ``{}`` for ``fp32`` and for an ``fp8`` that will be applied (its status
-        comes from ``convert_fp8``), else ``{name: "applied" | "skipped: ..."}`` (``amp`` for ``auto``).
+        a ``Precision``; ``techniques`` is ``{}`` for ``fp32`` and for an ``fp8`` or ``int8`` that will be applied (its
+        status comes from ``convert_fp8`` or ``convert_int8``), else ``{name: "applied" | "skipped: ..."}`` (``amp``
+        for ``auto``).
 
     Raises:
         ConfigError: an unknown ``precision.name`` or ``precision.fp8_recipe``, ``init_scale`` <= 0 or
@@ -110,8 +116,8 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
     if kind == "cuda":
         _set_tf32(False)  # autocast covers the matmuls; keep the rest true fp32
     bf16 = functools.partial(torch.autocast, kind, dtype=torch.bfloat16)
-    if name == "fp8":
-        return _fp8(cfg, device, bf16, off)
+    if name in ("fp8", "int8"):
+        return _low_bit(name, cfg, device, bf16, off)
     if name in ("auto", "amp"):
         return _mixed(name, cfg, device, bf16, off)
     # bf16, the one name left
@@ -124,17 +130,29 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
     return Precision(bf16, off.scaler, torch.bfloat16, {"bf16": "applied"})
 
 
-def _fp8(cfg: DictConfig, device: torch.device, bf16, off: Precision) -> Precision:
-    """``precision=fp8`` (see ``build``): bf16 autocast with the recipe for ``convert_fp8``, or the reason it is
-    skipped and the bf16 (or fp32) it trains with instead."""
-    why = fp8_unavailable(device)
-    if why is None:
-        return Precision(bf16, off.scaler, torch.bfloat16, {}, fp8_recipe=cfg.fp8_recipe)
+def _low_bit(name: str, cfg: DictConfig, device: torch.device, bf16, off: Precision) -> Precision:
+    """``precision=fp8`` and ``int8`` (see ``build``): bf16 autocast (int8: where the device has native bf16, else
+    fp32) with what ``convert_fp8``/``convert_int8`` convert, or the reason it is skipped and the bf16 (or fp32) it
+    trains with instead."""
+    why = fp8_unavailable(device) if name == "fp8" else _torchao_missing()
     native = torch.cuda.is_bf16_supported() if device.type == "cuda" else hardware.cpu_has_native_bf16()
+    if why is None and name == "fp8":
+        return Precision(bf16, off.scaler, torch.bfloat16, {}, fp8_recipe=cfg.fp8_recipe)
+    if why is None:
+        if not native:
+            off.int8 = True
+            return off
+        return Precision(bf16, off.scaler, torch.bfloat16, {}, int8=True)
     if not native:
-        off.techniques["fp8"] = f"skipped: {why}; trained in fp32 (this device has no native bf16)"
+        off.techniques[name] = f"skipped: {why}; trained in fp32 (this device has no native bf16)"
         return off
-    return Precision(bf16, off.scaler, torch.bfloat16, {"fp8": f"skipped: {why}; trained with bf16 autocast"})
+    return Precision(bf16, off.scaler, torch.bfloat16, {name: f"skipped: {why}; trained with bf16 autocast"})
+
+
+def _torchao_missing() -> str | None:
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao, or runner's extra: pip install -e '.[fp8]')"
+    return None
 
 
 def _mixed(name: str, cfg: DictConfig, device: torch.device, bf16, off: Precision) -> Precision:
@@ -174,8 +192,8 @@ def fp8_unavailable(device: torch.device) -> str | None:
         if (major, minor) < FP8_CAPABILITY:
             why.append(f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; fp8 matmuls "
                        f"need 8.9 or newer (Ada, Hopper, Blackwell)")
-    if importlib.util.find_spec("torchao") is None:
-        why.append("torchao is not installed (pip install torchao, or runner's extra: pip install -e '.[fp8]')")
+    if (missing := _torchao_missing()) is not None:
+        why.append(missing)
     return "; ".join(why) or None
 
 
@@ -240,4 +258,31 @@ def convert_fp8(model: nn.Module, amp: Precision) -> tuple[str, dict[str, Any]]:
         inductor_config.emulate_precision_casts = True
     convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
     amp.peak_dtype = torch.float8_e4m3fn
+    return "applied", details
+
+
+def convert_int8(model: nn.Module, amp: Precision) -> tuple[str, dict[str, Any]]:
+    """precision=int8: torchao's INT8 mixed-precision training (``Int8MixedPrecisionTrainingConfig``, module swap;
+    https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training) on every Linear layer but the first
+    and last (``edge_layers``: torchao's Llama runs keep the head), in place: the forward's ``input @ weight.T`` and
+    backward's two matmuls quantize both operands to int8 row-wise (scales computed each step) and multiply in int8
+    (Triton on CUDA, ``torch._int_mm`` elsewhere); the weights stay fp32 under their own names.
+
+    Returns:
+        ``(status, {"converted", "kept", "converted_layers"})``: ``"applied"``, or ``"skipped: <why>"`` when no Linear
+        layer lies between the first and last.
+    """
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    edges = set(edge_layers(model))
+    chosen = [name for name in linears if name not in edges]
+    details = {"converted": len(chosen), "kept": len(linears) - len(chosen), "converted_layers": chosen}
+    if not chosen:
+        dtype = "with bf16 autocast" if amp.compute_dtype == torch.bfloat16 else "in fp32"
+        return (f"skipped: none of the model's {len(linears)} Linear layers lies between its first and last layers "
+                f"(those stay as they are); trained {dtype}"), details
+    from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+    from torchao.quantization import quantize_
+
+    keep = set(chosen)
+    quantize_(model, Int8MixedPrecisionTrainingConfig(module_swap=True), filter_fn=lambda m, fqn: fqn in keep)
     return "applied", details

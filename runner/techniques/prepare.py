@@ -1,7 +1,7 @@
 """Model transforms, one ``apply_<technique>`` each, called by ``prepare`` in torchtitan's order (its model
-converters, then its ``parallelize``): memory format -> bias removal -> fp8 layers -> activation checkpointing ->
-compile -> data-parallel wrapper; why, docs/design.md rule 7. Each returns a ``summary.json`` ``techniques`` status,
-``"applied"`` or ``"skipped: <why>"``.
+converters, then its ``parallelize``): memory format -> bias removal -> compression (compress.py) -> fp8 or int8
+layers -> activation checkpointing -> compile -> data-parallel wrapper; why, docs/design.md rule 7. Each returns a
+``summary.json`` ``techniques`` status, ``"applied"`` or ``"skipped: <why>"``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from runner import models
 from runner.config import check_choice
 from runner.errors import ConfigError, deterministic_refusal
-from runner.techniques import compile_cache, parallel, precision
+from runner.techniques import compile_cache, compress, parallel, precision
 from runner.techniques.parallel import repeated_blocks
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -320,7 +320,7 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
 
     Raises:
         ConfigError: ``memory.checkpoint_modules`` set while ``memory.checkpointing`` is off, or naming a
-            class the model lacks; a bad ``compile.mode``.
+            class the model lacks; a bad ``compile.mode``; ``compress.apply``'s refusals.
     """
     techniques: dict[str, str] = {}
     if cfg.memory.checkpoint_modules and not cfg.memory.checkpointing:
@@ -333,7 +333,12 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
         techniques["channels_last"] = apply_channels_last(model)
     if cfg.model.drop_bias_before_bn and "drop_bias_before_bn" not in skip:
         techniques["drop_bias_before_bn"], details["biases_removed"] = apply_drop_bias_before_bn(model)
+    status, compressed = compress.apply(model, cfg, env.device)  # compress=qat|sparse24
+    techniques |= status
+    details |= compressed
     compile_cfg = cfg.compile
+    if amp.int8:  # precision=int8 (torchao's int8 mixed-precision training)
+        techniques["int8"], details["int8"] = precision.convert_int8(model, amp)
     if amp.fp8_recipe is not None:  # precision=fp8 where it can run (a CUDA GPU >= 8.9 with torchao)
         techniques["fp8"], details["fp8"] = precision.convert_fp8(model, amp)
         if techniques["fp8"] == "applied" and compile_cfg.mode is None:
