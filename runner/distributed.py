@@ -6,6 +6,7 @@ docs/scaling.md, "What runner does for you".
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
@@ -34,10 +35,25 @@ class Env:
     nodes: int
     device: torch.device
     launcher: str = "single"  # single | torchrun | srun
+    model_parallel: int = 1  # ranks one model is split over (distributed=tp|pp): consecutive, fed the same batches
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of each global batch it (and its model-parallel group) gets."""
+        return self.rank // self.model_parallel
+
+    @property
+    def dp_size(self) -> int:
+        """Model copies training side by side: ``world_size / model_parallel``."""
+        return self.world_size // self.model_parallel
+
+    def data_view(self) -> "Env":
+        """This Env as the data sees it: one rank per model copy (``dp_rank`` of ``dp_size``)."""
+        return dataclasses.replace(self, rank=self.dp_rank, world_size=self.dp_size, model_parallel=1)
 
     @property
     def distributed(self) -> bool:
@@ -72,9 +88,16 @@ def _check(cfg: DictConfig, layout: launch.Layout) -> None:
         raise ConfigError(f"distributed=dp is nn.DataParallel: one process that drives every local GPU; it cannot "
                           f"run as {layout.world_size} processes ({layout.launcher}). Use distributed=ddp under "
                           f"torchrun, or start dp with plain `python -m runner`")
-    if cfg.sync_batchnorm and name in ("fsdp", "dp"):
+    if cfg.sync_batchnorm and name in ("fsdp", "tp", "pp", "dp"):
         raise ConfigError(f"distributed.sync_batchnorm=true works with distributed=ddp only (here distributed={name}); "
                           f"drop it or use ddp")
+    if name == "pp" and cfg.pp_schedule not in ("gpipe", "1f1b"):
+        check_choice("distributed.pp_schedule", cfg.pp_schedule)
+    tp = cfg.tp_size
+    if tp is not None and (name != "tp" or tp < 1 or layout.world_size % tp):
+        raise ConfigError(f"distributed.tp_size={tp} " + (f"is read by distributed=tp only (here {name}); drop it"
+                          if name != "tp" else f"must divide the world size {layout.world_size} (the rest of the "
+                          f"ranks are data parallel); launch a multiple of it or pick a divisor"))
     check_choice("distributed.backend", cfg.backend)
     if cfg.timeout_s <= 0:
         raise ConfigError(f"distributed.timeout_s={cfg.timeout_s} must be > 0 seconds")
@@ -95,7 +118,7 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
     if backend == "nccl" and dev.type != "cuda":
         raise ConfigError("distributed.backend=nccl needs CUDA devices but this run is on the CPU; use "
                           "distributed.backend=gloo (or null)")
-    if cfg.name in ("ddp", "fsdp") and not dist.is_initialized():
+    if cfg.name in ("ddp", "fsdp", "tp", "pp") and not dist.is_initialized():
         timeout = timedelta(seconds=cfg.timeout_s)
         if layout.launcher == "srun":
             os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
@@ -104,7 +127,8 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
         dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=timeout,
                                 device_id=dev if dev.type == "cuda" else None)
     return Env(rank=layout.rank, local_rank=layout.local_rank, world_size=layout.world_size, nodes=layout.nodes,
-               device=dev, launcher=layout.launcher)
+               device=dev, launcher=layout.launcher,
+               model_parallel={"tp": cfg.tp_size or layout.world_size, "pp": layout.world_size}.get(cfg.name, 1))
 
 
 def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
@@ -144,9 +168,12 @@ def broadcast_module_state(model: torch.nn.Module, src: int = 0) -> bool:
 
 
 def all_reduce_sum(tensor: torch.Tensor, env: Env) -> None:
-    """Sum ``tensor`` over all ranks in place (no-op in a single process)."""
+    """Sum ``tensor`` over the model copies in place (no-op in a single process): over all ranks, each model-parallel
+    group's identical copies counted once."""
     if env.distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        if env.model_parallel > 1:
+            tensor /= env.model_parallel
 
 
 def all_reduce_mean(tensor: torch.Tensor, env: Env) -> torch.Tensor:

@@ -289,7 +289,7 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
     try:
         torch.manual_seed(0)
         model, _ = parallel.wrap(torch.nn.Linear(4, 2), cfg.distributed, env,
-                                 precision.build(cfg.precision, env.device))
+                                 precision.build(cfg.precision, env.device), {})
         calls = []
 
         def count(state, bucket):

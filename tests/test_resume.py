@@ -185,6 +185,29 @@ def test_killed_fsdp_language_model_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+def test_killed_model_parallel_language_models_resume_exactly(tmp_path):
+    """distributed=tp: the checkpoint holds each rank's split of the attention and MLP layers (their q, k, v rows
+    regrouped by rank) and the optimizer's state alike; distributed=pp: each rank's stage. The resumed runs continue
+    bit for bit, and model.safetensors holds the whole model in GPT's own order (it loads into a plain GPT)."""
+    from safetensors.torch import load_file
+
+    from runner.models.gpt import GPT
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((REPO_ROOT / "README.md").read_text()[:40000])
+    lm = ["+experiment=shakespeare_char", f"data.path={corpus}", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+          "data.block_size=16", "optimizer.base_batch_size=8", "scheduler.warmup_steps=2", "trainer.eval_every=8",
+          "task.sample_tokens=0", "trainer.ema_decay=0.9"]
+    for name in ("tp", "pp"):  # a pipeline: each rank's stage (names of the whole model) and its optimizer state
+        (tmp_path / name).mkdir()
+        summary = assert_exact_resume(tmp_path / name, [*lm, *STEPS, f"distributed={name}"], distributed=True)
+        assert summary["techniques"][name] == "applied"
+        weights = load_file(str(tmp_path / name / "killed" / "model.safetensors"))
+        vocab = weights["lm_head.weight"].shape[0]
+        GPT(vocab, block_size=16, n_layer=2, n_head=2, n_embd=32).load_state_dict(weights)  # whole, in order
+
+
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_step_boundary_and_exits_75(tmp_path):
     folder = tmp_path / "job"
     proc = subprocess.Popen(command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False),

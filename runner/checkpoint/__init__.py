@@ -231,14 +231,18 @@ class ModelAndOptimizer(Stateful):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
+        # a pipeline stage's optimizer groups hold other parameters than another stage's under the same keys
+        # (param_groups.0.params): keyed by parameter name instead, as torchtitan does
+        piped = getattr(model, "pipeline_stages", 1) > 1
+        self.options = StateDictOptions(flatten_optimizer_state_dict=True) if piped else None
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optimizer"])
+                       optim_state_dict=state_dict["optimizer"], options=self.options)
 
 
 class RNGState(Stateful):
@@ -272,12 +276,21 @@ class RNGState(Stateful):
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights as plain, contiguous CPU tensors keyed without wrapper prefixes (``module.``,
-    ``_orig_mod.``, checkpoint wrappers): FSDP2 shards are gathered (a collective: every rank calls it)."""
+    ``_orig_mod.``, checkpoint wrappers): FSDP2 and tensor-parallel shards are gathered (a collective: every rank
+    calls it), rows that tensor parallelism regrouped put back in order (``model.tp_row_order``), a pipeline's
+    stages gathered on rank 0 (``model.pipeline_stages``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    return {k: v.detach().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    piped = getattr(model, "pipeline_stages", 1) > 1  # each rank holds one stage (cpu_offload keeps rank 0's only)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not piped))
+    order = getattr(model, "tp_row_order", {})  # tensor parallelism regrouped these rows by rank: restored here
+    state = {k: (v[order[k]] if k in order else v).detach().cpu().contiguous() for k, v in state.items()
+             if isinstance(v, torch.Tensor)}
+    if piped:  # rank 0 gets every stage's, in order
+        stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(state, stages, dst=0)
+        state = {k: v for stage in stages for k, v in stage.items()} if stages is not None else {}
+    return state
 
 
 def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Path | None:

@@ -24,7 +24,8 @@ CHOICES: dict[str, tuple[str | None, ...]] = {
     "scheduler.name": ("constant", "onecycle", "cosine", "cyclic"),
     "precision.name": ("fp32", "amp", "bf16", "tf32", "fp8", "int8", "auto"),
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
-    "distributed.name": ("none", "ddp", "fsdp", "dp"),
+    "distributed.name": ("none", "ddp", "fsdp", "tp", "pp", "dp"),
+    "distributed.pp_schedule": ("gpipe", "1f1b"),
     "distributed.backend": (None, "gloo", "nccl", "mpi", "xccl", "ucc"),
     "debug.name": ("off", "anomaly", "profile"),
     "compress.name": ("none", "qat", "sparse24"),
@@ -300,12 +301,15 @@ class PrecisionConfig:
 
 @dataclass
 class DistributedConfig:
-    """``distributed`` group: data-parallel wrapper, process-group backend and timeout (s)."""
+    """``distributed`` group: the parallel wrapper, process-group backend and timeout (s)."""
 
     name: str = "none"  # CHOICES["distributed.name"]
     backend: Optional[str] = None  # CHOICES["distributed.backend"]; null = nccl on CUDA, gloo on CPU
     sync_batchnorm: bool = False
     timeout_s: int = 300
+    tp_size: Optional[int] = None  # tp: ranks one model is split over (null: all); the rest data parallel (FSDP2)
+    pp_schedule: str = "1f1b"  # pp: CHOICES["distributed.pp_schedule"], GPipe or one-forward-one-backward
+    pp_microbatches: Optional[int] = None  # pp: micro-batches each batch is cut into (null: 2 per stage)
 
 
 @dataclass

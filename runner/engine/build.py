@@ -29,7 +29,7 @@ from runner.data import text
 from runner.engine import monitor, slice_gate
 from runner.engine.state import PerRankState, SharedState, TrainState
 from runner.errors import ConfigError
-from runner.techniques import compile_cache, ema as ema_mod, optim, precision, prepare, schedule
+from runner.techniques import compile_cache, ema as ema_mod, model_parallel, optim, precision, prepare, schedule
 from runner.track import NullTracker, Tracker, sweep_group
 
 
@@ -163,7 +163,9 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
                               f"(it reports {', '.join(task.metrics)}); use a target of those")
     skipped = task.skipped(cfg)  # switches that do not apply to this task: recorded, never applied
     techniques, host_allocator, memory_format = _process_techniques(cfg, env, skipped)
-    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=t.seed, memory_format=memory_format, task=task)
+    # a model split over ranks (distributed=tp) is one data-parallel rank: its ranks draw the same batches
+    data = data_mod.build(cfg.data, cfg.dataloader, env.data_view(), seed=t.seed, memory_format=memory_format,
+                          task=task)
     model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item).to(env.device)
     task.check(model, data)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
@@ -175,7 +177,7 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
         details["precision"] = amp.note
         if env.is_main and cfg.trainer.progress != "off":
             print(f"note: {amp.note}", flush=True)
-    seed_everything(t.seed + env.rank)  # weights are identical on all ranks; augmentation/dropout differ
+    seed_everything(t.seed + env.dp_rank)  # weights are identical on all ranks; augmentation/dropout differ
     techniques |= data.techniques | applied
     plan = _plan(cfg, env, len(data.train))
     if plan.accumulate > 1:
@@ -189,6 +191,9 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
     if cfg.compile.optimizer:  # after the scheduler, which wraps the step it then calls compiled
         techniques["compiled_optimizer_step"] = optim.compile_step(optimizer)
     clip = optim.gradient_clipping(cfg.optimizer.clip_grad_norm, model, amp.scaler)  # recorded by optim.build
+    if cfg.distributed.name == "pp":  # the schedule runs forward and backward; the loop asks it through the task
+        task = model_parallel.pipeline(model, task, env, cfg, plan)
+        clip = task.clip
     ema = ema_mod.EMA(model, t.ema_decay, t.ema_warmup, t.ema_every) if t.ema_decay is not None else None
     reported = tuple(task.metrics) + (tuple(f"{m}_ema" for m in task.metrics) if ema is not None else ())
     early, patience = monitor.early_stopping(t.early_stopping, reported)
@@ -241,7 +246,7 @@ def _plan(cfg: DictConfig, env: distributed.Env, micro_batches: int) -> Plan:
                           f"epoch; lower it or dataloader.batch_size")
     return Plan(total_steps=t.max_steps or t.max_epochs * steps_per_epoch, accumulate=accumulate,
                 micro_batch=cfg.dataloader.batch_size,
-                global_batch=global_batch_size(cfg.dataloader.batch_size, accumulate, env.world_size),
+                global_batch=global_batch_size(cfg.dataloader.batch_size, accumulate, env.dp_size),
                 log_every=t.log_every, eval_every=t.eval_every or steps_per_epoch, eval_max_batches=t.eval_max_batches,
                 set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss,
                 skip_nonfinite=t.on_nonfinite == "skip", stop_at_target=t.stop_at_target,

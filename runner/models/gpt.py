@@ -37,8 +37,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # (B, heads, T, head size)
-                   for z in self.c_attn(x).split(c, dim=2))
+        # (B, heads, T, head size); under tensor parallelism c_attn gives this rank's heads only: their count is -1
+        q, k, v = (z.view(b, t, -1, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).chunk(3, dim=2))
         p = self.dropout if self.training else 0.0
         if self.upcast_attention and q.dtype != torch.float32:  # back to q's dtype for c_proj's bf16 weights
             with torch.autocast(q.device.type, enabled=False):
@@ -46,7 +46,7 @@ class CausalSelfAttention(nn.Module):
                                                    is_causal=True).to(q.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -92,7 +92,12 @@ class GPT(nn.Module):
         upcast_attention: attention in fp32 under bf16/fp16 autocast (``CausalSelfAttention``).
 
     Initialization (nanoGPT): weights ~ N(0, 0.02), biases zero, ``c_proj`` ~ N(0, 0.02 / sqrt(2 n_layer)).
+    ``tp_plan``: how ``distributed=tp`` splits it (Megatron-LM's attention and MLP pairs; runner/techniques/
+    model_parallel.py); the embeddings, LayerNorms and the tied head stay whole on every rank.
     """
+
+    tp_plan = {"transformer.h.*.attn.c_attn": "colwise_qkv", "transformer.h.*.attn.c_proj": "rowwise",
+               "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
 
     def __init__(self, vocab_size: int, block_size: int = 256, n_layer: int = 6, n_head: int = 6,
                  n_embd: int = 384, dropout: float = 0.0, bias: bool = False, upcast_attention: bool = False):
@@ -123,20 +128,39 @@ class GPT(nn.Module):
     def vocab_size(self) -> int:
         return self.lm_head.out_features
 
+    def pipeline_stage(self, stage: int, stages: int) -> GPT:
+        """This model cut down, in place, to pipeline stage ``stage`` of ``stages`` (``distributed=pp``): its share
+        of the blocks (as even as they divide; a ModuleDict keeps their names), the embeddings on the first stage,
+        the final LayerNorm and the head on the last. Names stay the full model's, so checkpoints and
+        ``model.safetensors`` line up with it. A stage maps ``(B, T)`` ids or ``(B, T, C)`` -> ``(B, T, C)`` or
+        ``(B, T, vocab)`` logits."""
+        n = len(self.transformer.h)
+        lo, hi = n * stage // stages, n * (stage + 1) // stages
+        self.transformer.h = nn.ModuleDict({str(i): self.transformer.h[i] for i in range(lo, hi)})
+        if stage > 0:
+            self.transformer.wte = self.transformer.wpe = None
+        if stage < stages - 1:
+            self.transformer.ln_f = self.lm_head = None
+        return self
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, chunk_tokens: int = 0,
                 fused: nn.Module | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` of token ids ``idx`` ``(B, T)``; with ``targets`` ``(B, T)`` and ``chunk_tokens``
         the mean cross-entropy instead (``chunked_cross_entropy``, or the Liger module ``fused``)."""
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        if self.transformer.wte is not None:  # None: a later pipeline stage, given the previous one's (B, T, C)
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            idx = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x, blocks = idx, self.transformer.h
+        for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
             x = block(x)
+        if self.lm_head is None:  # a pipeline stage before the last: its output goes to the next
+            return x
         if targets is not None and (chunk_tokens or fused is not None):
-            h = self.transformer.ln_f(x).flatten(0, 1)
+            h, weight = self.transformer.ln_f(x).flatten(0, 1), self.lm_head.weight
+            weight = weight.to_local() if hasattr(weight, "to_local") else weight  # tp: a replicated DTensor
             if fused is not None:
-                return fused(self.lm_head.weight, h, targets.flatten())
-            return chunked_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk_tokens)
+                return fused(weight, h, targets.flatten())
+            return chunked_cross_entropy(h, weight, targets.flatten(), chunk_tokens)
         return self.lm_head(self.transformer.ln_f(x))
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Data-parallel wrappers: ``wrap`` applies the technique of ``distributed.name``; the loop's helpers
+"""Parallel wrappers: ``wrap`` applies the technique of ``distributed.name``; the loop's helpers
 (``no_sync``, ``unwrap``, ``sync_ddp_buffers``) and the parameters' cross-rank report go with them.
 
 - ``ddp``: ``DistributedDataParallel`` -- one process per device, gradients all-reduced in buckets
@@ -6,6 +6,8 @@
 - ``fsdp``: FSDP2 ``fully_shard`` -- parameters, gradients and optimizer state sharded over the ranks
   as DTensors, all-gathered per block for forward/backward
   (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
+- ``tp``: tensor parallelism, the model split over ranks (runner/techniques/model_parallel.py), FSDP2 over the
+  rest of the ranks; ``pp``: pipeline parallelism, one stage of the model per rank (the same module).
 - ``dp``: ``nn.DataParallel`` -- one process driving all local GPUs; kept only for the ablation, DDP is
   faster (https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel).
 
@@ -88,18 +90,19 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.
     return model, techniques
 
 
-def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.nn.Module, dict[str, str]]:
+def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision, mesh=None) -> tuple[torch.nn.Module, dict[str, str]]:
     """FSDP2: ``fully_shard`` each repeated block (``repeated_blocks``), then the root, after broadcasting rank 0's
-    values; under ``fsdp_mixed_precision``'s policy each BatchNorm layer is sharded on its own in fp32. Why:
-    docs/scaling.md, "How the wrappers act".
+    values (unless ``mesh``, the data-parallel dimension of a 2-D mesh, is given: tp broadcast them already); under
+    ``fsdp_mixed_precision``'s policy each BatchNorm layer is sharded on its own in fp32. Why: docs/scaling.md,
+    "How the wrappers act".
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     techniques: dict[str, str] = {}
-    if not broadcast_module_state(model):
+    if mesh is None and not broadcast_module_state(model):
         warnings.warn("distributed=fsdp: ranks built different initial weights; rank 0's were broadcast", stacklevel=2)
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mesh = mesh if mesh is not None else init_device_mesh(env.device.type, (env.world_size,))
     policy = fsdp_mixed_precision(amp.compute_dtype)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
     if policy is not None:  # BatchNorm keeps fp32 parameters: its running statistics are fp32 buffers
@@ -123,6 +126,38 @@ def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.
     return model, techniques
 
 
+def apply_tp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.nn.Module, dict[str, str], dict]:
+    """Tensor parallelism over ``env.model_parallel`` consecutive ranks (``model_parallel.apply_tp``), after
+    broadcasting rank 0's values; with more ranks than that, FSDP2 over the data-parallel dimension of a
+    ``(dp, tp)`` mesh. Returns the model, the statuses and the plan's details."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from runner.techniques import model_parallel
+
+    if not broadcast_module_state(model):
+        warnings.warn("distributed=tp: ranks built different initial weights; rank 0's were broadcast", stacklevel=2)
+    mesh = init_device_mesh(env.device.type, (env.dp_size, env.model_parallel), mesh_dim_names=("dp", "tp"))
+    details = model_parallel.apply_tp(model, mesh["tp"], env.model_parallel)
+    techniques = {"tp": "applied"}
+    if env.dp_size > 1:
+        model, sharded = apply_fsdp(model, env, amp, mesh["dp"])
+        techniques |= sharded
+    return model, techniques, details
+
+
+def apply_pp(model: torch.nn.Module, cfg: DictConfig, env: Env, details: dict) -> tuple[torch.nn.Module, dict]:
+    """Pipeline parallelism: this rank keeps its stage of the model (``model_parallel.split_stage``; the schedule
+    that runs them is built with the task: runner/engine/build.py). One stage per rank, no data parallelism."""
+    from runner.techniques import model_parallel
+
+    stage = env.rank % env.model_parallel
+    model = model_parallel.split_stage(model, stage, env.model_parallel)
+    model.pipeline_stages = env.model_parallel  # read by runner.checkpoint.full_model_state_dict and parameter_report
+    details["pipeline_parallel"] = {"stages": env.model_parallel, "schedule": cfg.pp_schedule,
+                                    "stage_parameters": sum(p.numel() for p in model.parameters())}
+    return model, {"pp": "applied"}
+
+
 def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
     """``nn.DataParallel`` over every visible GPU, output gathered on this process's GPU; kept for the ablation only.
     Without CUDA it is skipped and the plain model runs."""
@@ -136,10 +171,11 @@ def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[st
     return torch.nn.DataParallel(model, device_ids=devices, output_device=env.device.index), {"dp": "applied"}
 
 
-def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, amp: Precision):
-    """Wrap the model for data parallelism (``distributed.name``); ``none`` returns it unchanged.
+def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, amp: Precision, details: dict):
+    """Wrap the model for data parallelism, or split it (``distributed.name``); ``none`` returns it unchanged.
 
-    Returns ``(model, techniques)`` with ``"applied"`` / ``"skipped: <why>"`` per technique.
+    Returns ``(model, techniques)`` with ``"applied"`` / ``"skipped: <why>"`` per technique; tp adds its plan to
+    ``details`` (``tensor_parallel``).
 
     Raises:
         ConfigError: an unknown ``distributed.name``.
@@ -153,6 +189,11 @@ def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, amp: Precision):
         return apply_ddp(model, cfg, env)
     if name == "fsdp":
         return apply_fsdp(model, env, amp)
+    if name == "tp":
+        model, techniques, details["tensor_parallel"] = apply_tp(model, env, amp)
+        return model, techniques
+    if name == "pp":
+        return apply_pp(model, cfg, env, details)
     return apply_dp(model, env)  # dp, the last of CHOICES["distributed.name"]
 
 
@@ -221,7 +262,9 @@ def parameter_report(model: torch.nn.Module, env: Env) -> dict:
         dist.all_gather_object(digests, sha.hexdigest())
     return {
         "sha256_by_rank": digests,
-        "identical_across_ranks": len(set(digests)) == 1 if env.distributed else None,
+        # null for one process, and for a pipeline, whose ranks hold different stages
+        "identical_across_ranks": (len(set(digests)) == 1 if env.distributed and
+                                   getattr(unwrap(model), "pipeline_stages", 1) == 1 else None),
         "l2_norm": sq ** 0.5,
         "count": count,
         "numel": numel,

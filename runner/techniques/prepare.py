@@ -363,6 +363,6 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
         status, compiled = apply_compile(model, compile_cfg, env.device)
         techniques |= status
         details |= compiled
-    model, status = parallel.wrap(model, cfg.distributed, env, amp)
+    model, status = parallel.wrap(model, cfg.distributed, env, amp, details)
     techniques |= status
     return model, techniques, details
