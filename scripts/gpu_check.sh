@@ -5,8 +5,9 @@
 # the last thing printed is one table of the figures.
 #
 #   bash scripts/gpu_check.sh              # all parts
-#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt lm_tips gpt
-#                                          #          resnet50 resnet18 gpt_compile_modes overhead suite
+#   bash scripts/gpu_check.sh tests gpt    # some of: smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt lm_tips
+#                                          #          compression model_parallel gpt resnet50 resnet18 gpt_compile_modes
+#                                          #          overhead suite
 #   TESTS_K='resume' bash scripts/gpu_check.sh tests   # only the CUDA tests matching a -k expression
 #   DRY=1 bash scripts/gpu_check.sh tune_gpt aa_gpt race   # the same steps on the CPU at toy sizes (CI runs this)
 #   R18_MINUTES=2.5 FP8_MINUTES=1 bash scripts/gpu_check.sh tune_r18 gpt2   # budgets: the ResNet-18 tuner, the fp8 sweeps
@@ -18,7 +19,8 @@
 # .gpu/nanogpt), tune_r18 (the tuner on ResNet-18 with the CIFAR stem), gpt2 (GPT-2 124M on synthetic tokens:
 # tokens/s and MFU, bf16 against torchao's fp8, interleaved), wide_gpt (the same on a GPT of width 2048, where fp8's
 # layer filter converts every projection), lm_tips (selective checkpointing, the chunked loss and the compiled
-# optimizer step on GPT-2 124M, interleaved).
+# optimizer step on GPT-2 124M, interleaved), compression (int8 training against bf16, 2:4 sparse against dense,
+# interleaved), model_parallel (distributed=tp and pp on one GPU).
 #
 # Needs hydra-core, omegaconf and antlr4-python3-runtime importable, and torchao for fp8 (without it fp8 is recorded
 # as skipped); where they are carried as wheels in .whl/ (a machine with no package index; torchao's built for the
@@ -40,7 +42,7 @@ if [ -d .whl ] && { ! python3 -c "import hydra" 2>/dev/null \
 fi
 GPT_TEXT=${GPT_TEXT:-data/tinyshakespeare/input.txt}
 GPT_TEXT=$(realpath "$GPT_TEXT")
-parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt lm_tips gpt resnet50 resnet18 gpt_compile_modes overhead suite}
+parts=${*:-smoke tests tune_gpt aa_gpt race tune_r18 gpt2 wide_gpt lm_tips compression model_parallel gpt resnet50 resnet18 gpt_compile_modes overhead suite}
 NANOGPT=${NANOGPT:-.gpu/nanogpt}
 DRY=${DRY:-}
 DEV=cuda
@@ -175,6 +177,29 @@ if has lm_tips; then
     hydra.sweep.dir="$RUNS/lm_loss"
   cat "$RUNS/lm_loss/report.md" >>"$LOGS/lm_loss.log" 2>/dev/null
 fi
+if has compression; then
+  # issue 59's compression on the GPU, interleaved: torchao's int8 mixed-precision training against bf16 on GPT-2 124M,
+  # and 2:4 sparse training (cuSPARSELt) against dense on the wide GPT, whose every projection is >= 1024 wide. On a
+  # CPU (DRY) sparse24 is recorded as skipped with its reason and int8 trains its toy model.
+  wide=(model.n_layer=8 model.n_head=16 model.n_embd=2048 optimizer.base_batch_size=8)
+  [ -n "$DRY" ] && wide=("${wide_toy[@]}")
+  step int8 "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16,int8 \
+    "${lm_sweep[@]}" "${gpt2_toy[@]}" hydra.sweep.dir="$RUNS/int8"
+  cat "$RUNS/int8/report.md" >>"$LOGS/int8.log" 2>/dev/null
+  step sparse24 "$lm_limit" python3 -m runner -m hydra/launcher=interleaved +experiment=gpt2_124m precision=bf16 \
+    compress=none,sparse24 compress.min_features=$([ -n "$DRY" ] && echo 64 || echo 1024) "${lm_sweep[@]}" \
+    "${wide[@]}" hydra.sweep.dir="$RUNS/sparse24"
+  cat "$RUNS/sparse24/report.md" >>"$LOGS/sparse24.log" 2>/dev/null
+fi
+if has model_parallel; then
+  # distributed=tp and pp on one GPU: their one-rank paths (DTensor layers, a one-stage schedule) under torchrun
+  for layout in tp pp; do
+    step "gpt_$layout" $((180 * scale)) python3 -m torch.distributed.run --standalone --nproc-per-node=1 -m runner \
+      +experiment=shakespeare_char_gpu data.path="$GPT_TEXT" distributed=$layout trainer.max_steps=200 \
+      trainer.eval_every=200 trainer.eval_max_batches=2 task.sample_tokens=0 trainer.device=$DEV logger=none \
+      trainer.progress=lines "${gpt_toy[@]}" hydra.run.dir="$RUNS/gpt_$layout"
+  done
+fi
 if has gpt; then
   # nanoGPT's GPU recipe (6 x 384, block 256, batch 64, 5000 steps): the validation loss target 1.47
   run gpt_compile 420 +experiment=shakespeare_char_gpu data.path="$GPT_TEXT" compile=default
@@ -218,7 +243,7 @@ import json, pathlib, sys
 keys = ["samples_per_sec", "tokens_per_sec", "step_time_ms_median", "mfu", "achieved_tflops", "gpu_idle_fraction",
         "peak_memory_mb", "data_wait_fraction", "eval_loss", "eval_accuracy", "time_to_target_s", "steps", "train_time_s"]
 root = pathlib.Path(sys.argv[1])
-sweeps = [p for sweep in ("gpt2", "wide_gpt") for p in root.glob(f"{sweep}/*/summary.json")]  # one row per job
+sweeps = [p for sweep in ("gpt2", "wide_gpt", "int8", "sparse24") for p in root.glob(f"{sweep}/*/summary.json")]  # one row per job
 for p in [*sorted(root.glob("*/summary.json")), *sorted(sweeps)]:
     s = json.loads(p.read_text())
     row = {k: s.get(k) for k in keys if s.get(k) is not None}

@@ -83,3 +83,25 @@ def test_gpu_agenda_lm_tips_dry_run(tmp_path):
     applied = {t for s in summaries for t, v in s["techniques"].items() if v == "applied"}
     assert {"selective_checkpointing", "activation_checkpointing", "compiled_optimizer_step"} <= applied
     assert {s["config"]["task"]["loss"] for s in summaries} == {"full", "chunked"}
+
+
+def test_gpu_agenda_compression_and_model_parallel_dry_run(tmp_path):
+    """Issue 59's GPU steps at toy sizes: int8 training against bf16 and 2:4 sparse against dense (interleaved; on a
+    CPU sparse24 says why it skips), and distributed=tp and pp on one rank under torchrun."""
+    out = tmp_path / "out"
+    env = os.environ | {"DRY": "1", "OUT": str(out)}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "compression", "model_parallel"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
+    assert status == {"int8": "0", "sparse24": "0", "gpt_tp": "0", "gpt_pp": "0"}, proc.stdout[-4000:]
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = tar.getnames()
+        assert "runs/int8/report.md" in names and "runs/sparse24/report.md" in names
+        summaries = {n: json.load(tar.extractfile(n)) for n in names if n.endswith("summary.json")}
+    techniques = {n.split("/")[1]: s["techniques"] for n, s in summaries.items() if n.endswith(("/1/summary.json",
+                                                                                                "gpt_tp/summary.json",
+                                                                                                "gpt_pp/summary.json"))}
+    assert techniques["int8"]["int8"] == "applied"
+    assert techniques["sparse24"]["sparse24"].startswith("skipped: 2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU")
+    assert techniques["gpt_tp"]["tp"] == techniques["gpt_pp"]["pp"] == "applied"

@@ -154,7 +154,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               command=("precision=fp8",), readme="4b", tuner=False,
               source="torchao float8 training (convert_to_float8_training)"),
     Technique("int8", {"precision.name": "int8"}, arithmetic=True, group="precision", command=("precision=int8",),
-              variant="int8", readme="4c", tuner=False,
+              variant="int8", readme="4c",
               source="torchao INT8 mixed-precision training (Int8MixedPrecisionTrainingConfig; "
                      "https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training)"),
     # compression during training: what the model computes changes (int8 rounding, 2:4 pruning)
@@ -163,7 +163,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               source="torchao quantization-aware training (QATConfig; "
                      "https://docs.pytorch.org/ao/stable/generated/torchao.quantization.qat.QATConfig.html)"),
     Technique("sparse24", {"compress.name": "sparse24"}, arithmetic=True, group="compress", where="cuda",
-              command=("compress=sparse24",), variant="sparse24", readme="21", tuner=False,
+              command=("compress=sparse24",), variant="sparse24", readme="21",
               why_not="2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer",
               source="torchao 2:4 sparse training (torchao.sparsity.training.SemiSparseLinear; "
                      "https://github.com/pytorch/ao/tree/main/torchao/sparsity/training)"),

@@ -155,6 +155,12 @@ def _precision(offer: _Offers, cfg: DictConfig, device) -> None:
                "on the CPU" if not cuda else f"TF32 needs compute capability 8.0 or newer; this GPU has "
                f"{capability[0]}.{capability[1]}")
     offer(Switch.of("tf32"), precision == "fp32" and ampere, no_tf32)
+    # int8 matmuls pay on GPUs with INT8 tensor cores; on a CPU they ran slower than bf16 (docs/configuration.md)
+    offer(Switch.of("int8"), fp32 and cuda and ampere, "its int8 matmuls pay on a GPU with INT8 tensor cores (8.0+)"
+          if fp32 else no_bf16)
+    offer(Switch.of("sparse24"), cfg.compress.name == "none" and ampere and fp32,
+          "2:4 sparse matmuls need a CUDA GPU of compute capability 8.0 or newer" if not ampere else
+          "another compression, or a precision that replaces the Linear layers, is on")
 
 
 def _the_rest(offer: _Offers, cfg: DictConfig, cuda: bool) -> None:
