@@ -93,11 +93,13 @@ def _check(cfg: DictConfig, layout: launch.Layout) -> None:
                           f"drop it or use ddp")
     if name == "pp" and cfg.pp_schedule not in ("gpipe", "1f1b"):
         check_choice("distributed.pp_schedule", cfg.pp_schedule)
-    tp = cfg.tp_size
-    if tp is not None and (name != "tp" or tp < 1 or layout.world_size % tp):
-        raise ConfigError(f"distributed.tp_size={tp} " + (f"is read by distributed=tp only (here {name}); drop it"
-                          if name != "tp" else f"must divide the world size {layout.world_size} (the rest of the "
-                          f"ranks are data parallel); launch a multiple of it or pick a divisor"))
+    for key, owner in (("tp_size", "tp"), ("pp_size", "pp")):
+        size = cfg[key]
+        if size is not None and (name != owner or size < 1 or layout.world_size % size):
+            raise ConfigError(f"distributed.{key}={size} " + (
+                f"is read by distributed={owner} only (here {name}); drop it" if name != owner else
+                f"must divide the world size {layout.world_size} (the rest of the ranks are data parallel); launch a "
+                f"multiple of it or pick a divisor"))
     check_choice("distributed.backend", cfg.backend)
     if cfg.timeout_s <= 0:
         raise ConfigError(f"distributed.timeout_s={cfg.timeout_s} must be > 0 seconds")
@@ -128,7 +130,7 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
                                 device_id=dev if dev.type == "cuda" else None)
     return Env(rank=layout.rank, local_rank=layout.local_rank, world_size=layout.world_size, nodes=layout.nodes,
                device=dev, launcher=layout.launcher,
-               model_parallel={"tp": cfg.tp_size or layout.world_size, "pp": layout.world_size}.get(cfg.name, 1))
+               model_parallel={"tp": cfg.tp_size, "pp": cfg.pp_size}.get(cfg.name, 1) or layout.world_size)
 
 
 def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:

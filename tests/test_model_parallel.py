@@ -1,5 +1,6 @@
 """Tensor parallelism (runner/techniques/model_parallel.py): which plan a model gets, the refusals, the q, k, v rows
-regrouped by rank and restored, and (slow) 2-D: tensor parallel x FSDP on 4 CPU ranks against FSDP alone on 2.
+regrouped by rank and restored, pipeline stages and refusals, and (slow) 2-D on 4 CPU ranks (tensor parallel x FSDP,
+pipeline x DDP) against FSDP alone on 2.
 
 The 2-rank equivalence with one process (the GPT and an MLP, 50 and 20 steps) is in tests/test_two_ranks.py; the
 exact resume in tests/test_resume.py."""
@@ -48,6 +49,7 @@ def test_a_model_without_a_plan_or_with_widths_the_split_cannot_divide_is_one_co
 @pytest.mark.parametrize("overrides, world, message", [
     (["distributed=tp", "distributed.tp_size=3"], 4, "tp_size=3 must divide the world size 4"),
     (["distributed=ddp", "distributed.tp_size=2"], 2, "tp_size=2 is read by distributed=tp only"),
+    (["distributed=pp", "distributed.pp_size=3"], 4, "pp_size=3 must divide the world size 4"),
     (["distributed=tp", "distributed.sync_batchnorm=true"], 2, "works with distributed=ddp only"),
 ])
 def test_impossible_tensor_parallel_layouts_are_refused_before_anything_starts(overrides, world, message,
@@ -94,7 +96,7 @@ def test_an_nn_sequential_is_cut_into_its_share_of_layers_and_other_models_are_r
     assert list(mp.split_stage(seq, 1, 2)._modules) == ["2", "3", "4"]
     with pytest.raises(ConfigError, match="cannot split MnistCNN into stages: give the model a `pipeline_stage"):
         mp.split_stage(MnistCNN(), 0, 2)
-    with pytest.raises(ConfigError, match="pp_size=4 exceeds the model's 2 blocks"):
+    with pytest.raises(ConfigError, match="4 stages .one per rank. exceed the model's 2 blocks; launch fewer"):
         mp.split_stage(GPT(65, block_size=16, n_layer=2, n_head=2, n_embd=16), 0, 4)
 
 
@@ -116,17 +118,19 @@ def test_what_a_pipeline_cannot_run_is_one_config_error(overrides, message):
 
 
 @pytest.mark.slow
-def test_two_dimensional_tensor_parallel_with_fsdp_trains_as_fsdp_alone(tmp_path):
-    """4 CPU ranks, tp_size=2: two model copies (FSDP over them), each split over 2 ranks; its data shares are
-    FSDP's on 2 ranks, so the two follow the same losses."""
+def test_two_dimensional_model_parallelism_trains_as_fsdp_alone(tmp_path):
+    """4 CPU ranks, tp_size=2: two model copies (FSDP over them), each split over 2 ranks; pp_size=2: two pipelines
+    of 2 stages (DDP over each stage's copies). Their data shares are FSDP's on 2 ranks, so all follow the same
+    losses."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((REPO_ROOT / "README.md").read_text()[:20000])
-    job = ["+experiment=shakespeare_char", *TINY_LOOP, f"data.path={corpus}", "model.n_layer=1", "model.n_head=2",
+    job = ["+experiment=shakespeare_char", *TINY_LOOP, f"data.path={corpus}", "model.n_layer=2", "model.n_head=2",
            "model.n_embd=32", "data.block_size=16", "dataloader.batch_size=8", "trainer.max_steps=10",
            "scheduler.warmup_steps=2", "trainer.log_every=1", "trainer.eval_every=10", "task.sample_tokens=0",
            "distributed.timeout_s=120"]
     runs = {}
-    for name, n, extra in (("fsdp", 2, ["distributed=fsdp"]), ("tp2d", 4, ["distributed=tp", "distributed.tp_size=2"])):
+    for name, n, extra in (("fsdp", 2, ["distributed=fsdp"]), ("tp2d", 4, ["distributed=tp", "distributed.tp_size=2"]),
+                           ("pp2d", 4, ["distributed=pp", "distributed.pp_size=2"])):
         folder = tmp_path / name
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                                "-m", "runner", *job, *extra, f"hydra.run.dir={folder}"], cwd=tmp_path,
@@ -134,10 +138,13 @@ def test_two_dimensional_tensor_parallel_with_fsdp_trains_as_fsdp_alone(tmp_path
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         runs[name] = ([r["loss"] for r in rows if "loss" in r], read_summary(folder))
-    (a, fsdp), (b, tp2d) = runs["fsdp"], runs["tp2d"]
+    (a, fsdp), (b, tp2d), (c, pp2d) = runs["fsdp"], runs["tp2d"], runs["pp2d"]
     assert tp2d["techniques"]["tp"] == tp2d["techniques"]["fsdp"] == "applied" and tp2d["world_size"] == 4
-    assert tp2d["global_batch_size"] == fsdp["global_batch_size"] == 16
-    assert len(a) == len(b) == 10 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-3, (a, b)
+    assert pp2d["techniques"]["pp"] == pp2d["techniques"]["ddp"] == "applied" and pp2d["world_size"] == 4
+    assert tp2d["global_batch_size"] == pp2d["global_batch_size"] == fsdp["global_batch_size"] == 16
+    assert len(a) == len(b) == len(c) == 10
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-3, (a, b)
+    assert max(abs(x - y) for x, y in zip(a, c)) <= 1e-2, (a, c)
     assert tp2d["parameters"]["identical_across_ranks"] is True
 
 

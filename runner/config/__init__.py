@@ -308,6 +308,7 @@ class DistributedConfig:
     sync_batchnorm: bool = False
     timeout_s: int = 300
     tp_size: Optional[int] = None  # tp: ranks one model is split over (null: all); the rest data parallel (FSDP2)
+    pp_size: Optional[int] = None  # pp: stages of one pipeline, one per rank (null: all); the rest data parallel (DDP)
     pp_schedule: str = "1f1b"  # pp: CHOICES["distributed.pp_schedule"], GPipe or one-forward-one-backward
     pp_microbatches: Optional[int] = None  # pp: micro-batches each batch is cut into (null: 2 per stage)
 

@@ -1,4 +1,4 @@
-"""Model parallelism: one model split over several ranks, which see the same batches between them.
+"""Model parallelism: one model split over several ranks, which see the same batches.
 
 - ``tp``: tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053): each Linear of a plan split by
   output features (``colwise``) or input features (``rowwise``), so a colwise layer feeds its rowwise partner
@@ -6,8 +6,13 @@
   (https://pytorch.org/docs/stable/distributed.tensor.parallel.html). The other parameters are replicated as
   DTensors, so the optimizer and gradient clipping see one kind of parameter.
 
-With ``distributed.tp_size`` smaller than the world size the remaining ranks are data parallel, each model copy
-sharded over them with FSDP2 (2-D: a ``(dp, tp)`` device mesh). When it pays: docs/scaling.md, "Model parallelism".
+  With ``distributed.tp_size`` smaller than the world size the remaining ranks are data parallel, each model copy
+  sharded over them with FSDP2 (2-D: a ``(dp, tp)`` device mesh).
+- ``pp``: pipeline parallelism: one stage of the model per rank (``split_stage``), each batch in micro-batches
+  through them under GPipe or 1F1B (``Pipeline``); with ``distributed.pp_size`` smaller than the world size, several
+  pipelines, each stage's copies data parallel (DDP).
+
+When it pays and what each costs: docs/scaling.md, "Model parallelism".
 """
 
 from __future__ import annotations
@@ -165,7 +170,8 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     if hasattr(model, "pipeline_stage"):
         blocks = len(getattr(getattr(model, "transformer", None), "h", ()) or ()) or stages
         if blocks < stages:
-            raise ConfigError(f"distributed.pp_size={stages} exceeds the model's {blocks} blocks; lower it")
+            raise ConfigError(f"distributed=pp: {stages} stages (one per rank) exceed the model's {blocks} blocks; "
+                              f"launch fewer processes")
         return model.pipeline_stage(stage, stages)
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"distributed=pp cannot split {type(model).__name__} into stages: give the model a "
@@ -173,7 +179,8 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
                           f"runner.models.gpt.GPT does, or make it an nn.Sequential")
     names = list(model._modules)
     if len(names) < stages:
-        raise ConfigError(f"distributed.pp_size={stages} exceeds the {len(names)} layers of the nn.Sequential")
+        raise ConfigError(f"distributed=pp: {stages} stages (one per rank) exceed the {len(names)} layers of the "
+                          f"nn.Sequential; launch fewer processes")
     keep = set(names[len(names) * stage // stages:len(names) * (stage + 1) // stages])
     for name in names:
         if name not in keep:
@@ -200,13 +207,18 @@ class Pipeline:
         self.stage, self.stages = env.rank % env.model_parallel, env.model_parallel
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.module = stage_module
-        built = PipelineStage(stage_module, self.stage, self.stages, env.device)
+        # one pipeline per data-parallel rank, of consecutive ranks; every rank creates every group (new_group)
+        first = env.rank - self.stage
+        pipelines = [list(range(d * self.stages, (d + 1) * self.stages)) for d in range(env.dp_size)]
+        self.group = [dist.new_group(ranks) for ranks in pipelines][env.dp_rank]
+        ends = [dist.new_group([r[0], r[-1]]) for r in pipelines] if self.stages > 1 else [None] * env.dp_size
+        self.tie_group, self.src = ends[env.dp_rank], first + self.stages - 1
+        built = PipelineStage(stage_module, self.stage, self.stages, env.device, group=self.group)
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         self.schedule = kind(built, n_microbatches=microbatches, loss_fn=self._loss_of)
         # the tied input embedding and output head (GPT's) live on the first and last stage: one weight, two copies
-        self.tied = _tied_weight(stage_module, self.first, self.last) if self.stages > 1 else None
-        ends = [env.rank - self.stage, env.rank - self.stage + self.stages - 1]
-        self.tie_group = dist.new_group(ends) if self.stages > 1 else None  # every rank joins new_group
+        plain = getattr(stage_module, "module", stage_module)  # inside DDP, with data parallelism
+        self.tied = _tied_weight(plain, self.first, self.last) if self.stages > 1 else None
 
     def __getattr__(self, name: str):
         return getattr(self.task, name)
@@ -230,15 +242,14 @@ class Pipeline:
 
         target = self._target if self.last else None  # the schedule's loss_fn wants one
         out = self.schedule.eval(x, target=target) if self.first else self.schedule.eval(target=target)
-        src = self.env.rank - self.stage + self.stages - 1
         shape = torch.zeros(4, dtype=torch.int64, device=x.device)
         if self.last:
             shape[:out.dim()] = torch.tensor(out.shape)
-        dist.broadcast(shape, src)
+        dist.broadcast(shape, self.src, group=self.group)
         dims = [int(d) for d in shape.tolist() if d]
         if not self.last:
             out = torch.empty(dims, device=x.device)
-        dist.broadcast(out, src)
+        dist.broadcast(out, self.src, group=self.group)
         return out
 
     def evaluate(self, model, batches, autocast, max_batches, env):
@@ -266,7 +277,7 @@ class Pipeline:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None
                  and not (self.last and self.stages > 1 and p is self.tied)]
         squares = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=self.env.device))
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.group)  # DDP left every copy of a stage the same gradients
         total = squares.sqrt()
         if self.max_norm is not None:  # torch.nn.utils.clip_grad_norm_'s rule, over the whole model
             scale = (self.max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -147,7 +147,11 @@ def apply_tp(model: torch.nn.Module, env: Env, amp: Precision) -> tuple[torch.nn
 
 def apply_pp(model: torch.nn.Module, cfg: DictConfig, env: Env, details: dict) -> tuple[torch.nn.Module, dict]:
     """Pipeline parallelism: this rank keeps its stage of the model (``model_parallel.split_stage``; the schedule
-    that runs them is built with the task: runner/engine/build.py). One stage per rank, no data parallelism."""
+    that runs the stages is built with the task: runner/engine/build.py), one stage per rank, consecutive ranks one
+    pipeline; with more ranks than stages, the copies of each stage are data parallel (DDP over a ``(dp, pp)``
+    mesh's ``dp`` dimension; the schedule skips its all-reduce on all micro-batches but the last)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from runner.techniques import model_parallel
 
     stage = env.rank % env.model_parallel
@@ -155,7 +159,14 @@ def apply_pp(model: torch.nn.Module, cfg: DictConfig, env: Env, details: dict) -
     model.pipeline_stages = env.model_parallel  # read by runner.checkpoint.full_model_state_dict and parameter_report
     details["pipeline_parallel"] = {"stages": env.model_parallel, "schedule": cfg.pp_schedule,
                                     "stage_parameters": sum(p.numel() for p in model.parameters())}
-    return model, {"pp": "applied"}
+    if env.dp_size == 1:
+        return model, {"pp": "applied"}
+    mesh = init_device_mesh(env.device.type, (env.dp_size, env.model_parallel), mesh_dim_names=("dp", "pp"))
+    wrapped = torch.nn.parallel.DistributedDataParallel(
+        model, process_group=mesh["dp"].get_group(), device_ids=[env.device.index] if env.device.type == "cuda"
+        else None, init_sync=True)
+    wrapped.pipeline_stages = env.model_parallel
+    return wrapped, {"pp": "applied", "ddp": "applied"}
 
 
 def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
