@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -17,21 +18,27 @@ from conftest import REPO_ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.longest]
 
 
+def dry_run(tmp_path, parts: list[str], steps: list[str], timeout: float, **env: str) -> tuple[Path, list[str]]:
+    """``DRY=1 bash scripts/gpu_check.sh PARTS``: asserts that exactly ``steps`` ran, each with status 0; returns the
+    output folder and the names in its logs.tgz."""
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", *parts], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=os.environ | {"DRY": "1", "OUT": str(out), **env}, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
+    assert status == dict.fromkeys(steps, "0"), proc.stdout[-4000:]
+    with tarfile.open(out / "logs.tgz") as tar:
+        return out, tar.getnames()
+
+
 def test_gpu_agenda_dry_run(tmp_path):
     corpus = tmp_path / "corpus.txt"
     words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "mind"]
     corpus.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9)) for i in range(4000)))
-    out = tmp_path / "out"
-    env = os.environ | {"DRY": "1", "OUT": str(out), "GPT_TEXT": str(corpus), "NANOGPT": str(tmp_path / "none")}
     # (tune_r18 is the same tuner command as tune_gpt on another model: left out of CI, a minute of two busy cores)
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "tune_gpt", "aa_gpt", "race"], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
-    assert status == {"tune_gpt": "0", "aa_gpt": "0", "race": "0"}, proc.stdout[-4000:]
-
+    out, names = dry_run(tmp_path, ["tune_gpt", "aa_gpt", "race"], ["tune_gpt", "aa_gpt", "race"], 900,
+                         GPT_TEXT=str(corpus), NANOGPT=str(tmp_path / "none"))
     with tarfile.open(out / "logs.tgz") as tar:
-        names = tar.getnames()
         assert "runs/tune_gpt/experiment/tuned.yaml" not in names  # no round fits the budget: no change, no preset
         assert "runs/tune_gpt/speed.md" in names
         assert "runs/aa_gpt/report.md" in names
@@ -45,16 +52,9 @@ def test_gpu_agenda_dry_run(tmp_path):
 def test_gpu_agenda_fp8_steps_dry_run(tmp_path):
     """The GPT-2 124M and wide-GPT steps (bf16 against fp8, interleaved) at toy sizes: on a CPU fp8 is skipped with
     its reason and trains bf16, and the sweep still completes with its report."""
-    out = tmp_path / "out"
-    env = os.environ | {"DRY": "1", "OUT": str(out)}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "gpt2", "wide_gpt"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
-    assert status == {"gpt2": "0", "wide_gpt": "0"}, proc.stdout[-4000:]
+    out, names = dry_run(tmp_path, ["gpt2", "wide_gpt"], ["gpt2", "wide_gpt"], 600)
+    assert "runs/gpt2/report.md" in names and "runs/wide_gpt/report.md" in names
     with tarfile.open(out / "logs.tgz") as tar:
-        names = tar.getnames()
-        assert "runs/gpt2/report.md" in names and "runs/wide_gpt/report.md" in names
         fp8 = [json.load(tar.extractfile(n)) for n in names if n.startswith("runs/") and n.endswith("summary.json")]
     by_precision = {(s["config"]["model"]["n_layer"], s["config"]["precision"]["name"]): s for s in fp8}
     assert {p for _, p in by_precision} == {"bf16", "fp8"}
@@ -68,16 +68,9 @@ def test_gpu_agenda_fp8_steps_dry_run(tmp_path):
 def test_gpu_agenda_lm_tips_dry_run(tmp_path):
     """The language-model tips step at toy sizes: memory=none,selective,checkpointing and task.loss x
     compile.optimizer, each an interleaved sweep that completes with its report and applies what it names."""
-    out = tmp_path / "out"
-    env = os.environ | {"DRY": "1", "OUT": str(out)}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "lm_tips"], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
-    assert status == {"lm_memory": "0", "lm_loss": "0"}, proc.stdout[-4000:]
+    out, names = dry_run(tmp_path, ["lm_tips"], ["lm_memory", "lm_loss"], 900)
+    assert "runs/lm_memory/report.md" in names and "runs/lm_loss/report.md" in names
     with tarfile.open(out / "logs.tgz") as tar:
-        names = tar.getnames()
-        assert "runs/lm_memory/report.md" in names and "runs/lm_loss/report.md" in names
         summaries = [json.load(tar.extractfile(n)) for n in names if n.startswith("runs/lm_") and
                      n.endswith("summary.json")]
     applied = {t for s in summaries for t, v in s["techniques"].items() if v == "applied"}
@@ -88,20 +81,13 @@ def test_gpu_agenda_lm_tips_dry_run(tmp_path):
 def test_gpu_agenda_compression_and_model_parallel_dry_run(tmp_path):
     """Issue 59's GPU steps at toy sizes: int8 training against bf16 and 2:4 sparse against dense (interleaved; on a
     CPU sparse24 says why it skips), and distributed=tp and pp on one rank under torchrun."""
-    out = tmp_path / "out"
-    env = os.environ | {"DRY": "1", "OUT": str(out)}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "compression", "model_parallel"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
-    assert status == {"int8": "0", "sparse24": "0", "gpt_tp": "0", "gpt_pp": "0"}, proc.stdout[-4000:]
+    out, names = dry_run(tmp_path, ["compression", "model_parallel"],
+                         ["int8", "sparse24", "gpt_tp", "gpt_pp"], 600)
+    assert "runs/int8/report.md" in names and "runs/sparse24/report.md" in names
+    last = ("int8/1/", "sparse24/1/", "gpt_tp/", "gpt_pp/")  # each sweep's candidate, the two one-rank runs
     with tarfile.open(out / "logs.tgz") as tar:
-        names = tar.getnames()
-        assert "runs/int8/report.md" in names and "runs/sparse24/report.md" in names
-        summaries = {n: json.load(tar.extractfile(n)) for n in names if n.endswith("summary.json")}
-    techniques = {n.split("/")[1]: s["techniques"] for n, s in summaries.items() if n.endswith(("/1/summary.json",
-                                                                                                "gpt_tp/summary.json",
-                                                                                                "gpt_pp/summary.json"))}
+        techniques = {n.split("/")[1]: json.load(tar.extractfile(n))["techniques"] for n in names
+                      if n.endswith("summary.json") and any(f"runs/{k}summary.json" == n for k in last)}
     assert techniques["int8"]["int8"] == "applied"
     assert techniques["sparse24"]["sparse24"].startswith("skipped: 2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU")
     assert techniques["gpt_tp"]["tp"] == techniques["gpt_pp"]["pp"] == "applied"
