@@ -9,10 +9,8 @@ import contextlib
 import io
 import json
 import math
-import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,9 @@ from omegaconf import DictConfig
 from runner import REPO_ROOT
 from runner.config.logger import logger_names
 from runner.files import open_own, replace_own
-from runner.track.records import panel_figures, reachable, to_json, write_json_atomic
+from runner.track import loggers
+from runner.track.loggers import wandb_api_key, wandb_offline_reason  # noqa: F401 - runner.track's API
+from runner.track.records import reachable, to_json, write_json_atomic  # noqa: F401 - reachable: runner.track's API
 
 
 def drop_rows_after(path: Path, step: int) -> None:
@@ -82,29 +82,29 @@ class Tracker:
 
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
         names = logger_names(cfg.logger)
-        self.wandb = (_start_wandb(cfg.logger, job_dir, resolved, sweep_group, wandb_run_id)
-                      if "wandb" in names else None)
-        from runner.track import loggers
-
-        self.mlflow = (loggers.MLflowLogger(cfg.logger, job_dir, resolved, sweep_group, mlflow_run_id)
-                       if "mlflow" in names else None)
-        self.loggers: list[Any] = []  # the loggers besides W&B, each with log(row), finish(summary), abort(code)
+        # every logger logger= picks, each with log(row), finish(summary), abort(code) (torchtitan's LoggerContainer)
+        self.loggers: list[loggers.Logger] = []
+        if "wandb" in names:
+            self.loggers.append(loggers.WandbLogger(cfg.logger, job_dir, resolved, sweep_group, wandb_run_id))
         if "tensorboard" in names:
             self.loggers.append(loggers.TensorBoardLogger(job_dir / "tensorboard", resolved, resume_step))
-        if self.mlflow is not None:
-            self.loggers.append(self.mlflow)
+        if "mlflow" in names:
+            self.loggers.append(loggers.MLflowLogger(cfg.logger, job_dir, resolved, sweep_group, mlflow_run_id))
         if "csv" in names:
             self.loggers.append(loggers.CSVLogger(job_dir / "metrics.csv", resume_step))
+
+    def _run_id(self, kind: type) -> str | None:
+        return next((logger.run_id for logger in self.loggers if isinstance(logger, kind)), None)
 
     @property
     def wandb_run_id(self) -> str | None:
         """The W&B run's id (kept in checkpoints, so a resumed run continues the same W&B run)."""
-        return self.wandb.id if self.wandb is not None else None
+        return self._run_id(loggers.WandbLogger)
 
     @property
     def mlflow_run_id(self) -> str | None:
         """The MLflow run's id (kept in checkpoints, so a resumed run continues the same MLflow run)."""
-        return self.mlflow.run_id if self.mlflow is not None else None
+        return self._run_id(loggers.MLflowLogger)
 
     def log(self, row: dict[str, Any]) -> None:
         """Record one log-interval row (step, loss, samples_per_sec, ...); the keys are metrics.jsonl's."""
@@ -121,8 +121,6 @@ class Tracker:
                                                 "step_time_ms", "data_wait_ms", "peak_memory_mb", *_evaluated(row))
                 if row.get(k) is not None]
             print(" | ".join(parts), flush=True)
-        if self.wandb is not None:
-            self.wandb.log(panel_figures(row) | {"trainer/step": row["step"]})
         for logger in self.loggers:
             logger.log(row)
 
@@ -143,9 +141,6 @@ class Tracker:
             print_job_line(summary, self.job_dir)  # a multirun ends with the sweep's table (runner/report/end.py)
         elif self.mode != "off":
             print_summary(summary, self.job_dir)
-        if self.wandb is not None:
-            self.wandb.summary.update({k: v for k, v in summary.items() if k != "config"})
-            self.wandb.finish()
         for logger in self.loggers:
             logger.finish(summary)
 
@@ -156,8 +151,6 @@ class Tracker:
             self.bar.close()
         with contextlib.suppress(OSError):  # the failure may be this file's (a full disk): it is closed all the same
             self._metrics.close()
-        if self.wandb is not None:
-            self.wandb.finish(exit_code=exit_code)
         for logger in self.loggers:
             logger.abort(exit_code)
 
@@ -282,79 +275,6 @@ def console_to_log(path: Path | None):
             yield
         finally:
             sys.stdout, sys.stderr = out, err
-
-
-def wandb_api_key() -> str | None:
-    """The API key W&B itself would use: ``WANDB_API_KEY``, or the one ``wandb login`` stored (``~/.netrc``,
-    ``$NETRC``, ``_netrc`` on Windows, for ``WANDB_BASE_URL``'s host), through wandb's own lookup."""
-    if os.environ.get("WANDB_API_KEY"):
-        return os.environ["WANDB_API_KEY"]
-    import wandb
-
-    try:
-        # wandb.api.api_key is wandb's own, instant lookup (wandb.login(prompt=False) takes seconds and
-        # prints); its deprecation notice goes to stderr, which is muted for this one call
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            return wandb.api.api_key
-    except Exception:  # noqa: BLE001 - a broken settings file means "no key", never a failed run
-        return None
-
-
-_offline_notice_shown = False  # the offline notice is printed once per process (once per sweep)
-
-
-def wandb_offline_reason() -> str | None:
-    """Why W&B cannot log online right now, or None when it can try: no API key (``WANDB_API_KEY`` or
-    ``wandb login``), or ``WANDB_BASE_URL`` (default https://api.wandb.ai) unreachable within 3 s."""
-    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-    if wandb_api_key() is None:
-        return "no API key found (WANDB_API_KEY or `wandb login`)"
-    if not reachable(base_url):
-        return f"{base_url} cannot be reached"
-    return None
-
-
-def _wandb_mode(job_dir: Path, group: str | None) -> str | None:
-    """``WANDB_MODE`` when set; else ``offline`` when ``wandb_offline_reason`` gives one (said once per process,
-    with the ``wandb sync`` command that uploads the runs later); else None (online)."""
-    global _offline_notice_shown
-    mode = os.environ.get("WANDB_MODE") or None
-    if mode is not None:
-        return mode
-    why = wandb_offline_reason()
-    if why is None:
-        return None
-    if not _offline_notice_shown:
-        runs = (job_dir.parent / "*" if group else job_dir) / "wandb" / "offline-run-*"
-        print(f"W&B: {why}, logging offline; upload later with `wandb sync {runs}`", flush=True)
-        _offline_notice_shown = True
-    return "offline"
-
-
-def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None, run_id: str | None = None):
-    """Start (or, with ``run_id``, continue: ``resume="allow"``) a W&B run in ``<job_dir>/wandb``, grouped by
-    ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway falls
-    back to offline with one line saying why, so tracking never costs the run. W&B's own start-up and closing
-    lines are silenced (``silent=True``; runner prints the ``wandb sync`` command), its warnings and errors not."""
-    import wandb
-
-    mode = _wandb_mode(job_dir, group)
-    kwargs = dict(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
-                  config=resolved, name=f"{group}/{job_dir.name}" if group else None, id=run_id,
-                  resume="allow" if run_id else None)
-    settings = dict(quiet=True, silent=True, console="off", x_disable_stats=True)
-    try:
-        run = wandb.init(mode=mode, settings=wandb.Settings(**settings, init_timeout=30.0), **kwargs)
-    except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, AuthenticationError, ...
-        if mode == "offline":
-            raise
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        print(f"W&B: online start failed ({first}); logging offline instead", flush=True)
-        run = wandb.init(mode="offline", settings=wandb.Settings(**settings), **kwargs)
-    run.define_metric("trainer/step")
-    run.define_metric("*", step_metric="trainer/step")
-    return run
 
 
 def git_sha() -> str | None:

@@ -1,26 +1,134 @@
-"""The loggers besides W&B that ``logger=`` adds (``runner.track.Tracker`` starts them on rank 0): TensorBoard,
-MLflow and ``metrics.csv``. Each takes every metrics row (``log``), the summary at the end (``finish``) or the
+"""The loggers ``logger=`` picks (``runner.track.Tracker`` holds them on rank 0): W&B, TensorBoard, MLflow and
+``metrics.csv``. Each is a ``Logger``: it takes every metrics row (``log``), the summary at the end (``finish``) or the
 failure (``abort``); the rows' figures go under ``runner.track.records.WANDB_KEYS``'s names (``perf/samples_per_sec``),
-the same in every logger.
+the same in every logger. A new logger is one class here and one line in ``Tracker``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 import logging
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import EXIT_PREEMPTED
 from runner.files import open_own, own_folder
 from runner.track.records import panel_figures, reachable, summary_figures, to_json
+
+
+class Logger(Protocol):
+    """What ``runner.track.Tracker`` asks of a logger (torchtitan's ``BaseLogger``)."""
+
+    def log(self, row: dict[str, Any]) -> None: ...  # one metrics.jsonl row (step, loss, samples_per_sec, ...)
+
+    def finish(self, summary: dict[str, Any]) -> None: ...  # the run's summary.json; close the run
+
+    def abort(self, exit_code: int = 1) -> None: ...  # a failure or preemption: close the run, no summary
+
+
+
+
+class WandbLogger:
+    """Weights & Biases (``logger=wandb``, the default): one run per job in ``<job>/wandb`` (``_start_wandb``), rows
+    at ``trainer/step``, the summary's figures in the run's summary; ``run_id`` continues it on a resume."""
+
+    def __init__(self, cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None, run_id: str | None = None):
+        self.run = _start_wandb(cfg, job_dir, resolved, group, run_id)
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
+
+    def log(self, row: dict[str, Any]) -> None:  # noqa: D102 - the class says it
+        self.run.log(panel_figures(row) | {"trainer/step": row["step"]})
+
+    def finish(self, summary: dict[str, Any]) -> None:  # noqa: D102
+        self.run.summary.update({k: v for k, v in summary.items() if k != "config"})
+        self.run.finish()
+
+    def abort(self, exit_code: int = 1) -> None:  # noqa: D102
+        self.run.finish(exit_code=exit_code)
+
+
+def wandb_api_key() -> str | None:
+    """The API key W&B itself would use: ``WANDB_API_KEY``, or the one ``wandb login`` stored (``~/.netrc``,
+    ``$NETRC``, ``_netrc`` on Windows, for ``WANDB_BASE_URL``'s host), through wandb's own lookup."""
+    if os.environ.get("WANDB_API_KEY"):
+        return os.environ["WANDB_API_KEY"]
+    import wandb
+
+    try:
+        # wandb.api.api_key is wandb's own, instant lookup (wandb.login(prompt=False) takes seconds and
+        # prints); its deprecation notice goes to stderr, which is muted for this one call
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return wandb.api.api_key
+    except Exception:  # noqa: BLE001 - a broken settings file means "no key", never a failed run
+        return None
+
+
+_offline_notice_shown = False  # the offline notice is printed once per process (once per sweep)
+
+
+def wandb_offline_reason() -> str | None:
+    """Why W&B cannot log online right now, or None when it can try: no API key (``WANDB_API_KEY`` or
+    ``wandb login``), or ``WANDB_BASE_URL`` (default https://api.wandb.ai) unreachable within 3 s."""
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if wandb_api_key() is None:
+        return "no API key found (WANDB_API_KEY or `wandb login`)"
+    if not reachable(base_url):
+        return f"{base_url} cannot be reached"
+    return None
+
+
+def _wandb_mode(job_dir: Path, group: str | None) -> str | None:
+    """``WANDB_MODE`` when set; else ``offline`` when ``wandb_offline_reason`` gives one (said once per process,
+    with the ``wandb sync`` command that uploads the runs later); else None (online)."""
+    global _offline_notice_shown
+    mode = os.environ.get("WANDB_MODE") or None
+    if mode is not None:
+        return mode
+    why = wandb_offline_reason()
+    if why is None:
+        return None
+    if not _offline_notice_shown:
+        runs = (job_dir.parent / "*" if group else job_dir) / "wandb" / "offline-run-*"
+        print(f"W&B: {why}, logging offline; upload later with `wandb sync {runs}`", flush=True)
+        _offline_notice_shown = True
+    return "offline"
+
+
+def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None, run_id: str | None = None):
+    """Start (or, with ``run_id``, continue: ``resume="allow"``) a W&B run in ``<job_dir>/wandb``, grouped by
+    ``group`` (the sweep, in multirun). The mode follows ``_wandb_mode``; an online start that fails anyway falls
+    back to offline with one line saying why, so tracking never costs the run. W&B's own start-up and closing
+    lines are silenced (``silent=True``; runner prints the ``wandb sync`` command), its warnings and errors not."""
+    import wandb
+
+    mode = _wandb_mode(job_dir, group)
+    kwargs = dict(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
+                  config=resolved, name=f"{group}/{job_dir.name}" if group else None, id=run_id,
+                  resume="allow" if run_id else None)
+    settings = dict(quiet=True, silent=True, console="off", x_disable_stats=True)
+    try:
+        run = wandb.init(mode=mode, settings=wandb.Settings(**settings, init_timeout=30.0), **kwargs)
+    except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, AuthenticationError, ...
+        if mode == "offline":
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        print(f"W&B: online start failed ({first}); logging offline instead", flush=True)
+        run = wandb.init(mode="offline", settings=wandb.Settings(**settings), **kwargs)
+    run.define_metric("trainer/step")
+    run.define_metric("*", step_metric="trainer/step")
+    return run
 
 
 class TensorBoardLogger:
