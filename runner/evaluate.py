@@ -173,19 +173,12 @@ def _typed(saved: DictConfig, saved_path: Path, choices: dict[str, str], switche
            searchpath: list[str]) -> DictConfig:
     """The saved values laid over the config Hydra composes from runner's conf/ with the job's group choices (and
     the switched ones), so every node keeps its schema."""
-    from hydra import compose, initialize_config_dir
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner import CONF_DIR
     from runner.techniques import variants
 
-    variants.register()
-    composed = [f"{g}={o}" for g, o in {**choices, **switched}.items()]
-    if searchpath:
-        composed.append(f"hydra.searchpath=[{','.join(searchpath)}]")
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            typed = compose(config_name="config", overrides=composed)
+        typed = variants.compose([f"{g}={o}" for g, o in {**choices, **switched}.items()], searchpath)
     except Exception as e:  # noqa: BLE001 - Hydra's compose errors come in several types: one message
         raise ConfigError(f"{' '.join(f'{g}={o}' for g, o in switched.items()) or 'the job'}'s groups do not "
                           f"compose with runner's configs: {e}") from e

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from runner import REPO_ROOT
@@ -167,8 +166,7 @@ def compose_cfg(*overrides: str, tiny: bool = True) -> DictConfig:
     tiny_keys = TINY if tiny else []
     if any(o.startswith("data=") and o != "data=synthetic" for o in overrides):
         tiny_keys = [k for k in tiny_keys if not k.startswith(("data=", "data."))]
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=[*tiny_keys, *overrides])
+    return variants.compose([*tiny_keys, *overrides])  # as runner's tools compose
 
 
 @pytest.fixture

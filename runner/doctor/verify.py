@@ -55,17 +55,12 @@ def compose_job(job: Job, overrides: list[str]):
     Raises:
         ConfigError: the overrides do not compose (Hydra's message).
     """
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from runner import CONF_DIR
     from runner.techniques import variants
 
-    variants.register()
-    extra = [f"hydra.searchpath=[{','.join(job.searchpath)}]"] if job.searchpath else []
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*extra, *overrides])
+        cfg = variants.compose(overrides, job.searchpath)
         OmegaConf.resolve(cfg)
     except Exception as e:  # noqa: BLE001 - Hydra's compose errors come in several types; one message
         raise ConfigError(f"the overrides {' '.join(overrides)} do not compose: {e}") from e

@@ -84,3 +84,20 @@ def register() -> None:
     store = ConfigStore.instance()
     for name, node in generate().items():
         store.store(group="ablation/variant", name=name, node=node, package="_global_")
+
+
+def compose(overrides: list[str], searchpath: list[str] | tuple[str, ...] = ()) -> Any:
+    """runner's config for the command-line ``overrides``, as ``python -m runner`` composes it (the one way runner's
+    tools compose outside their own Hydra app): conf/ with the schemas and variants registered (``register``) and a
+    job's own config folders (``searchpath``, its ``hydra.searchpath``). Inside a running Hydra app it composes in
+    that app's context (its config folder and search path). Raises Hydra's errors as they come (callers word them).
+    """
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    extra = [f"hydra.searchpath=[{','.join(searchpath)}]"] if searchpath else []
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="config", overrides=[*extra, *overrides])
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=[*extra, *overrides])

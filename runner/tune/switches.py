@@ -226,8 +226,9 @@ def fast_config() -> tuple[DictConfig | None, str]:
     """The user's command with ``+experiment=fast`` layered under it (``+experiment=[fast,<theirs>]``: their
     preset's keys win, as in scripts/bench_gpt.py), composed by Hydra; ``(None, why)`` outside a Hydra app or
     when it does not compose."""
-    from hydra import compose
     from hydra.core.hydra_config import HydraConfig
+
+    from runner.techniques.variants import compose
 
     if not HydraConfig.initialized():
         return None, "the fast preset is composed from the command line (python -m runner.tune speed ...)"
@@ -242,6 +243,6 @@ def fast_config() -> tuple[DictConfig | None, str]:
     else:
         experiment = "+experiment=fast"
     try:
-        return compose(config_name="config", overrides=[*rest, experiment]), experiment
+        return compose([*rest, experiment]), experiment
     except Exception as e:  # noqa: BLE001 - any composition error only drops the comparison
         return None, f"{experiment} does not compose with your overrides ({e})"
