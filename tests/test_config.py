@@ -73,8 +73,10 @@ DATA_OVERRIDES = {
     # tests/user_data.py, importable like a user's module (compose_cfg leaves TINY's synthetic-only keys out)
     "custom": lambda r: ["data._target_=user_data.tabular", "model=mlp"],
 }
-# options that only work together (a language model needs token data and a model of tokens): a tiny GPT
-LANGUAGE_MODEL = {("task", "language_model"), ("model", "gpt"), ("data", "text")}
+# options that only work together (a language model needs token data and a model of tokens), and the model-parallel
+# layouts (they split a model by its plan: runner's GPT has one, the default MnistCNN none): a tiny GPT
+LANGUAGE_MODEL = {("task", "language_model"), ("model", "gpt"), ("data", "text"), ("distributed", "tp"),
+                  ("distributed", "pp")}
 # Built by a one-step job below, except: compile (torch.compile would compile for minutes on a CPU;
 # the wrapper is built instead), the loggers but none (runs of their own in test_wandb.py and test_loggers.py, which
 # read each back), the presets (combinations of the options built here, trained by their own tests) and the recipe
