@@ -78,16 +78,14 @@ def test_gpu_agenda_lm_tips_dry_run(tmp_path):
     assert {s["config"]["task"]["loss"] for s in summaries} == {"full", "chunked"}
 
 
-def test_gpu_agenda_compression_and_model_parallel_dry_run(tmp_path):
-    """Issue 59's GPU steps at toy sizes: int8 training against bf16 and 2:4 sparse against dense (interleaved; on a
-    CPU sparse24 says why it skips), and distributed=tp and pp on one rank under torchrun."""
-    out, names = dry_run(tmp_path, ["compression", "model_parallel"],
-                         ["int8", "sparse24", "gpt_tp", "gpt_pp"], 600)
+def test_gpu_agenda_compression_dry_run(tmp_path):
+    """Issue 59's compression step at toy sizes: int8 training against bf16 and 2:4 sparse against dense, each an
+    interleaved sweep; on a CPU sparse24 says why it skips. (The model_parallel step, distributed=tp and pp on one
+    rank under torchrun, is left out of CI for its minute: every option's one-step test trains both in-process.)"""
+    out, names = dry_run(tmp_path, ["compression"], ["int8", "sparse24"], 600)
     assert "runs/int8/report.md" in names and "runs/sparse24/report.md" in names
-    last = ("int8/1/", "sparse24/1/", "gpt_tp/", "gpt_pp/")  # each sweep's candidate, the two one-rank runs
-    with tarfile.open(out / "logs.tgz") as tar:
+    with tarfile.open(out / "logs.tgz") as tar:  # each sweep's candidate, job 1
         techniques = {n.split("/")[1]: json.load(tar.extractfile(n))["techniques"] for n in names
-                      if n.endswith("summary.json") and any(f"runs/{k}summary.json" == n for k in last)}
+                      if n in ("runs/int8/1/summary.json", "runs/sparse24/1/summary.json")}
     assert techniques["int8"]["int8"] == "applied"
     assert techniques["sparse24"]["sparse24"].startswith("skipped: 2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU")
-    assert techniques["gpt_tp"]["tp"] == techniques["gpt_pp"]["pp"] == "applied"
