@@ -227,6 +227,9 @@ class Pipeline:
         return self.task.loss(lambda *_, **__: output, (None, target))
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        """One whole schedule step on ``batch`` (``x``, ``y``: the task's, batch dim first, split into the
+        micro-batches), forward and backward; returns a 0-dim leaf: the last stage's mean loss x the stages, 0 on the
+        others (its ``backward`` does nothing). Raises what the schedule raises (a shape the stages disagree on)."""
         x, y = batch
         losses: list[torch.Tensor] = []
         if self.first:
@@ -253,6 +256,8 @@ class Pipeline:
         return out
 
     def evaluate(self, model, batches, autocast, max_batches, env):
+        """The task's ``evaluate`` with the whole pipeline as its model (``_forward``): the same metrics on every rank.
+        Collective: every rank of the pipeline calls it, over the same batches."""
         def noting_targets():
             for x, y in batches:
                 self._target = y
@@ -268,6 +273,9 @@ class Pipeline:
                   "holds the whole model", flush=True)
 
     def clip(self, optimizer: torch.optim.Optimizer, norm: bool = False) -> torch.Tensor | None:
+        """The loop's gradient clipping for a pipeline (``optim.gradient_clipping``'s contract): the tied weight's
+        gradient summed over the first and last stage, then the global L2 norm over every stage, clipped to
+        ``max_norm``; returns that norm (a 0-dim tensor) when ``norm``, else None. Collective over the pipeline."""
         import torch.distributed as dist
 
         if self.tied is not None and self.tied.grad is not None:
