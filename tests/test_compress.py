@@ -163,14 +163,14 @@ def test_sparse24_on_a_cpu_is_skipped_and_the_plain_model_trains(tmp_path, spy):
     summary = run_tiny(tmp_path, "compress=sparse24")
     status = summary["techniques"]["sparse24"]
     assert status == ("skipped: 2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer "
-                      "(Ampere, Hopper, Blackwell); this job runs on the CPU; the plain model trains")
+                      "(Ampere, Hopper, Blackwell); the plain model trains")
     assert type(spy.model.head) is nn.Linear and spy.steps and math.isfinite(summary["train_loss"])
 
 
 def test_sparse24_needs_ampere_and_swaps_only_the_large_inner_layers(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert compress.sparse24_unavailable(torch.device("cuda")).startswith("Tesla T4 has compute capability 7.5; 2:4")
+    assert compress.sparse24_unavailable(torch.device("cuda")) == ("2:4 sparse matmuls (cuSPARSELt) need compute "
+                                                                   "capability 8.0 or newer; this GPU has 7.5")
     model = nn.Sequential(nn.Linear(64, 1024), nn.Linear(1024, 4096), nn.Linear(4096, 1000), nn.Linear(1000, 1024),
                           nn.Linear(1024, 10))
     # first and last stay dense; 4096 -> 1000: 1000 is no multiple of 64

@@ -73,11 +73,13 @@ def test_input_bound_from_the_data_wait_threshold(wait, found):
 
 def test_input_bound_suggestions_follow_the_loader_and_the_device():
     (cpu,) = diagnose(summary(data_wait_fraction=0.5))
-    assert overrides(cpu) == [["dataloader.num_workers=2"]]  # 2 cores here; a custom dataset: no dataloader=device
+    # 2 cores here; a custom dataset's tensors may go to the device too (its builder records whether they did)
+    assert overrides(cpu) == [["dataloader.num_workers=2"], ["dataloader=device"]]
     (more,) = diagnose(summary({"dataloader.num_workers": 1, "data.name": "mnist"}, data_wait_fraction=0.5))
     assert overrides(more) == [["dataloader.num_workers=2"], ["dataloader=device"]]
     (gpu,) = diagnose(summary({"dataloader.num_workers": 2}, data_wait_fraction=0.5, device="cuda"))
-    assert overrides(gpu) == [["dataloader.pin_memory=true", "dataloader.non_blocking=true"]]  # workers = cores
+    assert overrides(gpu) == [["dataloader.pin_memory=true", "dataloader.non_blocking=true"],  # workers = cores
+                              ["dataloader=device"]]
 
 
 @pytest.mark.parametrize("log_every, syncs, log_share, found", [

@@ -66,8 +66,9 @@ def test_bf16_on_an_emulating_cpu_warns_but_applies(monkeypatch):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name, techniques", [("fp32", {}), ("tf32", {"tf32": "skipped: TF32 is a CUDA (Ampere "
-                                                                                "or newer) feature"})])
+@pytest.mark.parametrize("name, techniques", [("fp32", {}), ("tf32", {"tf32": "skipped: TF32 needs an NVIDIA GPU of "
+                                                                                "compute capability 8.0 or newer; this "
+                                                                                "job runs on the CPU"})])
 def test_fp32_and_tf32_on_cpu_run_in_fp32(tmp_path, spy, name, techniques):
     summary = run_precision(tmp_path, f"precision={name}")
     assert summary["techniques"] == {**techniques, **ONE_THREAD}

@@ -4,14 +4,17 @@ against it here (or read from it), so a technique renamed or switched differentl
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose_cfg
+from conftest import TINY_GPT, compose_cfg
 from runner import REPO_ROOT
 from runner.techniques import TECHNIQUES, WHERE, by_variant, variants
 
@@ -120,16 +123,18 @@ def test_the_readme_switch_table_has_a_row_for_each_technique_that_says_how_to_s
 
 
 def test_the_table_decides_where_a_technique_acts_for_the_loader_the_tuner_and_the_ablation(tmp_path):
-    """``techniques.applies`` is the one decision: on a CPU job the loader records pinned memory as skipped, the
+    """``Technique.why_not`` is the one decision: on a CPU job the loader records pinned memory as skipped, the
     speed tuner leaves cuDNN autotuning out and the ablation does not run its variant, each with the table's words."""
     from conftest import run_tiny
     from runner.sweeps.ablation import not_run
-    from runner.techniques import applies
+    from runner.techniques import Job
     from runner.tune.switches import switches
 
-    pinned, cudnn = applies("pinned_memory", cuda=False), applies("cudnn_benchmark", cuda=False)
-    assert pinned and cudnn and applies("cudnn_benchmark", cuda=True) is None
-    assert applies("channels_last", cuda=True, image=False) == "an image technique; the inputs are token ids"
+    cpu, gpu = Job(compose_cfg()), Job(compose_cfg(), cuda=True, capability=(9, 0), native_bf16=True)
+    pinned, cudnn = TECHNIQUES["pinned_memory"].why_not(cpu), TECHNIQUES["cudnn_benchmark"].why_not(cpu)
+    assert pinned and cudnn and TECHNIQUES["cudnn_benchmark"].why_not(gpu) is None
+    assert TECHNIQUES["channels_last"].why_not(Job(compose_cfg("+experiment=shakespeare_char", tiny=False))) == \
+        "an image technique; the inputs are token ids"
     summary = run_tiny(tmp_path / "job", "dataloader.pin_memory=true")
     assert summary["techniques"]["pin_memory"] == f"skipped: {pinned}"
     _, notes = switches(compose_cfg(), torch.device("cpu"))
@@ -138,10 +143,77 @@ def test_the_table_decides_where_a_technique_acts_for_the_loader_the_tuner_and_t
     assert reason.startswith(f"needs CUDA ({cudnn})")
 
 
+@functools.cache
+def _job_of_kind(kind: str):
+    """A tiny job on the CPU with image or token inputs: its composed config and its overrides."""
+    text = Path(tempfile.mkdtemp()) / "input.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    job = [*([] if kind == "image" else [*TINY_GPT, f"data.path={text}"]), "trainer.device=cpu",
+           "trainer.max_steps=12"]  # 12: a schedule's warm-up fits
+    return compose_cfg(*job), job
+
+
+@pytest.mark.parametrize("name", sorted(TECHNIQUES))
+def test_every_technique_acts_where_the_table_says_and_is_skipped_where_it_says_why_not(name, tmp_path):
+    """Each technique switched on in a tiny image job and a tiny language-model job on the CPU, built: where
+    ``why_not`` of the job is None its builder records it applied (or nothing: a recipe or loop setting); else no
+    builder applies it (it records why, or refuses the combination with a ConfigError). So a builder, the tuner, the
+    ablation and the doctor cannot disagree about where it acts."""
+    from runner import distributed
+    from runner.engine.build import build_parts
+    from runner.errors import ConfigError
+    from runner.techniques import Job
+
+    t = TECHNIQUES[name]
+    model_level = {("int8", "image")}  # what only the model tells: the tiny CNN's one Linear layer is its head
+    for kind in ("image", "tokens"):
+        base, job = _job_of_kind(kind)
+        why = t.why_not(Job.of(base, "cpu"))
+        if t.command:  # a group option: composed
+            cfg = compose_cfg(*job, *t.overrides)
+        else:  # its keys set on the job, as the speed tuner does
+            cfg = copy.deepcopy(base)
+            for key, value in t.changes().items():
+                OmegaConf.update(cfg, key, value, merge=False)
+        try:
+            parts, _ = build_parts(cfg, distributed.setup(cfg.distributed, "cpu"), tmp_path / kind)
+        except ConfigError as e:
+            assert why is not None, (kind, str(e))
+            continue
+        status = {k: parts.techniques.get(k) for k in t.statuses or (t.name,)}
+        if why is None:
+            first = status[(t.statuses or (t.name,))[0]]
+            assert first in ("applied", None) or (name, kind) in model_level, (kind, status)
+        else:
+            assert "applied" not in status.values(), (kind, why, status)
+
+
+#: Where a module outside the table would be deciding where a technique acts: the device features it probes
+#: and the data sets kept in memory (runner/techniques/__init__.py's needs read them)
+PROBES = re.compile(r"get_device_capability|is_bf16_supported|cpu_has_native_bf16|IN_MEMORY_DATA|\.where\b|"
+                    r"device\.type\s*[!=]=|\bcuda\s+and\b|\bnot\s+cuda\b")
+
+
+def test_no_tool_decides_where_a_technique_acts_but_the_table():
+    """The speed tuner's candidates, the doctor's suggestions and the ablation's variants ask ``why_not``: none of
+    their modules probes the device or the data for a technique itself (the doctor's own measurements, GPU idle time
+    and the memory of the device, are not a technique's: its ``cuda`` flag is read only through the ``Job``)."""
+    root = REPO_ROOT / "runner"
+    found = []
+    deciders = ["tune/switches.py", "tune/dataloader.py", "doctor/diagnosis.py", "doctor/verify.py",
+                "sweeps/ablation.py"]
+    for path in (root / name for name in deciders):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if PROBES.search(code) and "job.cuda" not in code:
+                found.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
 def test_the_language_models_tips_are_the_tuners_candidates_on_the_gpt_and_noted_elsewhere():
-    """Selective checkpointing and the chunked loss act on token inputs (``where="tokens"``), the chunked loss on a
-    model whose forward takes the targets (runner's GPT); the compiled optimizer step on any job. Selective
-    checkpointing recomputes to save memory: a speed candidate only where the micro-batch may grow."""
+    """The chunked loss acts on token inputs (``where="tokens"``) of a model whose forward takes the targets (runner's
+    GPT); the compiled optimizer step on any job. Selective checkpointing recomputes to save memory: a speed
+    candidate only where the micro-batch may grow."""
     from runner.tune.switches import switches
 
     def names(*overrides, allow="speed"):

@@ -14,7 +14,7 @@ from runner.data.batches import DeviceIterable, OnDeviceLoader, SkippableSampler
 from runner.data.source import Codec, Source, character_codec
 from runner.data.text import OnDeviceWindows
 from runner.errors import ConfigError
-from runner.techniques import applies
+from runner.techniques import TECHNIQUES, Job
 
 
 @dataclass
@@ -71,7 +71,7 @@ def host_loading(loader_cfg: DictConfig, device: torch.device) -> HostLoading:
     """
     techniques: dict[str, str] = {}
     pin = bool(loader_cfg.pin_memory)
-    if pin and (why_not := applies("pinned_memory", cuda=device.type == "cuda")):
+    if pin and (why_not := TECHNIQUES["pinned_memory"].why_not(Job(None, cuda=device.type == "cuda"))):
         techniques["pin_memory"] = f"skipped: {why_not}"
         pin = False
     elif pin:

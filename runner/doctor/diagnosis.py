@@ -7,8 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import runner
-from runner.techniques import TECHNIQUES
+from runner.techniques import TECHNIQUES, Job
 
 # ------------------------------------------------------------------------------------------ thresholds
 #: Data wait above 10 % of the measured time: a loader that keeps up waits ~0; from 10 % on, workers paid for
@@ -43,9 +42,6 @@ VERIFY_MEASURED_STEPS = 30
 
 CATEGORIES = ("untrustworthy", "not measured", "debug tools on", "input-bound", "host/launch-bound",
               "sync/overhead-bound", "memory-bound", "near the hardware ceiling", "gradient spikes")
-#: Datasets the doctor may send to the device (``dataloader=device``): ``runner.IN_MEMORY_DATA`` less ``custom``
-#: (whole tensors only, which a summary cannot tell).
-IN_MEMORY_DATA = tuple(name for name in runner.IN_MEMORY_DATA if name != "custom")
 
 
 @dataclass
@@ -100,7 +96,7 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
     config = config if config is not None else summary.get("config") or {}
     metrics = metrics or []
     device = summary.get("device") or "cpu"
-    cuda = device == "cuda"
+    job = Job.recorded(config, device)  # where a suggestion acts: the technique table decides
     findings: list[Finding] = []
     lead: list[Finding] = []
 
@@ -125,19 +121,19 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
 
     wait = _num(summary.get("data_wait_fraction")) or 0.0
     if wait >= DATA_WAIT_FRACTION_MAX:
-        findings.append(_input_bound(summary, config, wait, metrics, cuda))
+        findings.append(_input_bound(summary, job, wait, metrics))
 
     idle = _num(summary.get("gpu_idle_fraction"))
-    if cuda and idle is not None and idle - wait >= GPU_IDLE_FRACTION_MAX:
+    if job.cuda and idle is not None and idle - wait >= GPU_IDLE_FRACTION_MAX:
         findings.append(_launch_bound(config, idle, wait))
 
-    overhead = _overhead(summary, config, wait, cuda, metrics)
+    overhead = _overhead(summary, job, wait, metrics)
     if overhead is not None:
         findings.append(overhead)
 
     peak, limit = _num(summary.get("peak_memory_mb")), _num(summary.get("memory_limit_mb"))
     if peak and limit and peak / limit >= MEMORY_FRACTION_MAX:
-        findings.append(_memory_bound(config, peak, limit, cuda))
+        findings.append(_memory_bound(job, peak, limit))
 
     ema = _ema_cost(summary, config)
     if ema is not None:
@@ -173,8 +169,8 @@ def _busy_machine(summary: dict[str, Any], device: str) -> list[Suggestion]:
             rerun]
 
 
-def _input_bound(summary: dict[str, Any], config: dict[str, Any], wait: float, metrics: list[dict[str, Any]],
-                 cuda: bool) -> Finding:
+def _input_bound(summary: dict[str, Any], job: Job, wait: float, metrics: list[dict[str, Any]]) -> Finding:
+    config = job.cfg
     workers = int(_get(config, "dataloader.num_workers", 0) or 0)
     cores = (summary.get("machine_load") or {}).get("cpu_cores") or os.cpu_count() or 1
     rows = [r for r in metrics if _num(r.get("data_wait_ms")) is not None and _num(r.get("step_time_ms"))]
@@ -188,9 +184,9 @@ def _input_bound(summary: dict[str, Any], config: dict[str, Any], wait: float, m
         sugg.append(Suggestion([f"dataloader.num_workers={n}"],
                                f"load batches in {n} worker processes while the step runs"))
     pinned, on_device = TECHNIQUES["pinned_memory"], TECHNIQUES["on_device_data"]
-    if cuda and not pinned.is_on(config):
+    if pinned.why_not(job) is None and not pinned.is_on(config):
         sugg.append(Suggestion(pinned.overrides, "page-locked batches, asynchronous host-to-device copies"))
-    if _get(config, "data.name") in IN_MEMORY_DATA and not on_device.is_on(config):
+    if on_device.why_not(job) is None and not on_device.is_on(config):
         sugg.append(Suggestion(on_device.overrides, "the whole dataset as tensors on the device: no loader"))
     if not sugg:
         sugg.append(Suggestion([], "the loader already uses every core: make __getitem__ cheaper (decode once, "
@@ -213,9 +209,9 @@ def _launch_bound(config: dict[str, Any], idle: float, wait: float) -> Finding:
                    idle - wait, sugg)
 
 
-def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda: bool,
-              metrics: list[dict[str, Any]]) -> Finding | None:
+def _overhead(summary: dict[str, Any], job: Job, wait: float, metrics: list[dict[str, Any]]) -> Finding | None:
     """The sync/overhead-bound finding, or None: syncs per step, logging's share, arithmetic per second."""
+    config = job.cfg
     log_every = int(_get(config, "trainer.log_every", 50) or 50)
     syncs = _num(summary.get("host_syncs_per_step"))
     if syncs is None and metrics and summary.get("steps"):  # an older summary: count the loss reads
@@ -233,7 +229,7 @@ def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda
     threads = ((summary.get("machine_load") or {}).get("threads")) or 1
     flops, step_ms = _num(summary.get("flops_per_sample")), _num(summary.get("step_time_ms_median"))
     batch = summary.get("global_batch_size")
-    if not cuda and flops and step_ms and batch:
+    if not job.cuda and flops and step_ms and batch:  # a CPU's arithmetic rate
         rate = flops * batch / (step_ms / 1e3)  # FLOP/s while computing (data wait excluded)
         floor = CPU_FLOPS_PER_THREAD_MIN * threads
         if rate < floor:
@@ -245,7 +241,7 @@ def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda
         return None
     sugg = []
     if (syncs is not None and syncs >= SYNCS_PER_STEP_MAX) or (log_share or 0.0) >= LOG_TIME_FRACTION_MAX:
-        if log_every < 50:
+        if TECHNIQUES["fewer_syncs"].why_not(job, candidate=True) is None:
             sugg.append(Suggestion(TECHNIQUES["fewer_syncs"].overrides, "read the loss (a sync) and log every 50 "
                                                                           "steps"))
         if _get(config, "trainer.on_nonfinite") == "skip":
@@ -256,9 +252,9 @@ def _overhead(summary: dict[str, Any], config: dict[str, Any], wait: float, cuda
                                "per-step costs paid once per twice the samples (keep the LR rule: "
                                "optimizer.lr_scaling)"))
     graphs, compiled = TECHNIQUES["compile_reduce_overhead"], TECHNIQUES["compile"]
-    if cuda and not graphs.is_on(config):
+    if graphs.why_not(job) is None and not graphs.is_on(config):
         sugg.append(Suggestion(graphs.overrides, "one compiled graph, launched as a CUDA graph"))
-    elif not cuda and _get(config, "compile.mode") is None:
+    elif graphs.why_not(job) and compiled.why_not(job, candidate=True) is None and not compiled.is_on(config):
         sugg.append(Suggestion(compiled.overrides, "fused kernels, fewer Python-level ops (compiling takes time)"))
     return Finding("sync/overhead-bound", "; ".join(evidence), score, sugg)
 
@@ -300,11 +296,9 @@ def _gradient_spikes(config: dict[str, Any], metrics: list[dict[str, Any]]) -> F
                                       "not a speed problem, a stability one", 0.0, sugg)
 
 
-def _memory_bound(config: dict[str, Any], peak: float, limit: float, cuda: bool) -> Finding:
-    from runner.measure.hardware import cpu_has_native_bf16
-
-    sugg = []
-    if _get(config, "precision.name") in ("fp32", "tf32") and (cuda or cpu_has_native_bf16()):
+def _memory_bound(job: Job, peak: float, limit: float) -> Finding:
+    config, sugg = job.cfg, []
+    if TECHNIQUES["bf16"].why_not(job, candidate=True) is None:
         sugg.append(Suggestion(TECHNIQUES["bf16"].overrides, "bf16 activations: about half the activation memory"))
     checkpointing = TECHNIQUES["activation_checkpointing"]
     if not checkpointing.is_on(config):
@@ -313,7 +307,7 @@ def _memory_bound(config: dict[str, Any], peak: float, limit: float, cuda: bool)
     if micro and micro >= 2:
         sugg.append(Suggestion([f"dataloader.batch_size={micro // 2}", f"memory.accumulate_steps={2 * accumulate}"],
                                "half the micro-batch, the same global batch"))
-    what = "the GPU's memory" if cuda else "the machine's memory (peak RSS)"
+    what = "the GPU's memory" if job.cuda else "the machine's memory (peak RSS)"
     return Finding("memory-bound", f"peak memory {peak:,.0f} MiB is {peak / limit:.0%} of {what} ({limit:,.0f} MiB)",
                    peak / limit - MEMORY_FRACTION_MAX, sugg)
 

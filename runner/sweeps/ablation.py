@@ -31,7 +31,7 @@ TECHNIQUE_KEYS = techniques.variant_keys()
 
 def not_run(cfg: DictConfig, folder: Path) -> str | None:
     """Why this ablation job is not run here, or None (it runs). A variant whose technique cannot act without CUDA
-    (the technique table's ``applies_to_job``; ``ablation.requires=cuda`` for a variant that is no technique of the
+    (the technique table's ``Technique.why_not``; ``ablation.requires=cuda`` for a variant that is no technique of the
     table) on a job that will not use CUDA, a language model's technique on images, or one that does nothing on
     this job (``no_op_reason``), gets
     ``<folder>/not_run.json`` (variant, repeat, reason) and a console line.
@@ -48,11 +48,12 @@ def not_run(cfg: DictConfig, folder: Path) -> str | None:
     technique = techniques.by_variant(a.get("technique") or "")
     # the table decides (an image technique on token ids: the task says which, no_op_reason); ablation.requires
     # for the variants that are no technique of the table
-    why = techniques.applies_to_job(technique, cfg, cuda=cuda) if technique else \
-        ("ablation.requires=cuda" if a.requires == "cuda" and not cuda else None)
-    if why and not cuda and (technique is None or "cuda" in technique.where):
+    job = techniques.Job(cfg, cuda=cuda)
+    why = technique.why_not(job) if technique else \
+        ("ablation.requires=cuda" if a.requires == "cuda" and not job.cuda else None)
+    if why and not job.cuda and (technique is None or technique.why_not(techniques.Job(cfg, cuda=True)) is None):
         reason = f"needs CUDA ({why}); this job runs on trainer.device={cfg.trainer.device} without CUDA"
-    elif why and not technique.where.startswith("image"):
+    elif why and technique.variant not in TECHNIQUE_KEYS:  # an image technique on token ids: no_op_reason says
         reason = f"does not act on this job ({why})"
     else:
         reason = no_op_reason(cfg)

@@ -12,13 +12,19 @@ precision) and its source. The modules beside this table apply the techniques (p
 data ones: runner/data/loading.py); tests/test_technique_table.py checks the ablation's variants, the tuner's
 candidates, the doctor's suggestions, the task's image-only skips and the README's switch table against this table.
 
+Where a technique can act is decided here only: ``Technique.why_not(job)`` (composer's ``match``), from its
+``where`` and its ``needs``, named conditions on a ``Job`` (the run config and the device). The builders record
+``skipped: <why>`` with its words, the speed tuner offers a candidate by it (``candidate=True`` adds the needs that
+make a switch worth measuring from the user's configuration: bf16 starts from fp32), the ablation runs a variant by
+it and the doctor suggests by it; tests/test_technique_table.py scans the other modules for conditions of their own.
+
 Adding a technique: one entry here and its builder; a ``variant`` name gives it its ablation variants (variants.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 #: Where a technique can act: on any device, on CUDA only, on images only (not on token ids), or both.
 WHERE = ("any", "cuda", "image", "image+cuda", "tokens")
@@ -28,6 +34,58 @@ def _workers() -> int:
     from runner.measure import hardware  # torch-free until called
 
     return min(4, hardware.cpu_cores())
+
+
+def _half_cores() -> int:
+    from runner.measure import hardware
+
+    return max(1, hardware.cpu_cores() // 2)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What decides where a technique can act: the run config ``cfg`` (a DictConfig, or a ``summary.json``'s plain
+    dict), whether it runs on CUDA, the GPU's compute capability ``(major, minor)`` (None: unknown or no GPU) and
+    whether the device computes bf16 natively."""
+
+    cfg: Any
+    cuda: bool = False
+    capability: tuple[int, int] | None = None
+    native_bf16: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any, device: Any) -> "Job":
+        """The job ``cfg`` on ``device`` (a ``torch.device`` or its name), its features read from this machine."""
+        import torch
+
+        from runner.measure import hardware
+
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls(cfg, True, tuple(torch.cuda.get_device_capability(device)), torch.cuda.is_bf16_supported())
+        return cls(cfg, False, None, hardware.cpu_has_native_bf16())
+
+    @classmethod
+    def recorded(cls, cfg: Any, device: str) -> "Job":
+        """The job of a ``summary.json`` (its ``config`` and ``device`` name) as the speed doctor sees it: a GPU's
+        capability unknown; native bf16 on any GPU, on a CPU as this machine has it."""
+        from runner.measure import hardware
+
+        cuda = device == "cuda"
+        return cls(cfg, cuda, None, cuda or hardware.cpu_has_native_bf16())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return select(self.cfg, key, default)
+
+
+@dataclass(frozen=True)
+class Need:
+    """One condition of where a technique acts: ``why(job)`` says why it does not hold, or None. ``candidate``: it
+    decides only whether the speed tuner measures the switch from this configuration (the switch still acts when a
+    user turns it on: amp on a CPU is bf16 autocast, the bf16 candidate already)."""
+
+    why: Callable[[Job], str | None]
+    candidate: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,7 +110,8 @@ class Technique:
     # in it (an LR schedule), so its time to target is its samples to target (runner/report/convergence.py)
     step_cost: bool = True
     equivalent: tuple[Any, ...] = ()  # other values of its first key that switch it on too (amp: precision=auto)
-    why_not: str | None = None  # why a CUDA technique does nothing elsewhere, when more than "it acts on CUDA only"
+    cuda_only: str | None = None  # why a CUDA technique does nothing elsewhere, when more than "it acts on CUDA only"
+    needs: tuple[Need, ...] = ()  # what else it needs of the job (``Need``)
 
     def changes(self) -> dict[str, Any]:
         """``on`` with this machine's values (a callable value called)."""
@@ -82,6 +141,24 @@ class Technique:
     def keys(self) -> tuple[str, ...]:
         return tuple(self.on)
 
+    def why_not(self, job: Job, *, candidate: bool = False) -> str | None:
+        """Why this technique cannot act on ``job`` (its device, its inputs, its model, its optimizer), or None:
+        the one place this is decided. ``candidate``: also why the speed tuner does not measure it from the job's
+        configuration (``Need.candidate``)."""
+        if "cuda" in self.where and not job.cuda:
+            return self.cuda_only or "it acts on CUDA only"
+        if self.where.startswith("image"):
+            if token_inputs(job.cfg):
+                return "an image technique; the inputs are token ids"
+            if why := _not_images(job.cfg):
+                return why
+        if self.where == "tokens" and not token_inputs(job.cfg):
+            return "a language-model technique; the inputs are not token ids"
+        for need in self.needs:
+            if (candidate or not need.candidate) and (why := need.why(job)):
+                return why
+        return None
+
 
 def _value(v: Any) -> str:
     return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
@@ -100,14 +177,121 @@ def select(cfg: Any, key: str, default: Any = None) -> Any:
     return node
 
 
+# --- the needs: one named condition each (``Need``), with the words the builders, the tuner and the doctor print ---
+
+def _fp32(job: Job) -> str | None:  # a precision switch is measured from full precision
+    return None if job.get("precision.name") in ("fp32", "tf32") else "your precision is already reduced"
+
+
+def _fp32_only(job: Job) -> str | None:
+    name = job.get("precision.name")
+    return None if name == "fp32" else f"precision={name} is not fp32: TF32 changes only fp32 matmuls and convolutions"
+
+
+def _native_bf16(job: Job) -> str | None:
+    return None if job.native_bf16 else "this device has no native bf16"
+
+
+def _compiled(job: Job) -> str | None:
+    if job.get("compile.mode") is not None:
+        return None
+    return ("it acts in torch.compile's partitioner; add compile=default (or use memory=selective, which needs no "
+            "compile)")
+
+
+def _gpt(what: str) -> Need:
+    """runner's GPT (runner.models.gpt.GPT), which ``what`` needs."""
+    return Need(lambda job: None if "runner.models.gpt" in str(job.get("model._target_")) else what)
+
+
+def _ampere(what: str, candidate: bool = False) -> Need:
+    """A GPU of compute capability 8.0 or newer (Ampere, Hopper, Blackwell); ``what``: "TF32 needs"."""
+    def why(job: Job) -> str | None:
+        if job.capability is None or job.capability[0] >= 8:
+            return None
+        return f"{what} compute capability 8.0 or newer; this GPU has {job.capability[0]}.{job.capability[1]}"
+    return Need(why, candidate)
+
+
+def _on_cuda(why: str) -> Need:
+    return Need(lambda job: None if job.cuda else why, candidate=True)
+
+
+def _on_cpu(why: str) -> Need:
+    return Need(lambda job: why if job.cuda else None, candidate=True)
+
+
+def _optimizer_has(argument: str) -> Need:
+    """The optimizer class takes ``argument`` (``fused``, ``foreach``): what runner/techniques/optim.py passes."""
+    def why(job: Job) -> str | None:
+        import inspect
+
+        from hydra.utils import get_class
+
+        target = job.get("optimizer._target_")
+        try:
+            accepted = inspect.signature(get_class(target).__init__).parameters
+        except Exception as e:  # noqa: BLE001 - hydra raises ImportError or ValueError
+            return f"optimizer._target_={target!r} cannot be imported ({e})"
+        return None if argument in accepted else f"{target} has no {argument} implementation (no {argument} argument)"
+    return Need(why)
+
+
+def _in_memory(job: Job) -> str | None:
+    from runner import IN_MEMORY_DATA
+
+    name = job.get("data.name")
+    return None if name in IN_MEMORY_DATA else f"data={name} has no in-memory form"
+
+
+def _host_loading(job: Job) -> str | None:
+    return "dataloader.on_device=true: the batches need no DataLoader" if job.get("dataloader.on_device") else None
+
+
+def _no_workers(job: Job) -> str | None:
+    n = job.get("dataloader.num_workers")
+    return None if not n else f"dataloader.num_workers={n} already loads in worker processes"
+
+
+def _your_compile_mode(regional: bool) -> Need:
+    """On a CPU the tuner keeps a compile mode the user chose (max-autotune is a candidate of its own)."""
+    def why(job: Job) -> str | None:
+        mode = job.get("compile.mode")
+        if job.cuda or mode is None or (regional and not job.get("compile.regional")):
+            return None
+        return f"compile.mode={mode} already compiles the model"
+    return Need(why, candidate=True)
+
+
+def _no_compression(job: Job) -> str | None:
+    name = job.get("compress.name")
+    return None if name in (None, "none") else f"compress={name} is on"
+
+
+def _syncs_often(job: Job) -> str | None:
+    n = job.get("trainer.log_every")
+    return None if n < 50 else f"trainer.log_every={n} already syncs at most every 50 steps"
+
+
+def _fewer_threads(job: Job) -> str | None:
+    import torch
+
+    return None if _half_cores() != torch.get_num_threads() else "one core: no fewer threads to try"
+
+
+_FROM_FP32 = (Need(_fp32, candidate=True),)
+
+
 TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     # data loading
     Technique("pinned_memory", {"dataloader.pin_memory": True, "dataloader.non_blocking": True}, arithmetic=False,
               where="cuda", group=None, statuses=("pin_memory", "non_blocking"), readme="2",
-              why_not="page-locked memory only speeds up copies to a CUDA device",
+              cuda_only="page-locked memory only speeds up copies to a CUDA device",
+              needs=(Need(_host_loading, candidate=True),),
               source="PyTorch DataLoader docs, memory pinning; CUDA semantics, non_blocking copies"),
     Technique("loader_workers", {"dataloader.num_workers": _workers, "dataloader.persistent_workers": True},
               arithmetic=False, group="data", statuses=("num_workers", "persistent_workers"), readme="2",
+              needs=(Need(_host_loading, candidate=True), Need(_no_workers, candidate=True)),
               source="PyTorch DataLoader docs, multi-process data loading"),
     Technique("pinned_workers", {"dataloader.num_workers": _workers, "dataloader.pin_memory": True,
                                  "dataloader.persistent_workers": True, "dataloader.non_blocking": True},
@@ -115,28 +299,34 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               variant="pinned_workers", readme="2", tuner=False,
               source="the two above together (conf/dataloader/pinned.yaml)"),
     Technique("on_device_data", {"dataloader.on_device": True}, arithmetic=False, group="data",
-              command=("dataloader=device",), variant="on_device_data", readme="2b",
+              command=("dataloader=device",), variant="on_device_data", readme="2b", needs=(Need(_in_memory),),
               source="airbench / hlb-CIFAR10: the dataset as tensors on the device"),
     # the optimizer and the loop
     Technique("fused_optimizer", {"optimizer.impl": "fused"}, arithmetic=True, group="optimizer_impl",
-              variant="fused_optimizer", readme="5", source="torch.optim docs, 'fused' implementations"),
+              variant="fused_optimizer", readme="5", statuses=("optimizer_fused",), needs=(_optimizer_has("fused"),),
+              source="torch.optim docs, 'fused' implementations"),
     Technique("foreach_optimizer", {"optimizer.impl": "foreach"}, arithmetic=True, group="optimizer_impl",
-              statuses=("fused_optimizer",), readme="5", source="torch.optim docs, 'foreach' implementations"),
+              statuses=("optimizer_foreach",), readme="5", needs=(_optimizer_has("foreach"),),
+              source="torch.optim docs, 'foreach' implementations"),
     Technique("set_to_none", {"optimizer.set_to_none": True}, arithmetic=False, variant="set_to_none", readme="11",
+              statuses=("zero_grad_set_to_none",),
               source="PyTorch Performance Tuning Guide: zero_grad(set_to_none=True)"),
     Technique("fewer_syncs", {"trainer.log_every": 50}, arithmetic=False, variant="fewer_syncs", readme="7",
+              needs=(Need(_syncs_often, candidate=True),),
               source="PyTorch Performance Tuning Guide: avoid unnecessary CPU-GPU synchronization"),
     # compile
     Technique("compile", {"compile.mode": "default"}, arithmetic=True, group="compile", command=("compile=default",),
-              variant="compile", readme="18", source="torch.compile docs"),
+              variant="compile", readme="18", needs=(_your_compile_mode(regional=False),), source="torch.compile docs"),
     Technique("compile_max_autotune", {"compile.mode": "max-autotune"}, arithmetic=True, group="compile",
               command=("compile=max-autotune",), statuses=("compile",), readme="18",
               source="torch.compile docs, mode='max-autotune'"),
     Technique("compile_regional", {"compile.mode": "default", "compile.regional": True}, arithmetic=True,
               group="compile", command=("compile=default", "compile.regional=true"), readme="18",
+              needs=(_your_compile_mode(regional=True),),
               source="PyTorch recipe 'Reducing torch.compile cold start compilation time with regional compilation'"),
     Technique("compile_reduce_overhead", {"compile.mode": "reduce-overhead"}, arithmetic=True, group="compile",
-              where="cuda", command=("compile=reduce-overhead",), statuses=("compile",), readme="18",
+              where="cuda", command=("compile=reduce-overhead",), statuses=("cuda_graphs",), readme="18",
+              cuda_only="its CUDA graphs need a GPU; on a CPU it is the default mode",
               source="torch.compile docs, mode='reduce-overhead' (CUDA graphs)"),
     # one of the optimizer kernels: Inductor fuses the step's loop; torch's foreach kernels refuse its tensor LR
     Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True, group="optimizer_impl",
@@ -145,16 +335,31 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     # precision
     Technique("amp", {"precision.name": "amp"}, arithmetic=True, group="precision", command=("precision=amp",),
               variant="amp", readme="4", equivalent=("auto",),  # auto: bf16 on GPUs that have it, else amp
+              needs=(*_FROM_FP32, _on_cuda("fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 "
+                                            "candidate)")),
               source="PyTorch AMP recipe; Micikevicius et al. 2018"),
     Technique("bf16", {"precision.name": "bf16"}, arithmetic=True, group="precision", command=("precision=bf16",),
-              readme="4", source="torch.autocast docs (bfloat16)"),
+              readme="4", needs=(*_FROM_FP32, Need(_native_bf16, candidate=True)),
+              source="torch.autocast docs (bfloat16)"),
+    # the GPT's attention kept in fp32 under bf16 (runner.models.gpt.GPT's upcast_attention): on a CPU, torch's bf16
+    # flash-attention backward is several times slower than fp32's at small shapes, enough to make bf16 lose
+    Technique("bf16_upcast_attention", {"precision.name": "bf16", "model.upcast_attention": True}, arithmetic=True,
+              group="precision", statuses=("bf16",),
+              needs=(*_FROM_FP32, Need(_native_bf16, candidate=True),
+                     _gpt("the model has no upcast_attention switch (runner.models.gpt.GPT has)"),
+                     _on_cpu("on CUDA, flash attention runs in bf16 itself; fp32 would leave it")),
+              source="runner.models.gpt.GPT(upcast_attention=True): bf16 with the attention in fp32"),
     Technique("tf32", {"precision.name": "tf32"}, arithmetic=True, group="precision", where="cuda",
-              command=("precision=tf32",), readme="4", source="PyTorch CUDA semantics, TF32 on Ampere and later"),
+              command=("precision=tf32",), readme="4", needs=(Need(_fp32_only, candidate=True), _ampere("TF32 needs")),
+              cuda_only="TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs on the CPU",
+              source="PyTorch CUDA semantics, TF32 on Ampere and later"),
     Technique("fp8", {"precision.name": "fp8"}, arithmetic=True, group="precision", where="cuda",
               command=("precision=fp8",), readme="4b", tuner=False,
               source="torchao float8 training (convert_to_float8_training)"),
     Technique("int8", {"precision.name": "int8"}, arithmetic=True, group="precision", command=("precision=int8",),
-              variant="int8", readme="4c",
+              variant="int8", readme="4c",  # int8 matmuls pay on INT8 tensor cores; on a CPU they ran slower than bf16
+              needs=(*_FROM_FP32, _on_cuda("its int8 matmuls pay on a GPU with INT8 tensor cores (8.0+)"),
+                     _ampere("int8 tensor cores need", candidate=True)),
               source="torchao INT8 mixed-precision training (Int8MixedPrecisionTrainingConfig; "
                      "https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training)"),
     # compression during training: what the model computes changes (int8 rounding, 2:4 pruning)
@@ -164,7 +369,10 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
                      "https://docs.pytorch.org/ao/stable/generated/torchao.quantization.qat.QATConfig.html)"),
     Technique("sparse24", {"compress.name": "sparse24"}, arithmetic=True, group="compress", where="cuda",
               command=("compress=sparse24",), variant="sparse24", readme="21",
-              why_not="2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer",
+              cuda_only="2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer "
+                        "(Ampere, Hopper, Blackwell)",
+              needs=(_ampere("2:4 sparse matmuls (cuSPARSELt) need"), Need(_no_compression, candidate=True),
+                     *_FROM_FP32),
               source="torchao 2:4 sparse training (torchao.sparsity.training.SemiSparseLinear; "
                      "https://github.com/pytorch/ao/tree/main/torchao/sparsity/training)"),
     # images
@@ -172,7 +380,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               readme="19", source="PyTorch channels-last memory format tutorial"),
     Technique("cudnn_benchmark", {"cudnn_benchmark": True}, arithmetic=True, where="image+cuda",
               variant="cudnn_benchmark", readme="6", source="torch.backends.cudnn.benchmark docs",
-              why_not="cuDNN autotuning exists on CUDA only"),
+              cuda_only="cuDNN autotuning exists on CUDA only"),
     Technique("drop_bias_before_bn", {"model.drop_bias_before_bn": True}, arithmetic=True, where="image",
               variant="drop_bias", readme="15", tuner=False,
               source="PyTorch Performance Tuning Guide: disable bias for convolutions directly followed by BN"),
@@ -186,15 +394,17 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               command=("memory=checkpointing",), variant="checkpointing", readme="8", tuner=False,
               source="torch.utils.checkpoint; Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost'"),
     Technique("selective_checkpointing", {"memory.checkpointing": True, "memory.checkpoint_policy": "selective"},
-              arithmetic=False, where="tokens", command=("memory=selective",), variant="selective", readme="8b",
+              arithmetic=False, command=("memory=selective",), variant="selective", readme="8b",
               source="torchtitan's selective activation checkpointing; "
                      "torch.utils.checkpoint.create_selective_checkpoint_contexts"),
     Technique("activation_memory_budget", {"memory.budget": 0.5}, arithmetic=False, command=("memory=budget",),
-              readme="8b", tuner=False, source="torch._functorch.config.activation_memory_budget (PyTorch blog, "
-                                                "'Activation checkpointing techniques')"),
+              readme="8b", tuner=False, needs=(Need(_compiled),),
+              source="torch._functorch.config.activation_memory_budget (PyTorch blog, 'Activation checkpointing "
+                     "techniques')"),
     # the language model's loss: the head and the cross-entropy over chunks of the sequence (runner's GPT)
     Technique("chunked_loss", {"task.loss": "chunked"}, arithmetic=True, where="tokens",
               command=("task.loss=chunked",), variant="chunked_loss", readme="20",
+              needs=(_gpt("the model's forward takes no targets to chunk the loss over (runner's GPT does)"),),
               source="Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), in plain PyTorch chunks"),
     # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
     # per step and costs nothing measurable, so its step_cost is False
@@ -218,6 +428,10 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("ema", {"trainer.ema_decay": 0.999, "trainer.ema_warmup": True, "trainer.target_weights": "ema"},
               arithmetic=True, command=("ema=on",), variant="ema", tuner=False,
               source="Polyak & Juditsky 1992; Tarvainen & Valpola 2017; runner/techniques/ema.py"),
+    # a setting of the machine: half the intra-op threads (on a busy or hyper-threaded CPU, fewer can be faster)
+    Technique("half_threads", {"trainer.num_threads": _half_cores}, arithmetic=True,
+              needs=(_on_cpu("CPU threads matter on a CPU job only"), Need(_fewer_threads, candidate=True)),
+              source="PyTorch CPU performance tuning guide: intra-op threads (torch.set_num_threads)"),
 )}
 
 
@@ -266,38 +480,12 @@ def moves_data_only() -> tuple[str, ...]:
         "dataloader.") for k in t.keys() if k != "dataloader.on_device"))
 
 
-def applies(technique: Technique | str, *, cuda: bool, image: bool = True) -> str | None:
-    """Why ``technique`` (or its name) cannot act on a job that runs on CUDA (``cuda``) with image inputs
-    (``image``), or None when it can: the one place this is decided. The speed tuner offers a candidate, the data
-    loader records ``skipped: <why>`` and the ablation runs a variant by it."""
-    t = TECHNIQUES[technique] if isinstance(technique, str) else technique
-    if "cuda" in t.where and not cuda:
-        return t.why_not or "it acts on CUDA only"
-    if t.where.startswith("image") and not image:
-        return "an image technique; the inputs are token ids"
-    if t.where == "tokens" and image:
-        return "a language-model technique; the inputs are not token ids"
-    return None
-
-
 def token_inputs(cfg) -> bool:
     """Whether the job ``cfg`` is a language model (its inputs are token ids, not images)."""
     from runner import language_model_task  # the one test, which the ablation's resolver asks too
 
     task = select(cfg, "task") or {}
     return language_model_task(task.get("_target_", "")) or task.get("name") == "language_model"
-
-
-def applies_to_job(technique: Technique | str, cfg, *, cuda: bool) -> str | None:
-    """``applies`` for the job ``cfg`` (image or token inputs from its task), and the one technique that needs a
-    model of its own: the chunked loss needs a forward that takes the targets (runner's GPT). None: it can act."""
-    t = TECHNIQUES[technique] if isinstance(technique, str) else technique
-    why = applies(t, cuda=cuda, image=not token_inputs(cfg))
-    if why is None and t.name == "chunked_loss" and "runner.models.gpt" not in str(select(cfg, "model._target_")):
-        why = "the model's forward takes no targets to chunk the loss over (runner's GPT does)"
-    if why is None and t.where.startswith("image"):
-        why = _not_images(cfg)
-    return why
 
 
 def _not_images(cfg) -> str | None:
@@ -312,5 +500,5 @@ def _not_images(cfg) -> str | None:
     return None
 
 
-__all__ = ["TECHNIQUES", "WHERE", "Technique", "applies", "applies_to_job", "by_variant", "image_only",
+__all__ = ["TECHNIQUES", "WHERE", "Job", "Need", "Technique", "by_variant", "image_only",
            "moves_data_only", "same_step_cost", "select", "step_cost", "token_inputs", "variant_keys"]

@@ -22,12 +22,12 @@ from torch.nn import functional as F
 
 from runner.config import check_choice
 from runner.errors import ConfigError
+from runner.techniques import TECHNIQUES, Job
 from runner.techniques.precision import edge_layers
 
 #: What ``compress=qat`` simulates and ``to_int8`` computes (torchao's ``Int8DynamicActivationInt8WeightConfig``)
 QAT_SCHEME = "int8 activations per token (asymmetric, scaled at run time) x int8 weights per output channel (symmetric)"
-#: The CUDA compute capability 2:4 sparse tensor cores need (Ampere and newer)
-SPARSE_CAPABILITY = (8, 0)
+
 #: Precisions that replace the Linear layers themselves: no second technique can wrap them
 _OWN_LINEARS = ("fp8", "int8")
 
@@ -129,14 +129,9 @@ def to_int8(model: nn.Module) -> str:
 
 def sparse24_unavailable(device: torch.device) -> str | None:
     """Why 2:4 sparse training cannot run on ``device``, or None: its matmuls need cuSPARSELt on a CUDA GPU of compute
-    capability >= 8.0 (``SPARSE_CAPABILITY``)."""
-    if device.type != "cuda":
-        return (f"2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer (Ampere, Hopper, "
-                f"Blackwell); this job runs on the {device.type.upper()}")
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < SPARSE_CAPABILITY:
-        return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; 2:4 sparse matmuls "
-                f"need 8.0 or newer (Ampere, Hopper, Blackwell)")
+    capability >= 8.0 (the technique table's ``sparse24`` entry)."""
+    if why := TECHNIQUES["sparse24"].why_not(Job.of(None, device)):
+        return why
     if not torch.backends.cusparselt.is_available():
         return "this torch build has no cuSPARSELt (torch.backends.cusparselt.is_available() is False)"
     return None

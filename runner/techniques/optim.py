@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import check_choice
 from runner.errors import ConfigError
-from runner.techniques import compile_cache
+from runner.techniques import TECHNIQUES, Job, compile_cache
 
 #: Optimizer-group keys that are runner switches, not constructor arguments.
 RUNNER_KEYS = ("lr_scaling", "base_batch_size", "impl", "set_to_none", "clip_grad_norm", "decay_all")
@@ -77,14 +77,18 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
             cls = get_class(target)
         except Exception as e:  # noqa: BLE001 - hydra raises ImportError or ValueError
             raise ConfigError(f"optimizer._target_={target!r} cannot be imported: {e}") from e
-        accepted = inspect.signature(cls.__init__).parameters
-        if all(k in accepted for k in _IMPLS[cfg.impl]):
+        # fused and foreach: where the table says they act (the class takes the argument); loop: foreach=False
+        technique = TECHNIQUES.get(f"{cfg.impl}_optimizer")
+        if technique is not None:
+            why = technique.why_not(Job({"optimizer": {"_target_": target}}))
+        else:
+            why = None if "foreach" in inspect.signature(cls.__init__).parameters else \
+                f"{target} has no loop implementation (no foreach argument)"
+        if why is None:
             kwargs.update(_IMPLS[cfg.impl])
             techniques[f"optimizer_{cfg.impl}"] = "applied"
         else:
-            missing = [k for k in _IMPLS[cfg.impl] if k not in accepted]
-            techniques[f"optimizer_{cfg.impl}"] = (f"skipped: {target} has no {cfg.impl} implementation "
-                                                   f"(no {'/'.join(missing)} argument)")
+            techniques[f"optimizer_{cfg.impl}"] = f"skipped: {why}"
     if cfg.set_to_none:
         techniques["zero_grad_set_to_none"] = "applied"
     if cfg.clip_grad_norm is not None:

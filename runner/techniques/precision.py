@@ -23,6 +23,7 @@ from torch.amp import GradScaler
 from runner.config import check_choice
 from runner.errors import ConfigError
 from runner.measure import hardware
+from runner.techniques import TECHNIQUES, Job
 
 
 @dataclass
@@ -106,8 +107,8 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
             _set_tf32(False)
         return off
     if name == "tf32":
-        if kind != "cuda":
-            off.techniques["tf32"] = "skipped: TF32 is a CUDA (Ampere or newer) feature"
+        if why := TECHNIQUES["tf32"].why_not(Job.of(None, device)):
+            off.techniques["tf32"] = f"skipped: {why}"
             return off
         _set_tf32(True)
         off.techniques["tf32"] = "applied"

@@ -20,7 +20,7 @@ from torch import nn
 from runner import models
 from runner.config import check_choice
 from runner.errors import ConfigError, deterministic_refusal
-from runner.techniques import compile_cache, compress, parallel, precision
+from runner.techniques import TECHNIQUES, Job, compile_cache, compress, parallel, precision
 from runner.techniques.parallel import repeated_blocks
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -126,11 +126,11 @@ def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> dict[str, str]
     Returns:
         ``{}`` when off; ``{"cudnn_benchmark": "applied" | "skipped: <why>"}`` when on (skipped off CUDA).
     """
-    on_cuda = device.type == "cuda"
-    torch.backends.cudnn.benchmark = bool(enabled and on_cuda)
+    why = TECHNIQUES["cudnn_benchmark"].why_not(Job(None, cuda=device.type == "cuda"))
+    torch.backends.cudnn.benchmark = bool(enabled and why is None)
     if not enabled:
         return {}
-    return {"cudnn_benchmark": "applied" if on_cuda else "skipped: cuDNN autotuning only exists on CUDA"}
+    return {"cudnn_benchmark": "applied" if why is None else f"skipped: {why}"}
 
 
 def apply_channels_last(model: nn.Module) -> str:

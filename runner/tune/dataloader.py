@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.errors import ConfigError
+from runner.techniques import TECHNIQUES, Job
 from runner.tune.harness import Tuner, fmt, measure_config, pyplot, say, trial_steps, with_overrides
 
 #: what identifies one configuration of the grid (a row of the table)
@@ -24,9 +25,9 @@ def default_grid(env, t: DictConfig) -> tuple[list[int], list[bool], list[int]]:
     cpus = os.cpu_count() or 1
     workers = list(t.workers) if t.workers is not None else \
         sorted({0, 1, *(2 ** k for k in range(1, 8) if 2 ** k <= cpus)})
-    cuda = env.device.type == "cuda"
-    pins = list(t.pin_memory) if t.pin_memory is not None else ([False, True] if cuda else [False])
-    prefetch = list(t.prefetch_factors) if t.prefetch_factors is not None else ([2, 4] if cuda else [2])
+    pinning = TECHNIQUES["pinned_memory"].why_not(Job.of(None, env.device)) is None  # the table: on CUDA only
+    pins = list(t.pin_memory) if t.pin_memory is not None else ([False, True] if pinning else [False])
+    prefetch = list(t.prefetch_factors) if t.prefetch_factors is not None else ([2, 4] if pinning else [2])
     return workers, pins, prefetch
 
 
@@ -72,8 +73,8 @@ def tune_dataloader(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     notes = [f"the fewest workers within {t.tolerance:.0%} of the best samples/s ({best:,.1f})",
              f"loader alone: {t.loader_batches} batches after {t.warmup_steps} left out; training: {trial_steps(t)} "
              f"of the run's own loop (batch {cfg.dataloader.batch_size})"]
-    if env.device.type != "cuda":
-        notes.append("on a CPU pin_memory does nothing (page-locked memory speeds up copies to a GPU)")
+    if why := TECHNIQUES["pinned_memory"].why_not(Job.of(None, env.device)):
+        notes.append(f"pin_memory does nothing here: {why}")
     return {"recommended": {k: pick[k] for k in (*SETTINGS, "samples_per_sec")},
             "override": override, "rows": rows, "notes": notes}
 
