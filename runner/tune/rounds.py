@@ -3,8 +3,9 @@ configurations against a reference, and what the search reads from it.
 
 - ``measure_round``: the jobs compared side by side (runner/compare/), racing out the firmly slower ones.
 - ``read_round``: the comparisons, Holm's verdicts, failures and median speeds it measured.
-- ``helps``, ``choose``, ``group_best``, ``firmly_hurting``, ``head_to_head``: the decisions the search and its
-  verification take.
+- ``helps``, ``choose``, ``group_best``, ``firmly_hurting``, ``cheap_to_remove``, ``head_to_head``: the decisions
+  the search and its verification take, each from a round's figures alone (tests/test_tune_replay.py replays them
+  on recorded rounds).
 """
 
 from __future__ import annotations
@@ -152,3 +153,19 @@ def group_best(combination: list, candidates: list, r: Round) -> list:
 def firmly_hurting(r: Round, pick: list, min_speedup: float) -> list:
     """The switches of ``pick`` whose removal from it (the job ``-<name>``) is firmly faster (``helps``)."""
     return [s for s in pick if helps(r, f"-{s.name}", min_speedup)]
+
+
+def cheap_to_remove(r: Round, pick: list, target_ci: float) -> list:
+    """With nothing firm in an elimination round: the switches of ``pick`` whose removal (the job ``-<name>``) was
+    measured, is not firmly slower (Holm), and reads faster or is shown to cost under ``target_ci`` (its interval's low
+    end at least ``1 - target_ci``): a switch that buys nothing measurable is one thing fewer to keep."""
+    from runner.compare.stats import HURTS
+
+    out = []
+    for s in pick:
+        name = f"-{s.name}"
+        c = r.comparisons.get(name)
+        if name not in r.failed and c is not None and r.verdicts.get(name) != HURTS and \
+                (c.estimate >= 1 or c.low >= 1 - target_ci):
+            out.append(s)
+    return out

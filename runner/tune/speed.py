@@ -29,7 +29,16 @@ from runner.techniques import TECHNIQUES, compile_cache
 from runner.tune import speed_report
 from runner.tune.guard import GUARD_WINDOWS, departure, loss_curve
 from runner.tune.harness import COMMAND_STARTED_S, Tuner, fmt, say, with_overrides
-from runner.tune.rounds import Round, choose, firmly_hurting, group_best, helps, measure_round, read_round
+from runner.tune.rounds import (
+    Round,
+    cheap_to_remove,
+    choose,
+    firmly_hurting,
+    group_best,
+    helps,
+    measure_round,
+    read_round,
+)
 from runner.tune.speed_report import describe, is_pick, paired_cells, plot, round_figures, tuned_yaml
 from runner.tune.switches import Switch, applied, chosen, fast_config, switches
 
@@ -53,18 +62,7 @@ def tune_speed(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     candidates, search.notes = chosen(cfg, cfg.tune, env.device)
     say(env, f"speed: {len(candidates)} candidate(s): {', '.join(s.name for s in candidates) or 'none'}")
     search.guard_reference()
-    passed = search.guard_candidates(candidates)
-    combination = search.screen(passed)
-    incumbent = search.eliminate(list(combination), passed) if len(combination) > 1 else combination
-    while incumbent and not search.guarded(incumbent, "the pick's switches together"):
-        search.notes.append(f"{incumbent[-1].name} dropped from the pick")
-        incumbent.pop()
-    combination = search.whole or combination
-    whole = combination if len(combination) > 1 and combination != incumbent else incumbent
-    if whole is not incumbent and not search.guarded(whole, "the whole combination"):
-        whole = incumbent
-    picked, verified = search.verify(incumbent, whole)
-    return speed_report.result(search, picked, verified)
+    return speed_report.result(search, *search.run(candidates))
 
 
 class _Search:
@@ -166,6 +164,23 @@ class _Search:
                                      f"tune.guard_tolerance)"})
         say(self.env, f"speed: guard: your configuration under another seed departs {fmt(spread, '.2%')}; a candidate "
                       f"may depart up to {self.tolerance:.2%}")
+
+    def run(self, candidates: list[Switch]) -> tuple[list[Switch], Any]:
+        """The search from the guarded reference on: the guard, round 1, the elimination and the verification of
+        ``candidates``; returns the switches recommended (none: no change) and their interval against yours. Every
+        decision is a function of what the rounds measured (runner/tune/rounds.py), so a search can be replayed
+        from its rounds' records (tests/test_tune_replay.py)."""
+        passed = self.guard_candidates(candidates)
+        combination = self.screen(passed)
+        incumbent = self.eliminate(list(combination), passed) if len(combination) > 1 else combination
+        while incumbent and not self.guarded(incumbent, "the pick's switches together"):
+            self.notes.append(f"{incumbent[-1].name} dropped from the pick")
+            incumbent.pop()
+        combination = self.whole or combination
+        whole = combination if len(combination) > 1 and combination != incumbent else incumbent
+        if whole is not incumbent and not self.guarded(whole, "the whole combination"):
+            whole = incumbent
+        return self.verify(incumbent, whole)
 
     def wall_left(self) -> float:
         """Seconds left of ``tune.budget_minutes`` (the whole command's wall time), rank 0's."""
@@ -275,9 +290,8 @@ class _Search:
         takes the firmly fastest swap or add-back and drops every switch whose removal is firmly faster, or with
         nothing firm the one whose removal reads best, if not firmly slower and, where it reads slower, shown to
         cost under ``tune.target_ci`` (low end above 1 - target_ci). Steady samples/s: one process's one-time
-        costs are too noisy to decide on. Ends when no switch can go or the time is spent."""
-        from runner.compare.stats import HURTS
-
+        costs are too noisy to decide on. Ends when no switch can go or the time is spent (the rules: rounds.py's
+        ``helps``, ``firmly_hurting``, ``cheap_to_remove``)."""
         dropped: list[Switch] = []
         while pick or dropped:
             moves = {f"{s.name}->{a.name}": [a if x is s else x for x in pick] for s in pick for a in candidates
@@ -305,9 +319,7 @@ class _Search:
                 what = f"{new} in place of {old}" if new else f"{old[1:]} added back"
                 self.notes.append(f"round {len(self.rounds)}: {what}, firmly faster in the combination")
             elif not dropped:
-                removable = [s for s in pick if f"-{s.name}" not in r.failed and (c := r.comparisons.get(
-                             f"-{s.name}")) is not None and r.verdicts.get(f"-{s.name}") != HURTS
-                             and (c.estimate >= 1 or c.low >= 1 - self.t.target_ci)]
+                removable = cheap_to_remove(r, pick, self.t.target_ci)
                 if not removable:
                     self.notes.append(f"round {len(self.rounds)}: no switch of {_label(pick)} goes: removing each "
                                       f"reads slower and is not shown to cost under {self.t.target_ci:.0%}")
