@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.longest]
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # the steps' jobs mostly wait: slices and budgets of wall time
 
 
 def dry_run(tmp_path, parts: list[str], steps: list[str], timeout: float, **env: str) -> tuple[Path, list[str]]:

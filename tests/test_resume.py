@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cuda_only, read_summary, run_cli
+from conftest import cuda_only, read_summary, run_cli, run_here
 from runner import REPO_ROOT, checkpoint as ck
 
 #: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
@@ -144,7 +144,8 @@ def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool 
     # the moving average of the weights (its warm-up count too) and the best weights continue exactly
     ["trainer.ema_decay=0.8", "trainer.ema_warmup=true", "checkpoint.keep_best=true", "trainer.eval_every=4"],
     # the compiled optimizer step: its LR a tensor the schedule fills, saved and loaded with the optimizer's state
-    ["compile.optimizer=true", "optimizer=adamw", "scheduler=cosine", "scheduler.warmup_steps=2"],
+    # (an MLP: fewer tensors, a cheaper compile)
+    ["compile.optimizer=true", "optimizer=adamw", "scheduler=cosine", "scheduler.warmup_steps=2", "model=mlp"],
 ], ids=["loader", "workers-accumulation", "on-device-augment", "ema-best", "compiled-optimizer-step"])
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, case):
@@ -322,21 +323,23 @@ def test_nan_stops_with_the_last_checkpoint_intact_and_skip_counts(tmp_path):
 
 @pytest.mark.slow
 def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
+    """The command line in this process (``run_here``: its exit status and its one error line)."""
     folder = tmp_path / "job"
-    run(command(folder, [*JOB, "trainer.max_steps=3"], False), tmp_path)
+
+    def here(*overrides: str):
+        return run_here(*JOB, "trainer.num_threads=1", *overrides, f"hydra.run.dir={folder}", cwd=tmp_path)
+
+    assert here("trainer.max_steps=3").returncode == 0
     hydra = {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()}
-    changed = subprocess.run(command(folder, [*JOB, "trainer.max_steps=6", "optimizer.lr=0.5"], False), cwd=tmp_path,
-                             env=env(), capture_output=True, text=True, timeout=300)
+    changed = here("trainer.max_steps=6", "optimizer.lr=0.5")
     assert changed.returncode == 2 and "optimizer.lr: 0.01 -> 0.5" in changed.stderr
-    done = subprocess.run(command(folder, [*JOB, "trainer.max_steps=3"], False), cwd=tmp_path, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    done = here("trainer.max_steps=3")
     assert done.returncode == 2 and "already finished at step 3" in done.stderr
-    fresh = subprocess.run(command(folder, [*JOB, "checkpoint.resume=never"], False), cwd=tmp_path, env=env(),
-                           capture_output=True, text=True, timeout=300)
+    fresh = here("checkpoint.resume=never")
     assert fresh.returncode == 2 and "would mix a new run into it" in fresh.stderr
     assert {p.name: p.read_bytes() for p in (folder / ".hydra").iterdir()} == hydra  # the refusals left it as it was
-    longer = run(command(folder, [*JOB, "trainer.max_steps=6"], False), tmp_path)  # max_steps may change
-    assert "resumed from" in longer.stdout and read_summary(folder)["steps"] == 6
+    longer = here("trainer.max_steps=6")  # max_steps may change
+    assert longer.returncode == 0 and "resumed from" in longer.stdout and read_summary(folder)["steps"] == 6
 
 
 @pytest.mark.slow

@@ -140,7 +140,7 @@ def test_on_device_batches_are_the_loaders_batches():
 
 
 @pytest.mark.slow  # a whole tuner run through the CLI (a minute on two cores)
-@pytest.mark.longest
+@pytest.mark.waits
 def test_the_override_follows_the_verdict_end_to_end(tmp_path):
     # one candidate, anomaly detection (slower every step): measured in round 1, then the decision. Its
     # verdict rests on measured speed, which a busy machine can flip (read x2.2 and x1.7 faster beside the
@@ -191,6 +191,7 @@ class Spin(nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_switch_of_known_cost_is_picked_verified_and_written_as_a_preset(tmp_path):
     """The job runs with anomaly detection on and a step of known cost (``KNOWN_COST``): turning it off is x2.5 by
     construction, so the round, the verification and the preset must all say so, on a quiet machine or a busy one."""
@@ -351,6 +352,7 @@ class Pair(Spin):
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_two_switches_that_pay_only_together_are_found_and_the_interaction_reported(tmp_path):
     (tmp_path / "known_cost.py").write_text(PAIR)
     out = tmp_path / "out"
