@@ -478,6 +478,7 @@ E2E_VARIANTS = ["baseline", "baseline+amp", "baseline+channels_last", "baseline+
 
 @pytest.mark.slow
 @pytest.mark.longest
+@pytest.mark.waits  # interleaved slices: half its wall time waits
 def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     # the presets set the batch and log_every themselves: keep TINY's out of their way
     tiny = [o for o in TINY if not o.startswith(("trainer.log_every", "trainer.max_steps", "trainer.warmup_steps",

@@ -305,6 +305,7 @@ def test_anomaly_detection_is_named_as_a_debug_tool_left_on(tmp_path):
 
 
 @pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
+@pytest.mark.waits  # --verify's interleaved slices: half its wall time waits
 def test_every_run_ends_with_the_diagnosis_and_verify_measures_a_suggestion(tmp_path):
     """Through the CLI: the run prints its diagnosis; `--verify --top 1`, started where the job ran (so its data
     module is found there, as in the job; tests/test_trust.py: never from elsewhere), reruns the job and its first

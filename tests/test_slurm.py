@@ -36,6 +36,7 @@ pytestmark = [
     pytest.mark.slurm,
     pytest.mark.slow,
     pytest.mark.xdist_group("slurm"),  # one pytest-xdist worker runs them in turn: each job takes both nodes
+    pytest.mark.waits,  # sbatch, the scheduler's polls and requeues: most of the wall time waits
     pytest.mark.skipif(_NODES < 0, reason="no SLURM here (sinfo is not on PATH)"),
     pytest.mark.skipif(0 <= _NODES < 2, reason="the SLURM cluster does not answer or has fewer than 2 idle nodes"),
 ]

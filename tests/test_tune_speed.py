@@ -240,6 +240,7 @@ def test_num_threads_is_applied_and_null_restores_the_default(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.longest
+@pytest.mark.waits  # 53 s of wall time for 19 s of CPU alone
 def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_path, short_tmp):
     """``torchrun --nproc-per-node=2 -m runner.tune speed distributed=ddp``: the guard trains on both ranks, every
     measured job of every round is a 2-rank DDP job (rank 1's conductor mirrors rank 0's), and each rank reaches
