@@ -192,6 +192,10 @@ def _native_bf16(job: Job) -> str | None:
     return None if job.native_bf16 else "this device has no native bf16"
 
 
+def _cpu_bf16(job: Job) -> str | None:  # amp on a CPU is bf16 autocast (fp16 with a GradScaler on CUDA)
+    return None if job.cuda or job.native_bf16 else "this CPU has no native bf16 (AVX-512-BF16/AMX), amp's autocast"
+
+
 def _compiled(job: Job) -> str | None:
     if job.get("compile.mode") is not None:
         return None
@@ -335,8 +339,8 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     # precision
     Technique("amp", {"precision.name": "amp"}, arithmetic=True, group="precision", command=("precision=amp",),
               variant="amp", readme="4", equivalent=("auto",),  # auto: bf16 on GPUs that have it, else amp
-              needs=(*_FROM_FP32, _on_cuda("fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 "
-                                            "candidate)")),
+              needs=(*_FROM_FP32, Need(_cpu_bf16), _on_cuda("fp16 with a GradScaler acts on CUDA only (on a CPU amp "
+                                                             "is bf16, the bf16 candidate)")),
               source="PyTorch AMP recipe; Micikevicius et al. 2018"),
     Technique("bf16", {"precision.name": "bf16"}, arithmetic=True, group="precision", command=("precision=bf16",),
               readme="4", needs=(*_FROM_FP32, Need(_native_bf16, candidate=True)),
@@ -452,15 +456,6 @@ def step_cost(variant_technique: str | None) -> bool:
     return True if t is None else t.step_cost
 
 
-def same_step_cost() -> tuple[str, ...]:
-    """The config groups (or keys) of the techniques that cannot change what a training step costs
-    (``step_cost=False``: the LR schedules, ``scheduler``): the recipe search takes their time ratio to be their
-    samples ratio (runner/sweeps/search_end.py)."""
-    # a group option's group (scheduler=onecycle -> scheduler), else the technique's first key
-    names = (t.command[0].split("=")[0] if t.command else t.keys()[0] for t in TECHNIQUES.values() if not t.step_cost)
-    return tuple(dict.fromkeys(names))
-
-
 def image_only() -> dict[str, str]:
     """``summary.json`` status -> the config key that switches it, for the techniques that act on images only (a
     language model's inputs are token ids: runner.task records them as skipped)."""
@@ -501,4 +496,4 @@ def _not_images(cfg) -> str | None:
 
 
 __all__ = ["TECHNIQUES", "WHERE", "Job", "Need", "Technique", "by_variant", "image_only",
-           "moves_data_only", "same_step_cost", "select", "step_cost", "token_inputs", "variant_keys"]
+           "moves_data_only", "select", "step_cost", "token_inputs", "variant_keys"]
