@@ -83,10 +83,9 @@ def write(sweep: Path, out: Path, search: str) -> None:
              "", f"Slots busy {wall['slots_busy']:.1%} of the trials' slot-time (idle {1 - wall['slots_busy']:.1%})."
              " Trials running at once over the trials' phase (from the job folders' times): "
              + ", ".join(f"{n}: {s / phase:.1%}" for n, s in sorted(at_once.items())) + ".", "",
-             f"Verification: {v.get('stopped')}, each look at {v.get('look_confidence', 0):.2%}; samples to target, "
-             f"best / start: {_interval(v.get('samples_to_target'))}; samples/s: "
-             f"{_interval(v.get('samples_per_sec'))}; "
-             f"time to target: {_interval(v.get('time_to_target'))}.", "",
+             f"Verification: {v.get('stopped')}, each look at {v.get('look_confidence', 0):.2%}; time to target, "
+             f"best / start: {_interval(v.get('time_to_target'))} (the stopping rule); samples to target: "
+             f"{_interval(v.get('samples_to_target'))}.", "",
              f"Best: `{results['best_params']}`; the line to paste: `{results['command']}`.", ""]
     out.write_text("\n".join(lines))
     print(f"wrote {out}")

@@ -72,7 +72,7 @@ def test_censored_seeds_are_counted_not_dropped():
     rng = random.Random(3)
     reference = seeds(rng, 8)
     config = seeds(rng, 8, 1.1)
-    limit = max(s.samples for s in config + reference)
+    limit = max(s.value for s in config + reference)
     censored = [cv.Seed(limit, False, s.seed) if i < 3 else s for i, s in enumerate(config)]  # 3 never got there
     r = cv.samples_to_target(censored, reference)
     assert r.counts == "5/8 vs 8/8" and r.seeds == 8

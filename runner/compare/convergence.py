@@ -11,13 +11,14 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from runner.compare.stats import Interval, at_confidence
+from runner.compare.stats import Interval, at_confidence, t_cdf, t_quantile
 
 #: The fewest seeds per configuration with which samples to target are compared
 MIN_SEEDS = 3
@@ -25,12 +26,12 @@ MIN_SEEDS = 3
 
 @dataclass(frozen=True)
 class Seed:
-    """One seed's run of one configuration: ``samples`` = the global samples trained when an evaluation first met
-    the target (``reached``), or, censored (not ``reached``), the samples it trained before it ended. ``seed``
-    (``trainer.seed``), ``target`` (what was to be met, e.g. ``eval_loss <= 1.2``) and ``source`` (the summary.json
-    it was read from) say where it came from."""
+    """One seed's run of one configuration: ``value`` = the global samples trained (or, for a time comparison, the
+    training seconds, evaluations excluded) when an evaluation first met the target (``reached``), or, censored (not
+    ``reached``), those it trained before it ended. ``seed`` (``trainer.seed``), ``target`` (what was to be met,
+    e.g. ``eval_loss <= 1.2``) and ``source`` (the summary.json it was read from) say where it came from."""
 
-    samples: float
+    value: float
     reached: bool
     seed: int | None = None
     target: str | None = None
@@ -99,7 +100,7 @@ class _Shift:
         low, high, point = [], [], []
         for x in config:
             for y in reference:
-                d = math.log(x.samples) - math.log(y.samples)
+                d = math.log(x.value) - math.log(y.value)
                 if x.reached and y.reached:
                     bounds = (d, d, d)
                 elif y.reached:  # the config's run is censored: it would have needed more than it trained
@@ -146,8 +147,8 @@ def _prepared(config: Sequence[Seed], reference: Sequence[Seed], confidence: flo
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence} must lie in (0, 1), e.g. 0.95")
     for s in (*config, *reference):
-        if not (math.isfinite(s.samples) and s.samples > 0):
-            raise ValueError(f"samples must be positive and finite, got {s.samples} ({s.source or s})")
+        if not (math.isfinite(s.value) and s.value > 0):
+            raise ValueError(f"samples and seconds must be positive and finite, got {s.value} ({s.source or s})")
     targets = {s.target for s in (*config, *reference) if s.target is not None}
     if len(targets) > 1:
         raise ValueError(f"the seeds were run to different targets ({', '.join(sorted(targets))}): samples to "
@@ -163,21 +164,45 @@ def _ratio(quantity: str, config: Sequence[Seed], reference: Sequence[Seed], est
                        sum(s.reached for s in config), len(config), sum(s.reached for s in reference), len(reference))
 
 
-def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95
-                      ) -> TargetRatio | None:
-    """Samples to target of ``config``'s seeds ÷ ``reference``'s: the Hodges–Lehmann ratio with the Mann–Whitney
-    interval at ``confidence``, censored seeds bounding it (the module docstring). None with fewer than
-    ``MIN_SEEDS`` seeds on a side or no seed that reached the target.
+def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95,
+                      quantity: str = "samples") -> TargetRatio | None:
+    """Samples (``quantity`` ``time``: seconds) to target of ``config``'s seeds ÷ ``reference``'s: the Hodges–Lehmann
+    ratio with the Mann–Whitney interval at ``confidence``, censored seeds bounding it (the module docstring). None
+    with fewer than ``MIN_SEEDS`` seeds on a side or no seed that reached the target.
 
     Raises:
-        ValueError: ``confidence`` outside (0, 1), samples that are not positive and finite, or seeds run to
+        ValueError: ``confidence`` outside (0, 1), values that are not positive and finite, or seeds run to
             different targets.
     """
     shift = _prepared(config, reference, confidence)
     if shift is None:
         return None
-    return _ratio("samples", config, reference, shift.estimate(), *shift.interval(confidence), shift.p_value(),
+    return _ratio(quantity, config, reference, shift.estimate(), *shift.interval(confidence), shift.p_value(),
                   confidence)
+
+
+def lognormal_ratio(config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95,
+                    quantity: str = "time") -> TargetRatio | None:
+    """``config`` ÷ ``reference`` as the ratio of geometric means with Welch's t interval on the log scale (Welch
+    1947): exact where each side's values are log-normal, and firm from 3 seeds a side where the rank test needs 5.
+    None where a seed missed the target (censored: use ``samples_to_target``), with fewer than ``MIN_SEEDS`` seeds a
+    side, or where neither side varies.
+
+    Raises:
+        ValueError: as ``samples_to_target``.
+    """
+    if _prepared(config, reference, confidence) is None or not all(s.reached for s in (*config, *reference)):
+        return None
+    logs = [[math.log(s.value) for s in side] for side in (config, reference)]
+    means = [sum(v) / len(v) for v in logs]
+    squares = [statistics.variance(v) / len(v) for v in logs]  # each mean's squared standard error
+    se = math.sqrt(sum(squares))
+    if se == 0:
+        return None
+    df = se ** 4 / sum(q * q / (len(v) - 1) for q, v in zip(squares, logs))  # Welch–Satterthwaite
+    shift, t = means[0] - means[1], t_quantile(1 - (1 - confidence) / 2, df)
+    p = 2 * (1 - t_cdf(abs(shift) / se, df))
+    return _ratio(quantity, config, reference, shift, shift - t * se, shift + t * se, p, confidence)
 
 
 def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput: Interval | float | None = 1.0,
@@ -231,10 +256,10 @@ def _target(trainer: dict[str, Any]) -> str | None:
     return " and ".join(said) or None
 
 
-def read_seed(folder: Path | str) -> Seed:
+def read_seed(folder: Path | str, quantity: str = "samples") -> Seed:
     """The ``Seed`` of one finished run: its summary.json's ``samples_to_target`` where the target was reached,
     else the samples it trained (``steps`` × ``global_batch_size``, censored), its ``config.trainer.seed`` and
-    target.
+    target; ``quantity`` ``time``: its ``time_to_target_s``, else the seconds it trained (``train_time_s``).
 
     Raises:
         FileNotFoundError: no summary.json (a run that failed, e.g. diverged, writes none: it never reached the
@@ -258,8 +283,11 @@ def read_seed(folder: Path | str) -> Seed:
     if reached and summary["samples_to_target"] is None:
         raise ValueError(f"{path}: the target was reached (time_to_target_s) but samples_to_target is null (resumed "
                          f"from a checkpoint written before runner recorded it); rerun it")
-    samples = summary["samples_to_target"] if reached else summary["steps"] * summary["global_batch_size"]
-    return Seed(samples, reached, trainer.get("seed"), target, str(path))
+    if quantity == "time":
+        value = summary["time_to_target_s"] if reached else summary["train_time_s"]
+    else:
+        value = summary["samples_to_target"] if reached else summary["steps"] * summary["global_batch_size"]
+    return Seed(value, reached, trainer.get("seed"), target, str(path))
 
 
 def read_seeds(folders: Iterable[Path | str]) -> list[Seed]:

@@ -235,9 +235,9 @@ def median_samples(seeds: list[Seed]) -> str:
     that did: ``"61,440"``, or ``"> 120,000"`` when half or more did not reach it."""
     if not seeds:
         return "–"
-    values = sorted(s.samples if s.reached else math.inf for s in seeds)
+    values = sorted(s.value if s.reached else math.inf for s in seeds)
     n = len(values)
     middle = values[(n - 1) // 2: n // 2 + 1]
     if math.isinf(middle[-1]):
-        return f"> {min(s.samples for s in seeds if not s.reached):,.0f}"
+        return f"> {min(s.value for s in seeds if not s.reached):,.0f}"
     return f"{sum(middle) / len(middle):,.0f}"

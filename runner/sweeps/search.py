@@ -30,7 +30,7 @@ from hydra.core.override_parser.types import Override, Transformer
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from runner import objective
 from runner.errors import ConfigError
@@ -131,16 +131,15 @@ class SearchSweeper(Sweeper):
     def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
                  storage: str | None = None, study_name: str | None = None, params: Any = None,
                  verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95,
-                 recipe: Sequence[str] = (), verify_minutes: float = 3.0, n_jobs: int = 1, pruner: Any = None,
-                 verify_candidates: int = 1, verify_processes: int = 1) -> None:
+                 recipe: Sequence[str] = (), n_jobs: int = 1, pruner: Any = None, verify_candidates: int = 1
+                 ) -> None:
         self.sampler, self.direction, self.n_trials, self.n_jobs = sampler, direction, n_trials, n_jobs
         self.pruner = pruner  # a name of pruning.NAMES or an Optuna pruner's node; None: every trial runs to its end
         self.recipe = [str(o) for o in recipe or ()]  # the overrides that give the search file's own preset
         self.storage, self.study_name = storage, study_name
         self.params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params or {})
         self.verify_seeds, self.verify_first_seed, self.confidence = verify_seeds, verify_first_seed, confidence
-        self.verify_minutes = verify_minutes  # of interleaved samples/s measuring (0: the time verdict is skipped)
-        self.verify_candidates, self.verify_processes = verify_candidates, verify_processes
+        self.verify_candidates = verify_candidates
         self.started = time.monotonic()  # when the search began (``sweep``): its wall time and the verification's share
         self.busy_share: float | None = None  # of the slots' time the trials used (``in_slots_run``)
         self.pending: Slots | None = None  # the slots, with the verification's runs started ahead (``in_slots_run``)
@@ -320,14 +319,6 @@ class SearchSweeper(Sweeper):
                   f"CPUs shared out; set trainer.num_threads to choose)", flush=True)
         return Slots(self.n_jobs, threads)
 
-    def compose(self, overrides: Sequence[str]) -> DictConfig:
-        """The job config of ``overrides`` as a trial gets it (Hydra's sweep composition), its ``hydra`` node
-        left out: what the verification's interleaved measurement trains (``runner.compare.measured_job``)."""
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        with open_dict(cfg):
-            del cfg["hydra"]
-        return cfg
-
     def plan(self, arguments: list[str]) -> dict[str, Any]:
         """The metric, direction, search space, fixed overrides and verification seeds of this search.
 
@@ -349,9 +340,8 @@ class SearchSweeper(Sweeper):
             raise ConfigError(f"hydra.sweeper.n_trials={self.n_trials} must be >= 1 (the trials the search runs)")
         if self.n_jobs < 1:
             raise ConfigError(f"hydra.sweeper.n_jobs={self.n_jobs} must be >= 1 (the trials launched at once)")
-        for key in ("verify_candidates", "verify_processes"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ConfigError(f"hydra.sweeper.{key}={getattr(self, key)} must be an integer >= 1")
+        if not isinstance(self.verify_candidates, int) or self.verify_candidates < 1:
+            raise ConfigError(f"hydra.sweeper.verify_candidates={self.verify_candidates} must be an integer >= 1")
         if self.n_jobs > 1 and "InterleavedLauncher" in str(self.config.hydra.launcher.get("_target_", "")):
             raise ConfigError("hydra.sweeper.n_jobs > 1 with hydra/launcher=interleaved: the interleaved launcher "
                               "compares jobs, it does not run trials; use the basic launcher or submitit_slurm")
