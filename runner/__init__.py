@@ -52,6 +52,7 @@ if not OmegaConf.has_resolver("runner_data_root"):
 #: config imports no torch); ``runner.data`` re-exports it, and tests/test_data.py checks its sources agree.
 IN_MEMORY_DATA: tuple[str, ...] = ("mnist", "cifar10", "synthetic", "text", "tokens", "custom")
 
+
 # Hardware-aware presets (conf/experiment/fast.yaml): a YAML file cannot see the hardware, these can.
 #   ${runner_if_cuda:${trainer.device},A,B}  A when the job will run on CUDA, else B
 #   ${runner_mul:A,B}                        A x B (e.g. a batch size scaled from optimizer.base_batch_size)
@@ -101,7 +102,6 @@ for _name, _fn in _RESOLVERS.items():
         OmegaConf.register_new_resolver(_name, _fn)
 
 
-
 def _hide_schema_options() -> None:
     """Hydra lists a group's options (``model=nope``'s "Available options", ``model=glob(*)``, shell
     completion) from every config source, the ConfigStore's ``base_<name>`` schemas (``runner.config``)
@@ -139,8 +139,10 @@ _hide_schema_options()
 #: (torch/utils/cpp_extension.py ``_find_cuda_home``), and it says nothing about the run.
 #: torchao (0.18) registers its enums with pytree's register_constant on import, and torch logs a deprecation warning
 #: per enum ("... is an Enum subclass and is now natively supported by torch.compile"): nothing about the run.
-LIBRARY_NOISE = {"torch.utils.cpp_extension": ("No CUDA runtime is found",),
-                 "torch.utils._pytree": ("%s is an Enum subclass",)}
+LIBRARY_NOISE = {
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+    "torch.utils._pytree": ("%s is an Enum subclass",),
+}
 
 
 class _DropNoise(logging.Filter):

@@ -67,6 +67,7 @@ def _one_line_compose_errors() -> None:
                     raise
                 print(f"error: {message}", file=sys.stderr)
                 sys.exit(2)
+
         return report(translated)
 
     run_and_report.runner_one_line = True  # type: ignore[attr-defined]
@@ -120,9 +121,12 @@ def _train(cfg: DictConfig) -> float | None:
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training (the first checkpoints: checkpoint/preempt.py)
         from runner.track import job_folder
 
-        print(f"error: interrupted: stopped at once, without a checkpoint (a second Ctrl-C, or one before training "
-              f"started); the last complete checkpoint, if any, is intact and the same command with "
-              f"hydra.run.dir={job_folder().resolve()} resumes from it", file=sys.stderr)
+        print(
+            f"error: interrupted: stopped at once, without a checkpoint (a second Ctrl-C, or one before training "
+            f"started); the last complete checkpoint, if any, is intact and the same command with "
+            f"hydra.run.dir={job_folder().resolve()} resumes from it",
+            file=sys.stderr,
+        )
         sys.exit(130)
 
 
@@ -150,8 +154,10 @@ def _unwritable(e: BaseException) -> str | None:
     fix = "free space there" if "disk" in why else f"make {Path(where).parent} writable"
     kept = latest(job / FOLDER) if job is not None and (job / FOLDER).is_dir() else None
     if kept is not None:
-        then = f"the last complete checkpoint, {kept}, is kept; {fix} and run the same command with " \
-               f"hydra.run.dir={job} to resume from it"
+        then = (
+            f"the last complete checkpoint, {kept}, is kept; {fix} and run the same command with "
+            f"hydra.run.dir={job} to resume from it"
+        )
     else:
         then = f"no checkpoint was written; {fix} (or run into another folder: hydra.run.dir) and run it again"
     return f"{why}: could not write {where}{free}; {then}"
@@ -166,8 +172,9 @@ def _pruning(cfg: DictConfig):
 
     from runner.objective import SEARCH_SWEEPER, TRIAL_ENV
 
-    if not HydraConfig.initialized() or ((HydraConfig.get().get("sweeper") or {}).get("_target_") != SEARCH_SWEEPER
-                                         and not os.environ.get(TRIAL_ENV)):  # a trial in a process of its own
+    if not HydraConfig.initialized() or (
+        (HydraConfig.get().get("sweeper") or {}).get("_target_") != SEARCH_SWEEPER and not os.environ.get(TRIAL_ENV)
+    ):  # a trial in a process of its own
         return None
     from runner.sweeps.pruning import listener
 

@@ -69,8 +69,10 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     """
     check_choice("trainer.device", requested)
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device "
-                          "(torch.cuda.is_available() is False); use trainer.device=auto or trainer.device=cpu")
+        raise ConfigError(
+            "trainer.device=cuda but this machine has no usable CUDA device "
+            "(torch.cuda.is_available() is False); use trainer.device=auto or trainer.device=cpu"
+        )
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()
@@ -82,24 +84,35 @@ def _check(cfg: DictConfig, layout: launch.Layout) -> None:
     """Impossible combinations of ``distributed.*`` and the launch, before anything starts."""
     name = cfg.name
     if layout.world_size > 1 and name == "none":
-        raise ConfigError(f"this job was launched as {layout.world_size} processes ({layout.launcher}) but "
-                          f"distributed=none, so each would train its own copy; pass distributed=ddp (or fsdp)")
+        raise ConfigError(
+            f"this job was launched as {layout.world_size} processes ({layout.launcher}) but "
+            f"distributed=none, so each would train its own copy; pass distributed=ddp (or fsdp)"
+        )
     if layout.world_size > 1 and name == "dp":
-        raise ConfigError(f"distributed=dp is nn.DataParallel: one process that drives every local GPU; it cannot "
-                          f"run as {layout.world_size} processes ({layout.launcher}). Use distributed=ddp under "
-                          f"torchrun, or start dp with plain `python -m runner`")
+        raise ConfigError(
+            f"distributed=dp is nn.DataParallel: one process that drives every local GPU; it cannot "
+            f"run as {layout.world_size} processes ({layout.launcher}). Use distributed=ddp under "
+            f"torchrun, or start dp with plain `python -m runner`"
+        )
     if cfg.sync_batchnorm and name in ("fsdp", "tp", "pp", "dp"):
-        raise ConfigError(f"distributed.sync_batchnorm=true works with distributed=ddp only (here distributed={name}); "
-                          f"drop it or use ddp")
+        raise ConfigError(
+            f"distributed.sync_batchnorm=true works with distributed=ddp only (here distributed={name}); "
+            f"drop it or use ddp"
+        )
     if name == "pp" and cfg.pp_schedule not in ("gpipe", "1f1b"):
         check_choice("distributed.pp_schedule", cfg.pp_schedule)
     for key, owner in (("tp_size", "tp"), ("pp_size", "pp")):
         size = cfg[key]
         if size is not None and (name != owner or size < 1 or layout.world_size % size):
-            raise ConfigError(f"distributed.{key}={size} " + (
-                f"is read by distributed={owner} only (here {name}); drop it" if name != owner else
-                f"must divide the world size {layout.world_size} (the rest of the ranks are data parallel); launch a "
-                f"multiple of it or pick a divisor"))
+            raise ConfigError(
+                f"distributed.{key}={size} "
+                + (
+                    f"is read by distributed={owner} only (here {name}); drop it"
+                    if name != owner
+                    else f"must divide the world size {layout.world_size} (the rest of the ranks are data "
+                    f"parallel); launch a multiple of it or pick a divisor"
+                )
+            )
     check_choice("distributed.backend", cfg.backend)
     if cfg.timeout_s <= 0:
         raise ConfigError(f"distributed.timeout_s={cfg.timeout_s} must be > 0 seconds")
@@ -118,19 +131,33 @@ def setup(cfg: DictConfig, device: str = "auto") -> Env:
     dev = pick_device(device, layout.local_rank)
     backend = cfg.backend or ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
-        raise ConfigError("distributed.backend=nccl needs CUDA devices but this run is on the CPU; use "
-                          "distributed.backend=gloo (or null)")
+        raise ConfigError(
+            "distributed.backend=nccl needs CUDA devices but this run is on the CPU; use "
+            "distributed.backend=gloo (or null)"
+        )
     if cfg.name in ("ddp", "fsdp", "tp", "pp") and not dist.is_initialized():
         timeout = timedelta(seconds=cfg.timeout_s)
         if layout.launcher == "srun":
             os.environ.setdefault("MASTER_ADDR", str(layout.master_addr))
             os.environ.setdefault("MASTER_PORT", str(layout.master_port))
         store = attempt_store(layout, timeout) if layout.world_size > 1 else dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=timeout,
-                                device_id=dev if dev.type == "cuda" else None)
-    return Env(rank=layout.rank, local_rank=layout.local_rank, world_size=layout.world_size, nodes=layout.nodes,
-               device=dev, launcher=layout.launcher,
-               model_parallel={"tp": cfg.tp_size, "pp": cfg.pp_size}.get(cfg.name, 1) or layout.world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=layout.rank,
+            world_size=layout.world_size,
+            timeout=timeout,
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return Env(
+        rank=layout.rank,
+        local_rank=layout.local_rank,
+        world_size=layout.world_size,
+        nodes=layout.nodes,
+        device=dev,
+        launcher=layout.launcher,
+        model_parallel={"tp": cfg.tp_size, "pp": cfg.pp_size}.get(cfg.name, 1) or layout.world_size,
+    )
 
 
 def attempt_store(layout: launch.Layout, timeout: timedelta) -> dist.Store:
@@ -157,8 +184,11 @@ def broadcast_module_state(model: torch.nn.Module, src: int = 0) -> bool:
     summary instead of being silently papered over). Collective: every rank must call it.
     """
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
-    digest = torch.tensor([float(sum(t.detach().double().sum().item() for t in tensors))], dtype=torch.float64,
-                          device=tensors[0].device if tensors else "cpu")
+    digest = torch.tensor(
+        [float(sum(t.detach().double().sum().item() for t in tensors))],
+        dtype=torch.float64,
+        device=tensors[0].device if tensors else "cpu",
+    )
     reference = digest.clone()
     dist.broadcast(reference, src)
     same = torch.tensor([1 if torch.equal(digest, reference) else 0], device=digest.device)
@@ -220,13 +250,25 @@ def reduce_figures(totals: dict, peak_memory_mb: float, env: Env) -> dict:
     out = dict(totals, peak_memory_mb=peak_memory_mb)
     if not env.distributed:
         return out
-    t = torch.tensor([totals["measured_time_s"], totals["step_time_ms_median"] or 0.0,
-                      totals["step_time_ms_p90"] or 0.0, peak_memory_mb], dtype=torch.float64, device=env.device)
+    t = torch.tensor(
+        [
+            totals["measured_time_s"],
+            totals["step_time_ms_median"] or 0.0,
+            totals["step_time_ms_p90"] or 0.0,
+            peak_memory_mb,
+        ],
+        dtype=torch.float64,
+        device=env.device,
+    )
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank takes part, even one without measured steps
     slowest_s, median, p90, mem = t.tolist()
     out["peak_memory_mb"] = mem
     if totals["measured_steps"] == 0 or slowest_s <= 0:
         return out
-    out.update(step_time_ms_median=median, step_time_ms_p90=p90, measured_time_s=slowest_s,
-               samples_per_sec=totals["samples_per_sec"] * totals["measured_time_s"] / slowest_s)
+    out.update(
+        step_time_ms_median=median,
+        step_time_ms_p90=p90,
+        measured_time_s=slowest_s,
+        samples_per_sec=totals["samples_per_sec"] * totals["measured_time_s"] / slowest_s,
+    )
     return out

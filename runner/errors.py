@@ -27,9 +27,11 @@ def deterministic_refusal(e: BaseException) -> ConfigError | None:
     if not isinstance(e, RuntimeError) or marker not in str(e):
         return None
     op = str(e).split(marker)[0].split()[-1]
-    return ConfigError(f"trainer.deterministic=true: this job's step runs {op}, which has no deterministic kernel "
-                       f"on this device, so no run of it can be bit-identical; use trainer.deterministic=false, or "
-                       f"a model without that operation")
+    return ConfigError(
+        f"trainer.deterministic=true: this job's step runs {op}, which has no deterministic kernel "
+        f"on this device, so no run of it can be bit-identical; use trainer.deterministic=false, or "
+        f"a model without that operation"
+    )
 
 
 class TrainingDiverged(RuntimeError):

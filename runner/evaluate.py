@@ -26,10 +26,14 @@ from runner.track.records import check_weights
 #: ``--weights`` choice -> (file in the job folder, what writes it: the fix when it is missing).
 WEIGHTS = {
     "final": ("model.safetensors", "checkpoint.at_end=true (the default) writes it after the last step"),
-    "ema": ("model_ema.safetensors", "trainer.ema_decay=<decay> (e.g. 0.999) keeps a moving average of the "
-                                     "weights and writes it at the end"),
-    "best": ("best/model.safetensors", "checkpoint.keep_best=true writes it after each evaluation that "
-                                       "improves checkpoint.best_metric"),
+    "ema": (
+        "model_ema.safetensors",
+        "trainer.ema_decay=<decay> (e.g. 0.999) keeps a moving average of the weights and writes it at the end",
+    ),
+    "best": (
+        "best/model.safetensors",
+        "checkpoint.keep_best=true writes it after each evaluation that improves checkpoint.best_metric",
+    ),
 }
 
 
@@ -41,14 +45,19 @@ def weights_file(folder: Path, weights: str, cfg: DictConfig | None = None) -> P
             folder has instead).
     """
     if weights not in WEIGHTS:
-        raise ConfigError(f"--weights {weights}: use one of {', '.join(WEIGHTS)} "
-                          f"({', '.join(f'{k}: {v[0]}' for k, v in WEIGHTS.items())})")
+        raise ConfigError(
+            f"--weights {weights}: use one of {', '.join(WEIGHTS)} "
+            f"({', '.join(f'{k}: {v[0]}' for k, v in WEIGHTS.items())})"
+        )
     name, writer = WEIGHTS[weights]
     path = folder / name
     if path.is_file():
         return path
-    why = {"final": "the job did not finish (the final weights are written after its last step)",
-           "ema": "the job kept no moving average of its weights", "best": "the job kept no best weights"}[weights]
+    why = {
+        "final": "the job did not finish (the final weights are written after its last step)",
+        "ema": "the job kept no moving average of its weights",
+        "best": "the job kept no best weights",
+    }[weights]
     if weights == "final" and cfg is not None and OmegaConf.select(cfg, "checkpoint.at_end") is False:
         why = "the job ran with checkpoint.at_end=false, which writes no final weights"
     have = [k for k, (n, _) in WEIGHTS.items() if (folder / n).is_file()]
@@ -64,25 +73,30 @@ def _hydra_facts(folder: Path) -> tuple[dict[str, str], list[str]]:
         return {}, []
     try:
         hydra = OmegaConf.load(path).hydra
-        choices = {str(g): str(o) for g, o in hydra.runtime.choices.items()
-                   if o is not None and "/" not in str(g) and g != "experiment"}  # runner's top-level groups
+        choices = {
+            str(g): str(o)
+            for g, o in hydra.runtime.choices.items()
+            if o is not None and "/" not in str(g) and g != "experiment"
+        }  # runner's top-level groups
         cwd = Path(str(hydra.runtime.cwd))
         searchpath = []
-        for entry in [str(p) for p in hydra.searchpath] + [f"{s.schema}://{s.path}"
-                                                           for s in hydra.runtime.config_sources
-                                                           if s.provider == "command-line"]:
+        for entry in [str(p) for p in hydra.searchpath] + [
+            f"{s.schema}://{s.path}" for s in hydra.runtime.config_sources if s.provider == "command-line"
+        ]:
             scheme, _, where = entry.partition("://")
             if scheme == "file" and not Path(where).is_absolute():  # relative to the folder the job ran from
                 entry = f"file://{cwd / where}"
             searchpath.append(entry)
     except Exception as e:  # noqa: BLE001 - a damaged YAML file fails in many ways: one message
-        raise ConfigError(f"{path} cannot be read ({type(e).__name__}: {e}); it must be the file Hydra wrote "
-                          f"for the job") from e
+        raise ConfigError(
+            f"{path} cannot be read ({type(e).__name__}: {e}); it must be the file Hydra wrote for the job"
+        ) from e
     return choices, searchpath
 
 
-def job_config(folder: Path, overrides: list[str] | tuple[str, ...] = (),
-               policy: trust.Policy | None = None) -> DictConfig:
+def job_config(
+    folder: Path, overrides: list[str] | tuple[str, ...] = (), policy: trust.Policy | None = None
+) -> DictConfig:
     """The job's config (``<folder>/.hydra/config.yaml``, resolved, then Hydra-style ``overrides``) over runner's
     conf/ composed with the job's group choices (docs/checkpointing.md, "What is rebuilt"); checked by
     ``runner.trust`` under ``policy`` first.
@@ -117,31 +131,38 @@ def _saved_config(folder: Path, policy: trust.Policy) -> tuple[DictConfig, Path]
     interpolations) before it is resolved."""
     saved_path = folder / ".hydra" / "config.yaml"
     if not folder.is_dir():
-        raise ConfigError(f"{folder} is not a folder; pass a finished job's folder of `python -m runner`, "
-                          f"outputs/<date>/<time> or outputs/multirun/<date>/<time>/<n>")
+        raise ConfigError(
+            f"{folder} is not a folder; pass a finished job's folder of `python -m runner`, "
+            f"outputs/<date>/<time> or outputs/multirun/<date>/<time>/<n>"
+        )
     if not saved_path.is_file():
-        raise ConfigError(f"{folder} is not a job folder of `python -m runner`: it has no .hydra/config.yaml (the "
-                          f"config a run saves); pass a finished job's folder, outputs/<date>/<time> or "
-                          f"outputs/multirun/<date>/<time>/<n>")
+        raise ConfigError(
+            f"{folder} is not a job folder of `python -m runner`: it has no .hydra/config.yaml (the "
+            f"config a run saves); pass a finished job's folder, outputs/<date>/<time> or "
+            f"outputs/multirun/<date>/<time>/<n>"
+        )
     trust.check_package(folder, policy)
     try:
         saved = OmegaConf.load(saved_path)
     except Exception as e:  # noqa: BLE001 - YAML errors: one message
-        raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
-                          f"saved for the job") from e
+        raise ConfigError(
+            f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra saved for the job"
+        ) from e
     trust.moved(saved)  # a job folder from before the package's folders names the old paths of runner's objects
     trust.check_config(saved, policy, saved_path)  # before anything is resolved: the targets first, then how
     trust.check_interpolations(saved, policy, saved_path)
     try:
         OmegaConf.resolve(saved)
     except Exception as e:  # noqa: BLE001 - interpolation errors: one message
-        raise ConfigError(f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra "
-                          f"saved for the job") from e
+        raise ConfigError(
+            f"{saved_path} cannot be read ({type(e).__name__}: {e}); it must be the config Hydra saved for the job"
+        ) from e
     return saved, saved_path
 
 
-def _parse_overrides(overrides, choices: dict[str, str], groups: set[str],
-                     policy: trust.Policy) -> tuple[dict[str, str], list, trust.Policy]:
+def _parse_overrides(
+    overrides, choices: dict[str, str], groups: set[str], policy: trust.Policy
+) -> tuple[dict[str, str], list, trust.Policy]:
     """The overrides split into group switches (``data=cifar10``) and key overrides; a ``_target_`` the user names
     here is allowed (the returned policy)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -160,8 +181,10 @@ def _parse_overrides(overrides, choices: dict[str, str], groups: set[str],
         if group in choices and "." not in group and not o.is_delete():
             switched[group] = o.get_value_element_as_str()
         elif group.split("/")[0] in groups and "." not in group:
-            raise ConfigError(f"{o.input_line}: the job has no {group} group to switch (its groups: "
-                              f"{', '.join(sorted(choices))}); set the keys you need instead (key=value)")
+            raise ConfigError(
+                f"{o.input_line}: the job has no {group} group to switch (its groups: "
+                f"{', '.join(sorted(choices))}); set the keys you need instead (key=value)"
+            )
         else:
             keys.append(o)
             if group.split(".")[-1] == "_target_" and not o.is_delete():
@@ -169,8 +192,9 @@ def _parse_overrides(overrides, choices: dict[str, str], groups: set[str],
     return switched, keys, policy
 
 
-def _typed(saved: DictConfig, saved_path: Path, choices: dict[str, str], switched: dict[str, str],
-           searchpath: list[str]) -> DictConfig:
+def _typed(
+    saved: DictConfig, saved_path: Path, choices: dict[str, str], switched: dict[str, str], searchpath: list[str]
+) -> DictConfig:
     """The saved values laid over the config Hydra composes from runner's conf/ with the job's group choices (and
     the switched ones), so every node keeps its schema."""
     from omegaconf.errors import OmegaConfBaseException
@@ -180,15 +204,19 @@ def _typed(saved: DictConfig, saved_path: Path, choices: dict[str, str], switche
     try:
         typed = variants.compose([f"{g}={o}" for g, o in {**choices, **switched}.items()], searchpath)
     except Exception as e:  # noqa: BLE001 - Hydra's compose errors come in several types: one message
-        raise ConfigError(f"{' '.join(f'{g}={o}' for g, o in switched.items()) or 'the job'}'s groups do not "
-                          f"compose with runner's configs: {e}") from e
+        raise ConfigError(
+            f"{' '.join(f'{g}={o}' for g, o in switched.items()) or 'the job'}'s groups do not "
+            f"compose with runner's configs: {e}"
+        ) from e
     try:
         cfg = OmegaConf.merge(typed, {k: v for k, v in saved.items() if k not in switched})
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{saved_path} does not fit runner's config schema for the job's groups "
-                          f"({', '.join(f'{g}={o}' for g, o in choices.items())}): {e}. It was written by another "
-                          f"version of runner (evaluate it with that version), or .hydra/hydra.yaml is missing or "
-                          f"edited") from e
+        raise ConfigError(
+            f"{saved_path} does not fit runner's config schema for the job's groups "
+            f"({', '.join(f'{g}={o}' for g, o in choices.items())}): {e}. It was written by another "
+            f"version of runner (evaluate it with that version), or .hydra/hydra.yaml is missing or "
+            f"edited"
+        ) from e
     OmegaConf.set_struct(cfg, True)
     return cfg
 
@@ -206,8 +234,9 @@ def _apply(cfg: DictConfig, keys: list) -> None:
         except HydraException as e:
             message = misspelt_override(e)
             cause = e.__cause__ if e.__cause__ is not None else e
-            raise ConfigError(message or f"{o.input_line} does not apply to the job's config: "
-                                         f"{str(cause).splitlines()[0]}") from e
+            raise ConfigError(
+                message or f"{o.input_line} does not apply to the job's config: {str(cause).splitlines()[0]}"
+            ) from e
 
 
 @dataclass
@@ -228,8 +257,12 @@ class Rebuilt:
     weights_verified: bool = False  # its SHA-256 matched summary.json's (False: the run recorded none)
 
 
-def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
-            policy: trust.Policy | None = None) -> Rebuilt:
+def rebuild(
+    folder: Path,
+    weights: str = "final",
+    overrides: list[str] | tuple[str, ...] = (),
+    policy: trust.Policy | None = None,
+) -> Rebuilt:
     """Rebuild job ``folder`` as the engine builds it (no compile or wrapper; ``compress=qat``'s fake-quantized
     layers) on ``trainer.device`` and load ``--weights``; ``policy``: what the job's config may name (``runner.trust``).
 
@@ -242,14 +275,20 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     """
     folder = Path(folder)
     overrides = list(overrides)
-    defaults = [] if any(o.lstrip("+~").startswith("trainer.eval_max_batches") for o in overrides) \
+    defaults = (
+        []
+        if any(o.lstrip("+~").startswith("trainer.eval_max_batches") for o in overrides)
         else ["trainer.eval_max_batches=null"]
+    )
     cfg = job_config(folder, defaults + overrides, policy)  # bad input stops here, before torch is imported
     path = weights_file(folder, weights, cfg)
     verified = check_weights(folder, path)  # against summary.json's SHA-256: a modified file is refused
     if not verified:  # a run that did not finish, or one from before runner kept checksums
-        print(f"warning: {path} has no SHA-256 in {Path(folder) / 'summary.json'}: it is loaded unchecked",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {path} has no SHA-256 in {Path(folder) / 'summary.json'}: it is loaded unchecked",
+            file=sys.stderr,
+            flush=True,
+        )
 
     import numpy as np
     import torch
@@ -259,8 +298,9 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     from runner.techniques import compress, precision, prepare
 
     validate(cfg)
-    env = distributed.Env(rank=0, local_rank=0, world_size=1, nodes=1,
-                          device=distributed.pick_device(cfg.trainer.device))
+    env = distributed.Env(
+        rank=0, local_rank=0, world_size=1, nodes=1, device=distributed.pick_device(cfg.trainer.device)
+    )
     # runner.engine.build.seed_everything's three seeds (a data function may draw its split), without its imports
     random.seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed)
@@ -268,8 +308,14 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
     task = task_mod.build(cfg.task)
     skipped = task.skipped(cfg)
     channels_last = cfg.channels_last and "channels_last" not in skipped
-    data = data_mod.build(cfg.data, cfg.dataloader, env, seed=cfg.trainer.seed,
-                          memory_format=torch.channels_last if channels_last else torch.contiguous_format, task=task)
+    data = data_mod.build(
+        cfg.data,
+        cfg.dataloader,
+        env,
+        seed=cfg.trainer.seed,
+        memory_format=torch.channels_last if channels_last else torch.contiguous_format,
+        task=task,
+    )
     _check_vocabulary(folder, data.vocab, cfg)
     model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item)
     task.check(model, data)
@@ -277,16 +323,22 @@ def rebuild(folder: Path, weights: str = "final", overrides: list[str] | tuple[s
         models.load_weights(model, path)
     except RuntimeError as e:
         if "state_dict" not in str(e):
-            raise ConfigError(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:300]}): the file is "
-                              f"corrupt or truncated; {WEIGHTS[weights][1]}, so train the job again") from e
-        raise ConfigError(f"{path} does not fit the job's model {cfg.model._target_} "
-                          f"({str(e).splitlines()[0][:300]} ...): the file holds another model's weights, or the "
-                          f"overrides changed the model's shape (model.*, or data with other channels, classes or "
-                          f"vocabulary than the job's); evaluate with the job's model and data of the same kind") from e
+            raise ConfigError(
+                f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:300]}): the file is "
+                f"corrupt or truncated; {WEIGHTS[weights][1]}, so train the job again"
+            ) from e
+        raise ConfigError(
+            f"{path} does not fit the job's model {cfg.model._target_} "
+            f"({str(e).splitlines()[0][:300]} ...): the file holds another model's weights, or the "
+            f"overrides changed the model's shape (model.*, or data with other channels, classes or "
+            f"vocabulary than the job's); evaluate with the job's model and data of the same kind"
+        ) from e
     except Exception as e:  # noqa: BLE001 - safetensors' reader raises its own SafetensorError (and OSError)
-        raise ConfigError(f"cannot read {path} as safetensors weights ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:300] if str(e) else ''}): the file is corrupt or truncated; "
-                          f"{WEIGHTS[weights][1]}, so train the job again") from e
+        raise ConfigError(
+            f"cannot read {path} as safetensors weights ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300] if str(e) else ''}): the file is corrupt or truncated; "
+            f"{WEIGHTS[weights][1]}, so train the job again"
+        ) from e
     model = model.to(env.device)
     compress.for_evaluation(model, cfg)  # compress=qat: its fake-quantized layers, as it trained
     if channels_last:
@@ -312,13 +364,20 @@ def _check_vocabulary(folder: Path, vocab: list[str] | None, cfg: DictConfig) ->
     except (OSError, ValueError):
         return
     if list(saved) != list(vocab):
-        raise ConfigError(f"data.path={cfg.data.path} has a vocabulary of {len(vocab)} characters that differs from "
-                          f"the {len(saved)} of the job's {saved_path}: its token ids would mean other characters; "
-                          f"evaluate on the text the job trained on, or on text with exactly its characters")
+        raise ConfigError(
+            f"data.path={cfg.data.path} has a vocabulary of {len(vocab)} characters that differs from "
+            f"the {len(saved)} of the job's {saved_path}: its token ids would mean other characters; "
+            f"evaluate on the text the job trained on, or on text with exactly its characters"
+        )
 
 
-def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
-             out: Path | None = None, policy: trust.Policy | None = None) -> dict[str, Any]:
+def evaluate(
+    folder: Path,
+    weights: str = "final",
+    overrides: list[str] | tuple[str, ...] = (),
+    out: Path | None = None,
+    policy: trust.Policy | None = None,
+) -> dict[str, Any]:
     """Evaluate the job in ``folder`` with ``weights`` on its validation split (or the overrides' data) and write
     the record atomically to ``out`` (default ``<folder>/eval-<weights>.json``); returns it (its fields:
     docs/checkpointing.md, "Evaluate and export a finished job"; ``eval_time_s`` in seconds).
@@ -339,18 +398,30 @@ def evaluate(folder: Path, weights: str = "final", overrides: list[str] | tuple[
     metrics = r.task.evaluate(r.model, r.data.eval, r.amp.autocast, t.eval_max_batches, r.env)
     elapsed = time.perf_counter() - started
     batches = len(r.data.eval) if t.eval_max_batches is None else min(len(r.data.eval), t.eval_max_batches)
-    record = {"job": str(r.folder), "weights": weights, "weights_file": str(r.weights_path.relative_to(r.folder)),
-              "weights_verified": r.weights_verified, "overrides": r.overrides, "metrics": metrics,
-              "data": OmegaConf.to_container(r.cfg.data, resolve=True), "batch_size": r.cfg.dataloader.batch_size,
-              "eval_max_batches": t.eval_max_batches, "batches": batches, "device": str(r.env.device),
-              "precision": r.cfg.precision.name, "eval_time_s": elapsed, "torch_version": torch.__version__}
+    record = {
+        "job": str(r.folder),
+        "weights": weights,
+        "weights_file": str(r.weights_path.relative_to(r.folder)),
+        "weights_verified": r.weights_verified,
+        "overrides": r.overrides,
+        "metrics": metrics,
+        "data": OmegaConf.to_container(r.cfg.data, resolve=True),
+        "batch_size": r.cfg.dataloader.batch_size,
+        "eval_max_batches": t.eval_max_batches,
+        "batches": batches,
+        "device": str(r.env.device),
+        "precision": r.cfg.precision.name,
+        "eval_time_s": elapsed,
+        "torch_version": torch.__version__,
+    }
     path = Path(out) if out is not None else r.folder / f"eval-{weights}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, record)
     except OSError as e:  # a read-only job folder, a full disk
-        raise ConfigError(f"cannot write {path} ({e.strerror or e}); pass --out <a file in a folder you can "
-                          f"write>") from e
+        raise ConfigError(
+            f"cannot write {path} ({e.strerror or e}); pass --out <a file in a folder you can write>"
+        ) from e
     record["path"] = str(path)
     return record
 
@@ -370,20 +441,23 @@ def _writable(out: Path) -> None:
         with tempfile.TemporaryFile(dir=out.parent):
             pass
     except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write into {out.parent} ({e.strerror or e}); give a file in a folder "
-                          f"you can write") from e
+        raise ConfigError(
+            f"--out {out}: cannot write into {out.parent} ({e.strerror or e}); give a file in a folder you can write"
+        ) from e
 
 
 def render(record: dict[str, Any]) -> str:
     """The record as console lines: what was evaluated, one metric per line, where it was written."""
     data = record["data"]
     where = data.get("path") or data.get("root")
-    lines = [f"evaluated {record['job']} (--weights {record['weights']}: {record['weights_file']}) on "
-             f"data={data.get('name')}" + (f" ({where})" if where and data.get("name") != "synthetic" else "")
-             + f", validation split: {record['batches']} batches of {record['batch_size']}"
-             + ("" if record["eval_max_batches"] is None
-                else f" (trainer.eval_max_batches={record['eval_max_batches']})")
-             + f", {record['device']}, precision={record['precision']}"]
+    lines = [
+        f"evaluated {record['job']} (--weights {record['weights']}: {record['weights_file']}) on "
+        f"data={data.get('name')}"
+        + (f" ({where})" if where and data.get("name") != "synthetic" else "")
+        + f", validation split: {record['batches']} batches of {record['batch_size']}"
+        + ("" if record["eval_max_batches"] is None else f" (trainer.eval_max_batches={record['eval_max_batches']})")
+        + f", {record['device']}, precision={record['precision']}"
+    ]
     width = max(len(k) for k in record["metrics"])
     lines += [f"  {k:<{width}}  {'-' if v is None else f'{v:.6g}'}" for k, v in record["metrics"].items()]
     lines.append(f"wrote {record['path']}")
@@ -395,11 +469,16 @@ def parse(prog: str, description: str, argv: list[str] | None, export: bool = Fa
     (``--format`` for export, ``--out`` for evaluate) and Hydra overrides, in any order."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("job", type=Path, help="a finished job folder (outputs/<date>/<time>) holding .hydra/")
-    parser.add_argument("--weights", default="final",
-                        help="; ".join(f"{k}: {v[0]}" for k, v in WEIGHTS.items()) + " (default final)")
+    parser.add_argument(
+        "--weights", default="final", help="; ".join(f"{k}: {v[0]}" for k, v in WEIGHTS.items()) + " (default final)"
+    )
     if export:
-        parser.add_argument("--format", required=True, help="torch: model.pt2 (torch.export); onnx: model.onnx; "
-                            "int8: model.int8.pt2 (int8 Linear layers, torchao; both accuracies printed)")
+        parser.add_argument(
+            "--format",
+            required=True,
+            help="torch: model.pt2 (torch.export); onnx: model.onnx; "
+            "int8: model.int8.pt2 (int8 Linear layers, torchao; both accuracies printed)",
+        )
     else:
         parser.add_argument("--out", type=Path, help="the record's file (default <job>/eval-<weights>.json)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job's config (data=..., key=value)")
@@ -410,8 +489,12 @@ def parse(prog: str, description: str, argv: list[str] | None, export: bool = Fa
 def main(argv: list[str] | None = None) -> int:
     """``python -m runner.evaluate JOB [--weights final|ema|best] [--out FILE] [overrides]``; returns the exit
     status: 0, or 2 with one ``error:`` line for bad input (nothing written)."""
-    args = parse("python -m runner.evaluate", "Evaluate a finished job's weights on its validation split "
-                 "(or the data the overrides name); writes eval-<weights>.json into the job folder.", argv)
+    args = parse(
+        "python -m runner.evaluate",
+        "Evaluate a finished job's weights on its validation split "
+        "(or the data the overrides name); writes eval-<weights>.json into the job folder.",
+        argv,
+    )
     try:
         policy = trust.Policy.make(args.trust, args.allow_target, args.job)
         record = evaluate(args.job, args.weights, args.overrides, args.out, policy)

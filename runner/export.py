@@ -32,9 +32,11 @@ FORMATS = {"torch": ".pt2", "onnx": ".onnx", "int8": ".int8.pt2"}
 TOLERANCE = {"torch": (1e-4, 1e-5), "onnx": (1e-3, 1e-4), "int8": (1e-4, 1e-5)}
 
 #: The first line of ``--format onnx`` without its packages.
-ONNX_MISSING = ("--format onnx needs the onnx extra: pip install 'runner[onnx]' (onnx and onnxscript for "
-                "torch.onnx.export(dynamo=True), onnxruntime for the check), or pip install onnx onnxscript "
-                "onnxruntime")
+ONNX_MISSING = (
+    "--format onnx needs the onnx extra: pip install 'runner[onnx]' (onnx and onnxscript for "
+    "torch.onnx.export(dynamo=True), onnxruntime for the check), or pip install onnx onnxscript "
+    "onnxruntime"
+)
 
 
 @dataclass
@@ -71,8 +73,10 @@ def example_input(data) -> Any:
     """
     for x, _ in data.eval:
         return x[:2].contiguous()
-    raise ConfigError("the validation split yields no batch to take the export's example input from; check the "
-                      "data settings (data.eval_size, the dataset's test split)")
+    raise ConfigError(
+        "the validation split yields no batch to take the export's example input from; check the "
+        "data settings (data.eval_size, the dataset's test split)"
+    )
 
 
 def _trace(model, x, fmt: str, path: Path) -> bool:
@@ -91,9 +95,11 @@ def _trace(model, x, fmt: str, path: Path) -> bool:
         except Exception as e:  # noqa: BLE001 - the exporters raise many types; the last one is reported
             last = e
     what = "torch.onnx.export(dynamo=True)" if fmt == "onnx" else "torch.export.export"
-    raise ConfigError(f"{what} cannot export this model ({_first_line(last)}); the exporter needs a model "
-                      f"torch.export can trace (no data-dependent Python control flow), see "
-                      f"https://pytorch.org/docs/stable/export.html") from last
+    raise ConfigError(
+        f"{what} cannot export this model ({_first_line(last)}); the exporter needs a model "
+        f"torch.export can trace (no data-dependent Python control flow), see "
+        f"https://pytorch.org/docs/stable/export.html"
+    ) from last
 
 
 def _run_exported(fmt: str, path: Path, x) -> tuple[Any, str]:
@@ -114,8 +120,13 @@ def _run_exported(fmt: str, path: Path, x) -> tuple[Any, str]:
     return torch.from_numpy(out), ""
 
 
-def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] | tuple[str, ...] = (),
-           policy: trust.Policy | None = None) -> Exported:
+def export(
+    folder: Path,
+    fmt: str,
+    weights: str = "final",
+    overrides: list[str] | tuple[str, ...] = (),
+    policy: trust.Policy | None = None,
+) -> Exported:
     """Export job ``folder``'s model (``--weights``) in format ``fmt`` (``torch``, ``onnx`` or ``int8``) next to its
     weights file, and check the exported model's output on the example input against the model's.
 
@@ -131,8 +142,10 @@ def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] 
             is written then.
     """
     if fmt not in FORMATS:
-        raise ConfigError(f"--format {fmt}: use torch (model.pt2 via torch.export), onnx (model.onnx via "
-                          f"torch.onnx.export(dynamo=True)) or int8 (model.int8.pt2: int8 Linear layers, torchao)")
+        raise ConfigError(
+            f"--format {fmt}: use torch (model.pt2 via torch.export), onnx (model.onnx via "
+            f"torch.onnx.export(dynamo=True)) or int8 (model.int8.pt2: int8 Linear layers, torchao)"
+        )
     if fmt == "onnx":
         try:
             import onnx  # noqa: F401 - torch.onnx.export(dynamo=True) needs both
@@ -159,19 +172,35 @@ def export(folder: Path, fmt: str, weights: str = "final", overrides: list[str] 
         if got is not None:
             got = got.float().to(expected.device)
             if got.shape != expected.shape:
-                raise ConfigError(f"the exported model returns shape {tuple(got.shape)}, the trained one "
-                                  f"{tuple(expected.shape)}, on the example input {tuple(x.shape)}; nothing written")
+                raise ConfigError(
+                    f"the exported model returns shape {tuple(got.shape)}, the trained one "
+                    f"{tuple(expected.shape)}, on the example input {tuple(x.shape)}; nothing written"
+                )
             diff = (got - expected).abs().max().item()
             if not torch.allclose(got, expected, rtol=rtol, atol=atol):
-                raise ConfigError(f"the exported model's outputs differ from the trained model's by up to {diff:.3g} "
-                                  f"(tolerance rtol={rtol:g}, atol={atol:g}) on the example input {tuple(x.shape)}; "
-                                  f"nothing written. Export on trainer.device=cpu, or report the model")
+                raise ConfigError(
+                    f"the exported model's outputs differ from the trained model's by up to {diff:.3g} "
+                    f"(tolerance rtol={rtol:g}, atol={atol:g}) on the example input {tuple(x.shape)}; "
+                    f"nothing written. Export on trainer.device=cpu, or report the model"
+                )
         for produced in tmp.iterdir():  # model.onnx may come with model.onnx.data: moved together, same names
             produced.replace(final.parent / produced.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Exported(final, fmt, weights, str(r.weights_path.relative_to(r.folder)), tuple(x.shape),
-                    str(x.dtype).removeprefix("torch."), dynamic, got is not None, diff, TOLERANCE[fmt], note, int8)
+    return Exported(
+        final,
+        fmt,
+        weights,
+        str(r.weights_path.relative_to(r.folder)),
+        tuple(x.shape),
+        str(x.dtype).removeprefix("torch."),
+        dynamic,
+        got is not None,
+        diff,
+        TOLERANCE[fmt],
+        note,
+        int8,
+    )
 
 
 def to_int8(r, model) -> dict[str, Any]:
@@ -196,27 +225,40 @@ def to_int8(r, model) -> dict[str, Any]:
     how = compress.to_int8(model)
     after, after_s = evaluate()
     model.eval()  # the task's evaluation leaves the model in training mode (BatchNorm would export batch statistics)
-    return {"how": how, "layers": len(compress.linear_layers(model)), "float": before, "int8": after,
-            "float_eval_s": before_s, "int8_eval_s": after_s}
+    return {
+        "how": how,
+        "layers": len(compress.linear_layers(model)),
+        "float": before,
+        "int8": after,
+        "float_eval_s": before_s,
+        "int8_eval_s": after_s,
+    }
 
 
 def render(e: Exported) -> str:
     """The console lines: what was written from which weights, the input, and the check's result."""
     how = "torch.onnx.export(dynamo=True)" if e.format == "onnx" else "torch.export"
-    batch = "batch dimension dynamic" if e.dynamic_batch else "batch size fixed at the example's (the model " \
-                                                               "did not export with a dynamic batch)"
-    lines = [f"exported {e.path} ({how}, --weights {e.weights}: {e.weights_file}; input {e.input_shape} "
-             f"{e.input_dtype}, {batch})"]
+    batch = (
+        "batch dimension dynamic"
+        if e.dynamic_batch
+        else "batch size fixed at the example's (the model did not export with a dynamic batch)"
+    )
+    lines = [
+        f"exported {e.path} ({how}, --weights {e.weights}: {e.weights_file}; input {e.input_shape} "
+        f"{e.input_dtype}, {batch})"
+    ]
     runner_ = "onnxruntime (CPU)" if e.format == "onnx" else "torch.export.load(...).module()"
     rtol, atol = e.tolerance
-    lines.append(f"check: {runner_} matches the {'int8' if e.int8 else 'trained'} model on {e.input_shape[0]} "
-                 f"validation inputs: max |diff| {e.max_abs_diff:.3g} (tolerance rtol={rtol:g}, atol={atol:g})"
-                 if e.checked else e.note)
+    lines.append(
+        f"check: {runner_} matches the {'int8' if e.int8 else 'trained'} model on {e.input_shape[0]} "
+        f"validation inputs: max |diff| {e.max_abs_diff:.3g} (tolerance rtol={rtol:g}, atol={atol:g})"
+        if e.checked
+        else e.note
+    )
     if e.int8:
         q = e.int8
         float_name = "fake-quantized (compress=qat)" if q["how"] == "qat" else "float"
-        lines.append(f"int8 ({q['how']} conversion of {q['layers']} Linear layers; the validation split, no "
-                     f"autocast):")
+        lines.append(f"int8 ({q['how']} conversion of {q['layers']} Linear layers; the validation split, no autocast):")
         for name, key in ((float_name, "float"), ("int8", "int8")):
             figures = ", ".join(f"{k} {'-' if v is None else f'{v:.6g}'}" for k, v in q[key].items())
             lines.append(f"  {name}: {figures} ({q[f'{key}_eval_s']:.2f} s)")
@@ -226,9 +268,13 @@ def render(e: Exported) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m runner.export JOB --format torch|onnx|int8 [--weights final|ema|best] [overrides]``; returns the
     exit status: 0, or 2 with one ``error:`` line (nothing written)."""
-    args = parse("python -m runner.export", "Export a finished job's model (torch.export, ONNX, or int8 via "
-                 "torchao and torch.export) and check the exported model's outputs against the model's.", argv,
-                 export=True)
+    args = parse(
+        "python -m runner.export",
+        "Export a finished job's model (torch.export, ONNX, or int8 via "
+        "torchao and torch.export) and check the exported model's outputs against the model's.",
+        argv,
+        export=True,
+    )
     try:
         policy = trust.Policy.make(args.trust, args.allow_target, args.job)
         result = export(args.job, args.format, args.weights, args.overrides, policy)

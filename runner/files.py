@@ -72,7 +72,8 @@ def private_dir(name: str) -> Path:
         pass
     st = folder.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise OSError(f"{folder} is not a private folder of yours (a link, another user's, or open to others): "
-                      f"remove it and run again")
+        raise OSError(
+            f"{folder} is not a private folder of yours (a link, another user's, or open to others): "
+            f"remove it and run again"
+        )
     return folder
-

@@ -63,21 +63,32 @@ def discover(env: Mapping[str, str] | None = None) -> Layout:
             nodes = max(1, world // max(1, _int(env, "LOCAL_WORLD_SIZE")))
         else:
             nodes = 1
-        layout = Layout(rank=_int(env, "RANK"), local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-                        world_size=world, nodes=nodes, launcher="torchrun")
+        layout = Layout(
+            rank=_int(env, "RANK"),
+            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            world_size=world,
+            nodes=nodes,
+            launcher="torchrun",
+        )
     elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env and _int(env, "SLURM_STEP_NUM_TASKS") > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
         port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else master_port_for_job(env.get("SLURM_JOB_ID", "0"))
-        layout = Layout(rank=_int(env, "SLURM_PROCID"),
-                        local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-                        world_size=_int(env, "SLURM_STEP_NUM_TASKS"),
-                        nodes=_int(env, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in env else 1,
-                        launcher="srun", master_addr=env.get("MASTER_ADDR") or first_host(nodelist), master_port=port)
+        layout = Layout(
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            world_size=_int(env, "SLURM_STEP_NUM_TASKS"),
+            nodes=_int(env, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in env else 1,
+            launcher="srun",
+            master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+            master_port=port,
+        )
     else:
         return Layout()
     if not 0 <= layout.rank < layout.world_size:
-        raise ConfigError(f"rank {layout.rank} is outside the world of {layout.world_size} processes "
-                          f"({layout.launcher} environment); check the launcher's variables")
+        raise ConfigError(
+            f"rank {layout.rank} is outside the world of {layout.world_size} processes "
+            f"({layout.launcher} environment); check the launcher's variables"
+        )
     return layout
 
 
@@ -117,8 +128,9 @@ def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``scontrol show hostnames`` when available, else ``expand_nodelist``."""
     if shutil.which("scontrol"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+            )
             if out.returncode == 0 and out.stdout.split():
                 return out.stdout.split()[0]
         except (OSError, subprocess.SubprocessError):
@@ -212,8 +224,21 @@ def prepare_process(argv: list[str], env: Mapping[str, str] | None = None) -> La
 
 
 #: Hydra's command-line options that take a value (the next argument)
-VALUE_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--cfg", "-c", "--package",
-                 "-p", "--shell-completion", "-sc", "--experimental-rerun")
+VALUE_OPTIONS = (
+    "--config-dir",
+    "-cd",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--shell-completion",
+    "-sc",
+    "--experimental-rerun",
+)
 
 
 def options_first(args: list[str]) -> list[str]:
@@ -222,7 +247,7 @@ def options_first(args: list[str]) -> list[str]:
     options, overrides, i = [], [], 0
     while i < len(args):
         takes_value = args[i] in VALUE_OPTIONS and i + 1 < len(args)
-        (options if args[i].startswith("-") else overrides).extend(args[i:i + 1 + takes_value])
+        (options if args[i].startswith("-") else overrides).extend(args[i : i + 1 + takes_value])
         i += 1 + takes_value
     return options + overrides
 
@@ -237,10 +262,12 @@ def check_launcher(argv: list[str]) -> None:
         return
     missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
     if missing:
-        raise ConfigError(f"hydra/launcher=submitit_slurm submits the sweep's jobs to SLURM, but "
-                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH here; run it "
-                          f"on a SLURM login node, or drop hydra/launcher=submitit_slurm to run the sweep on this "
-                          f"machine")
+        raise ConfigError(
+            f"hydra/launcher=submitit_slurm submits the sweep's jobs to SLURM, but "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH here; run it "
+            f"on a SLURM login node, or drop hydra/launcher=submitit_slurm to run the sweep on this "
+            f"machine"
+        )
 
 
 def record_if_elastic(fn: Callable) -> Callable:
@@ -269,8 +296,10 @@ def torchrun(argv: list[str]) -> int:
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
         if EXIT_PREEMPTED in codes and all(c == EXIT_PREEMPTED or c < 0 for c in codes):
-            print(f"torchrun: the workers stopped for a preemption (exit status {EXIT_PREEMPTED}, checkpoint written)",
-                  flush=True)
+            print(
+                f"torchrun: the workers stopped for a preemption (exit status {EXIT_PREEMPTED}, checkpoint written)",
+                flush=True,
+            )
             return EXIT_PREEMPTED
         raise
     return 0

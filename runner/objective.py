@@ -42,12 +42,16 @@ def check(cfg: DictConfig) -> None:
     if name not in METRICS:
         close = difflib.get_close_matches(str(name), METRICS, n=1)
         hint = f"did you mean optimized_metric={close[0]}? " if close else ""
-        raise ConfigError(f"optimized_metric={name} is not a figure python -m runner can return: {hint}use one of "
-                          f"{', '.join(METRICS)} (or null: samples_per_sec)")
+        raise ConfigError(
+            f"optimized_metric={name} is not a figure python -m runner can return: {hint}use one of "
+            f"{', '.join(METRICS)} (or null: samples_per_sec)"
+        )
     t = cfg.trainer
     if name in TO_TARGET and t.target_accuracy is None and t.target_loss is None:
-        raise ConfigError(f"optimized_metric={name} needs a target: set trainer.target_accuracy (e.g. 0.98) or "
-                          f"trainer.target_loss, with trainer.stop_at_target=true to end each run there")
+        raise ConfigError(
+            f"optimized_metric={name} needs a target: set trainer.target_accuracy (e.g. 0.98) or "
+            f"trainer.target_loss, with trainer.stop_at_target=true to end each run there"
+        )
 
 
 def reached(summary: dict[str, Any]) -> bool:
@@ -61,13 +65,17 @@ def value(summary: dict[str, Any], name: str | None) -> float | None:
     figure (no evaluation, no tokens, a speed figure not measured)."""
     name = name or "samples_per_sec"
     if name in TO_TARGET and not reached(summary):
-        spent = {"time_to_target_s": summary.get("train_time_s"), "steps_to_target": summary.get("steps"),
-                 "samples_to_target": (summary.get("steps") or 0) * (summary.get("global_batch_size") or 0)}[name]
+        spent = {
+            "time_to_target_s": summary.get("train_time_s"),
+            "steps_to_target": summary.get("steps"),
+            "samples_to_target": (summary.get("steps") or 0) * (summary.get("global_batch_size") or 0),
+        }[name]
         return CENSORED_FACTOR * float(spent) if spent else None
     figure = summary.get(name)
     if figure is None or not math.isfinite(float(figure)):
         return None
     return float(figure)
+
 
 #: The ``_target_`` of ``hydra/sweeper=search`` (conf/hydra/sweeper/search.yaml), registered by ``python -m runner``
 SEARCH_SWEEPER = "hydra_plugins.runner_search.SearchSweeper"

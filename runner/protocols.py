@@ -39,8 +39,14 @@ class Task(Protocol):
         """The scalar training loss (0-d float tensor, with a graph) of one micro-batch ``(x, y)`` on the device;
         called under autocast. The loop divides it by the accumulation steps and calls ``backward``."""
 
-    def evaluate(self, model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                 autocast: Callable[[], ContextManager], max_batches: int | None, env: Any) -> dict[str, float | None]:
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        autocast: Callable[[], ContextManager],
+        max_batches: int | None,
+        env: Any,
+    ) -> dict[str, float | None]:
         """``{metric: value}`` for every name of ``metrics``, over at most ``max_batches`` batches per rank (None:
         all), reduced over the ranks; every value None when no batch was evaluated."""
 
@@ -112,7 +118,7 @@ def _call_mismatch(wanted: inspect.Signature, have: inspect.Signature) -> str | 
             return f"takes ({', '.join(map(str, params))}), not the argument {want.name!r} at position {i + 1}"
         if want.default is not want.empty and positional[i].default is positional[i].empty:
             return f"has no default for {want.name!r} (the engine may leave it out)"
-    extra = [p for p in params[len(wanted.parameters):] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    extra = [p for p in params[len(wanted.parameters) :] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     required = [p.name for p in extra if p.default is p.empty]
     return f"requires {', '.join(required)}, which the engine never passes" if required else None
 

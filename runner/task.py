@@ -33,8 +33,10 @@ IMAGE_ONLY = techniques.image_only()
 
 
 #: What ``Classification.check_target`` says a target must be (the data check's message ends with it).
-CLASS_INDEX = ("a classification target is one class index: a Python int or a 0-d int64 tensor (torch.long; e.g. "
-               "TensorDataset(x, y.long()) with y of shape (N,))")
+CLASS_INDEX = (
+    "a classification target is one class index: a Python int or a 0-d int64 tensor (torch.long; e.g. "
+    "TensorDataset(x, y.long()) with y of shape (N,))"
+)
 
 
 def logits_of(output) -> torch.Tensor:
@@ -55,15 +57,24 @@ def build(cfg: DictConfig):
     task = call("task._target_", cfg._target_, {k: v for k, v in plain(cfg).items() if k != "_target_"})
     wrong = protocols.mismatches(task, protocols.Task)
     if wrong:
-        raise ConfigError(f"task._target_={cfg._target_!r} is not a task: its {type(task).__name__} "
-                          f"{'; '.join(wrong)}; give it every member of runner.protocols.Task (a worked example: "
-                          f"runner.task.Regression, docs/data-and-models.md#adding-a-task)")
+        raise ConfigError(
+            f"task._target_={cfg._target_!r} is not a task: its {type(task).__name__} "
+            f"{'; '.join(wrong)}; give it every member of runner.protocols.Task (a worked example: "
+            f"runner.task.Regression, docs/data-and-models.md#adding-a-task)"
+        )
     return task
 
 
 @torch.inference_mode()
-def evaluation_sums(model: torch.nn.Module, batches, autocast, max_batches: int | None, env, size: int,
-                    sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[float]:
+def evaluation_sums(
+    model: torch.nn.Module,
+    batches,
+    autocast,
+    max_batches: int | None,
+    env,
+    size: int,
+    sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[float]:
     """Add up ``sums(logits, y)`` (a float64 vector of ``size``) over the evaluation batches and all ranks.
 
     Runs under ``torch.inference_mode()`` (technique 16: no autograd graph, no version counters;
@@ -116,9 +127,13 @@ class Classification(SampleTask):
 
     def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
         def sums(logits, y):
-            return torch.stack([(logits.argmax(1) == y).sum().double(),
-                                F.cross_entropy(logits, y, reduction="sum").double(),
-                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+            return torch.stack(
+                [
+                    (logits.argmax(1) == y).sum().double(),
+                    F.cross_entropy(logits, y, reduction="sum").double(),
+                    torch.tensor(y.numel(), device=y.device, dtype=torch.float64),
+                ]
+            )
 
         correct, loss_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 3, sums)
         if count == 0:  # nothing was evaluated: no figure, rather than a made-up 0.0
@@ -127,8 +142,10 @@ class Classification(SampleTask):
 
     def model_kwargs(self, data) -> dict[str, int]:
         if data.num_classes is None:
-            raise ConfigError("task=classification needs labelled samples, but this data yields token windows; "
-                              "add task=language_model model=gpt (or +experiment=shakespeare_char)")
+            raise ConfigError(
+                "task=classification needs labelled samples, but this data yields token windows; "
+                "add task=language_model model=gpt (or +experiment=shakespeare_char)"
+            )
         return {"num_classes": data.num_classes}
 
     def check_target(self, target) -> str | None:
@@ -149,8 +166,15 @@ class LanguageModel:
 
     metrics = ("eval_loss", "eval_perplexity", "eval_bits_per_char")
 
-    def __init__(self, sample_tokens: int = 500, sample_prompt: str = "\n", temperature: float = 1.0,
-                 top_k: int | None = None, loss: str = "full", loss_chunk_tokens: int = 4096):
+    def __init__(
+        self,
+        sample_tokens: int = 500,
+        sample_prompt: str = "\n",
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        loss: str = "full",
+        loss_chunk_tokens: int = 4096,
+    ):
         self.sample_tokens, self.sample_prompt = sample_tokens, sample_prompt
         self.temperature, self.top_k = temperature, top_k
         self.loss_kind, self.loss_chunk_tokens = loss, loss_chunk_tokens
@@ -175,13 +199,17 @@ class LanguageModel:
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"task.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 1")
         if "targets" not in inspect.signature(parallel.unwrap(model).forward).parameters:
-            raise ConfigError(f"task.loss={kind} needs a model whose forward computes its loss from targets "
-                              f"(runner's GPT, model=gpt); {type(parallel.unwrap(model)).__name__} returns its logits "
-                              f"whole: use task.loss=full")
+            raise ConfigError(
+                f"task.loss={kind} needs a model whose forward computes its loss from targets "
+                f"(runner's GPT, model=gpt); {type(parallel.unwrap(model)).__name__} returns its logits "
+                f"whole: use task.loss=full"
+            )
         if kind == "liger":
             if next(model.parameters()).device.type != "cuda":
-                raise ConfigError("task.loss=liger runs Liger Kernel's Triton kernels on CUDA only; on this device "
-                                  "use task.loss=chunked, the same chunking in plain PyTorch")
+                raise ConfigError(
+                    "task.loss=liger runs Liger Kernel's Triton kernels on CUDA only; on this device "
+                    "use task.loss=chunked, the same chunking in plain PyTorch"
+                )
             try:
                 from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
             except ImportError as e:
@@ -190,21 +218,30 @@ class LanguageModel:
 
     def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
         def sums(logits, y):
-            return torch.stack([F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double(),
-                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+            return torch.stack(
+                [
+                    F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double(),
+                    torch.tensor(y.numel(), device=y.device, dtype=torch.float64),
+                ]
+            )
 
         loss_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, sums)
         if count == 0:  # nothing was evaluated: no figure, rather than a made-up one
             return dict.fromkeys(self.metrics)
         loss = loss_sum / count
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
-                "eval_bits_per_char": loss / math.log(2)}
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 700.0)),
+            "eval_bits_per_char": loss / math.log(2),
+        }
 
     def model_kwargs(self, data) -> dict[str, int]:
         if data.codec is None:
-            raise ConfigError("task=language_model needs token data (data=text data.path=<file>, or data=tokens "
-                              "data.train_path=<train.bin> ...), but this data yields labelled samples; use data=text, "
-                              "data=tokens or task=classification")
+            raise ConfigError(
+                "task=language_model needs token data (data=text data.path=<file>, or data=tokens "
+                "data.train_path=<train.bin> ...), but this data yields labelled samples; use data=text, "
+                "data=tokens or task=classification"
+            )
         return {"vocab_size": data.codec.vocab_size}
 
     def check_target(self, target) -> str | None:
@@ -218,18 +255,27 @@ class LanguageModel:
         below ``data.vocab_size``, or text without a tokenizer)."""
         block, (context, where) = data.sample_shape[0], hf.context_length(model)
         if context is not None and block > context:
-            fix = where if where.startswith("model.") else (f"model.block_size with model=hf_causal_lm, or "
-                                                            f"model.config.{where.split('.')[-1]}")
-            raise ConfigError(f"data.block_size={block} is longer than the model's context {where}={context}; "
-                              f"lower data.block_size or raise {fix}")
+            fix = (
+                where
+                if where.startswith("model.")
+                else (f"model.block_size with model=hf_causal_lm, or model.config.{where.split('.')[-1]}")
+            )
+            raise ConfigError(
+                f"data.block_size={block} is longer than the model's context {where}={context}; "
+                f"lower data.block_size or raise {fix}"
+            )
         vocab_size = hf.vocab_size(model)
         if vocab_size is not None and vocab_size != data.codec.vocab_size:
             where = "data.path" if data.vocab is not None else "data.vocab_size"
-            raise ConfigError(f"the model's vocab_size={vocab_size} differs from the {data.codec.vocab_size} tokens of "
-                              f"{where}; drop model.vocab_size (it follows the data)")
+            raise ConfigError(
+                f"the model's vocab_size={vocab_size} differs from the {data.codec.vocab_size} tokens of "
+                f"{where}; drop model.vocab_size (it follows the data)"
+            )
         if self.sample_tokens < 0 or self.temperature <= 0 or (self.top_k is not None and self.top_k < 1):
-            raise ConfigError(f"task.sample_tokens={self.sample_tokens} must be >= 0, task.temperature="
-                              f"{self.temperature} > 0 and task.top_k={self.top_k} >= 1 or null")
+            raise ConfigError(
+                f"task.sample_tokens={self.sample_tokens} must be >= 0, task.temperature="
+                f"{self.temperature} > 0 and task.top_k={self.top_k} >= 1 or null"
+            )
         if self.sample_tokens:
             data.codec.encode(self.sample_prompt)  # raises ConfigError for a prompt the data cannot encode
         self._check_loss(model)
@@ -238,8 +284,11 @@ class LanguageModel:
         return data.sample_shape[0]
 
     def skipped(self, cfg: DictConfig) -> dict[str, str]:
-        return {status: f"skipped: {key} is an image technique; a language model's inputs are token ids"
-                for status, key in IMAGE_ONLY.items() if OmegaConf.select(cfg, key)}
+        return {
+            status: f"skipped: {key} is an image technique; a language model's inputs are token ids"
+            for status, key in IMAGE_ONLY.items()
+            if OmegaConf.select(cfg, key)
+        }
 
     def finish(self, model, data, job_dir: Path, env, seed: int) -> None:
         """Write ``samples.txt`` (rank 0). Collective: every rank generates the same tokens (same seed), since
@@ -255,8 +304,15 @@ class LanguageModel:
         generator = torch.Generator(env.device).manual_seed(seed)
         plain.eval()
         with torch.compiler.set_stance("force_eager"):
-            out = gpt.generate(plain, prompt, self.sample_tokens, self.temperature, self.top_k, generator=generator,
-                               context=data.sample_shape[0])
+            out = gpt.generate(
+                plain,
+                prompt,
+                self.sample_tokens,
+                self.temperature,
+                self.top_k,
+                generator=generator,
+                context=data.sample_shape[0],
+            )
         plain.train()
         if env.is_main:
             write_own(job_dir / "samples.txt", data.codec.decode(out[0].tolist()))
@@ -282,8 +338,12 @@ class Regression(SampleTask):
 
     def evaluate(self, model, batches, autocast, max_batches, env) -> dict[str, float]:
         def sums(out, y):
-            return torch.stack([(predictions(out, y) - y.float()).square().sum().double(),
-                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+            return torch.stack(
+                [
+                    (predictions(out, y) - y.float()).square().sum().double(),
+                    torch.tensor(y.numel(), device=y.device, dtype=torch.float64),
+                ]
+            )
 
         squared_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, sums)
         if count == 0:  # nothing was evaluated: no figure, rather than a made-up 0.0
@@ -292,18 +352,30 @@ class Regression(SampleTask):
         return {"eval_loss": mse, "eval_rmse": math.sqrt(mse)}
 
     def check_target(self, target) -> str | None:
-        ok = (isinstance(target, torch.Tensor) and target.is_floating_point() and target.dim() <= 1
-              and target.numel() >= 1)
-        return None if ok else ("a regression target is a float, or a float tensor of shape (k,) for k values per "
-                                "item (e.g. TensorDataset(x, y.float()) with y of shape (N,) or (N, k))")
+        ok = (
+            isinstance(target, torch.Tensor)
+            and target.is_floating_point()
+            and target.dim() <= 1
+            and target.numel() >= 1
+        )
+        return (
+            None
+            if ok
+            else (
+                "a regression target is a float, or a float tensor of shape (k,) for k values per "
+                "item (e.g. TensorDataset(x, y.float()) with y of shape (N,) or (N, k))"
+            )
+        )
 
     def model_kwargs(self, data) -> dict[str, int]:
         """``{"num_outputs": k}``, the values of one target. Raises ConfigError for data without float targets."""
         if data.target is None or not data.target.is_floating_point():
             what = "token windows" if data.codec is not None else "class indices"
-            raise ConfigError(f"task=regression needs float targets (data=custom with a dataset function whose targets "
-                              f"are floats, shape () or (k,)), but this data yields {what}; use task=classification "
-                              f"or task=language_model for it")
+            raise ConfigError(
+                f"task=regression needs float targets (data=custom with a dataset function whose targets "
+                f"are floats, shape () or (k,)), but this data yields {what}; use task=classification "
+                f"or task=language_model for it"
+            )
         return {"num_outputs": data.target.numel()}
 
 

@@ -21,12 +21,23 @@ from runner.errors import ConfigError
 
 #: Module namespaces whose classes and functions a config read back may name without being allowed: what
 #: runner's configs and schemas use (models, tasks, optimizers) and the model zoos runner builds from.
-NAMESPACES = ("runner.models", "runner.task", "torchvision.models", "torch.nn", "torch.optim", "timm.optim",
-              "transformers")
+NAMESPACES = (
+    "runner.models",
+    "runner.task",
+    "torchvision.models",
+    "torch.nn",
+    "torch.optim",
+    "timm.optim",
+    "transformers",
+)
 #: runner's own ``_target_`` paths that moved when the package took its layer folders (2026-11-28): a job folder or a
 #: checkpoint written before names the old path of the same object, and reading it back renames it (``moved``)
-MOVED = {"runner.gpt.": "runner.models.gpt.", "runner.hf.": "runner.models.hf.",
-         "runner.ablation.": "runner.sweeps.ablation.", "runner.jobdir.": "runner.engine.jobdir."}
+MOVED = {
+    "runner.gpt.": "runner.models.gpt.",
+    "runner.hf.": "runner.models.hf.",
+    "runner.ablation.": "runner.sweeps.ablation.",
+    "runner.jobdir.": "runner.engine.jobdir.",
+}
 #: The environment variable with more allowed module prefixes, comma-separated (as ``--allow-target``).
 ALLOW_ENV = "RUNNER_ALLOW_TARGETS"
 #: OmegaConf's resolvers that compute from the config alone; with runner's own (``runner_*``) and ``oc.env`` of
@@ -55,8 +66,13 @@ class Policy:
     folder: Path | None = None
 
     @classmethod
-    def make(cls, trust: bool = False, allow: Iterable[str] = (), folder: Path | None = None,
-             environ: dict[str, str] | None = None) -> Policy:
+    def make(
+        cls,
+        trust: bool = False,
+        allow: Iterable[str] = (),
+        folder: Path | None = None,
+        environ: dict[str, str] | None = None,
+    ) -> Policy:
         """The policy of a command line: ``--trust``, ``--allow-target`` prefixes and ``RUNNER_ALLOW_TARGETS``.
 
         Raises:
@@ -67,8 +83,10 @@ class Policy:
         for source, prefixes in ((ALLOW_ENV, from_env), ("--allow-target", list(allow))):
             for p in prefixes:
                 if not _DOTTED.fullmatch(p):
-                    raise ConfigError(f"{source} {p!r} is not a dotted module or target name; give a prefix such as "
-                                      f"my_data (every target in my_data.py) or my_data.tabular (that one)")
+                    raise ConfigError(
+                        f"{source} {p!r} is not a dotted module or target name; give a prefix such as "
+                        f"my_data (every target in my_data.py) or my_data.tabular (that one)"
+                    )
         return cls(trust=trust, allowed=tuple(from_env) + tuple(allow), folder=None if folder is None else Path(folder))
 
     def naming(self, targets: Iterable[str]) -> Policy:
@@ -78,17 +96,27 @@ class Policy:
 
 def add_arguments(parser) -> None:
     """``--trust`` and ``--allow-target PREFIX`` on an ``argparse`` parser (evaluate, export, doctor)."""
-    parser.add_argument("--allow-target", action="append", default=[], metavar="PREFIX",
-                        help="allow the job's config to name targets under this module prefix (repeatable; also "
-                             f"{ALLOW_ENV}=a,b): e.g. my_data for data._target_=my_data.tabular")
-    parser.add_argument("--trust", action="store_true",
-                        help="the job folder is yours: call every _target_ its config names and resolve every "
-                             "interpolation, as python -m runner does (default: runner's own targets only)")
+    parser.add_argument(
+        "--allow-target",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="allow the job's config to name targets under this module prefix (repeatable; also "
+        f"{ALLOW_ENV}=a,b): e.g. my_data for data._target_=my_data.tabular",
+    )
+    parser.add_argument(
+        "--trust",
+        action="store_true",
+        help="the job folder is yours: call every _target_ its config names and resolve every "
+        "interpolation, as python -m runner does (default: runner's own targets only)",
+    )
 
 
 def _how(target: str) -> str:
-    return (f"if you trust this folder, allow it with --allow-target {target} (or {ALLOW_ENV}={target}), or pass "
-            f"--trust to allow everything it names")
+    return (
+        f"if you trust this folder, allow it with --allow-target {target} (or {ALLOW_ENV}={target}), or pass "
+        f"--trust to allow everything it names"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ targets
@@ -103,7 +131,7 @@ def moved(node: Any) -> Any:
         if key == "_target_" and isinstance(value, str):
             old = next((o for o in MOVED if value.startswith(o)), None)
             if old is not None:
-                node[key] = MOVED[old] + value[len(old):]
+                node[key] = MOVED[old] + value[len(old) :]
         else:
             moved(value)
     return node
@@ -154,13 +182,17 @@ def check_target(key: str, target: Any, policy: Policy, source: Path | str) -> N
     if policy.trust or target in policy.named:
         return
     if not isinstance(target, str) or not _DOTTED.fullmatch(target):
-        raise ConfigError(f"{key}={target!r} in {source} is not the dotted name of a class or function; a config "
-                          f"read back from a job folder names its targets plainly; {_how(str(target))}")
+        raise ConfigError(
+            f"{key}={target!r} in {source} is not the dotted name of a class or function; a config "
+            f"read back from a job folder names its targets plainly; {_how(str(target))}"
+        )
     user = within(target, policy.allowed)
     if not user and not within(target, NAMESPACES):
-        raise ConfigError(f"{key}={target!r} in {source} is not one of runner's own targets (under "
-                          f"{', '.join(NAMESPACES)}): reading a job folder calls nothing it names that you have not "
-                          f"allowed; {_how(target)}")
+        raise ConfigError(
+            f"{key}={target!r} in {source} is not one of runner's own targets (under "
+            f"{', '.join(NAMESPACES)}): reading a job folder calls nothing it names that you have not "
+            f"allowed; {_how(target)}"
+        )
     _resolve_within(key, target, policy, source, user)
 
 
@@ -191,14 +223,18 @@ def _resolve_within(key: str, target: str, policy: Policy, source: Path | str, u
             return  # runner.config.targets.locate names the missing attribute and the close ones
         where = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
         if not isinstance(where, str) or not within(where, prefixes):
-            raise ConfigError(f"{key}={target!r} in {source} reaches {attr!r}, which is defined in "
-                              f"{where or 'no module'}, outside the allowed {', '.join(prefixes)}: a target is refused "
-                              f"unless every step of its path is; {_how(target)}")
+            raise ConfigError(
+                f"{key}={target!r} in {source} reaches {attr!r}, which is defined in "
+                f"{where or 'no module'}, outside the allowed {', '.join(prefixes)}: a target is refused "
+                f"unless every step of its path is; {_how(target)}"
+            )
     if not user:
         kind = _kind(target, obj)
         if kind is not None:
-            raise ConfigError(f"{key}={target!r} in {source} is {kind}: a config read back builds models, tasks and "
-                              f"optimizers only; {_how(target)}")
+            raise ConfigError(
+                f"{key}={target!r} in {source} is {kind}: a config read back builds models, tasks and "
+                f"optimizers only; {_how(target)}"
+            )
 
 
 #: Built-in namespaces whose module-level functions may be targets (model factories: torchvision's resnet18,
@@ -244,9 +280,11 @@ def _not_from_folder(key: str, target: str, module: str, policy: Policy, source:
         places += list(spec.submodule_search_locations or [])
         for place in places:
             if Path(place).resolve().is_relative_to(folder):
-                raise ConfigError(f"{key}={target!r} in {source}: the module {name} would be imported from inside the "
-                                  f"job folder ({place}), not from the installed package; a job folder holds no code "
-                                  f"runner runs; {_how(target)}")
+                raise ConfigError(
+                    f"{key}={target!r} in {source}: the module {name} would be imported from inside the "
+                    f"job folder ({place}), not from the installed package; a job folder holds no code "
+                    f"runner runs; {_how(target)}"
+                )
 
 
 def check_package(folder: Path, policy: Policy) -> None:
@@ -257,8 +295,10 @@ def check_package(folder: Path, policy: Policy) -> None:
     """
     init = Path(folder) / "__init__.py"
     if not policy.trust and init.exists():
-        raise ConfigError(f"{init} makes the job folder a Python package, which could be imported in place of an "
-                          f"installed one (runner never writes it); delete it, or pass --trust if the folder is yours")
+        raise ConfigError(
+            f"{init} makes the job folder a Python package, which could be imported in place of an "
+            f"installed one (runner never writes it); delete it, or pass --trust if the folder is yours"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ resolvers
@@ -287,8 +327,10 @@ def refused_resolver(value: str) -> str | None:
     return None
 
 
-_ALLOWED_RESOLVERS = (f"runner_*, {', '.join(RESOLVERS)}, and oc.env of {ENV_PREFIX}* variables; nothing from your "
-                      f"environment is read into a job someone else wrote")
+_ALLOWED_RESOLVERS = (
+    f"runner_*, {', '.join(RESOLVERS)}, and oc.env of {ENV_PREFIX}* variables; nothing from your "
+    f"environment is read into a job someone else wrote"
+)
 
 
 def check_interpolations(cfg: Any, policy: Policy, source: Path | str) -> None:
@@ -303,9 +345,11 @@ def check_interpolations(cfg: Any, policy: Policy, source: Path | str) -> None:
     for key, value in _strings(_plain(cfg)):
         used = refused_resolver(value)
         if used is not None:
-            raise ConfigError(f"{key}={value!r} in {source} uses the resolver {used}; a config read back from a job "
-                              f"folder resolves only {_ALLOWED_RESOLVERS}. If the folder is yours, pass --trust (or "
-                              f"write the value into {source})")
+            raise ConfigError(
+                f"{key}={value!r} in {source} uses the resolver {used}; a config read back from a job "
+                f"folder resolves only {_ALLOWED_RESOLVERS}. If the folder is yours, pass --trust (or "
+                f"write the value into {source})"
+            )
 
 
 def check_searchpath(entries: Iterable[str], policy: Policy, source: Path | str) -> None:
@@ -319,12 +363,17 @@ def check_searchpath(entries: Iterable[str], policy: Policy, source: Path | str)
         return
     for entry in entries:
         scheme, _, where = str(entry).partition("://")
-        inside = (scheme == "file" and policy.folder is not None
-                  and Path(where).resolve().is_relative_to(policy.folder.resolve()))
+        inside = (
+            scheme == "file"
+            and policy.folder is not None
+            and Path(where).resolve().is_relative_to(policy.folder.resolve())
+        )
         if scheme != "file" or inside:
             why = "inside the job folder" if inside else "not a folder (Hydra imports a pkg:// entry's package)"
-            raise ConfigError(f"hydra.searchpath entry {entry!r} in {source} is {why}; a job folder's config search "
-                              f"path may name your config folders only. If the folder is yours, pass --trust")
+            raise ConfigError(
+                f"hydra.searchpath entry {entry!r} in {source} is {why}; a job folder's config search "
+                f"path may name your config folders only. If the folder is yours, pass --trust"
+            )
 
 
 def check_overrides(overrides: Iterable[str], policy: Policy, source: Path | str) -> None:
@@ -339,10 +388,14 @@ def check_overrides(overrides: Iterable[str], policy: Policy, source: Path | str
     for o in overrides:
         key = str(o).split("=", 1)[0].lstrip("+~")
         if key == "hydra" or key.startswith(("hydra.", "hydra/")):
-            raise ConfigError(f"the override {o!r} in {source} sets Hydra's own settings (search path, launcher, "
-                              f"callbacks), which a job's task overrides never hold; if the folder is yours, pass "
-                              f"--trust")
+            raise ConfigError(
+                f"the override {o!r} in {source} sets Hydra's own settings (search path, launcher, "
+                f"callbacks), which a job's task overrides never hold; if the folder is yours, pass "
+                f"--trust"
+            )
         used = refused_resolver(str(o))
         if used is not None:
-            raise ConfigError(f"the override {o!r} in {source} uses the resolver {used}; a config read back from a "
-                              f"job folder resolves only {_ALLOWED_RESOLVERS}. If the folder is yours, pass --trust")
+            raise ConfigError(
+                f"the override {o!r} in {source} uses the resolver {used}; a config read back from a "
+                f"job folder resolves only {_ALLOWED_RESOLVERS}. If the folder is yours, pass --trust"
+            )

@@ -26,18 +26,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 JOBS = {
-    "resnet18 (CIFAR stem, 32×32, batch 64)": ["model=resnet18", "model.cifar_stem=true", "data=synthetic",
-                                               "data.shape=[3,32,32]", "data.train_size=4096", "data.eval_size=64",
-                                               "dataloader.batch_size=64"],
+    "resnet18 (CIFAR stem, 32×32, batch 64)": [
+        "model=resnet18",
+        "model.cifar_stem=true",
+        "data=synthetic",
+        "data.shape=[3,32,32]",
+        "data.train_size=4096",
+        "data.eval_size=64",
+        "dataloader.batch_size=64",
+    ],
     "GPT (4 layers × 128, block 64, batch 12)": ["+experiment=shakespeare_char", "scheduler.warmup_steps=2"],
 }
 
 
 def run(job: list[str], async_save: bool, steps: int, every: int, folder: Path) -> dict:
-    cmd = [sys.executable, "-m", "runner", *job, "logger=none", "trainer.progress=off", f"trainer.max_steps={steps}",
-           "trainer.warmup_steps=3", f"trainer.log_every={every}", "trainer.eval_every=100000",
-           "trainer.eval_max_batches=1", f"checkpoint.every_steps={every}",
-           f"checkpoint.async={str(async_save).lower()}", "checkpoint.keep_last=1", f"hydra.run.dir={folder}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        *job,
+        "logger=none",
+        "trainer.progress=off",
+        f"trainer.max_steps={steps}",
+        "trainer.warmup_steps=3",
+        f"trainer.log_every={every}",
+        "trainer.eval_every=100000",
+        "trainer.eval_max_batches=1",
+        f"checkpoint.every_steps={every}",
+        f"checkpoint.async={str(async_save).lower()}",
+        "checkpoint.keep_last=1",
+        f"hydra.run.dir={folder}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -77,9 +96,11 @@ def main() -> None:
     for (name, a), runs in results.items():
         per = [x["per_save_s"] * 1e3 for x in runs]
         step = statistics.median(x["step_ms"] for x in runs)
-        lines.append(f"| {name} | {'async' if a else 'sync'} | {statistics.median(per):.0f} "
-                     f"({min(per):.0f}–{max(per):.0f}) "
-                     f"| {step:.0f} | {statistics.median(per) / step:.2f} | {runs[0]['size_mb']:.1f} |")
+        lines.append(
+            f"| {name} | {'async' if a else 'sync'} | {statistics.median(per):.0f} "
+            f"({min(per):.0f}–{max(per):.0f}) "
+            f"| {step:.0f} | {statistics.median(per) / step:.2f} | {runs[0]['size_mb']:.1f} |"
+        )
     header = [
         f"Machine: {device_name(torch.device('cpu'))}, {os.cpu_count()} cores; torch {torch.__version__}; "
         f"load average {load[0]:.1f} before, {load[1]:.1f} after.",

@@ -43,20 +43,39 @@ MODES = {"whole": "compile.regional=false", "regional": "compile.regional=true"}
 
 
 def overrides(steps: int, text: Path) -> list[str]:
-    return ["+experiment=shakespeare_char", f"data.path={text}", "compile=default", f"trainer.max_steps={steps}",
-            f"trainer.eval_every={steps}", "trainer.eval_max_batches=1", "trainer.log_every=1",
-            "trainer.warmup_steps=0", "task.sample_tokens=0", "trainer.device=cpu", "trainer.progress=off",
-            "trainer.doctor=false", "logger=none"]
+    return [
+        "+experiment=shakespeare_char",
+        f"data.path={text}",
+        "compile=default",
+        f"trainer.max_steps={steps}",
+        f"trainer.eval_every={steps}",
+        "trainer.eval_max_batches=1",
+        "trainer.log_every=1",
+        "trainer.warmup_steps=0",
+        "task.sample_tokens=0",
+        "trainer.device=cpu",
+        "trainer.progress=off",
+        "trainer.doctor=false",
+        "logger=none",
+    ]
 
 
 def run_once(mode: str, steps: int, text: Path, work: Path) -> dict:
     """One fresh process; its compile time (s), steady median step (ms) and process wall time (s)."""
     job = work / f"{mode}-{time.time_ns()}"
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(job / "inductor"), "WANDB_MODE": "disabled",
-                        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
+    env = os.environ | {
+        "TORCHINDUCTOR_CACHE_DIR": str(job / "inductor"),
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
+    }
     t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, "-m", "runner", *overrides(steps, text), MODES[mode],
-                           f"hydra.run.dir={job}"], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", *overrides(steps, text), MODES[mode], f"hydra.run.dir={job}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.perf_counter() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
@@ -67,8 +86,13 @@ def run_once(mode: str, steps: int, text: Path, work: Path) -> dict:
     summary = json.loads((job / "summary.json").read_text())
     assert summary["techniques"].get("compile_regional", "off") == ("applied" if mode == "regional" else "off")
     steady = statistics.median(t for s, t in times.items() if s > 20)
-    return {"compile_s": summary["train_time_s"] - summary["steps"] * steady / 1e3, "steady_ms": steady,
-            "process_s": wall, "cpu_s": cpu, "load": hardware.load_average()}
+    return {
+        "compile_s": summary["train_time_s"] - summary["steps"] * steady / 1e3,
+        "steady_ms": steady,
+        "process_s": wall,
+        "cpu_s": cpu,
+        "load": hardware.load_average(),
+    }
 
 
 def main() -> int:
@@ -84,9 +108,12 @@ def main() -> int:
             for mode in MODES:
                 r = run_once(mode, args.steps, args.text, Path(tmp))
                 runs[mode].append(r)
-                print(f"{mode} {i + 1}/{args.repeats}: compile {r['compile_s']:.1f} s, steady "
-                      f"{r['steady_ms']:.1f} ms, process {r['process_s']:.1f} s ({r['cpu_s']:.1f} CPU s), "
-                      f"load {r['load']}", flush=True)
+                print(
+                    f"{mode} {i + 1}/{args.repeats}: compile {r['compile_s']:.1f} s, steady "
+                    f"{r['steady_ms']:.1f} ms, process {r['process_s']:.1f} s ({r['cpu_s']:.1f} CPU s), "
+                    f"load {r['load']}",
+                    flush=True,
+                )
 
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
@@ -109,9 +136,11 @@ def main() -> int:
         "|---|---:|---:|---:|---:|",
     ]
     for mode in MODES:
-        lines.append(f"| {mode} (compile.regional={'true' if mode == 'regional' else 'false'}) | "
-                     f"{med(mode, 'compile_s'):.1f} | {med(mode, 'steady_ms'):.1f} | {med(mode, 'process_s'):.1f} | "
-                     f"{med(mode, 'cpu_s'):.1f} |")
+        lines.append(
+            f"| {mode} (compile.regional={'true' if mode == 'regional' else 'false'}) | "
+            f"{med(mode, 'compile_s'):.1f} | {med(mode, 'steady_ms'):.1f} | {med(mode, 'process_s'):.1f} | "
+            f"{med(mode, 'cpu_s'):.1f} |"
+        )
     lines += [
         "",
         f"Regional ÷ whole: compile ×{med('regional', 'compile_s') / med('whole', 'compile_s'):.2f}, steady "
@@ -127,8 +156,10 @@ def main() -> int:
     for i in range(args.repeats):
         for mode in MODES:
             r = runs[mode][i]
-            lines.append(f"| {i + 1} | {mode} | {r['compile_s']:.1f} | {r['steady_ms']:.1f} | {r['process_s']:.1f} | "
-                         f"{r['cpu_s']:.1f} | {r['load']} |")
+            lines.append(
+                f"| {i + 1} | {mode} | {r['compile_s']:.1f} | {r['steady_ms']:.1f} | {r['process_s']:.1f} | "
+                f"{r['cpu_s']:.1f} | {r['load']} |"
+            )
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

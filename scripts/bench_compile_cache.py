@@ -29,8 +29,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 def job(folder: Path, inductor: Path, overrides: list[str]) -> tuple[dict, float, float]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "runner", *overrides, "compile=default", "logger=none", "trainer.progress=off",
-           "trainer.doctor=false", f"hydra.run.dir={folder}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        *overrides,
+        "compile=default",
+        "logger=none",
+        "trainer.progress=off",
+        "trainer.doctor=false",
+        f"hydra.run.dir={folder}",
+    ]
     load, started = os.getloadavg()[0], time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
     return json.loads((folder / "summary.json").read_text())["one_time"], time.perf_counter() - started, load
@@ -57,26 +66,39 @@ def main() -> None:
             runs.append(("warm local cache", *job(work / f"warm{r}", work / f"ind-cold{r}", a.job)))
             for kind, once, wall, load in runs:
                 by_kind[kind].append(once["compile_s"])
-                rows.append(f"| {r + 1} | {kind} | {once['compile_s']:.2f} | {once['warmup_excess_s']:.2f} | "
-                            f"{wall:.1f} | {once['compile_cache'].split(':')[0]} | {load:.2f} |")
+                rows.append(
+                    f"| {r + 1} | {kind} | {once['compile_s']:.2f} | {once['warmup_excess_s']:.2f} | "
+                    f"{wall:.1f} | {once['compile_cache'].split(':')[0]} | {load:.2f} |"
+                )
     median = {k: statistics.median(v) for k, v in by_kind.items()}
-    lines = [f"# The compile cache in the job folder ({time.strftime('%Y-%m-%d')})", "",
-             f"Machine: {os.cpu_count()} cores ({_cpu()}), Python {platform.python_version()}; command: "
-             f"`python scripts/bench_compile_cache.py {' '.join(sys.argv[1:])}`; job: `python -m runner "
-             f"{' '.join(a.job)} compile=default`.", "",
-             "| repeat | run | compile s | warm-up excess s | process wall s | cache | load |",
-             "|---|---|---|---|---|---|---|",
-             *rows, "", "Median compile seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items()) +
-             f"; from the job folder ×{median['from the job folder'] / median['cold']:.2f} the cold compile "
-             f"(range {min(by_kind['from the job folder']):.2f}–{max(by_kind['from the job folder']):.2f} s).", ""]
+    lines = [
+        f"# The compile cache in the job folder ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Machine: {os.cpu_count()} cores ({_cpu()}), Python {platform.python_version()}; command: "
+        f"`python scripts/bench_compile_cache.py {' '.join(sys.argv[1:])}`; job: `python -m runner "
+        f"{' '.join(a.job)} compile=default`.",
+        "",
+        "| repeat | run | compile s | warm-up excess s | process wall s | cache | load |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "Median compile seconds: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in median.items())
+        + f"; from the job folder ×{median['from the job folder'] / median['cold']:.2f} the cold compile "
+        f"(range {min(by_kind['from the job folder']):.2f}–{max(by_kind['from the job folder']):.2f} s).",
+        "",
+    ]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
 
 
 def _cpu() -> str:
     try:
-        return next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                    if x.startswith("model name"))
+        return next(
+            x.split(":", 1)[1].strip()
+            for x in Path("/proc/cpuinfo").read_text().splitlines()
+            if x.startswith("model name")
+        )
     except (OSError, StopIteration):
         return platform.processor() or "unknown CPU"
 

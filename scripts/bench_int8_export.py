@@ -36,8 +36,17 @@ BATCHES = (1, 256)
 
 def train(folder: Path, overrides: list[str], threads: int, steps: int | None) -> dict:
     """One ``python -m runner`` job into ``folder``; its summary.json."""
-    cmd = [sys.executable, "-m", "runner", *overrides, f"trainer.num_threads={threads}", "logger=none",
-           "trainer.progress=off", "trainer.doctor=false", f"hydra.run.dir={folder}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        *overrides,
+        f"trainer.num_threads={threads}",
+        "logger=none",
+        "trainer.progress=off",
+        "trainer.doctor=false",
+        f"hydra.run.dir={folder}",
+    ]
     cmd += [f"trainer.max_steps={steps}"] if steps else []
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
@@ -120,32 +129,48 @@ def main() -> None:
             qat = train(qat_dir, [*overrides, "compress=qat"], a.threads, a.steps)
             q = export(qat_dir, "int8").int8
             f_acc, qat_acc, i_acc = plain["eval_accuracy"], q["float"]["eval_accuracy"], q["int8"]["eval_accuracy"]
-            accuracy.append(f"| {name} | {plain['steps']} | {f_acc:.4f} | {qat_acc:.4f} | {i_acc:.4f} | "
-                            f"{(i_acc - f_acc) * 100:+.2f} | {qat['samples_per_sec'] / plain['samples_per_sec']:.2f} |")
+            accuracy.append(
+                f"| {name} | {plain['steps']} | {f_acc:.4f} | {qat_acc:.4f} | {i_acc:.4f} | "
+                f"{(i_acc - f_acc) * 100:+.2f} | {qat['samples_per_sec'] / plain['samples_per_sec']:.2f} |"
+            )
             times, compile_s = measure(float_dir, qat_dir, a.repeats)
             for b in BATCHES:
                 for mode in ("", ", compiled"):
                     f, i = times[(f"float{mode}", b)], times[(f"int8 export{mode}", b)]
                     ratio = [x / y for x, y in zip(f, i)]
-                    speed.append(f"| {name} | {b} | {mode.strip(', ') or 'eager'} | {cell(f)} | {cell(i)} | "
-                                 f"{cell(ratio)} |")
+                    speed.append(
+                        f"| {name} | {b} | {mode.strip(', ') or 'eager'} | {cell(f)} | {cell(i)} | {cell(ratio)} |"
+                    )
             speed.append(f"| {name} | | compile s | {compile_s['float']:.1f} | {compile_s['int8 export']:.1f} | |")
     load_end = os.getloadavg()[0]
     cpu = hardware.device_name(torch.device("cpu"))
-    lines = [f"# compress=qat and its int8 export on a CPU ({time.strftime('%Y-%m-%d')})", "",
-             f"`python scripts/bench_int8_export.py {' '.join(sys.argv[1:])}`; {cpu}, {os.cpu_count()} cores, "
-             f"{a.threads} thread(s); torch {torch.__version__}, Python {platform.python_version()}; load average "
-             f"{load_start:.2f} at the start, {load_end:.2f} at the end.", "",
-             "## Accuracy on the MNIST validation split (10,000 images)", "",
-             "The float job (`compress=none`) and the QAT job (`compress=qat`) train the same seed; the QAT job's "
-             "fake-quantized model and its int8 export are evaluated by `python -m runner.export <job> --format int8`. "
-             "Δ: the int8 export's accuracy minus the float job's, in percentage points; samples/s: the QAT job's "
-             "training speed ÷ the float job's.", "",
-             "| model | steps | float | QAT (fake-quantized) | int8 export | Δ pp | QAT samples/s ÷ float |",
-             "|---|---|---|---|---|---|---|", *accuracy, "",
-             "## Inference, ms per batch", "",
-             f"Median [min-max] of {a.repeats} repeats; ×: float ÷ int8 per repeat (> 1: the int8 export is faster).",
-             "", "| model | batch | mode | float ms | int8 export ms | × |", "|---|---|---|---|---|---|", *speed, ""]
+    lines = [
+        f"# compress=qat and its int8 export on a CPU ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"`python scripts/bench_int8_export.py {' '.join(sys.argv[1:])}`; {cpu}, {os.cpu_count()} cores, "
+        f"{a.threads} thread(s); torch {torch.__version__}, Python {platform.python_version()}; load average "
+        f"{load_start:.2f} at the start, {load_end:.2f} at the end.",
+        "",
+        "## Accuracy on the MNIST validation split (10,000 images)",
+        "",
+        "The float job (`compress=none`) and the QAT job (`compress=qat`) train the same seed; the QAT job's "
+        "fake-quantized model and its int8 export are evaluated by `python -m runner.export <job> --format int8`. "
+        "Δ: the int8 export's accuracy minus the float job's, in percentage points; samples/s: the QAT job's "
+        "training speed ÷ the float job's.",
+        "",
+        "| model | steps | float | QAT (fake-quantized) | int8 export | Δ pp | QAT samples/s ÷ float |",
+        "|---|---|---|---|---|---|---|",
+        *accuracy,
+        "",
+        "## Inference, ms per batch",
+        "",
+        f"Median [min-max] of {a.repeats} repeats; ×: float ÷ int8 per repeat (> 1: the int8 export is faster).",
+        "",
+        "| model | batch | mode | float ms | int8 export ms | × |",
+        "|---|---|---|---|---|---|",
+        *speed,
+        "",
+    ]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
 

@@ -45,26 +45,67 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 #: nanoGPT's README, "I only have a macbook" (CPU), with the shakespeare_char config.
-NANOGPT = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-           "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-           "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+NANOGPT = [
+    "train.py",
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--max_iters=2000",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]
 RUNNER = ["logger=none", "trainer.eval_max_batches=20", "task.sample_tokens=0", "trainer.doctor=false"]
 #: the GPU configurations (``--device cuda``): nanoGPT's shakespeare_char config as it stands, runner's GPU recipe
 NANOGPT_GPU = ["train.py", "config/train_shakespeare_char.py", "--log_interval=50"]
-RUNNER_GPU = ["logger=none", "trainer.device=cuda", "trainer.progress=lines", "task.sample_tokens=0",
-              "trainer.doctor=false"]
+RUNNER_GPU = [
+    "logger=none",
+    "trainer.device=cuda",
+    "trainer.progress=lines",
+    "task.sample_tokens=0",
+    "trainer.doctor=false",
+]
 #: ``--dry-run``: both programs on the CPU at toy sizes (1 x 32, block 32, batch 8, an evaluation every 20 steps)
-DRY_NANOGPT = ["--device=cpu", "--compile=False", "--dtype=float32", "--n_layer=1", "--n_head=2", "--n_embd=32",
-               "--block_size=32", "--batch_size=8", "--eval_iters=2", "--eval_interval=20", "--max_iters=60",
-               "--warmup_iters=10", "--lr_decay_iters=60"]
-DRY_RUNNER = ["trainer.device=cpu", "compile=off", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
-              "data.block_size=32", "optimizer.base_batch_size=8", "trainer.eval_every=20", "trainer.max_steps=60",
-              "trainer.eval_max_batches=2", "scheduler.warmup_steps=10"]
+DRY_NANOGPT = [
+    "--device=cpu",
+    "--compile=False",
+    "--dtype=float32",
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=8",
+    "--eval_iters=2",
+    "--eval_interval=20",
+    "--max_iters=60",
+    "--warmup_iters=10",
+    "--lr_decay_iters=60",
+]
+DRY_RUNNER = [
+    "trainer.device=cpu",
+    "compile=off",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "data.block_size=32",
+    "optimizer.base_batch_size=8",
+    "trainer.eval_every=20",
+    "trainer.max_steps=60",
+    "trainer.eval_max_batches=2",
+    "scheduler.warmup_steps=10",
+]
 NANOGPT_VAL = re.compile(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)")
 
 
-def raced(cmd: list[str], cwd: Path, target: float, limit_s: float, scratch: Path,
-          runner_dir: Path | None = None) -> dict:
+def raced(
+    cmd: list[str], cwd: Path, target: float, limit_s: float, scratch: Path, runner_dir: Path | None = None
+) -> dict:
     """Run ``cmd`` until its first validation loss at or below ``target`` (or its end, or ``limit_s``): the wall
     seconds from its start to that evaluation's line, its step, and every validation loss with its time.
 
@@ -74,11 +115,15 @@ def raced(cmd: list[str], cwd: Path, target: float, limit_s: float, scratch: Pat
     import signal
 
     caches = Path(tempfile.mkdtemp(prefix="caches-", dir=scratch))
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-                        "TRITON_CACHE_DIR": str(caches / "triton")}
+    env = os.environ | {
+        "PYTHONUNBUFFERED": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+    }
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     evals: list[tuple[int, float, float]] = []  # (step, validation loss, seconds since start)
     seen_rows, tail = 0, []
     reached = None
@@ -99,8 +144,13 @@ def raced(cmd: list[str], cwd: Path, target: float, limit_s: float, scratch: Pat
     proc.wait()
     if not evals:
         sys.exit(f"failed (no validation loss read): {' '.join(cmd)}\n{''.join(tail)}")
-    return {"time_to_target_s": reached[2] if reached else None, "step": reached[0] if reached else None,
-            "best_val_loss": min(e[1] for e in evals), "evals": evals, "wall_s": time.perf_counter() - started}
+    return {
+        "time_to_target_s": reached[2] if reached else None,
+        "step": reached[0] if reached else None,
+        "best_val_loss": min(e[1] for e in evals),
+        "evals": evals,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def timed(cmd: list[str], cwd: Path, scratch: Path) -> tuple[float, str]:
@@ -144,17 +194,25 @@ def run_runner(experiment: str, config_dir: Path | None, scratch: Path, fresh_ca
     if fresh_cache and PRESET_CACHE:  # the preset's compile cache exactly as the tuner wrote it
         import shutil
 
-        (cache, kept), = PRESET_CACHE
+        ((cache, kept),) = PRESET_CACHE
         shutil.rmtree(cache)
         shutil.copytree(kept, cache, symlinks=True)
     folder = scratch / f"runner-{time.time_ns()}"
     search = ["--config-dir", str(config_dir.resolve())] if config_dir else []
-    wall, _ = timed([sys.executable, "-m", "runner", *search, f"+experiment={experiment}", *RUNNER,
-                     f"hydra.run.dir={folder}"], REPO, scratch)
+    wall, _ = timed(
+        [sys.executable, "-m", "runner", *search, f"+experiment={experiment}", *RUNNER, f"hydra.run.dir={folder}"],
+        REPO,
+        scratch,
+    )
     summary = json.loads((folder / "summary.json").read_text())
     once = summary.get("one_time") or {}
-    return {"wall_s": wall, "val_loss": summary.get("eval_loss"), "tokens_per_sec": summary.get("tokens_per_sec"),
-            "compile_s": once.get("compile_s"), "compile_cache": once.get("compile_cache")}
+    return {
+        "wall_s": wall,
+        "val_loss": summary.get("eval_loss"),
+        "tokens_per_sec": summary.get("tokens_per_sec"),
+        "compile_s": once.get("compile_s"),
+        "compile_cache": once.get("compile_cache"),
+    }
 
 
 def main() -> None:
@@ -172,13 +230,18 @@ def main() -> None:
     if args.device == "cuda":
         return race(args)
     if not (args.nanogpt / "data" / "shakespeare_char" / "train.bin").is_file():
-        sys.exit(f"error: {args.nanogpt}/data/shakespeare_char/train.bin is missing: run "
-                 f"`python data/shakespeare_char/prepare.py` in {args.nanogpt} first")
-    programs = {"nanoGPT train.py": lambda s: run_nanogpt(args.nanogpt, s),
-                "runner recipe": lambda s: run_runner("shakespeare_char", None, s)}
+        sys.exit(
+            f"error: {args.nanogpt}/data/shakespeare_char/train.bin is missing: run "
+            f"`python data/shakespeare_char/prepare.py` in {args.nanogpt} first"
+        )
+    programs = {
+        "nanoGPT train.py": lambda s: run_nanogpt(args.nanogpt, s),
+        "runner recipe": lambda s: run_runner("shakespeare_char", None, s),
+    }
     if args.tuned:
-        programs["runner recipe + tuned"] = lambda s: run_runner("[shakespeare_char,tuned]", args.tuned, s,
-                                                                 fresh_cache=True)
+        programs["runner recipe + tuned"] = lambda s: run_runner(
+            "[shakespeare_char,tuned]", args.tuned, s, fresh_cache=True
+        )
     results: dict[str, list[dict]] = {name: [] for name in programs}
     started = time.strftime("%Y-%m-%d %H:%M")
     rng = random.Random(0)
@@ -211,14 +274,32 @@ def race(args) -> None:
         def go(scratch: Path) -> dict:
             folder = scratch / f"runner-{time.time_ns()}"
             search = ["--config-dir", str(config_dir.resolve())] if config_dir else []
-            return raced([sys.executable, "-m", "runner", *search, f"+experiment={experiment}", *extra, *runner_gpu,
-                          *data, f"hydra.run.dir={folder}"], REPO, target, args.limit_s, scratch, runner_dir=folder)
+            return raced(
+                [
+                    sys.executable,
+                    "-m",
+                    "runner",
+                    *search,
+                    f"+experiment={experiment}",
+                    *extra,
+                    *runner_gpu,
+                    *data,
+                    f"hydra.run.dir={folder}",
+                ],
+                REPO,
+                target,
+                args.limit_s,
+                scratch,
+                runner_dir=folder,
+            )
+
         return go
 
     programs = {}
     if (args.nanogpt / "train.py").is_file():
-        programs["nanoGPT train.py"] = lambda s: raced([sys.executable, *nano_gpu, f"--out_dir={s}/nanogpt-out"],
-                                                       args.nanogpt, target, args.limit_s, s)
+        programs["nanoGPT train.py"] = lambda s: raced(
+            [sys.executable, *nano_gpu, f"--out_dir={s}/nanogpt-out"], args.nanogpt, target, args.limit_s, s
+        )
     else:  # CI's dry run has no copy of nanoGPT: the race still exercises runner's side
         print(f"note: {args.nanogpt}/train.py is missing: nanoGPT left out of the race", flush=True)
     programs["runner recipe (compile=default)"] = runner_run("shakespeare_char_gpu", ["compile=default"], None)
@@ -233,18 +314,26 @@ def race(args) -> None:
                 figures = programs[name](Path(scratch))
                 results[name].append(figures)
                 args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # kept if a later run hangs
-                print(f"repeat {r + 1} {name}: time to target {figures['time_to_target_s']} s at step "
-                      f"{figures['step']}; best {figures['best_val_loss']:.4f}", flush=True)
+                print(
+                    f"repeat {r + 1} {name}: time to target {figures['time_to_target_s']} s at step "
+                    f"{figures['step']}; best {figures['best_val_loss']:.4f}",
+                    flush=True,
+                )
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    lines = [f"# runner's Shakespeare GPT beside nanoGPT's own train.py: wall time to validation loss <= {target}", "",
-             f"GPU: {gpu}; torch {torch.__version__}; Python {platform.python_version()}; ran {started}.", "",
-             f"Command: `python scripts/bench_nanogpt.py --nanogpt <nanoGPT> --device cuda --target {target} "
-             f"--repeats {args.repeats}" + (" --tuned <tuned>" if args.tuned else "") + "` (its docstring says what "
-             "each program runs; every run compiles cold).", "",
-             "| program | time to target, median (s) | each run (s) | step reached | best validation loss |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# runner's Shakespeare GPT beside nanoGPT's own train.py: wall time to validation loss <= {target}",
+        "",
+        f"GPU: {gpu}; torch {torch.__version__}; Python {platform.python_version()}; ran {started}.",
+        "",
+        f"Command: `python scripts/bench_nanogpt.py --nanogpt <nanoGPT> --device cuda --target {target} "
+        f"--repeats {args.repeats}" + (" --tuned <tuned>" if args.tuned else "") + "` (its docstring says what "
+        "each program runs; every run compiles cold).",
+        "",
+        "| program | time to target, median (s) | each run (s) | step reached | best validation loss |",
+        "|---|---|---|---|---|",
+    ]
     for name, runs in results.items():
         times = [x["time_to_target_s"] for x in runs]
         got = [t for t in times if t is not None]
@@ -263,28 +352,45 @@ def write(args, results: dict[str, list[dict]], started: str) -> None:
     machine = hardware.describe_machine()
     cpu = machine.get("cpu") or platform.processor()
     loads = "; ".join(f"{name} " + ", ".join(f"{x['load_before']:.1f}" for x in runs) for name, runs in results.items())
-    command = "python scripts/bench_nanogpt.py --nanogpt <nanoGPT>" + (" --tuned <tuned>" if args.tuned else "") \
+    command = (
+        "python scripts/bench_nanogpt.py --nanogpt <nanoGPT>"
+        + (" --tuned <tuned>" if args.tuned else "")
         + f" --repeats {args.repeats}"
-    lines = ["# runner's Shakespeare GPT beside nanoGPT's own train.py (CPU)", "",
-             f"Machine: {cpu} ({machine.get('cpu_cores')} cores); torch {machine.get('torch')}; "
-             f"Python {platform.python_version()}; "
-             f"ran {started}.", "", f"Command: `{command}` (the module docstring says what each program runs).", "",
-             "| program | wall time, median (s) | range (s) | validation loss at step 2000 (20 batches) "
-             "| tokens/s (runner) | compile s (runner) |",
-             "|---|---|---|---|---|---|"]
+    )
+    lines = [
+        "# runner's Shakespeare GPT beside nanoGPT's own train.py (CPU)",
+        "",
+        f"Machine: {cpu} ({machine.get('cpu_cores')} cores); torch {machine.get('torch')}; "
+        f"Python {platform.python_version()}; "
+        f"ran {started}.",
+        "",
+        f"Command: `{command}` (the module docstring says what each program runs).",
+        "",
+        "| program | wall time, median (s) | range (s) | validation loss at step 2000 (20 batches) "
+        "| tokens/s (runner) | compile s (runner) |",
+        "|---|---|---|---|---|---|",
+    ]
     base = statistics.median(x["wall_s"] for x in results["nanoGPT train.py"])
     for name, runs in results.items():
         walls = [x["wall_s"] for x in runs]
         losses = ", ".join(f"{x['val_loss']:.4f}" for x in runs if x["val_loss"] is not None)
         tps = ", ".join(f"{x['tokens_per_sec']:,.0f}" for x in runs if x.get("tokens_per_sec"))
         compiled = ", ".join(f"{x['compile_s']:.1f}" for x in runs if x.get("compile_s") is not None)
-        lines.append(f"| {name} | {statistics.median(walls):.1f} (×{statistics.median(walls) / base:.2f}) | "
-                     f"{min(walls):.1f}–{max(walls):.1f} | {losses} | {tps or '-'} | {compiled or '-'} |")
+        lines.append(
+            f"| {name} | {statistics.median(walls):.1f} (×{statistics.median(walls) / base:.2f}) | "
+            f"{min(walls):.1f}–{max(walls):.1f} | {losses} | {tps or '-'} | {compiled or '-'} |"
+        )
     caches = sorted({str(x["compile_cache"]) for runs in results.values() for x in runs if x.get("compile_cache")})
-    lines += ["", f"Load average (1 min) before each run: {loads}.", "",
-              "Every run starts with empty TorchInductor and Triton caches of its own, as on a fresh node; what "
-              "runner's compiled runs loaded (`summary.json` `one_time.compile_cache`): "
-              + ("; ".join(caches) if caches else "nothing (no run compiled)") + ".", ""]
+    lines += [
+        "",
+        f"Load average (1 min) before each run: {loads}.",
+        "",
+        "Every run starts with empty TorchInductor and Triton caches of its own, as on a fresh node; what "
+        "runner's compiled runs loaded (`summary.json` `one_time.compile_cache`): "
+        + ("; ".join(caches) if caches else "nothing (no run compiled)")
+        + ".",
+        "",
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 

@@ -42,8 +42,22 @@ CASES = {
     # difference of the two loops is the engine's absolute cost per step
     "linear": ([], (1, 4, 4), 8, 400, 9),
     # nanoGPT's small character model (+experiment=shakespeare_char): 4 layers x 128, windows of 64 tokens
-    "gpt": (["task=language_model", "model=gpt", "model.n_layer=4", "model.n_head=4", "model.n_embd=128",
-             "data=text", "data.block_size=64", "task.sample_tokens=1"], (64,), 12, 30, 9),
+    "gpt": (
+        [
+            "task=language_model",
+            "model=gpt",
+            "model.n_layer=4",
+            "model.n_head=4",
+            "model.n_embd=128",
+            "data=text",
+            "data.block_size=64",
+            "task.sample_tokens=1",
+        ],
+        (64,),
+        12,
+        30,
+        9,
+    ),
 }
 VOCAB = 65  # Tiny Shakespeare's characters
 
@@ -61,10 +75,17 @@ def make_batches(case: str, shape, batch_size: int, n: int, device: torch.device
     the GPT int64 token windows ``(batch_size, T)`` and their next tokens ``(batch_size, T)``."""
     g = torch.Generator().manual_seed(0)
     if case == "gpt":
-        return [tuple(torch.randint(0, VOCAB, (batch_size, *shape), generator=g).to(device) for _ in range(2))
-                for _ in range(n)]
-    return [(torch.randn(batch_size, *shape, generator=g).to(device), torch.randint(0, 10, (batch_size,), generator=g)
-             .to(device)) for _ in range(n)]
+        return [
+            tuple(torch.randint(0, VOCAB, (batch_size, *shape), generator=g).to(device) for _ in range(2))
+            for _ in range(n)
+        ]
+    return [
+        (
+            torch.randn(batch_size, *shape, generator=g).to(device),
+            torch.randint(0, 10, (batch_size,), generator=g).to(device),
+        )
+        for _ in range(n)
+    ]
 
 
 def sync(device: torch.device) -> None:
@@ -105,10 +126,14 @@ def runner_loop(cfg, model, batches, device) -> list[float]:
     in_memory = data_mod.Data(
         train=data_mod.DeviceIterable(batches, device, False, torch.contiguous_format),
         eval=data_mod.DeviceIterable(batches[:1], device, False, torch.contiguous_format),
-        num_classes=None if tokens else 10, in_channels=None if tokens else batches[0][0].shape[1],
-        sample_shape=tuple(batches[0][0].shape[1:]), train_samples=len(batches) * len(batches[0][1]), techniques={},
+        num_classes=None if tokens else 10,
+        in_channels=None if tokens else batches[0][0].shape[1],
+        sample_shape=tuple(batches[0][0].shape[1:]),
+        train_samples=len(batches) * len(batches[0][1]),
+        techniques={},
         example=(batches[0][0][:2], batches[0][1][:2]),
-        vocab=["\n", *(chr(65 + i) for i in range(VOCAB - 1))] if tokens else None)
+        vocab=["\n", *(chr(65 + i) for i in range(VOCAB - 1))] if tokens else None,
+    )
     originals = data_mod.build, models.build, measure.Meter
     data_mod.build = lambda *a, **k: in_memory
     models.build = lambda *a, **k: model
@@ -131,20 +156,38 @@ def bench(case: str, rounds: int | None, warmup: int, device: torch.device, step
     steps = steps or default_steps
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         data = [] if case == "gpt" else ["data=synthetic", f"data.shape=[{','.join(map(str, shape))}]"]
-        cfg = compose(config_name="config", overrides=[
-            *overrides, *data, "logger=none", "checkpoint.at_end=false",
-            f"dataloader.batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.warmup_steps={warmup}",
-            f"trainer.log_every={steps}", "trainer.eval_max_batches=1", "trainer.progress=off",
-            f"trainer.device={device.type}"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                *overrides,
+                *data,
+                "logger=none",
+                "checkpoint.at_end=false",
+                f"dataloader.batch_size={batch}",
+                f"trainer.max_steps={steps}",
+                f"trainer.warmup_steps={warmup}",
+                f"trainer.log_every={steps}",
+                "trainer.eval_max_batches=1",
+                "trainer.progress=off",
+                f"trainer.device={device.type}",
+            ],
+        )
     torch.manual_seed(0)
     template = build_model(case, cfg, shape).to(device)
     batches = make_batches(case, shape, batch, steps, device)
     raw_loop(copy.deepcopy(template), batches, cfg.optimizer.lr, warmup, device)  # discarded: one-time costs
-    runner_loop(cfg, copy.deepcopy(template), batches, device)                   # (oneDNN primitives, allocator)
+    runner_loop(cfg, copy.deepcopy(template), batches, device)  # (oneDNN primitives, allocator)
     raw, ours, ratios = [], [], []
     for i in range(rounds):
-        run_raw = lambda: statistics.median(raw_loop(copy.deepcopy(template), batches, cfg.optimizer.lr, warmup,  # noqa: E731
-                                                     device))
+        run_raw = lambda: statistics.median(
+            raw_loop(
+                copy.deepcopy(template),
+                batches,
+                cfg.optimizer.lr,
+                warmup,  # noqa: E731
+                device,
+            )
+        )
         run_ours = lambda: statistics.median(runner_loop(cfg, copy.deepcopy(template), batches, device))  # noqa: E731
         if i % 2 == 0:  # A B, then B A: whichever runs second in a round gets no systematic edge
             r, o = run_raw(), run_ours()
@@ -155,25 +198,44 @@ def bench(case: str, rounds: int | None, warmup: int, device: torch.device, step
         ratios.append(o / r)
         print(f"{case}: raw {r:.2f} ms  runner {o:.2f} ms  ratio {o / r:.4f}", flush=True)
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"case": case, "batch": batch, "steps": steps, "rounds": rounds, "raw_ms": statistics.median(raw),
-            "runner_ms": statistics.median(ours), "ratio": statistics.median(ratios), "ratio_q1": quartiles[0],
-            "ratio_q3": quartiles[2], "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    return {
+        "case": case,
+        "batch": batch,
+        "steps": steps,
+        "rounds": rounds,
+        "raw_ms": statistics.median(raw),
+        "runner_ms": statistics.median(ours),
+        "ratio": statistics.median(ratios),
+        "ratio_q1": quartiles[0],
+        "ratio_q3": quartiles[2],
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="paired rounds per model (default: per model)")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=None,
-                   help="steps per loop run, warm-up included (default: per model, sized for a CPU; a GPU's "
-                        "millisecond steps want hundreds)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per loop run, warm-up included (default: per model, sized for a CPU; a GPU's "
+        "millisecond steps want hundreds)",
+    )
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "overhead.md")
     args = p.parse_args()
     register_configs()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     results = [bench(c, args.rounds, args.warmup, device, args.steps) for c in args.cases]
     machine = hardware.device_name(device) + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads")
     lines = [
@@ -192,9 +254,12 @@ def main() -> None:
         "| model | batch | steps per run × rounds | raw ms/step (median) | runner ms/step (median) "
         "| runner − raw µs/step | runner ÷ raw (median of rounds) | IQR | min–max |",
         "|---|---|---|---|---|---|---|---|---|",
-        *[f"| {r['case']} | {r['batch']} | {r['steps']} × {r['rounds']} | {r['raw_ms']:.3f} | {r['runner_ms']:.3f} | "
-          f"{(r['runner_ms'] - r['raw_ms']) * 1e3:+.0f} | **{r['ratio']:.3f}** | "
-          f"{r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | {r['ratio_min']:.3f}–{r['ratio_max']:.3f} |" for r in results],
+        *[
+            f"| {r['case']} | {r['batch']} | {r['steps']} × {r['rounds']} | {r['raw_ms']:.3f} | {r['runner_ms']:.3f} | "
+            f"{(r['runner_ms'] - r['raw_ms']) * 1e3:+.0f} | **{r['ratio']:.3f}** | "
+            f"{r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | {r['ratio_min']:.3f}–{r['ratio_max']:.3f} |"
+            for r in results
+        ],
         "",
     ]
     by_case = {r["case"]: r for r in results}
@@ -205,8 +270,11 @@ def main() -> None:
             f"**{cost_us:.0f} µs** (Python bookkeeping: the meter's marks, the do-nothing autocast/GradScaler, "
             "the scheduler step, the on-device loss sum). Relative to each model's raw step that is:",
             "",
-            *[f"- {r['case']}: {cost_us / (r['raw_ms'] * 1e3):.2%} of a {r['raw_ms']:.1f} ms step"
-              for r in results if r["case"] != "linear"],
+            *[
+                f"- {r['case']}: {cost_us / (r['raw_ms'] * 1e3):.2%} of a {r['raw_ms']:.1f} ms step"
+                for r in results
+                if r["case"] != "linear"
+            ],
             "",
             "The per-round ratios of the real models scatter far more than that (see min–max): this host is a "
             "shared VM whose speed drifts in bursts of seconds, so their medians sit at the noise floor rather "

@@ -36,18 +36,30 @@ from runner.measure.hardware import device_name
 REPO = Path(__file__).resolve().parent.parent
 
 
-
-
 def run(procs: int, threads: int, overrides: list[str], job_dir: Path, timeout: float) -> dict:
     """One job; returns its summary. Raises RuntimeError with the job's output when it fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1",
-           "TMPDIR": str(job_dir.parent)}  # torchrun's own temp folders go away with ours
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "WANDB_MODE": "disabled",
+        "HYDRA_FULL_ERROR": "1",
+        "TMPDIR": str(job_dir.parent),
+    }  # torchrun's own temp folders go away with ours
     args = [*overrides, f"hydra.run.dir={job_dir}"]
     if procs == 1:
         cmd = [sys.executable, "-m", "runner", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
-               "-m", "runner", "distributed=ddp", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={procs}",
+            "-m",
+            "runner",
+            "distributed=ddp",
+            *args,
+        ]
     proc = subprocess.run(cmd, cwd=job_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -67,9 +79,18 @@ def main() -> None:
     a = parser.parse_args()
 
     cores = os.cpu_count() or 1
-    job = ["trainer.device=cpu", "logger=none", "trainer.progress=off", f"trainer.max_steps={a.steps}",
-           f"trainer.warmup_steps={a.warmup}", f"trainer.log_every={a.steps}", "trainer.eval_every=1000000",
-           "trainer.eval_max_batches=1", f"dataloader.batch_size={a.batch_size}", *a.overrides]
+    job = [
+        "trainer.device=cpu",
+        "logger=none",
+        "trainer.progress=off",
+        f"trainer.max_steps={a.steps}",
+        f"trainer.warmup_steps={a.warmup}",
+        f"trainer.log_every={a.steps}",
+        "trainer.eval_every=1000000",
+        "trainer.eval_max_batches=1",
+        f"dataloader.batch_size={a.batch_size}",
+        *a.overrides,
+    ]
     layouts = [(1, 1), (1, cores), (a.procs, max(1, cores // a.procs))]
     layouts = list(dict.fromkeys(layouts))  # 1 core: 1x1 only once
     results: dict[str, list[float]] = {f"{p}x{t}": [] for p, t in layouts}
@@ -80,9 +101,12 @@ def main() -> None:
                 started = time.perf_counter()
                 s = run(p, t, job, Path(tmp) / f"{p}x{t}-{r}", a.timeout)
                 results[f"{p}x{t}"].append(s["samples_per_sec"])
-                print(f"repeat {r + 1}/{a.repeats}  {p} process(es) x {t} thread(s): {s['samples_per_sec']:8.1f} "
-                      f"samples/s  (global batch {s['global_batch_size']}, world_size {s['world_size']}, "
-                      f"{time.perf_counter() - started:.0f} s)", flush=True)
+                print(
+                    f"repeat {r + 1}/{a.repeats}  {p} process(es) x {t} thread(s): {s['samples_per_sec']:8.1f} "
+                    f"samples/s  (global batch {s['global_batch_size']}, world_size {s['world_size']}, "
+                    f"{time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
     load_after = os.getloadavg()
 
     med = {k: statistics.median(v) for k, v in results.items()}
@@ -95,12 +119,26 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for (p, t), (k, v) in zip(layouts, results.items()):
         eff = med[k] / (base * p) if p > 1 else None
-        print(f"| {p} x {t} | {med[k]:.0f} | {min(v):.0f} - {max(v):.0f} | {med[k] / base:.2f}x | "
-              f"{'-' if eff is None else f'{eff:.2f}'} |")
+        print(
+            f"| {p} x {t} | {med[k]:.0f} | {min(v):.0f} - {max(v):.0f} | {med[k] / base:.2f}x | "
+            f"{'-' if eff is None else f'{eff:.2f}'} |"
+        )
     if a.out:
-        a.out.write_text(json.dumps({"machine": cpu, "cores": cores, "torch": torch.__version__,
-                                     "load_before": load_before, "load_after": load_after, "job": job,
-                                     "samples_per_sec": results}, indent=2) + "\n")
+        a.out.write_text(
+            json.dumps(
+                {
+                    "machine": cpu,
+                    "cores": cores,
+                    "torch": torch.__version__,
+                    "load_before": load_before,
+                    "load_after": load_after,
+                    "job": job,
+                    "samples_per_sec": results,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -28,16 +28,28 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run(search: str, sweep: Path) -> None:
     """Run the search into ``sweep`` (its console in ``<sweep>.log``); ``bench.json`` keeps command, wall, load."""
-    cmd = [sys.executable, "-m", "runner", f"hparams_search={search}", "hydra.sweeper.n_jobs=2",
-           "hydra.sweeper.pruner=median", "logger=none", f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        f"hparams_search={search}",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.pruner=median",
+        "logger=none",
+        f"hydra.sweep.dir={sweep}",
+    ]
     load, started = os.getloadavg()[0], time.time()
     with open(f"{sweep}.log", "w") as log:
-        rc = subprocess.call(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, "WANDB_MODE": "disabled"})
+        rc = subprocess.call(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WANDB_MODE": "disabled"}
+        )
     if rc != 0:
         sys.exit(f"failed ({rc}): {' '.join(cmd)}; see {sweep}.log")
-    (sweep / "bench.json").write_text(json.dumps({"command": "python -m runner " + " ".join(cmd[3:-1]),
-                                                  "wall_s": time.time() - started, "load_before": load}))
+    (sweep / "bench.json").write_text(
+        json.dumps(
+            {"command": "python -m runner " + " ".join(cmd[3:-1]), "wall_s": time.time() - started, "load_before": load}
+        )
+    )
 
 
 def running_at_once(sweep: Path) -> dict[int, float]:
@@ -48,8 +60,13 @@ def running_at_once(sweep: Path) -> dict[int, float]:
     for folder in [*(p for p in sweep.iterdir() if p.name.isdigit()), *sweep.glob("verify/*/seed*")]:
         start = folder / ".hydra" / "config.yaml"
         if start.is_file():
-            spans.append((start.stat().st_mtime, max(p.stat().st_mtime for p in folder.rglob("*") if p.is_file()),
-                          folder.name.isdigit()))
+            spans.append(
+                (
+                    start.stat().st_mtime,
+                    max(p.stat().st_mtime for p in folder.rglob("*") if p.is_file()),
+                    folder.name.isdigit(),
+                )
+            )
     phase = max(b for _, b, trial in spans if trial)
     spans = [(a, min(b, phase)) for a, b, _ in spans if a < phase]
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
@@ -68,25 +85,41 @@ def write(sweep: Path, out: Path, search: str) -> None:
     wall, v = results["wall"], results["verification"]
     at_once = running_at_once(sweep)
     phase = sum(at_once.values())
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     day = time.strftime("%Y-%m-%d")
     share = {k: wall[k] / wall["total_s"] for k in ("trials_s", "verification_s")}
-    lines = [f"# The recipe search without a barrier, and a verification that stops when firm ({day})",
-             "", f"Machine: {os.cpu_count()} cores ({cpu}), alone (load {bench['load_before']:.2f} before it); each "
-             "slot's trials with trainer.num_threads=1 (the CPUs shared out by the search). Command: "
-             f"`{bench['command']}`; the page: `python scripts/bench_search_slots.py --report <sweep>`.", "",
-             "| | minutes | share |", "|---|---:|---:|",
-             f"| the search (wall) | {bench['wall_s'] / 60:.1f} | |",
-             f"| its trials | {wall['trials_s'] / 60:.1f} | {share['trials_s']:.0%} |",
-             f"| its verification | {wall['verification_s'] / 60:.1f} | {share['verification_s']:.0%} |",
-             "", f"Slots busy {wall['slots_busy']:.1%} of the trials' slot-time (idle {1 - wall['slots_busy']:.1%})."
-             " Trials running at once over the trials' phase (from the job folders' times): "
-             + ", ".join(f"{n}: {s / phase:.1%}" for n, s in sorted(at_once.items())) + ".", "",
-             f"Verification: {v.get('stopped')}, each look at {v.get('look_confidence', 0):.2%}; time to target, "
-             f"best / start: {_interval(v.get('time_to_target'))} (the stopping rule); samples to target: "
-             f"{_interval(v.get('samples_to_target'))}.", "",
-             f"Best: `{results['best_params']}`; the line to paste: `{results['command']}`.", ""]
+    lines = [
+        f"# The recipe search without a barrier, and a verification that stops when firm ({day})",
+        "",
+        f"Machine: {os.cpu_count()} cores ({cpu}), alone (load {bench['load_before']:.2f} before it); each "
+        "slot's trials with trainer.num_threads=1 (the CPUs shared out by the search). Command: "
+        f"`{bench['command']}`; the page: `python scripts/bench_search_slots.py --report <sweep>`.",
+        "",
+        "| | minutes | share |",
+        "|---|---:|---:|",
+        f"| the search (wall) | {bench['wall_s'] / 60:.1f} | |",
+        f"| its trials | {wall['trials_s'] / 60:.1f} | {share['trials_s']:.0%} |",
+        f"| its verification | {wall['verification_s'] / 60:.1f} | {share['verification_s']:.0%} |",
+        "",
+        f"Slots busy {wall['slots_busy']:.1%} of the trials' slot-time (idle {1 - wall['slots_busy']:.1%})."
+        " Trials running at once over the trials' phase (from the job folders' times): "
+        + ", ".join(f"{n}: {s / phase:.1%}" for n, s in sorted(at_once.items()))
+        + ".",
+        "",
+        f"Verification: {v.get('stopped')}, each look at {v.get('look_confidence', 0):.2%}; time to target, "
+        f"best / start: {_interval(v.get('time_to_target'))} (the stopping rule); samples to target: "
+        f"{_interval(v.get('samples_to_target'))}.",
+        "",
+        f"Best: `{results['best_params']}`; the line to paste: `{results['command']}`.",
+        "",
+    ]
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
 

@@ -21,13 +21,26 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["data=synthetic", "data.shape=[3,16,16]", "data.train_size=256", "data.eval_size=64",
-        "dataloader.batch_size=16", "trainer.max_steps=4", "trainer.warmup_steps=1", "trainer.log_every=2",
-        "trainer.eval_max_batches=2", "trainer.progress=off", "trainer.device=cpu", "logger=none",
-        "trainer.num_threads=1"]
-COMMANDS = {"`python -m runner dataloader.batch_size=0` (refused by validate)": ["dataloader.batch_size=0"],
-            "`python -m runner optimizer.lr=abc` (refused while composing)": ["optimizer.lr=abc"],
-            "a tiny job (`tests/conftest.py` TINY: 4 steps, summary, checkpoint)": TINY}
+TINY = [
+    "data=synthetic",
+    "data.shape=[3,16,16]",
+    "data.train_size=256",
+    "data.eval_size=64",
+    "dataloader.batch_size=16",
+    "trainer.max_steps=4",
+    "trainer.warmup_steps=1",
+    "trainer.log_every=2",
+    "trainer.eval_max_batches=2",
+    "trainer.progress=off",
+    "trainer.device=cpu",
+    "logger=none",
+    "trainer.num_threads=1",
+]
+COMMANDS = {
+    "`python -m runner dataloader.batch_size=0` (refused by validate)": ["dataloader.batch_size=0"],
+    "`python -m runner optimizer.lr=abc` (refused while composing)": ["optimizer.lr=abc"],
+    "a tiny job (`tests/conftest.py` TINY: 4 steps, summary, checkpoint)": TINY,
+}
 
 
 def wall_s(checkout: Path, args: list[str], cwd: Path) -> float:
@@ -59,15 +72,19 @@ def main() -> None:
                 for name, checkout in checkouts.items():  # alternated: both see the same moment of the machine
                     times[(name, key)].append(wall_s(checkout, command, Path(cwd)))
     load_end = os.getloadavg()[0]
-    lines = ["# Start-up: what `python -m runner` costs before it answers\n",
-             f"`python scripts/bench_startup.py{f' --baseline {args.baseline}' if args.baseline else ''} "
-             f"--repeats {args.repeats}`, {time.strftime('%Y-%m-%d')}, {cpu_name()}, "
-             f"{os.cpu_count()} cores, load average {load_start:.2f} at the start and {load_end:.2f} at the end. "
-             f"Wall seconds of a fresh process, median [min-max] of {args.repeats}, the checkouts alternated.\n",
-             "| command | " + " | ".join(checkouts) + " |", "|---|" + "---|" * len(checkouts)]
+    lines = [
+        "# Start-up: what `python -m runner` costs before it answers\n",
+        f"`python scripts/bench_startup.py{f' --baseline {args.baseline}' if args.baseline else ''} "
+        f"--repeats {args.repeats}`, {time.strftime('%Y-%m-%d')}, {cpu_name()}, "
+        f"{os.cpu_count()} cores, load average {load_start:.2f} at the start and {load_end:.2f} at the end. "
+        f"Wall seconds of a fresh process, median [min-max] of {args.repeats}, the checkouts alternated.\n",
+        "| command | " + " | ".join(checkouts) + " |",
+        "|---|" + "---|" * len(checkouts),
+    ]
     for key in COMMANDS:
-        cells = [f"{statistics.median(t):.2f} [{min(t):.2f}-{max(t):.2f}]"
-                 for t in (times[(c, key)] for c in checkouts)]
+        cells = [
+            f"{statistics.median(t):.2f} [{min(t):.2f}-{max(t):.2f}]" for t in (times[(c, key)] for c in checkouts)
+        ]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

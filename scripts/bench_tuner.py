@@ -67,41 +67,75 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d")
     out = a.out or REPO / "docs" / "benchmarks" / f"tuner-gpt-cpu-{stamp}.md"
-    lines = [f"# The speed tuner on the Shakespeare GPT recipe ({stamp})", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-             f"({_cpu_model()}), Python {platform.python_version()}; command: `python scripts/bench_tuner.py "
-             f"{' '.join(sys.argv[1:])}`.", ""]
+    lines = [
+        f"# The speed tuner on the Shakespeare GPT recipe ({stamp})",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+        f"({_cpu_model()}), Python {platform.python_version()}; command: `python scripts/bench_tuner.py "
+        f"{' '.join(sys.argv[1:])}`.",
+        "",
+    ]
     tuned = a.tuned
     if tuned is None:
         tuned = a.work / f"tune-{time.strftime('%H%M%S')}"
-        cmd = [sys.executable, "-m", "runner.tune", "speed", "--out", str(tuned), *JOB,
-               f"tune.budget_minutes={a.budget:g}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "runner.tune",
+            "speed",
+            "--out",
+            str(tuned),
+            *JOB,
+            f"tune.budget_minutes={a.budget:g}",
+        ]
         wall, before, after = process(cmd, a.work / "tune.log")
         lines += ["## 1. The tuner", "", f"`{sh(cmd)}`: {wall / 60:.1f} min wall, load {before} -> {after}.", ""]
     result = json.loads((tuned / "speed.json").read_text())
-    lines += [f"Pick: `{result['override']}` (objective {result.get('objective', 'throughput')}).", "",
-              "Its notes:", "", *[f"- {n}" for n in result["notes"]], "",
-              f"Its table: [{tuned.name}/speed.md]({tuned / 'speed.md'}) (not committed).", ""]
+    lines += [
+        f"Pick: `{result['override']}` (objective {result.get('objective', 'throughput')}).",
+        "",
+        "Its notes:",
+        "",
+        *[f"- {n}" for n in result["notes"]],
+        "",
+        f"Its table: [{tuned.name}/speed.md]({tuned / 'speed.md'}) (not committed).",
+        "",
+    ]
     if result["override"] == "(no change)":
         out.write_text("\n".join(lines) + "\n")
         sys.exit(f"the tuner recommends no change: nothing to time against the job; {out}")
     pairs = []
-    lines += [f"## 2. Steady tokens/s, alternated ({a.repeats} pairs of fresh processes, {a.steps} steps, no "
-              f"evaluation)", "", "| pair | recipe tokens/s | pick tokens/s | pick ÷ recipe | load before/after |",
-              "|---|---|---|---|---|"]
-    short = [f"trainer.max_steps={a.steps}", "trainer.eval_every=null", "trainer.doctor=false",
-             "checkpoint.at_end=false"]
+    lines += [
+        f"## 2. Steady tokens/s, alternated ({a.repeats} pairs of fresh processes, {a.steps} steps, no evaluation)",
+        "",
+        "| pair | recipe tokens/s | pick tokens/s | pick ÷ recipe | load before/after |",
+        "|---|---|---|---|---|",
+    ]
+    short = [
+        f"trainer.max_steps={a.steps}",
+        "trainer.eval_every=null",
+        "trainer.doctor=false",
+        "checkpoint.at_end=false",
+    ]
     for i in range(a.repeats):
         base, _, b0, b1 = job(a.work / f"recipe-{i}", None, short)
         pick, _, p0, p1 = job(a.work / f"pick-{i}", tuned, short)
         pairs.append(pick["tokens_per_sec"] / base["tokens_per_sec"])
-        lines.append(f"| {i + 1} | {base['tokens_per_sec']:,.0f} | {pick['tokens_per_sec']:,.0f} | "
-                     f"×{pairs[-1]:.3f} | {b0}/{b1}, {p0}/{p1} |")
-    lines += ["", f"Median ×{statistics.median(pairs):.3f} (range ×{min(pairs):.3f}–×{max(pairs):.3f}).", "",
-              f"## 3. The whole job (the recipe's steps and evaluations), wall clock of the process, {a.whole_repeats} "
-              f"pairs alternated", "",
-              "| pair | run | wall s | train s | eval s | start-up s | warm-up excess s | compile s | compile cache | "
-              "val loss | load before/after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {i + 1} | {base['tokens_per_sec']:,.0f} | {pick['tokens_per_sec']:,.0f} | "
+            f"×{pairs[-1]:.3f} | {b0}/{b1}, {p0}/{p1} |"
+        )
+    lines += [
+        "",
+        f"Median ×{statistics.median(pairs):.3f} (range ×{min(pairs):.3f}–×{max(pairs):.3f}).",
+        "",
+        f"## 3. The whole job (the recipe's steps and evaluations), wall clock of the process, {a.whole_repeats} "
+        f"pairs alternated",
+        "",
+        "| pair | run | wall s | train s | eval s | start-up s | warm-up excess s | compile s | compile cache | "
+        "val loss | load before/after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ratios = []
     for i in range(a.whole_repeats):
         walls = {}
@@ -109,21 +143,30 @@ def main() -> None:
             s, wall, before, after = job(a.work / f"whole-{name}-{i}", use, [])
             walls[name] = wall
             o = s["one_time"]
-            lines.append(f"| {i + 1} | {name} | {wall:.1f} | {s['train_time_s']:.1f} | {s['eval_time_s']:.1f} | "
-                         f"{o['startup_s']:.1f} | {o['warmup_excess_s'] or 0:.1f} | {o['compile_s'] or 0:.1f} | "
-                         f"{o['compile_cache'].split(':')[0]} | {s.get('eval_loss', float('nan')):.4f} | "
-                         f"{before}/{after} |")
+            lines.append(
+                f"| {i + 1} | {name} | {wall:.1f} | {s['train_time_s']:.1f} | {s['eval_time_s']:.1f} | "
+                f"{o['startup_s']:.1f} | {o['warmup_excess_s'] or 0:.1f} | {o['compile_s'] or 0:.1f} | "
+                f"{o['compile_cache'].split(':')[0]} | {s.get('eval_loss', float('nan')):.4f} | "
+                f"{before}/{after} |"
+            )
         ratios.append(walls["recipe"] / walls["pick"])
-    lines += ["", f"The recipe's job took {statistics.median(ratios):.2f}× as long as the pick's, median of "
-                  f"{len(ratios)} pairs (range {min(ratios):.2f}–{max(ratios):.2f}×).", ""]
+    lines += [
+        "",
+        f"The recipe's job took {statistics.median(ratios):.2f}× as long as the pick's, median of "
+        f"{len(ratios)} pairs (range {min(ratios):.2f}–{max(ratios):.2f}×).",
+        "",
+    ]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
 
 
 def _cpu_model() -> str:
     try:
-        return next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                    if x.startswith("model name"))
+        return next(
+            x.split(":", 1)[1].strip()
+            for x in Path("/proc/cpuinfo").read_text().splitlines()
+            if x.startswith("model name")
+        )
     except (OSError, StopIteration):
         return "unknown CPU"
 

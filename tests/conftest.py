@@ -57,7 +57,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     session.config.stash[_RANKS_RUN] = bool(os.environ.get("TORCHELASTIC_RUN_ID")) and any(
-        item.get_closest_marker("world_size") for item in session.items)
+        item.get_closest_marker("world_size") for item in session.items
+    )
 
 
 def pytest_unconfigure(config):
@@ -76,8 +77,9 @@ def _agent_store():
     own on it), keys under the run id."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=300))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=300)
+    )
     return dist.PrefixStore(f"runner-tests/{os.environ['TORCHELASTIC_RUN_ID']}", store)
 
 
@@ -185,18 +187,26 @@ def cfg_factory():
     return compose_cfg
 
 
-def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300,
-            module: str = "runner") -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, env: dict | None = None, timeout: float = 300, module: str = "runner"
+) -> subprocess.CompletedProcess:
     """Run ``python -m runner ARGS`` in ``cwd`` (outputs/ lands there); returns the finished process.
 
     The checkout under test comes first on ``PYTHONPATH``: from a folder outside it, ``python -m runner``
     would otherwise import whichever copy is installed (an editable install of another worktree).
     """
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1",
-                "PYTHONPATH": path, **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    full_env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HYDRA_FULL_ERROR": "1",
+        "PYTHONPATH": path,
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_here(*args: str, cwd: Path, env: dict | None = None, module: str = "runner") -> subprocess.CompletedProcess:
@@ -209,8 +219,7 @@ def run_here(*args: str, cwd: Path, env: dict | None = None, module: str = "runn
     import importlib
     import io
 
-    run = importlib.import_module("runner.__main__").run if module == "runner" else \
-        importlib.import_module(module).main
+    run = importlib.import_module("runner.__main__").run if module == "runner" else importlib.import_module(module).main
     out, err = io.StringIO(), io.StringIO()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     os.environ.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})})
@@ -279,8 +288,7 @@ def make_tiny_cifar(root: Path, n_train: int = 100, n_test: int = 40, seed: int 
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for name in names:
         n = n_test if name == "test_batch" else n_train // 5
-        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 "labels": rng.integers(0, 10, n).tolist()}
+        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "labels": rng.integers(0, 10, n).tolist()}
         with open(folder / name, "wb") as f:
             pickle.dump(batch, f)
     with open(folder / "batches.meta", "wb") as f:

@@ -159,25 +159,32 @@ class Spy:
             return
         x = args[0]
         out = getattr(out, "logits", out)  # a Hugging Face model returns a ModelOutput
-        self.calls.append(Call(
-            training=module.training,
-            inference_mode=torch.is_inference_mode_enabled(),
-            grad_enabled=torch.is_grad_enabled(),
-            anomaly=torch.is_anomaly_enabled(),
-            x_dtype=x.dtype,
-            x_channels_last=x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last),
-            out_dtype=out.dtype,
-            out_requires_grad=out.requires_grad,
-            out_has_grad_fn=out.grad_fn is not None,
-            weights_channels_last=all(p.is_contiguous(memory_format=torch.channels_last)
-                                      for p in module.parameters() if p.dim() == 4),
-        ))
+        self.calls.append(
+            Call(
+                training=module.training,
+                inference_mode=torch.is_inference_mode_enabled(),
+                grad_enabled=torch.is_grad_enabled(),
+                anomaly=torch.is_anomaly_enabled(),
+                x_dtype=x.dtype,
+                x_channels_last=x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last),
+                out_dtype=out.dtype,
+                out_requires_grad=out.requires_grad,
+                out_has_grad_fn=out.grad_fn is not None,
+                weights_channels_last=all(
+                    p.is_contiguous(memory_format=torch.channels_last) for p in module.parameters() if p.dim() == 4
+                ),
+            )
+        )
 
     def _on_step(self, opt, args, kwargs) -> None:
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
         kept = None
         if self.keep_grads:
-            kept = {self.named[id(p)]: p.grad.detach().clone()
-                    for g in opt.param_groups for p in g["params"] if p.grad is not None}
+            kept = {
+                self.named[id(p)]: p.grad.detach().clone()
+                for g in opt.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            }
         self.steps.append(Step(lr=opt.param_groups[0]["lr"], grad_norm=norm, grads=kept))

@@ -53,8 +53,9 @@ def flat(cfg) -> dict[str, object]:
 
 def variant(name: str, *overrides: str) -> dict[str, object]:
     # trainer.device=cuda resolves the hardware-aware values to their CUDA branch without a GPU
-    return flat(compose_cfg("+experiment=ablation", f"ablation/variant={name}", "trainer.device=cuda", *overrides,
-                            tiny=False))
+    return flat(
+        compose_cfg("+experiment=ablation", f"ablation/variant={name}", "trainer.device=cuda", *overrides, tiny=False)
+    )
 
 
 def diff(a: dict, b: dict) -> set[str]:
@@ -126,8 +127,8 @@ def test_variant_composes_and_names_itself(name):
         assert a.kind == tech and name == prefix + a.technique
 
 
-LEAVE_OUT = [n[len("fast-"):] for n in NAMES if n.startswith("fast-")]
-LEAVE_IN = [n[len("baseline+"):] for n in NAMES if n.startswith("baseline+")]
+LEAVE_OUT = [n[len("fast-") :] for n in NAMES if n.startswith("fast-")]
+LEAVE_IN = [n[len("baseline+") :] for n in NAMES if n.startswith("baseline+")]
 
 
 @pytest.mark.parametrize("tech", sorted(set(LEAVE_OUT) & set(LEAVE_IN)))
@@ -159,8 +160,16 @@ def test_the_keys_of_each_skippable_technique_are_the_keys_its_variant_switches(
         assert diff(base, variant(f"baseline+{tech}")) == set(keys), tech
 
 
-@pytest.mark.parametrize("name,no_op", [("baseline+channels_last", True), ("fast-normalize", True),
-                                        ("fast-drop_bias", True), ("fast-compile", False), ("baseline", False)])
+@pytest.mark.parametrize(
+    "name,no_op",
+    [
+        ("baseline+channels_last", True),
+        ("fast-normalize", True),
+        ("fast-drop_bias", True),
+        ("fast-compile", False),
+        ("baseline", False),
+    ],
+)
 def test_a_technique_the_language_model_skips_is_not_measured(tmp_path, name, no_op):
     """On the GPT an image technique changes nothing: its variant is its reference again, so it is recorded as
     not run (saving a quarter of the GPT ablation's minutes) instead of being measured as a copy."""
@@ -200,23 +209,51 @@ def test_baseline_preset_is_the_naive_job():
     cfg = compose_cfg("+experiment=baseline", "precision=amp", tiny=False)  # the command line still wins
     assert cfg.precision.name == "amp"
     cfg = compose_cfg("+experiment=baseline", tiny=False)
-    assert (cfg.precision.name, cfg.scheduler.name, cfg.dataloader.num_workers, cfg.dataloader.pin_memory,
-            cfg.compile.mode, cfg.channels_last, cfg.cudnn_benchmark, cfg.optimizer.set_to_none,
-            cfg.trainer.log_every) == ("fp32", "constant", 0, False, None, False, False, False, 1)
+    assert (
+        cfg.precision.name,
+        cfg.scheduler.name,
+        cfg.dataloader.num_workers,
+        cfg.dataloader.pin_memory,
+        cfg.compile.mode,
+        cfg.channels_last,
+        cfg.cudnn_benchmark,
+        cfg.optimizer.set_to_none,
+        cfg.trainer.log_every,
+    ) == ("fp32", "constant", 0, False, None, False, False, False, 1)
 
 
 # ------------------------------------------------------------------------------------------- the rule
 def summary(variant: str, repeat: int, sps: float, techniques: dict | None = None, **extra) -> dict:
-    kind = "baseline" if variant == "baseline" else "fast" if variant == "fast" else (
-        "leave-one-in" if variant.startswith("baseline+") else "leave-one-out")
+    kind = (
+        "baseline"
+        if variant == "baseline"
+        else "fast"
+        if variant == "fast"
+        else ("leave-one-in" if variant.startswith("baseline+") else "leave-one-out")
+    )
     tech = None if kind in ("baseline", "fast") else variant.split("+" if "+" in variant else "-", 1)[1]
-    return {"samples_per_sec": sps, "step_time_ms_median": 1000 * 64 / sps, "data_wait_fraction": 0.1,
-            "peak_memory_mb": extra.pop("peak", 1000.0), "train_loss": 2.0, "eval_loss": 2.1,
-            "warmup_steps": 3, "measured_steps": 8, "global_batch_size": 64, "device": "cpu",
-            "device_name": "x86_64", "techniques": techniques or {},
-            "config": {"ablation": {"variant": variant, "repeat": repeat, "kind": kind, "technique": tech},
-                       "model": {"_target_": "tiny"}, "data": {"name": "synthetic"}, "logger": {"name": "none"},
-                       "optimizer": {"_target_": "torch.optim.SGD"}}, **extra}
+    return {
+        "samples_per_sec": sps,
+        "step_time_ms_median": 1000 * 64 / sps,
+        "data_wait_fraction": 0.1,
+        "peak_memory_mb": extra.pop("peak", 1000.0),
+        "train_loss": 2.0,
+        "eval_loss": 2.1,
+        "warmup_steps": 3,
+        "measured_steps": 8,
+        "global_batch_size": 64,
+        "device": "cpu",
+        "device_name": "x86_64",
+        "techniques": techniques or {},
+        "config": {
+            "ablation": {"variant": variant, "repeat": repeat, "kind": kind, "technique": tech},
+            "model": {"_target_": "tiny"},
+            "data": {"name": "synthetic"},
+            "logger": {"name": "none"},
+            "optimizer": {"_target_": "torch.optim.SGD"},
+        },
+        **extra,
+    }
 
 
 SYNTHETIC = {  # configuration -> (its true samples/s, techniques)
@@ -234,8 +271,9 @@ AA = "baseline/r1"
 
 
 def reference_of(name: str, configs) -> str | None:
-    return None if name == "baseline" else "fast/r0" if name.startswith("fast-") and "fast" in configs \
-        else "baseline/r0"
+    return (
+        None if name == "baseline" else "fast/r0" if name.startswith("fast-") and "fast" in configs else "baseline/r0"
+    )
 
 
 def paired_record(configs=SYNTHETIC, passes: int = 10, noise: float = 0.02, seed: int = 1) -> dict:
@@ -246,8 +284,16 @@ def paired_record(configs=SYNTHETIC, passes: int = 10, noise: float = 0.02, seed
     baseline's slices read 1.5 % low on average and set_to_none's x1.013 [1.003-1.024] was called (the 5 % a
     test at its level allows), so the default is a seed whose noise calls nothing."""
     rng = np.random.default_rng(seed)
-    jobs = {f"{name}/r0": {"config": f"{name}/r0", "reference": reference_of(name, configs), "status": "measured",
-                           "group": None if name == "baseline" else 1, "design": "interleaved"} for name in configs}
+    jobs = {
+        f"{name}/r0": {
+            "config": f"{name}/r0",
+            "reference": reference_of(name, configs),
+            "status": "measured",
+            "group": None if name == "baseline" else 1,
+            "design": "interleaved",
+        }
+        for name in configs
+    }
     jobs[AA] = {"config": AA, "reference": "baseline/r0", "status": "measured", "group": 1, "design": "interleaved"}
     speed = {f"{name}/r0": sps for name, (sps, _) in configs.items()} | {AA: configs["baseline"][0]}
     order = sorted(jobs, key=lambda n: (jobs[n]["reference"] is not None, n != "fast/r0", n))  # references first
@@ -257,21 +303,48 @@ def paired_record(configs=SYNTHETIC, passes: int = 10, noise: float = 0.02, seed
         position = {name: i for i, name in enumerate(order)}
         for name in order:
             ref = jobs[name]["reference"]
-            slices.append({"group": 1, "pass": p, "position": position[name], "job": name,
-                           "pairs_with": None if ref is None else position[ref], "steps": 10, "seconds": 1.0,
-                           "samples_per_sec": speed[name] * drift * float(np.exp(rng.normal(0, noise))),
-                           "resume_steps": 3, "time": 1000.0 + p})
-    return {"design": "interleaved", "reference": "baseline/r0", "aa": AA, "slice_steps": 10,
-            "settings": {"confidence": 0.95, "processes": 1, "order": "rmit"}, "jobs": jobs, "slices": slices,
-            "stopped": [f"group 1: interleave.max_passes={passes} reached"], "started": 1000.0, "finished": 1100.0}
+            slices.append(
+                {
+                    "group": 1,
+                    "pass": p,
+                    "position": position[name],
+                    "job": name,
+                    "pairs_with": None if ref is None else position[ref],
+                    "steps": 10,
+                    "seconds": 1.0,
+                    "samples_per_sec": speed[name] * drift * float(np.exp(rng.normal(0, noise))),
+                    "resume_steps": 3,
+                    "time": 1000.0 + p,
+                }
+            )
+    return {
+        "design": "interleaved",
+        "reference": "baseline/r0",
+        "aa": AA,
+        "slice_steps": 10,
+        "settings": {"confidence": 0.95, "processes": 1, "order": "rmit"},
+        "jobs": jobs,
+        "slices": slices,
+        "stopped": [f"group 1: interleave.max_passes={passes} reached"],
+        "started": 1000.0,
+        "finished": 1100.0,
+    }
 
 
 def synthetic_jobs(configs=SYNTHETIC) -> list[Job]:
     """The report's jobs of ``configs``: one process each, and the baseline's copy."""
     names = [(name, 0) for name in configs] + ([("baseline", 1)] if "baseline" in configs else [])
-    return [Job(name, i, Path(f"{name}/r{i}"), summary(name, i, configs[name][0])["config"]["ablation"]["kind"],
-                summary(name, i, configs[name][0])["config"]["ablation"]["technique"],
-                summary(name, i, configs[name][0], configs[name][1])) for name, i in names]
+    return [
+        Job(
+            name,
+            i,
+            Path(f"{name}/r{i}"),
+            summary(name, i, configs[name][0])["config"]["ablation"]["kind"],
+            summary(name, i, configs[name][0])["config"]["ablation"]["technique"],
+            summary(name, i, configs[name][0], configs[name][1]),
+        )
+        for name, i in names
+    ]
 
 
 def synthetic_rows(configs=SYNTHETIC, **record) -> list:
@@ -335,12 +408,21 @@ def write_sweep(root: Path, configs=SYNTHETIC, interleaved: bool = True) -> Path
     for i, job in enumerate(synthetic_jobs(configs)):
         d = root / job.folder
         d.mkdir(parents=True)
-        sps = [x["samples_per_sec"] for x in record["slices"] if x["job"] == str(job.folder)] if record else \
-            [configs[job.variant][0]]
+        sps = (
+            [x["samples_per_sec"] for x in record["slices"] if x["job"] == str(job.folder)]
+            if record
+            else [configs[job.variant][0]]
+        )
         s = summary(job.variant, job.repeat, sum(sps) / len(sps), configs[job.variant][1], peak=1000.0 + 10 * i % 2)
         (d / "summary.json").write_text(json.dumps(s))
-    (root / "ablation.json").write_text(json.dumps({"command": "python -m runner -m +experiment=ablation model=tiny",
-                                                    "machine": {"cpu": "Test CPU", "cpu_cores": 2, "gpus": []}}))
+    (root / "ablation.json").write_text(
+        json.dumps(
+            {
+                "command": "python -m runner -m +experiment=ablation model=tiny",
+                "machine": {"cpu": "Test CPU", "cpu_cores": 2, "gpus": []},
+            }
+        )
+    )
     if interleaved and record:
         (root / "interleave.json").write_text(json.dumps(record))
     return root
@@ -350,18 +432,27 @@ def test_report_files_from_synthetic_summaries(tmp_path):
     sweep = write_sweep(tmp_path / "sweep")
     nr = sweep / "fast-cudnn_benchmark" / "r0"
     nr.mkdir(parents=True)
-    (nr / "not_run.json").write_text(json.dumps({"variant": "fast-cudnn_benchmark", "repeat": 0,
-                                                 "reason": "needs CUDA"}))
+    (nr / "not_run.json").write_text(
+        json.dumps({"variant": "fast-cudnn_benchmark", "repeat": 0, "reason": "needs CUDA"})
+    )
     doc = tmp_path / "docs" / "ablation-test.md"
     written = write_report(sweep, doc=doc)
-    assert {p.name for p in written} == {"report.md", "report.csv", "speedup.png", "jobs.csv", "ablation-test.md",
-                                         "ablation-test.png"}
+    assert {p.name for p in written} == {
+        "report.md",
+        "report.csv",
+        "speedup.png",
+        "jobs.csv",
+        "ablation-test.md",
+        "ablation-test.png",
+    }
     rows = read_csv(sweep / "report.csv")
     assert list(rows[0]) == CSV_COLUMNS
     assert rows[0]["configuration"] in ("fast", "fast-compile") and rows[0]["rank"] == "1"
     by = {r["configuration"]: r for r in rows}
-    assert by["baseline+set_to_none"]["verdict"].startswith("no effect larger than") and \
-        by["baseline+set_to_none"]["rank"] == ""
+    assert (
+        by["baseline+set_to_none"]["verdict"].startswith("no effect larger than")
+        and by["baseline+set_to_none"]["rank"] == ""
+    )
     assert by["fast-cudnn_benchmark"]["verdict"] == "not run: needs CUDA"
     assert by["baseline+amp"]["design"] == "interleaved"
     md = (sweep / "report.md").read_text()
@@ -379,8 +470,7 @@ def test_report_files_from_synthetic_summaries(tmp_path):
 
 
 def test_a_sweep_without_an_interleaved_record_says_it_has_no_intervals(tmp_path):
-    sweep = write_sweep(tmp_path / "sweep", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")},
-                        interleaved=False)
+    sweep = write_sweep(tmp_path / "sweep", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")}, interleaved=False)
     write_report(sweep)
     md = (sweep / "report.md").read_text()
     assert "not interleaved (no interleave.json)" in md
@@ -392,10 +482,24 @@ def test_the_reading_lists_an_equivalence_margin_as_no_measurable_effect():
     from runner.report.load import Row
     from runner.report.markdown import reading
 
-    rows = [Row("baseline+set_to_none", "leave-one-in", "set_to_none", effect=1.02,
-                verdict="no effect larger than ±9.5%", effect_ci=Interval(1.02, 0.93, 1.11, 0.6, 8, 0.04, 0.95)),
-            Row("baseline+checkpointing", "leave-one-in", "checkpointing", effect=0.76, verdict="hurts",
-                effect_ci=Interval(0.76, 0.70, 0.84, 0.001, 8, 0.04, 0.95))]
+    rows = [
+        Row(
+            "baseline+set_to_none",
+            "leave-one-in",
+            "set_to_none",
+            effect=1.02,
+            verdict="no effect larger than ±9.5%",
+            effect_ci=Interval(1.02, 0.93, 1.11, 0.6, 8, 0.04, 0.95),
+        ),
+        Row(
+            "baseline+checkpointing",
+            "leave-one-in",
+            "checkpointing",
+            effect=0.76,
+            verdict="hurts",
+            effect_ci=Interval(0.76, 0.70, 0.84, 0.001, 8, 0.04, 0.95),
+        ),
+    ]
     text = reading(rows)  # the interleaved design's wording of "no measurable effect"
     assert "- **No measurable effect:** set_to_none (on alone, ×1.02 [0.93–1.11])" in text, text
     assert "- **Hurt:** checkpointing (on alone, ×0.76 [0.70–0.84])" in text
@@ -427,14 +531,18 @@ def test_report_shows_each_jobs_fixed_cost_and_the_sweeps_time(tmp_path):
 
 def test_report_cli_bad_input_exits_nonzero_with_one_message(tmp_path):
     def report(folder: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "runner.report", str(folder)], capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "runner.report", str(folder)], capture_output=True, text=True, timeout=120
+        )
 
     empty = tmp_path / "empty"
     empty.mkdir()
     no_base = write_sweep(tmp_path / "nobase", {k: v for k, v in SYNTHETIC.items() if k != "baseline"})
-    for folder, message in ((tmp_path / "absent", "is not a folder"), (empty, "holds no job folder"),
-                            (no_base, "no baseline")):
+    for folder, message in (
+        (tmp_path / "absent", "is not a folder"),
+        (empty, "holds no job folder"),
+        (no_base, "no baseline"),
+    ):
         proc = report(folder)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and message in proc.stderr
@@ -472,8 +580,15 @@ def test_wandb_table_offline(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- end to end
-E2E_VARIANTS = ["baseline", "baseline+amp", "baseline+channels_last", "baseline+cudnn_benchmark",
-                "baseline+big_batch", "fast", "fast-channels_last"]
+E2E_VARIANTS = [
+    "baseline",
+    "baseline+amp",
+    "baseline+channels_last",
+    "baseline+cudnn_benchmark",
+    "baseline+big_batch",
+    "fast",
+    "fast-channels_last",
+]
 
 
 @pytest.mark.slow
@@ -481,14 +596,36 @@ E2E_VARIANTS = ["baseline", "baseline+amp", "baseline+channels_last", "baseline+
 @pytest.mark.waits  # interleaved slices: half its wall time waits
 def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     # the presets set the batch and log_every themselves: keep TINY's out of their way
-    tiny = [o for o in TINY if not o.startswith(("trainer.log_every", "trainer.max_steps", "trainer.warmup_steps",
-                                                 "dataloader.batch_size", "data.train_size"))]
-    proc = run_cli("-m", "+experiment=ablation", *tiny, "trainer.warmup_steps=2", "compile=off",  # compile: minutes
-                   "interleave.processes=1", "interleave.slice_steps=2", "interleave.min_passes=2",
-                   "interleave.max_passes=3",
-                   # batch 16; baseline+big_batch's 4 x 16 exceeds the 48 training samples and fails: the sweep goes on
-                   "optimizer.base_batch_size=16", "data.train_size=48",
-                   "ablation/variant=" + ",".join(E2E_VARIANTS), cwd=tmp_path, timeout=600)
+    tiny = [
+        o
+        for o in TINY
+        if not o.startswith(
+            (
+                "trainer.log_every",
+                "trainer.max_steps",
+                "trainer.warmup_steps",
+                "dataloader.batch_size",
+                "data.train_size",
+            )
+        )
+    ]
+    proc = run_cli(
+        "-m",
+        "+experiment=ablation",
+        *tiny,
+        "trainer.warmup_steps=2",
+        "compile=off",  # compile: minutes
+        "interleave.processes=1",
+        "interleave.slice_steps=2",
+        "interleave.min_passes=2",
+        "interleave.max_passes=3",
+        # batch 16; baseline+big_batch's 4 x 16 exceeds the 48 training samples and fails: the sweep goes on
+        "optimizer.base_batch_size=16",
+        "data.train_size=48",
+        "ablation/variant=" + ",".join(E2E_VARIANTS),
+        cwd=tmp_path,
+        timeout=600,
+    )
     # baseline+big_batch failed: the sweep goes on, reports, and says so in its exit status
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 job(s) failed (baseline+big_batch/r0)" in proc.stderr
@@ -500,8 +637,12 @@ def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     assert (sweep / "speedup.png").read_bytes()[:8] == PNG_MAGIC
 
     measured = sorted(p.parent.relative_to(sweep).as_posix() for p in sweep.rglob("summary.json"))
-    assert measured == sorted([*(f"{v}/r0" for v in E2E_VARIANTS if v not in ("baseline+cudnn_benchmark",
-                                                                               "baseline+big_batch")), "baseline/r1"])
+    assert measured == sorted(
+        [
+            *(f"{v}/r0" for v in E2E_VARIANTS if v not in ("baseline+cudnn_benchmark", "baseline+big_batch")),
+            "baseline/r1",
+        ]
+    )
     s = json.loads((sweep / "baseline+amp" / "r0" / "summary.json").read_text())
     assert s["config"]["ablation"]["variant"] == "baseline+amp" and s["config"]["ablation"]["repeat"] == 0
     assert s["warmup_steps"] == 2 and s["global_batch_size"] == 16
@@ -521,22 +662,25 @@ def test_ablation_sweep_and_report_through_the_cli(tmp_path):
     assert by["fast-channels_last"]["techniques"] == "channels_last: applied"
     # amp is bf16 on a CPU with native bf16 and skipped on other CPUs: either way the row says which
     amp = by["baseline+amp"]
-    assert amp["techniques"] == "amp: applied" or (amp["techniques"].startswith("amp: skipped")
-                                                   and amp["verdict"] == "skipped here")
+    assert amp["techniques"] == "amp: applied" or (
+        amp["techniques"].startswith("amp: skipped") and amp["verdict"] == "skipped here"
+    )
     # every measured row has its paired interval and a verdict from it
     for r in rows:
         if r["speedup"] and r["kind"] != "baseline" and r["verdict"] != "skipped here":
             assert r["design"] == "interleaved" and float(r["speedup_ci_low"]) <= float(r["speedup"]), r
-            assert r["verdict"] in ("helps", "hurts", "faster", "slower") or \
-                r["verdict"].startswith("no effect larger than"), r
+            assert r["verdict"] in ("helps", "hurts", "faster", "slower") or r["verdict"].startswith(
+                "no effect larger than"
+            ), r
     md = (sweep / "report.md").read_text()
     record = json.loads((sweep / "ablation.json").read_text())
     assert record["command"].startswith("python -m runner -m ") and "+experiment=ablation" in record["command"]
     assert record["command"] in md and record["machine"]["cpu"] in md and record["job_server_start_s"] > 0
     assert "## How this sweep was measured: interleaved" in md and "**Noise (A/A):**" in md
 
-    again = subprocess.run([sys.executable, "-m", "runner.report", str(sweep)], capture_output=True, text=True,
-                           timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "runner.report", str(sweep)], capture_output=True, text=True, timeout=120
+    )
     assert again.returncode == 0, again.stderr
     assert read_csv(sweep / "report.csv") == rows
 
@@ -545,16 +689,19 @@ def test_report_warns_when_the_machine_was_busy(tmp_path):
     sweep = write_sweep(tmp_path / "sweep", {k: SYNTHETIC[k] for k in ("baseline", "baseline+amp")})
     write_report(sweep)
     assert "machine was busy" not in (sweep / "report.md").read_text()
-    (sweep / "ablation.json").write_text(json.dumps({"command": "c", "machine": {"cpu": "Test CPU", "cpu_cores": 2,
-                                                                                "load_average_1min": 3.2}}))
+    (sweep / "ablation.json").write_text(
+        json.dumps({"command": "c", "machine": {"cpu": "Test CPU", "cpu_cores": 2, "load_average_1min": 3.2}})
+    )
     write_report(sweep)
     assert "machine was busy when the sweep started (load average 3.2 on 2 cores)" in (sweep / "report.md").read_text()
     # a job whose own summary recorded a busy machine (runner.measure.machine_load.load_warnings) is counted and quoted
     path = sweep / "baseline+amp" / "r0" / "summary.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"warnings": ["runner's threads waited 40 %"]}))
     write_report(sweep)
-    assert ("1 of 3 measured jobs recorded a busy machine while they measured (summary.json `warnings`; e.g. "
-            "baseline+amp r0: runner's threads waited 40 %)") in (sweep / "report.md").read_text()
+    assert (
+        "1 of 3 measured jobs recorded a busy machine while they measured (summary.json `warnings`; e.g. "
+        "baseline+amp r0: runner's threads waited 40 %)"
+    ) in (sweep / "report.md").read_text()
 
 
 def test_a_replication_must_reproduce_every_firm_verdict():
@@ -575,8 +722,11 @@ def test_a_replication_must_reproduce_every_firm_verdict():
     assert disagree == ["amp", "ckpt"] and "disagrees on 2 of the 2" in text and "not run" in text
     cuda = Row("cudnn", "leave-one-in", "cudnn", verdict="not run: needs CUDA", effect=None)
     text, disagree = agreement([*a, cuda], [*rows(amp="helps", compile="helps", ckpt="hurts"), cuda])
-    assert disagree == [] and "| cudnn |" not in text and text.endswith("for the same reason (the ranking above "
-                                                                         "says why): cudnn.")
+    assert (
+        disagree == []
+        and "| cudnn |" not in text
+        and text.endswith("for the same reason (the ranking above says why): cudnn.")
+    )
 
 
 @pytest.mark.cli
@@ -605,22 +755,26 @@ def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_pat
     assert forked(cfg, tmp_path / "job")["steps"] >= 1
     assert pickle.loads(pickle.dumps(cifar10_class()(str(root), train=False))).data.shape == (40, 32, 32, 3)
     # a dataset that cannot pickle at all: its workers start only by the parent's fork, not the server's forkserver
-    cfg = compose_cfg("data=custom", "data._target_=user_data.unpicklable", "model=mlp", *TINY_LOOP,
-                      "dataloader.num_workers=1")
+    cfg = compose_cfg(
+        "data=custom", "data._target_=user_data.unpicklable", "model=mlp", *TINY_LOOP, "dataloader.num_workers=1"
+    )
     assert forked(cfg, tmp_path / "job2")["steps"] >= 1
 
 
-@pytest.mark.parametrize("damage, named", [
-    (lambda r: r.update(jobs=[]), "jobs is []"),
-    (lambda r: r.pop("settings"), "settings is None"),
-    (lambda r: r.update(started="x"), "started is 'x'"),
-    (lambda r: r["slices"].__setitem__(0, None), "slices[0] is NoneType, not an object"),
-    (lambda r: r["slices"][0].update(samples_per_sec=-1.0), "slices[0].samples_per_sec is -1.0"),
-    (lambda r: r["slices"][0].update(samples_per_sec=float("inf")), "slices[0].samples_per_sec is inf"),
-    (lambda r: r["slices"][0].update(job="ghost"), "slices[0].job 'ghost' is not in jobs"),
-    (lambda r: r["jobs"]["baseline/r0"].update(group="x"), "jobs.baseline/r0.group is 'x'"),
-    (lambda r: r["settings"].update(confidence=2), "settings.confidence is 2"),
-])
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda r: r.update(jobs=[]), "jobs is []"),
+        (lambda r: r.pop("settings"), "settings is None"),
+        (lambda r: r.update(started="x"), "started is 'x'"),
+        (lambda r: r["slices"].__setitem__(0, None), "slices[0] is NoneType, not an object"),
+        (lambda r: r["slices"][0].update(samples_per_sec=-1.0), "slices[0].samples_per_sec is -1.0"),
+        (lambda r: r["slices"][0].update(samples_per_sec=float("inf")), "slices[0].samples_per_sec is inf"),
+        (lambda r: r["slices"][0].update(job="ghost"), "slices[0].job 'ghost' is not in jobs"),
+        (lambda r: r["jobs"]["baseline/r0"].update(group="x"), "jobs.baseline/r0.group is 'x'"),
+        (lambda r: r["settings"].update(confidence=2), "settings.confidence is 2"),
+    ],
+)
 def test_a_damaged_interleave_record_is_one_line_naming_the_key(tmp_path, capsys, damage, named):
     """``interleave.json`` is read by every report; one not written by the conductor (edited, or another tool's)
     is refused before any reader indexes it: one ``error:`` line naming the file and the key, status 2."""
@@ -632,5 +786,6 @@ def test_a_damaged_interleave_record_is_one_line_naming_the_key(tmp_path, capsys
     (sweep / "interleave.json").write_text(json.dumps(record))
     assert main([str(sweep)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: {sweep / 'interleave.json'} is not a record runner's "
-                                                   f"conductor wrote: {named}; run the sweep again"), err
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: {sweep / 'interleave.json'} is not a record runner's conductor wrote: {named}; run the sweep again"
+    ), err

@@ -55,8 +55,10 @@ def test_unknown_group_option_gets_did_you_mean(tmp_path):
 
 def test_lightning_s_precision_values_are_pointed_to_runner_s_options(tmp_path):
     msg = only_line(run_bad(tmp_path, "precision=16-mixed"))
-    assert msg.startswith("error: precision=16-mixed: no such option in group precision; Lightning's 16-mixed is "
-                          "runner's precision=amp (options: "), msg
+    assert msg.startswith(
+        "error: precision=16-mixed: no such option in group precision; Lightning's 16-mixed is "
+        "runner's precision=amp (options: "
+    ), msg
 
 
 def test_unknown_option_of_an_added_group_names_what_was_typed(tmp_path):
@@ -64,15 +66,25 @@ def test_unknown_option_of_an_added_group_names_what_was_typed(tmp_path):
     assert msg.startswith("error: +experiment=fsat: no such option in group experiment; did you mean fast?")
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("optimizer.lr=abc", "error: optimizer.lr=abc: expected a float (e.g. optimizer.lr=0.01)"),
-    ("trainer.max_steps=ten", "error: trainer.max_steps=ten: expected an integer or null (e.g. trainer.max_steps=10)"),
-    ("dataloader.batch_size=abc", "error: dataloader.batch_size=abc: expected an integer (e.g. "
-                                  "dataloader.batch_size=64)"),
-    ("trainer.deterministic=maybe", "error: trainer.deterministic=maybe: expected true or false (e.g. "
-                                    "trainer.deterministic=false)"),
-    ("data.shape=abc", "error: data.shape=abc: expected a list of integers (e.g. data.shape=[3,32,32])"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optimizer.lr=abc", "error: optimizer.lr=abc: expected a float (e.g. optimizer.lr=0.01)"),
+        (
+            "trainer.max_steps=ten",
+            "error: trainer.max_steps=ten: expected an integer or null (e.g. trainer.max_steps=10)",
+        ),
+        (
+            "dataloader.batch_size=abc",
+            "error: dataloader.batch_size=abc: expected an integer (e.g. dataloader.batch_size=64)",
+        ),
+        (
+            "trainer.deterministic=maybe",
+            "error: trainer.deterministic=maybe: expected true or false (e.g. trainer.deterministic=false)",
+        ),
+        ("data.shape=abc", "error: data.shape=abc: expected a list of integers (e.g. data.shape=[3,32,32])"),
+    ],
+)
 def test_wrong_value_type_is_one_line_with_the_type_and_an_example(tmp_path, override, expected):
     assert only_line(run_bad(tmp_path, override)) == expected
 
@@ -162,8 +174,10 @@ CATALOGUE = {
     "empty training set": (["data.train_size=0"], ["data.train_size=0", ">= 1"]),
     "no classes": (["data.num_classes=0"], ["data.num_classes=0", ">= 1"]),
     "empty evaluation": (["trainer.eval_max_batches=0"], ["trainer.eval_max_batches=0", "made-up"]),
-    "unknown non-finite policy": (["trainer.on_nonfinite=ignore"],
-                                  ["trainer.on_nonfinite=ignore", "is not one of stop, skip"]),
+    "unknown non-finite policy": (
+        ["trainer.on_nonfinite=ignore"],
+        ["trainer.on_nonfinite=ignore", "is not one of stop, skip"],
+    ),
     "checkpoint every 0 steps": (["checkpoint.every_steps=0"], ["checkpoint.every_steps=0", ">= 1"]),
     "keep no checkpoint": (["checkpoint.keep_last=0"], ["checkpoint.keep_last=0", ">= 1"]),
     "negative minutes": (["checkpoint.every_minutes=-1"], ["checkpoint.every_minutes=-1", "> 0"]),
@@ -172,20 +186,28 @@ CATALOGUE = {
     "uncatchable signal": (["checkpoint.signals=[SIGKILL]"], ["SIGKILL", "can be caught"]),
     "unknown checkpoint key": (["+checkpoint.every_step=3"], ["checkpoint.every_step", "every_steps"]),
     "resume from nowhere": (["checkpoint.resume=/nowhere/step_00000001"], ["/nowhere/step_00000001", "does not exist"]),
-    "a model that is no module": (["model._target_=collections.OrderedDict"],
-                                  ["model._target_", "not a torch nn.Module"]),
+    "a model that is no module": (
+        ["model._target_=collections.OrderedDict"],
+        ["model._target_", "not a torch nn.Module"],
+    ),
     "input smaller than the model takes": (["data.shape=[1,1,1]"], ["does not take the data's inputs", "(1, 1, 1)"]),
     "negative workers": (["dataloader.num_workers=-1"], ["dataloader.num_workers=-1", ">= 0"]),
     "unknown device": (["trainer.device=tpu"], ["trainer.device=tpu", "is not one of auto, cpu, cuda"]),
     "no loss scale": (["precision=amp", "precision.init_scale=0"], ["precision.init_scale=0", "> 0"]),
     "warm-up longer than the run": (["scheduler=cosine", "scheduler.warmup_steps=10"], ["scheduler.warmup_steps=10"]),
-    "checkpointing a class the model lacks": (["memory=checkpointing", "memory.checkpoint_modules=[Foo]"],
-                                              ["memory.checkpoint_modules", "Foo"]),
-    "nccl without CUDA": (["distributed=ddp", "distributed.backend=nccl", "trainer.device=cpu"],
-                          ["distributed.backend=nccl", "gloo"]),
+    "checkpointing a class the model lacks": (
+        ["memory=checkpointing", "memory.checkpoint_modules=[Foo]"],
+        ["memory.checkpoint_modules", "Foo"],
+    ),
+    "nccl without CUDA": (
+        ["distributed=ddp", "distributed.backend=nccl", "trainer.device=cpu"],
+        ["distributed.backend=nccl", "gloo"],
+    ),
     "unknown compile mode": (["compile.mode=fastest"], ["compile.mode", "fastest"]),
-    "a text file that is not there": (["data=text", "data.path=/nowhere.txt", "task=language_model", "model=gpt"],
-                                      ["/nowhere.txt"]),
+    "a text file that is not there": (
+        ["data=text", "data.path=/nowhere.txt", "task=language_model", "model=gpt"],
+        ["/nowhere.txt"],
+    ),
     "language model on images": (["task=language_model"], ["task=language_model needs token data"]),
 }
 
@@ -245,18 +267,26 @@ def test_a_finished_folder_is_never_mixed_with_a_new_run(tmp_path):
 
     job = _finished_job(tmp_path, "checkpoint.at_end=false")
     before = (job / "metrics.jsonl").read_text()
-    for overrides, words in ((["checkpoint.resume=auto"], "holds a finished run"),
-                             (["checkpoint.resume=never"], "would mix a new run into it")):
+    for overrides, words in (
+        (["checkpoint.resume=auto"], "holds a finished run"),
+        (["checkpoint.resume=never"], "would mix a new run into it"),
+    ):
         with pytest.raises(ConfigError, match=words):
             train(compose_cfg("trainer.max_steps=2", "checkpoint.at_end=false", *overrides), job_dir=job)
     assert (job / "metrics.jsonl").read_text() == before and (job / "summary.json").exists()
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["model=hf_causal_lm"], "model=hf_causal_lm"),
-    (["model._target_=transformers.GPT2LMHeadModel", "model.config._target_=transformers.GPT2Config"],
-     "model._target_='transformers.GPT2LMHeadModel'"),
-], ids=["hf_causal_lm", "_target_"])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["model=hf_causal_lm"], "model=hf_causal_lm"),
+        (
+            ["model._target_=transformers.GPT2LMHeadModel", "model.config._target_=transformers.GPT2Config"],
+            "model._target_='transformers.GPT2LMHeadModel'",
+        ),
+    ],
+    ids=["hf_causal_lm", "_target_"],
+)
 def test_a_hugging_face_model_without_transformers(overrides, key, tiny_text, tmp_path, monkeypatch):
     from conftest import compose_cfg
     from runner.engine.train import train
@@ -288,8 +318,16 @@ def test_skip_stops_a_run_whose_steps_are_mostly_skipped(tmp_path):
     from runner.errors import TrainingDiverged
 
     with pytest.raises(TrainingDiverged) as caught:
-        train(compose_cfg("optimizer.lr=1e10", "trainer.on_nonfinite=skip", "trainer.log_every=2",
-                          "trainer.max_steps=8", "checkpoint.at_end=false"), job_dir=tmp_path)
+        train(
+            compose_cfg(
+                "optimizer.lr=1e10",
+                "trainer.on_nonfinite=skip",
+                "trainer.log_every=2",
+                "trainer.max_steps=8",
+                "checkpoint.at_end=false",
+            ),
+            job_dir=tmp_path,
+        )
     message = str(caught.value)
     assert "were skipped (more than trainer.max_skipped_fraction=0.5" in message, message
     assert not (tmp_path / "summary.json").exists()
@@ -299,9 +337,18 @@ def test_skip_tolerates_a_rare_bad_step_and_shows_the_count(tmp_path, capsys):
     from conftest import TINY_LOOP, compose_cfg, read_summary
     from runner.engine.train import train
 
-    cfg = compose_cfg(*TINY_LOOP, "data=custom", "data._target_=test_bad_input.one_nan_item", "model=mlp",
-                      "model.hidden=16", "trainer.on_nonfinite=skip", "trainer.log_every=8", "trainer.max_steps=16",
-                      "trainer.progress=lines", tiny=False)
+    cfg = compose_cfg(
+        *TINY_LOOP,
+        "data=custom",
+        "data._target_=test_bad_input.one_nan_item",
+        "model=mlp",
+        "model.hidden=16",
+        "trainer.on_nonfinite=skip",
+        "trainer.log_every=8",
+        "trainer.max_steps=16",
+        "trainer.progress=lines",
+        tiny=False,
+    )
     train(cfg, job_dir=tmp_path)
     assert read_summary(tmp_path)["skipped_steps"] == 1
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("skipped_steps")]
@@ -322,8 +369,7 @@ def test_resuming_a_language_model_on_other_text_is_refused_naming_the_vocabular
     sizes = len(set(first.read_text())), len(set(second.read_text()))
     assert (sizes[0] == sizes[1]) == (other == "same size")
     job = tmp_path / "job"
-    train(compose_cfg(*TINY_GPT, f"data.path={first}", "trainer.max_steps=2", "checkpoint.every_steps=1"),
-          job_dir=job)
+    train(compose_cfg(*TINY_GPT, f"data.path={first}", "trainer.max_steps=2", "checkpoint.every_steps=1"), job_dir=job)
     saved = (job / "vocab.json").read_text()
     (job / "summary.json").unlink()  # as if the run had been stopped after its checkpoint
     with pytest.raises(ConfigError) as caught:
@@ -335,16 +381,21 @@ def test_resuming_a_language_model_on_other_text_is_refused_naming_the_vocabular
 
 
 # ----------------------------------------------------------------------------- a misspelt key on the command line
-@pytest.mark.parametrize("override, words", [
-    ("trainer.max_step=3", ["trainer.max_step is not a setting", "did you mean trainer.max_steps?"]),
-    ("checkpoint.every_minute=3", ["did you mean checkpoint.every_minutes?"]),
-    ("trainr.max_steps=3", ["trainr is not a setting", "did you mean trainer?"]),
-    # Lightning's and the Hugging Face Trainer's names are pointed to runner's
-    ("trainer.gradient_clip_val=1.0", ["trainer.gradient_clip_val", "runner's setting for it is "
-                                                                    "optimizer.clip_grad_norm"]),
-    ("trainer.accumulate_grad_batches=4", ["runner's setting for it is memory.accumulate_steps"]),
-    ("trainer.devices=2", ["torchrun --nproc-per-node=<N> -m runner distributed=ddp"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.max_step=3", ["trainer.max_step is not a setting", "did you mean trainer.max_steps?"]),
+        ("checkpoint.every_minute=3", ["did you mean checkpoint.every_minutes?"]),
+        ("trainr.max_steps=3", ["trainr is not a setting", "did you mean trainer?"]),
+        # Lightning's and the Hugging Face Trainer's names are pointed to runner's
+        (
+            "trainer.gradient_clip_val=1.0",
+            ["trainer.gradient_clip_val", "runner's setting for it is optimizer.clip_grad_norm"],
+        ),
+        ("trainer.accumulate_grad_batches=4", ["runner's setting for it is memory.accumulate_steps"]),
+        ("trainer.devices=2", ["torchrun --nproc-per-node=<N> -m runner distributed=ddp"]),
+    ],
+)
 def test_a_misspelt_key_gets_runners_did_you_mean_not_hydras_plus_advice(tmp_path, override, words):
     proc = run_cli(*TINY, override, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -393,21 +444,31 @@ class TupleMLP(torch.nn.Module):
         return self.fc(x), x
 
 
-@pytest.mark.parametrize("kind, words", [
-    ("label", ["training item 200", "class index 7", "data.num_classes"]),
-    ("shape", ["training item 200", "shape (5,)", "(8,)"]),
-    ("unreadable", ["training item 200", "cannot be loaded", "rows/200.png"]),
-    ("tuple", ["not a logits tensor", "return the logits alone"]),
-])
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("label", ["training item 200", "class index 7", "data.num_classes"]),
+        ("shape", ["training item 200", "shape (5,)", "(8,)"]),
+        ("unreadable", ["training item 200", "cannot be loaded", "rows/200.png"]),
+        ("tuple", ["not a logits tensor", "return the logits alone"]),
+    ],
+)
 def test_bad_data_mid_training_is_one_message_naming_the_item(tmp_path, kind, words):
     from conftest import TINY_LOOP, compose_cfg
     from runner.engine.train import train
     from runner.errors import ConfigError
 
-    model = (["model._target_=test_bad_input.TupleMLP"] if kind == "tuple" else ["model=mlp", "model.hidden=16"])
-    cfg = compose_cfg(*TINY_LOOP, "data=custom", "data._target_=test_bad_input.rows_with_a_bad_item",
-                      f"data.kind={'label' if kind == 'tuple' else kind}", f"data.bad={-1 if kind == 'tuple' else 200}",
-                      *model, "trainer.max_steps=16", tiny=False)
+    model = ["model._target_=test_bad_input.TupleMLP"] if kind == "tuple" else ["model=mlp", "model.hidden=16"]
+    cfg = compose_cfg(
+        *TINY_LOOP,
+        "data=custom",
+        "data._target_=test_bad_input.rows_with_a_bad_item",
+        f"data.kind={'label' if kind == 'tuple' else kind}",
+        f"data.bad={-1 if kind == 'tuple' else 200}",
+        *model,
+        "trainer.max_steps=16",
+        tiny=False,
+    )
     with pytest.raises(ConfigError) as caught:
         train(cfg, job_dir=tmp_path)
     message = str(caught.value)

@@ -121,8 +121,11 @@ def test_resume_refuses_a_checkpoint_whose_files_changed_since_they_were_written
     assert set(digests) == {".metadata", ck.META_FILE, "__0_0.distcp"}
     assert find_resume_point("auto", job, {"lr": 0.1}, 10).path == path  # intact: resumes
     garble(path / "__0_0.distcp")
-    with pytest.raises(ConfigError, match=rf"cannot resume from {path}: {path / '__0_0.distcp'} was modified or "
-                                          rf"corrupted after the checkpoint was written"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"cannot resume from {path}: {path / '__0_0.distcp'} was modified or "
+        rf"corrupted after the checkpoint was written",
+    ):
         find_resume_point("auto", job, {"lr": 0.1}, 10)
 
 

@@ -41,8 +41,11 @@ COMPILED = ["compile=default", "model=mlp"]
 
 
 def _entry(folder: Path, key: bytes, cache_key: str = "fabcdefgraph", content: bytes = b"graph") -> Path:
-    compile_cache.write_entry(folder, {compile_cache.ARTIFACTS: _artifacts(("inductor", cache_key, content)),
-                                       KERNEL: b"\x7fELF not really"}, key)
+    compile_cache.write_entry(
+        folder,
+        {compile_cache.ARTIFACTS: _artifacts(("inductor", cache_key, content)), KERNEL: b"\x7fELF not really"},
+        key,
+    )
     return folder
 
 
@@ -96,8 +99,10 @@ def test_no_cache_is_cold_and_every_tampered_or_foreign_entry_is_refused(key, tm
     (unsigned / compile_cache.SIGNATURE).unlink()
     cases["unsigned"] = (unsigned, "carries no signature")
     monkeypatch.setenv(compile_cache.KEY_ENV, str(tmp_path / "colleague" / "compile-cache.key"))
-    cases["another user's"] = (_entry(tmp_path / "colleague-cache", compile_cache.user_key(create=True)),
-                               "not signed with your key")
+    cases["another user's"] = (
+        _entry(tmp_path / "colleague-cache", compile_cache.user_key(create=True)),
+        "not signed with your key",
+    )
     monkeypatch.setenv(compile_cache.KEY_ENV, str(tmp_path / "me" / "compile-cache.key"))
     for what, (entry, why) in cases.items():
         status = compile_cache.load([entry])
@@ -150,12 +155,32 @@ def test_a_folder_that_cannot_be_written_leaves_the_job_going(key, tmp_path, mon
 
 
 def _job(folder: Path, inductor: Path, *overrides: str, key: Path | None = None) -> tuple[dict, str]:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT), "WANDB_MODE": "disabled",
-           **({compile_cache.KEY_ENV: str(key)} if key else {})}
-    proc = subprocess.run([sys.executable, "-m", "runner", *TINY, *COMPILED, "trainer.max_steps=6",
-                           "trainer.eval_every=6", f"hydra.run.dir={folder}", *overrides], cwd=folder.parent, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO_ROOT),
+        "WANDB_MODE": "disabled",
+        **({compile_cache.KEY_ENV: str(key)} if key else {}),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            *TINY,
+            *COMPILED,
+            "trainer.max_steps=6",
+            "trainer.eval_every=6",
+            f"hydra.run.dir={folder}",
+            *overrides,
+        ],
+        cwd=folder.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_summary(folder), proc.stdout
 
@@ -163,8 +188,10 @@ def _job(folder: Path, inductor: Path, *overrides: str, key: Path | None = None)
 def _planted_kernel(tmp_path: Path, marker: Path) -> bytes:
     """A shared library whose constructor writes ``marker``: what a colleague could put in a job folder."""
     source = tmp_path / "planted.c"
-    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
-                      f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    source.write_text(
+        "#include <stdio.h>\n__attribute__((constructor)) static void planted(void) "
+        f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+    )
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "planted.so"), str(source)], check=True)
     return (tmp_path / "planted.so").read_bytes()
 
@@ -194,8 +221,9 @@ def test_your_cache_resumes_warm_and_a_colleague_s_planted_code_never_runs(tmp_p
     assert first["one_time"]["graph_breaks"] == 0
     assert not list((tmp_path / "global").rglob("*.so")), "a kernel went into the global Inductor folder"
     (checkpoint,) = (tmp_path / "job" / "checkpoints").glob("step_*")
-    again, _ = _job(tmp_path / "resumed", tmp_path / "global", "trainer.max_steps=9",
-                    f"checkpoint.resume={checkpoint}", key=mine)
+    again, _ = _job(
+        tmp_path / "resumed", tmp_path / "global", "trainer.max_steps=9", f"checkpoint.resume={checkpoint}", key=mine
+    )
     once = again["one_time"]
     assert once["compile_cache"].startswith(f"warm: loaded {tmp_path / 'job' / 'compile_cache'} ")
     assert again["steps"] == 9
@@ -212,8 +240,10 @@ def test_your_cache_resumes_warm_and_a_colleague_s_planted_code_never_runs(tmp_p
     compile_cache.write_entry(colleague / "compile_cache", files, (tmp_path / "theirs.key").read_bytes())
     (theirs,) = (colleague / "checkpoints").glob("step_*")
     # from their checkpoint into a folder of yours, then in their folder (which then holds your cache: last)
-    for folder, how in ((tmp_path / "mine", ["trainer.max_steps=9", f"checkpoint.resume={theirs}"]),
-                        (colleague, ["trainer.max_steps=9"])):
+    for folder, how in (
+        (tmp_path / "mine", ["trainer.max_steps=9", f"checkpoint.resume={theirs}"]),
+        (colleague, ["trainer.max_steps=9"]),
+    ):
         summary, out = _job(folder, tmp_path / "global", *how, key=mine)
         assert summary["one_time"]["compile_cache"].startswith("cold: not loaded: ") and summary["steps"] == 9
         assert "not signed with your key" in out
@@ -227,9 +257,24 @@ def test_a_compiled_sweep_compiles_once(tmp_path):
     cache and the process's own folder) and compile in under a quarter of its time; each summary says what it
     loaded."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "runner", "-m", *TINY, *COMPILED, "trainer.max_steps=3",
-                           "optimizer.lr=0.01,0.02,0.03,0.04", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "-m",
+            *TINY,
+            *COMPILED,
+            "trainer.max_steps=3",
+            "optimizer.lr=0.01,0.02,0.03,0.04",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     once = [read_summary(tmp_path / "sweep" / str(i))["one_time"] for i in range(4)]
     assert once[0]["compile_cache"] == "cold", once[0]

@@ -104,8 +104,10 @@ def test_the_int8_export_holds_int8_weights_and_prints_both_accuracies(qat_job):
     proc = run_here(str(qat_job), "--format", "int8", cwd=qat_job, module="runner.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "int8 (qat conversion of 1 Linear layers" in out and "check: torch.export.load(...).module() matches the " \
-                                                                "int8 model" in out
+    assert (
+        "int8 (qat conversion of 1 Linear layers" in out
+        and "check: torch.export.load(...).module() matches the int8 model" in out
+    )
     fake = next(line for line in out.splitlines() if line.startswith("  fake-quantized (compress=qat): "))
     int8 = next(line for line in out.splitlines() if line.startswith("  int8: "))
     assert "eval_accuracy" in fake and "eval_accuracy" in int8
@@ -141,13 +143,17 @@ class ConvOnly(nn.Module):
 def test_impossible_combinations_are_one_line_refusals(name, tmp_path):
     cfg = compose_cfg(f"compress={name}")
     cfg.model._target_ = "my_models.ConvOnly"
-    with pytest.raises(ConfigError, match=f"^compress={name} acts on Linear layers and the model my_models.ConvOnly "
-                                          f"has none; train it with compress=none$"):
+    with pytest.raises(
+        ConfigError,
+        match=f"^compress={name} acts on Linear layers and the model my_models.ConvOnly "
+        f"has none; train it with compress=none$",
+    ):
         compress.apply(ConvOnly(), cfg, CPU)
     proc = run_here(*TINY, f"compress={name}", "precision=int8", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: compress={name} cannot run with precision=int8: both replace the model's Linear layers; pick one "
-        f"(precision=bf16 or auto with compress={name})"]
+        f"(precision=bf16 or auto with compress={name})"
+    ]
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("summary.json"))
 
 
@@ -162,17 +168,21 @@ def test_compress_none_changes_nothing():
 def test_sparse24_on_a_cpu_is_skipped_and_the_plain_model_trains(tmp_path, spy):
     summary = run_tiny(tmp_path, "compress=sparse24")
     status = summary["techniques"]["sparse24"]
-    assert status == ("skipped: 2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer "
-                      "(Ampere, Hopper, Blackwell); the plain model trains")
+    assert status == (
+        "skipped: 2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer "
+        "(Ampere, Hopper, Blackwell); the plain model trains"
+    )
     assert type(spy.model.head) is nn.Linear and spy.steps and math.isfinite(summary["train_loss"])
 
 
 def test_sparse24_needs_ampere_and_swaps_only_the_large_inner_layers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert compress.sparse24_unavailable(torch.device("cuda")) == ("2:4 sparse matmuls (cuSPARSELt) need compute "
-                                                                   "capability 8.0 or newer; this GPU has 7.5")
-    model = nn.Sequential(nn.Linear(64, 1024), nn.Linear(1024, 4096), nn.Linear(4096, 1000), nn.Linear(1000, 1024),
-                          nn.Linear(1024, 10))
+    assert compress.sparse24_unavailable(torch.device("cuda")) == (
+        "2:4 sparse matmuls (cuSPARSELt) need compute capability 8.0 or newer; this GPU has 7.5"
+    )
+    model = nn.Sequential(
+        nn.Linear(64, 1024), nn.Linear(1024, 4096), nn.Linear(4096, 1000), nn.Linear(1000, 1024), nn.Linear(1024, 10)
+    )
     # first and last stay dense; 4096 -> 1000: 1000 is no multiple of 64
     assert compress.sparse_layers(model, 1024) == ["1"]
     assert compress.sparse_layers(model, 2048) == []
@@ -204,7 +214,8 @@ def test_int8_training_acts_on_a_cpu_and_keeps_the_first_and_last_layers(tmp_pat
 def test_int8_training_says_why_it_does_nothing_on_a_model_with_only_a_head(tmp_path):
     summary = run_tiny(tmp_path, "precision=int8")
     assert summary["techniques"]["int8"].startswith(
-        "skipped: none of the model's 1 Linear layers lies between its first and last layers (those stay as they are)")
+        "skipped: none of the model's 1 Linear layers lies between its first and last layers (those stay as they are)"
+    )
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -219,8 +230,9 @@ def test_int8_without_torchao_is_skipped_with_the_reason(monkeypatch):
     monkeypatch.setattr(precision, "_torchao_missing", lambda: "torchao is not installed")
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
     prec = precision.build(compose_cfg("precision=int8").precision, CPU)
-    assert not prec.int8 and prec.techniques["int8"] == ("skipped: torchao is not installed; trained in fp32 (this "
-                                                         "device has no native bf16)")
+    assert not prec.int8 and prec.techniques["int8"] == (
+        "skipped: torchao is not installed; trained in fp32 (this device has no native bf16)"
+    )
 
 
 def test_the_compress_group_composes_with_its_schema():

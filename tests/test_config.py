@@ -25,8 +25,11 @@ from runner.techniques import precision, prepare, variants
 
 CONF = REPO_ROOT / "conf"
 # every option file of every group, nested groups too (ablation/variant); hydra/ holds Hydra's own groups
-OPTIONS = sorted((p.parent.relative_to(CONF).as_posix(), p.stem) for p in CONF.rglob("*.yaml")
-                 if p.parent != CONF and p.relative_to(CONF).parts[0] != "hydra")
+OPTIONS = sorted(
+    (p.parent.relative_to(CONF).as_posix(), p.stem)
+    for p in CONF.rglob("*.yaml")
+    if p.parent != CONF and p.relative_to(CONF).parts[0] != "hydra"
+)
 #: and the ablation's variants generated from the technique table (tests/test_ablation.py composes each)
 GENERATED = sorted(("ablation/variant", name) for name in variants.generate())
 GROUPS = sorted({g for g, _ in OPTIONS})
@@ -40,8 +43,17 @@ def override(group: str, option: str) -> str:
 
 def test_every_group_is_found():
     assert set(GROUP_SCHEMAS) <= set(GROUPS), "a schema group has no option in conf/"
-    assert {"model", "data", "optimizer", "scheduler", "precision", "dataloader", "distributed", "memory",
-            "logger"} <= {g for g, _ in OPTIONS}
+    assert {
+        "model",
+        "data",
+        "optimizer",
+        "scheduler",
+        "precision",
+        "dataloader",
+        "distributed",
+        "memory",
+        "logger",
+    } <= {g for g, _ in OPTIONS}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -62,8 +74,12 @@ def roots(tmp_path_factory) -> dict[str, Path]:
     raw.mkdir(parents=True)
     for gz in (REPO_ROOT / "data" / "MNIST" / "raw").glob("*.gz"):
         shutil.copy(gz, raw)
-    return {"cifar10": make_tiny_cifar(base / "cifar"), "imagefolder": make_tiny_imagefolder(base / "images"),
-            "mnist": base / "mnist", "text": make_tiny_text(base / "text.txt")}
+    return {
+        "cifar10": make_tiny_cifar(base / "cifar"),
+        "imagefolder": make_tiny_imagefolder(base / "images"),
+        "mnist": base / "mnist",
+        "text": make_tiny_text(base / "text.txt"),
+    }
 
 
 DATA_OVERRIDES = {
@@ -75,8 +91,13 @@ DATA_OVERRIDES = {
 }
 # options that only work together (a language model needs token data and a model of tokens), and the model-parallel
 # layouts (they split a model by its plan: runner's GPT has one, the default MnistCNN none): a tiny GPT
-LANGUAGE_MODEL = {("task", "language_model"), ("model", "gpt"), ("data", "text"), ("distributed", "tp"),
-                  ("distributed", "pp")}
+LANGUAGE_MODEL = {
+    ("task", "language_model"),
+    ("model", "gpt"),
+    ("data", "text"),
+    ("distributed", "tp"),
+    ("distributed", "pp"),
+}
 # Built by a one-step job below, except: compile (torch.compile would compile for minutes on a CPU;
 # the wrapper is built instead), the loggers but none (runs of their own in test_wandb.py and test_loggers.py, which
 # read each back), the presets (combinations of the options built here, trained by their own tests) and the recipe
@@ -93,16 +114,26 @@ def test_option_builds_and_trains_one_step(group, option, roots, tmp_path):
         extra = [*TINY_GPT, f"data.path={roots['text']}"]
     if (group, option) == ("data", "tokens"):  # the tiny GPT on token files written from the same text
         bins = tokens.prepare(roots["text"], tmp_path / "bins")
-        extra = [*(o for o in TINY_GPT if o != "data=text"), f"data.train_path={bins['train_path']}",
-                 f"data.val_path={bins['val_path']}", f"data.vocab_size={bins['vocab_size']}"]
+        extra = [
+            *(o for o in TINY_GPT if o != "data=text"),
+            f"data.train_path={bins['train_path']}",
+            f"data.val_path={bins['val_path']}",
+            f"data.vocab_size={bins['vocab_size']}",
+        ]
     if (group, option) == ("task", "regression"):  # float targets: tests/user_data.py's regression, runner's MLP
         extra = ["data=custom", "data._target_=user_data.regression", "model=mlp"]
     if (group, option) == ("model", "hf_causal_lm"):  # TINY_GPT's sizes are GPT2Config's names too
         pytest.importorskip("transformers")
         extra = [*(o for o in TINY_GPT if o != "model=gpt"), f"data.path={roots['text']}"]
     steps = 12 if group == "scheduler" else 1  # cosine's warm-up (10 steps) must fit in the run
-    cfg = compose_cfg(override(group, option), *extra, f"trainer.max_steps={steps}", "trainer.warmup_steps=0",
-                      "trainer.log_every=1", "trainer.eval_max_batches=1")
+    cfg = compose_cfg(
+        override(group, option),
+        *extra,
+        f"trainer.max_steps={steps}",
+        "trainer.warmup_steps=0",
+        "trainer.log_every=1",
+        "trainer.eval_max_batches=1",
+    )
     summary = train(cfg, job_dir=tmp_path)
     assert summary["steps"] == steps and summary["train_loss"] == summary["train_loss"]  # not NaN
     assert all(v == "applied" or v.startswith("skipped: ") for v in summary["techniques"].values())
@@ -138,8 +169,7 @@ def test_memory_budget_option_builds_with_compile():
 
 def test_amp_and_pinned_run_here_with_cuda_parts_skipped(tmp_path):
     """Done-when: ``precision=amp dataloader=pinned`` runs on a CPU; CUDA-only parts say why they were skipped."""
-    summary = train(compose_cfg("precision=amp", "dataloader=pinned", "dataloader.num_workers=1"),
-                    job_dir=tmp_path)
+    summary = train(compose_cfg("precision=amp", "dataloader=pinned", "dataloader.num_workers=1"), job_dir=tmp_path)
     t = summary["techniques"]
     assert summary["steps"] == 4
     assert t["pin_memory"].startswith("skipped: ") and t["non_blocking"].startswith("skipped: ")
@@ -156,8 +186,15 @@ def test_overrides_may_follow_config_dir_as_the_tuners_printed_line_has_them(tmp
 
     (tmp_path / "preset" / "experiment").mkdir(parents=True)
     (tmp_path / "preset" / "experiment" / "tuned.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: 7\n")
-    proc = run_here("+experiment=tuned", "--config-dir", str(tmp_path / "preset"), "trainer.log_every=3", "--cfg",
-                    "job", cwd=tmp_path)
+    proc = run_here(
+        "+experiment=tuned",
+        "--config-dir",
+        str(tmp_path / "preset"),
+        "trainer.log_every=3",
+        "--cfg",
+        "job",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "max_steps: 7" in proc.stdout and "log_every: 3" in proc.stdout
 
@@ -177,13 +214,16 @@ def test_help_lists_every_option_and_no_schema(tmp_path):
 # -------------------------------------------------------------------------------- compose-time errors
 
 
-@pytest.mark.parametrize("bad,message", [
-    ("trainer.max_step=3", "Could not override 'trainer.max_step'"),
-    ("optimizer.lrr=0.1", "Could not override 'optimizer.lrr'"),
-    ("dataloader.batch_size=abc", "Error merging override dataloader.batch_size=abc"),
-    ("trainer.target_accuracy=high", "Error merging override trainer.target_accuracy=high"),
-    ("model=foo", "Could not find 'model/foo'"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ("trainer.max_step=3", "Could not override 'trainer.max_step'"),
+        ("optimizer.lrr=0.1", "Could not override 'optimizer.lrr'"),
+        ("dataloader.batch_size=abc", "Error merging override dataloader.batch_size=abc"),
+        ("trainer.target_accuracy=high", "Error merging override trainer.target_accuracy=high"),
+        ("model=foo", "Could not find 'model/foo'"),
+    ],
+)
 def test_bad_override_fails_at_compose(bad, message):
     with pytest.raises(ConfigCompositionException, match=message) as info:
         compose_cfg(bad)
@@ -198,10 +238,13 @@ def conf_copy(tmp_path) -> Path:
     return conf
 
 
-@pytest.mark.parametrize("body,message", [
-    ("lrr: 0.1\n", "Key 'lrr' not in 'SGDConfig'"),
-    ("lr: fast\n", "Value 'fast' of type 'str' could not be converted to Float"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ("lrr: 0.1\n", "Key 'lrr' not in 'SGDConfig'"),
+        ("lr: fast\n", "Value 'fast' of type 'str' could not be converted to Float"),
+    ],
+)
 def test_bad_yaml_option_fails_at_compose(conf_copy, body, message):
     (conf_copy / "optimizer" / "typo.yaml").write_text("defaults: [base_sgd, _self_]\n" + body)
     with initialize_config_dir(config_dir=str(conf_copy), version_base="1.3"):
@@ -214,11 +257,22 @@ def test_bad_yaml_option_fails_at_compose(conf_copy, body, message):
     assert message in "\n".join(chain)
 
 
-@pytest.mark.parametrize("bad", [
-    "dataloader.batch_size=0", "memory.accumulate_steps=0", "trainer.max_epochs=0", "trainer.max_steps=0",
-    "trainer.warmup_steps=-1", "trainer.log_every=0", "trainer.eval_every=0", "trainer.target_accuracy=0",
-    "trainer.target_accuracy=1.5", "trainer.progress=fancy", "optimizer.clip_grad_norm=0",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "dataloader.batch_size=0",
+        "memory.accumulate_steps=0",
+        "trainer.max_epochs=0",
+        "trainer.max_steps=0",
+        "trainer.warmup_steps=-1",
+        "trainer.log_every=0",
+        "trainer.eval_every=0",
+        "trainer.target_accuracy=0",
+        "trainer.target_accuracy=1.5",
+        "trainer.progress=fancy",
+        "optimizer.clip_grad_norm=0",
+    ],
+)
 def test_validate_names_the_key(bad):
     key, value = bad.split("=")
     with pytest.raises(ConfigError, match=f"^{key}={value}"):
@@ -292,8 +346,7 @@ def test_yaml_options_set_only_what_differs_from_their_schema():
             option = yaml.safe_load(path.read_text()) or {}
             schema = _schema_of(option)
             assert schema is not None, f"{path} extends no base_<schema>"
-            found[f"{group}/{path.name}"] = same(
-                option, OmegaConf.to_container(OmegaConf.structured(schema)))
+            found[f"{group}/{path.name}"] = same(option, OmegaConf.to_container(OmegaConf.structured(schema)))
     root = yaml.safe_load((REPO_ROOT / "conf" / "config.yaml").read_text())
     found["config.yaml"] = same(root, OmegaConf.to_container(OmegaConf.structured(RunnerConfig)))
     assert not {k: v for k, v in found.items() if v}, "drop these keys (the schema already says so)"

@@ -33,19 +33,41 @@ from runner.techniques import step_cost
 
 BATCH, EVERY, LIMIT = 64, 10, 400  # global batch, evaluation interval (steps), step limit
 #: the convergence preset's configurations (conf/experiment/convergence.yaml)
-PRESET = ["baseline", "baseline+onecycle", "baseline+cosine", "baseline+cyclic", "baseline+big_batch",
-          "baseline+big_batch_sqrt", "baseline+normalize", "baseline+adamw", "baseline+muon", "baseline+ema",
-          "baseline+qat"]
+PRESET = [
+    "baseline",
+    "baseline+onecycle",
+    "baseline+cosine",
+    "baseline+cyclic",
+    "baseline+big_batch",
+    "baseline+big_batch_sqrt",
+    "baseline+normalize",
+    "baseline+adamw",
+    "baseline+muon",
+    "baseline+ema",
+    "baseline+qat",
+]
 TECHNIQUE = {"baseline+onecycle": "onecycle", "baseline+cosine": "cosine", "baseline+adamw": "adamw"}
 
 
 def job_config(variant: str, seed: int) -> dict:
-    return {"model": {"_target_": "runner.models.MLP"},
-            "ablation": {"variant": variant, "technique": TECHNIQUE.get(variant), "measure": "convergence",
-                         "kind": "baseline" if variant == "baseline" else "leave-one-in"},
-            "trainer": {"seed": seed, "max_steps": LIMIT, "eval_every": EVERY, "target_accuracy": 0.98,
-                        "stop_at_target": True},
-            "dataloader": {"batch_size": BATCH}, "memory": {"accumulate_steps": 1}}
+    return {
+        "model": {"_target_": "runner.models.MLP"},
+        "ablation": {
+            "variant": variant,
+            "technique": TECHNIQUE.get(variant),
+            "measure": "convergence",
+            "kind": "baseline" if variant == "baseline" else "leave-one-in",
+        },
+        "trainer": {
+            "seed": seed,
+            "max_steps": LIMIT,
+            "eval_every": EVERY,
+            "target_accuracy": 0.98,
+            "stop_at_target": True,
+        },
+        "dataloader": {"batch_size": BATCH},
+        "memory": {"accumulate_steps": 1},
+    }
 
 
 def write_seed(sweep: Path, variant: str, seed: int, samples: float | None, failed: bool = False) -> Path:
@@ -60,15 +82,27 @@ def write_seed(sweep: Path, variant: str, seed: int, samples: float | None, fail
     steps = None if samples is None else EVERY * math.ceil(samples / BATCH / EVERY)
     if steps is not None and steps > LIMIT:
         steps = None
-    summary = {"steps": steps or LIMIT, "global_batch_size": BATCH, "steps_to_target": steps,
-               "samples_to_target": steps and steps * BATCH, "time_to_target_s": steps and steps * 0.01,
-               "config": cfg}
+    summary = {
+        "steps": steps or LIMIT,
+        "global_batch_size": BATCH,
+        "steps_to_target": steps,
+        "samples_to_target": steps and steps * BATCH,
+        "time_to_target_s": steps and steps * 0.01,
+        "config": cfg,
+    }
     (folder / "summary.json").write_text(json.dumps(summary))
     return folder
 
 
-def write_sweep(sweep: Path, scales: dict[str, float], n: int = 8, first_seed: int = 0, seed: int = 0,
-                failed: dict[str, int] | None = None, missed: dict[str, int] | None = None) -> Path:
+def write_sweep(
+    sweep: Path,
+    scales: dict[str, float],
+    n: int = 8,
+    first_seed: int = 0,
+    seed: int = 0,
+    failed: dict[str, int] | None = None,
+    missed: dict[str, int] | None = None,
+) -> Path:
     """A convergence sweep: ``n`` seeds per configuration needing ``scale`` × 20,000 samples (5 % spread);
     ``failed``/``missed``: how many of a configuration's seeds left no summary / did not reach the target."""
     rng = random.Random(seed)
@@ -81,8 +115,13 @@ def write_sweep(sweep: Path, scales: dict[str, float], n: int = 8, first_seed: i
                 write_seed(sweep, variant, s, None)
             else:
                 write_seed(sweep, variant, s, 20_000 * scale * math.exp(rng.gauss(0, 0.05)))
-    (sweep / "multirun.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"hydra": {"overrides": {
-        "hydra": ["hydra.mode=MULTIRUN"], "task": ["+experiment=convergence"]}}})))
+    (sweep / "multirun.yaml").write_text(
+        OmegaConf.to_yaml(
+            OmegaConf.create(
+                {"hydra": {"overrides": {"hydra": ["hydra.mode=MULTIRUN"], "task": ["+experiment=convergence"]}}}
+            )
+        )
+    )
     return sweep
 
 
@@ -91,16 +130,44 @@ def throughput_sweep(root: Path, speeds: dict[str, float], passes: int = 10, see
     baseline's copy ``baseline/r1``, slices paired with the baseline's of the same pass (drift ±20 %, noise 2 %)."""
     rng = np.random.default_rng(seed)
     names = {f"{v}/r0": sps for v, sps in speeds.items()} | {"baseline/r1": speeds["baseline"]}
-    jobs = {n: {"config": n, "reference": None if n == "baseline/r0" else "baseline/r0", "status": "measured",
-                "group": None if n == "baseline/r0" else 1} for n in names}
+    jobs = {
+        n: {
+            "config": n,
+            "reference": None if n == "baseline/r0" else "baseline/r0",
+            "status": "measured",
+            "group": None if n == "baseline/r0" else 1,
+        }
+        for n in names
+    }
     order = sorted(names, key=lambda n: n != "baseline/r0")
-    slices = [{"group": 1, "pass": p, "position": i, "job": n, "pairs_with": None if i == 0 else 0, "steps": 10,
-               "seconds": 1.0, "samples_per_sec": names[n] * (1 + 0.2 * math.sin(p)) * math.exp(rng.normal(0, 0.02))}
-              for p in range(passes) for i, n in enumerate(order)]
+    slices = [
+        {
+            "group": 1,
+            "pass": p,
+            "position": i,
+            "job": n,
+            "pairs_with": None if i == 0 else 0,
+            "steps": 10,
+            "seconds": 1.0,
+            "samples_per_sec": names[n] * (1 + 0.2 * math.sin(p)) * math.exp(rng.normal(0, 0.02)),
+        }
+        for p in range(passes)
+        for i, n in enumerate(order)
+    ]
     root.mkdir(parents=True)
-    (root / "interleave.json").write_text(json.dumps({
-        "design": "interleaved", "reference": "baseline/r0", "aa": "baseline/r1", "slice_steps": 10,
-        "settings": {"confidence": 0.95, "processes": 1}, "jobs": jobs, "slices": slices}))
+    (root / "interleave.json").write_text(
+        json.dumps(
+            {
+                "design": "interleaved",
+                "reference": "baseline/r0",
+                "aa": "baseline/r1",
+                "slice_steps": 10,
+                "settings": {"confidence": 0.95, "processes": 1},
+                "jobs": jobs,
+                "slices": slices,
+            }
+        )
+    )
     return root
 
 
@@ -119,7 +186,10 @@ def test_a_configuration_needing_20_percent_fewer_samples_helps_and_its_time_is_
     assert one.samples_verdict == stats.HELPS and one.verdict == stats.HELPS
     # an LR schedule changes no step's cost: throughput exactly 1, time ratio = samples ratio
     assert one.throughput == 1.0 and (one.time.estimate, one.time.low, one.time.high) == (
-        one.samples.estimate, one.samples.low, one.samples.high)
+        one.samples.estimate,
+        one.samples.low,
+        one.samples.high,
+    )
     assert rows["baseline+cosine"].verdict == stats.NO_EFFECT and rows["baseline+cosine"].samples.low < 1
     assert rows["baseline"].verdict == "reference" and rows["baseline"].reached == 8
     assert rows["baseline"].eval_samples == EVERY * BATCH
@@ -135,8 +205,12 @@ def test_a_configuration_needing_20_percent_fewer_samples_helps_and_its_time_is_
 
 
 def test_failed_and_unreached_seeds_are_counted_not_dropped(tmp_path):
-    sweep = write_sweep(tmp_path / "sweep", {"baseline": 1.0, "baseline+cosine": 1.1},
-                        failed={"baseline+cosine": 1}, missed={"baseline+cosine": 2})
+    sweep = write_sweep(
+        tmp_path / "sweep",
+        {"baseline": 1.0, "baseline+cosine": 1.1},
+        failed={"baseline+cosine": 1},
+        missed={"baseline+cosine": 2},
+    )
     rows = by_name(build_variants(sweep))
     cos = rows["baseline+cosine"]
     assert (cos.reached, len(cos.seeds), cos.failed) == (5, 8, ["baseline+cosine/s0"])
@@ -199,8 +273,9 @@ def test_a_replication_with_other_seeds_agrees_on_every_firm_verdict(tmp_path):
     assert "agrees on every firm verdict (1 configuration(s) with one)" in text
     agreement = [line for line in text.splitlines() if line.startswith("| baseline+onecycle |")][-1]
     assert agreement.endswith("| yes |") and agreement.count("**helps**") == 0 and agreement.count("helps") == 4
-    third = write_sweep(tmp_path / "c", {"baseline": 1.0, "baseline+onecycle": 1.0, "baseline+cosine": 1.0},
-                        first_seed=8, seed=2)
+    third = write_sweep(
+        tmp_path / "c", {"baseline": 1.0, "baseline+onecycle": 1.0, "baseline+cosine": 1.0}, first_seed=8, seed=2
+    )
     assert report_main([str(first), "--doc", str(doc), "--replication", str(third)]) == 0
     assert "disagrees on 1 of the 1 configuration(s) with a firm verdict: baseline+onecycle" in doc.read_text()
 
@@ -238,7 +313,11 @@ def test_the_preset_sweeps_the_configurations_over_seeds_on_the_basic_launcher()
     t = cfg.trainer
     assert (t.stop_at_target, t.target_accuracy, cfg.checkpoint.at_end, t.eval_max_batches) == (True, 0.98, False, None)
     assert (cfg.model._target_, cfg.data.name, cfg.scheduler.name, cfg.optimizer.lr_scaling) == (
-        "runner.models.MnistCNN", "mnist", "constant", "none")  # the default job, the baseline's recipe
+        "runner.models.MnistCNN",
+        "mnist",
+        "constant",
+        "none",
+    )  # the default job, the baseline's recipe
     # the budget and the evaluation interval are in samples: a 4x bigger batch gets 4x fewer steps
     assert (t.max_steps, t.eval_every) == (math.ceil(81_920 / 64), 20)
     big = preset("ablation/variant=baseline+big_batch_sqrt").trainer
@@ -255,15 +334,25 @@ def test_the_gpt_preset_is_the_recipe_with_the_convergence_ablation_and_a_loss_t
     target and the recipe's 2,000 steps as the budget: the same job, key for key."""
     job = ["ablation/variant=baseline+muon", "trainer.seed=3"]
     gpt = preset_config("+experiment=convergence_gpt", *job)
-    listed = preset_config("+experiment=[shakespeare_char,convergence]", *job, "trainer.target_accuracy=null",
-                           "trainer.target_loss=1.96", "ablation.max_samples=24000", "ablation.eval_samples=1200")
+    listed = preset_config(
+        "+experiment=[shakespeare_char,convergence]",
+        *job,
+        "trainer.target_accuracy=null",
+        "trainer.target_loss=1.96",
+        "ablation.max_samples=24000",
+        "ablation.eval_samples=1200",
+    )
     assert OmegaConf.to_container(gpt, resolve=True) == OmegaConf.to_container(listed, resolve=True)
     assert (gpt.model._target_, gpt.trainer.max_steps, gpt.trainer.eval_every) == ("runner.models.gpt.GPT", 2000, 100)
     assert (gpt.scheduler.name, gpt.trainer.stop_at_target, gpt.trainer.target_weights) == ("constant", True, "model")
     variants = preset_config("+experiment=convergence_gpt", hydra=True).hydra.sweeper.params["ablation/variant"]
     variants = variants.split(",")
     assert variants[0] == "baseline" and {v.removeprefix("baseline+") for v in variants[1:]} == {
-        "onecycle", "cosine", "muon", "ema"}
+        "onecycle",
+        "cosine",
+        "muon",
+        "ema",
+    }
 
 
 def preset_config(*overrides: str, hydra: bool = False):
@@ -286,10 +375,17 @@ def test_each_configuration_of_the_preset_composes_and_switches_its_technique(va
 
 # ------------------------------------------------------------------------------------------- EMA's target
 def test_the_ema_can_meet_the_target(tmp_path):
-    summary = run_tiny(tmp_path / "ema", "trainer.eval_every=2", "trainer.target_loss=1000",
-                       "trainer.stop_at_target=true", "trainer.ema_decay=0.9", "trainer.target_weights=ema")
+    summary = run_tiny(
+        tmp_path / "ema",
+        "trainer.eval_every=2",
+        "trainer.target_loss=1000",
+        "trainer.stop_at_target=true",
+        "trainer.ema_decay=0.9",
+        "trainer.target_weights=ema",
+    )
     assert summary["steps_to_target"] == 2 and summary["stopped_early"].startswith(
-        "reached the targets: eval_loss_ema ")
+        "reached the targets: eval_loss_ema "
+    )
     with pytest.raises(ConfigError, match="trainer.target_weights=ema reads the targets from the EMA"):
         run_tiny(tmp_path / "no-ema", "trainer.target_loss=1000", "trainer.target_weights=ema")
 
@@ -298,10 +394,22 @@ def test_the_ema_can_meet_the_target(tmp_path):
 @pytest.mark.slow  # 6 jobs, one after the other (~20 s on 2 cores)
 def test_a_convergence_multirun_ends_with_its_report(tmp_path):
     shutil.copy(REPO_ROOT / "tests" / "user_data.py", tmp_path)  # the folder python -m runner runs from
-    proc = run_cli("-m", "+experiment=convergence", "ablation/variant=baseline,baseline+onecycle",
-                   "trainer.seed=0,1,2", "data=custom", "data._target_=user_data.tabular", "model=mlp",
-                   "trainer.target_accuracy=0.95", "ablation.max_samples=2560", "ablation.eval_samples=64",
-                   "logger=none", "trainer.device=cpu", "trainer.warmup_steps=1", cwd=tmp_path)
+    proc = run_cli(
+        "-m",
+        "+experiment=convergence",
+        "ablation/variant=baseline,baseline+onecycle",
+        "trainer.seed=0,1,2",
+        "data=custom",
+        "data._target_=user_data.tabular",
+        "model=mlp",
+        "trainer.target_accuracy=0.95",
+        "ablation.max_samples=2560",
+        "ablation.eval_samples=64",
+        "logger=none",
+        "trainer.device=cpu",
+        "trainer.warmup_steps=1",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = next((tmp_path / "outputs" / "convergence").glob("*/*"))
     assert "convergence sweep" in proc.stdout and "| baseline+onecycle | 3/3 |" in proc.stdout

@@ -28,8 +28,9 @@ LOOP = [o for o in TINY if not o.startswith(("data=", "data."))]
 
 def custom(*overrides: str, target: str = "user_data.tabular"):
     """A tiny CPU job on ``data=custom data._target_=<target>`` with runner's MLP."""
-    return compose_cfg(*LOOP, "data=custom", f"data._target_={target}", "model=mlp", "model.hidden=16",
-                       *overrides, tiny=False)
+    return compose_cfg(
+        *LOOP, "data=custom", f"data._target_={target}", "model=mlp", "model.hidden=16", *overrides, tiny=False
+    )
 
 
 def build(*overrides: str, target: str = "user_data.tabular", env=None):
@@ -45,7 +46,7 @@ def readme_example() -> tuple[str, list[str]]:
     command in the next bash block."""
     text = (REPO_ROOT / "README.md").read_text()
     found = re.search(r"```python\n(# my_data\.py.*?)```", text, re.S)
-    block = re.search(r"```bash\n(.*?)```", text[found.end():], re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", text[found.end() :], re.S).group(1)
     (command,) = [line for line in block.splitlines() if line.startswith("python -m runner data=custom")]
     return found.group(1), shlex.split(command, comments=True)[3:]
 
@@ -77,8 +78,9 @@ def test_module_in_the_run_folder_not_found_elsewhere(tmp_path):
     (tmp_path / "job" / "my_data.py").write_text(module)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = run_cli(*LOOP, *[o for o in overrides if o.startswith(("data", "model"))], cwd=elsewhere,
-                   env={"HYDRA_FULL_ERROR": "0"})
+    proc = run_cli(
+        *LOOP, *[o for o in overrides if o.startswith(("data", "model"))], cwd=elsewhere, env={"HYDRA_FULL_ERROR": "0"}
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "data._target_='my_data.tabular' cannot be imported" in line
@@ -90,8 +92,9 @@ def test_module_in_the_run_folder_not_found_elsewhere(tmp_path):
 
 
 def test_tensor_dataset_trains_and_goes_on_device(spy, tmp_path):
-    summary = train(custom("dataloader=device", "trainer.max_steps=16", "optimizer=adamw", "optimizer.lr=0.01"),
-                    job_dir=tmp_path)
+    summary = train(
+        custom("dataloader=device", "trainer.max_steps=16", "optimizer=adamw", "optimizer.lr=0.01"), job_dir=tmp_path
+    )
     data = spy.datas[-1]
     assert summary["techniques"]["on_device_data"] == "applied"
     assert isinstance(data.train.batches, OnDeviceLoader)
@@ -103,8 +106,10 @@ def test_tensor_dataset_trains_and_goes_on_device(spy, tmp_path):
 
 
 def test_rows_dataset_skips_on_device_and_uses_the_dataloader(spy, tmp_path):
-    summary = train(custom("dataloader=device", "data.n_features=6", "data.classes=[a,b,c,d]",
-                           target="user_data.rows"), job_dir=tmp_path)
+    summary = train(
+        custom("dataloader=device", "data.n_features=6", "data.classes=[a,b,c,d]", target="user_data.rows"),
+        job_dir=tmp_path,
+    )
     t = summary["techniques"]
     assert t["on_device_data"].startswith("skipped: a Rows cannot be held as whole tensors")
     data = spy.datas[-1]
@@ -140,18 +145,22 @@ def test_subset_of_a_tensor_dataset_goes_on_device():
     assert data.techniques["on_device_data"] == "applied" and data.train_samples == 256
 
 
-@pytest.mark.parametrize("overrides,target,expected", [
-    ([], "user_data.tabular", 3),  # max(target) + 1 over TensorDataset targets
-    (["data.num_classes=5"], "user_data.tabular", 5),  # explicit wins (more classes than seen is allowed)
-    ([], "user_data.labelled_subsets", 3),  # Subsets of a dataset with a `targets` attribute
-    (["data.classes=[x,y,z,w,v]"], "user_data.rows", 5),  # a classes attribute
-    (["data.num_classes=4"], "user_data.takes_num_classes", 4),  # passed to the function, which makes 4
-    (["data.n_classes=2", "data.anything=1"], "user_data.with_kwargs", None),  # **kwargs: names not checked
-])
+@pytest.mark.parametrize(
+    "overrides,target,expected",
+    [
+        ([], "user_data.tabular", 3),  # max(target) + 1 over TensorDataset targets
+        (["data.num_classes=5"], "user_data.tabular", 5),  # explicit wins (more classes than seen is allowed)
+        ([], "user_data.labelled_subsets", 3),  # Subsets of a dataset with a `targets` attribute
+        (["data.classes=[x,y,z,w,v]"], "user_data.rows", 5),  # a classes attribute
+        (["data.num_classes=4"], "user_data.takes_num_classes", 4),  # passed to the function, which makes 4
+        (["data.n_classes=2", "data.anything=1"], "user_data.with_kwargs", None),  # **kwargs: names not checked
+    ],
+)
 def test_class_count_rule(overrides, target, expected):
     if target == "user_data.with_kwargs":
-        with pytest.raises(ConfigError,
-                           match="raised TypeError: tabular.. got an unexpected keyword argument 'anything'"):
+        with pytest.raises(
+            ConfigError, match="raised TypeError: tabular.. got an unexpected keyword argument 'anything'"
+        ):
             build(*overrides, target=target)
         assert build("data.n_classes=2", target=target).num_classes == 2
         return
@@ -161,31 +170,53 @@ def test_class_count_rule(overrides, target, expected):
 # ------------------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("target,overrides,message", [
-    ("null", [], r"data\._target_ is not set: give it as data\._target_=<module>\.<callable>"),
-    ("tabular", [], r"names no module: write it as <module>\.<callable>"),
-    ("no_such_module_xyz.make", [], r"cannot be imported: no module named 'no_such_module_xyz'.*PYTHONPATH"),
-    ("user_data.tabulr", [], r"user_data has no attribute 'tabulr' \(did you mean user_data\.tabular\?\)"),
-    ("user_data.NOT_CALLABLE", [], r"is a int, not a class or function"),
-    ("user_data.tabular", ["data.n_featurs=4"],
-     r"data\.n_featurs=4: user_data\.tabular has no parameter 'n_featurs' \(did you mean data\.n_features\?\)\. "
-     r"Its parameters: n_features, n_classes, n_train, n_eval, seed"),
-    ("user_data.bad_raises", [], r"raised FileNotFoundError: no such table: features_8\.csv \(called with n_features"
-                                 r"|raised FileNotFoundError: no such table: features_8\.csv"),
-    ("user_data.bad_one_dataset", [], r"returned a TensorDataset; it must return a pair \(train_dataset, "
-                                      r"eval_dataset\)"),
-    ("user_data.bad_iterable", [], r"its training set is a Stream, not a map-style Dataset"),
-    ("user_data.bad_empty", [], r"its evaluation set is empty \(0 items\)"),
-    ("user_data.bad_triples", [], r"items must be \(input, target\) pairs, but item 0 of the training set is a tuple "
-                                  r"of 3 elements"),
-    ("user_data.bad_float_targets", [], r"the target of item 0 of the training set is a torch\.float32 tensor"),
-    ("user_data.bad_int32_targets", [], r"torch\.int32 tensor of shape \(\).*0-d int64 tensor"),
-    ("user_data.bad_shapes", [], r"training inputs have shape \(8,\) but evaluation inputs \(9,\)"),
-    ("user_data.bad_no_classes", [], r"cannot tell how many classes the data has: set data\.num_classes=<C>"),
-    ("user_data.tabular", ["data.num_classes=2"], r"a target is 2 but the class count is 2 \(from "
-                                                  r"data\.num_classes=2\)"),
-    ("user_data.tabular", ["data.num_classes=0"], r"data\.num_classes=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "target,overrides,message",
+    [
+        ("null", [], r"data\._target_ is not set: give it as data\._target_=<module>\.<callable>"),
+        ("tabular", [], r"names no module: write it as <module>\.<callable>"),
+        ("no_such_module_xyz.make", [], r"cannot be imported: no module named 'no_such_module_xyz'.*PYTHONPATH"),
+        ("user_data.tabulr", [], r"user_data has no attribute 'tabulr' \(did you mean user_data\.tabular\?\)"),
+        ("user_data.NOT_CALLABLE", [], r"is a int, not a class or function"),
+        (
+            "user_data.tabular",
+            ["data.n_featurs=4"],
+            r"data\.n_featurs=4: user_data\.tabular has no parameter 'n_featurs' \(did you mean data\.n_features\?\)\. "
+            r"Its parameters: n_features, n_classes, n_train, n_eval, seed",
+        ),
+        (
+            "user_data.bad_raises",
+            [],
+            r"raised FileNotFoundError: no such table: features_8\.csv \(called with n_features"
+            r"|raised FileNotFoundError: no such table: features_8\.csv",
+        ),
+        (
+            "user_data.bad_one_dataset",
+            [],
+            r"returned a TensorDataset; it must return a pair \(train_dataset, "
+            r"eval_dataset\)",
+        ),
+        ("user_data.bad_iterable", [], r"its training set is a Stream, not a map-style Dataset"),
+        ("user_data.bad_empty", [], r"its evaluation set is empty \(0 items\)"),
+        (
+            "user_data.bad_triples",
+            [],
+            r"items must be \(input, target\) pairs, but item 0 of the training set is a tuple "
+            r"of 3 elements",
+        ),
+        ("user_data.bad_float_targets", [], r"the target of item 0 of the training set is a torch\.float32 tensor"),
+        ("user_data.bad_int32_targets", [], r"torch\.int32 tensor of shape \(\).*0-d int64 tensor"),
+        ("user_data.bad_shapes", [], r"training inputs have shape \(8,\) but evaluation inputs \(9,\)"),
+        ("user_data.bad_no_classes", [], r"cannot tell how many classes the data has: set data\.num_classes=<C>"),
+        (
+            "user_data.tabular",
+            ["data.num_classes=2"],
+            r"a target is 2 but the class count is 2 \(from "
+            r"data\.num_classes=2\)",
+        ),
+        ("user_data.tabular", ["data.num_classes=0"], r"data\.num_classes=0 must be >= 1"),
+    ],
+)
 def test_bad_custom_data_stops_before_training(target, overrides, message, tmp_path):
     cfg = custom(*overrides, target=target)
     with pytest.raises(ConfigError, match=message):
@@ -209,8 +240,11 @@ def test_inputs_the_model_cannot_take_name_both_shapes(tmp_path):
 
 def test_a_key_left_from_another_model_is_caught(tmp_path):
     """Hydra applies key overrides after group choices: model.hidden meant for model=mlp reaches mnist_cnn."""
-    with pytest.raises(ConfigError, match=r"model\.hidden=16: runner\.models\.MnistCNN has no parameter 'hidden'\. "
-                                          r"Its parameters: num_classes, in_channels"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.hidden=16: runner\.models\.MnistCNN has no parameter 'hidden'\. "
+        r"Its parameters: num_classes, in_channels",
+    ):
         train(custom("model=mnist_cnn"), job_dir=tmp_path)
 
 
@@ -227,6 +261,9 @@ def test_custom_keys_do_not_leak_into_built_in_sets():
 
 def test_built_in_num_classes_must_agree(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.num_classes=5 but data=mnist has 10 classes"):
-        data_mod.build(compose_cfg("data=mnist", "data.num_classes=5").data, compose_cfg().dataloader,
-                       setup(compose_cfg().distributed, "cpu"))
+        data_mod.build(
+            compose_cfg("data=mnist", "data.num_classes=5").data,
+            compose_cfg().dataloader,
+            setup(compose_cfg().distributed, "cpu"),
+        )
     assert build().num_classes == 3

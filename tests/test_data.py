@@ -30,6 +30,7 @@ def build(*overrides: str):
 @pytest.fixture
 def no_network(monkeypatch):
     """Any attempt to download fails loudly (torchvision downloads through urllib)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"network access attempted: {args[:1]}")
 
@@ -67,8 +68,9 @@ def test_cifar_on_device_matches_the_dataloader(tiny_cifar):
 
 
 def test_cifar_trains_through_the_engine(tiny_cifar, tmp_path):
-    summary = train(compose_cfg("data=cifar10", f"data.root={tiny_cifar}", "dataloader.batch_size=10"),
-                    job_dir=tmp_path)
+    summary = train(
+        compose_cfg("data=cifar10", f"data.root={tiny_cifar}", "dataloader.batch_size=10"), job_dir=tmp_path
+    )
     assert summary["steps"] == 4 and summary["config"]["data"]["root"] == str(tiny_cifar)
     assert summary["samples_per_sec"] > 0 and 0 <= summary["eval_accuracy"] <= 1
 
@@ -77,14 +79,17 @@ def test_cifar_trains_through_the_engine(tiny_cifar, tmp_path):
 
 
 def test_imagefolder_loads_classes_and_size(tiny_imagefolder, tmp_path):
-    data = build("data=imagefolder", f"data.root={tiny_imagefolder}", "data.image_size=16",
-                 "dataloader.batch_size=4")
+    data = build("data=imagefolder", f"data.root={tiny_imagefolder}", "data.image_size=16", "dataloader.batch_size=4")
     assert (data.num_classes, data.sample_shape, data.train_samples) == (3, (3, 16, 16), 24)
     x, y = next(iter(data.eval))
     assert x.shape == (4, 3, 16, 16) and set(y.tolist()) <= {0, 1, 2}
     assert sorted(int(v) for _, yb in data.eval for v in yb) == [c for c in range(3) for _ in range(8)]
-    summary = train(compose_cfg("data=imagefolder", f"data.root={tiny_imagefolder}", "data.image_size=16",
-                                "dataloader.batch_size=4"), job_dir=tmp_path)
+    summary = train(
+        compose_cfg(
+            "data=imagefolder", f"data.root={tiny_imagefolder}", "data.image_size=16", "dataloader.batch_size=4"
+        ),
+        job_dir=tmp_path,
+    )
     assert summary["steps"] == 4 and summary["flops_per_sample"] > 0
 
 
@@ -109,8 +114,12 @@ def mnist_copy(tmp_path_factory) -> Path:
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
     archives = sorted((REPO_ROOT / "data" / "MNIST" / "raw").glob("*.gz"))
-    assert [a.name for a in archives] == ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz",
-                                          "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"]
+    assert [a.name for a in archives] == [
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+    ]
     for gz in archives:
         shutil.copy(gz, raw)
     return root
@@ -129,8 +138,12 @@ def test_embedded_mnist_loads_without_network(mnist_copy, no_network, monkeypatc
     assert float(x.min()) == pytest.approx(-mean[0] / std[0], abs=1e-5)
     assert float(x.max()) == pytest.approx((1 - mean[0]) / std[0], abs=1e-5)
     extracted = sorted(p.name for p in (mnist_copy / "MNIST" / "raw").iterdir() if not p.name.endswith(".gz"))
-    assert extracted == ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", "train-images-idx3-ubyte",
-                         "train-labels-idx1-ubyte"]
+    assert extracted == [
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+    ]
     assert sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "data").rglob("*")) == repo_data
 
 
@@ -164,8 +177,11 @@ def test_data_root_defaults(monkeypatch, tmp_path):
 def test_extracted_files_are_git_ignored():
     if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    paths = ["data/MNIST/raw/train-images-idx3-ubyte", "data/MNIST/processed/training.pt",
-             "data/cifar-10-batches-py/data_batch_1"]
+    paths = [
+        "data/MNIST/raw/train-images-idx3-ubyte",
+        "data/MNIST/processed/training.pt",
+        "data/cifar-10-batches-py/data_batch_1",
+    ]
     ignored = subprocess.run(["git", "check-ignore", *paths], cwd=REPO_ROOT, capture_output=True, text=True)
     assert ignored.stdout.split() == paths
     tracked = subprocess.run(["git", "ls-files", "data/MNIST/raw"], cwd=REPO_ROOT, capture_output=True, text=True)
@@ -192,12 +208,20 @@ def test_the_in_memory_list_is_what_the_sources_give(tiny_cifar, tiny_imagefolde
     """``IN_MEMORY_DATA`` (read by the ``${runner_in_memory:}`` resolver of the presets) names exactly the data
     whose source has an in-memory form, so ``dataloader=device`` can act on it."""
     bins = tokens.prepare(tiny_text, tiny_text.parent / "bins")
-    overrides = {"mnist": [f"data.root={mnist_copy}"], "cifar10": [f"data.root={tiny_cifar}"],
-                 "imagefolder": [f"data.root={tiny_imagefolder}", "data.image_size=16"], "synthetic": [],
-                 "text": [f"data.path={tiny_text}", "data.block_size=16"],
-                 "tokens": [f"data.train_path={bins['train_path']}", f"data.val_path={bins['val_path']}",
-                            f"data.vocab_size={bins['vocab_size']}", "data.block_size=16"],
-                 "custom": ["data._target_=user_data.tabular"]}
+    overrides = {
+        "mnist": [f"data.root={mnist_copy}"],
+        "cifar10": [f"data.root={tiny_cifar}"],
+        "imagefolder": [f"data.root={tiny_imagefolder}", "data.image_size=16"],
+        "synthetic": [],
+        "text": [f"data.path={tiny_text}", "data.block_size=16"],
+        "tokens": [
+            f"data.train_path={bins['train_path']}",
+            f"data.val_path={bins['val_path']}",
+            f"data.vocab_size={bins['vocab_size']}",
+            "data.block_size=16",
+        ],
+        "custom": ["data._target_=user_data.tabular"],
+    }
     assert set(overrides) == set(CHOICES["data.name"]) and set(data_mod.IN_MEMORY_DATA) <= set(overrides)
     for name, more in overrides.items():
         cfg = compose_cfg(f"data={name}", *more)
@@ -210,10 +234,20 @@ def test_the_in_memory_list_is_what_the_sources_give(tiny_cifar, tiny_imagefolde
 @pytest.mark.slow
 def test_real_cifar10_resnet18_cli(shared_data, tmp_path):
     """Done-when: ``python -m runner data=cifar10 data.root=<shared> model=resnet18 model.cifar_stem=true``."""
-    proc = run_cli("data=cifar10", f"data.root={shared_data}", "model=resnet18", "model.cifar_stem=true",
-                   "trainer.max_steps=4", "trainer.warmup_steps=1", "trainer.log_every=2",
-                   "trainer.eval_max_batches=2", "dataloader.batch_size=16", "logger=none", "trainer.device=cpu",
-                   cwd=tmp_path)
+    proc = run_cli(
+        "data=cifar10",
+        f"data.root={shared_data}",
+        "model=resnet18",
+        "model.cifar_stem=true",
+        "trainer.max_steps=4",
+        "trainer.warmup_steps=1",
+        "trainer.log_every=2",
+        "trainer.eval_max_batches=2",
+        "dataloader.batch_size=16",
+        "logger=none",
+        "trainer.device=cpu",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (job,) = job_dirs(tmp_path)
     summary = read_summary(job)

@@ -105,8 +105,11 @@ def test_pin_memory_and_non_blocking_on_cuda(tmp_path, spy):
 def test_device_loader_keeps_the_dataset_as_device_tensors(tmp_path, spy, monkeypatch):
     augmented = []
     crop_flip = data_mod.random_crop_flip
-    monkeypatch.setattr(data_mod.batches, "random_crop_flip",  # where OnDeviceLoader looks it up
-                        lambda x, **kw: augmented.append(x.shape) or crop_flip(x, **kw))
+    monkeypatch.setattr(
+        data_mod.batches,
+        "random_crop_flip",  # where OnDeviceLoader looks it up
+        lambda x, **kw: augmented.append(x.shape) or crop_flip(x, **kw),
+    )
     summary = run_tiny(tmp_path, "dataloader=device", "data.augment=true")
     assert summary["techniques"]["on_device_data"] == "applied"
     train_loader, eval_loader = spy.datas[-1].train.batches, spy.datas[-1].eval.batches
@@ -127,8 +130,13 @@ def test_random_crop_flip_is_a_padded_crop_and_maybe_a_flip():
     padded = torch.nn.functional.pad(x, (4,) * 4)
     flips = []
     for b in range(32):
-        matches = [(dy, dx, flip) for dy in range(9) for dx in range(9) for flip in (False, True)
-                   if torch.equal(out[b], (lambda c: c.flip(2) if flip else c)(padded[b, :, dy:dy + 8, dx:dx + 8]))]
+        matches = [
+            (dy, dx, flip)
+            for dy in range(9)
+            for dx in range(9)
+            for flip in (False, True)
+            if torch.equal(out[b], (lambda c: c.flip(2) if flip else c)(padded[b, :, dy : dy + 8, dx : dx + 8]))
+        ]
         assert matches, f"sample {b} is not a crop of the padded image"
         flips.append(matches[0][2])
     assert any(flips) and not all(flips)  # random flips, per sample

@@ -50,6 +50,7 @@ class FailsInTraining(TinyMLP):
         return super().forward(x)
 '''
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,10 +63,17 @@ def child_env(root: Path, **extra: str) -> dict[str, str]:
     ranks > 0 can be checked), torchrun/venv scripts on PATH."""
     tmp = root / "tmp"
     tmp.mkdir(exist_ok=True)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-            "HYDRA_FULL_ERROR": "1", "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join([str(root / "pymod"),
-                                                                                       str(REPO_ROOT)]),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HYDRA_FULL_ERROR": "1",
+        "TMPDIR": str(tmp),
+        "PYTHONPATH": os.pathsep.join([str(root / "pymod"), str(REPO_ROOT)]),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        **extra,
+    }
 
 
 def make_root(path: Path) -> Path:
@@ -74,8 +82,9 @@ def make_root(path: Path) -> Path:
     return path
 
 
-def torchrun(*args: str, cwd: Path, launcher: list[str] | None = None,
-             timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: str, cwd: Path, launcher: list[str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
     cmd = [*(launcher or [*TORCHRUN, "--standalone", "--nproc-per-node=2"]), "-m", "runner", *args]
     return subprocess.run(cmd, cwd=cwd, env=child_env(cwd), capture_output=True, text=True, timeout=timeout)
 
@@ -94,8 +103,14 @@ def test_scripts_torchrun_sh_runs_n_processes_and_adds_ddp(tmp_path):
     """``scripts/torchrun.sh N overrides``: N first, the overrides after, ``distributed=ddp`` added when no override
     picks the distributed group (the README's one-node command; tests/test_two_ranks.py checks what DDP computes)."""
     root = make_root(tmp_path)
-    proc = subprocess.run([str(REPO_ROOT / "scripts" / "torchrun.sh"), "2", *TINY], cwd=root, env=child_env(root),
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [str(REPO_ROOT / "scripts" / "torchrun.sh"), "2", *TINY],
+        cwd=root,
+        env=child_env(root),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     s = only_job(root, proc)
     assert s["world_size"] == 2 and s["techniques"]["ddp"] == "applied", s["techniques"]
     assert s["parameters"]["identical_across_ranks"] is True
@@ -106,11 +121,27 @@ def test_two_agents_as_two_nodes_train_together(tmp_path):
     """Two torchrun agents on this machine, c10d rendezvous on 127.0.0.1 at a free port, join timeout 60 s."""
     root = make_root(tmp_path)
     port = free_port()
-    agent = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-             f"--rdzv-id=test-{port}", "--rdzv-conf=join_timeout=60", "--max-restarts=0", "-m", "runner",
-             "distributed=ddp", *TINY, "trainer.max_steps=20"]
-    procs = [subprocess.Popen(agent, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
+    agent = [
+        *TORCHRUN,
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=test-{port}",
+        "--rdzv-conf=join_timeout=60",
+        "--max-restarts=0",
+        "-m",
+        "runner",
+        "distributed=ddp",
+        *TINY,
+        "trainer.max_steps=20",
+    ]
+    procs = [
+        subprocess.Popen(
+            agent, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
@@ -152,12 +183,25 @@ def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
     300 s collective timeout); rank 1's Python stack at the moment it died is in its log; no summary."""
     root = make_root(tmp_path)
     logs = tmp_path / "logs"
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--redirects=3", f"--log-dir={logs}", "-m", "runner",
-           "distributed=ddp", *TINY, "trainer.max_steps=1000000", "trainer.log_every=1", "trainer.eval_every=1000000",
-           # SIGTERM kills here; with checkpoint.signals it would checkpoint and stop (test_resume)
-           "checkpoint.signals=[]"]
-    proc = subprocess.Popen(cmd, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        "--redirects=3",
+        f"--log-dir={logs}",
+        "-m",
+        "runner",
+        "distributed=ddp",
+        *TINY,
+        "trainer.max_steps=1000000",
+        "trainer.log_every=1",
+        "trainer.eval_every=1000000",
+        # SIGTERM kills here; with checkpoint.signals it would checkpoint and stop (test_resume)
+        "checkpoint.signals=[]",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=child_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 180
         victim = None
@@ -214,10 +258,18 @@ def test_distributed_none_under_torchrun_is_refused(tmp_path):
 
 def test_discover_reads_torchrun_and_srun_and_ignores_the_batch_script():
     torchrun_env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2", "SLURM_PROCID": "0"}
-    assert launch.discover(torchrun_env) == launch.Layout(rank=3, local_rank=1, world_size=4, nodes=2,
-                                                          launcher="torchrun")
-    srun_env = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
-                "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234"}
+    assert launch.discover(torchrun_env) == launch.Layout(
+        rank=3, local_rank=1, world_size=4, nodes=2, launcher="torchrun"
+    )
+    srun_env = {
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_ID": "1234",
+    }
     layout = launch.discover(srun_env)
     assert (layout.rank, layout.world_size, layout.nodes, layout.launcher) == (1, 2, 2, "srun")
     assert layout.master_addr == "gpu07" and layout.master_port == 20000 + 1234
@@ -230,7 +282,15 @@ def test_discover_reads_torchrun_and_srun_and_ignores_the_batch_script():
 
 def test_expand_nodelist():
     assert launch.expand_nodelist("n[1-3,7],gpu-a[08-10],login") == [
-        "n1", "n2", "n3", "n7", "gpu-a08", "gpu-a09", "gpu-a10", "login"]
+        "n1",
+        "n2",
+        "n3",
+        "n7",
+        "gpu-a08",
+        "gpu-a09",
+        "gpu-a10",
+        "login",
+    ]
     assert launch.expand_nodelist("node-[01-02]-ib") == ["node-01-ib", "node-02-ib"]
     with pytest.raises(ConfigError):
         launch.expand_nodelist("n[1-x]")
@@ -244,14 +304,17 @@ def test_ranks_above_zero_get_a_scratch_folder_and_no_hydra_copy():
     assert f"hydra.sweep.dir={scratch}" in overrides
 
 
-@pytest.mark.parametrize("overrides,env,message", [
-    (["distributed=none"], {"RANK": "0", "WORLD_SIZE": "2"}, "distributed=none"),
-    (["distributed=dp"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot run as 2 processes"),
-    (["distributed=fsdp", "distributed.sync_batchnorm=true"], {}, "works with distributed=ddp only"),
-    (["distributed=ddp", "distributed.backend=nccl"], {}, "needs CUDA"),
-    (["distributed=ddp", "distributed.backend=tcp"], {}, "is not one of"),
-    (["distributed=ddp", "distributed.timeout_s=0"], {}, "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "overrides,env,message",
+    [
+        (["distributed=none"], {"RANK": "0", "WORLD_SIZE": "2"}, "distributed=none"),
+        (["distributed=dp"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot run as 2 processes"),
+        (["distributed=fsdp", "distributed.sync_batchnorm=true"], {}, "works with distributed=ddp only"),
+        (["distributed=ddp", "distributed.backend=nccl"], {}, "needs CUDA"),
+        (["distributed=ddp", "distributed.backend=tcp"], {}, "is not one of"),
+        (["distributed=ddp", "distributed.timeout_s=0"], {}, "must be > 0"),
+    ],
+)
 def test_impossible_combinations_are_config_errors(overrides, env, message, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(key, raising=False)
@@ -288,8 +351,9 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
     env = distributed.setup(cfg.distributed, "cpu")
     try:
         torch.manual_seed(0)
-        model, _ = parallel.wrap(torch.nn.Linear(4, 2), cfg.distributed, env,
-                                 precision.build(cfg.precision, env.device), {})
+        model, _ = parallel.wrap(
+            torch.nn.Linear(4, 2), cfg.distributed, env, precision.build(cfg.precision, env.device), {}
+        )
         calls = []
 
         def count(state, bucket):
@@ -313,8 +377,14 @@ def test_no_sync_skips_the_all_reduce_on_all_but_the_last_micro_batch():
 
 def test_reduce_figures_single_process_passes_through():
     env = distributed.Env(rank=0, local_rank=0, world_size=1, nodes=1, device=torch.device("cpu"))
-    totals = {"samples_per_sec": 10.0, "step_time_ms_median": 1.0, "step_time_ms_p90": 2.0, "measured_steps": 3,
-              "measured_time_s": 0.3, "data_wait_fraction": 0.1}
+    totals = {
+        "samples_per_sec": 10.0,
+        "step_time_ms_median": 1.0,
+        "step_time_ms_p90": 2.0,
+        "measured_steps": 3,
+        "measured_time_s": 0.3,
+        "data_wait_fraction": 0.1,
+    }
     assert distributed.reduce_figures(totals, 5.0, env) == {**totals, "peak_memory_mb": 5.0}
 
 
@@ -324,8 +394,9 @@ def test_fsdp_mixed_precision_follows_the_built_precision():
     cpu = torch.device("cpu")
 
     def policy(name):
-        return parallel.fsdp_mixed_precision(precision.build(compose_cfg(f"precision={name}").precision,
-                                                             cpu).compute_dtype)
+        return parallel.fsdp_mixed_precision(
+            precision.build(compose_cfg(f"precision={name}").precision, cpu).compute_dtype
+        )
 
     assert policy("bf16").param_dtype == torch.bfloat16 and policy("bf16").reduce_dtype == torch.float32
     assert policy("fp32") is None and policy("tf32") is None
@@ -346,9 +417,17 @@ def test_fsdp_bf16_trains_a_batchnorm_model(tmp_path):
 
 # ------------------------------------------------------------------------ interleaved sweeps under torchrun
 
-INTERLEAVED = ["-m", "hydra/launcher=interleaved", *[o for o in TINY if not o.startswith("trainer.max_steps")],
-               "trainer.max_steps=2000", "interleave.slice_steps=2", "interleave.resume_steps=1",
-               "interleave.min_passes=2", "interleave.max_passes=2", "interleave.processes=1"]
+INTERLEAVED = [
+    "-m",
+    "hydra/launcher=interleaved",
+    *[o for o in TINY if not o.startswith("trainer.max_steps")],
+    "trainer.max_steps=2000",
+    "interleave.slice_steps=2",
+    "interleave.resume_steps=1",
+    "interleave.min_passes=2",
+    "interleave.max_passes=2",
+    "interleave.processes=1",
+]
 
 
 @pytest.mark.cli
@@ -360,11 +439,25 @@ def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_pat
     writes the record and the report; rank 1 leaves nothing behind."""
     root = make_root(tmp_path)
     sweep = root / "sweep"
-    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner", *INTERLEAVED,
-                           "distributed=ddp", "distributed.timeout_s=60", "trainer.seed=0,1",
-                           f"hydra.sweep.dir={sweep}"],
-                          cwd=root, env=child_env(root, TMPDIR=str(short_tmp)), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "runner",
+            *INTERLEAVED,
+            "distributed=ddp",
+            "distributed.timeout_s=60",
+            "trainer.seed=0,1",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=root,
+        env=child_env(root, TMPDIR=str(short_tmp)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     from runner.compare import record
 
@@ -386,6 +479,8 @@ def test_an_interleaved_sweep_under_torchrun_needs_distributed_jobs(tmp_path):
     root = make_root(tmp_path)
     proc = torchrun(*INTERLEAVED, "trainer.seed=0,1", f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
     assert proc.returncode != 0
-    assert "distributed=none: every job of an interleaved sweep under torchrun runs on all the ranks; add " \
-           "distributed=ddp" in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "distributed=none: every job of an interleaved sweep under torchrun runs on all the ranks; add "
+        "distributed=ddp" in proc.stderr
+    ), proc.stderr[-3000:]
     assert not (root / "sweep" / "0").exists()  # refused before any job was prepared

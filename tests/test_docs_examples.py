@@ -26,16 +26,27 @@ from runner.doctor.job import merge_overrides
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
 #: Appended to a command that runs for real: a tiny, quiet CPU job (the command's own value of a key is replaced).
-SMALL = ["trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.eval_max_batches=1", "trainer.log_every=1",
-         "logger=none", "trainer.progress=off", "trainer.device=cpu",
-         "scheduler.warmup_steps=1"]  # a preset's LR warm-up (cosine) must fit in the 2 steps
+SMALL = [
+    "trainer.max_steps=2",
+    "trainer.warmup_steps=1",
+    "trainer.eval_max_batches=1",
+    "trainer.log_every=1",
+    "logger=none",
+    "trainer.progress=off",
+    "trainer.device=cpu",
+    "scheduler.warmup_steps=1",
+]  # a preset's LR warm-up (cosine) must fit in the 2 steps
 
 #: Lines that cannot run here, by their start: why.
 SKIPPED = {
-    "pip ": "installs packages", "pytest": "the test suite itself", "sbatch ": "needs SLURM", "srun ": "needs SLURM",
+    "pip ": "installs packages",
+    "pytest": "the test suite itself",
+    "sbatch ": "needs SLURM",
+    "srun ": "needs SLURM",
     "torchrun ": "several processes (tests/test_distributed.py runs torchrun)",
     "scripts/": "a launch script (torchrun)",
-    "python -m runner.torchrun ": "several processes (tests/test_resume.py)", "curl ": "downloads",
+    "python -m runner.torchrun ": "several processes (tests/test_resume.py)",
+    "curl ": "downloads",
     "python -c ": "a snippet, not a runner command",
     "tensorboard ": "TensorBoard's viewer (tests/test_loggers.py reads the event files)",
     "mlflow ": "MLflow's viewer (tests/test_loggers.py reads the store)",
@@ -74,7 +85,7 @@ def _blocks(path: Path):
     """(language, first line number, body) of each fenced block of ``path``."""
     text = path.read_text()
     for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
-        yield m.group(1), text[:m.start()].count("\n") + 2, m.group(2)
+        yield m.group(1), text[: m.start()].count("\n") + 2, m.group(2)
 
 
 def examples() -> list[Example]:
@@ -126,10 +137,16 @@ def scratch(tmp_path_factory) -> Path:
 
 def placeholders(args: list[str], root: Path, job: Path | None = None, sweep: Path | None = None) -> list[str]:
     """The docs' placeholder paths as the scratch folder's real ones."""
-    swap = {"/path/with/cifar": root / "cifar", "/path/to/cifar": root / "cifar", "/my/images": root / "images",
-            "/path/to/tinyshakespeare/input.txt": root / "my.txt", "my.txt": root / "my.txt",
-            "/abs/path/my_conf": root / "my_conf", "outputs/multirun/<date>/<time>": sweep,
-            "outputs/<date>/<time>": job}
+    swap = {
+        "/path/with/cifar": root / "cifar",
+        "/path/to/cifar": root / "cifar",
+        "/my/images": root / "images",
+        "/path/to/tinyshakespeare/input.txt": root / "my.txt",
+        "my.txt": root / "my.txt",
+        "/abs/path/my_conf": root / "my_conf",
+        "outputs/multirun/<date>/<time>": sweep,
+        "outputs/<date>/<time>": job,
+    }
     out = []
     for a in args:
         for placeholder, real in swap.items():
@@ -153,8 +170,9 @@ def run(example: Example, root: Path, *extra: str, module: str = "runner", **whe
     if module == "runner":
         args = merge_overrides(args, [*SMALL, *extra])
     proc = run_cli(*args, cwd=root, module=module, timeout=300)
-    assert proc.returncode == 0, (f"{example} failed (exit {proc.returncode}):\n"
-                                  f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, (
+        f"{example} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    )
     jobs = job_dirs(root) if (root / "outputs").is_dir() else []
     return proc.stdout + proc.stderr, (jobs[-1] if jobs else None)
 
@@ -185,8 +203,9 @@ def test_the_readme_sweep_and_its_report(scratch):
 
 @pytest.mark.cli
 def test_the_readme_custom_data_command(scratch):
-    out, job = run(find("README.md", "python -m runner data=custom data._target_=my_data.tabular data.n_features"),
-                   scratch)
+    out, job = run(
+        find("README.md", "python -m runner data=custom data._target_=my_data.tabular data.n_features"), scratch
+    )
     assert (job / "summary.json").is_file()
 
 
@@ -207,8 +226,11 @@ def test_own_configs_as_the_docs_show_them(scratch):
 
 @pytest.mark.cli
 def test_own_text_with_the_language_model_preset(scratch):
-    out, job = run(find("language-models.md", "python -m runner +experiment=shakespeare_char data.path=my.txt"),
-                   scratch, "task.sample_tokens=20")  # samples.txt: 20 characters, not 500
+    out, job = run(
+        find("language-models.md", "python -m runner +experiment=shakespeare_char data.path=my.txt"),
+        scratch,
+        "task.sample_tokens=20",
+    )  # samples.txt: 20 characters, not 500
     assert (job / "samples.txt").is_file()
 
 
@@ -222,8 +244,13 @@ def test_the_cli_flags_the_docs_show(scratch, flag):
 
 # ------------------------------------------------------------------------------ every other line: composed
 
-RUN_ABOVE = ("python -m runner.doctor ", "python -m runner.report outputs/multirun/", "python -m runner --help",
-             "python -m runner --cfg job", "python -m runner --info")
+RUN_ABOVE = (
+    "python -m runner.doctor ",
+    "python -m runner.report outputs/multirun/",
+    "python -m runner --help",
+    "python -m runner --cfg job",
+    "python -m runner --info",
+)
 
 
 def compose_example(example: Example, root: Path):
@@ -274,18 +301,28 @@ def compose_example(example: Example, root: Path):
 
 #: The commands the tests above run (the README's first run, sweep, custom data and CIFAR lines; the own configs
 #: and own text examples).
-RUN = {"python -m runner", "python -m runner --config-dir my_conf +experiment=mine",
-       "python -m runner +experiment=shakespeare_char data.path=my.txt"}
-RUN_STARTS = ("python -m runner -m dataloader.batch_size=",
-              "python -m runner data=custom data._target_=my_data.tabular data.n_features",
-              "python -m runner data=cifar10")
+RUN = {
+    "python -m runner",
+    "python -m runner --config-dir my_conf +experiment=mine",
+    "python -m runner +experiment=shakespeare_char data.path=my.txt",
+}
+RUN_STARTS = (
+    "python -m runner -m dataloader.batch_size=",
+    "python -m runner data=custom data._target_=my_data.tabular data.n_features",
+    "python -m runner data=cifar10",
+)
 
 
 def _composed() -> list[Example]:
     seen, out = set(), []
     for e in examples():
-        if skip_reason(e) or e.text.startswith(RUN_ABOVE) or e.text in RUN or e.text.startswith(RUN_STARTS) \
-                or e.text in seen:
+        if (
+            skip_reason(e)
+            or e.text.startswith(RUN_ABOVE)
+            or e.text in RUN
+            or e.text.startswith(RUN_STARTS)
+            or e.text in seen
+        ):
             continue
         seen.add(e.text)  # the same line in two documents is composed once
         out.append(e)

@@ -18,10 +18,15 @@ from runner import doctor
 from runner.doctor import Job, diagnose
 from runner.engine.train import train
 
-CONFIG = {"trainer": {"log_every": 50, "warmup_steps": 5, "max_steps": None, "on_nonfinite": "stop"},
-          "dataloader": {"batch_size": 64, "num_workers": 0, "pin_memory": False, "on_device": False},
-          "data": {"name": "custom"}, "debug": {"name": "off"}, "compile": {"mode": None},
-          "precision": {"name": "fp32"}, "memory": {"checkpointing": False, "accumulate_steps": 1}}
+CONFIG = {
+    "trainer": {"log_every": 50, "warmup_steps": 5, "max_steps": None, "on_nonfinite": "stop"},
+    "dataloader": {"batch_size": 64, "num_workers": 0, "pin_memory": False, "on_device": False},
+    "data": {"name": "custom"},
+    "debug": {"name": "off"},
+    "compile": {"mode": None},
+    "precision": {"name": "fp32"},
+    "memory": {"checkpointing": False, "accumulate_steps": 1},
+}
 
 
 def summary(config_changes: dict | None = None, **changes):
@@ -30,11 +35,26 @@ def summary(config_changes: dict | None = None, **changes):
     for dotted, value in (config_changes or {}).items():
         group, key = dotted.split(".")
         config[group][key] = value
-    healthy = {"samples_per_sec": 1280.0, "step_time_ms_median": 50.0, "data_wait_fraction": 0.0,
-               "peak_memory_mb": 500.0, "memory_limit_mb": 16000.0, "flops_per_sample": 1e9, "global_batch_size": 64,
-               "mfu": None, "device": "cpu", "log_time_fraction": 0.001, "host_syncs_per_step": 0.02,
-               "gpu_idle_fraction": None, "warnings": [], "machine_load": {"cpu_cores": 2, "threads": 2},
-               "steps": 100, "warmup_steps": 5, "measurement": "95 steps measured", "config": config}
+    healthy = {
+        "samples_per_sec": 1280.0,
+        "step_time_ms_median": 50.0,
+        "data_wait_fraction": 0.0,
+        "peak_memory_mb": 500.0,
+        "memory_limit_mb": 16000.0,
+        "flops_per_sample": 1e9,
+        "global_batch_size": 64,
+        "mfu": None,
+        "device": "cpu",
+        "log_time_fraction": 0.001,
+        "host_syncs_per_step": 0.02,
+        "gpu_idle_fraction": None,
+        "warnings": [],
+        "machine_load": {"cpu_cores": 2, "threads": 2},
+        "steps": 100,
+        "warmup_steps": 5,
+        "measurement": "95 steps measured",
+        "config": config,
+    }
     return healthy | changes
 
 
@@ -65,8 +85,9 @@ def test_verify_with_nothing_to_verify_says_so_and_exits_0(tmp_path, capsys):
     assert out.err == "" and sorted(p.name for p in job.iterdir()) == ["summary.json"]
 
 
-@pytest.mark.parametrize("wait, found", [(doctor.DATA_WAIT_FRACTION_MAX - 0.01, False),
-                                         (doctor.DATA_WAIT_FRACTION_MAX, True)])
+@pytest.mark.parametrize(
+    "wait, found", [(doctor.DATA_WAIT_FRACTION_MAX - 0.01, False), (doctor.DATA_WAIT_FRACTION_MAX, True)]
+)
 def test_input_bound_from_the_data_wait_threshold(wait, found):
     assert categories(diagnose(summary(data_wait_fraction=wait))) == (["input-bound"] if found else [])
 
@@ -78,19 +99,25 @@ def test_input_bound_suggestions_follow_the_loader_and_the_device():
     (more,) = diagnose(summary({"dataloader.num_workers": 1, "data.name": "mnist"}, data_wait_fraction=0.5))
     assert overrides(more) == [["dataloader.num_workers=2"], ["dataloader=device"]]
     (gpu,) = diagnose(summary({"dataloader.num_workers": 2}, data_wait_fraction=0.5, device="cuda"))
-    assert overrides(gpu) == [["dataloader.pin_memory=true", "dataloader.non_blocking=true"],  # workers = cores
-                              ["dataloader=device"]]
+    assert overrides(gpu) == [
+        ["dataloader.pin_memory=true", "dataloader.non_blocking=true"],  # workers = cores
+        ["dataloader=device"],
+    ]
 
 
-@pytest.mark.parametrize("log_every, syncs, log_share, found", [
-    (50, 0.02, doctor.LOG_TIME_FRACTION_MAX - 0.001, False),
-    (50, 0.02, doctor.LOG_TIME_FRACTION_MAX, True),
-    (2, doctor.SYNCS_PER_STEP_MAX, 0.0, True),
-    (3, 1 / 3, 0.0, False),
-])
+@pytest.mark.parametrize(
+    "log_every, syncs, log_share, found",
+    [
+        (50, 0.02, doctor.LOG_TIME_FRACTION_MAX - 0.001, False),
+        (50, 0.02, doctor.LOG_TIME_FRACTION_MAX, True),
+        (2, doctor.SYNCS_PER_STEP_MAX, 0.0, True),
+        (3, 1 / 3, 0.0, False),
+    ],
+)
 def test_sync_bound_from_syncs_per_step_and_logging_share(log_every, syncs, log_share, found):
-    findings = diagnose(summary({"trainer.log_every": log_every}, host_syncs_per_step=syncs,
-                                log_time_fraction=log_share))
+    findings = diagnose(
+        summary({"trainer.log_every": log_every}, host_syncs_per_step=syncs, log_time_fraction=log_share)
+    )
     assert categories(findings) == (["sync/overhead-bound"] if found else [])
     if found and log_every < 50:
         assert overrides(findings[0])[0] == ["trainer.log_every=50"]  # the cause first
@@ -114,27 +141,33 @@ def test_host_launch_bound_only_on_cuda_from_gpu_idle_beyond_data_wait():
     assert overrides(finding) == [["compile=reduce-overhead"], ["dataloader.batch_size=128"]]
     # the same idle explained by waiting for data is input-bound, not launch-bound
     assert categories(diagnose(summary(device="cuda", gpu_idle_fraction=idle, data_wait_fraction=0.25))) == [
-        "input-bound"]
+        "input-bound"
+    ]
 
 
-@pytest.mark.parametrize("fraction, found", [(doctor.MEMORY_FRACTION_MAX - 0.01, False),
-                                             (doctor.MEMORY_FRACTION_MAX, True)])
+@pytest.mark.parametrize(
+    "fraction, found", [(doctor.MEMORY_FRACTION_MAX - 0.01, False), (doctor.MEMORY_FRACTION_MAX, True)]
+)
 def test_memory_bound_near_the_device_limit(fraction, found):
     findings = diagnose(summary(device="cuda", peak_memory_mb=fraction * 80000, memory_limit_mb=80000))
     assert categories(findings) == (["memory-bound"] if found else [])
     if found:
-        assert overrides(findings[0]) == [["precision=bf16"], ["memory=checkpointing"],
-                                          ["dataloader.batch_size=32", "memory.accumulate_steps=2"]]
+        assert overrides(findings[0]) == [
+            ["precision=bf16"],
+            ["memory=checkpointing"],
+            ["dataloader.batch_size=32", "memory.accumulate_steps=2"],
+        ]
 
 
 @pytest.mark.parametrize("update_ms, every, found", [(2.0, 1, False), (2.5, 1, True), (5.0, 2, True), (5.0, 4, False)])
-def test_an_ema_costing_more_than_its_threshold_suggests_updating_less_often_with_the_same_horizon(update_ms, every,
-                                                                                                   found):
+def test_an_ema_costing_more_than_its_threshold_suggests_updating_less_often_with_the_same_horizon(
+    update_ms, every, found
+):
     s = summary({"trainer.ema_decay": 0.999, "trainer.ema_every": every}, ema_update_ms=update_ms)  # 50 ms steps
     findings = [f for f in diagnose(s) if "EMA" in f.evidence]
     assert bool(findings) == found
     if found:
-        (ema_every, ema_decay), = overrides(findings[0])
+        ((ema_every, ema_decay),) = overrides(findings[0])
         n = int(ema_every.split("=")[1])
         assert n > every and float(ema_decay.split("=")[1]) == pytest.approx(0.999 ** (n / every), rel=1e-5)
 
@@ -143,7 +176,7 @@ def test_gradient_norm_spikes_are_warned_about_with_clipping_suggested():
     rows = [{"step": 10 * i, "loss": 1.0, "grad_norm": 1.0 + 0.1 * (i % 3)} for i in range(1, 9)]
     assert "gradient spikes" not in categories(diagnose(summary(), metrics=rows))
     rows.append({"step": 90, "loss": 3.0, "grad_norm": 25.0})
-    spikes, = [f for f in diagnose(summary(), metrics=rows) if f.category == "gradient spikes"]
+    (spikes,) = [f for f in diagnose(summary(), metrics=rows) if f.category == "gradient spikes"]
     assert "step 90" in spikes.evidence and ["optimizer.clip_grad_norm=1.0"] in overrides(spikes)
 
 
@@ -178,21 +211,43 @@ def test_a_run_on_a_crowded_cpu_is_suggested_the_threads_that_fit():
 def test_a_suggestion_replaces_the_jobs_own_value_of_its_key():
     base = ["data=custom", "trainer.log_every=1", "+experiment=fast", "data.shape=[3,16,16]"]
     assert doctor.merge_overrides(base, ["trainer.log_every=50", "debug=off"]) == [
-        "data=custom", "trainer.log_every=50", "+experiment=fast", "data.shape=[3,16,16]", "debug=off"]
-    job = Job(folder=None, summary={}, config={}, overrides=base, metrics=[], cwd=None,
-              searchpath=["file:///my/conf", "pkg://runner.conf"])
-    assert doctor.command(job, ["debug=off"]) == ("python -m runner --config-dir /my/conf data=custom "
-                                                  "trainer.log_every=1 +experiment=fast 'data.shape=[3,16,16]' "
-                                                  "debug=off")
+        "data=custom",
+        "trainer.log_every=50",
+        "+experiment=fast",
+        "data.shape=[3,16,16]",
+        "debug=off",
+    ]
+    job = Job(
+        folder=None,
+        summary={},
+        config={},
+        overrides=base,
+        metrics=[],
+        cwd=None,
+        searchpath=["file:///my/conf", "pkg://runner.conf"],
+    )
+    assert doctor.command(job, ["debug=off"]) == (
+        "python -m runner --config-dir /my/conf data=custom "
+        "trainer.log_every=1 +experiment=fast 'data.shape=[3,16,16]' "
+        "debug=off"
+    )
 
 
 def test_a_job_of_several_processes_is_suggested_with_its_launcher():
     """A torchrun job's suggestions rerun it under torchrun with its process count, not as one process."""
     s = summary({"trainer.log_every": 1}, host_syncs_per_step=1.0, world_size=4, nodes=1)
-    job = Job(folder="outputs/x", summary=s, config=s["config"], overrides=["model=mlp", "trainer.log_every=1"],
-              metrics=[], cwd=None, searchpath=[])
+    job = Job(
+        folder="outputs/x",
+        summary=s,
+        config=s["config"],
+        overrides=["model=mlp", "trainer.log_every=1"],
+        metrics=[],
+        cwd=None,
+        searchpath=[],
+    )
     assert "try: torchrun --nproc-per-node=4 -m runner model=mlp trainer.log_every=50   # " in doctor.render(
-        diagnose(s), job)
+        diagnose(s), job
+    )
     job.summary = s | {"world_size": 8, "nodes": 2}
     assert doctor.command(job, []).startswith("torchrun --nnodes=2 --nproc-per-node=4 -m runner model=mlp")
     job.summary = s | {"world_size": 1}
@@ -200,8 +255,13 @@ def test_a_job_of_several_processes_is_suggested_with_its_launcher():
 
 
 def test_the_heading_has_no_empty_parentheses_without_figures():
-    s = summary(samples_per_sec=None, step_time_ms_median=None, data_wait_fraction=None, mfu=None,
-                measurement="too short to measure")
+    s = summary(
+        samples_per_sec=None,
+        step_time_ms_median=None,
+        data_wait_fraction=None,
+        mfu=None,
+        measurement="too short to measure",
+    )
     job = Job(folder="outputs/x", summary=s, config=s["config"], overrides=[], metrics=[], cwd=None, searchpath=[])
     assert doctor.render(diagnose(s), job).splitlines()[0] == "speed doctor:"
     s = summary()
@@ -211,8 +271,15 @@ def test_the_heading_has_no_empty_parentheses_without_figures():
 
 def test_the_printed_diagnosis_gives_a_command_per_suggestion_and_points_to_printed_warnings():
     s = summary({"trainer.log_every": 1}, host_syncs_per_step=1.0, warnings=["the machine was busy"])
-    job = Job(folder="outputs/x", summary=s, config=s["config"], overrides=["model=mlp", "trainer.log_every=1"],
-              metrics=[], cwd=None, searchpath=[])
+    job = Job(
+        folder="outputs/x",
+        summary=s,
+        config=s["config"],
+        overrides=["model=mlp", "trainer.log_every=1"],
+        metrics=[],
+        cwd=None,
+        searchpath=[],
+    )
     text = doctor.render(diagnose(s), job)
     assert "1. untrustworthy: the machine was busy" in text
     assert "try: python -m runner model=mlp trainer.log_every=50   # " in text
@@ -270,8 +337,16 @@ def fast():
 
 
 def tiny_mlp(*overrides: str, target: str = "user_data.tabular"):
-    return compose_cfg(*TINY_LOOP, "data=custom", f"data._target_={target}", "model=mlp", "model.hidden=16",
-                       "checkpoint.at_end=false", *overrides, tiny=False)
+    return compose_cfg(
+        *TINY_LOOP,
+        "data=custom",
+        f"data._target_={target}",
+        "model=mlp",
+        "model.hidden=16",
+        "checkpoint.at_end=false",
+        *overrides,
+        tiny=False,
+    )
 
 
 def bottlenecks(findings) -> list:
@@ -283,8 +358,10 @@ def test_a_dataset_that_sleeps_is_input_bound_and_workers_are_suggested(tmp_path
     (tmp_path / "doctor_slow_data.py").write_text(SLOW_DATA)
     monkeypatch.syspath_prepend(str(tmp_path))
     # 8 items x 10 ms of sleep per batch against a tiny MLP's step: waiting dominates even on a busy machine
-    s = train(tiny_mlp("dataloader.batch_size=8", "trainer.max_steps=6", target="doctor_slow_data.slow"),
-              job_dir=tmp_path / "job")
+    s = train(
+        tiny_mlp("dataloader.batch_size=8", "trainer.max_steps=6", target="doctor_slow_data.slow"),
+        job_dir=tmp_path / "job",
+    )
     top = bottlenecks(diagnose(s))[0]
     assert top.category == "input-bound" and f"{s['data_wait_fraction']:.3f}" in top.evidence
     assert top.suggestions[0].overrides == [f"dataloader.num_workers={min(4, s['machine_load']['cpu_cores'])}"]
@@ -311,20 +388,40 @@ def test_every_run_ends_with_the_diagnosis_and_verify_measures_a_suggestion(tmp_
     module is found there, as in the job; tests/test_trust.py: never from elsewhere), reruns the job and its first
     suggestion interleaved (runner/compare/), and reports the figures it measured."""
     (tmp_path / "doctor_slow_data.py").write_text(SLOW_DATA)
-    job_overrides = [*TINY_LOOP, "data=custom", "data._target_=doctor_slow_data.fast",
-                     "model=mlp", "model.hidden=16", "trainer.log_every=1", "trainer.max_steps=12",
-                     # one thread fits any load: on a busy machine (CI's other worker) the busy-machine finding
-                     # (trainer.num_threads=<free cores>) would otherwise lead the diagnosis
-                     "trainer.num_threads=1"]
+    job_overrides = [
+        *TINY_LOOP,
+        "data=custom",
+        "data._target_=doctor_slow_data.fast",
+        "model=mlp",
+        "model.hidden=16",
+        "trainer.log_every=1",
+        "trainer.max_steps=12",
+        # one thread fits any load: on a busy machine (CI's other worker) the busy-machine finding
+        # (trainer.num_threads=<free cores>) would otherwise lead the diagnosis
+        "trainer.num_threads=1",
+    ]
     run = run_cli(*job_overrides, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "speed doctor (" in run.stdout and "sync/overhead-bound" in run.stdout, run.stdout[-2000:]
     assert "trainer.log_every=50" in run.stdout
     (job,) = job_dirs(tmp_path)
     out = tmp_path / "verify"
-    proc = run_cli(str(job), "--verify", "--top", "1", "--minutes", "0.2", "--steps", "4", "--out", str(out),
-                   "--allow-target", "doctor_slow_data", cwd=tmp_path,
-                   module="runner.doctor")  # the user's own module (runner.trust)
+    proc = run_cli(
+        str(job),
+        "--verify",
+        "--top",
+        "1",
+        "--minutes",
+        "0.2",
+        "--steps",
+        "4",
+        "--out",
+        str(out),
+        "--allow-target",
+        "doctor_slow_data",
+        cwd=tmp_path,
+        module="runner.doctor",
+    )  # the user's own module (runner.trust)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = json.loads((out / "verify.json").read_text())
     base, sugg = record["trials"]
@@ -357,10 +454,12 @@ def test_a_suggestion_from_a_job_run_with_a_config_dir_runs_as_printed_from_anot
 
     (tmp_path / "my-configs" / "model").mkdir(parents=True)
     (tmp_path / "my-configs" / "model" / "tiny.yaml").write_text(
-        "defaults: [base_model, _self_]\n_target_: runner.models.MLP\nhidden: 8\n")
+        "defaults: [base_model, _self_]\n_target_: runner.models.MLP\nhidden: 8\n"
+    )
     job = tmp_path / "job"
-    ran = run_here("--config-dir", "my-configs", *TINY, "model=tiny", "trainer.doctor=false", f"hydra.run.dir={job}",
-                   cwd=tmp_path)
+    ran = run_here(
+        "--config-dir", "my-configs", *TINY, "model=tiny", "trainer.doctor=false", f"hydra.run.dir={job}", cwd=tmp_path
+    )
     assert ran.returncode == 0, ran.stderr[-2000:]
     line = doctor.command(load_job(job), ["debug=off"])
     assert line.startswith(f"python -m runner --config-dir {tmp_path / 'my-configs'} ") and "model=tiny" in line

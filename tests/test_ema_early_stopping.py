@@ -18,10 +18,22 @@ from runner.errors import ConfigError
 from runner.techniques.ema import EMA
 
 #: a tiny CPU job through the CLI: 12 steps, a row every 2 steps, an evaluation every 4 on the same 2 batches
-JOB = ["data=synthetic", "data.shape=[3,16,16]", "data.train_size=256", "data.eval_size=64", "dataloader.batch_size=16",
-       "trainer.max_steps=12", "trainer.warmup_steps=1", "trainer.log_every=2", "trainer.eval_every=4",
-       "trainer.eval_max_batches=2", "trainer.progress=off", "trainer.device=cpu", "logger=none",
-       "trainer.doctor=false"]
+JOB = [
+    "data=synthetic",
+    "data.shape=[3,16,16]",
+    "data.train_size=256",
+    "data.eval_size=64",
+    "dataloader.batch_size=16",
+    "trainer.max_steps=12",
+    "trainer.warmup_steps=1",
+    "trainer.log_every=2",
+    "trainer.eval_every=4",
+    "trainer.eval_max_batches=2",
+    "trainer.progress=off",
+    "trainer.device=cpu",
+    "logger=none",
+    "trainer.doctor=false",
+]
 
 
 def cli(tmp_path, name: str, *overrides: str):
@@ -92,8 +104,12 @@ def test_every_log_row_has_the_gradient_norm_before_clipping(tmp_path):
 @pytest.mark.cli
 def test_early_stopping_stops_says_why_and_a_rerun_trains_no_further(tmp_path):
     # min_delta too large to ever count as an improvement: stop after the second evaluation (patience 1)
-    stop = ["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.patience=1",
-            "trainer.early_stopping.min_delta=1000", "trainer.max_steps=40"]
+    stop = [
+        "trainer.early_stopping.metric=eval_loss",
+        "trainer.early_stopping.patience=1",
+        "trainer.early_stopping.min_delta=1000",
+        "trainer.max_steps=40",
+    ]
     proc, folder = cli(tmp_path, "stopped", *stop)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(folder)
@@ -129,8 +145,13 @@ def test_the_watch_improves_by_more_than_min_delta_in_either_direction():
 
 @pytest.mark.cli
 def test_deterministic_runs_are_bit_identical_and_say_so(tmp_path):
-    job = ["trainer.deterministic=true", "dataloader.num_workers=2", "data.augment=true", "cudnn_benchmark=true",
-           "trainer.max_steps=4"]
+    job = [
+        "trainer.deterministic=true",
+        "dataloader.num_workers=2",
+        "data.augment=true",
+        "cudnn_benchmark=true",
+        "trainer.max_steps=4",
+    ]
     folders = []
     for name in ("a", "b"):
         proc, folder = cli(tmp_path, name, *job)
@@ -160,18 +181,29 @@ def test_deterministic_with_an_operation_that_has_no_deterministic_kernel_names_
 def test_a_metric_the_task_does_not_report_stops_the_cli_with_one_message(tmp_path):
     proc, folder = cli(tmp_path, "bad", "trainer.early_stopping.metric=eval_bleu")
     assert proc.returncode == 2
-    assert "error: trainer.early_stopping.metric=eval_bleu: the task does not report it; it reports eval_accuracy, " \
-           "eval_loss" in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "error: trainer.early_stopping.metric=eval_bleu: the task does not report it; it reports eval_accuracy, "
+        "eval_loss" in proc.stderr
+    ), proc.stderr[-2000:]
     assert not (folder / "summary.json").exists()
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["trainer.early_stopping.metric=eval_loss_ema"], "trainer.early_stopping.metric=eval_loss_ema: the task does not"),
-    (["checkpoint.keep_best=true", "checkpoint.best_metric=accuracy"], "checkpoint.best_metric=accuracy"),
-    (["trainer.ema_decay=1.5"], "trainer.ema_decay=1.5 must be in (0, 1)"),
-    (["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.patience=0"], "patience=0 must be >= 1"),
-    (["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.min_delta=-1"], "min_delta=-1.0 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            ["trainer.early_stopping.metric=eval_loss_ema"],
+            "trainer.early_stopping.metric=eval_loss_ema: the task does not",
+        ),
+        (["checkpoint.keep_best=true", "checkpoint.best_metric=accuracy"], "checkpoint.best_metric=accuracy"),
+        (["trainer.ema_decay=1.5"], "trainer.ema_decay=1.5 must be in (0, 1)"),
+        (["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.patience=0"], "patience=0 must be >= 1"),
+        (
+            ["trainer.early_stopping.metric=eval_loss", "trainer.early_stopping.min_delta=-1"],
+            "min_delta=-1.0 must be >= 0",
+        ),
+    ],
+)
 def test_bad_settings_stop_before_training_naming_the_key(tmp_path, overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         run_tiny(tmp_path / "job", *overrides)

@@ -49,8 +49,9 @@ def train_job(root: Path) -> None:
 
 def copy_job(job: Path, dest: Path) -> Path:
     """The job folder's files that evaluate/export read (.hydra/, summary.json, weights) in ``dest``."""
-    shutil.copytree(job, dest, ignore=shutil.ignore_patterns("checkpoints", "eval-*.json", "model.pt2", "model.onnx*",
-                                                         ".export-*"))
+    shutil.copytree(
+        job, dest, ignore=shutil.ignore_patterns("checkpoints", "eval-*.json", "model.pt2", "model.onnx*", ".export-*")
+    )
     return dest
 
 
@@ -93,10 +94,12 @@ def test_evaluate_other_weights_give_other_figures(job, tmp_path):
 
     folder = copy_job(job, tmp_path / "job")
     state = load_file(str(folder / "model.safetensors"))
-    save_file({k: v * 0.5 if v.is_floating_point() else v for k, v in state.items()},
-              str(folder / "model_ema.safetensors"))
-    proc = run_here(str(folder), "--weights", "ema", "trainer.eval_max_batches=2", cwd=tmp_path,
-                    module="runner.evaluate")
+    save_file(
+        {k: v * 0.5 if v.is_floating_point() else v for k, v in state.items()}, str(folder / "model_ema.safetensors")
+    )
+    proc = run_here(
+        str(folder), "--weights", "ema", "trainer.eval_max_batches=2", cwd=tmp_path, module="runner.evaluate"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((folder / "eval-ema.json").read_text())
     assert record["weights_file"] == "model_ema.safetensors" and record["weights_verified"] is False
@@ -109,8 +112,9 @@ def test_evaluate_on_another_dataset(job, tmp_path):
     whole (eval_max_batches defaults to null), the record in ``--out``."""
     cifar = make_tiny_cifar(tmp_path / "cifar")
     out = tmp_path / "cifar-eval.json"
-    proc = run_here(str(job), "data=cifar10", f"data.root={cifar}", "--out", str(out), cwd=tmp_path,
-                    module="runner.evaluate")
+    proc = run_here(
+        str(job), "data=cifar10", f"data.root={cifar}", "--out", str(out), cwd=tmp_path, module="runner.evaluate"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["data"]["name"] == "cifar10" and record["data"]["root"] == str(cifar)
@@ -161,7 +165,7 @@ def _no_final_weights(job: Path, folder: Path) -> list[str]:
 def _corrupt_weights(job: Path, folder: Path) -> list[str]:
     copy_job(job, folder)
     data = (folder / "model.safetensors").read_bytes()
-    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])  # a write cut short
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])  # a write cut short
     return [str(folder)]
 
 
@@ -178,27 +182,57 @@ def _garbled_weights(job: Path, folder: Path) -> list[str]:
 
 BAD = {  # name: (module, arguments (job folder given), words the one error line must hold)
     "not a job folder": ("runner.evaluate", lambda job, f: [str(f.parents[1])], ["has no .hydra/config.yaml"]),
-    "not a job folder (export)": ("runner.export", lambda job, f: [str(f.parents[1]), "--format", "torch"],
-                                  ["has no .hydra/config.yaml"]),
-    "no final weights": ("runner.evaluate", _no_final_weights, ["model.safetensors does not exist",
-                                                                "checkpoint.at_end=false", "checkpoint.at_end=true"]),
-    "no ema weights": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "--weights", "ema"],
-                       ["model_ema.safetensors does not exist", "trainer.ema_decay", "--weights final"]),
-    "unknown weights": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "--weights", "last"],
-                        ["--weights last", "final, ema, best"]),
+    "not a job folder (export)": (
+        "runner.export",
+        lambda job, f: [str(f.parents[1]), "--format", "torch"],
+        ["has no .hydra/config.yaml"],
+    ),
+    "no final weights": (
+        "runner.evaluate",
+        _no_final_weights,
+        ["model.safetensors does not exist", "checkpoint.at_end=false", "checkpoint.at_end=true"],
+    ),
+    "no ema weights": (
+        "runner.evaluate",
+        lambda job, f: [str(copy_job(job, f)), "--weights", "ema"],
+        ["model_ema.safetensors does not exist", "trainer.ema_decay", "--weights final"],
+    ),
+    "unknown weights": (
+        "runner.evaluate",
+        lambda job, f: [str(copy_job(job, f)), "--weights", "last"],
+        ["--weights last", "final, ema, best"],
+    ),
     "corrupt weights": ("runner.evaluate", _corrupt_weights, ["cannot read", "model.safetensors", "corrupt"]),
-    "garbled weights": ("runner.evaluate", _garbled_weights, ["model.safetensors", "modified or corrupted",
-                                                              "summary.json"]),
-    "garbled weights (export)": ("runner.export", lambda job, f: [*_garbled_weights(job, f), "--format", "torch"],
-                                 ["model.safetensors", "modified or corrupted", "summary.json"]),
-    "unknown key": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "trainer.eval_max_batchs=3"],
-                    ["trainer.eval_max_batchs", "did you mean trainer.eval_max_batches"]),
-    "unwritable --out": ("runner.evaluate", lambda job, f: [str(copy_job(job, f)), "--out", "/proc/x/eval.json"],
-                         ["--out /proc/x/eval.json: cannot write into /proc/x"]),
-    "unknown format": ("runner.export", lambda job, f: [str(copy_job(job, f)), "--format", "tflite"],
-                       ["--format tflite", "torch", "onnx"]),
-    "onnx extra missing": ("runner.export", lambda job, f: [str(copy_job(job, f)), "--format", "onnx"],
-                           ["pip install 'runner[onnx]'", "onnxscript"]),
+    "garbled weights": (
+        "runner.evaluate",
+        _garbled_weights,
+        ["model.safetensors", "modified or corrupted", "summary.json"],
+    ),
+    "garbled weights (export)": (
+        "runner.export",
+        lambda job, f: [*_garbled_weights(job, f), "--format", "torch"],
+        ["model.safetensors", "modified or corrupted", "summary.json"],
+    ),
+    "unknown key": (
+        "runner.evaluate",
+        lambda job, f: [str(copy_job(job, f)), "trainer.eval_max_batchs=3"],
+        ["trainer.eval_max_batchs", "did you mean trainer.eval_max_batches"],
+    ),
+    "unwritable --out": (
+        "runner.evaluate",
+        lambda job, f: [str(copy_job(job, f)), "--out", "/proc/x/eval.json"],
+        ["--out /proc/x/eval.json: cannot write into /proc/x"],
+    ),
+    "unknown format": (
+        "runner.export",
+        lambda job, f: [str(copy_job(job, f)), "--format", "tflite"],
+        ["--format tflite", "torch", "onnx"],
+    ),
+    "onnx extra missing": (
+        "runner.export",
+        lambda job, f: [str(copy_job(job, f)), "--format", "onnx"],
+        ["pip install 'runner[onnx]'", "onnxscript"],
+    ),
 }
 
 

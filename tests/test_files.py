@@ -14,8 +14,10 @@ from conftest import TINY_GPT, TINY_LOOP, make_tiny_text, read_summary, run_tiny
 RUNNER = Path(__file__).resolve().parent.parent / "runner"
 #: A raw write: ``write_text``/``write_bytes``, ``open(..., "w"|"a"|"x")``, ``Path.open("w")``, numpy's ``tofile``,
 #: matplotlib's ``savefig`` to a path, ``shutil.copy*``
-RAW_WRITE = re.compile(r"\.write_(text|bytes)\(|\bopen\([^)]*[\"'][wax]b?\+?[\"']|\.open\([\"'][wax]|\.tofile\("
-                       r"|\.savefig\((?!f\b)|shutil\.copy(file)?\(")
+RAW_WRITE = re.compile(
+    r"\.write_(text|bytes)\(|\bopen\([^)]*[\"'][wax]b?\+?[\"']|\.open\([\"'][wax]|\.tofile\("
+    r"|\.savefig\((?!f\b)|shutil\.copy(file)?\("
+)
 #: The writes that are not to a folder a user can share: the kernel's own file
 ALLOWED = {("measure/__init__.py", 'Path("/proc/self/clear_refs").write_text("5")')}
 
@@ -23,8 +25,13 @@ ALLOWED = {("measure/__init__.py", 'Path("/proc/self/clear_refs").write_text("5"
 def test_runner_writes_no_file_but_through_runner_files():
     """Every write site in runner/ goes through ``runner.files`` (open_own, write_own, replace_own), which removes a
     link planted at the name instead of writing through it: a new write site that opens a path directly fails here."""
-    raw = {(str(p.relative_to(RUNNER)), line.strip()) for p in RUNNER.rglob("*.py") if p.name != "files.py"
-           for line in p.read_text().splitlines() if RAW_WRITE.search(line) and not line.lstrip().startswith("#")}
+    raw = {
+        (str(p.relative_to(RUNNER)), line.strip())
+        for p in RUNNER.rglob("*.py")
+        if p.name != "files.py"
+        for line in p.read_text().splitlines()
+        if RAW_WRITE.search(line) and not line.lstrip().startswith("#")
+    }
     assert raw - ALLOWED == set(), sorted(raw - ALLOWED)
 
 
@@ -38,8 +45,15 @@ def test_links_planted_at_a_job_s_write_sites_leave_their_targets_unchanged(tmp_
     text = make_tiny_text(tmp_path / "tiny.txt")
     common = [*TINY_LOOP, *TINY_GPT, f"data.path={text}", "logger=csv", "checkpoint.every_steps=2"]
     run_tiny(job, *common)
-    sites = ["metrics.jsonl", "metrics.jsonl.tmp", "metrics.csv.tmp", "vocab.json", "vocab.json.tmp", "samples.txt",
-             "restarts.json.tmp"]
+    sites = [
+        "metrics.jsonl",
+        "metrics.jsonl.tmp",
+        "metrics.csv.tmp",
+        "vocab.json",
+        "vocab.json.tmp",
+        "samples.txt",
+        "restarts.json.tmp",
+    ]
     for name in sites:
         (job / name).unlink(missing_ok=True)
         (job / name).symlink_to(victim)
@@ -61,8 +75,15 @@ def test_links_planted_at_a_job_s_folders_leave_their_targets_unchanged(tmp_path
     job.mkdir()
     for name in ("checkpoints", "best", "tensorboard"):
         (job / name).symlink_to(victim, target_is_directory=True)
-    summary = run_tiny(job, *TINY_LOOP, "checkpoint.every_steps=2", "checkpoint.keep_last=1",
-                       "checkpoint.keep_best=true", "trainer.eval_every=2", "logger=tensorboard")
+    summary = run_tiny(
+        job,
+        *TINY_LOOP,
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=1",
+        "checkpoint.keep_best=true",
+        "trainer.eval_every=2",
+        "logger=tensorboard",
+    )
     assert summary["steps"] == 4
     assert sorted(p.name for p in victim.rglob("*")) == ["data", "step_00000001"]
     for name in ("checkpoints", "best", "tensorboard"):
@@ -260,8 +281,15 @@ def test_a_sweep_report_on_a_full_disk_is_one_error_line_naming_the_command_that
 
     monkeypatch.setattr(end, "write_plain_report", full)
     sweep = tmp_path / "sweep"
-    proc = run_here("-m", *TINY, "trainer.max_steps=2", "trainer.doctor=false", "optimizer.lr=0.01,0.02",
-                    f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = run_here(
+        "-m",
+        *TINY,
+        "trainer.max_steps=2",
+        "trainer.doctor=false",
+        "optimizer.lr=0.01,0.02",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     line = _one_error_line(proc)
     assert line.startswith(f"error: disk full: could not write the sweep report in {sweep}")
     assert line.endswith(f"python -m runner.report {sweep}")

@@ -64,8 +64,9 @@ def test_fp8_on_a_cpu_without_native_bf16_trains_fp32(monkeypatch):
 
 def test_the_skip_reason_names_what_is_missing(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "torchao" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real_find_spec(name, *a)
+    )
     assert "torchao is not installed" in precision.fp8_unavailable(CPU)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -138,7 +139,8 @@ def test_convert_fp8_swaps_the_chosen_layers_and_measures_mfu_against_the_fp8_pe
     assert set(details["converted_layers"]) == block_layers(2, "attn.c_attn", "mlp.c_fc")
     assert details["converted"] == 4 and details["kept_bf16"] == 5  # 2 x (2 projections) + the head
     assert {name for name, m in gpt.named_modules() if type(m).__name__ == "Float8Linear"} == block_layers(
-        2, "attn.c_attn", "mlp.c_fc")
+        2, "attn.c_attn", "mlp.c_fc"
+    )
     small = GPT(64, block_size=16, n_layer=1, n_head=2, n_embd=64)
     amp = precision.Precision(lambda: None, None, torch.bfloat16, {}, fp8_recipe="rowwise")
     status, details = precision.convert_fp8(small, amp)

@@ -22,8 +22,14 @@ def dry_run(tmp_path, parts: list[str], steps: list[str], timeout: float, **env:
     """``DRY=1 bash scripts/gpu_check.sh PARTS``: asserts that exactly ``steps`` ran, each with status 0; returns the
     output folder and the names in its logs.tgz."""
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", *parts], cwd=REPO_ROOT, capture_output=True, text=True,
-                          env=os.environ | {"DRY": "1", "OUT": str(out), **env}, timeout=timeout)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", *parts],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=os.environ | {"DRY": "1", "OUT": str(out), **env},
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     status = dict(re.findall(r"^== (\w+): rc=(\d+)", proc.stdout, re.M))
     assert status == dict.fromkeys(steps, "0"), proc.stdout[-4000:]
@@ -37,8 +43,14 @@ def test_gpu_agenda_dry_run(tmp_path):
     corpus.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9)) for i in range(4000)))
     # (tune_r18 is the same tuner command as tune_gpt on another model: left out of CI, a minute of two busy cores;
     # aa_gpt's two compile modes are one on a CPU: compile off there)
-    out, names = dry_run(tmp_path, ["tune_gpt", "aa_gpt", "race"], ["tune_gpt", "aa_gpt", "race"], 900,
-                         GPT_TEXT=str(corpus), NANOGPT=str(tmp_path / "none"))
+    out, names = dry_run(
+        tmp_path,
+        ["tune_gpt", "aa_gpt", "race"],
+        ["tune_gpt", "aa_gpt", "race"],
+        900,
+        GPT_TEXT=str(corpus),
+        NANOGPT=str(tmp_path / "none"),
+    )
     with tarfile.open(out / "logs.tgz") as tar:
         assert "runs/tune_gpt/experiment/tuned.yaml" not in names  # no round fits the budget: no change, no preset
         assert "runs/tune_gpt/speed.md" in names
@@ -73,8 +85,9 @@ def test_gpu_agenda_lm_tips_dry_run(tmp_path):
     out, names = dry_run(tmp_path, ["lm_tips"], ["lm_memory", "lm_loss"], 900)
     assert "runs/lm_memory/report.md" in names and "runs/lm_loss/report.md" in names
     with tarfile.open(out / "logs.tgz") as tar:
-        summaries = [json.load(tar.extractfile(n)) for n in names if n.startswith("runs/lm_") and
-                     n.endswith("summary.json")]
+        summaries = [
+            json.load(tar.extractfile(n)) for n in names if n.startswith("runs/lm_") and n.endswith("summary.json")
+        ]
     applied = {t for s in summaries for t, v in s["techniques"].items() if v == "applied"}
     assert {"selective_checkpointing", "activation_checkpointing"} <= applied
     assert {s["config"]["task"]["loss"] for s in summaries} == {"full", "chunked"}
@@ -87,7 +100,10 @@ def test_gpu_agenda_compression_dry_run(tmp_path):
     out, names = dry_run(tmp_path, ["compression"], ["int8", "sparse24"], 600)
     assert "runs/int8/report.md" in names and "runs/sparse24/report.md" in names
     with tarfile.open(out / "logs.tgz") as tar:  # each sweep's candidate, job 1
-        techniques = {n.split("/")[1]: json.load(tar.extractfile(n))["techniques"] for n in names
-                      if n in ("runs/int8/1/summary.json", "runs/sparse24/1/summary.json")}
+        techniques = {
+            n.split("/")[1]: json.load(tar.extractfile(n))["techniques"]
+            for n in names
+            if n in ("runs/int8/1/summary.json", "runs/sparse24/1/summary.json")
+        }
     assert techniques["int8"]["int8"] == "applied"
     assert techniques["sparse24"]["sparse24"].startswith("skipped: 2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU")

@@ -91,10 +91,11 @@ def test_activation_checkpointing_recomputes_the_hf_blocks(tiny_text, tmp_path, 
     s = run_hf(tmp_path, tiny_text, "memory=checkpointing", "precision=bf16")
     assert s["techniques"]["activation_checkpointing"] == "applied" and s["techniques"]["bf16"] == "applied"
     assert {k: v for k, v in s["technique_details"].items() if k != "host_allocator"} == {
-        "checkpointed_blocks": ["GPT2Block"], "checkpointed_modules": 2}
+        "checkpointed_blocks": ["GPT2Block"],
+        "checkpointed_modules": 2,
+    }
     blocks = list(spy.model.transformer.h)
-    assert all(isinstance(b, CheckpointWrapper) and isinstance(b._checkpoint_wrapped_module, GPT2Block)
-               for b in blocks)
+    assert all(isinstance(b, CheckpointWrapper) and isinstance(b._checkpoint_wrapped_module, GPT2Block) for b in blocks)
     # per block: 1 forward counting FLOPs (before wrapping), then each of the 4 steps runs it twice: once in
     # forward, once again in backward (the recomputation)
     assert len(calls) == 2 * (1 + 2 * 4)
@@ -119,21 +120,24 @@ def test_sampling_follows_the_model_s_logits():
     out = gpt.generate(model, prompt, 12, top_k=1, context=8)  # greedy: the argmax of each step's logits
     assert out.shape == (1, 15) and torch.equal(out[:, :3], prompt)
     for t in range(3, 15):
-        window = out[:, max(0, t - 8):t]
+        window = out[:, max(0, t - 8) : t]
         assert out[0, t] == model(window).logits[0, -1].argmax()
 
 
 # ------------------------------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["model.model_type=gpt3"], ["model.model_type='gpt3'", "gpt2", "llama", "not a causal language model type"]),
-    (["model.model_type=vit"], ["model.model_type='vit'", "not a causal language model type"]),
-    (["model.n_layr=2"], ["model.n_layr=2", "did you mean model.n_layer?", "GPT2Config"]),
-    (["model.n_head=3"], ["model=hf_causal_lm could not build a gpt2 model", "model.n_head=3"]),
-    (["model.block_size=8"], ["data.block_size=16", "GPT2Config.max_position_embeddings=8"]),
-    (["model.vocab_size=50"], ["model.vocab_size=50 cannot be set", "follows the data"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["model.model_type=gpt3"], ["model.model_type='gpt3'", "gpt2", "llama", "not a causal language model type"]),
+        (["model.model_type=vit"], ["model.model_type='vit'", "not a causal language model type"]),
+        (["model.n_layr=2"], ["model.n_layr=2", "did you mean model.n_layer?", "GPT2Config"]),
+        (["model.n_head=3"], ["model=hf_causal_lm could not build a gpt2 model", "model.n_head=3"]),
+        (["model.block_size=8"], ["data.block_size=16", "GPT2Config.max_position_embeddings=8"]),
+        (["model.vocab_size=50"], ["model.vocab_size=50 cannot be set", "follows the data"]),
+    ],
+)
 def test_bad_hf_settings_are_one_config_error(tiny_text, tmp_path, overrides, words):
     with pytest.raises(ConfigError) as caught:
         run_hf(tmp_path, tiny_text, *overrides)

@@ -75,18 +75,30 @@ def _drifting_record(effect: float, drift: float, passes: int, seed: int = 0) ->
     ``A``, ``A'`` is A itself."""
     rng = random.Random(seed)
     members = {"A": ["A'", "B"]}
-    jobs = {"A": {"reference": None, "group": None, "status": "measured"},
-            "A'": {"reference": "A", "group": 1, "status": "measured"},
-            "B": {"reference": "A", "group": 1, "status": "measured"}}
+    jobs = {
+        "A": {"reference": None, "group": None, "status": "measured"},
+        "A'": {"reference": "A", "group": 1, "status": "measured"},
+        "B": {"reference": "A", "group": 1, "status": "measured"},
+    }
     phase, slices, t = rng.uniform(0, 2 * math.pi), [], 0
     for p in range(passes):
         for i, slot in enumerate(pass_order(members, p, "abba", rng)):
             t += 1
             speed = 1 + drift * math.sin(2 * math.pi * t / 40 + phase)
             true = 100 * speed * (effect if slot.job == "B" else 1.0)
-            slices.append({"group": 1, "pass": p, "position": i, "job": slot.job, "pairs_with": slot.pairs_with,
-                           "steps": 10, "seconds": 1.0, "samples_per_sec": true * math.exp(rng.gauss(0, 0.01)),
-                           "time": t})
+            slices.append(
+                {
+                    "group": 1,
+                    "pass": p,
+                    "position": i,
+                    "job": slot.job,
+                    "pairs_with": slot.pairs_with,
+                    "steps": 10,
+                    "seconds": 1.0,
+                    "samples_per_sec": true * math.exp(rng.gauss(0, 0.01)),
+                    "time": t,
+                }
+            )
     return {"reference": "A", "aa": "A'", "settings": {"confidence": 0.95}, "jobs": jobs, "slices": slices}
 
 
@@ -139,8 +151,7 @@ def _biased_record(effect: float, bias_sd: float, processes: int, passes: int = 
     for config, ref in (("A", None), ("A'", "A"), ("B", "A")):
         for p in range(processes):
             name = config if p == 0 else f"{config}-p{p}"
-            jobs[name] = {"config": config, "reference": ref, "group": None if ref is None else 1,
-                          "status": "measured"}
+            jobs[name] = {"config": config, "reference": ref, "group": None if ref is None else 1, "status": "measured"}
             bias[name] = math.exp(rng.gauss(0, bias_sd))
     phase, slices, t = rng.uniform(0, 2 * math.pi), [], 0
     for p in range(passes):
@@ -150,10 +161,26 @@ def _biased_record(effect: float, bias_sd: float, processes: int, passes: int = 
             t += 1
             speed = 100 * (1 + 0.15 * math.sin(2 * math.pi * t / 40 + phase)) * bias[name]
             speed *= effect if jobs[name]["config"] == "B" else 1.0
-            slices.append({"group": 1, "pass": p, "position": i, "job": name, "pairs_with": None, "steps": 10,
-                           "seconds": 1.0, "samples_per_sec": speed * math.exp(rng.gauss(0, 0.01)), "time": t})
-    return {"reference": "A", "aa": "A'", "settings": {"confidence": 0.95, "processes": processes}, "jobs": jobs,
-            "slices": slices}
+            slices.append(
+                {
+                    "group": 1,
+                    "pass": p,
+                    "position": i,
+                    "job": name,
+                    "pairs_with": None,
+                    "steps": 10,
+                    "seconds": 1.0,
+                    "samples_per_sec": speed * math.exp(rng.gauss(0, 0.01)),
+                    "time": t,
+                }
+            )
+    return {
+        "reference": "A",
+        "aa": "A'",
+        "settings": {"confidence": 0.95, "processes": processes},
+        "jobs": jobs,
+        "slices": slices,
+    }
 
 
 def test_with_one_process_per_configuration_a_process_bias_is_called_an_effect():
@@ -187,11 +214,18 @@ def test_several_processes_per_configuration_carry_the_process_bias_into_the_int
 def test_process_means_remove_the_drift_of_each_pass():
     """Two processes of one configuration, the machine twice as fast in the second pass: each process's figure
     is its speed relative to the reference's processes in the same pass, so the drift is gone."""
-    jobs = {"A": {"config": "A", "reference": None}, "A-p1": {"config": "A", "reference": None},
-            "B": {"config": "B", "reference": "A"}, "B-p1": {"config": "B", "reference": "A"}}
+    jobs = {
+        "A": {"config": "A", "reference": None},
+        "A-p1": {"config": "A", "reference": None},
+        "B": {"config": "B", "reference": "A"},
+        "B-p1": {"config": "B", "reference": "A"},
+    }
     speeds = {0: {"A": 100, "A-p1": 100, "B": 110, "B-p1": 121}, 1: {"A": 200, "A-p1": 200, "B": 220, "B-p1": 242}}
-    slices = [{"group": 1, "pass": p, "position": i, "job": j, "samples_per_sec": v}
-              for p, row in speeds.items() for i, (j, v) in enumerate(row.items())]
+    slices = [
+        {"group": 1, "pass": p, "position": i, "job": j, "samples_per_sec": v}
+        for p, row in speeds.items()
+        for i, (j, v) in enumerate(row.items())
+    ]
     means = record.process_means({"reference": "A", "jobs": jobs, "slices": slices})
     assert means["A"] == pytest.approx(0) and means["B"] == pytest.approx(math.log(1.1))
     assert means["B-p1"] == pytest.approx(math.log(1.21))
@@ -205,9 +239,18 @@ def test_the_processes_of_one_configuration_start_spread_over_the_start_up(tmp_p
     every configuration (the reference's first), then the second of each, and so on."""
     from runner.compare import Job, admission
 
-    jobs = [Job(name, None, tmp_path / name, ref, config=config) for name, ref, config in [
-        ("B", "A", "B"), ("B-p1", "A", "B"), ("A", None, "A"), ("A-p1", None, "A"), ("A'", "A", "A'"),
-        ("A'-p1", "A", "A'"), ("C", "A", "C")]]
+    jobs = [
+        Job(name, None, tmp_path / name, ref, config=config)
+        for name, ref, config in [
+            ("B", "A", "B"),
+            ("B-p1", "A", "B"),
+            ("A", None, "A"),
+            ("A-p1", None, "A"),
+            ("A'", "A", "A'"),
+            ("A'-p1", "A", "A'"),
+            ("C", "A", "C"),
+        ]
+    ]
     assert [j.name for j in admission.start_order(jobs, "A")] == ["A", "B", "A'", "C", "A-p1", "B-p1", "A'-p1"]
 
 
@@ -223,18 +266,26 @@ def test_admission_keeps_room_for_the_references_still_to_start(tmp_path):
     from runner.compare import Job, admission
     from runner.compare.conductor import Conductor
 
-    jobs = [Job(name, None, tmp_path / name, None if config == "A" else "A", config=config)
-            for config in "ABC" for name in (config, f"{config}-p1", f"{config}-p2")]
-    conductor = Conductor(jobs, OmegaConf.create({"seed": 0, "slice_steps": 2, "memory_margin": 1.5,
-                                                  "max_resident": None}), tmp_path, "A", None)
+    jobs = [
+        Job(name, None, tmp_path / name, None if config == "A" else "A", config=config)
+        for config in "ABC"
+        for name in (config, f"{config}-p1", f"{config}-p2")
+    ]
+    conductor = Conductor(
+        jobs,
+        OmegaConf.create({"seed": 0, "slice_steps": 2, "memory_margin": 1.5, "max_resident": None}),
+        tmp_path,
+        "A",
+        None,
+    )
     started: list[str] = []
 
     def starter(job):
         def start():
             started.append(job.name)
-            job.status, job.report = "resident", {"footprint_mb": 1000.0,
-                                                  "available_mb": 5800.0 - 1000 * len(started)}
+            job.status, job.report = "resident", {"footprint_mb": 1000.0, "available_mb": 5800.0 - 1000 * len(started)}
             return True
+
         return start
 
     for job in jobs:
@@ -272,24 +323,49 @@ def test_a_leave_one_out_rows_note_and_margin_read_the_way_the_row_shows_it():
     is that interval's."""
     from runner.report.load import Job, Row
 
-    means = {"baseline": (0.0, 0.0), "fast": (math.log(2) + 0.02, math.log(2) - 0.02),
-             "fast-channels_last": (math.log(2) - 0.05, math.log(2) - 0.09),
-             **{f"baseline+{k}": (0.02, -0.02) for k in "abcde"}}  # five leave-one-in rows of no effect
+    means = {
+        "baseline": (0.0, 0.0),
+        "fast": (math.log(2) + 0.02, math.log(2) - 0.02),
+        "fast-channels_last": (math.log(2) - 0.05, math.log(2) - 0.09),
+        **{f"baseline+{k}": (0.02, -0.02) for k in "abcde"},
+    }  # five leave-one-in rows of no effect
     reference = {"baseline": None, "fast-channels_last": "fast/r0"}
     jobs, slices = {}, []
     for config, values in means.items():
         for i, m in enumerate(values):
-            jobs[f"{config}/r{i}"] = {"config": f"{config}/r0", "reference": reference.get(config, "baseline/r0"),
-                                      "status": "measured"}
-            slices.append({"group": 1, "pass": 0, "position": len(slices), "job": f"{config}/r{i}",
-                           "samples_per_sec": 100 * math.exp(m)})
-    r = {"reference": "baseline/r0", "aa": None, "settings": {"confidence": 0.95, "processes": 2}, "jobs": jobs,
-         "slices": slices}
+            jobs[f"{config}/r{i}"] = {
+                "config": f"{config}/r0",
+                "reference": reference.get(config, "baseline/r0"),
+                "status": "measured",
+            }
+            slices.append(
+                {
+                    "group": 1,
+                    "pass": 0,
+                    "position": len(slices),
+                    "job": f"{config}/r{i}",
+                    "samples_per_sec": 100 * math.exp(m),
+                }
+            )
+    r = {
+        "reference": "baseline/r0",
+        "aa": None,
+        "settings": {"confidence": 0.95, "processes": 2},
+        "jobs": jobs,
+        "slices": slices,
+    }
     own = record.compare(r)["fast-channels_last/r0"]
     assert own.high < 1 and 0.0083 < own.p_value < 0.05  # apart from 1 alone; Holm's step needs 0.05 / 6
     kinds = {"baseline": "baseline", "fast": "fast", "fast-channels_last": "leave-one-out"}
-    rows = [Row(c, kinds.get(c, "leave-one-in"), None if c in ("baseline", "fast") else c.split("+")[-1].split("-")[-1],
-                jobs=[Job(c, 0, Path(f"{c}/r0"))]) for c in means]
+    rows = [
+        Row(
+            c,
+            kinds.get(c, "leave-one-in"),
+            None if c in ("baseline", "fast") else c.split("+")[-1].split("-")[-1],
+            jobs=[Job(c, 0, Path(f"{c}/r0"))],
+        )
+        for c in means
+    ]
     paired.apply_to_rows(rows, r)
     row = next(x for x in rows if x.configuration == "fast-channels_last")
     assert 1 < row.effect_ci.low < row.effect < row.effect_ci.high
@@ -299,16 +375,35 @@ def test_a_leave_one_out_rows_note_and_margin_read_the_way_the_row_shows_it():
 
 # ------------------------------------------------------------------------------------------- real sweeps
 SWEEP = [o for o in TINY if not o.startswith("trainer.max_steps")] + [
-    "trainer.max_steps=2000", "interleave.slice_steps=2", "interleave.min_passes=2", "interleave.max_passes=3"]
+    "trainer.max_steps=2000",
+    "interleave.slice_steps=2",
+    "interleave.min_passes=2",
+    "interleave.max_passes=3",
+]
 
 
 def _sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     env = env or {**os.environ, "WANDB_MODE": "disabled"}
     if not any(o.startswith("interleave.processes=") for o in overrides):
         overrides = (*overrides, "interleave.processes=1")  # one process per configuration unless a test says
-    return subprocess.Popen([sys.executable, "-m", "runner", "-m", "hydra/launcher=interleaved", *SWEEP, *overrides,
-                             f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "-m",
+            "hydra/launcher=interleaved",
+            *SWEEP,
+            *overrides,
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kwargs,
+    )
 
 
 def _cpu_s(pid: int) -> float:
@@ -322,8 +417,9 @@ def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     beside the reference; lr=1e30 diverges and is reported while the others finish and are compared. The failed
     job's output (its traceback) goes to its own job.log, the console gets one line for it, and the sweep's exit
     status is 1, after its report."""
-    proc = _sweep(tmp_path, "optimizer.lr=0.01,0.02,1e30", "interleave.max_resident=3", "trainer.log_every=1",
-                  "trainer.seed=0")
+    proc = _sweep(
+        tmp_path, "optimizer.lr=0.01,0.02,1e30", "interleave.max_resident=3", "trainer.log_every=1", "trainer.seed=0"
+    )
     sweep = tmp_path / "sweep"
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 1, out
@@ -377,16 +473,32 @@ def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tm
     the report's row carries the comparison between processes."""
     env = {**os.environ, "WANDB_MODE": "disabled"}
     tiny = [o for o in SWEEP if not o.startswith("dataloader.batch_size")]
-    proc = subprocess.run([sys.executable, "-m", "runner", "-m", "+experiment=ablation",
-                           "ablation/variant=baseline,baseline+set_to_none", "optimizer.base_batch_size=16", *tiny,
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env,
-                          text=True, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "-m",
+            "+experiment=ablation",
+            "ablation/variant=baseline,baseline+set_to_none",
+            "optimizer.base_batch_size=16",
+            *tiny,
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sweep = tmp_path / "sweep"
     r = record.load(sweep)
-    assert record.configs(r) == {"baseline/r0": ["baseline/r0", "baseline/r1"],
-                                 "baseline+set_to_none/r0": ["baseline+set_to_none/r0", "baseline+set_to_none/r1"],
-                                 "baseline/r2": ["baseline/r2", "baseline/r3"]}
+    assert record.configs(r) == {
+        "baseline/r0": ["baseline/r0", "baseline/r1"],
+        "baseline+set_to_none/r0": ["baseline+set_to_none/r0", "baseline+set_to_none/r1"],
+        "baseline/r2": ["baseline/r2", "baseline/r3"],
+    }
     assert r["aa"] == "baseline/r2" and record.replicated(r)
     rows = {row["configuration"]: row for row in csv.DictReader((sweep / "report.csv").open())}
     row = rows["baseline+set_to_none"]
@@ -395,8 +507,11 @@ def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tm
     md = (sweep / "report.md").read_text()
     assert "2 resident processes per configuration" in md
     # how the sweep measured is its own section, before the ranked table (not inside its heading)
-    assert md.index("## How this sweep was measured") < md.index("## Configurations ranked by speed-up") \
+    assert (
+        md.index("## How this sweep was measured")
+        < md.index("## Configurations ranked by speed-up")
         < md.index("| rank | configuration |")
+    )
     # --replication reads the other sweep's interleaved figures too (it once read its bootstrap over repeats)
     from runner.report.write import write_report
 
@@ -412,19 +527,27 @@ def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tm
         (sweep / name / "summary.json").unlink()
     write_report(sweep, use_wandb=False)
     after = {row["configuration"]: row for row in csv.DictReader((sweep / "report.csv").open())}
-    assert [after["baseline+set_to_none"][k] for k in ("speedup", "speedup_ci_low", "speedup_ci_high", "verdict")] \
-        == [before[k] for k in ("speedup", "speedup_ci_low", "speedup_ci_high", "verdict")]
+    assert [after["baseline+set_to_none"][k] for k in ("speedup", "speedup_ci_low", "speedup_ci_high", "verdict")] == [
+        before[k] for k in ("speedup", "speedup_ci_low", "speedup_ci_high", "verdict")
+    ]
     slices = [s for s in r["slices"] if s["job"] == "baseline+set_to_none/r0"]
-    assert float(next(x for x in csv.DictReader((sweep / "jobs.csv").open())
-                      if x["folder"] == "baseline+set_to_none/r0")
-                 ["samples_per_sec"]) == pytest.approx(
-        sum(s["samples_per_sec"] * s["seconds"] for s in slices) / sum(s["seconds"] for s in slices), rel=1e-3)
+    assert float(
+        next(x for x in csv.DictReader((sweep / "jobs.csv").open()) if x["folder"] == "baseline+set_to_none/r0")[
+            "samples_per_sec"
+        ]
+    ) == pytest.approx(
+        sum(s["samples_per_sec"] * s["seconds"] for s in slices) / sum(s["seconds"] for s in slices), rel=1e-3
+    )
     assert "2 job(s) were killed before they wrote summary.json" in (sweep / "report.md").read_text()
 
 
-@pytest.mark.parametrize("settings, message", [
-    (["interleave.processes=0"], "interleave.processes=0"),
-    (["interleave.processes=3", "interleave.order=abba"], "interleave.order=abba")])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["interleave.processes=0"], "interleave.processes=0"),
+        (["interleave.processes=3", "interleave.order=abba"], "interleave.order=abba"),
+    ],
+)
 def test_bad_process_settings_are_refused_before_any_job(tmp_path, settings, message):
     proc = _sweep(tmp_path, "trainer.seed=0,1", *settings)
     out = proc.communicate(timeout=120)[0]
@@ -478,8 +601,14 @@ def test_a_job_knows_its_comparison_so_the_gpu_check_leaves_the_paused_jobs_out(
     from runner.measure import hardware
 
     note = tmp_path / "root.txt"
-    cfg = compose_cfg("data=custom", "data._target_=user_data.tabular_noting_environment", f"+data.note={note}",
-                      f"+data.variable={hardware.SWEEP_ROOT_ENV}", "model=mlp", "trainer.max_steps=100")
+    cfg = compose_cfg(
+        "data=custom",
+        "data._target_=user_data.tabular_noting_environment",
+        f"+data.note={note}",
+        f"+data.variable={hardware.SWEEP_ROOT_ENV}",
+        "model=mlp",
+        "trainer.max_steps=100",
+    )
     OmegaConf.resolve(cfg)
     job = Job("a", cfg, tmp_path / "a", None)
     job.folder.mkdir()
@@ -497,12 +626,14 @@ def test_a_job_knows_its_comparison_so_the_gpu_check_leaves_the_paused_jobs_out(
         stranger.kill()
         stranger.wait()
 
+
 @pytest.mark.slow  # 26 s on 2 cores
 def test_ctrl_c_stops_after_the_slice_and_leaves_a_report(tmp_path):
     """A terminal's Ctrl-C: the sweep stops after the current slice, kills its jobs instead of finishing each
     (no final evaluation: that took minutes for a big sweep), writes its report from the slices and exits 130."""
-    proc = _sweep(tmp_path, "trainer.seed=0,1", "interleave.max_passes=200", "interleave.min_passes=200",
-                  start_new_session=True)
+    proc = _sweep(
+        tmp_path, "trainer.seed=0,1", "interleave.max_passes=200", "interleave.min_passes=200", start_new_session=True
+    )
     sweep = tmp_path / "sweep"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -604,8 +735,13 @@ def test_plan_runs_every_configuration_in_its_processes_beside_the_references_co
     jobs, aa = compare.plan({"mine": None, "fast": None}, "mine", tmp_path, processes=2)
     assert aa == "mine-aa"
     assert [(j.name, j.config, j.reference) for j in jobs] == [
-        ("mine", "mine", None), ("mine-p1", "mine", None), ("mine-aa", "mine-aa", "mine"),
-        ("mine-aa-p1", "mine-aa", "mine"), ("fast", "fast", "mine"), ("fast-p1", "fast", "mine")]
+        ("mine", "mine", None),
+        ("mine-p1", "mine", None),
+        ("mine-aa", "mine-aa", "mine"),
+        ("mine-aa-p1", "mine-aa", "mine"),
+        ("fast", "fast", "mine"),
+        ("fast-p1", "fast", "mine"),
+    ]
     assert all(j.folder == tmp_path / j.name for j in jobs)
     with pytest.raises(KeyError):
         compare.plan({"mine": None}, "theirs", tmp_path)
@@ -651,8 +787,19 @@ def test_the_measuring_budget_bounds_the_passes_to_one_slice(tmp_path, monkeypat
 
         job.slice = slice_
         job.resumed_slice = lambda steps, resume, job=job: {**job.slice(steps), "resume_steps": resume}
-    settings = OmegaConf.create({"seed": 0, "slice_steps": 2, "resume_steps": 0, "max_passes": 100, "min_passes": 100,
-                                 "order": "rmit", "target_ci": 0.0, "max_minutes": 1.0, "confidence": 0.95})
+    settings = OmegaConf.create(
+        {
+            "seed": 0,
+            "slice_steps": 2,
+            "resume_steps": 0,
+            "max_passes": 100,
+            "min_passes": 100,
+            "order": "rmit",
+            "target_ci": 0.0,
+            "max_minutes": 1.0,
+            "confidence": 0.95,
+        }
+    )
     c = conductor_mod.Conductor(jobs, settings, tmp_path, "R", None)
     c.write = lambda: None
     c._progress = lambda *args: None
@@ -682,8 +829,19 @@ def test_a_caller_whose_verdict_is_firm_stops_the_comparison_after_the_minimum_p
         asked.append(comparisons["a"])
         return "firm" if comparisons["a"] is not None and comparisons["a"].low > 1.5 else None
 
-    settings = OmegaConf.create({"seed": 0, "slice_steps": 2, "resume_steps": 0, "max_passes": 50, "min_passes": 3,
-                                 "order": "rmit", "target_ci": 0.0, "max_minutes": 10.0, "confidence": 0.95})
+    settings = OmegaConf.create(
+        {
+            "seed": 0,
+            "slice_steps": 2,
+            "resume_steps": 0,
+            "max_passes": 50,
+            "min_passes": 3,
+            "order": "rmit",
+            "target_ci": 0.0,
+            "max_minutes": 10.0,
+            "confidence": 0.95,
+        }
+    )
     c = conductor_mod.Conductor(jobs, settings, tmp_path, "R", None, enough=enough)
     c.write = lambda: None
     c._progress = lambda *args: None
@@ -708,8 +866,10 @@ def test_the_slice_is_calibrated_on_the_fastest_of_several_slices():
 
 
 #: Two cores' worth of background load that switches on and off: each process spins for 0.5 s, sleeps 0.5 s
-ON_AND_OFF = "import time\nwhile True:\n    end = time.time() + 0.5\n    while time.time() < end:\n        pass\n" \
-             "    time.sleep(0.5)\n"
+ON_AND_OFF = (
+    "import time\nwhile True:\n    end = time.time() + 0.5\n    while time.time() < end:\n        pass\n"
+    "    time.sleep(0.5)\n"
+)
 
 
 @pytest.mark.slow
@@ -723,12 +883,22 @@ def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_a
     from test_tune_speed import KNOWN_COST
 
     (tmp_path / "known_cost.py").write_text(KNOWN_COST)
-    env = {**os.environ, "WANDB_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
     load = [subprocess.Popen([sys.executable, "-c", ON_AND_OFF]) for _ in range(2)]
     try:
-        proc = _sweep(tmp_path, "model._target_=known_cost.Spin", "+model.ms=200,80", "interleave.slice_steps=3",
-                      "interleave.min_passes=8", "interleave.max_passes=8", env=env)
+        proc = _sweep(
+            tmp_path,
+            "model._target_=known_cost.Spin",
+            "+model.ms=200,80",
+            "interleave.slice_steps=3",
+            "interleave.min_passes=8",
+            "interleave.max_passes=8",
+            env=env,
+        )
         out = proc.communicate(timeout=600)[0]
     finally:
         for p in load:
@@ -769,10 +939,20 @@ def test_resident_jobs_end_with_their_conductor(tmp_path):
     from test_tune_speed import KNOWN_COST
 
     (tmp_path / "known_cost.py").write_text(KNOWN_COST)
-    env = {**os.environ, "WANDB_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    proc = _sweep(tmp_path, "model._target_=known_cost.Spin", "+model.ms=100", "trainer.seed=0,1",
-                  "interleave.slice_steps=1000", "interleave.resume_steps=0", env=env)
+    env = {
+        **os.environ,
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = _sweep(
+        tmp_path,
+        "model._target_=known_cost.Spin",
+        "+model.ms=100",
+        "trainer.seed=0,1",
+        "interleave.slice_steps=1000",
+        "interleave.resume_steps=0",
+        env=env,
+    )
     try:
         deadline = time.time() + 180
         while len(list((tmp_path / "sweep").glob("*/job.json"))) < 3 and time.time() < deadline:
@@ -798,10 +978,13 @@ def test_ctrl_c_while_the_jobs_start_stops_cleanly_with_a_report(tmp_path):
     ignores it (it was killed in its imports before, and the conductor died with two tracebacks), the conductor
     stops, and the report is written from what was measured."""
     proc = _sweep(tmp_path, "trainer.seed=0,1,2", "interleave.processes=2", start_new_session=True)
+
     def server_importing() -> bool:  # the job server has started and no job has been forked from it yet
         return not any((tmp_path / "sweep").glob("*/job.log")) and any(
-            b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes() for p in _descendants(proc.pid)
-            if Path(f"/proc/{p}/cmdline").exists())
+            b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()
+            for p in _descendants(proc.pid)
+            if Path(f"/proc/{p}/cmdline").exists()
+        )
 
     deadline = time.time() + 120
     while not server_importing() and time.time() < deadline:

@@ -32,13 +32,24 @@ from test_resume import JOB, _descendants, env, rows, run
 
 STEPS = ["trainer.max_steps=120", "checkpoint.every_steps=null"]
 #: a long evaluation (250 batches) after step 5, so a signal sent at step 5 lands inside it
-LONG_EVAL = ["data.eval_size=4000", "trainer.eval_max_batches=null", "trainer.eval_every=5",
-             "trainer.max_steps=10", "checkpoint.every_steps=null"]
+LONG_EVAL = [
+    "data.eval_size=4000",
+    "trainer.eval_max_batches=null",
+    "trainer.eval_every=5",
+    "trainer.max_steps=10",
+    "checkpoint.every_steps=null",
+]
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_row(proc: subprocess.Popen, cwd: Path, step: int, timeout: float = 240) -> Path:
@@ -105,8 +116,10 @@ def test_ctrl_c_then_the_same_command_continues_that_run_exactly(tmp_path):
     (path,) = ck.complete_checkpoints(folder / "checkpoints")
     step = ck.read_meta(path)["step"]
     again = run([sys.executable, "-m", "runner", *JOB, *STEPS], work)  # the same command
-    assert (f"resuming the interrupted run in {folder.relative_to(work)} (step {step}); checkpoint.resume=never "
-            f"starts fresh") in again.stdout.splitlines()
+    assert (
+        f"resuming the interrupted run in {folder.relative_to(work)} (step {step}); checkpoint.resume=never "
+        f"starts fresh"
+    ) in again.stdout.splitlines()
     assert f"resumed from {path}" in again.stdout
     assert len(list((work / "outputs").rglob("metrics.jsonl"))) == 1  # no second job folder
     assert_same_run(tmp_path / "straight", folder)
@@ -124,8 +137,9 @@ def test_the_same_command_continues_an_unfinished_run_and_resume_never_starts_fr
     (folder / "summary.json").unlink()
     again = run_cli(*job, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.splitlines()[0] == (f"resuming the interrupted run in {folder.relative_to(tmp_path)} (step 4); "
-                                            f"checkpoint.resume=never starts fresh")
+    assert again.stdout.splitlines()[0] == (
+        f"resuming the interrupted run in {folder.relative_to(tmp_path)} (step 4); checkpoint.resume=never starts fresh"
+    )
     assert job_dirs(tmp_path) == [folder] and (folder / "summary.json").is_file()
     (folder / "summary.json").unlink()
     time.sleep(1.1)  # a new folder gets a new name (hydra.run.dir's pattern has seconds)
@@ -152,10 +166,15 @@ def test_only_an_unfinished_free_run_of_the_same_config_and_world_is_continued(t
     changed = {**CONFIG, "optimizer": {"lr": 0.1}}
     longer = {**CONFIG, "trainer": {**CONFIG["trainer"], "max_steps": 80}}
     logs_more = {**CONFIG, "trainer": {**CONFIG["trainer"], "log_every": 1}}  # bookkeeping may change (MAY_CHANGE)
-    folders = [fake_run(tmp_path / "finished", CONFIG, finished=True), fake_run(tmp_path / "lr", changed),
-               fake_run(tmp_path / "longer", longer), fake_run(tmp_path / "ddp", CONFIG, world_size=2),
-               fake_run(tmp_path / "live", CONFIG), fake_run(tmp_path / "mine", logs_more, step=7),
-               fake_run(tmp_path / "older", CONFIG)]
+    folders = [
+        fake_run(tmp_path / "finished", CONFIG, finished=True),
+        fake_run(tmp_path / "lr", changed),
+        fake_run(tmp_path / "longer", longer),
+        fake_run(tmp_path / "ddp", CONFIG, world_size=2),
+        fake_run(tmp_path / "live", CONFIG),
+        fake_run(tmp_path / "mine", logs_more, step=7),
+        fake_run(tmp_path / "older", CONFIG),
+    ]
     live = os.open(tmp_path / "live" / jobdir.LOCK_FILE, os.O_RDWR | os.O_CREAT)
     fcntl.flock(live, fcntl.LOCK_EX)  # a run still training holds its folder: it is not interrupted
     try:
@@ -169,17 +188,29 @@ def test_only_an_unfinished_free_run_of_the_same_config_and_world_is_continued(t
 
 def test_the_newest_run_folders_of_the_pattern_are_looked_at_and_no_more(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    runs = ["outputs/2026-11-20/09-00-00", "outputs/2026-11-24/10-00-00", "outputs/2026-11-25/10-00-00",
-            "outputs/2026-11-25/11-00-00", "outputs/2026-11-26/08-00-00", "outputs/2026-11-26/09-00-00"]
+    runs = [
+        "outputs/2026-11-20/09-00-00",
+        "outputs/2026-11-24/10-00-00",
+        "outputs/2026-11-25/10-00-00",
+        "outputs/2026-11-25/11-00-00",
+        "outputs/2026-11-26/08-00-00",
+        "outputs/2026-11-26/09-00-00",
+    ]
     others = ["outputs/multirun/2026-11-26", "outputs/2026-11-26/notes", "outputs/2026-11-26/a-b-c"]  # not its names
     for rel in runs + others:
         Path(rel).mkdir(parents=True)
-    for i, rel in enumerate(runs + others + ["outputs/2026-11-20", "outputs/2026-11-24", "outputs/2026-11-25",
-                                             "outputs/2026-11-26", "outputs/multirun"]):
+    for i, rel in enumerate(
+        runs
+        + others
+        + ["outputs/2026-11-20", "outputs/2026-11-24", "outputs/2026-11-25", "outputs/2026-11-26", "outputs/multirun"]
+    ):
         os.utime(rel, (1_000_000 + i, 1_000_000 + i))  # modified in this order, the newest last
     pattern = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
     assert jobdir.recent_run_folders(pattern, parents=2, runs=3) == [
-        Path("outputs/2026-11-26/09-00-00"), Path("outputs/2026-11-26/08-00-00"), Path("outputs/2026-11-25/11-00-00")]
+        Path("outputs/2026-11-26/09-00-00"),
+        Path("outputs/2026-11-26/08-00-00"),
+        Path("outputs/2026-11-25/11-00-00"),
+    ]
     assert len(jobdir.recent_run_folders(pattern)) == 5  # the three newest dates of four, all their run folders
     assert jobdir.recent_run_folders("outputs/fixed") == []  # one folder: checkpoint.resume=auto's already
     assert jobdir.recent_run_folders("outputs/${oc.env:X,${now:%H}}") == []  # nested: not read here
@@ -213,15 +244,24 @@ def test_a_signal_to_one_rank_during_evaluation_stops_every_rank_at_one_batch(tm
     launcher = [sys.executable, "-m", "runner.torchrun", "--standalone", "--nproc-per-node=2", "-m", "runner"]
     run([*launcher, *job, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
     folder = tmp_path / "job"
-    proc = subprocess.Popen([*launcher, *job, f"hydra.run.dir={folder}"], cwd=tmp_path, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*launcher, *job, f"hydra.run.dir={folder}"],
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 240
     while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.02)
     time.sleep(0.3)  # inside the step-5 evaluation (125 batches per rank)
-    workers = {pid: Path(f"/proc/{pid}/environ").read_bytes() for pid in _descendants(proc.pid)
-               if " -m runner " in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") + " "}
+    workers = {
+        pid: Path(f"/proc/{pid}/environ").read_bytes()
+        for pid in _descendants(proc.pid)
+        if " -m runner " in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") + " "
+    }
     (rank1,) = [pid for pid, environ in workers.items() if b"\0RANK=1\0" in b"\0" + environ]
     os.kill(rank1, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -264,9 +304,20 @@ def slow():
 
 def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
     (tmp_path / "slow_data.py").write_text(SLOW_DATA)
-    job = ["data=custom", "data._target_=slow_data.slow", "model=mlp", "dataloader.batch_size=16",
-           "trainer.max_steps=40", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_max_batches=1",
-           "trainer.progress=off", "trainer.device=cpu", "logger=none", "checkpoint.every_steps=null"]
+    job = [
+        "data=custom",
+        "data._target_=slow_data.slow",
+        "model=mlp",
+        "dataloader.batch_size=16",
+        "trainer.max_steps=40",
+        "trainer.warmup_steps=1",
+        "trainer.log_every=1",
+        "trainer.eval_max_batches=1",
+        "trainer.progress=off",
+        "trainer.device=cpu",
+        "logger=none",
+        "checkpoint.every_steps=null",
+    ]
     proc = start(job, tmp_path)
     folder = wait_for_row(proc, tmp_path, 3)
     proc.send_signal(signal.SIGINT)  # the first asks for a checkpoint at the next step boundary, >= 0.8 s away
@@ -282,8 +333,10 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
 
 def test_the_resume_command_names_the_folder():
     argv = ["model=resnet18", "hydra.run.dir=outputs/x", "data.shape=[3,16,16]"]
-    assert resume_command(argv, Path("/j/a b")) == \
-        "python -m runner model=resnet18 'data.shape=[3,16,16]' 'hydra.run.dir=/j/a b'"
+    assert (
+        resume_command(argv, Path("/j/a b"))
+        == "python -m runner model=resnet18 'data.shape=[3,16,16]' 'hydra.run.dir=/j/a b'"
+    )
     sweep = resume_command(["-m", "optimizer.lr=0.1,0.2"], Path("/s/1"), sweep_dir=Path("/s"))
     assert sweep == "python -m runner -m optimizer.lr=0.1,0.2 hydra.sweep.dir=/s"
     assert resume_command([], Path("/j"), launcher="torchrun") == "the same torchrun command with hydra.run.dir=/j"
@@ -295,8 +348,9 @@ def test_an_interrupted_sweep_rerun_skips_finished_jobs_resumes_the_stopped_one_
     args = ["-m", *JOB, "trainer.max_steps=40", "trainer.seed=1,2,3", f"hydra.sweep.dir={sweep}"]
     proc = start(args, tmp_path)
     deadline = time.monotonic() + 240
-    while not ((sweep / "1" / "metrics.jsonl").exists()
-               and '"step": 5,' in (sweep / "1" / "metrics.jsonl").read_text()):
+    while not (
+        (sweep / "1" / "metrics.jsonl").exists() and '"step": 5,' in (sweep / "1" / "metrics.jsonl").read_text()
+    ):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)

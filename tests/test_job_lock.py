@@ -22,10 +22,20 @@ from runner.errors import ConfigError
 
 def start(*args: str, cwd: Path) -> subprocess.Popen:
     """``python -m runner <args>`` in the background, as conftest.run_cli runs it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
-           "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
-    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+        "WANDB_MODE": "offline",
+        "HYDRA_FULL_ERROR": "1",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
@@ -68,8 +78,14 @@ def test_a_lock_left_by_a_killed_run_does_not_block_the_rerun_that_resumes_it(tm
     """SIGKILL skips every clean-up; the kernel drops the lock with the process. Its DataLoader workers (forked,
     so holding a copy of the lock's descriptor) may outlive it for seconds: they close their copy when forked."""
     folder = tmp_path / "job"
-    common = [*TINY, "trainer.doctor=false", f"hydra.run.dir={folder}", "checkpoint.every_steps=2",
-              "dataloader.num_workers=2", "dataloader.persistent_workers=true"]
+    common = [
+        *TINY,
+        "trainer.doctor=false",
+        f"hydra.run.dir={folder}",
+        "checkpoint.every_steps=2",
+        "dataloader.num_workers=2",
+        "dataloader.persistent_workers=true",
+    ]
     first = start(*common, "trainer.max_steps=100000", cwd=tmp_path)
     try:
         wait_for(lambda: any((folder / "checkpoints").glob("step_*")), first, "a checkpoint")
@@ -85,11 +101,17 @@ def test_train_refuses_a_folder_another_process_holds(tmp_path):
     """Every train() call locks its folder (a multirun's jobs, forked ablation and doctor runs): here another
     process holds it, and the run stops before building anything."""
     folder = tmp_path / "job"
-    holder = subprocess.Popen([sys.executable, "-c", f"from runner.engine import jobdir; "
-                                                     f"jobdir.acquire({str(folder)!r}); print('held', flush=True); "
-                                                     f"input()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from runner.engine import jobdir; jobdir.acquire({str(folder)!r}); print('held', flush=True); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         from runner.engine.train import train

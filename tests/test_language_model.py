@@ -128,8 +128,10 @@ def test_the_chunked_loss_is_the_full_loss_and_never_holds_the_logits():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
     assert max(saved) < 64 * 257, max(saved)  # nothing the size of the logits is kept for the backward
     counts = []
-    for loss in (lambda: nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()),
-                 lambda: model(x, targets=y, chunk_tokens=24)):
+    for loss in (
+        lambda: nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()),
+        lambda: model(x, targets=y, chunk_tokens=24),
+    ):
         with FlopCounterMode(display=False) as counter:
             loss().backward()
         counts.append(counter.get_total_flops())
@@ -140,12 +142,20 @@ def test_the_chunked_loss_trains_the_gpt_and_refuses_what_it_cannot_act_on(tiny_
     """``task.loss=chunked`` trains runner's GPT as the full loss does (the same losses to float tolerance); a model
     whose forward returns its logits whole, a bad name and ``task.loss=liger`` on a CPU are one error each."""
     full = run_lm(tmp_path / "full", tiny_text, "trainer.max_steps=4", "trainer.log_every=1")
-    chunked = run_lm(tmp_path / "chunked", tiny_text, "trainer.max_steps=4", "trainer.log_every=1",
-                     "task.loss=chunked", "task.loss_chunk_tokens=50")
+    chunked = run_lm(
+        tmp_path / "chunked",
+        tiny_text,
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "task.loss=chunked",
+        "task.loss_chunk_tokens=50",
+    )
     assert chunked["train_loss"] == pytest.approx(full["train_loss"], rel=1e-5)
     assert chunked["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)
-    for bad, words in (("task.loss=liger", "on CUDA only; on this device use task.loss=chunked"),
-                       ("task.loss=sparse", "task.loss=sparse must be full, chunked or liger")):
+    for bad, words in (
+        ("task.loss=liger", "on CUDA only; on this device use task.loss=chunked"),
+        ("task.loss=sparse", "task.loss=sparse must be full, chunked or liger"),
+    ):
         with pytest.raises(ConfigError, match=words):
             run_lm(tmp_path / bad.split("=")[1], tiny_text, bad)
     task = task_mod.LanguageModel(loss="chunked")
@@ -157,8 +167,18 @@ def test_tokens_per_sec_and_mfu_count_every_micro_batch_of_an_accumulated_step(t
     """Users of other runners report MFU wrong under gradient accumulation (litgpt #403, Composer #271): here an
     optimizer step of 2 micro-batches counts both in samples/s, tokens/s and MFU, the FLOPs per sample do not change
     with the accumulation, and summary.json names the peak MFU divided by."""
-    runs = {k: run_lm(tmp_path / f"acc{k}", tiny_text, "dataloader.batch_size=4", f"memory.accumulate_steps={k}",
-                      "trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.peak_tflops=0.5") for k in (1, 2)}
+    runs = {
+        k: run_lm(
+            tmp_path / f"acc{k}",
+            tiny_text,
+            "dataloader.batch_size=4",
+            f"memory.accumulate_steps={k}",
+            "trainer.max_steps=6",
+            "trainer.warmup_steps=2",
+            "trainer.peak_tflops=0.5",
+        )
+        for k in (1, 2)
+    }
     for k, s in runs.items():
         assert (s["micro_batch_size"], s["global_batch_size"]) == (4, 4 * k)
         assert s["samples_per_sec"] * s["measured_time_s"] == pytest.approx(4 * k * s["measured_steps"])
@@ -219,9 +239,21 @@ def test_the_activation_memory_budget_needs_compile_and_is_reset_for_the_next_jo
     assert prepare.apply_memory_budget(None, "default") is None and functorch_config.activation_memory_budget == 1.0
 
 
-@pytest.mark.parametrize("obj", [gpt, GPT, text, text.OnDeviceWindows, task_mod.LanguageModel, gpt.generate, hf,
-                                 hf.causal_lm, parallel.repeated_blocks],
-                         ids=lambda o: o.__name__)
+@pytest.mark.parametrize(
+    "obj",
+    [
+        gpt,
+        GPT,
+        text,
+        text.OnDeviceWindows,
+        task_mod.LanguageModel,
+        gpt.generate,
+        hf,
+        hf.causal_lm,
+        parallel.repeated_blocks,
+    ],
+    ids=lambda o: o.__name__,
+)
 def test_docstrings_cite_their_sources(obj):
     assert "https://" in (obj.__doc__ or ""), obj
 
@@ -291,13 +323,16 @@ def test_host_and_device_paths_evaluate_the_same_fixed_windows(tiny_text):
     assert host.train_samples == windows and len(host.train) == len(device.train) == windows // 16
 
 
-@pytest.mark.parametrize("content,message", [
-    (None, "does not exist"),
-    (b"", "is empty"),
-    (b"caf\xe9 au lait\n" * 50, "is not UTF-8 text"),
-    (b"\x00\x01binary" * 100, "NUL bytes"),
-    (b"short text\n", "does not fit in the text"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "does not exist"),
+        (b"", "is empty"),
+        (b"caf\xe9 au lait\n" * 50, "is not UTF-8 text"),
+        (b"\x00\x01binary" * 100, "NUL bytes"),
+        (b"short text\n", "does not fit in the text"),
+    ],
+)
 def test_bad_text_is_one_config_error(tmp_path, content, message):
     path = tmp_path / "corpus.txt"
     if content is not None:
@@ -329,10 +364,13 @@ def test_a_language_model_needs_token_data(tmp_path):
         train(cfg, job_dir=tmp_path)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["trainer.target_accuracy=0.5"], "reports no eval_accuracy"),
-    (["task.sample_prompt=XYZ"], "task.sample_prompt"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.target_accuracy=0.5"], "reports no eval_accuracy"),
+        (["task.sample_prompt=XYZ"], "task.sample_prompt"),
+    ],
+)
 def test_task_and_data_must_match(tiny_text, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         run_lm(tmp_path, tiny_text, *overrides)
@@ -373,8 +411,15 @@ def test_sampling_feeds_a_model_that_declares_no_context_only_the_trained_window
     """A user's model with learned positions for 16 tokens and neither ``block_size`` nor a Hugging Face
     config: 20 tokens sampled after the prompt mean inputs of up to 21 tokens, which it cannot take.
     Sampling must crop them to data.block_size, the length it was trained on."""
-    cfg = compose_cfg("task=language_model", "data=text", f"data.path={tiny_text}", "data.block_size=16",
-                      "model._target_=user_data.FixedContextLM", "model.context=16", "task.sample_tokens=20")
+    cfg = compose_cfg(
+        "task=language_model",
+        "data=text",
+        f"data.path={tiny_text}",
+        "data.block_size=16",
+        "model._target_=user_data.FixedContextLM",
+        "model.context=16",
+        "task.sample_tokens=20",
+    )
     s = train(cfg, job_dir=tmp_path)
     sample = (tmp_path / "samples.txt").read_text()
     assert math.isfinite(s["train_loss"]) and len(sample) == 1 + 20 and sample[0] == "\n"
@@ -382,8 +427,15 @@ def test_sampling_feeds_a_model_that_declares_no_context_only_the_trained_window
 
 def test_target_loss_dates_the_first_evaluation_at_or_below_it(tiny_text, tmp_path, monkeypatch):
     losses = iter([3.0, 1.5, 1.4, 1.0])
-    monkeypatch.setattr(task_mod.LanguageModel, "evaluate", lambda self, *a, **k: {
-        "eval_loss": (v := next(losses)), "eval_perplexity": math.exp(v), "eval_bits_per_char": v / math.log(2)})
+    monkeypatch.setattr(
+        task_mod.LanguageModel,
+        "evaluate",
+        lambda self, *a, **k: {
+            "eval_loss": (v := next(losses)),
+            "eval_perplexity": math.exp(v),
+            "eval_bits_per_char": v / math.log(2),
+        },
+    )
     s = run_lm(tmp_path, tiny_text, "trainer.eval_every=1", "trainer.target_loss=1.47")
     evals = [r for r in metrics_rows(tmp_path) if "eval_loss" in r]
     assert [r["eval_loss"] for r in evals] == [3.0, 1.5, 1.4, 1.0]
@@ -391,8 +443,9 @@ def test_target_loss_dates_the_first_evaluation_at_or_below_it(tiny_text, tmp_pa
 
 
 def test_the_loss_falls_on_real_text(tiny_text, tmp_path):
-    s = run_lm(tmp_path, tiny_text, "optimizer=adamw", "trainer.max_steps=60", "trainer.log_every=10",
-               "trainer.eval_every=60")
+    s = run_lm(
+        tmp_path, tiny_text, "optimizer=adamw", "trainer.max_steps=60", "trainer.log_every=10", "trainer.eval_every=60"
+    )
     losses = [r["loss"] for r in metrics_rows(tmp_path) if "loss" in r]
     assert losses[0] > 3.0 and s["eval_loss"] < 2.6  # from ~ln(30) = 3.4 towards the text's statistics
 
@@ -401,8 +454,15 @@ def test_the_loss_falls_on_real_text(tiny_text, tmp_path):
 
 
 def test_image_only_techniques_are_recorded_as_skipped(tiny_text, tmp_path, spy):
-    s = run_lm(tmp_path, tiny_text, "channels_last=true", "cudnn_benchmark=true", "model.drop_bias_before_bn=true",
-               "data.normalize=true", "data.augment=true")
+    s = run_lm(
+        tmp_path,
+        tiny_text,
+        "channels_last=true",
+        "cudnn_benchmark=true",
+        "model.drop_bias_before_bn=true",
+        "data.normalize=true",
+        "data.augment=true",
+    )
     for key in ("channels_last", "cudnn_benchmark", "drop_bias_before_bn", "normalize", "augment"):
         assert s["techniques"][key].startswith("skipped: ") and "image technique" in s["techniques"][key], key
     assert torch.backends.cudnn.benchmark is False
@@ -518,8 +578,15 @@ def test_data_parallel_gpt_over_two_processes(tmp_path, name):
 
     root = make_root(tmp_path)
     corpus = make_tiny_text(tmp_path / "input.txt")
-    proc = torchrun(f"distributed={name}", *TINY_LOOP, *TINY_GPT, f"data.path={corpus}", "precision=bf16",
-                    "memory=checkpointing", cwd=root)
+    proc = torchrun(
+        f"distributed={name}",
+        *TINY_LOOP,
+        *TINY_GPT,
+        f"data.path={corpus}",
+        "precision=bf16",
+        "memory=checkpointing",
+        cwd=root,
+    )
     s = only_job(root, proc)
     assert s["techniques"][name] == "applied" and s["world_size"] == 2
     assert s["techniques"]["activation_checkpointing"] == "applied"
@@ -538,10 +605,24 @@ def test_data_parallel_gpt_over_two_processes(tmp_path, name):
 
 @pytest.mark.cli
 def test_shakespeare_char_preset_through_the_cli(tiny_text, tmp_path):
-    proc = run_cli("+experiment=shakespeare_char", f"data.path={tiny_text}", "logger=none", "trainer.device=cpu",
-                   "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_max_batches=2",
-                   "trainer.warmup_steps=1", "trainer.log_every=3", "trainer.progress=off", "scheduler.warmup_steps=2",
-                   "model.n_layer=2", "model.n_embd=32", "data.block_size=16", "task.sample_tokens=40", cwd=tmp_path)
+    proc = run_cli(
+        "+experiment=shakespeare_char",
+        f"data.path={tiny_text}",
+        "logger=none",
+        "trainer.device=cpu",
+        "trainer.max_steps=6",
+        "trainer.eval_every=3",
+        "trainer.eval_max_batches=2",
+        "trainer.warmup_steps=1",
+        "trainer.log_every=3",
+        "trainer.progress=off",
+        "scheduler.warmup_steps=2",
+        "model.n_layer=2",
+        "model.n_embd=32",
+        "data.block_size=16",
+        "task.sample_tokens=40",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     job = job_dirs(tmp_path)[0]
     s = read_summary(job)
@@ -556,8 +637,11 @@ def test_shakespeare_char_preset_through_the_cli(tiny_text, tmp_path):
 @pytest.mark.parametrize("layer", ["fast", "baseline"])
 def test_presets_compose_with_fast_and_baseline_on_top(preset, layer):
     cfg = compose_cfg(f"+experiment=[{preset},{layer}]", "trainer.device=cpu", tiny=False)
-    assert (cfg.task._target_, cfg.model._target_, cfg.data.name) == ("runner.task.LanguageModel",
-                                                                        "runner.models.gpt.GPT", "text")
+    assert (cfg.task._target_, cfg.model._target_, cfg.data.name) == (
+        "runner.task.LanguageModel",
+        "runner.models.gpt.GPT",
+        "text",
+    )
     assert cfg.dataloader.on_device == (layer == "fast")  # text is in memory: fast puts it on the device
     assert cfg.dataloader.batch_size == cfg.optimizer.base_batch_size == (12 if preset == "shakespeare_char" else 64)
 
@@ -578,9 +662,18 @@ def test_the_presets_read_the_embedded_corpus_by_default(preset, monkeypatch):
 @pytest.mark.slow
 def test_shakespeare_char_on_the_embedded_corpus_learns(tmp_path, monkeypatch):
     monkeypatch.delenv("RUNNER_DATA_ROOT", raising=False)  # the preset's own default, as a fresh clone runs it
-    proc = run_cli("+experiment=shakespeare_char", "logger=none", "trainer.device=cpu",
-                   "trainer.max_steps=50", "trainer.eval_every=50", "trainer.eval_max_batches=20",
-                   "scheduler.warmup_steps=10", "trainer.progress=off", cwd=tmp_path, timeout=600)
+    proc = run_cli(
+        "+experiment=shakespeare_char",
+        "logger=none",
+        "trainer.device=cpu",
+        "trainer.max_steps=50",
+        "trainer.eval_every=50",
+        "trainer.eval_max_batches=20",
+        "scheduler.warmup_steps=10",
+        "trainer.progress=off",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = read_summary(job_dirs(tmp_path)[0])
     assert s["config"]["data"]["path"] == str(runner.DATA_DIR / "tinyshakespeare" / "input.txt")
@@ -608,9 +701,20 @@ def test_gpt_attention_uses_the_flash_kernel_on_cuda():
 @cuda_only
 def test_gpu_preset_runs_on_the_device(tiny_text, tmp_path):
     # data=text first: compose_cfg then leaves out the tiny image job's data.* keys
-    s = train(compose_cfg("data=text", "+experiment=shakespeare_char_gpu", f"data.path={tiny_text}",
-                          "trainer.device=cuda", "trainer.max_steps=20", "trainer.eval_every=10", "data.block_size=64",
-                          "scheduler.warmup_steps=2", "dataloader.batch_size=16"), job_dir=tmp_path)
+    s = train(
+        compose_cfg(
+            "data=text",
+            "+experiment=shakespeare_char_gpu",
+            f"data.path={tiny_text}",
+            "trainer.device=cuda",
+            "trainer.max_steps=20",
+            "trainer.eval_every=10",
+            "data.block_size=64",
+            "scheduler.warmup_steps=2",
+            "dataloader.batch_size=16",
+        ),
+        job_dir=tmp_path,
+    )
     assert s["device"] == "cuda" and s["techniques"]["bf16"] == "applied"
     assert s["techniques"]["on_device_data"] == "applied" and s["mfu"] is not None and s["mfu"] > 0
     assert math.isfinite(s["eval_loss"]) and (tmp_path / "samples.txt").is_file()

@@ -15,8 +15,8 @@ from runner import REPO_ROOT
 
 def _overrides(command: list[str]) -> list[str]:
     """What follows ``-m runner`` in a command line."""
-    at = next(i for i in range(len(command) - 1) if command[i:i + 2] == ["-m", "runner"])
-    return command[at + 2:]
+    at = next(i for i in range(len(command) - 1) if command[i : i + 2] == ["-m", "runner"])
+    return command[at + 2 :]
 
 
 def test_the_skypilot_task_starts_torchrun_per_node_with_composing_overrides():

@@ -99,7 +99,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(name: str, path: list[str]) -> list[str] | None:
         if name in path:
-            return path[path.index(name):] + [name]
+            return path[path.index(name) :] + [name]
         if name in done:
             return None
         for dep in sorted(graph.get(name, ())):
@@ -148,17 +148,26 @@ def test_a_cycle_between_packages_is_found_where_the_modules_have_none(tmp_path)
     """The cycle of 54356f9: report/paired.py imported interleave/record.py, interleave/coordinator.py the
     ablation, and the ablation the report: no module imports one that imports it back."""
     root = tmp_path / "runner"
-    files = {"__init__.py": "", "report/__init__.py": "", "report/paired.py": "from runner.interleave import record\n",
-             "interleave/__init__.py": "", "interleave/record.py": "",
-             "interleave/coordinator.py": "from runner import ablation\n",
-             "ablation.py": "import runner.report.paired\n"}
+    files = {
+        "__init__.py": "",
+        "report/__init__.py": "",
+        "report/paired.py": "from runner.interleave import record\n",
+        "interleave/__init__.py": "",
+        "interleave/record.py": "",
+        "interleave/coordinator.py": "from runner import ablation\n",
+        "ablation.py": "import runner.report.paired\n",
+    }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     graph = runner_imports(root)
     assert find_cycle(graph) is None
-    assert find_cycle(package_graph(graph)) == ["runner.ablation", "runner.report", "runner.interleave",
-                                                "runner.ablation"]
+    assert find_cycle(package_graph(graph)) == [
+        "runner.ablation",
+        "runner.report",
+        "runner.interleave",
+        "runner.ablation",
+    ]
 
 
 def test_the_standalone_modules_import_no_runner_module():
@@ -205,6 +214,9 @@ def test_no_function_is_too_long_to_read():
 
 
 def test_no_module_is_too_long_to_read():
-    long = {name: n for name, path in runner_modules().items() if (n := len(path.read_text().splitlines()))
-            > MAX_MODULE_LINES}
+    long = {
+        name: n
+        for name, path in runner_modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"split by concern (docs/design.md): {long}"

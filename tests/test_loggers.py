@@ -47,14 +47,17 @@ def texts(log_dir: Path) -> dict[str, str]:
 
     acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
     acc.Reload()
-    return {tag: tensor_util.make_ndarray(acc.Tensors(tag)[-1].tensor_proto).item().decode()
-            for tag in acc.Tags()["tensors"]}
+    return {
+        tag: tensor_util.make_ndarray(acc.Tensors(tag)[-1].tensor_proto).item().decode()
+        for tag in acc.Tags()["tensors"]
+    }
 
 
 def same(logged: list[tuple[int, float]], rows: list[tuple[int, float]]) -> bool:
     """The same steps and values, to float32 precision (TensorBoard stores float32)."""
-    return len(logged) == len(rows) and all(s == t and v == pytest.approx(w, rel=1e-6)
-                                            for (s, v), (t, w) in zip(logged, rows))
+    return len(logged) == len(rows) and all(
+        s == t and v == pytest.approx(w, rel=1e-6) for (s, v), (t, w) in zip(logged, rows)
+    )
 
 
 def mlflow_client(job: Path):
@@ -82,8 +85,9 @@ def test_the_logger_list_composes_into_one_node_per_logger():
 
     assert logger_names(compose_cfg("logger=wandb").logger) == ["wandb"]
     assert logger_names(compose_cfg("logger=none").logger) == []
-    cfg = compose_cfg("logger=[wandb,tensorboard,mlflow,csv]", "logger.mlflow.tracking_uri=http://x:5000",
-                      "logger.project=p")
+    cfg = compose_cfg(
+        "logger=[wandb,tensorboard,mlflow,csv]", "logger.mlflow.tracking_uri=http://x:5000", "logger.project=p"
+    )
     assert logger_names(cfg.logger) == ["wandb", "tensorboard", "mlflow", "csv"]
     assert cfg.logger.mlflow.tracking_uri == "http://x:5000" and cfg.logger.project == "p"
     assert compose_cfg(tiny=False).logger.wandb is not None  # the default is still W&B alone
@@ -114,8 +118,9 @@ def three_loggers(tmp_path_factory) -> Path:
     pytest.importorskip("tensorboard")
     pytest.importorskip("mlflow")
     root = tmp_path_factory.mktemp("three")
-    proc = run_cli(*JOB, "logger=[tensorboard,mlflow,csv]", "logger.tags=[smoke]", cwd=root,
-                   env={"MLFLOW_TRACKING_URI": ""})
+    proc = run_cli(
+        *JOB, "logger=[tensorboard,mlflow,csv]", "logger.tags=[smoke]", cwd=root, env={"MLFLOW_TRACKING_URI": ""}
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "MLflow:" not in proc.stdout  # the local store needs no notice
     (job,) = job_dirs(root)
@@ -126,8 +131,13 @@ def three_loggers(tmp_path_factory) -> Path:
 def test_tensorboard_holds_every_metrics_row_the_config_and_the_summary(three_loggers):
     job, rows, summary = three_loggers, metrics_rows(three_loggers), read_summary(three_loggers)
     logged = scalars(job / "tensorboard")
-    for key, tag in (("samples_per_sec", "perf/samples_per_sec"), ("loss", "train/loss"), ("lr", "train/lr"),
-                     ("eval_accuracy", "eval/accuracy"), ("eval_loss", "eval/loss")):
+    for key, tag in (
+        ("samples_per_sec", "perf/samples_per_sec"),
+        ("loss", "train/loss"),
+        ("lr", "train/lr"),
+        ("eval_accuracy", "eval/accuracy"),
+        ("eval_loss", "eval/loss"),
+    ):
         assert len(figures(rows, key)) >= 1 and same(logged[tag], figures(rows, key)), tag
     assert len(figures(rows, "samples_per_sec")) >= 2  # two timed rows, against the optimizer step
     assert logged["summary/samples_per_sec"] == [(6, pytest.approx(summary["samples_per_sec"], rel=1e-6))]
@@ -145,8 +155,12 @@ def test_mlflow_holds_the_config_every_metrics_row_and_the_summary(three_loggers
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.max_steps"] == "6" and run.data.params["data.name"] == "synthetic"
     assert run.data.params["logger.mlflow.tracking_uri"] == "None" and "smoke" in run.data.tags
-    for key, tag in (("samples_per_sec", "perf/samples_per_sec"), ("loss", "train/loss"),
-                     ("eval_accuracy", "eval/accuracy"), ("step_time_ms", "perf/step_time_ms")):
+    for key, tag in (
+        ("samples_per_sec", "perf/samples_per_sec"),
+        ("loss", "train/loss"),
+        ("eval_accuracy", "eval/accuracy"),
+        ("step_time_ms", "perf/step_time_ms"),
+    ):
         assert history(client, run.info.run_id, tag) == figures(rows, key), tag
     for key in ("samples_per_sec", "eval_accuracy", "steps", "global_batch_size"):
         assert run.data.metrics[key] == pytest.approx(summary[key]), key
@@ -194,8 +208,17 @@ def test_a_preempted_mlflow_run_ends_killed_and_the_resumed_job_continues_it(tmp
     pytest.importorskip("mlflow")
     pytest.importorskip("tensorboard")
     folder = tmp_path / "job"
-    cmd = [sys.executable, "-m", "runner", *JOB, "trainer.max_steps=40", "trainer.log_every=1",
-           "checkpoint.every_steps=null", "logger=[mlflow,tensorboard]", f"hydra.run.dir={folder}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        *JOB,
+        "trainer.max_steps=40",
+        "trainer.log_every=1",
+        "checkpoint.every_steps=null",
+        "logger=[mlflow,tensorboard]",
+        f"hydra.run.dir={folder}",
+    ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": "", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 240
@@ -240,8 +263,10 @@ def test_an_unreachable_mlflow_server_falls_back_to_the_local_store(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (job,) = job_dirs(tmp_path)
     notice = [line for line in proc.stdout.splitlines() if line.startswith("MLflow:")]
-    assert notice == [f"MLflow: http://127.0.0.1:9 cannot be reached, logging to the local store sqlite:///"
-                      f"{job.resolve()}/mlruns/mlflow.db instead"], proc.stdout
+    assert notice == [
+        f"MLflow: http://127.0.0.1:9 cannot be reached, logging to the local store sqlite:///"
+        f"{job.resolve()}/mlruns/mlflow.db instead"
+    ], proc.stdout
     assert only_run(mlflow_client(job)).info.status == "FINISHED"
 
 
@@ -256,19 +281,35 @@ def test_a_real_mlflow_server_gets_the_run(tmp_path):
 
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-                               "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not reachable(uri, timeout_s=1) and time.monotonic() < deadline and server.poll() is None:
             time.sleep(0.5)
         if not reachable(uri, timeout_s=1):
             pytest.skip(f"mlflow server did not start on port {port} within 90 s")
-        proc = run_cli(*JOB, "logger=mlflow", "logger.project=served", cwd=tmp_path,
-                       env={"MLFLOW_TRACKING_URI": uri})
+        proc = run_cli(*JOB, "logger=mlflow", "logger.project=served", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "MLflow:" not in proc.stdout, proc.stdout
         (job,) = job_dirs(tmp_path)
@@ -294,22 +335,32 @@ def test_a_logger_whose_package_is_missing_stops_before_training(tmp_path, logge
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(f"import sys\nsys.modules[{module!r}] = None\n")
-    proc = run_cli(*JOB, f"logger=[csv,{logger}]", cwd=tmp_path,
-                   env={"PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"})
+    proc = run_cli(*JOB, f"logger=[csv,{logger}]", cwd=tmp_path, env={"PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: logger={logger} needs the {module} package, which is not installed: pip install "
-                      f'{module} (or pip install -e ".[{module}]"); or drop {logger} from logger='], proc.stderr
+    assert errors == [
+        f"error: logger={logger} needs the {module} package, which is not installed: pip install "
+        f'{module} (or pip install -e ".[{module}]"); or drop {logger} from logger='
+    ], proc.stderr
     assert "step 1" not in proc.stdout and not (tmp_path / "outputs").exists()  # refused: no folder left
 
 
-@pytest.mark.parametrize("override,message", [
-    ("logger=foo", "error: logger=foo is not a logger; pick one of wandb, tensorboard, mlflow, csv "
-                   "(logger=tensorboard), several as a list (logger=[wandb,tensorboard]) or logger=none"),
-    ("logger=[wandb,foo]", "error: logger=foo is not a logger;"),
-    ("logger.mlflow.tracking_uri=http://x:5000", "error: logger.mlflow.tracking_uri is a setting of logger=mlflow, "
-                                                 "which this run does not pick; add mlflow to the loggers"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "logger=foo",
+            "error: logger=foo is not a logger; pick one of wandb, tensorboard, mlflow, csv "
+            "(logger=tensorboard), several as a list (logger=[wandb,tensorboard]) or logger=none",
+        ),
+        ("logger=[wandb,foo]", "error: logger=foo is not a logger;"),
+        (
+            "logger.mlflow.tracking_uri=http://x:5000",
+            "error: logger.mlflow.tracking_uri is a setting of logger=mlflow, "
+            "which this run does not pick; add mlflow to the loggers",
+        ),
+    ],
+)
 def test_an_unknown_logger_is_one_error_line(tmp_path, override, message):
     proc = run_cli(*JOB, override, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -326,6 +377,9 @@ def test_a_file_where_the_run_writes_a_folder_is_refused_before_anything_is_buil
     folder.mkdir()
     (folder / "tensorboard").write_text("not a folder\n")
     monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("the model was built"))
-    with pytest.raises(ConfigError, match=rf"{folder / 'tensorboard'} is a file, but the run writes TensorBoard's "
-                                          rf"event files \(logger=tensorboard\) into a folder of that name"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{folder / 'tensorboard'} is a file, but the run writes TensorBoard's "
+        rf"event files \(logger=tensorboard\) into a folder of that name",
+    ):
         train(compose_cfg("logger=tensorboard"), job_dir=folder)

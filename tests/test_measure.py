@@ -17,8 +17,17 @@ from runner import data as data_mod, measure, task as task_mod
 from runner.engine.train import train
 from runner.measure import hardware
 
-ROW_KEYS = {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_sec", "step_time_ms", "data_wait_ms",
-            "peak_memory_mb"}
+ROW_KEYS = {
+    "step",
+    "epoch",
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_sec",
+    "step_time_ms",
+    "data_wait_ms",
+    "peak_memory_mb",
+}
 
 
 class ScriptedClock:
@@ -37,12 +46,24 @@ class ScriptedClock:
 
 def test_meter_arithmetic_on_a_scripted_clock():
     meter = measure.Meter(torch.device("cpu"), warmup_steps=1, samples_per_step=10)
-    meter.clock = ScriptedClock([
-        0.0, 5.0, 10.0,               # step 0, warm-up: a 5 s fetch that must not count anywhere
-        10.0, 10.1, 10.5,             # step 1: wait 100 ms, compute 400 ms
-        10.5, 10.6, 10.8, 10.9, 11.5,  # step 2, two micro-batches: wait 100 + 100 ms, compute 800 ms
-        20.0, 20.0, 20.2,             # step 3 after an 8.5 s gap (evaluation): wait 0, compute 200 ms
-    ])
+    meter.clock = ScriptedClock(
+        [
+            0.0,
+            5.0,
+            10.0,  # step 0, warm-up: a 5 s fetch that must not count anywhere
+            10.0,
+            10.1,
+            10.5,  # step 1: wait 100 ms, compute 400 ms
+            10.5,
+            10.6,
+            10.8,
+            10.9,
+            11.5,  # step 2, two micro-batches: wait 100 + 100 ms, compute 800 ms
+            20.0,
+            20.0,
+            20.2,  # step 3 after an 8.5 s gap (evaluation): wait 0, compute 200 ms
+        ]
+    )
     for fetches in (1, 1, 2, 1):
         for _ in range(fetches):
             meter.start_fetch()
@@ -67,14 +88,15 @@ def test_meter_all_warmup_gives_nulls():
         meter.end_step()
     assert meter.flush()["samples_per_sec"] is None
     assert meter.totals()["samples_per_sec"] is None and meter.totals()["measured_steps"] == 0
-    assert meter.totals()["measurement"] == ("too short to measure: all 3 steps were warm-up (trainer.warmup_steps"
-                                             "=5); raise trainer.max_steps above 5 or lower trainer.warmup_steps")
+    assert meter.totals()["measurement"] == (
+        "too short to measure: all 3 steps were warm-up (trainer.warmup_steps"
+        "=5); raise trainer.max_steps above 5 or lower trainer.warmup_steps"
+    )
 
 
 def test_all_warmup_run_says_why_its_speed_is_blank(tmp_path, capsys):
     """A run whose steps are all warm-up has null speed figures; summary.json and the console say why."""
-    s = train(compose_cfg("trainer.max_steps=4", "trainer.warmup_steps=5", "trainer.progress=lines"),
-              job_dir=tmp_path)
+    s = train(compose_cfg("trainer.max_steps=4", "trainer.warmup_steps=5", "trainer.progress=lines"), job_dir=tmp_path)
     assert s["samples_per_sec"] is None and s["measured_steps"] == 0
     assert s["measurement"].startswith("too short to measure: all 4 steps were warm-up (trainer.warmup_steps=5)")
     assert json.loads((tmp_path / "summary.json").read_text())["measurement"] == s["measurement"]
@@ -97,32 +119,35 @@ def test_peak_flops_known_only_where_given():
     assert hardware.peak_flops(cpu, torch.float32, 2.5) == 2.5e12
 
 
-@pytest.mark.parametrize("name, key, tflops", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),  # how torch names the SXM5 board
-    ("NVIDIA H100 80GB HBM3", "fp8", 1979.0),
-    ("NVIDIA H100 SXM5 80GB", "tf32", 494.5),
-    ("NVIDIA H100 NVL", "bf16", 835.0),
-    ("NVIDIA H100 PCIe", "bf16", 756.0),
-    ("NVIDIA H100 PCIe", "fp8", 1513.0),
-    ("nvidia h100 pcie", "fp32", 51.0),  # case does not matter
-    ("NVIDIA H200", "bf16", 989.0),
-    ("NVIDIA H200 NVL", "bf16", 835.0),
-    ("NVIDIA B200", "bf16", 2250.0),
-    ("NVIDIA B200", "fp8", 4500.0),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
-    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
-    ("NVIDIA A100-SXM4-40GB", "fp8", None),  # Ampere has no fp8: no peak, never another card's
-    ("NVIDIA L4", "bf16", 121.0),
-    ("NVIDIA L4", "fp8", 242.5),
-    ("NVIDIA L40S", "bf16", 362.0),  # not the L4's
-    ("NVIDIA A10", "bf16", 125.0),
-    ("NVIDIA A10G", "bf16", None),  # not the A10's figures: unlisted
-    ("AMD Instinct MI300X", "bf16", 1307.4),
-    ("Tesla T4", "fp16", 65.0),
-    ("Tesla V100-SXM2-16GB", "bf16", None),
-    ("Some Future GPU", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name, key, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),  # how torch names the SXM5 board
+        ("NVIDIA H100 80GB HBM3", "fp8", 1979.0),
+        ("NVIDIA H100 SXM5 80GB", "tf32", 494.5),
+        ("NVIDIA H100 NVL", "bf16", 835.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H100 PCIe", "fp8", 1513.0),
+        ("nvidia h100 pcie", "fp32", 51.0),  # case does not matter
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA H200 NVL", "bf16", 835.0),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA B200", "fp8", 4500.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+        ("NVIDIA A100-SXM4-40GB", "fp8", None),  # Ampere has no fp8: no peak, never another card's
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA L4", "fp8", 242.5),
+        ("NVIDIA L40S", "bf16", 362.0),  # not the L4's
+        ("NVIDIA A10", "bf16", 125.0),
+        ("NVIDIA A10G", "bf16", None),  # not the A10's figures: unlisted
+        ("AMD Instinct MI300X", "bf16", 1307.4),
+        ("Tesla T4", "fp16", 65.0),
+        ("Tesla V100-SXM2-16GB", "bf16", None),
+        ("Some Future GPU", "bf16", None),
+    ],
+)
 def test_peak_tflops_by_device_name(name, key, tflops):
     assert hardware.peak_tflops(name, key) == tflops
 
@@ -140,7 +165,6 @@ def test_peak_flops_of_a_gpu_follows_the_compute_dtype(monkeypatch):
         assert hardware.peak_flops(cuda, torch.float32, None) == 67e12
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-
 
 
 def test_host_memory_is_the_lower_of_the_machine_and_its_cgroup_limit(tmp_path, monkeypatch):
@@ -168,6 +192,7 @@ def test_the_cpu_peak_memory_can_be_reset():
     if not measure.reset_peak_memory(cpu):
         pytest.skip("the peak RSS cannot be reset here (no /proc/self/clear_refs)")
     assert 0 < measure.peak_memory_mb(cpu) < high
+
 
 # ------------------------------------------------------------------------------------ real runs
 
@@ -207,8 +232,7 @@ def slow_start(monkeypatch, n: int, seconds: float) -> None:
 
 
 def test_summary_figures_are_consistent(tmp_path):
-    s = train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.peak_tflops=1.0"),
-              job_dir=tmp_path)
+    s = train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.peak_tflops=1.0"), job_dir=tmp_path)
     assert (s["steps"], s["warmup_steps"], s["measured_steps"]) == (6, 2, 4)
     assert s["measurement"] == "4 steps measured (2 steps of warm-up left out)"
     assert s["samples_per_sec"] == pytest.approx(s["global_batch_size"] * 4 / s["measured_time_s"], rel=1e-9)
@@ -227,8 +251,10 @@ def test_summary_figures_are_consistent(tmp_path):
 
 
 def test_metrics_rows_have_the_issue_keys(tmp_path):
-    train(compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.log_every=2",
-                      "trainer.eval_every=3"), job_dir=tmp_path)
+    train(
+        compose_cfg("trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.log_every=2", "trainer.eval_every=3"),
+        job_dir=tmp_path,
+    )
     all_rows = metrics_rows(tmp_path)
     train_rows = [r for r in all_rows if "loss" in r]
     eval_rows = [r for r in all_rows if "eval_accuracy" in r]
@@ -282,8 +308,12 @@ def expected_time_to_target(summary, calls, k: int) -> float:
 
 def test_time_to_target_excludes_evaluation(monkeypatch, tmp_path):
     calls = scripted_evaluate(monkeypatch, [0.1, 0.2, 0.9])
-    s = train(compose_cfg("trainer.max_steps=3", "trainer.eval_every=1", "trainer.warmup_steps=0",
-                          "trainer.target_accuracy=0.5"), job_dir=tmp_path)
+    s = train(
+        compose_cfg(
+            "trainer.max_steps=3", "trainer.eval_every=1", "trainer.warmup_steps=0", "trainer.target_accuracy=0.5"
+        ),
+        job_dir=tmp_path,
+    )
     assert s["eval_accuracy"] == 0.9 and s["eval_time_s"] >= 0.9
     # reached at the last evaluation: counting the two evaluations before it would add >= 0.6 s
     assert s["time_to_target_s"] == pytest.approx(expected_time_to_target(s, calls, 2), abs=0.05)
@@ -300,16 +330,18 @@ def test_time_to_target_at_the_first_evaluation_that_reaches_it(monkeypatch, tmp
         return loss(self, *args, **kwargs)
 
     monkeypatch.setattr(task_mod.Classification, "loss", slow_loss)
-    s = train(compose_cfg("trainer.max_steps=4", "trainer.eval_every=1", "trainer.target_accuracy=0.5"),
-              job_dir=tmp_path)
+    s = train(
+        compose_cfg("trainer.max_steps=4", "trainer.eval_every=1", "trainer.target_accuracy=0.5"), job_dir=tmp_path
+    )
     assert s["time_to_target_s"] == pytest.approx(expected_time_to_target(s, calls, 1), abs=0.05)
     assert s["time_to_target_s"] < expected_time_to_target(s, calls, 2)
 
 
 def test_time_to_target_null_when_not_reached(monkeypatch, tmp_path):
     scripted_evaluate(monkeypatch, [0.1, 0.2], seconds=0)
-    s = train(compose_cfg("trainer.max_steps=2", "trainer.eval_every=1", "trainer.target_accuracy=0.95"),
-              job_dir=tmp_path)
+    s = train(
+        compose_cfg("trainer.max_steps=2", "trainer.eval_every=1", "trainer.target_accuracy=0.95"), job_dir=tmp_path
+    )
     assert s["time_to_target_s"] is None
     monkeypatch.undo()  # the real evaluation; no trainer.target_accuracy at all
     assert train(compose_cfg(), job_dir=tmp_path / "no-target")["time_to_target_s"] is None
@@ -326,7 +358,7 @@ def test_console_prints_plain_lines_off_a_terminal_and_a_summary_table(tmp_path,
     assert [line.split(" | ")[0] for line in lines] == ["step 2/6", "step 4/6", "step 6/6"]
     assert "samples_per_sec" in lines[-1] and "step_time_ms" in lines[-1]
     assert f"summary ({tmp_path / 'summary.json'})" in out
-    table = out[out.index("summary ("):]
+    table = out[out.index("summary (") :]
     for key in ("samples_per_sec", "data_wait_fraction", "flops_per_sample", "eval_accuracy", "steps"):
         assert f"  {key} " in table
 

@@ -26,9 +26,16 @@ from runner.techniques import model_parallel as mp
 def test_a_gpt_is_split_by_its_own_plan_and_an_mlp_in_linear_pairs():
     gpt = GPT(65, block_size=16, n_layer=2, n_head=4, n_embd=32)
     plan = mp._plan_for(gpt, 2)
-    assert plan == {f"transformer.h.{i}.{name}": style for i in range(2) for name, style in
-                    [("attn.c_attn", "colwise_qkv"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"),
-                     ("mlp.c_proj", "rowwise")]}
+    assert plan == {
+        f"transformer.h.{i}.{name}": style
+        for i in range(2)
+        for name, style in [
+            ("attn.c_attn", "colwise_qkv"),
+            ("attn.c_proj", "rowwise"),
+            ("mlp.c_fc", "colwise"),
+            ("mlp.c_proj", "rowwise"),
+        ]
+    }
     # an MLP of 3 Linear layers: the first two a colwise/rowwise pair, the head (odd one out) whole on every rank
     assert mp._plan_for(MLP(768, hidden=32, depth=2), 2) == {"blocks.0.0": "colwise", "blocks.1.0": "rowwise"}
     mlp_seq = nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
@@ -46,17 +53,20 @@ def test_a_model_without_a_plan_or_with_widths_the_split_cannot_divide_is_one_co
         mp._plan_for(custom, 2)
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["distributed=tp", "distributed.tp_size=3"], 4, "tp_size=3 must divide the world size 4"),
-    (["distributed=ddp", "distributed.tp_size=2"], 2, "tp_size=2 is read by distributed=tp only"),
-    (["distributed=pp", "distributed.pp_size=3"], 4, "pp_size=3 must divide the world size 4"),
-    (["distributed=tp", "distributed.sync_batchnorm=true"], 2, "works with distributed=ddp only"),
-])
-def test_impossible_tensor_parallel_layouts_are_refused_before_anything_starts(overrides, world, message,
-                                                                               monkeypatch):
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["distributed=tp", "distributed.tp_size=3"], 4, "tp_size=3 must divide the world size 4"),
+        (["distributed=ddp", "distributed.tp_size=2"], 2, "tp_size=2 is read by distributed=tp only"),
+        (["distributed=pp", "distributed.pp_size=3"], 4, "pp_size=3 must divide the world size 4"),
+        (["distributed=tp", "distributed.sync_batchnorm=true"], 2, "works with distributed=ddp only"),
+    ],
+)
+def test_impossible_tensor_parallel_layouts_are_refused_before_anything_starts(overrides, world, message, monkeypatch):
     cfg = compose_cfg(*overrides)
-    monkeypatch.setattr(launch, "discover", lambda: launch.Layout(rank=0, local_rank=0, world_size=world, nodes=1,
-                                                                  launcher="torchrun"))
+    monkeypatch.setattr(
+        launch, "discover", lambda: launch.Layout(rank=0, local_rank=0, world_size=world, nodes=1, launcher="torchrun")
+    )
     with pytest.raises(ConfigError, match=message):
         distributed.setup(cfg.distributed, "cpu")
 
@@ -100,13 +110,16 @@ def test_an_nn_sequential_is_cut_into_its_share_of_layers_and_other_models_are_r
         mp.split_stage(GPT(65, block_size=16, n_layer=2, n_head=2, n_embd=16), 0, 4)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["memory.accumulate_steps=2"], "a pipeline's micro-batches are its accumulation"),
-    (["distributed.pp_microbatches=5"], "pp_microbatches=5 must divide dataloader.batch_size=16"),
-    (["precision=amp"], "precision=amp: its loss scale would have to span the stages"),
-    (["task.loss=chunked"], "use task.loss=full"),
-    (["trainer.on_nonfinite=skip"], "each stage would decide alone"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["memory.accumulate_steps=2"], "a pipeline's micro-batches are its accumulation"),
+        (["distributed.pp_microbatches=5"], "pp_microbatches=5 must divide dataloader.batch_size=16"),
+        (["precision=amp"], "precision=amp: its loss scale would have to span the stages"),
+        (["task.loss=chunked"], "use task.loss=full"),
+        (["trainer.on_nonfinite=skip"], "each stage would decide alone"),
+    ],
+)
 def test_what_a_pipeline_cannot_run_is_one_config_error(overrides, message):
     from runner import task as task_mod
     from runner.engine.build import _plan
@@ -124,17 +137,48 @@ def test_two_dimensional_model_parallelism_trains_as_fsdp_alone(tmp_path):
     losses."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((REPO_ROOT / "README.md").read_text()[:20000])
-    job = ["+experiment=shakespeare_char", *TINY_LOOP, f"data.path={corpus}", "model.n_layer=2", "model.n_head=2",
-           "model.n_embd=32", "data.block_size=16", "dataloader.batch_size=8", "trainer.max_steps=10",
-           "scheduler.warmup_steps=2", "trainer.log_every=1", "trainer.eval_every=10", "task.sample_tokens=0",
-           "distributed.timeout_s=120"]
+    job = [
+        "+experiment=shakespeare_char",
+        *TINY_LOOP,
+        f"data.path={corpus}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "data.block_size=16",
+        "dataloader.batch_size=8",
+        "trainer.max_steps=10",
+        "scheduler.warmup_steps=2",
+        "trainer.log_every=1",
+        "trainer.eval_every=10",
+        "task.sample_tokens=0",
+        "distributed.timeout_s=120",
+    ]
     runs = {}
-    for name, n, extra in (("fsdp", 2, ["distributed=fsdp"]), ("tp2d", 4, ["distributed=tp", "distributed.tp_size=2"]),
-                           ("pp2d", 4, ["distributed=pp", "distributed.pp_size=2"])):
+    for name, n, extra in (
+        ("fsdp", 2, ["distributed=fsdp"]),
+        ("tp2d", 4, ["distributed=tp", "distributed.tp_size=2"]),
+        ("pp2d", 4, ["distributed=pp", "distributed.pp_size=2"]),
+    ):
         folder = tmp_path / name
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                               "-m", "runner", *job, *extra, f"hydra.run.dir={folder}"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=400, env={**_env(), "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "-m",
+                "runner",
+                *job,
+                *extra,
+                f"hydra.run.dir={folder}",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env={**_env(), "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         runs[name] = ([r["loss"] for r in rows if "loss" in r], read_summary(folder))
@@ -151,5 +195,8 @@ def test_two_dimensional_model_parallelism_trains_as_fsdp_alone(tmp_path):
 def _env() -> dict[str, str]:
     import os
 
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}, "WANDB_MODE": "disabled",
-            "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")},
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }

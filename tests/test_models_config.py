@@ -28,8 +28,12 @@ EXAMPLE = torch.randn(3, 16, 16)  # one input item of TINY's synthetic data
 
 
 def build(*overrides: str, num_classes: int = 10, example: torch.Tensor | None = EXAMPLE) -> nn.Module:
-    return models.build(compose_cfg(*overrides).model, {"num_classes": num_classes},
-                        3 if example is None else example.shape[0], example=example)
+    return models.build(
+        compose_cfg(*overrides).model,
+        {"num_classes": num_classes},
+        3 if example is None else example.shape[0],
+        example=example,
+    )
 
 
 # ------------------------------------------------------------------------------ constructor arguments
@@ -47,38 +51,65 @@ def test_torchvision_factory_arguments_reach_the_class():
     model = build("model=resnet18", "model.zero_init_residual=true")
     assert all(not b.bn2.weight.any() for b in model.modules() if type(b).__name__ == "BasicBlock")
     # an accepted name with a value the class refuses: the constructor's own message, as a ConfigError
-    with pytest.raises(ConfigError, match=r"model._target_='torchvision.models.resnet18' raised ValueError: "
-                                          r"BasicBlock only supports groups=1 and base_width=64"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model._target_='torchvision.models.resnet18' raised ValueError: "
+        r"BasicBlock only supports groups=1 and base_width=64",
+    ):
         build("model=resnet18", "model.width_per_group=32")
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model=mlp", "model.hiden=64"], r"model\.hiden=64: runner\.models\.MLP has no parameter 'hiden' \(did you mean "
-                                      r"model\.hidden\?\)\. Its parameters: in_features, num_classes, hidden, depth, "
-                                      r"dropout, num_outputs; runner's own model keys: cifar_stem, "
-                                      r"drop_bias_before_bn, weights, freeze_backbone"),
-    (["model=resnet18", "model.zero_init_residul=true"], r"resnet18 has no parameter 'zero_init_residul' "
-                                                         r"\(did you mean model\.zero_init_residual\?\)\. Its "
-                                                         r"parameters: progress, num_classes, zero_init_residual, "
-                                                         r"groups"),
-    (["model=mlp", "model.num_classes=3"], r"model\.num_classes=3 cannot be set: the model's class count follows the "
-                                           r"data \(10\); set data\.num_classes instead"),
-    (["model._target_=torch.nn.Linearr"], r"torch\.nn has no attribute 'Linearr' \(did you mean torch\.nn\.Linear\?\)"),
-    (["model._target_=nowhere_pkg.Net"], r"model\._target_='nowhere_pkg\.Net' cannot be imported: no module named "
-                                         r"'nowhere_pkg'"),
-    (["model._target_=torch.pi"], r"is a float, not a class or function"),
-    (["model._target_=builtins.dict"], r"model\._target_='builtins\.dict' returned a dict, not a torch nn\.Module"),
-    (["model=mlp", "model.depth=-1"], r"raised ValueError: MLP needs .* depth >= 0"),
-    # values checked against the annotations of the signature (the factory's class for torchvision)
-    (["model=resnet18", "model.zero_init_residual=abc"], r"^model\.zero_init_residual='abc' does not fit "
-                                                         r".*annotation zero_init_residual: bool; give true or false"),
-    (["model=resnet18", "model.zero_init_residual=1"], r"model\.zero_init_residual=1 does not fit .*: bool"),
-    (["model=resnet18", "model.groups=1.5"], r"model\.groups=1\.5 does not fit .*groups: int; give a whole number"),
-    (["model=mlp", "model.hidden=abc"], r"model\.hidden='abc' does not fit runner\.models\.MLP's annotation "
-                                        r"hidden: int"),
-    (["model=mlp", "model.depth=true"], r"model\.depth=True does not fit .*depth: int"),
-    (["model=mlp", "model.dropout=x"], r"model\.dropout='x' does not fit .*dropout: float; give a number"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["model=mlp", "model.hiden=64"],
+            r"model\.hiden=64: runner\.models\.MLP has no parameter 'hiden' \(did you mean "
+            r"model\.hidden\?\)\. Its parameters: in_features, num_classes, hidden, depth, "
+            r"dropout, num_outputs; runner's own model keys: cifar_stem, "
+            r"drop_bias_before_bn, weights, freeze_backbone",
+        ),
+        (
+            ["model=resnet18", "model.zero_init_residul=true"],
+            r"resnet18 has no parameter 'zero_init_residul' "
+            r"\(did you mean model\.zero_init_residual\?\)\. Its "
+            r"parameters: progress, num_classes, zero_init_residual, "
+            r"groups",
+        ),
+        (
+            ["model=mlp", "model.num_classes=3"],
+            r"model\.num_classes=3 cannot be set: the model's class count follows the "
+            r"data \(10\); set data\.num_classes instead",
+        ),
+        (
+            ["model._target_=torch.nn.Linearr"],
+            r"torch\.nn has no attribute 'Linearr' \(did you mean torch\.nn\.Linear\?\)",
+        ),
+        (
+            ["model._target_=nowhere_pkg.Net"],
+            r"model\._target_='nowhere_pkg\.Net' cannot be imported: no module named "
+            r"'nowhere_pkg'",
+        ),
+        (["model._target_=torch.pi"], r"is a float, not a class or function"),
+        (["model._target_=builtins.dict"], r"model\._target_='builtins\.dict' returned a dict, not a torch nn\.Module"),
+        (["model=mlp", "model.depth=-1"], r"raised ValueError: MLP needs .* depth >= 0"),
+        # values checked against the annotations of the signature (the factory's class for torchvision)
+        (
+            ["model=resnet18", "model.zero_init_residual=abc"],
+            r"^model\.zero_init_residual='abc' does not fit "
+            r".*annotation zero_init_residual: bool; give true or false",
+        ),
+        (["model=resnet18", "model.zero_init_residual=1"], r"model\.zero_init_residual=1 does not fit .*: bool"),
+        (["model=resnet18", "model.groups=1.5"], r"model\.groups=1\.5 does not fit .*groups: int; give a whole number"),
+        (
+            ["model=mlp", "model.hidden=abc"],
+            r"model\.hidden='abc' does not fit runner\.models\.MLP's annotation "
+            r"hidden: int",
+        ),
+        (["model=mlp", "model.depth=true"], r"model\.depth=True does not fit .*depth: int"),
+        (["model=mlp", "model.dropout=x"], r"model\.dropout='x' does not fit .*dropout: float; give a number"),
+    ],
+)
 def test_bad_model_arguments_name_the_key_and_the_valid_names(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build(*overrides)
@@ -100,8 +131,15 @@ def test_annotated_values_that_fit_are_passed_as_given():
 
 @pytest.mark.cli
 def test_cli_value_that_does_not_fit_the_annotation_is_one_error_line(tmp_path):
-    proc = run_cli("model=resnet18", "model.zero_init_residual=abc", "data=synthetic", "trainer.device=cpu",
-                   "logger=none", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"})
+    proc = run_cli(
+        "model=resnet18",
+        "model.zero_init_residual=abc",
+        "data=synthetic",
+        "trainer.device=cpu",
+        "logger=none",
+        cwd=tmp_path,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "model.zero_init_residual='abc'" in line and "true or false" in line
@@ -116,8 +154,14 @@ def test_schemas_are_not_offered_as_models_and_typing_one_is_one_error(tmp_path)
     assert listing.returncode == 2 and "error: model=nope: no such option in group model" in listing.stderr
     assert "mlp, mnist_cnn" in listing.stderr and "base_" not in listing.stderr, listing.stderr
     assert "base_" not in run_cli("--help", cwd=tmp_path).stdout.split("== Config ==")[0]
-    proc = run_cli("model=base_model", "data=synthetic", "trainer.device=cpu", "logger=none", cwd=tmp_path,
-                   env={"HYDRA_FULL_ERROR": "0"})
+    proc = run_cli(
+        "model=base_model",
+        "data=synthetic",
+        "trainer.device=cpu",
+        "logger=none",
+        cwd=tmp_path,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "model=base_model is the schema" in line and "mlp, mnist_cnn, resnet18" in line
@@ -126,8 +170,15 @@ def test_schemas_are_not_offered_as_models_and_typing_one_is_one_error(tmp_path)
 
 @pytest.mark.slow
 def test_cli_typo_in_a_constructor_argument_stops_before_training(tmp_path):
-    proc = run_cli("model=mlp", "model.widht=64", "data=synthetic", "trainer.device=cpu", "logger=none",
-                   cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"})
+    proc = run_cli(
+        "model=mlp",
+        "model.widht=64",
+        "data=synthetic",
+        "trainer.device=cpu",
+        "logger=none",
+        cwd=tmp_path,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "model.widht=64: runner.models.MLP has no parameter 'widht'" in line and "hidden" in line
@@ -142,6 +193,7 @@ WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
 @pytest.fixture
 def no_download(monkeypatch):
     """Any download attempt fails the test (torch.hub downloads through urllib.request.urlopen)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"network access attempted: {args[:1]}")
 
@@ -191,8 +243,10 @@ def test_weights_load_from_the_cache_and_the_head_is_replaced(resnet18_file, nam
 @pytest.mark.cli
 def test_pretrained_run_on_two_classes(resnet18_file, spy, tmp_path):
     """Done-when: fine-tuning from a cached weights file works offline, with the head replaced."""
-    summary = train(compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "data.num_classes=2",
-                                "trainer.max_steps=2"), job_dir=tmp_path)
+    summary = train(
+        compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "data.num_classes=2", "trainer.max_steps=2"),
+        job_dir=tmp_path,
+    )
     assert summary["steps"] == 2 and summary["eval_accuracy"] is not None
     start = spy.initial_params  # taken when the optimizer was built: the model as training starts
     for k, v in start.items():
@@ -204,9 +258,18 @@ def test_pretrained_run_on_two_classes(resnet18_file, spy, tmp_path):
 @pytest.mark.cli
 def test_freeze_backbone_trains_only_the_new_head(resnet18_file, spy, tmp_path, capsys):
     capsys.readouterr()
-    summary = train(compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "model.freeze_backbone=true",
-                                "data.num_classes=2", "trainer.max_steps=2", "optimizer.lr=0.1",
-                                "trainer.progress=lines"), job_dir=tmp_path)
+    summary = train(
+        compose_cfg(
+            "model=resnet18",
+            "model.weights=IMAGENET1K_V1",
+            "model.freeze_backbone=true",
+            "data.num_classes=2",
+            "trainer.max_steps=2",
+            "optimizer.lr=0.1",
+            "trainer.progress=lines",
+        ),
+        job_dir=tmp_path,
+    )
     assert summary["model_details"]["trainable_parameters"] == 1026
     model, optimizer = spy.model, spy.optimizer
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -218,12 +281,20 @@ def test_freeze_backbone_trains_only_the_new_head(resnet18_file, spy, tmp_path, 
     assert len(spy.steps) == 2
     # the console says what was loaded, what is frozen and what trains: one line at build
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("model: ")]
-    assert lines == ["model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 1,026 of 11.2 M parameters "
-                     "trainable"]
-    details = models.model_report(model, compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1",
-                                                     "model.freeze_backbone=true").model)[1]
-    assert details == {"name": "resnet18", "target": "torchvision.models.resnet18", "weights": "IMAGENET1K_V1",
-                       "backbone_frozen": True, "parameters": 11177538, "trainable_parameters": 1026}
+    assert lines == [
+        "model: resnet18, IMAGENET1K_V1 weights loaded; backbone frozen; 1,026 of 11.2 M parameters trainable"
+    ]
+    details = models.model_report(
+        model, compose_cfg("model=resnet18", "model.weights=IMAGENET1K_V1", "model.freeze_backbone=true").model
+    )[1]
+    assert details == {
+        "name": "resnet18",
+        "target": "torchvision.models.resnet18",
+        "weights": "IMAGENET1K_V1",
+        "backbone_frozen": True,
+        "parameters": 11177538,
+        "trainable_parameters": 1026,
+    }
 
 
 def test_pretrained_first_conv_adapted_to_one_channel(resnet18_file):
@@ -243,9 +314,16 @@ def test_missing_weights_file_says_where_to_put_it(torch_home):
 @pytest.mark.slow
 def test_missing_weights_file_through_the_cli(tmp_path):
     home = tmp_path / "home"
-    proc = run_cli("model=resnet18", "model.weights=IMAGENET1K_V1", "data=synthetic", "data.num_classes=2",
-                   "trainer.device=cpu", "logger=none", cwd=tmp_path,
-                   env={"HYDRA_FULL_ERROR": "0", "TORCH_HOME": str(home)})
+    proc = run_cli(
+        "model=resnet18",
+        "model.weights=IMAGENET1K_V1",
+        "data=synthetic",
+        "data.num_classes=2",
+        "trainer.device=cpu",
+        "logger=none",
+        cwd=tmp_path,
+        env={"HYDRA_FULL_ERROR": "0", "TORCH_HOME": str(home)},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert str(cache_file(home)) in line and WEIGHTS.url in line
@@ -253,9 +331,12 @@ def test_missing_weights_file_through_the_cli(tmp_path):
 
 
 def test_weights_of_another_architecture_by_name(torch_home):
-    with pytest.raises(ConfigError, match=r"model\.weights='ResNet50_Weights\.IMAGENET1K_V1' are weights for another "
-                                          r"architecture: torchvision\.models\.resnet18 takes ResNet18_Weights "
-                                          r"\(IMAGENET1K_V1, DEFAULT\), not ResNet50_Weights"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.weights='ResNet50_Weights\.IMAGENET1K_V1' are weights for another "
+        r"architecture: torchvision\.models\.resnet18 takes ResNet18_Weights "
+        r"\(IMAGENET1K_V1, DEFAULT\), not ResNet50_Weights",
+    ):
         build("model=resnet18", "model.weights=ResNet50_Weights.IMAGENET1K_V1")
 
 
@@ -273,12 +354,18 @@ def test_weights_file_of_another_architecture(torch_home):
     assert "another architecture's file" in msg and WEIGHTS.url in msg
 
 
-@pytest.mark.parametrize("content,message", [
-    (b"<html>404 Not Found</html>", r"cannot read .*resnet18-f37072fd\.pth as PyTorch weights .*Delete it and fetch "
-                                    r"it again from https://download\.pytorch\.org/models/resnet18-f37072fd\.pth"),
-    ("module", r"cannot read .* as PyTorch weights \(UnpicklingError"),  # weights_only=True runs no pickled code
-    ("list", r"holds a list, not a state dict of tensors"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (
+            b"<html>404 Not Found</html>",
+            r"cannot read .*resnet18-f37072fd\.pth as PyTorch weights .*Delete it and fetch "
+            r"it again from https://download\.pytorch\.org/models/resnet18-f37072fd\.pth",
+        ),
+        ("module", r"cannot read .* as PyTorch weights \(UnpicklingError"),  # weights_only=True runs no pickled code
+        ("list", r"holds a list, not a state dict of tensors"),
+    ],
+)
 def test_unreadable_weights_file(torch_home, content, message):
     path = cache_file(torch_home)
     path.parent.mkdir(parents=True)
@@ -292,13 +379,22 @@ def test_unreadable_weights_file(torch_home, content, message):
         build("model=resnet18", "model.weights=IMAGENET1K_V1")
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model=resnet18", "model.weights=IMAGENET_V9"], r"'IMAGENET_V9' is not one of torchvision\.models\.resnet18's "
-                                                       r"weights: ResNet18_Weights has IMAGENET1K_V1, DEFAULT"),
-    (["model=mlp", "model.weights=IMAGENET1K_V1"], r"needs a torchvision model builder with a weights argument"),
-    (["model=resnet18", "model.freeze_backbone=true"], r"model\.freeze_backbone=true trains only a pretrained model's "
-                                                       r"new head; set model\.weights"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["model=resnet18", "model.weights=IMAGENET_V9"],
+            r"'IMAGENET_V9' is not one of torchvision\.models\.resnet18's "
+            r"weights: ResNet18_Weights has IMAGENET1K_V1, DEFAULT",
+        ),
+        (["model=mlp", "model.weights=IMAGENET1K_V1"], r"needs a torchvision model builder with a weights argument"),
+        (
+            ["model=resnet18", "model.freeze_backbone=true"],
+            r"model\.freeze_backbone=true trains only a pretrained model's "
+            r"new head; set model\.weights",
+        ),
+    ],
+)
 def test_bad_weights_settings(torch_home, overrides, message):
     with pytest.raises(ConfigError, match=message):
         build(*overrides)

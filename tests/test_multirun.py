@@ -23,9 +23,14 @@ def test_two_by_two_sweep_writes_four_jobs_with_their_own_runs(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"HOME": str(home)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)  # this checkout
     tiny = [*TINY, "logger=wandb", "trainer.max_steps=2", "trainer.log_every=1"]  # sweep keys last: they win
-    proc = subprocess.run([sys.executable, "-m", "runner", "-m", *tiny, "dataloader.batch_size=32,64",
-                           "optimizer.lr=0.01,0.1"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "-m", *tiny, "dataloader.batch_size=32,64", "optimizer.lr=0.01,0.1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = job_dirs(tmp_path)
     assert len(jobs) == 4
@@ -61,11 +66,13 @@ def test_a_plain_multirun_prints_a_line_per_job_and_ends_with_its_table_and_the_
     assert proc.returncode == 0, proc.stderr[-3000:]
     (sweep,) = {j.parent for j in job_dirs(tmp_path)}
     lines = proc.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines if line.startswith("job ")] == [f"job {sweep / '0'}",
-                                                                                  f"job {sweep / '1'}"]
+    assert [line.split(":")[0] for line in lines if line.startswith("job ")] == [
+        f"job {sweep / '0'}",
+        f"job {sweep / '1'}",
+    ]
     assert "summary (" not in proc.stdout  # the per-job table is gone
     start = lines.index(f"sweep {sweep.relative_to(tmp_path)}, jobs fastest first:")
-    header, rule, *rows = lines[start + 1:start + 5]
+    header, rule, *rows = lines[start + 1 : start + 5]
     assert header.startswith("| `dataloader.batch_size` | samples/s |") and rule.startswith("|---|---:|")
     assert sorted(row.split("|")[1].strip() for row in rows) == ["16", "32"]
     assert lines[-1] == f"the report again (and after more jobs): python -m runner.report {sweep.relative_to(tmp_path)}"

@@ -31,11 +31,15 @@ def names(pairs) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- the split
 
+
 def test_gpt_split_hidden_matrices_take_muon_embeddings_tied_head_and_norms_take_adamw():
     model = GPT(vocab_size=30, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
     matrices, rest = optim.muon_split(model)
-    hidden = [f"transformer.h.{i}.{m}.weight" for i in range(2)
-              for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    hidden = [
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
     assert names(matrices) == hidden
     assert all(p.dim() == 2 for _, p in matrices)
     assert {"transformer.wte.weight", "transformer.wpe.weight"} <= set(names(rest))
@@ -84,6 +88,7 @@ def test_the_optimizer_groups_say_which_rule_each_tensor_takes():
 
 # ------------------------------------------------------------------------------------------- the update
 
+
 class Hidden(nn.Module):
     """An embedding, one hidden matrix (48 x 32), a head: the smallest model with both parts."""
 
@@ -108,8 +113,15 @@ def test_one_step_equals_torch_muon_on_the_matrix_and_torch_adamw_on_the_rest():
     grads["hidden.weight"] = u @ torch.diag(spectrum) @ v.T
     theirs = copy.deepcopy(model)
     opt, _ = optim.build(muon_cfg(), model, 64, torch.device("cpu"))
-    ref_muon = torch.optim.Muon([theirs.hidden.weight], lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True,
-                                ns_steps=5, adjust_lr_fn="original")
+    ref_muon = torch.optim.Muon(
+        [theirs.hidden.weight],
+        lr=0.02,
+        weight_decay=0.01,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        adjust_lr_fn="original",
+    )
     others = [p for n, p in theirs.named_parameters() if n != "hidden.weight"]
     ref_adamw = torch.optim.AdamW(others, lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.01)
     before = model.hidden.weight.detach().clone()
@@ -133,13 +145,21 @@ def test_one_step_equals_torch_muon_on_the_matrix_and_torch_adamw_on_the_rest():
 
 # ------------------------------------------------------------------------------------------- the engine
 
+
 @pytest.mark.slow  # ~15 s on 2 busy cores; test_techniques trains muon 2 steps in the quick suite
 def test_training_with_muon_through_the_engine_lowers_the_loss(tmp_path, tiny_text):
     from runner.engine.train import train
 
-    cfg = compose_cfg(*TINY_GPT, f"data.path={tiny_text}", "optimizer=muon", "optimizer.impl=foreach",
-                      "optimizer.clip_grad_norm=1.0", "optimizer.decay_all=false",
-                      "trainer.max_steps=30", "trainer.log_every=1")
+    cfg = compose_cfg(
+        *TINY_GPT,
+        f"data.path={tiny_text}",
+        "optimizer=muon",
+        "optimizer.impl=foreach",
+        "optimizer.clip_grad_norm=1.0",
+        "optimizer.decay_all=false",
+        "trainer.max_steps=30",
+        "trainer.log_every=1",
+    )
     summary = train(cfg, job_dir=tmp_path)
     losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 0.2, losses  # 3.53 -> 3.16 here
@@ -149,12 +169,15 @@ def test_training_with_muon_through_the_engine_lowers_the_loss(tmp_path, tiny_te
     assert summary["config"]["optimizer"]["adamw_lr"] == 3e-4
 
 
-@pytest.mark.parametrize("override, message", [
-    ("optimizer.adamw_lr=0", "optimizer.adamw_lr=0.0 must be > 0"),
-    ("optimizer.lr=0", "optimizer.lr=0.0 must be > 0 (the AdamW part's LR is adamw_lr / lr of it)"),
-    ("optimizer.ns_steps=0", "optimizer.ns_steps=0 must be >= 1"),
-    ("optimizer.momentum=1", "optimizer.momentum=1.0 must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.adamw_lr=0", "optimizer.adamw_lr=0.0 must be > 0"),
+        ("optimizer.lr=0", "optimizer.lr=0.0 must be > 0 (the AdamW part's LR is adamw_lr / lr of it)"),
+        ("optimizer.ns_steps=0", "optimizer.ns_steps=0 must be >= 1"),
+        ("optimizer.momentum=1", "optimizer.momentum=1.0 must be in [0, 1)"),
+    ],
+)
 def test_bad_muon_settings_stop_with_one_clear_error_before_anything_is_written(tmp_path, override, message):
     from runner.engine.train import train
 
@@ -165,6 +188,7 @@ def test_bad_muon_settings_stop_with_one_clear_error_before_anything_is_written(
 
 
 # ------------------------------------------------------------------------------------------- exact resume
+
 
 @pytest.mark.slow
 def test_killed_muon_run_resumes_exactly(tmp_path):
@@ -197,5 +221,9 @@ def test_muon_on_a_model_with_no_hidden_matrix_is_refused_naming_it(tmp_path):
     optimizer=muon, silently: one error line says so and names the fix."""
     with pytest.raises(ConfigError, match=r"optimizer=muon: Linear has no hidden matrix for Muon .*optimizer=adamw"):
         optim.muon_groups(compose_cfg("optimizer=muon").optimizer, torch.nn.Linear(8, 3))
-    assert optim.muon_groups(compose_cfg("optimizer=muon").optimizer, torch.nn.Sequential(
-        torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)))[0]["use_muon"] is True
+    assert (
+        optim.muon_groups(
+            compose_cfg("optimizer=muon").optimizer, torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+        )[0]["use_muon"]
+        is True
+    )

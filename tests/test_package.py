@@ -23,8 +23,12 @@ from conftest import job_dirs, read_summary, run_cli
 from runner import REPO_ROOT
 
 CONF = REPO_ROOT / "conf"
-MNIST = ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", "train-images-idx3-ubyte.gz",
-         "train-labels-idx1-ubyte.gz"]
+MNIST = [
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+]
 
 
 def _setuptools_can_build() -> bool:
@@ -81,12 +85,30 @@ def _venv_with_wheel(wheel: Path, where: Path) -> Path:
     through a ``.pth`` line. Returns its python."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
     python = where / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(purelib, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--quiet",
-                           "--ignore-installed",  # this environment's runner (seen through the .pth) is another copy
-                           str(wheel)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--quiet",
+            "--ignore-installed",  # this environment's runner (seen through the .pth) is another copy
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return python
 
@@ -98,17 +120,36 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RUNNER_DATA_ROOT")}
     env |= {"XDG_CACHE_HOME": str(cache), "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
-    where = subprocess.run([str(python), "-c", "import runner; print(runner.__file__, runner.INSTALLED)"], cwd=work,
-                           env=env, capture_output=True, text=True)
+    where = subprocess.run(
+        [str(python), "-c", "import runner; print(runner.__file__, runner.INSTALLED)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert where.returncode == 0, where.stderr[-3000:]
     where = where.stdout.split()
     package = Path(where[0]).parent
     assert package.is_relative_to(tmp_path / "venv") and where[1] == "True"
     before = sorted(package.rglob("*"))
 
-    proc = subprocess.run([str(python), "-m", "runner", "trainer.max_steps=30", "trainer.log_every=10",
-                           "trainer.eval_max_batches=10", "trainer.device=cpu", "logger=none"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "runner",
+            "trainer.max_steps=30",
+            "trainer.log_every=10",
+            "trainer.eval_max_batches=10",
+            "trainer.device=cpu",
+            "logger=none",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job,) = job_dirs(work)
     s = read_summary(job)
@@ -116,8 +157,9 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
     assert s["config"]["data"]["root"] == str(package / "embedded_data")
     # the archives were extracted into the user cache; the installed package was not written to
     assert sorted(p.name for p in (cache / "runner" / "MNIST" / "raw").iterdir()) == [n[:-3] for n in MNIST]
-    assert sorted(p for p in package.rglob("*") if "__pycache__" not in p.parts) == \
-        [p for p in before if "__pycache__" not in p.parts]
+    assert sorted(p for p in package.rglob("*") if "__pycache__" not in p.parts) == [
+        p for p in before if "__pycache__" not in p.parts
+    ]
 
 
 # --------------------------------------------------------------------------- a user's own config folder
@@ -156,8 +198,13 @@ def user_conf(tmp_path) -> Path:
     return conf
 
 
-QUIET = ["dataloader.batch_size=16", "trainer.eval_max_batches=1", "trainer.progress=off", "trainer.device=cpu",
-         "logger=none"]
+QUIET = [
+    "dataloader.batch_size=16",
+    "trainer.eval_max_batches=1",
+    "trainer.progress=off",
+    "trainer.device=cpu",
+    "logger=none",
+]
 
 
 @pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
@@ -176,8 +223,11 @@ def test_user_config_folder_composes_with_runners(user_conf, tmp_path, how):
 def test_user_options_are_listed_in_help(user_conf, tmp_path):
     proc = run_cli("--config-dir", str(user_conf), "--help", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    groups = dict(line.split(": ", 1) for line in proc.stdout.split("== Config groups ==")[1]
-                  .split("== Config ==")[0].splitlines() if ": " in line)
+    groups = dict(
+        line.split(": ", 1)
+        for line in proc.stdout.split("== Config groups ==")[1].split("== Config ==")[0].splitlines()
+        if ": " in line
+    )
     assert "tiny" in groups["data"].split(", ") and "mine" in groups["experiment"].split(", ")
 
 
@@ -186,4 +236,3 @@ def test_user_option_typo_fails_against_runners_schema(user_conf, tmp_path):
     proc = run_cli("--config-dir", str(user_conf), "+experiment=mine", *QUIET, cwd=tmp_path, timeout=120)
     assert proc.returncode != 0 and "train_sise" in proc.stderr
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("summary.json"))
-

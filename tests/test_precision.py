@@ -66,9 +66,16 @@ def test_bf16_on_an_emulating_cpu_warns_but_applies(monkeypatch):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name, techniques", [("fp32", {}), ("tf32", {"tf32": "skipped: TF32 needs an NVIDIA GPU of "
-                                                                                "compute capability 8.0 or newer; this "
-                                                                                "job runs on the CPU"})])
+@pytest.mark.parametrize(
+    "name, techniques",
+    [
+        ("fp32", {}),
+        (
+            "tf32",
+            {"tf32": "skipped: TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs on the CPU"},
+        ),
+    ],
+)
 def test_fp32_and_tf32_on_cpu_run_in_fp32(tmp_path, spy, name, techniques):
     summary = run_precision(tmp_path, f"precision={name}")
     assert summary["techniques"] == {**techniques, **ONE_THREAD}
@@ -172,8 +179,9 @@ def test_non_positive_clip_is_a_config_error(tmp_path):
 @pytest.mark.gpu
 @cuda_only
 def test_amp_on_cuda_is_fp16_with_a_grad_scaler(tmp_path, spy):
-    summary = run_precision(tmp_path, "precision=amp", "trainer.device=cuda", "precision.init_scale=1024",
-                  "precision.growth_interval=3")
+    summary = run_precision(
+        tmp_path, "precision=amp", "trainer.device=cuda", "precision.init_scale=1024", "precision.growth_interval=3"
+    )
     assert summary["techniques"]["amp"] == "applied"
     assert spy.calls and all(c.out_dtype == torch.float16 for c in spy.calls)
     scaler = spy.scaler_used
@@ -186,8 +194,14 @@ def test_amp_on_cuda_is_fp16_with_a_grad_scaler(tmp_path, spy):
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")  # a skipped first step
 def test_the_cuda_scaler_skips_the_step_with_inf_gradients(tmp_path, spy):
     # fp16 gradients overflow (max 65504) with a loss scale of 2**24: GradScaler.step must not call optimizer.step
-    summary = run_precision(tmp_path, "precision=amp", "trainer.device=cuda", f"precision.init_scale={2.0**24}",
-                            "trainer.max_steps=1", "trainer.warmup_steps=0")
+    summary = run_precision(
+        tmp_path,
+        "precision=amp",
+        "trainer.device=cuda",
+        f"precision.init_scale={2.0**24}",
+        "trainer.max_steps=1",
+        "trainer.warmup_steps=0",
+    )
     assert summary["techniques"]["amp"] == "applied" and summary["steps"] == 1
     assert spy.steps == [] and changed(spy) == []  # the weights got no inf/NaN
     assert spy.scaler_used.get_scale() == 2.0**23  # backoff_factor 0.5
@@ -244,5 +258,6 @@ def test_auto_on_a_cpu_is_exactly_amp(monkeypatch, native):
     assert (auto.techniques, auto.compute_dtype) == (amp.techniques, amp.compute_dtype)
     said = "on a CPU: bf16 autocast, no loss scaling" if native else None  # the note names the dtype amp means here
     assert [n and n.split(" (")[0] for n in (auto.note, amp.note)] == (
-        [f"precision=auto {said}", f"precision=amp {said}"] if native else [None, None])
+        [f"precision=auto {said}", f"precision=amp {said}"] if native else [None, None]
+    )
     assert auto.scaler.is_enabled() is amp.scaler.is_enabled() is False

@@ -27,18 +27,38 @@ from conftest import cuda_only, read_summary, run_cli, run_here
 from runner import REPO_ROOT, checkpoint as ck
 
 #: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
-STEPS = ["trainer.max_steps=16", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_max_batches=2",
-         "trainer.progress=off", "trainer.device=cpu", "logger=none", "checkpoint.every_steps=3"]
-JOB = ["data=synthetic", "data.shape=[3,16,16]", "data.train_size=256", "data.eval_size=64", "dataloader.batch_size=16",
-       *STEPS]
+STEPS = [
+    "trainer.max_steps=16",
+    "trainer.warmup_steps=1",
+    "trainer.log_every=1",
+    "trainer.eval_max_batches=2",
+    "trainer.progress=off",
+    "trainer.device=cpu",
+    "logger=none",
+    "checkpoint.every_steps=3",
+]
+JOB = [
+    "data=synthetic",
+    "data.shape=[3,16,16]",
+    "data.train_size=256",
+    "data.eval_size=64",
+    "dataloader.batch_size=16",
+    *STEPS,
+]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
 def env() -> dict[str, str]:
     # not the test process's own W&B service (WANDB_SERVICE): it would outlive a killed run and hold its id
     own = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    return {**own, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1",
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return {
+        **own,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HYDRA_FULL_ERROR": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
 
 
 def command(folder: Path, overrides: list[str], distributed: bool) -> list[str]:
@@ -72,8 +92,9 @@ def kill_at(cmd: list[str], folder: Path, step: int, timeout: float = 240) -> No
     count until the resumed run has rewritten the file (it drops the rows after its checkpoint)."""
     metrics = folder / "metrics.jsonl"
     before = metrics.read_text() if metrics.exists() else None
-    proc = subprocess.Popen(cmd, cwd=folder.parent, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=folder.parent, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         text = metrics.read_text() if metrics.exists() else None
@@ -137,16 +158,20 @@ def assert_exact_resume(tmp_path: Path, overrides: list[str], distributed: bool 
     return summary
 
 
-@pytest.mark.parametrize("case", [
-    [],  # the plain DataLoader
-    ["dataloader.num_workers=2", "memory.accumulate_steps=2"],  # worker processes; 8 steps per epoch: mid-epoch
-    ["dataloader=device", "data.augment=true", "data.normalize=true"],  # on-device data, random crop + flip
-    # the moving average of the weights (its warm-up count too) and the best weights continue exactly
-    ["trainer.ema_decay=0.8", "trainer.ema_warmup=true", "checkpoint.keep_best=true", "trainer.eval_every=4"],
-    # the compiled optimizer step: its LR a tensor the schedule fills, saved and loaded with the optimizer's state
-    # (an MLP: fewer tensors, a cheaper compile)
-    ["compile.optimizer=true", "optimizer=adamw", "scheduler=cosine", "scheduler.warmup_steps=2", "model=mlp"],
-], ids=["loader", "workers-accumulation", "on-device-augment", "ema-best", "compiled-optimizer-step"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        [],  # the plain DataLoader
+        ["dataloader.num_workers=2", "memory.accumulate_steps=2"],  # worker processes; 8 steps per epoch: mid-epoch
+        ["dataloader=device", "data.augment=true", "data.normalize=true"],  # on-device data, random crop + flip
+        # the moving average of the weights (its warm-up count too) and the best weights continue exactly
+        ["trainer.ema_decay=0.8", "trainer.ema_warmup=true", "checkpoint.keep_best=true", "trainer.eval_every=4"],
+        # the compiled optimizer step: its LR a tensor the schedule fills, saved and loaded with the optimizer's state
+        # (an MLP: fewer tensors, a cheaper compile)
+        ["compile.optimizer=true", "optimizer=adamw", "scheduler=cosine", "scheduler.warmup_steps=2", "model=mlp"],
+    ],
+    ids=["loader", "workers-accumulation", "on-device-augment", "ema-best", "compiled-optimizer-step"],
+)
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, case):
     assert_exact_resume(tmp_path, [*JOB, *case])
@@ -154,16 +179,21 @@ def test_killed_run_resumes_exactly(tmp_path, case):
 
 @pytest.mark.gpu
 @cuda_only
-@pytest.mark.parametrize("case", [
-    [],  # the plain DataLoader: pageable batches copied to the GPU
-    ["dataloader=device", "data.augment=true", "precision=amp"],  # on-device data (CUDA generator), the GradScaler
-], ids=["loader", "on-device-amp"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        [],  # the plain DataLoader: pageable batches copied to the GPU
+        ["dataloader=device", "data.augment=true", "precision=amp"],  # on-device data (CUDA generator), the GradScaler
+    ],
+    ids=["loader", "on-device-amp"],
+)
 def test_killed_cuda_run_resumes_exactly(tmp_path, case):
     """On CUDA the checkpoint must carry the CUDA generator's state and the GradScaler's scale; deterministic
     kernels (``trainer.deterministic=true``) make the straight and the resumed run comparable bit for bit. The
     MLP: every op of its step has a deterministic CUDA kernel (a CNN's adaptive pooling backward has none)."""
-    summary = assert_exact_resume(tmp_path, [*JOB, "model=mlp", "trainer.device=cuda", "trainer.deterministic=true",
-                                             *case])
+    summary = assert_exact_resume(
+        tmp_path, [*JOB, "model=mlp", "trainer.device=cuda", "trainer.deterministic=true", *case]
+    )
     assert "cuda" in str(summary["device"])
 
 
@@ -176,9 +206,19 @@ def test_killed_ddp_run_resumes_exactly(tmp_path):
 def test_killed_fsdp_language_model_resumes_exactly(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((REPO_ROOT / "README.md").read_text()[:40000])
-    lm = ["+experiment=shakespeare_char", f"data.path={corpus}", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
-          "data.block_size=16", "optimizer.base_batch_size=8", "scheduler.warmup_steps=2", "trainer.eval_every=8",
-          "task.sample_tokens=20", "trainer.ema_decay=0.9"]  # the EMA sharded like the parameters
+    lm = [
+        "+experiment=shakespeare_char",
+        f"data.path={corpus}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "data.block_size=16",
+        "optimizer.base_batch_size=8",
+        "scheduler.warmup_steps=2",
+        "trainer.eval_every=8",
+        "task.sample_tokens=20",
+        "trainer.ema_decay=0.9",
+    ]  # the EMA sharded like the parameters
     summary = assert_exact_resume(tmp_path, [*lm, *STEPS, "distributed=fsdp"], distributed=True)
     assert "eval_loss_ema" in summary and summary["techniques"]["ema"] == "applied"
     assert summary["parameters"]["dtensor_count"] > 0
@@ -195,9 +235,19 @@ def test_killed_model_parallel_language_models_resume_exactly(tmp_path):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((REPO_ROOT / "README.md").read_text()[:40000])
-    lm = ["+experiment=shakespeare_char", f"data.path={corpus}", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
-          "data.block_size=16", "optimizer.base_batch_size=8", "scheduler.warmup_steps=2", "trainer.eval_every=8",
-          "task.sample_tokens=0", "trainer.ema_decay=0.9"]
+    lm = [
+        "+experiment=shakespeare_char",
+        f"data.path={corpus}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "data.block_size=16",
+        "optimizer.base_batch_size=8",
+        "scheduler.warmup_steps=2",
+        "trainer.eval_every=8",
+        "task.sample_tokens=0",
+        "trainer.ema_decay=0.9",
+    ]
     # a pipeline: each rank's stage (names of the whole model), its optimizer state keyed by parameter name. tp's
     # checkpoint is DTensor shards as FSDP2's (resumed exactly when checked by hand; left out of CI for its minute)
     for name in ("pp",):
@@ -212,8 +262,14 @@ def test_killed_model_parallel_language_models_resume_exactly(tmp_path):
 @pytest.mark.slow
 def test_sigterm_checkpoints_at_the_step_boundary_and_exits_75(tmp_path):
     folder = tmp_path / "job"
-    proc = subprocess.Popen(command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False),
-                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False),
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = folder / "metrics.jsonl"
     while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
         assert proc.poll() is None, proc.stderr.read()
@@ -228,8 +284,9 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_exits_75(tmp_path):
     # the requeued job (same command, same folder) continues from there to the end
     resumed = run(command(folder, [*JOB, "trainer.max_steps=400", "checkpoint.every_steps=null"], False), tmp_path)
     assert f"resumed from {path}" in resumed.stdout
-    assert (read_summary(folder)["steps"] == 400
-            and [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 401)))
+    assert read_summary(folder)["steps"] == 400 and [r[0] for r in rows(folder) if r[1] is not None] == list(
+        range(1, 401)
+    )
 
 
 @pytest.mark.slow
@@ -253,8 +310,9 @@ def test_a_restart_before_the_first_checkpoint_starts_over_and_counts(tmp_path):
     cmd = command(folder, JOB, False)
     kill_at(cmd, folder, 2)  # checkpoint 3 never written
     again = run(cmd, tmp_path)
-    assert (f"started over: the earlier attempt in {folder} stopped before its first checkpoint (restart 1)"
-            in again.stdout)
+    assert (
+        f"started over: the earlier attempt in {folder} stopped before its first checkpoint (restart 1)" in again.stdout
+    )
     assert read_summary(folder)["restarts"] == 1
     assert [r[0] for r in rows(folder) if r[1] is not None] == list(range(1, 17))
 
@@ -265,16 +323,34 @@ def test_a_preempted_torchrun_job_exits_75_through_runner_torchrun(tmp_path):
     exits 75 when they stopped for a preemption (SIGTERM to both workers: checkpoint, exit 75 each)."""
     folder = tmp_path / "job"
     job = [*JOB, "distributed=ddp", "dataloader.batch_size=8", "trainer.max_steps=400", "checkpoint.every_steps=null"]
-    proc = subprocess.Popen([sys.executable, "-m", "runner.torchrun", "--standalone", "--nproc-per-node=2", "-m",
-                             "runner", *job, f"hydra.run.dir={folder}"], cwd=tmp_path, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runner.torchrun",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "runner",
+            *job,
+            f"hydra.run.dir={folder}",
+        ],
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = folder / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.02)
-    workers = [pid for pid in _descendants(proc.pid)
-               if " -m runner " in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") + " "]
+    workers = [
+        pid
+        for pid in _descendants(proc.pid)
+        if " -m runner " in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") + " "
+    ]
     assert len(workers) == 2
     for pid in workers:
         os.kill(pid, signal.SIGTERM)
@@ -312,8 +388,9 @@ def test_nan_stops_with_the_last_checkpoint_intact_and_skip_counts(tmp_path):
 
     # skip does not hide a divergence: most steps of a log interval skipped stops the run the same way
     (tmp_path / "skip").mkdir()
-    proc = run_cli(*JOB, "optimizer.lr=1e10", "trainer.on_nonfinite=skip", "checkpoint.at_end=false",
-                   cwd=tmp_path / "skip")
+    proc = run_cli(
+        *JOB, "optimizer.lr=1e10", "trainer.on_nonfinite=skip", "checkpoint.at_end=false", cwd=tmp_path / "skip"
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "non-finite gradient and were skipped" in error and "trainer.max_skipped_fraction=0.5" in error
@@ -352,16 +429,25 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     run([*TORCHRUN, "-m", "runner", *job, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.Popen([*TORCHRUN, "--max-restarts=1", "-m", "runner", *job], cwd=work, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*TORCHRUN, "--max-restarts=1", "-m", "runner", *job],
+        cwd=work,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         found = list((work / "outputs").rglob("metrics.jsonl"))
         if found and '"step": 8,' in found[0].read_text():
             break
         time.sleep(0.02)
-    workers = [pid for pid in _descendants(proc.pid) if "-m runner" in Path(f"/proc/{pid}/cmdline").read_text()
-               .replace("\0", " ")]
+    workers = [
+        pid
+        for pid in _descendants(proc.pid)
+        if "-m runner" in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    ]
     os.kill(workers[-1], signal.SIGKILL)  # one worker dies; the agent restarts the group
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
@@ -371,8 +457,11 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rows(tmp_path / "straight") == rows(folder)
-    pointers = [p for p in (Path(tempfile.gettempdir()) / f"runner-elastic-{os.getuid()}").glob("*.jobdir")
-                if p.read_text().strip() == str(folder.resolve())]
+    pointers = [
+        p
+        for p in (Path(tempfile.gettempdir()) / f"runner-elastic-{os.getuid()}").glob("*.jobdir")
+        if p.read_text().strip() == str(folder.resolve())
+    ]
     assert not pointers, "the finished job left its restart pointer behind"
 
 

@@ -22,9 +22,16 @@ from runner.errors import ConfigError
 from runner.sweeps.search_end import paste_line
 
 #: A search over two LRs that tries both (BruteForceSampler), each trial the tiny job
-SEARCH = ["-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.doctor=false",
-          "+hydra.sweeper.params={optimizer.lr: 'choice(0.000001, 0.05)'}",
-          "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "~hydra.sweeper.sampler.seed", *TINY]
+SEARCH = [
+    "-m",
+    "hydra/sweeper=search",
+    "hydra.sweeper.n_trials=3",
+    "trainer.doctor=false",
+    "+hydra.sweeper.params={optimizer.lr: 'choice(0.000001, 0.05)'}",
+    "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+    "~hydra.sweeper.sampler.seed",
+    *TINY,
+]
 
 
 def trial_values(stdout: str, metric: str) -> list[float]:
@@ -37,8 +44,15 @@ def test_python_m_runner_returns_the_named_metric(monkeypatch):
     import runner.__main__ as cli
     import runner.engine.train
 
-    summary = {"samples_per_sec": 123.0, "eval_loss": 0.25, "eval_accuracy": 0.9, "time_to_target_s": None,
-               "train_time_s": 7.0, "steps": 10, "global_batch_size": 16}
+    summary = {
+        "samples_per_sec": 123.0,
+        "eval_loss": 0.25,
+        "eval_accuracy": 0.9,
+        "time_to_target_s": None,
+        "train_time_s": 7.0,
+        "steps": 10,
+        "global_batch_size": 16,
+    }
     monkeypatch.setattr(runner.engine.train, "train", lambda cfg, on_evaluation=None: summary)
     assert cli._train(compose_cfg("trainer.doctor=false")) == 123.0
     assert cli._train(compose_cfg("trainer.doctor=false", "optimized_metric=eval_loss")) == 0.25
@@ -59,8 +73,11 @@ def test_a_real_run_returns_its_summary_figure(tmp_path):
 
 
 def test_a_bad_optimized_metric_is_one_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"^optimized_metric=eval_acc is not a figure .*did you mean "
-                                          r"optimized_metric=eval_accuracy\?.*time_to_target_s"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^optimized_metric=eval_acc is not a figure .*did you mean "
+        r"optimized_metric=eval_accuracy\?.*time_to_target_s",
+    ):
         objective.check(compose_cfg("optimized_metric=eval_acc"))
     with pytest.raises(ConfigError, match=r"optimized_metric=time_to_target_s needs a target"):
         objective.check(compose_cfg("optimized_metric=time_to_target_s"))
@@ -95,14 +112,20 @@ def test_the_search_finds_the_better_lr_and_prints_the_line_to_paste(tmp_path):
     mine = tmp_path / "my-configs" / "experiment"
     mine.mkdir(parents=True)
     (mine / "tab.yaml").write_text("# @package _global_\ntrainer:\n  eval_every: 2\n")
-    r = run_cli("--config-dir", "my-configs", "+experiment=tab", *SEARCH, "optimized_metric=eval_loss",
-                "hydra.sweeper.verify_seeds=0", cwd=tmp_path)
+    r = run_cli(
+        "--config-dir",
+        "my-configs",
+        "+experiment=tab",
+        *SEARCH,
+        "optimized_metric=eval_loss",
+        "hydra.sweeper.verify_seeds=0",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     values = trial_values(r.stdout, "eval_loss")
     assert len(values) == 2, r.stdout  # two points: the brute-force sampler ends the search after them
     sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
-    jobs = {read_summary(sweep / str(n))["config"]["optimizer"]["lr"]: read_summary(sweep / str(n))
-            for n in range(2)}
+    jobs = {read_summary(sweep / str(n))["config"]["optimizer"]["lr"]: read_summary(sweep / str(n)) for n in range(2)}
     assert sorted(values) == sorted(s["eval_loss"] for s in jobs.values())
     best_lr = min(jobs, key=lambda lr: jobs[lr]["eval_loss"])
     assert jobs[best_lr]["eval_loss"] < 0.5 * max(s["eval_loss"] for s in jobs.values())  # clearly better
@@ -128,11 +151,23 @@ def test_n_jobs_trials_run_in_slots_and_a_freed_slot_starts_the_next_at_once(tmp
     trial is told its own job's figure, and the search says how busy its slots were."""
     pytest.importorskip("optuna")
     job = [o for o in TINY if not o.startswith("trainer.max_steps=")]  # the searched key
-    r = run_cli("-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.doctor=false", *job,
-                "+hydra.sweeper.params={trainer.max_steps: 'choice(400, 3, 4)'}", "optimized_metric=eval_loss",
-                "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "hydra.sweeper.sampler.seed=5",
-                "hydra.sweeper.verify_seeds=0", "hydra.sweeper.n_jobs=2", "trainer.log_every=1",
-                f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=600)
+    r = run_cli(
+        "-m",
+        "hydra/sweeper=search",
+        "hydra.sweeper.n_trials=3",
+        "trainer.doctor=false",
+        *job,
+        "+hydra.sweeper.params={trainer.max_steps: 'choice(400, 3, 4)'}",
+        "optimized_metric=eval_loss",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+        "hydra.sweeper.sampler.seed=5",
+        "hydra.sweeper.verify_seeds=0",
+        "hydra.sweeper.n_jobs=2",
+        "trainer.log_every=1",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert re.search(r"^slots: 2 trials at a time, busy \d+% of the slot-time$", r.stdout, re.M), r.stdout
     jobs = {n: read_summary(tmp_path / "sweep" / str(n)) for n in range(3)}
@@ -162,8 +197,9 @@ def test_slot_jobs_share_the_cpus_out_and_the_busy_share_counts_running_jobs(tmp
     assert slots.threads_each(OmegaConf.create({"trainer": {"num_threads": None}}), 2) == max(1, cpus // 2)
     assert slots.threads_each(OmegaConf.create({"trainer": {"num_threads": 3}}), 2) is None
     started = []
-    monkeypatch.setattr(subprocess, "Popen", lambda command, **kw: started.append(command) or
-                        subprocess.CompletedProcess(command, 0))
+    monkeypatch.setattr(
+        subprocess, "Popen", lambda command, **kw: started.append(command) or subprocess.CompletedProcess(command, 0)
+    )
     pool = slots.Slots(2, threads=1)
     pool.start("job", tmp_path / "j", ["trainer.num_threads=2", "trainer.max_steps=3"])
     assert started[0][3:6] == ["trainer.num_threads=1", "trainer.num_threads=2", "trainer.max_steps=3"], started
@@ -174,8 +210,9 @@ def test_slot_jobs_share_the_cpus_out_and_the_busy_share_counts_running_jobs(tmp
 def test_n_jobs_with_the_interleaved_launcher_is_refused(tmp_path):
     from conftest import run_here
 
-    r = run_here(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.n_jobs=2", "hydra/launcher=interleaved",
-                 cwd=tmp_path)
+    r = run_here(
+        *SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.n_jobs=2", "hydra/launcher=interleaved", cwd=tmp_path
+    )
     assert r.returncode == 2 and "the interleaved launcher compares jobs" in r.stderr, r.stderr[-2000:]
 
 
@@ -190,17 +227,30 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path, n_jobs):
     # the LR is the batch's share of optimizer.lr (lr_scaling=linear): 0.2 x 16/64 = 0.05, the starting recipe's,
     # blows up; the base batch searched, 64000, gives 0.00005, which keeps the loss near ln(10) at the target
     space = "+hydra.sweeper.params={optimizer.base_batch_size: 'choice(64, 64000)'}"
-    r = run_cli(*[a for a in SEARCH if not a.startswith("+hydra.sweeper.params")], space, "optimizer.lr=0.2",
-                "optimizer.lr_scaling=linear", "optimized_metric=samples_to_target", "trainer.target_loss=2.4",
-                "trainer.eval_every=2", "trainer.stop_at_target=true", "hydra.sweeper.verify_seeds=5",
-                "hydra.sweeper.recipe=['+experiment=baseline']", "hydra.sweeper.pruner=median",
-                f"hydra.sweeper.n_jobs={n_jobs}", cwd=tmp_path)
+    r = run_cli(
+        *[a for a in SEARCH if not a.startswith("+hydra.sweeper.params")],
+        space,
+        "optimizer.lr=0.2",
+        "optimizer.lr_scaling=linear",
+        "optimized_metric=samples_to_target",
+        "trainer.target_loss=2.4",
+        "trainer.eval_every=2",
+        "trainer.stop_at_target=true",
+        "hydra.sweeper.verify_seeds=5",
+        "hydra.sweeper.recipe=['+experiment=baseline']",
+        "hydra.sweeper.pruner=median",
+        f"hydra.sweeper.n_jobs={n_jobs}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "target not reached" in r.stdout and "reached the target" in r.stdout, r.stdout
     assert "cannot report" not in r.stdout + r.stderr  # the verification's runs are no trials of the study
     sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
-    seeds = {f"{p.parent.parent.name}/{p.parent.name}": read_summary(p.parent)["config"]["trainer"]["seed"]
-             for side in ("best", "start") for p in (sweep / "verify" / side).rglob("summary.json")}
+    seeds = {
+        f"{p.parent.parent.name}/{p.parent.name}": read_summary(p.parent)["config"]["trainer"]["seed"]
+        for side in ("best", "start")
+        for p in (sweep / "verify" / side).rglob("summary.json")
+    }
     assert seeds == {f"{side}/seed{s}": s for side in ("best", "start") for s in range(100, 105)}
     line = next(x for x in r.stdout.splitlines() if x.startswith("samples to target, best / start:"))
     assert "it needs fewer samples" in line, r.stdout[-3000:]
@@ -273,8 +323,12 @@ def _verification(monkeypatch, best: list[float], start: list[float], seeds: int
             yield i, verify.Run(Seed(n, True), Seed(n / 100, True))
 
     monkeypatch.setattr(verify, "runs", runs)
-    cfg = OmegaConf.create({"trainer": {"target_accuracy": 0.9, "target_loss": None, "seed": 0},
-                            "hydra": {"sweep": {"dir": "/nonexistent"}}})
+    cfg = OmegaConf.create(
+        {
+            "trainer": {"target_accuracy": 0.9, "target_loss": None, "seed": 0},
+            "hydra": {"sweep": {"dir": "/nonexistent"}},
+        }
+    )
     sweeper = SimpleNamespace(config=cfg, confidence=0.95)
     trial = SimpleNamespace(number=3, params={"optimizer.lr": 0.02}, value=1.0)
     plan = {"seeds": list(range(100, 100 + seeds)), "fixed": ["trainer.seed=0"]}
@@ -300,16 +354,22 @@ def test_the_best_few_are_verified_side_by_side_and_the_fastest_on_fresh_seeds_i
             yield i, verify.Run(Seed(samples[i % 3] + i, True), Seed((samples[i % 3] + i) / 100, True))
 
     monkeypatch.setattr(verify, "runs", runs)
-    cfg = OmegaConf.create({"trainer": {"target_accuracy": 0.9, "target_loss": None, "seed": 0},
-                            "hydra": {"sweep": {"dir": "/nonexistent"}}})
+    cfg = OmegaConf.create(
+        {
+            "trainer": {"target_accuracy": 0.9, "target_loss": None, "seed": 0},
+            "hydra": {"sweep": {"dir": "/nonexistent"}},
+        }
+    )
     sweeper = SimpleNamespace(config=cfg, confidence=0.95)
-    trials = [SimpleNamespace(number=n, params={"optimizer.lr": lr}, value=v)
-              for n, lr, v in ((3, 0.02, 1.0), (5, 0.03, 1.1))]
+    trials = [
+        SimpleNamespace(number=n, params={"optimizer.lr": lr}, value=v) for n, lr, v in ((3, 0.02, 1.0), (5, 0.03, 1.1))
+    ]
     lines, record, found = verify.verify(sweeper, {"seeds": list(range(100, 108)), "fixed": []}, trials)
     assert found is trials[1], lines
     assert record["stopped"] == "firm at seed 3 of 8"  # Welch's t: every run reached the target
     assert set(record["candidates"]) == {"best", "best2"} and record["candidates"]["best2"]["params"] == {
-        "optimizer.lr": 0.03}
+        "optimizer.lr": 0.03
+    }
     assert any(line.startswith("the recipe found is best2 (candidate (trial 6))") for line in lines), lines
 
 
@@ -317,12 +377,15 @@ def test_the_verification_stops_at_the_first_firm_look(monkeypatch):
     lines, record, asked = _verification(monkeypatch, [1000.0 + i for i in range(8)], [3000.0 + i for i in range(8)])
     assert len(asked) == 6 and record["seeds"] == [100, 101, 102], (asked, record)
     assert record["stopped"] == "firm at seed 3 of 8" and record["time_to_target"]["high"] < 1
-    assert any(line.startswith("time to target, best / start (Welch's t on the logs): x0.334") and "at 99.17%" in line
-               for line in lines), lines
+    assert any(
+        line.startswith("time to target, best / start (Welch's t on the logs): x0.334") and "at 99.17%" in line
+        for line in lines
+    ), lines
     assert record["samples_to_target"]["high"] == math.inf  # 3 a side: the rank test cannot be firm yet
     # interleaved values: no look is firm, every seed runs
-    lines, record, asked = _verification(monkeypatch, [1000.0 + 2 * i for i in range(8)],
-                                         [1001.0 + 2 * i for i in range(8)])
+    lines, record, asked = _verification(
+        monkeypatch, [1000.0 + 2 * i for i in range(8)], [1001.0 + 2 * i for i in range(8)]
+    )
     assert len(asked) == 16 and record["stopped"] == "all 8 seeds run", record
     assert any("no difference shown" in line for line in lines)
 
@@ -381,8 +444,9 @@ def asked_trials(name: str, n: int = 12, n_jobs: int = 2) -> list[dict]:
         asked.append(running[-1].params)
         if len(running) == n_jobs:
             done = running.pop(0)
-            study.tell(done, sum((math.log(v) if isinstance(v, float) else len(str(v))) ** 2
-                                 for v in done.params.values()))
+            study.tell(
+                done, sum((math.log(v) if isinstance(v, float) else len(str(v))) ** 2 for v in done.params.values())
+            )
     return asked
 
 
@@ -396,6 +460,7 @@ def test_the_search_file_asks_the_recorded_trials_under_every_optuna():
     other trials than 5.x from the sixth on, with the file's seed and options, so the search needs 5.0."""
     pytest.importorskip("optuna")
     asked, recorded = asked_trials("mnist_optuna"), json.loads(RECORDED.read_text())
+
     # the same points; a float's last bit follows numpy's build (2.4.6 rounded one LR ...008 where 2.3 gave ...007)
     def same(a, b) -> bool:
         return math.isclose(a, b, rel_tol=1e-12) if isinstance(a, float) and isinstance(b, float) else a == b
@@ -433,8 +498,9 @@ def test_the_gpt_search_brings_the_recipe_and_its_own_target():
     # ... optimizer.lr=0.0035 scheduler=cosine dataloader.batch_size=8": the MNIST default with the GPT's settings)
     fixed = ["hparams_search=gpt_optuna", "trainer.num_threads=1"]
     line = paste_line(fixed, {"optimizer.lr": 0.0035, "scheduler": "cosine"}, list(sweeper.recipe))
-    assert line == ("python -m runner +experiment=shakespeare_char trainer.num_threads=1 optimizer.lr=0.0035 "
-                    "scheduler=cosine")
+    assert line == (
+        "python -m runner +experiment=shakespeare_char trainer.num_threads=1 optimizer.lr=0.0035 scheduler=cosine"
+    )
     assert compose_cfg(*line.split()[3:], tiny=False).model.n_layer == 4
 
 
@@ -453,17 +519,28 @@ def test_a_planted_trial_in_a_shared_study_is_never_the_best_nor_launched(tmp_pa
     lr = {"optimizer.lr": FloatDistribution(0.01, 0.5)}
     (tmp_path / "job0").mkdir()
     (tmp_path / "job0" / "summary.json").write_text("{}")
-    good = optuna.trial.create_trial(params={"optimizer.lr": 0.1}, distributions=lr, value=0.5,
-                                     user_attrs={RUN: {"folder": str(tmp_path / "job0"), "value": 0.5}})
+    good = optuna.trial.create_trial(
+        params={"optimizer.lr": 0.1},
+        distributions=lr,
+        value=0.5,
+        user_attrs={RUN: {"folder": str(tmp_path / "job0"), "value": 0.5}},
+    )
     inside = optuna.trial.create_trial(params={"optimizer.lr": 0.2}, distributions=lr, value=0.05)  # no record
     (tmp_path / "job1").mkdir()  # a record whose folder has no summary: not a run
-    emptied = optuna.trial.create_trial(params={"optimizer.lr": 0.3}, distributions=lr, value=0.04,
-                                        user_attrs={RUN: {"folder": str(tmp_path / "job1"), "value": 0.04}})
-    outside = optuna.trial.create_trial(params={"optimizer.lr": 0.9}, distributions={
-        "optimizer.lr": FloatDistribution(0.01, 1.0)}, value=0.1)
+    emptied = optuna.trial.create_trial(
+        params={"optimizer.lr": 0.3},
+        distributions=lr,
+        value=0.04,
+        user_attrs={RUN: {"folder": str(tmp_path / "job1"), "value": 0.04}},
+    )
+    outside = optuna.trial.create_trial(
+        params={"optimizer.lr": 0.9}, distributions={"optimizer.lr": FloatDistribution(0.01, 1.0)}, value=0.1
+    )
     planted = optuna.trial.create_trial(
-        params={"optimizer.lr": 0.1, "model._target_": "numpy.load"}, value=0.01,
-        distributions={**lr, "model._target_": optuna.distributions.CategoricalDistribution(["numpy.load"])})
+        params={"optimizer.lr": 0.1, "model._target_": "numpy.load"},
+        value=0.01,
+        distributions={**lr, "model._target_": optuna.distributions.CategoricalDistribution(["numpy.load"])},
+    )
     for t in (good, outside, planted, inside, emptied):
         study.add_trial(t)
     assert [in_space(t, space) for t in study.trials] == [True, False, False, True, True]
@@ -472,10 +549,16 @@ def test_a_planted_trial_in_a_shared_study_is_never_the_best_nor_launched(tmp_pa
     assert table.count("foreign: not run by a search of runner's") == 4, table
 
 
-@pytest.mark.parametrize("override, words", [
-    ("hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0 must be >= 1"),
-    ("hydra.sweeper.storage=postgresql://nowhere:1/x", "hydra.sweeper.storage=postgresql://nowhere:1/x cannot be "
-                                                       "opened")])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0 must be >= 1"),
+        (
+            "hydra.sweeper.storage=postgresql://nowhere:1/x",
+            "hydra.sweeper.storage=postgresql://nowhere:1/x cannot be opened",
+        ),
+    ],
+)
 def test_a_search_that_cannot_run_is_one_error_line(override, words, tmp_path):
     from conftest import run_here
 
@@ -488,11 +571,24 @@ def test_a_search_where_no_trial_gives_the_metric_fails_with_the_fix(tmp_path):
     trial diverged) ended rc 0 advising a wider space: it is exit status 1 and says what to check."""
     from conftest import run_here
 
-    proc = run_here("-m", "hparams_search=mnist_optuna", "trainer.num_threads=1", "logger=none", "trainer.progress=off",
-                    "trainer.max_steps=12", "trainer.eval_max_batches=2", "task=regression", "data=custom",
-                    "data._target_=user_data.regression", "model=mlp", "optimized_metric=eval_accuracy",
-                    "trainer.target_accuracy=null", "trainer.stop_at_target=false", "hydra.sweeper.n_trials=2",
-                    cwd=tmp_path)
+    proc = run_here(
+        "-m",
+        "hparams_search=mnist_optuna",
+        "trainer.num_threads=1",
+        "logger=none",
+        "trainer.progress=off",
+        "trainer.max_steps=12",
+        "trainer.eval_max_batches=2",
+        "task=regression",
+        "data=custom",
+        "data._target_=user_data.regression",
+        "model=mlp",
+        "optimized_metric=eval_accuracy",
+        "trainer.target_accuracy=null",
+        "trainer.stop_at_target=false",
+        "hydra.sweeper.n_trials=2",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "error: no trial gave eval_accuracy" in proc.stderr and "optimized_metric is a figure" in proc.stderr
     assert "widen the search space" not in proc.stdout
@@ -509,11 +605,23 @@ def test_a_pruner_stops_a_hopeless_trial_at_an_evaluation_and_records_it_censore
     pytest.importorskip("optuna")
     from conftest import run_here
 
-    stored = [f"hydra.sweeper.storage=sqlite:///{tmp_path / 'search.db'}"] if storage == "sqlite" else \
-        ["hydra.sweeper.n_jobs=2"] if storage == "slots" else []
-    r = run_here(*SEARCH, *stored, "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", "trainer.max_steps=12",
-                 "trainer.eval_every=4", "+hydra.sweeper.pruner={_target_: optuna.pruners.ThresholdPruner, upper: 3.0}",
-                 cwd=tmp_path)
+    stored = (
+        [f"hydra.sweeper.storage=sqlite:///{tmp_path / 'search.db'}"]
+        if storage == "sqlite"
+        else ["hydra.sweeper.n_jobs=2"]
+        if storage == "slots"
+        else []
+    )
+    r = run_here(
+        *SEARCH,
+        *stored,
+        "optimized_metric=eval_loss",
+        "hydra.sweeper.verify_seeds=0",
+        "trainer.max_steps=12",
+        "trainer.eval_every=4",
+        "+hydra.sweeper.pruner={_target_: optuna.pruners.ThresholdPruner, upper: 3.0}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     sweep = next((tmp_path / "outputs" / "multirun").glob("*/*"))
     jobs = {read_summary(sweep / str(n))["config"]["optimizer"]["lr"]: read_summary(sweep / str(n)) for n in range(2)}
@@ -522,8 +630,9 @@ def test_a_pruner_stops_a_hopeless_trial_at_an_evaluation_and_records_it_censore
     assert pruned["stopped_early"].startswith("pruned by the search (ThresholdPruner) at 64 samples (step 4)")
     assert kept["steps"] == 12 and kept["stopped_early"] is None
     assert re.search(r"^trial \d: eval_loss = - \(pruned at 64 samples: censored there\)$", r.stdout, re.M), r.stdout
-    assert re.search(r"^pruning \(ThresholdPruner\): 1 of 2 trials stopped early, saving about \d+\.\d min", r.stdout,
-                     re.M), r.stdout
+    assert re.search(
+        r"^pruning \(ThresholdPruner\): 1 of 2 trials stopped early, saving about \d+\.\d min", r.stdout, re.M
+    ), r.stdout
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_params"] == {"optimizer.lr": 1e-06}
 
@@ -531,17 +640,23 @@ def test_a_pruner_stops_a_hopeless_trial_at_an_evaluation_and_records_it_censore
 def test_a_pruner_on_a_figure_no_evaluation_gives_is_refused(tmp_path):
     from conftest import run_here
 
-    r = run_here(*SEARCH, "optimized_metric=samples_per_sec",
-                 "+hydra.sweeper.pruner={_target_: optuna.pruners.MedianPruner}", cwd=tmp_path)
+    r = run_here(
+        *SEARCH,
+        "optimized_metric=samples_per_sec",
+        "+hydra.sweeper.pruner={_target_: optuna.pruners.MedianPruner}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: hydra.sweeper.pruner stops trials on their evaluations, but optimized_metric=samples_per_sec is no "
         "evaluation figure: prune a search for time_to_target_s, eval_loss or eval_accuracy, or set "
-        "hydra.sweeper.pruner=null"], r.stderr
+        "hydra.sweeper.pruner=null"
+    ], r.stderr
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("summary.json"))
     misspelt = run_here(*SEARCH, "optimized_metric=eval_loss", "hydra.sweeper.pruner=medain", cwd=tmp_path)
     assert misspelt.returncode == 2 and misspelt.stderr.strip().splitlines() == [
         "error: hydra.sweeper.pruner=medain is not a pruner runner knows: use one of none, median, successive_halving, "
-        "hyperband, or {_target_: optuna.pruners.<Class>, ...} for its arguments"], misspelt.stderr
+        "hyperband, or {_target_: optuna.pruners.<Class>, ...} for its arguments"
+    ], misspelt.stderr
 
 
 def test_the_pruners_by_name_are_optunas():
@@ -549,8 +664,11 @@ def test_the_pruners_by_name_are_optunas():
     from runner.sweeps import pruning
 
     assert {name: type(pruning.build(name)) for name in pruning.NAMES} == {
-        "none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
-        "successive_halving": optuna.pruners.SuccessiveHalvingPruner, "hyperband": optuna.pruners.HyperbandPruner}
+        "none": optuna.pruners.NopPruner,
+        "median": optuna.pruners.MedianPruner,
+        "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+    }
     assert type(pruning.build(None)) is optuna.pruners.NopPruner
     assert pruning.build({"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 2})._n_startup_trials == 2
     assert pruning.intermediate("eval_accuracy", 0.9, "minimize") == pytest.approx(0.1)  # an error rate
@@ -564,10 +682,14 @@ def test_the_evaluation_that_meets_the_target_is_reported_with_the_samples_the_r
     from runner.engine.train import train
 
     calls = []
-    cfg = compose_cfg("trainer.max_steps=8", "trainer.eval_every=2", "trainer.target_loss=1e9",
-                      "trainer.stop_at_target=true")
-    summary = train(cfg, job_dir=tmp_path / "job",
-                    on_evaluation=lambda metrics, step, samples, ends: calls.append((step, samples, ends)) or "no")
+    cfg = compose_cfg(
+        "trainer.max_steps=8", "trainer.eval_every=2", "trainer.target_loss=1e9", "trainer.stop_at_target=true"
+    )
+    summary = train(
+        cfg,
+        job_dir=tmp_path / "job",
+        on_evaluation=lambda metrics, step, samples, ends: calls.append((step, samples, ends)) or "no",
+    )
     batch = summary["global_batch_size"]
     assert calls == [(2, 2 * batch, 8 * batch)]
     assert summary["steps"] == 2 and summary["stopped_early"].startswith("reached the targets")
@@ -610,10 +732,20 @@ def test_the_time_pruning_saved_counts_the_evaluations_the_pruned_trials_skipped
     nothing."""
     from runner.sweeps import pruning
 
-    pruned = {"stopped_early": f"{pruning.PRUNED} (MedianPruner) at 2,560 samples", "steps": 80, "total_steps": 1875,
-              "train_time_s": 2.0, "eval_time_s": 6.0}
-    reached = {"stopped_early": "reached the targets: ...", "steps": 400, "total_steps": 1875, "train_time_s": 11.0,
-               "eval_time_s": 40.0}
+    pruned = {
+        "stopped_early": f"{pruning.PRUNED} (MedianPruner) at 2,560 samples",
+        "steps": 80,
+        "total_steps": 1875,
+        "train_time_s": 2.0,
+        "eval_time_s": 6.0,
+    }
+    reached = {
+        "stopped_early": "reached the targets: ...",
+        "steps": 400,
+        "total_steps": 1875,
+        "train_time_s": 11.0,
+        "eval_time_s": 40.0,
+    }
     assert pruning.saved([pruned, reached]) == (1, pytest.approx(1795 * 8.0 / 80))
 
 
@@ -649,8 +781,10 @@ def test_a_search_on_another_host_is_dead_once_its_heartbeat_is_five_minutes_old
         time.sleep(0.5)
     stamped = study.trials[mine.number].user_attrs.get(search.HEARTBEAT)
     assert stamped is not None and time.time() - stamped < 5
-    assert search.HEARTBEAT not in study.trials[trials["fresh"].number].user_attrs or \
-        study.trials[trials["fresh"].number].user_attrs[search.HEARTBEAT] == beats["fresh"]  # another's: untouched
+    assert (
+        search.HEARTBEAT not in study.trials[trials["fresh"].number].user_attrs
+        or study.trials[trials["fresh"].number].user_attrs[search.HEARTBEAT] == beats["fresh"]
+    )  # another's: untouched
 
 
 def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path):
@@ -673,17 +807,33 @@ def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     owner = {"host": __import__("socket").gethostname(), "pid": int(gone.stdout)}  # a process that has ended
     for job, value in enumerate((9.0, 8.0)):
-        study.add_trial(optuna.trial.create_trial(params={"optimizer.lr": 0.001}, distributions=lr, value=value,
-                                                  user_attrs={"sweep": str(sweep), "job": job, OWNER: owner}))
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"optimizer.lr": 0.001},
+                distributions=lr,
+                value=value,
+                user_attrs={"sweep": str(sweep), "job": job, OWNER: owner},
+            )
+        )
     killed = study.ask(lr)
     for key, value in (("sweep", str(sweep)), ("job", 2), (OWNER, owner)):
         killed.set_user_attr(key, value)
     for job in range(3):
         (sweep / str(job)).mkdir(parents=True)
-    proc = run_here("-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=4", "trainer.doctor=false", *TINY,
-                    "+hydra.sweeper.params={optimizer.lr: 'tag(log, interval(0.0001, 0.01))'}",
-                    "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0", f"hydra.sweeper.storage={db}",
-                    "hydra.sweeper.study_name=s", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = run_here(
+        "-m",
+        "hydra/sweeper=search",
+        "hydra.sweeper.n_trials=4",
+        "trainer.doctor=false",
+        *TINY,
+        "+hydra.sweeper.params={optimizer.lr: 'tag(log, interval(0.0001, 0.01))'}",
+        "optimized_metric=eval_loss",
+        "hydra.sweeper.verify_seeds=0",
+        f"hydra.sweeper.storage={db}",
+        "hydra.sweeper.study_name=s",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "1 trial(s) of a search that died" in proc.stdout and "trial 3/4:" in proc.stdout
     trials = optuna.load_study(study_name="s", storage=db).trials
@@ -709,20 +859,34 @@ def test_two_searches_on_one_study_ask_no_point_twice_and_share_n_trials(tmp_pat
     space, _ = search_space({"optimizer.lr": "tag(log, interval(0.0001, 0.01))"}, [])
     first = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=7)).ask(space).params
     db = f"sqlite:///{tmp_path / 'search.db'}"
-    study = optuna.create_study(storage=db, study_name="s", direction="minimize",
-                                sampler=optuna.samplers.TPESampler(seed=7))  # the other search's
+    study = optuna.create_study(
+        storage=db, study_name="s", direction="minimize", sampler=optuna.samplers.TPESampler(seed=7)
+    )  # the other search's
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         running = study.ask(space)
         assert running.params == first
-        for key, value in (("sweep", str(tmp_path / "theirs")), ("job", 0),
-                           (OWNER, {"host": __import__("socket").gethostname(), "pid": other.pid})):
+        for key, value in (
+            ("sweep", str(tmp_path / "theirs")),
+            ("job", 0),
+            (OWNER, {"host": __import__("socket").gethostname(), "pid": other.pid}),
+        ):
             running.set_user_attr(key, value)
-        proc = run_here("-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=2", "trainer.doctor=false", *TINY,
-                        "+hydra.sweeper.params={optimizer.lr: 'tag(log, interval(0.0001, 0.01))'}",
-                        "hydra.sweeper.sampler.seed=7", "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0",
-                        f"hydra.sweeper.storage={db}", "hydra.sweeper.study_name=s",
-                        f"hydra.sweep.dir={tmp_path / 'mine'}", cwd=tmp_path)
+        proc = run_here(
+            "-m",
+            "hydra/sweeper=search",
+            "hydra.sweeper.n_trials=2",
+            "trainer.doctor=false",
+            *TINY,
+            "+hydra.sweeper.params={optimizer.lr: 'tag(log, interval(0.0001, 0.01))'}",
+            "hydra.sweeper.sampler.seed=7",
+            "optimized_metric=eval_loss",
+            "hydra.sweeper.verify_seeds=0",
+            f"hydra.sweeper.storage={db}",
+            "hydra.sweeper.study_name=s",
+            f"hydra.sweep.dir={tmp_path / 'mine'}",
+            cwd=tmp_path,
+        )
     finally:
         other.kill()
         other.wait()
@@ -741,6 +905,7 @@ def test_the_search_says_when_its_pruner_starts_to_act():
 
     assert acts_when(optuna.pruners.MedianPruner(), 6).endswith("it can stop only trial 6")
     assert acts_when(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=5000), 6).startswith(
-        "MedianPruner acts once 2 trials have finished (n_startup_trials), at evaluations past 5,000 samples")
+        "MedianPruner acts once 2 trials have finished (n_startup_trials), at evaluations past 5,000 samples"
+    )
     none = acts_when(optuna.pruners.MedianPruner(), 4)
     assert "n_trials=4 it stops none" in none and "n_startup_trials: <fewer>" in none

@@ -38,7 +38,7 @@ def runner_commands(node) -> list[list[str]]:
         for value in node.values():
             found += runner_commands(value)
     elif isinstance(node, list):
-        if all(isinstance(x, str) for x in node) and any(node[i:i + 2] == ["-m", "runner"] for i in range(len(node))):
+        if all(isinstance(x, str) for x in node) and any(node[i : i + 2] == ["-m", "runner"] for i in range(len(node))):
             found.append(list(node))
         else:
             for value in node:
@@ -53,6 +53,7 @@ def runner_commands(node) -> list[list[str]]:
 def expand(text: str, values: dict[str, str]) -> str:
     """``$NAME``, ``${NAME}`` (a shell) and ``$(NAME)`` (Kubernetes, in a container's command) as ``values`` has
     them; a variable it lacks fails (a command that uses one its file never defines)."""
+
     def value(m: re.Match) -> str:
         name = m.group(1) or m.group(2) or m.group(3)
         assert name in values, f"{text!r}: ${name} is set nowhere in its file ({', '.join(values)})"
@@ -63,9 +64,9 @@ def expand(text: str, values: dict[str, str]) -> str:
 
 def overrides(argv: list[str]) -> list[str]:
     """What follows ``-m runner``."""
-    at = next(i for i in range(len(argv) - 1) if argv[i:i + 2] == ["-m", "runner"])
+    at = next(i for i in range(len(argv) - 1) if argv[i : i + 2] == ["-m", "runner"])
     assert argv[0].startswith("python"), argv
-    return argv[at + 2:]
+    return argv[at + 2 :]
 
 
 def compose_search(args: list[str]):
@@ -128,8 +129,11 @@ def test_kubeflow_trainjobs_run_workers_then_the_verification():
 
 def documented_envs(path: Path) -> list[dict[str, str]]:
     """The ``--env NAME=VALUE`` sets of the usage lines in ``path``'s header (one per ``sky jobs launch`` line)."""
-    return [dict(re.findall(r"--env (\w+)=(\S+)", line)) for line in path.read_text().splitlines()
-            if line.startswith("#") and "sky jobs launch" in line]
+    return [
+        dict(re.findall(r"--env (\w+)=(\S+)", line))
+        for line in path.read_text().splitlines()
+        if line.startswith("#") and "sky jobs launch" in line
+    ]
 
 
 def test_skypilot_pool_and_job_run_workers_then_the_verification():
@@ -151,8 +155,10 @@ def test_skypilot_pool_and_job_run_workers_then_the_verification():
     check_route(commands)
 
 
-@pytest.mark.parametrize("bad", ["hydra.sweeper.verify_seed=0", "hparams_search=mnist_optun", "trainer.max_epoch=1",
-                                 "+hydra.sweeper.n_trial=4"])
+@pytest.mark.parametrize(
+    "bad",
+    ["hydra.sweeper.verify_seed=0", "hparams_search=mnist_optun", "trainer.max_epoch=1", "+hydra.sweeper.n_trial=4"],
+)
 def test_a_wrong_override_in_a_route_fails_to_compose(bad):
     """What the tests above catch: an unknown key, a search file that does not exist, a sweeper setting the search
     does not take."""

@@ -27,8 +27,11 @@ def _idle_nodes() -> int:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.SubprocessError):
         return 0
-    return (sum(state.strip().rstrip("*") in ("idle", "mixed") for state in out.stdout.split())
-            if out.returncode == 0 else 0)
+    return (
+        sum(state.strip().rstrip("*") in ("idle", "mixed") for state in out.stdout.split())
+        if out.returncode == 0
+        else 0
+    )
 
 
 _NODES = _idle_nodes()
@@ -46,9 +49,15 @@ def slurm_env(root: Path) -> dict[str, str]:
     """What sbatch/srun pass on to the job: this interpreter's scripts (torchrun, python) first on PATH, and a
     TMPDIR of the test's own (Python falls back to /tmp on a node where it does not exist)."""
     (root / "tmp").mkdir(exist_ok=True)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-            "HYDRA_FULL_ERROR": "1", "TMPDIR": str(root / "tmp"),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HYDRA_FULL_ERROR": "1",
+        "TMPDIR": str(root / "tmp"),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
 
 def run_job(cmd: list[str], root: Path, name: str, timeout: float) -> subprocess.CompletedProcess:
@@ -64,8 +73,24 @@ def run_job(cmd: list[str], root: Path, name: str, timeout: float) -> subprocess
 def test_srun_python_finds_its_rank_from_slurm(tmp_path):
     """No torchrun: ``srun -N2 -n2 python -m runner`` ranks come from SLURM_PROCID, the master from the node list."""
     name = f"runner-test-{uuid.uuid4().hex[:8]}"
-    proc = run_job(["srun", "--nodes=2", "--ntasks=2", f"--job-name={name}", "--kill-on-bad-exit=1", sys.executable,
-                    "-m", "runner", "distributed=ddp", *TINY, "trainer.max_steps=20"], tmp_path, name, timeout=180)
+    proc = run_job(
+        [
+            "srun",
+            "--nodes=2",
+            "--ntasks=2",
+            f"--job-name={name}",
+            "--kill-on-bad-exit=1",
+            sys.executable,
+            "-m",
+            "runner",
+            "distributed=ddp",
+            *TINY,
+            "trainer.max_steps=20",
+        ],
+        tmp_path,
+        name,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     dirs = job_dirs(tmp_path)
     assert len(dirs) == 1, dirs
@@ -87,8 +112,12 @@ def test_signalled_job_checkpoints_requeues_and_resumes_to_the_same_parameters(t
     script = str(REPO_ROOT / "scripts" / "multinode.sh")
     job = [*TINY, "trainer.max_steps=300", "trainer.log_every=1"]
     name = f"runner-test-{uuid.uuid4().hex[:8]}"
-    straight = run_job(["sbatch", "--wait", f"--job-name={name}", script, *job, "hydra.run.dir=outputs/straight"],
-                       tmp_path, name, timeout=240)
+    straight = run_job(
+        ["sbatch", "--wait", f"--job-name={name}", script, *job, "hydra.run.dir=outputs/straight"],
+        tmp_path,
+        name,
+        timeout=240,
+    )
     straight_logs = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert straight.returncode == 0, straight.stderr + straight_logs[-5000:]
     # sbatch scripts/multinode.sh: one job folder for both nodes' ranks, identical replicas
@@ -112,8 +141,11 @@ def test_signalled_job_checkpoints_requeues_and_resumes_to_the_same_parameters(t
         subprocess.run(["scancel", "--name", name], timeout=30)
     summary = read_summary(folder)
     assert summary["restarts"] == 1 and summary["steps"] == 300 and summary["world_size"] == 2
-    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()
-             if "loss" in json.loads(line)]
+    steps = [
+        json.loads(line)["step"]
+        for line in (folder / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     assert steps == list(range(1, 301))  # every step once: the requeued job continued, it did not start over
     a = load_file(str(tmp_path / "outputs" / "straight" / "model.safetensors"))
     b = load_file(str(folder / "model.safetensors"))
@@ -133,16 +165,32 @@ def test_submitit_sweep_job_that_times_out_checkpoints_requeues_and_resumes(tmp_
     from safetensors.torch import load_file
 
     job = [*TINY, "trainer.max_steps=300", "trainer.log_every=1"]
-    straight = run_job([sys.executable, "-m", "runner", *job, "hydra.run.dir=outputs/straight"], tmp_path, "-",
-                       timeout=240)
+    straight = run_job(
+        [sys.executable, "-m", "runner", *job, "hydra.run.dir=outputs/straight"], tmp_path, "-", timeout=240
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
     name = f"runner-test-{uuid.uuid4().hex[:8]}"
     sweep = tmp_path / "outputs" / "sweep"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_slurm", f"hydra.launcher.name={name}",
-         "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1", f"hydra.sweep.dir={sweep}", *job,
-         "trainer.seed=0"], cwd=tmp_path, env=slurm_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            f"hydra.launcher.name={name}",
+            "hydra.launcher.timeout_min=5",
+            "hydra.launcher.cpus_per_task=1",
+            f"hydra.sweep.dir={sweep}",
+            *job,
+            "trainer.seed=0",
+        ],
+        cwd=tmp_path,
+        env=slurm_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     folder = sweep / "0"
     try:
         deadline = time.monotonic() + 180
@@ -151,8 +199,9 @@ def test_submitit_sweep_job_that_times_out_checkpoints_requeues_and_resumes(tmp_
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
                 break
             time.sleep(0.5)
-        job_id = subprocess.run(["squeue", "-h", f"--name={name}", "-o", "%i"], capture_output=True, text=True,
-                                timeout=30).stdout.split()[0]
+        job_id = subprocess.run(
+            ["squeue", "-h", f"--name={name}", "-o", "%i"], capture_output=True, text=True, timeout=30
+        ).stdout.split()[0]
         subprocess.run(["scancel", job_id, "--signal=USR2"], check=True, timeout=30)
         out, err = launcher.communicate(timeout=300)
     finally:
@@ -164,8 +213,11 @@ def test_submitit_sweep_job_that_times_out_checkpoints_requeues_and_resumes(tmp_
     assert "this job is timed-out" in logs and "DUE TO JOB REQUEUE" in logs, logs[-3000:]
     summary = read_summary(folder)
     assert summary["restarts"] == 1 and summary["steps"] == 300
-    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()
-             if "loss" in json.loads(line)]
+    steps = [
+        json.loads(line)["step"]
+        for line in (folder / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     assert steps == list(range(1, 301))  # the requeued job continued from its checkpoint, it did not start over
     a = load_file(str(tmp_path / "outputs" / "straight" / "model.safetensors"))
     b = load_file(str(folder / "model.safetensors"))
@@ -181,15 +233,40 @@ def test_a_search_s_n_jobs_trials_run_at_the_same_time_as_slurm_jobs_without_a_b
     name = f"runner-test-{uuid.uuid4().hex[:8]}"
     sweep = tmp_path / "outputs" / "search"
     job = [o for o in TINY if not o.startswith("trainer.max_steps=")]  # the searched key
-    proc = run_job([sys.executable, "-m", "runner", "-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3",
-                    "trainer.doctor=false", *job, "+hydra.sweeper.params={trainer.max_steps: 'choice(4000, 3, 4)'}",
-                    "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "hydra.sweeper.sampler.seed=5",
-                    "hydra/launcher=submitit_slurm", f"hydra.launcher.name={name}", "hydra.launcher.timeout_min=5",
-                    "hydra.launcher.cpus_per_task=1", "optimized_metric=eval_loss", "hydra.sweeper.verify_seeds=0",
-                    "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={sweep}"], tmp_path, name, timeout=400)
+    proc = run_job(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "-m",
+            "hydra/sweeper=search",
+            "hydra.sweeper.n_trials=3",
+            "trainer.doctor=false",
+            *job,
+            "+hydra.sweeper.params={trainer.max_steps: 'choice(4000, 3, 4)'}",
+            "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+            "hydra.sweeper.sampler.seed=5",
+            "hydra/launcher=submitit_slurm",
+            f"hydra.launcher.name={name}",
+            "hydra.launcher.timeout_min=5",
+            "hydra.launcher.cpus_per_task=1",
+            "optimized_metric=eval_loss",
+            "hydra.sweeper.verify_seeds=0",
+            "hydra.sweeper.n_jobs=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+        name,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lives = {n: ((sweep / str(n) / ".hydra" / "config.yaml").stat().st_mtime,
-                 (sweep / str(n) / "summary.json").stat().st_mtime) for n in range(3)}
+    lives = {
+        n: (
+            (sweep / str(n) / ".hydra" / "config.yaml").stat().st_mtime,
+            (sweep / str(n) / "summary.json").stat().st_mtime,
+        )
+        for n in range(3)
+    }
     steps = {n: read_summary(sweep / str(n))["steps"] for n in range(3)}
     assert steps[0] == 4000 and steps[1] < 10, steps  # the seed asks the long trial first
     assert lives[0][0] < lives[1][1] and lives[1][0] < lives[0][1], lives  # each started before the other ended

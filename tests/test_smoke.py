@@ -4,9 +4,26 @@ from conftest import compose_cfg
 from runner.engine.train import train
 
 SUMMARY_KEYS = {
-    "samples_per_sec", "step_time_ms_median", "step_time_ms_p90", "data_wait_fraction", "peak_memory_mb",
-    "flops_per_sample", "mfu", "train_loss", "eval_accuracy", "time_to_target_s", "steps", "warmup_steps",
-    "global_batch_size", "world_size", "device", "device_name", "torch_version", "git_sha", "techniques", "config",
+    "samples_per_sec",
+    "step_time_ms_median",
+    "step_time_ms_p90",
+    "data_wait_fraction",
+    "peak_memory_mb",
+    "flops_per_sample",
+    "mfu",
+    "train_loss",
+    "eval_accuracy",
+    "time_to_target_s",
+    "steps",
+    "warmup_steps",
+    "global_batch_size",
+    "world_size",
+    "device",
+    "device_name",
+    "torch_version",
+    "git_sha",
+    "techniques",
+    "config",
 }
 
 

@@ -19,8 +19,13 @@ ENV = {"PYTHONPATH": str(REPO_ROOT)}  # the subprocesses import this checkout's 
 
 
 def report(sweep: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner.report", str(sweep)], capture_output=True, text=True,
-                          timeout=120, env={**__import__("os").environ, **ENV})
+    return subprocess.run(
+        [sys.executable, "-m", "runner.report", str(sweep)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, **ENV},
+    )
 
 
 def only_sweep(root: Path) -> Path:
@@ -37,12 +42,19 @@ def test_plain_2x2_sweep_through_the_cli(tmp_path):
     sweep = only_sweep(tmp_path)
     done = report(sweep)
     assert done.returncode == 0, done.stderr
-    assert {Path(line.split()[-1]).name for line in done.stdout.splitlines()} == {"report.md", "report.csv",
-                                                                                   "sweep.png"}
+    assert {Path(line.split()[-1]).name for line in done.stdout.splitlines()} == {
+        "report.md",
+        "report.csv",
+        "sweep.png",
+    }
     rows = read_csv(sweep / "report.csv")
     assert list(rows[0]) == ["dataloader.batch_size", "optimizer.lr"] + PLAIN_COLUMNS
     assert sorted((r["dataloader.batch_size"], r["optimizer.lr"]) for r in rows) == [
-        ("16", "0.05"), ("16", "0.1"), ("32", "0.05"), ("32", "0.1")]
+        ("16", "0.05"),
+        ("16", "0.1"),
+        ("32", "0.05"),
+        ("32", "0.1"),
+    ]
     speeds = [float(r["samples_per_sec"]) for r in rows]
     assert speeds == sorted(speeds, reverse=True) and all(s > 0 for s in speeds)
     for r in rows:
@@ -83,10 +95,23 @@ def job(sweep: Path, n: int, overrides: list[str], sps: float | None, step: int 
     (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     (d / ".hydra" / "config.yaml").write_text("{}\n")
     if sps is not None:
-        (d / "summary.json").write_text(json.dumps({
-            "samples_per_sec": sps, "step_time_ms_median": 10.0, "data_wait_fraction": 0.1, "peak_memory_mb": 500.0,
-            "train_loss": 1.0, "eval_loss": 1.1, "eval_accuracy": 0.5, "train_time_s": 0.0, "eval_time_s": 0.0,
-            "measured_time_s": 0.0, "warmup_steps": 1}))
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "samples_per_sec": sps,
+                    "step_time_ms_median": 10.0,
+                    "data_wait_fraction": 0.1,
+                    "peak_memory_mb": 500.0,
+                    "train_loss": 1.0,
+                    "eval_loss": 1.1,
+                    "eval_accuracy": 0.5,
+                    "train_time_s": 0.0,
+                    "eval_time_s": 0.0,
+                    "measured_time_s": 0.0,
+                    "warmup_steps": 1,
+                }
+            )
+        )
     elif step is not None:
         (d / "metrics.jsonl").write_text(json.dumps({"step": step, "loss": 1.0}) + "\n")
     return d
@@ -121,8 +146,9 @@ def test_jobs_measured_on_a_busy_machine_are_flagged_in_the_report_and_on_the_co
     assert done.returncode == 0, done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith("warning: 1 of 2 measured jobs ran on a busy machine (e.g. 1: runner's threads waited")
-    assert (f"**Warning:** 1 of 2 measured jobs ran on a busy machine (e.g. 1: {busy})"
-            in (sweep / "report.md").read_text())
+    assert (
+        f"**Warning:** 1 of 2 measured jobs ran on a busy machine (e.g. 1: {busy})" in (sweep / "report.md").read_text()
+    )
     assert all(x.startswith("wrote ") for x in done.stdout.splitlines())
 
 

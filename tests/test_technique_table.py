@@ -18,8 +18,9 @@ from conftest import TINY_GPT, compose_cfg
 from runner import REPO_ROOT
 from runner.techniques import TECHNIQUES, WHERE, by_variant, variants
 
-VARIANTS = sorted({p.stem for p in (REPO_ROOT / "conf" / "ablation" / "variant").glob("*.yaml")}
-                  | set(variants.generate()))
+VARIANTS = sorted(
+    {p.stem for p in (REPO_ROOT / "conf" / "ablation" / "variant").glob("*.yaml")} | set(variants.generate())
+)
 #: Variants that are not one technique: recipe changes (4x the batch, the LR scaled linearly or by the square root)
 #: and the fast preset's whole data loading (on-device data, or workers and pinned memory, whichever the hardware gets)
 NOT_ONE_TECHNIQUE = {"big_batch", "big_batch_sqrt", "data_loading"}
@@ -78,8 +79,17 @@ def test_the_speed_tuners_candidates_are_the_tables():
 def test_a_language_model_skips_exactly_the_image_techniques():
     from runner import task as task_mod
 
-    cfg = compose_cfg("task=language_model", "model=gpt", "data=text", "channels_last=true", "cudnn_benchmark=true",
-                      "model.drop_bias_before_bn=true", "data.normalize=true", "data.augment=true", tiny=False)
+    cfg = compose_cfg(
+        "task=language_model",
+        "model=gpt",
+        "data=text",
+        "channels_last=true",
+        "cudnn_benchmark=true",
+        "model.drop_bias_before_bn=true",
+        "data.normalize=true",
+        "data.augment=true",
+        tiny=False,
+    )
     OmegaConf.set_struct(cfg, False)
     for t in TECHNIQUES.values():  # every image technique switched on, wherever its key lives in this config
         if t.where.startswith("image"):
@@ -93,16 +103,25 @@ def test_a_language_model_skips_exactly_the_image_techniques():
 def test_the_doctor_suggests_a_technique_as_the_table_switches_it():
     from runner.doctor import diagnose
 
-    summary = {"data_wait_fraction": 0.5, "device": "cuda", "steps": 10, "samples_per_sec": 100.0,
-               "machine_load": {"cpu_cores": 8}}
-    config = {"data": {"name": "synthetic"}, "dataloader": {"num_workers": 0, "pin_memory": False,
-                                                             "on_device": False}, "compile": {"mode": None}}
+    summary = {
+        "data_wait_fraction": 0.5,
+        "device": "cuda",
+        "steps": 10,
+        "samples_per_sec": 100.0,
+        "machine_load": {"cpu_cores": 8},
+    }
+    config = {
+        "data": {"name": "synthetic"},
+        "dataloader": {"num_workers": 0, "pin_memory": False, "on_device": False},
+        "compile": {"mode": None},
+    }
     findings = diagnose(summary, config, [])
     suggested = [s.overrides for f in findings for s in f.suggestions]
     assert TECHNIQUES["pinned_memory"].overrides in suggested and TECHNIQUES["on_device_data"].overrides in suggested
     config["dataloader"] |= {"pin_memory": True, "non_blocking": True}
-    assert TECHNIQUES["pinned_memory"].overrides not in [s.overrides for f in diagnose(summary, config, [])
-                                                         for s in f.suggestions]
+    assert TECHNIQUES["pinned_memory"].overrides not in [
+        s.overrides for f in diagnose(summary, config, []) for s in f.suggestions
+    ]
 
 
 def test_the_readme_switch_table_has_a_row_for_each_technique_that_says_how_to_switch_it():
@@ -133,8 +152,10 @@ def test_the_table_decides_where_a_technique_acts_for_the_loader_the_tuner_and_t
     cpu, gpu = Job(compose_cfg()), Job(compose_cfg(), cuda=True, capability=(9, 0), native_bf16=True)
     pinned, cudnn = TECHNIQUES["pinned_memory"].why_not(cpu), TECHNIQUES["cudnn_benchmark"].why_not(cpu)
     assert pinned and cudnn and TECHNIQUES["cudnn_benchmark"].why_not(gpu) is None
-    assert TECHNIQUES["channels_last"].why_not(Job(compose_cfg("+experiment=shakespeare_char", tiny=False))) == \
-        "an image technique; the inputs are token ids"
+    assert (
+        TECHNIQUES["channels_last"].why_not(Job(compose_cfg("+experiment=shakespeare_char", tiny=False)))
+        == "an image technique; the inputs are token ids"
+    )
     summary = run_tiny(tmp_path / "job", "dataloader.pin_memory=true")
     assert summary["techniques"]["pin_memory"] == f"skipped: {pinned}"
     _, notes = switches(compose_cfg(), torch.device("cpu"))
@@ -148,8 +169,11 @@ def _job_of_kind(kind: str):
     """A tiny job on the CPU with image or token inputs: its composed config and its overrides."""
     text = Path(tempfile.mkdtemp()) / "input.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 40)
-    job = [*([] if kind == "image" else [*TINY_GPT, f"data.path={text}"]), "trainer.device=cpu",
-           "trainer.max_steps=12"]  # 12: a schedule's warm-up fits
+    job = [
+        *([] if kind == "image" else [*TINY_GPT, f"data.path={text}"]),
+        "trainer.device=cpu",
+        "trainer.max_steps=12",
+    ]  # 12: a schedule's warm-up fits
     return compose_cfg(*job), job
 
 
@@ -190,8 +214,10 @@ def test_every_technique_acts_where_the_table_says_and_is_skipped_where_it_says_
 
 #: Where a module outside the table would be deciding where a technique acts: the device features it probes
 #: and the data sets kept in memory (runner/techniques/__init__.py's needs read them)
-PROBES = re.compile(r"get_device_capability|is_bf16_supported|cpu_has_native_bf16|IN_MEMORY_DATA|\.where\b|"
-                    r"device\.type\s*[!=]=|\bcuda\s+and\b|\bnot\s+cuda\b")
+PROBES = re.compile(
+    r"get_device_capability|is_bf16_supported|cpu_has_native_bf16|IN_MEMORY_DATA|\.where\b|"
+    r"device\.type\s*[!=]=|\bcuda\s+and\b|\bnot\s+cuda\b"
+)
 
 
 def test_no_tool_decides_where_a_technique_acts_but_the_table():
@@ -200,8 +226,13 @@ def test_no_tool_decides_where_a_technique_acts_but_the_table():
     and the memory of the device, are not a technique's: its ``cuda`` flag is read only through the ``Job``)."""
     root = REPO_ROOT / "runner"
     found = []
-    deciders = ["tune/switches.py", "tune/dataloader.py", "doctor/diagnosis.py", "doctor/verify.py",
-                "sweeps/ablation.py"]
+    deciders = [
+        "tune/switches.py",
+        "tune/dataloader.py",
+        "doctor/diagnosis.py",
+        "doctor/verify.py",
+        "sweeps/ablation.py",
+    ]
     for path in (root / name for name in deciders):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
@@ -246,6 +277,8 @@ def test_the_ablation_runs_the_language_models_tips_where_they_act(tmp_path):
     assert why(gpt, "ablation/variant=baseline+chunked_loss") is None
     assert why("+experiment=ablation", "ablation/variant=baseline+compiled_optimizer") is None
     reason = why(gpt, "ablation/variant=baseline+chunked_loss", "model=hf_causal_lm")
-    assert reason == "does not act on this job (the model's forward takes no targets to chunk the loss over " \
-                     "(runner's GPT does))"
+    assert (
+        reason == "does not act on this job (the model's forward takes no targets to chunk the loss over "
+        "(runner's GPT does))"
+    )
     assert (tmp_path / "not_run.json").is_file()

@@ -73,10 +73,23 @@ def test_default_run_applies_only_set_to_none_and_the_tests_one_thread(tmp_path)
 
 
 DOCUMENTED = [
-    prepare.apply_cudnn_benchmark, prepare.apply_channels_last, prepare.apply_drop_bias_before_bn,
-    prepare.apply_activation_checkpointing, prepare.apply_compile, optim, optim.scaled_lr, optim.build,
-    precision.build, schedule.build, debug, debug.build, evaluation_sums, data_mod.OnDeviceLoader,
-    data_mod.images_as_tensor, data_mod.DeviceIterable, data_mod.random_crop_flip,
+    prepare.apply_cudnn_benchmark,
+    prepare.apply_channels_last,
+    prepare.apply_drop_bias_before_bn,
+    prepare.apply_activation_checkpointing,
+    prepare.apply_compile,
+    optim,
+    optim.scaled_lr,
+    optim.build,
+    precision.build,
+    schedule.build,
+    debug,
+    debug.build,
+    evaluation_sums,
+    data_mod.OnDeviceLoader,
+    data_mod.images_as_tensor,
+    data_mod.DeviceIterable,
+    data_mod.random_crop_flip,
 ]
 
 
@@ -114,7 +127,7 @@ def test_onecycle_warms_up_to_the_peak_then_anneals():
     assert 22 <= lrs.index(peak) <= 26  # pct_start of the steps
     assert lrs[0] == pytest.approx(0.4 / 25, rel=1e-3)  # OneCycleLR's div_factor
     assert lrs[-1] < 1e-3
-    up, down = lrs[: lrs.index(peak) + 1], lrs[lrs.index(peak):]
+    up, down = lrs[: lrs.index(peak) + 1], lrs[lrs.index(peak) :]
     assert all(a < b for a, b in zip(up, up[1:])) and all(a > b for a, b in zip(down, down[1:]))
 
 
@@ -134,8 +147,9 @@ def test_cosine_warmup_longer_than_the_run_is_a_config_error():
 
 
 def test_cyclic_is_a_triangle_between_base_and_max():
-    lrs = lr_trajectory("cyclic", 41, "scheduler.base_lr_factor=0.1", "scheduler.max_lr_factor=2",
-                        "scheduler.cycle_steps=20")
+    lrs = lr_trajectory(
+        "cyclic", 41, "scheduler.base_lr_factor=0.1", "scheduler.max_lr_factor=2", "scheduler.cycle_steps=20"
+    )
     assert lrs[0] == pytest.approx(0.01) and lrs[20] == pytest.approx(0.01) and lrs[40] == pytest.approx(0.01)
     assert lrs[10] == pytest.approx(0.2) and lrs[30] == pytest.approx(0.2)
     assert lrs[5] == pytest.approx((0.01 + 0.2) / 2)  # linear, not cosine
@@ -210,19 +224,22 @@ def test_optimizer_state_is_plain_data_that_a_resume_accepts(name):
     assert torch.load(buffer, weights_only=True)["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
 
 
-@pytest.mark.parametrize("name, impl, status, defaults", [
-    ("sgd", "fused", "applied", {"fused": True}),
-    ("sgd", "foreach", "applied", {"foreach": True}),
-    ("sgd", "loop", "applied", {"foreach": False}),
-    ("adamw", "fused", "applied", {"fused": True}),
-    ("adamw", "foreach", "applied", {"foreach": True}),
-    ("lamb", "foreach", "applied", {"foreach": True}),
-    ("lamb", "fused", "skipped: timm.optim.Lamb has no fused implementation", {}),
-    ("lars", "fused", "skipped: timm.optim.Lars has no fused implementation", {}),
-    ("lars", "loop", "applied", {"foreach": False}),
-    ("muon", "fused", "skipped: timm.optim.Muon has no fused implementation", {}),
-    ("muon", "loop", "skipped: timm.optim.Muon has no loop implementation (no foreach argument)", {}),
-])
+@pytest.mark.parametrize(
+    "name, impl, status, defaults",
+    [
+        ("sgd", "fused", "applied", {"fused": True}),
+        ("sgd", "foreach", "applied", {"foreach": True}),
+        ("sgd", "loop", "applied", {"foreach": False}),
+        ("adamw", "fused", "applied", {"fused": True}),
+        ("adamw", "foreach", "applied", {"foreach": True}),
+        ("lamb", "foreach", "applied", {"foreach": True}),
+        ("lamb", "fused", "skipped: timm.optim.Lamb has no fused implementation", {}),
+        ("lars", "fused", "skipped: timm.optim.Lars has no fused implementation", {}),
+        ("lars", "loop", "applied", {"foreach": False}),
+        ("muon", "fused", "skipped: timm.optim.Muon has no fused implementation", {}),
+        ("muon", "loop", "skipped: timm.optim.Muon has no loop implementation (no foreach argument)", {}),
+    ],
+)
 def test_optimizer_impl_reaches_the_optimizer(name, impl, status, defaults):
     cfg = compose_cfg(f"optimizer={name}", f"optimizer.impl={impl}").optimizer
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # a hidden matrix: optimizer=muon refuses a model without
@@ -286,6 +303,7 @@ def test_log_every_controls_the_host_device_syncs(tmp_path, monkeypatch, log_eve
             if sys._getframe(1).f_code.co_filename.endswith("runner/engine/train.py"):
                 syncs.append(1)
             return read(self)
+
         return counted
 
     monkeypatch.setattr(torch.Tensor, "item", counting(torch.Tensor.item))
@@ -408,8 +426,9 @@ def test_anomaly_detection_is_off_by_default(tmp_path, spy):
 
 
 def test_profile_writes_a_trace_into_the_job_folder(tmp_path):
-    summary = run_tiny(tmp_path, "debug=profile", "debug.profile_wait=1", "debug.profile_warmup=1",
-                  "debug.profile_active=2")
+    summary = run_tiny(
+        tmp_path, "debug=profile", "debug.profile_wait=1", "debug.profile_warmup=1", "debug.profile_active=2"
+    )
     assert summary["techniques"]["profiler"] == "applied"
     traces = list((tmp_path / "profile").glob("*.pt.trace.json*"))
     assert len(traces) == 1  # one window (repeat=1), not one per cycle
@@ -492,8 +511,13 @@ def test_compile_reduce_overhead_on_cpu_compiles_without_cuda_graphs(tmp_path, s
     torch._dynamo.reset()
     counters.clear()
     spy.hook = False  # keep the compiled graph free of test hooks
-    summary = run_tiny(tmp_path, "compile=reduce-overhead", "model._target_=technique_helpers.TinyMLP",
-                  "trainer.max_steps=2", "trainer.eval_max_batches=1")
+    summary = run_tiny(
+        tmp_path,
+        "compile=reduce-overhead",
+        "model._target_=technique_helpers.TinyMLP",
+        "trainer.max_steps=2",
+        "trainer.eval_max_batches=1",
+    )
     assert summary["techniques"]["compile"] == "applied"
     assert summary["techniques"]["cuda_graphs"].startswith("skipped: CUDA graphs need a CUDA device")
     assert spy.model._compiled_call_impl is not None  # nn.Module.compile, in place
@@ -508,8 +532,17 @@ def test_the_compiled_optimizer_step_follows_the_eager_one_and_the_schedule_reco
     the same losses and LRs as eager, and one graph for 8 steps of changing LR (a float LR recompiles every step)."""
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["compile.optimizer=true"])):
-        s = train(compose_cfg("optimizer=adamw", "scheduler=cosine", "scheduler.warmup_steps=2", "trainer.max_steps=8",
-                              "trainer.log_every=1", *extra), job_dir=tmp_path / name)
+        s = train(
+            compose_cfg(
+                "optimizer=adamw",
+                "scheduler=cosine",
+                "scheduler.warmup_steps=2",
+                "trainer.max_steps=8",
+                "trainer.log_every=1",
+                *extra,
+            ),
+            job_dir=tmp_path / name,
+        )
         runs[name] = (s, [(r["loss"], r["lr"]) for r in metrics_rows(tmp_path / name) if "loss" in r])
     assert runs["compiled"][0]["techniques"]["compiled_optimizer_step"] == "applied"
     for (a, lr_a), (b, lr_b) in zip(runs["eager"][1], runs["compiled"][1]):
@@ -543,8 +576,9 @@ def test_regional_compile_compiles_each_block_and_not_the_model():
     assert details["compiled_blocks"] == 8 and details["compiled_block_class"] == ["BasicBlock"]
     assert all(compiled(b) for layer in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4) for b in layer)
     assert not compiled(resnet) and not compiled(resnet.layer1)
-    whole, _ = prepare.apply_compile(nn.Sequential(nn.Linear(2, 2)), compose_cfg("compile=default").compile,
-                                     torch.device("cpu"))
+    whole, _ = prepare.apply_compile(
+        nn.Sequential(nn.Linear(2, 2)), compose_cfg("compile=default").compile, torch.device("cpu")
+    )
     assert whole == {"compile": "applied"}  # compile.regional is off by default
 
 
@@ -573,9 +607,17 @@ def test_regional_compile_traces_the_block_once_and_trains(tmp_path, tiny_text, 
     torch._dynamo.reset()
     counters.clear()
     spy.hook = False  # keep the compiled graphs free of test hooks
-    summary = run_tiny(tmp_path, *TINY_GPT, f"data.path={tiny_text}", "model.n_layer=3", "compile=default",
-                       "compile.regional=true", "trainer.max_steps=2", "trainer.eval_max_batches=1",
-                       "task.sample_tokens=0")
+    summary = run_tiny(
+        tmp_path,
+        *TINY_GPT,
+        f"data.path={tiny_text}",
+        "model.n_layer=3",
+        "compile=default",
+        "compile.regional=true",
+        "trainer.max_steps=2",
+        "trainer.eval_max_batches=1",
+        "task.sample_tokens=0",
+    )
     assert summary["techniques"]["compile_regional"] == "applied" and summary["steps"] == 2
     assert summary["technique_details"]["compiled_blocks"] == 3 and math.isfinite(summary["train_loss"])
     # three blocks of one class: one graph for training (their parameters are inputs), one more for evaluation
@@ -602,16 +644,42 @@ def test_compile_reduce_overhead_uses_cuda_graphs_on_cuda(tmp_path):
 
 def test_switches_combine(tmp_path, spy, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
-    summary = run_tiny(tmp_path, "scheduler=onecycle", "dataloader=device", "data.augment=true", "data.normalize=true",
-                  "optimizer=adamw", "optimizer.impl=foreach", "optimizer.lr_scaling=sqrt",
-                  "optimizer.set_to_none=true", "optimizer.clip_grad_norm=1.0", "precision=amp", "memory=checkpointing",
-                  "memory.accumulate_steps=2", "model.drop_bias_before_bn=true", "channels_last=true", "debug=anomaly",
-                  "trainer.max_steps=3")
+    summary = run_tiny(
+        tmp_path,
+        "scheduler=onecycle",
+        "dataloader=device",
+        "data.augment=true",
+        "data.normalize=true",
+        "optimizer=adamw",
+        "optimizer.impl=foreach",
+        "optimizer.lr_scaling=sqrt",
+        "optimizer.set_to_none=true",
+        "optimizer.clip_grad_norm=1.0",
+        "precision=amp",
+        "memory=checkpointing",
+        "memory.accumulate_steps=2",
+        "model.drop_bias_before_bn=true",
+        "channels_last=true",
+        "debug=anomaly",
+        "trainer.max_steps=3",
+    )
     applied = {k for k, v in summary["techniques"].items() if v == "applied"}
-    assert applied == {"scheduler_onecycle", "on_device_data", "normalize", "optimizer_foreach", "lr_scaling",
-                       "zero_grad_set_to_none", "clip_grad_norm", "amp", "activation_checkpointing",
-                       "gradient_accumulation", "drop_bias_before_bn", "channels_last", "anomaly_detection",
-                       *ONE_THREAD}
+    assert applied == {
+        "scheduler_onecycle",
+        "on_device_data",
+        "normalize",
+        "optimizer_foreach",
+        "lr_scaling",
+        "zero_grad_set_to_none",
+        "clip_grad_norm",
+        "amp",
+        "activation_checkpointing",
+        "gradient_accumulation",
+        "drop_bias_before_bn",
+        "channels_last",
+        "anomaly_detection",
+        *ONE_THREAD,
+    }
     assert len(spy.steps) == 3 and math.isfinite(summary["train_loss"])
     assert all(c.out_dtype == torch.bfloat16 and c.x_channels_last for c in spy.calls)
     details = {k: v for k, v in summary["technique_details"].items() if k != "host_allocator"}  # the machine's

@@ -23,8 +23,9 @@ from runner.engine.train import train
 ALPHA = 0.05
 
 
-def seeds(rng: random.Random, n: int, scale: float = 1.0, spread: float = 0.06, limit: float | None = None,
-          grid: int = 1) -> list[cv.Seed]:
+def seeds(
+    rng: random.Random, n: int, scale: float = 1.0, spread: float = 0.06, limit: float | None = None, grid: int = 1
+) -> list[cv.Seed]:
     """``n`` seeds needing ``scale`` × 10,000 samples (log-normal, ``spread``), dated at the first multiple of
     ``grid`` samples (an evaluation) at or past it, censored at ``limit`` (the common step limit, in samples)."""
     out = []
@@ -56,8 +57,11 @@ def test_a_real_20_percent_difference_is_found():
     assert slower.counts == "8/8 vs 8/8" and slower.n == 16 and slower.quantity == "samples"
 
 
-@pytest.mark.parametrize("grid, limit", [(1, None), (400, None), (1, 10_500)],
-                         ids=["continuous", "evaluation-grid-ties", "censored-at-a-common-limit"])
+@pytest.mark.parametrize(
+    "grid, limit",
+    [(1, None), (400, None), (1, 10_500)],
+    ids=["continuous", "evaluation-grid-ties", "censored-at-a-common-limit"],
+)
 def test_an_aa_is_not_called(grid, limit):
     rng = random.Random(grid + (limit or 0))
     called, draws = 0, 200
@@ -104,7 +108,11 @@ def test_time_to_target_divides_by_the_throughput_ratio():
     samples = cv.samples_to_target(config, reference)
     same_cost = cv.time_to_target(config, reference)  # a technique that does not change a step's cost
     assert same_cost.quantity == "time" and (same_cost.estimate, same_cost.low, same_cost.high, same_cost.p_value) == (
-        samples.estimate, samples.low, samples.high, samples.p_value)
+        samples.estimate,
+        samples.low,
+        samples.high,
+        samples.p_value,
+    )
     throughput = stats.paired([math.log(0.9) + rng.gauss(0, 0.03) for _ in range(8)])  # 10 % slower steps
     time = cv.time_to_target(config, reference, throughput)
     assert time.estimate == pytest.approx(samples.estimate / throughput.estimate)
@@ -128,12 +136,22 @@ def test_one_holm_family_holds_throughput_and_target_ratios():
     big = cv.samples_to_target(seeds(rng, 8, 0.7), seeds(rng, 8))
     aa = cv.samples_to_target(seeds(rng, 8), seeds(rng, 8))
     faster_steps = stats.paired([math.log(1.3) + rng.gauss(0, 0.02) for _ in range(6)])
-    found = [r for r in (cv.samples_to_target(seeds(random.Random(s), 5, 0.85), seeds(random.Random(s + 99), 5))
-                         for s in range(200)) if 0.01 < r.p_value <= ALPHA]
+    found = [
+        r
+        for r in (
+            cv.samples_to_target(seeds(random.Random(s), 5, 0.85), seeds(random.Random(s + 99), 5)) for s in range(200)
+        )
+        if 0.01 < r.p_value <= ALPHA
+    ]
     weak = found[0]  # called alone, not among four
     assert stats.verdicts([weak]) == [stats.HELPS]
-    assert stats.verdicts([big, aa, faster_steps, weak, None]) == [stats.HELPS, stats.NO_EFFECT, stats.HELPS,
-                                                                  stats.NO_EFFECT, ""]
+    assert stats.verdicts([big, aa, faster_steps, weak, None]) == [
+        stats.HELPS,
+        stats.NO_EFFECT,
+        stats.HELPS,
+        stats.NO_EFFECT,
+        "",
+    ]
 
 
 def test_samples_to_target_survives_a_checkpoint():
@@ -149,8 +167,12 @@ def test_samples_to_target_survives_a_checkpoint():
 
 
 def test_summary_records_the_samples_at_the_target_and_the_reader_reads_them(tmp_path):
-    reached = train(compose_cfg("trainer.eval_every=2", "trainer.target_loss=1000", "trainer.stop_at_target=true",
-                                "trainer.seed=3"), job_dir=tmp_path / "reached")
+    reached = train(
+        compose_cfg(
+            "trainer.eval_every=2", "trainer.target_loss=1000", "trainer.stop_at_target=true", "trainer.seed=3"
+        ),
+        job_dir=tmp_path / "reached",
+    )
     assert reached["steps_to_target"] == 2 and reached["steps"] == 2  # the first evaluation meets it, and stops
     assert reached["samples_to_target"] == reached["steps_to_target"] * reached["global_batch_size"] == 32
     missed = train(compose_cfg("trainer.eval_every=3", "trainer.target_loss=1e-9"), job_dir=tmp_path / "missed")
@@ -158,20 +180,30 @@ def test_summary_records_the_samples_at_the_target_and_the_reader_reads_them(tmp
     assert missed["steps_to_target"] is None and missed["samples_to_target"] is None and missed["steps"] == 4
     assert compare.read_seeds([tmp_path / "reached", tmp_path / "missed"]) == [
         cv.Seed(32, True, 3, "eval_loss <= 1000", str(tmp_path / "reached" / "summary.json")),
-        cv.Seed(64, False, 0, "eval_loss <= 1e-09", str(tmp_path / "missed" / "summary.json"))]  # 4 steps x 16
+        cv.Seed(64, False, 0, "eval_loss <= 1e-09", str(tmp_path / "missed" / "summary.json")),
+    ]  # 4 steps x 16
 
 
 def write_summary(folder, **fields):
     folder.mkdir(parents=True)
-    summary = {"time_to_target_s": 1.0, "samples_to_target": 640, "steps": 40, "global_batch_size": 16,
-               "config": {"trainer": {"seed": 0, "target_accuracy": 0.9, "target_loss": None}}} | fields
+    summary = {
+        "time_to_target_s": 1.0,
+        "samples_to_target": 640,
+        "steps": 40,
+        "global_batch_size": 16,
+        "config": {"trainer": {"seed": 0, "target_accuracy": 0.9, "target_loss": None}},
+    } | fields
     (folder / "summary.json").write_text(json.dumps(summary))
     return folder
 
 
 def test_the_reader_names_the_summary_that_lacks_the_figures(tmp_path):
-    untargeted = write_summary(tmp_path / "untargeted", time_to_target_s=None, samples_to_target=None,
-                               config={"trainer": {"seed": 0, "target_accuracy": None, "target_loss": None}})
+    untargeted = write_summary(
+        tmp_path / "untargeted",
+        time_to_target_s=None,
+        samples_to_target=None,
+        config={"trainer": {"seed": 0, "target_accuracy": None, "target_loss": None}},
+    )
     with pytest.raises(ValueError, match=f"{untargeted / 'summary.json'}: the run had no target"):
         cv.read_seed(untargeted)
     old = write_summary(tmp_path / "old", samples_to_target=None) / "summary.json"

@@ -32,8 +32,13 @@ def bins(tiny_text, tmp_path) -> dict:
 
 
 def token_overrides(info: dict, *more: str) -> list[str]:
-    return [*TINY_TOKENS, f"data.train_path={info['train_path']}", f"data.val_path={info['val_path']}",
-            f"data.vocab_size={info['vocab_size']}", *more]
+    return [
+        *TINY_TOKENS,
+        f"data.train_path={info['train_path']}",
+        f"data.val_path={info['val_path']}",
+        f"data.vocab_size={info['vocab_size']}",
+        *more,
+    ]
 
 
 def build(overrides: list[str]):
@@ -43,8 +48,9 @@ def build(overrides: list[str]):
 
 
 def losses(job_dir) -> list[tuple]:
-    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in metrics_rows(job_dir)
-            if "loss" in r or "eval_loss" in r]
+    return [
+        (r["step"], r.get("loss"), r.get("eval_loss")) for r in metrics_rows(job_dir) if "loss" in r or "eval_loss" in r
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the format
@@ -57,8 +63,8 @@ def test_prepare_writes_nanogpt_s_shakespeare_char_files(tiny_text, bins, tmp_pa
     ids = np.array([chars.index(c) for c in raw], dtype=np.uint16)
     n = len(raw)
     out = tmp_path / "bins"
-    assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint16), ids[:int(n * 0.9)])
-    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint16), ids[int(n * 0.9):])
+    assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint16), ids[: int(n * 0.9)])
+    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint16), ids[int(n * 0.9) :])
     with open(out / "meta.pkl", "rb") as f:
         meta = pickle.load(f)
     assert meta["vocab_size"] == bins["vocab_size"] == len(chars)
@@ -109,8 +115,15 @@ def test_uint32_files(tmp_path):
     ids = (np.arange(3000) * 7919 % 70000).astype(np.uint32)  # ids past uint16's range
     ids[:2700].tofile(tmp_path / "train.bin")
     ids[2700:].tofile(tmp_path / "val.bin")
-    data = build([*TINY_TOKENS, f"data.train_path={tmp_path / 'train.bin'}", f"data.val_path={tmp_path / 'val.bin'}",
-                  "data.vocab_size=70000", "data.dtype=uint32"])
+    data = build(
+        [
+            *TINY_TOKENS,
+            f"data.train_path={tmp_path / 'train.bin'}",
+            f"data.val_path={tmp_path / 'val.bin'}",
+            "data.vocab_size=70000",
+            "data.dtype=uint32",
+        ]
+    )
     x, _ = data.train.batches.dataset[10]
     assert x.tolist() == ids[10:26].tolist()
 
@@ -217,38 +230,58 @@ def bad_case(case: str, bins: dict, tmp_path) -> tuple[list[str], list[str]]:
     ok = token_overrides(bins)
     vocab = bins["vocab_size"]
     if case == "missing file":
-        return [*ok, f"data.train_path={tmp_path / 'nowhere.bin'}"], ["data.train_path=", "nowhere.bin",
-                                                                        "does not exist", "prepare"]
+        return [*ok, f"data.train_path={tmp_path / 'nowhere.bin'}"], [
+            "data.train_path=",
+            "nowhere.bin",
+            "does not exist",
+            "prepare",
+        ]
     if case == "odd size":
         odd = tmp_path / "odd.bin"
         odd.write_bytes(b"\x01\x00" * 100 + b"\x01")
         return [*ok, f"data.val_path={odd}"], ["data.val_path=", "201 bytes", "not a multiple of 2", "data.dtype"]
     if case == "id too large":
         big = write(tmp_path / "big.bin", [1] * 500 + [vocab + 3] + [2] * 10)
-        return [*ok, f"data.train_path={big}"], ["data.train_path=", f"token id {vocab + 3}", "at token 500",
-                                                 f"data.vocab_size={vocab}", f"at least {vocab + 4}"]
+        return [*ok, f"data.train_path={big}"], [
+            "data.train_path=",
+            f"token id {vocab + 3}",
+            "at token 500",
+            f"data.vocab_size={vocab}",
+            f"at least {vocab + 4}",
+        ]
     if case == "no vocab_size":
         return [o for o in ok if not o.startswith("data.vocab_size")], ["data.vocab_size=<the number of token ids>"]
     if case == "split too short":
         short = write(tmp_path / "short.bin", [1] * 16)
-        return [*ok, f"data.val_path={short}"], ["data.val_path=", "holds 16 tokens", "data.block_size + 1 = 17",
-                                                 "lower data.block_size"]
+        return [*ok, f"data.val_path={short}"], [
+            "data.val_path=",
+            "holds 16 tokens",
+            "data.block_size + 1 = 17",
+            "lower data.block_size",
+        ]
     if case == "no path":
         return [o for o in ok if not o.startswith("data.train_path")], ["data=tokens needs data.train_path"]
     if case == "bad dtype":
         return [*ok, "data.dtype=int8"], ["data.dtype=int8", "uint16, uint32"]
     if case == "uint32 read as uint16":  # the default dtype on a file of uint32 ids: every second uint16 is 0
         wide = write(tmp_path / "wide.bin", np.fromfile(bins["train_path"], dtype=np.uint16), dtype=np.uint32)
-        return [*ok, f"data.train_path={wide}"], ["data.train_path=", "read as data.dtype=uint16",
-                                                  "every second id <= 0", "set data.dtype=uint32"]
+        return [*ok, f"data.train_path={wide}"], [
+            "data.train_path=",
+            "read as data.dtype=uint16",
+            "every second id <= 0",
+            "set data.dtype=uint32",
+        ]
     if case == "uint32 ids past 65,535 read as uint16":  # high halves of 0 and 1: the zeros check alone missed it
         ids = (np.arange(3000) * 7919 % 70000).astype(np.uint32)
         wide = write(tmp_path / "wide.bin", ids, dtype=np.uint32)
         return [*ok, f"data.train_path={wide}", "data.vocab_size=70000"], ["every second id <= 1", "data.dtype=uint32"]
     if case == "int64 read as uint32":  # the advice for int64 read as uint16 was uint32, which trained on zeros
         wide = write(tmp_path / "wide.bin", np.fromfile(bins["train_path"], dtype=np.uint16), dtype=np.int64)
-        return [*ok, f"data.train_path={wide}", "data.dtype=uint32"], ["read as data.dtype=uint32", "64-bit ids",
-                                                                      "write them as uint32"]
+        return [*ok, f"data.train_path={wide}", "data.dtype=uint32"], [
+            "read as data.dtype=uint32",
+            "64-bit ids",
+            "write them as uint32",
+        ]
     if case == "int64 read as uint16":
         wide = write(tmp_path / "wide.bin", np.fromfile(bins["train_path"], dtype=np.uint16), dtype=np.int64)
         return [*ok, f"data.train_path={wide}"], ["read as data.dtype=uint16", "64-bit ids", "write them as uint32"]
@@ -259,9 +292,20 @@ def bad_case(case: str, bins: dict, tmp_path) -> tuple[list[str], list[str]]:
     raise AssertionError(case)
 
 
-BAD = ["missing file", "odd size", "id too large", "no vocab_size", "split too short", "no path", "bad dtype",
-       "uint32 read as uint16", "uint32 ids past 65,535 read as uint16", "int64 read as uint32", "int64 read as uint16",
-       "empty file"]
+BAD = [
+    "missing file",
+    "odd size",
+    "id too large",
+    "no vocab_size",
+    "split too short",
+    "no path",
+    "bad dtype",
+    "uint32 read as uint16",
+    "uint32 ids past 65,535 read as uint16",
+    "int64 read as uint32",
+    "int64 read as uint16",
+    "empty file",
+]
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -277,16 +321,27 @@ def test_bad_input_is_one_config_error(case, bins, tmp_path):
 def test_a_text_too_short_for_any_window_says_so():
     """A text of one character has no window of any size: the message says the text is too short, not "lower
     data.block_size below 0"."""
-    with pytest.raises(ConfigError, match=r"data.path=t.txt holds only 1 characters: too few for a training and a "
-                                          r"validation window"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.path=t.txt holds only 1 characters: too few for a training and a "
+        r"validation window",
+    ):
         text.split(torch.zeros(1, dtype=torch.int64), 4, "t.txt")
 
 
 # One CLI process each (~10 s on 2 cores): the first runs by default, the rest with `pytest -m slow` (CI budget);
 # every case's message is checked in-process above, and the CLI prints any ConfigError the same way.
 @pytest.mark.cli
-@pytest.mark.parametrize("case", ["missing file", *(pytest.param(c, marks=pytest.mark.slow) for c in
-                                                   ["odd size", "id too large", "no vocab_size", "split too short"])])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing file",
+        *(
+            pytest.param(c, marks=pytest.mark.slow)
+            for c in ["odd size", "id too large", "no vocab_size", "split too short"]
+        ),
+    ],
+)
 def test_bad_input_through_the_cli_stops_before_training(case, bins, tmp_path):
     overrides, words = bad_case(case, bins, tmp_path)
     proc = run_cli(*TINY_LOOP, *overrides, cwd=tmp_path, timeout=120)
@@ -332,10 +387,20 @@ def test_the_gpt2_124m_preset_is_nanogpt_s_recipe():
     cfg = compose_cfg("+experiment=gpt2_124m", tiny=False)
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
     assert (cfg.data.name, cfg.data.vocab_size, cfg.data.train_path, cfg.data.synthetic_tokens) == (
-        "tokens", 50304, None, 10_000_000)
+        "tokens",
+        50304,
+        None,
+        10_000_000,
+    )
     o = cfg.optimizer
     assert (o._target_, o.lr, list(o.betas), o.weight_decay, o.decay_all, o.clip_grad_norm) == (
-        "torch.optim.AdamW", 6e-4, [0.9, 0.95], 0.1, False, 1.0)
+        "torch.optim.AdamW",
+        6e-4,
+        [0.9, 0.95],
+        0.1,
+        False,
+        1.0,
+    )
     assert (cfg.scheduler.name, cfg.scheduler.warmup_steps, cfg.scheduler.min_lr_factor) == ("cosine", 2000, 0.1)
     assert (cfg.dataloader.batch_size, cfg.memory.accumulate_steps, cfg.trainer.max_steps) == (12, 40, 600000)
     assert 12 * 1024 * 40 == 491_520  # tokens per optimizer step: nanoGPT's ~0.5 M
@@ -344,11 +409,26 @@ def test_the_gpt2_124m_preset_is_nanogpt_s_recipe():
 
 @pytest.mark.cli
 def test_the_gpt2_124m_preset_runs_on_synthetic_tokens(tmp_path):
-    cfg = compose_cfg("+experiment=gpt2_124m", "model.n_layer=1", "model.n_head=2", "model.n_embd=64",
-                      "data.block_size=32", "data.synthetic_tokens=20000", "memory.accumulate_steps=1",
-                      "scheduler.warmup_steps=1", "compile=off", "precision=fp32", "trainer.max_steps=2",
-                      "trainer.warmup_steps=0", "trainer.eval_max_batches=1", "task.sample_tokens=5",
-                      "trainer.device=cpu", "trainer.progress=off", "logger=none", tiny=False)
+    cfg = compose_cfg(
+        "+experiment=gpt2_124m",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=64",
+        "data.block_size=32",
+        "data.synthetic_tokens=20000",
+        "memory.accumulate_steps=1",
+        "scheduler.warmup_steps=1",
+        "compile=off",
+        "precision=fp32",
+        "trainer.max_steps=2",
+        "trainer.warmup_steps=0",
+        "trainer.eval_max_batches=1",
+        "task.sample_tokens=5",
+        "trainer.device=cpu",
+        "trainer.progress=off",
+        "logger=none",
+        tiny=False,
+    )
     summary = train(cfg, job_dir=tmp_path)
     assert summary["steps"] == 2 and summary["tokens_per_sec"] > 0 and summary["flops_per_token"] > 0
     assert abs(summary["eval_loss"] - math.log(50304)) < 0.5  # random ids: nothing learnt in 2 steps

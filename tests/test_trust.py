@@ -45,8 +45,11 @@ def test_a_pickle_planted_in_dcp_metadata_is_refused_and_never_runs(tmp_path):
     path = store.save({"app": ck.ModelAndOptimizer(model, opt)}, 1, meta={})
     marker = tmp_path / "pwned-metadata"
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(ConfigError, match=rf"refusing to load {path / '.metadata'}.*open is not part of a DCP "
-                                          rf"checkpoint's metadata"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"refusing to load {path / '.metadata'}.*open is not part of a DCP "
+        rf"checkpoint's metadata",
+    ):
         store.load({"app": ck.ModelAndOptimizer(model, opt)}, path)
     assert not marker.exists()
 
@@ -73,8 +76,13 @@ def test_the_training_state_round_trips_as_json_and_tensors(tmp_path):
 
     from runner.engine.state import PerRankState, SharedState, TrainState
 
-    state = TrainState(step=7, eval={"eval_loss": 1.5, "eval_accuracy": None}, loss_sum=torch.tensor(3.25),
-                       last_finite=(6, 0.5), train_loss=math.nan)
+    state = TrainState(
+        step=7,
+        eval={"eval_loss": 1.5, "eval_accuracy": None},
+        loss_sum=torch.tensor(3.25),
+        last_finite=(6, 0.5),
+        train_loss=math.nan,
+    )
     state.timings.step_time_ms[:] = [1.0, 2.0]
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     store = ck.Checkpointer(tmp_path / "checkpoints")
@@ -132,14 +140,35 @@ def test_the_doctor_never_imports_from_a_job_folder_it_was_not_started_in(tmp_pa
     ran_in.mkdir(), elsewhere.mkdir()
     (ran_in / "my_data.py").write_text(MY_DATA)
     job = ran_in / "job"
-    first = run_cli("data=custom", "data._target_=my_data.blobs", "model=mlp", "trainer.max_steps=6",
-                    "trainer.warmup_steps=1", "dataloader.batch_size=8", "trainer.progress=off", "logger=none",
-                    "trainer.log_every=1", f"hydra.run.dir={job}", cwd=ran_in)
+    first = run_cli(
+        "data=custom",
+        "data._target_=my_data.blobs",
+        "model=mlp",
+        "trainer.max_steps=6",
+        "trainer.warmup_steps=1",
+        "dataloader.batch_size=8",
+        "trainer.progress=off",
+        "logger=none",
+        "trainer.log_every=1",
+        f"hydra.run.dir={job}",
+        cwd=ran_in,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     marker = tmp_path / "pwned-doctor"
     (ran_in / "my_data.py").write_text(f"open({str(marker)!r}, 'w')\n" + MY_DATA)
-    proc = run_cli(str(job), "--verify", "--repeats", "1", "--top", "1", "--allow-target", "my_data", cwd=elsewhere,
-                   module="runner.doctor", timeout=600)
+    proc = run_cli(
+        str(job),
+        "--verify",
+        "--repeats",
+        "1",
+        "--top",
+        "1",
+        "--allow-target",
+        "my_data",
+        cwd=elsewhere,
+        module="runner.doctor",
+        timeout=600,
+    )
     assert not marker.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"cd {ran_in}" in proc.stdout + proc.stderr
 
@@ -204,8 +233,9 @@ def read_back(module: str, parent: Path, *args: str, env: dict | None = None):
 
 def one_error_line(proc, *words: str) -> str:
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), \
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (
         f"exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    )
     for w in words:
         assert w in lines[0], f"{w!r} not in {lines[0]}"
     return lines[0]
@@ -237,8 +267,12 @@ def test_numpy_load_of_a_pickle_in_the_folder(finished_job, tmp_path, module, tr
     """``model._target_: numpy.load`` with ``allow_pickle`` on a pickle planted in the folder, its path through
     ``${oc.env:PWD}``: the target is refused before numpy is asked to load anything."""
     marker = tmp_path / "pwned-numpy"
-    planted(finished_job, tmp_path, model={"_target_": "numpy.load", "file": "${oc.env:PWD}/run/w.npy",
-                                           "allow_pickle": True}, files={"w.npy": pickle.dumps(Payload(marker))})
+    planted(
+        finished_job,
+        tmp_path,
+        model={"_target_": "numpy.load", "file": "${oc.env:PWD}/run/w.npy", "allow_pickle": True},
+        files={"w.npy": pickle.dumps(Payload(marker))},
+    )
     proc = read_back(module, tmp_path, *(["--trust"] if trusted else []), env={"PWD": str(tmp_path)})
     if trusted:
         assert marker.exists(), proc.stderr[-3000:]  # the user trusted the folder: its config ran as written
@@ -248,14 +282,19 @@ def test_numpy_load_of_a_pickle_in_the_folder(finished_job, tmp_path, module, tr
 
 
 @pytest.mark.cli
-@pytest.mark.parametrize("allow", [[], ["--allow-target", "run.payload"], ["--trust"]],
-                         ids=["refused", "allowed", "trusted"])
+@pytest.mark.parametrize(
+    "allow", [[], ["--allow-target", "run.payload"], ["--trust"]], ids=["refused", "allowed", "trusted"]
+)
 def test_a_module_planted_in_the_folder_is_never_imported(finished_job, tmp_path, allow):
     """``model._target_: run.payload.Net`` with ``payload.py`` in the folder: from its parent, Python would import
     the folder as a namespace package and run the module's top-level code. Refused before any import."""
     marker = tmp_path / "pwned-module"
-    planted(finished_job, tmp_path, model={"_target_": "run.payload.Net"},
-            files={"payload.py": PAYLOAD_MODULE.format(marker=str(marker))})
+    planted(
+        finished_job,
+        tmp_path,
+        model={"_target_": "run.payload.Net"},
+        files={"payload.py": PAYLOAD_MODULE.format(marker=str(marker))},
+    )
     proc = read_back("runner.evaluate", tmp_path, *allow)
     if allow:
         assert marker.exists(), proc.stderr[-3000:]
@@ -283,9 +322,15 @@ def test_builtins_open_never_truncates_a_file(finished_job, tmp_path, trusted):
 def test_pathlib_write_text_never_writes_a_file(finished_job, tmp_path, trusted):
     """``pathlib.Path.write_text`` on a ``pathlib.Path`` built by a nested ``_target_``: through export."""
     victim = tmp_path / "written.txt"
-    planted(finished_job, tmp_path, model={"_target_": "pathlib.Path.write_text",
-                                           "self": {"_target_": "pathlib.Path", "_args_": [str(victim)]},
-                                           "data": "pwned"})
+    planted(
+        finished_job,
+        tmp_path,
+        model={
+            "_target_": "pathlib.Path.write_text",
+            "self": {"_target_": "pathlib.Path", "_args_": [str(victim)]},
+            "data": "pwned",
+        },
+    )
     proc = read_back("runner.export", tmp_path, *(["--trust"] if trusted else []))
     if trusted:
         assert victim.read_text() == "pwned", proc.stderr[-3000:]
@@ -303,8 +348,18 @@ def test_the_doctor_never_imports_a_data_module_planted_in_the_folder(finished_j
     folder = planted(finished_job, tmp_path, files={"payload.py": PAYLOAD_MODULE.format(marker=str(marker))})
     overrides = folder / ".hydra" / "overrides.yaml"
     overrides.write_text(overrides.read_text() + "- data=custom\n- data._target_=run.payload.blobs\n- model=mlp\n")
-    proc = read_back("runner.doctor", tmp_path, "--verify", "--repeats", "1", "--top", "1", "--steps", "2",
-                     *(["--trust"] if trusted else []))
+    proc = read_back(
+        "runner.doctor",
+        tmp_path,
+        "--verify",
+        "--repeats",
+        "1",
+        "--top",
+        "1",
+        "--steps",
+        "2",
+        *(["--trust"] if trusted else []),
+    )
     if trusted:
         assert marker.exists(), proc.stderr[-3000:]
         return
@@ -319,35 +374,59 @@ def test_the_policy_admits_runners_own_targets_and_no_path_around_them():
     from runner import trust
 
     policy = trust.Policy.make(environ={})
-    for target in ("runner.models.MnistCNN", "runner.models.MLP", "runner.models.gpt.GPT", "runner.models.hf.causal_lm",
-                   "runner.task.Classification", "torchvision.models.resnet18", "torch.optim.SGD", "torch.nn.Linear",
-                   "timm.optim.Lamb", "transformers.GPT2LMHeadModel", "transformers.GPT2Config"):
+    for target in (
+        "runner.models.MnistCNN",
+        "runner.models.MLP",
+        "runner.models.gpt.GPT",
+        "runner.models.hf.causal_lm",
+        "runner.task.Classification",
+        "torchvision.models.resnet18",
+        "torch.optim.SGD",
+        "torch.nn.Linear",
+        "timm.optim.Lamb",
+        "transformers.GPT2LMHeadModel",
+        "transformers.GPT2Config",
+    ):
         trust.check_target("model._target_", target, policy, "config.yaml")
-    for target, words in {"runner.models.torch.load": "defined in torch",
-                          "torchvision.models._api.load_state_dict_from_url": "defined in torch.hub",
-                          "transformers.AutoModelForCausalLM.from_pretrained": "not a transformers model or config",
-                          "torch.nn.Module.load_state_dict": "not a class",
-                          "torch.load": "not one of runner's own targets"}.items():
+    for target, words in {
+        "runner.models.torch.load": "defined in torch",
+        "torchvision.models._api.load_state_dict_from_url": "defined in torch.hub",
+        "transformers.AutoModelForCausalLM.from_pretrained": "not a transformers model or config",
+        "torch.nn.Module.load_state_dict": "not a class",
+        "torch.load": "not one of runner's own targets",
+    }.items():
         with pytest.raises(ConfigError, match=re.escape(words)):
             trust.check_target("model._target_", target, policy, "config.yaml")
     with pytest.raises(ConfigError, match=r"model\.config\._target_='numpy\.load'"):  # nested targets count too
-        trust.check_config({"model": {"_target_": "runner.models.MLP", "config": {"_target_": "numpy.load"}}},
-                           policy, "config.yaml")
+        trust.check_config(
+            {"model": {"_target_": "runner.models.MLP", "config": {"_target_": "numpy.load"}}}, policy, "config.yaml"
+        )
     allowed = trust.Policy.make(allow=["numpy"], environ={trust.ALLOW_ENV: "pathlib.Path"})
     for target in ("numpy.load", "pathlib.Path"):
         trust.check_target("model._target_", target, allowed, "config.yaml")
     trust.check_target("model._target_", "numpy.load", policy.naming(["numpy.load"]), "config.yaml")
-    trust.check_interpolations({"data": {"path": "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/../shared}/t.txt",
-                                         "block": "${oc.select:data.block_size,256}"}}, policy, "config.yaml")
-    with pytest.raises(ConfigError,
-                       match=r"data\.root='\$\{oc\.env:HOME\}/x' in config\.yaml uses the resolver oc\.env:HOME"):
+    trust.check_interpolations(
+        {
+            "data": {
+                "path": "${oc.env:RUNNER_DATA_ROOT,${runner_root:}/../shared}/t.txt",
+                "block": "${oc.select:data.block_size,256}",
+            }
+        },
+        policy,
+        "config.yaml",
+    )
+    with pytest.raises(
+        ConfigError, match=r"data\.root='\$\{oc\.env:HOME\}/x' in config\.yaml uses the resolver oc\.env:HOME"
+    ):
         trust.check_interpolations({"data": {"root": "${oc.env:HOME}/x"}}, policy, "config.yaml")
     with pytest.raises(ConfigError, match="pkg://"):
         trust.check_searchpath(["pkg://run.payload"], policy, "hydra.yaml")
     with pytest.raises(ConfigError, match="Hydra's own settings"):
         trust.check_overrides(["hydra.searchpath=[pkg://run.payload]"], policy, "overrides.yaml")
-    for call in (lambda: trust.check_target("model._target_", "torch.load", trust.Policy(trust=True), "c"),
-                 lambda: trust.check_interpolations({"a": "${oc.env:HOME}"}, trust.Policy(trust=True), "c")):
+    for call in (
+        lambda: trust.check_target("model._target_", "torch.load", trust.Policy(trust=True), "c"),
+        lambda: trust.check_interpolations({"a": "${oc.env:HOME}"}, trust.Policy(trust=True), "c"),
+    ):
         call()  # --trust: as python -m runner
 
 
@@ -386,11 +465,16 @@ def test_a_folder_from_before_the_package_folders_names_the_same_objects():
 
     from runner.checkpoint import resume
 
-    old = {"model": {"_target_": "runner.gpt.GPT"}, "callbacks": [{"_target_": "runner.jobdir.JobLock"}],
-           "other": {"_target_": "runner.gptx.Model"}}
-    assert trust.moved(OmegaConf.create(old)) == {"model": {"_target_": "runner.models.gpt.GPT"},
-                                                   "callbacks": [{"_target_": "runner.engine.jobdir.JobLock"}],
-                                                   "other": {"_target_": "runner.gptx.Model"}}
+    old = {
+        "model": {"_target_": "runner.gpt.GPT"},
+        "callbacks": [{"_target_": "runner.jobdir.JobLock"}],
+        "other": {"_target_": "runner.gptx.Model"},
+    }
+    assert trust.moved(OmegaConf.create(old)) == {
+        "model": {"_target_": "runner.models.gpt.GPT"},
+        "callbacks": [{"_target_": "runner.engine.jobdir.JobLock"}],
+        "other": {"_target_": "runner.gptx.Model"},
+    }
     assert old["model"]["_target_"] == "runner.gpt.GPT"  # a DictConfig copy was renamed, not this dict
     now = {"model": {"_target_": "runner.models.hf.causal_lm"}}
     assert resume.config_differences({"model": {"_target_": "runner.hf.causal_lm"}}, now) == []

@@ -53,8 +53,19 @@ def fastest_within_limit(rows: list[dict], limit_mb: float) -> int:
 
 def test_batch_size_through_the_cli(tmp_path):
     out = tmp_path / "out"
-    proc = run_cli("batch_size", "--out", str(out), *TINY, *QUICK, "tune.start_batch_size=4", "tune.max_batch_size=16",
-                   "tune.search_steps=1", cwd=tmp_path, module="runner.tune", timeout=240)
+    proc = run_cli(
+        "batch_size",
+        "--out",
+        str(out),
+        *TINY,
+        *QUICK,
+        "tune.start_batch_size=4",
+        "tune.max_batch_size=16",
+        "tune.search_steps=1",
+        cwd=tmp_path,
+        module="runner.tune",
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_csv(out / "batch_size.csv")
     result = json.loads((out / "batch_size.json").read_text())
@@ -70,8 +81,14 @@ def test_batch_size_through_the_cli(tmp_path):
 
 
 def test_batch_size_recovers_from_out_of_memory(tmp_path, capsys):
-    cfg = compose_cfg(*QUICK, f"model._target_={__name__}.OOMAbove", "model.limit=16", "tune.start_batch_size=16",
-                      "tune.max_batch_size=64", "tune.search_steps=1")
+    cfg = compose_cfg(
+        *QUICK,
+        f"model._target_={__name__}.OOMAbove",
+        "model.limit=16",
+        "tune.start_batch_size=16",
+        "tune.max_batch_size=64",
+        "tune.search_steps=1",
+    )
     result = tune.run("batch_size", cfg, tmp_path)
     status = [(r["batch_size"], r["phase"], r["status"]) for r in result["rows"]]
     assert status == [(16, "grow", "ok"), (32, "grow", "oom"), (24, "search", "oom")]  # stops at the OOM, bisects
@@ -90,9 +107,17 @@ def test_batch_size_trials_on_a_busy_machine_say_so(tmp_path, capsys):
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hardware.cpu_cores())]
     try:
         time.sleep(0.3)  # let them take the cores
-        result = tune.run("batch_size", compose_cfg("tune.warmup_steps=1", "tune.measure_steps=6",
-                                                    "tune.start_batch_size=16", "tune.max_batch_size=32",
-                                                    "tune.search_steps=0"), tmp_path)
+        result = tune.run(
+            "batch_size",
+            compose_cfg(
+                "tune.warmup_steps=1",
+                "tune.measure_steps=6",
+                "tune.start_batch_size=16",
+                "tune.max_batch_size=32",
+                "tune.search_steps=0",
+            ),
+            tmp_path,
+        )
     finally:
         for hog in hogs:
             hog.kill()
@@ -106,10 +131,14 @@ def test_batch_size_trials_on_a_busy_machine_say_so(tmp_path, capsys):
     assert "- warning: " in (tmp_path / "batch_size.md").read_text()
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ([f"model._target_={__name__}.OOMAbove", "model.limit=3"], ["dataloader.batch_size=4", "ran out of memory"]),
-    (["tune.max_memory_fraction=1e-9"], ["dataloader.batch_size=4", "over the limit", "tune.max_memory_fraction"]),
-], ids=["out of memory", "over the memory limit"])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ([f"model._target_={__name__}.OOMAbove", "model.limit=3"], ["dataloader.batch_size=4", "ran out of memory"]),
+        (["tune.max_memory_fraction=1e-9"], ["dataloader.batch_size=4", "over the limit", "tune.max_memory_fraction"]),
+    ],
+    ids=["out of memory", "over the memory limit"],
+)
 def test_batch_size_refuses_a_job_that_does_not_fit_at_the_smallest_size(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as caught:
         tune.run("batch_size", compose_cfg(*QUICK, "tune.start_batch_size=4", *overrides), tmp_path)
@@ -171,12 +200,15 @@ def test_dataloader_picks_the_fewest_workers_within_tolerance(tmp_path):
     assert result["override"].startswith(f"dataloader.num_workers={pick} dataloader.pin_memory=false")
 
 
-@pytest.mark.parametrize("kind, overrides, words", [
-    ("lr", ["tune.min_lr=1", "tune.max_lr=0.1"], ["tune.max_lr=0.1", "tune.min_lr=1"]),
-    ("dataloader", ["tune.workers=[]"], ["tune.workers=[]", "non-empty"]),
-    ("dataloader", ["dataloader=device"], ["dataloader.on_device=true", "no DataLoader to tune"]),
-    ("batch", [], ["unknown tuner 'batch'", "batch_size, lr, dataloader"]),
-])
+@pytest.mark.parametrize(
+    "kind, overrides, words",
+    [
+        ("lr", ["tune.min_lr=1", "tune.max_lr=0.1"], ["tune.max_lr=0.1", "tune.min_lr=1"]),
+        ("dataloader", ["tune.workers=[]"], ["tune.workers=[]", "non-empty"]),
+        ("dataloader", ["dataloader=device"], ["dataloader.on_device=true", "no DataLoader to tune"]),
+        ("batch", [], ["unknown tuner 'batch'", "batch_size, lr, dataloader"]),
+    ],
+)
 def test_bad_tune_settings_are_refused(tmp_path, kind, overrides, words):
     with pytest.raises(ConfigError) as caught:
         tune.run(kind, compose_cfg(*overrides), tmp_path)
@@ -196,9 +228,22 @@ def test_bad_input_through_the_cli(tmp_path):
 @pytest.mark.slow
 def test_batch_size_under_torchrun_every_rank_recommends_the_same(tmp_path):
     out = tmp_path / "out"
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner.tune", "batch_size", "--out", str(out),
-           "distributed=ddp", *TINY, *QUICK, "tune.start_batch_size=4", "tune.max_batch_size=8",
-           "tune.search_steps=0"]
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "runner.tune",
+        "batch_size",
+        "--out",
+        str(out),
+        "distributed=ddp",
+        *TINY,
+        *QUICK,
+        "tune.start_batch_size=4",
+        "tune.max_batch_size=8",
+        "tune.search_steps=0",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "batch_size.json").read_text())
@@ -217,7 +262,7 @@ def test_lr_suggestions_come_from_the_falling_side_of_the_curve():
     from runner.tune import steepest, suggestion_range
 
     smoothed = [2.4] * 10 + [2.4 - 0.05 * i for i in range(10)] + [2.0, 3.0, 6.0, 5.0, 3.5, 3.4] + [3.4] * 5
-    points = [{"step": i + 1, "lr": 1e-4 * 1.3 ** i, "smoothed_loss": v} for i, v in enumerate(smoothed)]
+    points = [{"step": i + 1, "lr": 1e-4 * 1.3**i, "smoothed_loss": v} for i, v in enumerate(smoothed)]
     used = suggestion_range(points, steps=len(points))
     assert used[-1]["smoothed_loss"] == min(p["smoothed_loss"] for p in used) == 1.95
     pick = used[steepest([p["lr"] for p in used], [p["smoothed_loss"] for p in used])]
@@ -238,8 +283,14 @@ def test_a_new_tuner_is_one_registry_entry(tmp_path, monkeypatch, capsys):
         ax.plot([r["x"] for r in result["rows"]], [r["speed"] for r in result["rows"]])
         return fig
 
-    fake = tune.Tuner(name="fake", help="a tuner for this test", tune=tune_fake, plot=plot_fake,
-                      columns=[("x", "x", ""), ("speed", "speed", ".1f")], is_pick=lambda r, rec: r["x"] == rec["x"])
+    fake = tune.Tuner(
+        name="fake",
+        help="a tuner for this test",
+        tune=tune_fake,
+        plot=plot_fake,
+        columns=[("x", "x", ""), ("speed", "speed", ".1f")],
+        is_pick=lambda r, rec: r["x"] == rec["x"],
+    )
     monkeypatch.setitem(tune.TUNERS, "fake", fake)
     result = tune.run("fake", compose_cfg(), tmp_path)
     assert result["ranks"] == [{"x": 2}] and result["world_size"] == 1
@@ -256,6 +307,8 @@ def test_a_tuner_named_after_its_options_is_refused_with_the_command_in_order():
 
     with pytest.raises(ConfigError) as caught:
         parse_args(["--config-dir", "my configs", "speed", "+experiment=tab"])
-    assert str(caught.value) == ("the tuner's name comes first, before --config-dir and every override: "
-                                 "python -m runner.tune speed --config-dir 'my configs' +experiment=tab")
+    assert str(caught.value) == (
+        "the tuner's name comes first, before --config-dir and every override: "
+        "python -m runner.tune speed --config-dir 'my configs' +experiment=tab"
+    )
     assert parse_args(["speed", "--config-dir", "c", "x=1"]) == ("speed", None, ["--config-dir", "c", "x=1"])

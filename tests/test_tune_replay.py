@@ -70,8 +70,11 @@ class Replay(speed._Search):
         """The recorded verification, where it measured the switches the rules verify (its ``pick`` and ``extended``
         are names: the recorded rows say what they held)."""
         asked = [speed._label(sw) for sw in (incumbent, whole) if sw and (sw is incumbent or whole != incumbent)]
-        measured = [r["switch"] for r in self.spec["rows"] if r["stage"] == "verification"
-                    and not r["switch"].startswith(("+experiment", "(yours"))]
+        measured = [
+            r["switch"]
+            for r in self.spec["rows"]
+            if r["stage"] == "verification" and not r["switch"].startswith(("+experiment", "(yours"))
+        ]
         if asked != measured:
             raise Diverged(f"verification: the rules verify {asked}; the recorded search measured {measured}")
         return super().verify(incumbent, whole)
@@ -97,10 +100,16 @@ def replayed(r: Round, path: Path, confidence: float) -> Round:
 
 def replay(search: Replay, monkeypatch) -> tuple[Replay, list[Switch]]:
     """``search`` run on the candidates of its recorded round 1, its verification read from its record."""
-    monkeypatch.setattr(speed, "measure_round", lambda v, folder, settings, ranks=None: replayed(
-        v, search.recorded / "verification.json", settings.confidence))
-    candidates = [Switch.of(row["switch"]) for row in search.spec["rows"] if row["stage"] == "round 1"
-                  and row["switch"] in speed.TECHNIQUES]
+    monkeypatch.setattr(
+        speed,
+        "measure_round",
+        lambda v, folder, settings, ranks=None: replayed(v, search.recorded / "verification.json", settings.confidence),
+    )
+    candidates = [
+        Switch.of(row["switch"])
+        for row in search.spec["rows"]
+        if row["stage"] == "round 1" and row["switch"] in speed.TECHNIQUES
+    ]
     picked, _ = search.run(candidates)
     return search, picked
 
@@ -123,11 +132,15 @@ def test_the_rules_replayed_on_a_recorded_search_reach_its_recorded_outcome(name
     expected = json.loads((RECORDED / name / "replay.json").read_text())
     got, search = outcome(name, tmp_path, monkeypatch)
     assert got == {k: v for k, v in expected.items() if k != "why"}
-    recorded = {(r["stage"], r["switch"]): r["verdict"] for r in search.spec["rows"] if r["stage"] != "guard"
-                and not r["switch"].startswith("+experiment")}  # +experiment=fast: composed from a command line
+    recorded = {
+        (r["stage"], r["switch"]): r["verdict"]
+        for r in search.spec["rows"]
+        if r["stage"] != "guard" and not r["switch"].startswith("+experiment")
+    }  # +experiment=fast: composed from a command line
     stages = {r["stage"] for r in search.rows if r["stage"] != "guard"}
-    assert {k: v for k, v in recorded.items() if k[0] in stages} == \
-        {(r["stage"], r["switch"]): r["verdict"] for r in search.rows if r["stage"] != "guard"}
+    assert {k: v for k, v in recorded.items() if k[0] in stages} == {
+        (r["stage"], r["switch"]): r["verdict"] for r in search.rows if r["stage"] != "guard"
+    }
 
 
 def test_a_rule_changed_to_fit_one_run_fails_the_replay(tmp_path, monkeypatch):

@@ -19,8 +19,14 @@ from runner.tune import speed
 from test_distributed import TORCHRUN, child_env
 
 #: a short search: 4 passes of 3-step slices per round, a 10-step guard
-QUICK = ["tune.guard_steps=10", "interleave.slice_steps=3", "interleave.min_passes=4", "interleave.max_passes=4",
-         "interleave.resume_steps=1", "tune.budget_minutes=6"]
+QUICK = [
+    "tune.guard_steps=10",
+    "interleave.slice_steps=3",
+    "interleave.min_passes=4",
+    "interleave.max_passes=4",
+    "interleave.resume_steps=1",
+    "tune.budget_minutes=6",
+]
 
 
 def names(switches):
@@ -61,28 +67,34 @@ def test_tf32_s_note_says_why_it_is_not_a_candidate(monkeypatch):
         _, notes = speed.switches(compose_cfg(*overrides), device)
         return next(n for n in notes if n.startswith("tf32:"))
 
-    assert tf32_note() == ("tf32: not a candidate (TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this "
-                           "job runs on the CPU)")
+    assert tf32_note() == (
+        "tf32: not a candidate (TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs on the CPU)"
+    )
     assert tf32_note("precision=tf32") == "tf32: already on in your configuration"
     # an H200 running bf16: the reason is the precision, not the GPU
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
-    assert tf32_note("precision=bf16", device=cuda) == ("tf32: not a candidate (precision=bf16 is not fp32: TF32 "
-                                                        "changes only fp32 matmuls and convolutions)")
+    assert tf32_note("precision=bf16", device=cuda) == (
+        "tf32: not a candidate (precision=bf16 is not fp32: TF32 changes only fp32 matmuls and convolutions)"
+    )
     assert "tf32" in names(speed.switches(compose_cfg("precision=fp32"), cuda)[0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
-    assert tf32_note(device=cuda) == ("tf32: not a candidate (TF32 needs compute capability 8.0 or newer; this GPU "
-                                      "has 7.0)")
+    assert tf32_note(device=cuda) == (
+        "tf32: not a candidate (TF32 needs compute capability 8.0 or newer; this GPU has 7.0)"
+    )
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["tune.only=[compile,warp_drive]"], ["tune.only", "warp_drive", "compile"]),
-    (["tune.switches={mine: {no_such_key: 1}}"], ["tune.switches.mine", "no_such_key", "not a key"]),
-    (["tune.switches={compile: {channels_last: true}}"], ["tune.switches.compile", "built-in"]),
-    (["tune.guard_tolerance=0"], ["tune.guard_tolerance=0"]),
-    (["tune.allow=everything"], ["tune.allow=everything", "speed or recipe"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["tune.only=[compile,warp_drive]"], ["tune.only", "warp_drive", "compile"]),
+        (["tune.switches={mine: {no_such_key: 1}}"], ["tune.switches.mine", "no_such_key", "not a key"]),
+        (["tune.switches={compile: {channels_last: true}}"], ["tune.switches.compile", "built-in"]),
+        (["tune.guard_tolerance=0"], ["tune.guard_tolerance=0"]),
+        (["tune.allow=everything"], ["tune.allow=everything", "speed or recipe"]),
+    ],
+)
 def test_bad_speed_settings_are_refused(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as caught:
         tune.run("speed", compose_cfg(*overrides), tmp_path)
@@ -103,17 +115,22 @@ def test_the_guard_rejects_a_switch_that_changes_what_is_learned(tmp_path):
     # trillion synthetic images (768 TB) cannot be allocated: a real out-of-memory error (the CPU allocator's),
     # which rejects that candidate while the search goes on. With no round's minute left after the guard and the
     # verification's reserve (a budget of 0.5 min of wall time) the search stops there.
-    cfg = compose_cfg("tune.only=[foreach_optimizer]",
-                      "tune.switches={broken: {optimizer.lr: 50.0}, huge: {data.train_size: 1000000000000}}",
-                      "tune.guard_steps=10", "tune.budget_minutes=0.5")
+    cfg = compose_cfg(
+        "tune.only=[foreach_optimizer]",
+        "tune.switches={broken: {optimizer.lr: 50.0}, huge: {data.train_size: 1000000000000}}",
+        "tune.guard_steps=10",
+        "tune.budget_minutes=0.5",
+    )
     result = tune.run("speed", cfg, tmp_path / "out")
     guard = {r["switch"]: r for r in result["rows"] if r["stage"] == "guard"}
     assert guard["broken"]["verdict"].startswith("rejected") and guard["broken"]["guard_departure"] > 0.02
     assert guard["huge"]["verdict"] == "rejected (out of memory)"
     # the tolerance: yours under another seed (the spread of equally good runs), at least tune.guard_tolerance
     spread = guard["(yours, trainer.seed + 1)"]["guard_departure"]
-    assert 0 < spread < guard["broken"]["guard_departure"] and "the tolerance" in guard["(yours, trainer.seed + 1)"][
-        "verdict"]
+    assert (
+        0 < spread < guard["broken"]["guard_departure"]
+        and "the tolerance" in guard["(yours, trainer.seed + 1)"]["verdict"]
+    )
     assert guard["foreach_optimizer"]["verdict"] == "passed" and guard["foreach_optimizer"]["guard_departure"] < 0.02
     assert result["override"] == "(no change)" and result["recommended"]["switches"] == []
     assert not (tmp_path / "out" / "experiment" / "tuned.yaml").exists()  # no change writes no preset
@@ -146,8 +163,19 @@ def test_the_override_follows_the_verdict_end_to_end(tmp_path):
     # verdict rests on measured speed, which a busy machine can flip (read x2.2 and x1.7 faster beside the
     # other pytest worker), so what is asserted is that the outputs follow the verdict, whichever it was
     out = tmp_path / "out"
-    proc = run_cli("speed", "--out", str(out), *TINY, *QUICK, "tune.only=[]", "tune.objective=throughput",
-                   "tune.switches={anomaly: {debug.name: anomaly}}", cwd=tmp_path, module="runner.tune", timeout=600)
+    proc = run_cli(
+        "speed",
+        "--out",
+        str(out),
+        *TINY,
+        *QUICK,
+        "tune.only=[]",
+        "tune.objective=throughput",
+        "tune.switches={anomaly: {debug.name: anomaly}}",
+        cwd=tmp_path,
+        module="runner.tune",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_csv(out / "speed.csv")
     measured = [r for r in rows if r["stage"] == "round 1"]
@@ -198,11 +226,24 @@ def test_a_switch_of_known_cost_is_picked_verified_and_written_as_a_preset(tmp_p
     (tmp_path / "known_cost.py").write_text(KNOWN_COST)
     (tmp_path / "my-configs" / "model").mkdir(parents=True)  # the model is an option of the user's own configs
     (tmp_path / "my-configs" / "model" / "spin.yaml").write_text(
-        "defaults: [base_model, _self_]\n_target_: known_cost.Spin\nms: 40\n")
+        "defaults: [base_model, _self_]\n_target_: known_cost.Spin\nms: 40\n"
+    )
     out = tmp_path / "out"
     job = [*TINY, "model=spin", "debug=anomaly", "trainer.max_steps=2000"]
-    proc = run_cli("speed", "--out", str(out), "--config-dir", "my-configs", *job, *QUICK, "tune.only=[]",
-                   "tune.switches={debug_off: {debug.name: 'off'}}", cwd=tmp_path, module="runner.tune", timeout=900)
+    proc = run_cli(
+        "speed",
+        "--out",
+        str(out),
+        "--config-dir",
+        "my-configs",
+        *job,
+        *QUICK,
+        "tune.only=[]",
+        "tune.switches={debug_off: {debug.name: 'off'}}",
+        cwd=tmp_path,
+        module="runner.tune",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "speed.json").read_text())
     (first,) = [r for r in result["rows"] if r["stage"] == "round 1"]
@@ -246,11 +287,25 @@ def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_pat
     measured job of every round is a 2-rank DDP job (rank 1's conductor mirrors rank 0's), and each rank reaches
     the same recommendation from rank 0's figures (the harness gathers the ranks' and fails if they differ)."""
     out = tmp_path / "out"
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "runner.tune", "speed", "--out", str(out),
-           "distributed=ddp", "distributed.timeout_s=120", *TINY, *QUICK, "tune.only=[]",
-           "tune.switches={anomaly: {debug.name: anomaly}}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path, TMPDIR=str(short_tmp)), capture_output=True,
-                          text=True, timeout=900)
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "runner.tune",
+        "speed",
+        "--out",
+        str(out),
+        "distributed=ddp",
+        "distributed.timeout_s=120",
+        *TINY,
+        *QUICK,
+        "tune.only=[]",
+        "tune.switches={anomaly: {debug.name: anomaly}}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(tmp_path, TMPDIR=str(short_tmp)), capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads((out / "speed.json").read_text())
     assert result["world_size"] == 2 and result["ranks"][0] == result["ranks"][1] == result["recommended"]
@@ -261,25 +316,43 @@ def test_under_torchrun_every_job_runs_on_both_ranks_and_the_ranks_agree(tmp_pat
     assert proc.stdout.count("override: ") == 1  # rank 0 prints
 
 
-def _verification(rates: dict[str, float], passes: int = 8, noise: float = 0.02, reference: str = "yours",
-                  ) -> "speed.Round":
+def _verification(
+    rates: dict[str, float],
+    passes: int = 8,
+    noise: float = 0.02,
+    reference: str = "yours",
+) -> "speed.Round":
     """A round read from a synthetic record: each configuration's samples/s (``reference`` is the reference,
     ``<reference>-aa`` its copy), one slice per pass each, with ±``noise`` per slice and a drift shared by the whole
     pass (which pairing cancels)."""
     import random
 
     rng = random.Random(0)
-    jobs = {name: {"config": name, "reference": None if name == reference else reference, "group": 1,
-                   "status": "measured"} for name in rates}
+    jobs = {
+        name: {"config": name, "reference": None if name == reference else reference, "group": 1, "status": "measured"}
+        for name in rates
+    }
     slices = []
     for p in range(passes):
         drift = 1 + 0.2 * math.sin(p)
         for position, (name, rate) in enumerate(rates.items()):
-            slices.append({"group": 1, "pass": p, "position": position, "job": name,
-                           "pairs_with": None if name == reference else 0,
-                           "samples_per_sec": rate * drift * (1 + rng.uniform(-noise, noise))})
-    record = {"reference": reference, "aa": f"{reference}-aa", "settings": {"confidence": 0.95}, "jobs": jobs,
-              "slices": slices}
+            slices.append(
+                {
+                    "group": 1,
+                    "pass": p,
+                    "position": position,
+                    "job": name,
+                    "pairs_with": None if name == reference else 0,
+                    "samples_per_sec": rate * drift * (1 + rng.uniform(-noise, noise)),
+                }
+            )
+    record = {
+        "reference": reference,
+        "aa": f"{reference}-aa",
+        "settings": {"confidence": 0.95},
+        "jobs": jobs,
+        "slices": slices,
+    }
     from runner import compare
 
     r = speed.Round("verification", reference, {}, minutes=0.0)
@@ -344,12 +417,15 @@ def test_the_job_objective_keeps_the_pick_with_fewer_switches_unless_its_job_is_
 
 #: A model whose step cost depends on two switches together (``KNOWN_COST``'s wait): either alone makes the step
 #: x1.25 as long, both together x0.4 -- the interaction greedy forward selection cannot find by construction
-PAIR = KNOWN_COST + """
+PAIR = (
+    KNOWN_COST
+    + """
 
 class Pair(Spin):
     def __init__(self, num_classes: int = 10, ms: float = 4.0, a: bool = False, b: bool = False):
         super().__init__(num_classes, ms * (0.4 if a and b else 1.25 if a or b else 1.0))
 """
+)
 
 
 @pytest.mark.slow
@@ -357,11 +433,26 @@ class Pair(Spin):
 def test_two_switches_that_pay_only_together_are_found_and_the_interaction_reported(tmp_path):
     (tmp_path / "known_cost.py").write_text(PAIR)
     out = tmp_path / "out"
-    job = [*TINY, "model._target_=known_cost.Pair", "+model.ms=30", "+model.a=false", "+model.b=false",
-           "trainer.max_steps=2000"]  # a job long enough to pay for the combination's one-time costs
-    proc = run_cli("speed", "--out", str(out), *job, *QUICK, "tune.only=[]",
-                   "tune.switches={a: {model.a: true}, b: {model.b: true}}", cwd=tmp_path, module="runner.tune",
-                   timeout=900)
+    job = [
+        *TINY,
+        "model._target_=known_cost.Pair",
+        "+model.ms=30",
+        "+model.a=false",
+        "+model.b=false",
+        "trainer.max_steps=2000",
+    ]  # a job long enough to pay for the combination's one-time costs
+    proc = run_cli(
+        "speed",
+        "--out",
+        str(out),
+        *job,
+        *QUICK,
+        "tune.only=[]",
+        "tune.switches={a: {model.a: true}, b: {model.b: true}}",
+        cwd=tmp_path,
+        module="runner.tune",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "speed.json").read_text())
     first = {r["switch"]: r for r in result["rows"] if r["stage"] == "round 1"}
@@ -377,9 +468,11 @@ def test_the_console_table_shows_every_decision_however_many_rounds():
     from runner.tune.harness import markdown_table
 
     rows = [{"stage": f"round {i // 7 + 1}", "switch": f"s{i}", "speedup": 1.0} for i in range(21)]
-    rows += [{"stage": "verification", "switch": "s0", "speedup": 1.2},
-             {"stage": "verification", "switch": "+experiment=fast", "speedup": 1.1},
-             {"stage": "verification", "switch": "(yours, A/A)", "speedup": 1.0}]
+    rows += [
+        {"stage": "verification", "switch": "s0", "speedup": 1.2},
+        {"stage": "verification", "switch": "+experiment=fast", "speedup": 1.1},
+        {"stage": "verification", "switch": "(yours, A/A)", "speedup": 1.0},
+    ]
     table = markdown_table(speed.TUNER, rows, {"switches": ["s0"]}, max_rows=speed.TUNER.console_rows)
     assert len(table.splitlines()) == 2 + len(rows) and "+experiment=fast" in table and "| s13 |" in table
     assert "**<- recommended**" in table.splitlines()[2 + 21]
@@ -397,8 +490,11 @@ def _elimination(tmp_path, speed_of, noise: float = 0.02):
 
     def measured(title, reference, jobs, share=0.5):
         rates = {name: speed_of(c) for name, c in jobs.items()}
-        r = _verification({reference: rates[reference], f"{reference}-aa": rates[reference], **rates},
-                          reference=reference, noise=noise)
+        r = _verification(
+            {reference: rates[reference], f"{reference}-aa": rates[reference], **rates},
+            reference=reference,
+            noise=noise,
+        )
         r.jobs = jobs
         search.rounds.append(r)
         return r
@@ -416,8 +512,12 @@ def test_elimination_takes_a_firm_swap_and_drops_every_firm_hurt_in_one_round(tm
     b, c = Switch("b", {"trainer.seed": 5}), Switch("c", {"trainer.eval_every": 7})
 
     def speed_of(cfg):
-        return (100.0 * {11: 1.1, 12: 1.6}.get(cfg.trainer.log_every, 1.0) * (1.3 if cfg.trainer.seed == 5 else 1)
-                * (0.7 if cfg.trainer.eval_every == 7 else 1))
+        return (
+            100.0
+            * {11: 1.1, 12: 1.6}.get(cfg.trainer.log_every, 1.0)
+            * (1.3 if cfg.trainer.seed == 5 else 1)
+            * (0.7 if cfg.trainer.eval_every == 7 else 1)
+        )
 
     search = _elimination(tmp_path, speed_of)
     assert search.eliminate([a1, b, c], [a1, a2, b, c]) == [a2, b]
@@ -452,8 +552,18 @@ def test_the_elimination_starts_from_an_alternative_only_where_it_was_firmly_fas
 
     bf16, upcast = Switch("bf16", {}, "precision"), Switch("bf16_upcast_attention", {}, "precision")
     compile_, autotune, fused = Switch("compile", {}, "compile"), Switch("max", {}, "compile"), Switch("fused", {})
-    r = _verification({"yours": 100.0, "yours-aa": 100.0, "bf16": 101.0, "bf16_upcast_attention": 128.0,
-                       "compile": 104.0, "max": 104.5, "fused": 103.0}, noise=0.03)
+    r = _verification(
+        {
+            "yours": 100.0,
+            "yours-aa": 100.0,
+            "bf16": 101.0,
+            "bf16_upcast_attention": 128.0,
+            "compile": 104.0,
+            "max": 104.5,
+            "fused": 103.0,
+        },
+        noise=0.03,
+    )
     best = group_best([compile_, fused, bf16], [compile_, autotune, fused, bf16, upcast], r)
     assert best == [compile_, fused, upcast]  # a switch without a group stays too
 
@@ -467,8 +577,9 @@ def test_a_switch_whose_removal_reads_slower_goes_only_where_the_round_resolves_
     z, b = Switch("z", {"trainer.eval_every": 7}), Switch("b", {"trainer.seed": 5})
 
     def speed_of(z_effect):
-        return lambda cfg: 100.0 * (1.3 if cfg.trainer.seed == 5 else 1) * (z_effect if cfg.trainer.eval_every == 7
-                                                                             else 1)
+        return lambda cfg: (
+            100.0 * (1.3 if cfg.trainer.seed == 5 else 1) * (z_effect if cfg.trainer.eval_every == 7 else 1)
+        )
 
     search = _elimination(tmp_path / "resolved", speed_of(1.0))
     assert search.eliminate([z, b], [z, b]) == [b], search.notes
@@ -477,8 +588,7 @@ def test_a_switch_whose_removal_reads_slower_goes_only_where_the_round_resolves_
     assert len(search.rounds) == 1 and "not shown to cost under 5%" in search.notes[-1], search.notes
 
 
-def test_a_round_too_short_for_its_passes_is_not_measured_and_the_verification_takes_more_pairs(tmp_path,
-                                                                                                   monkeypatch):
+def test_a_round_too_short_for_its_passes_is_not_measured_and_the_verification_takes_more_pairs(tmp_path, monkeypatch):
     """The last elimination round of an 8-minute search had 0.7 min for 12 jobs of 1 s slices (under 4 passes: most
     jobs not measured); it is skipped with a note. The verification, whose verdict is the recommendation, runs at
     least ``VERIFICATION_PASSES`` passes (5 calm passes had decided it)."""
@@ -528,8 +638,10 @@ def test_the_guard_rejects_a_switch_that_its_builder_skipped_with_the_builder_s_
     search = _search(tmp_path)
     search.reference = [1.0] * search.t.guard_steps
     assert search.guard_candidates([Switch.of("compile_regional")]) == []
-    assert "does not act on this job (compile_regional skipped: the model has no repeated blocks)" in \
-        search.rows[-1]["verdict"]
+    assert (
+        "does not act on this job (compile_regional skipped: the model has no repeated blocks)"
+        in search.rows[-1]["verdict"]
+    )
 
 
 def test_the_preset_carries_the_pick_s_compile_cache_and_names_it(tmp_path, monkeypatch):
@@ -570,9 +682,11 @@ def test_with_no_elimination_round_the_pick_leaves_out_what_read_slower_alone(tm
     search = _search(tmp_path)
     sw = {name: Switch(name, {"trainer.seed": i}) for i, name in enumerate(("bf16", "compile", "half_threads"))}
     combination = list(sw.values())
-    search.alone = {"bf16": SimpleNamespace(estimate=1.3, low=1.1, high=1.5),
-                    "compile": SimpleNamespace(estimate=0.99, low=0.9, high=1.1),
-                    "half_threads": SimpleNamespace(estimate=0.72, low=0.63, high=0.81)}
+    search.alone = {
+        "bf16": SimpleNamespace(estimate=1.3, low=1.1, high=1.5),
+        "compile": SimpleNamespace(estimate=0.99, low=0.9, high=1.1),
+        "half_threads": SimpleNamespace(estimate=0.72, low=0.63, high=0.81),
+    }
     search.rounds = [SimpleNamespace(verdicts={"bf16": "helps", "half_threads": HURTS})]  # round 1 was measured
     monkeypatch.setattr(search, "round", lambda *a, **k: None)  # no time for round 2
     assert search.eliminate(combination, combination) == [sw["bf16"]]

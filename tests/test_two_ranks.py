@@ -48,13 +48,30 @@ RANK = int(os.environ.get("RANK", "0"))
 TOLERANCE = 1e-5  # observed: 2.4e-7 (float32 summation order); a wrong gradient scale shows at 1e-2
 
 #: the equivalence runs: TINY's data (3x16x16 synthetic), one global batch of 64 samples, 20 steps
-SAME_DATA = ["data.train_size=64", "trainer.max_steps=20", "trainer.log_every=1", "trainer.eval_every=20",
-             "model._target_=tiny_mlp.TinyMLP", "memory.accumulate_steps=2", "optimizer.lr=0.05"]
+SAME_DATA = [
+    "data.train_size=64",
+    "trainer.max_steps=20",
+    "trainer.log_every=1",
+    "trainer.eval_every=20",
+    "model._target_=tiny_mlp.TinyMLP",
+    "memory.accumulate_steps=2",
+    "optimizer.lr=0.05",
+]
 #: a rank that dies or hangs fails the other's collectives within a minute, not runner's default 300 s
 TIMEOUT = "distributed.timeout_s=60"
 #: what torchrun tells a worker; hidden for the one-process reference run
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+)
 
 
 def safe(name: str) -> str:
@@ -126,8 +143,11 @@ def run_job(folder: Folder, job: str, *args: str, alone: bool = False) -> Path:
         raise
     finally:  # even after a failure, so the other rank fails this test too and both go on to the next
         outcomes = folder.barrier(f"{job} ends", outcome)
-    assert outcomes == ["exit status 0"] * 2, f"{job}: " + "; ".join(
-        f"rank {rank}: {o}" for rank, o in enumerate(outcomes)) + " (each rank's output: its captured output)"
+    assert outcomes == ["exit status 0"] * 2, (
+        f"{job}: "
+        + "; ".join(f"rank {rank}: {o}" for rank, o in enumerate(outcomes))
+        + " (each rank's output: its captured output)"
+    )
     if "-m" not in args:  # a multirun's rank 1 keeps its scratch sweep folder until the process exits (atexit)
         assert not list(tmp.glob("runner-rank*")), "a rank > 0 left its scratch folder behind"
     return root
@@ -155,11 +175,20 @@ def assert_same_losses(a: list[float], b: list[float]) -> None:
 def runs(shared_root) -> dict[str, tuple[Path, dict]]:
     """One process (batch 32, rank 0 alone) vs DDP and FSDP on the 2 ranks (batch 16 each); 20 steps each."""
     folder = Folder(shared_root, "runs")
-    roots = {"single": run_job(folder, "single", *TINY, *SAME_DATA, "dataloader.batch_size=32", alone=True),
-             "ddp": run_job(folder, "ddp", "distributed=ddp", TIMEOUT, *TINY, *SAME_DATA, "dataloader.batch_size=16",
-                            "trainer.reference_samples_per_sec=1000"),
-             "fsdp": run_job(folder, "fsdp", "distributed=fsdp", TIMEOUT, *TINY, *SAME_DATA,
-                             "dataloader.batch_size=16")}
+    roots = {
+        "single": run_job(folder, "single", *TINY, *SAME_DATA, "dataloader.batch_size=32", alone=True),
+        "ddp": run_job(
+            folder,
+            "ddp",
+            "distributed=ddp",
+            TIMEOUT,
+            *TINY,
+            *SAME_DATA,
+            "dataloader.batch_size=16",
+            "trainer.reference_samples_per_sec=1000",
+        ),
+        "fsdp": run_job(folder, "fsdp", "distributed=fsdp", TIMEOUT, *TINY, *SAME_DATA, "dataloader.batch_size=16"),
+    }
     return {name: (only_job(root), read_summary(only_job(root))) for name, root in roots.items()}
 
 
@@ -202,9 +231,20 @@ def test_ddp_two_processes_on_custom_data(shared):
     if RANK == 0:
         (shared.path / "custom" / "my_data.py").write_text(module)
     shared.barrier("my_data.py")
-    root = run_job(shared, "custom", "distributed=ddp", TIMEOUT, *TINY_LOOP, "data=custom",
-                  "data._target_=my_data.tabular", "data.n_train=1024", "data.n_eval=256", "model=mlp",
-                  "model.hidden=32", "trainer.max_steps=8")
+    root = run_job(
+        shared,
+        "custom",
+        "distributed=ddp",
+        TIMEOUT,
+        *TINY_LOOP,
+        "data=custom",
+        "data._target_=my_data.tabular",
+        "data.n_train=1024",
+        "data.n_eval=256",
+        "model=mlp",
+        "model.hidden=32",
+        "trainer.max_steps=8",
+    )
     s = read_summary(only_job(root))
     assert s["world_size"] == 2 and s["techniques"]["ddp"] == "applied" and s["global_batch_size"] == 32
     assert s["parameters"]["identical_across_ranks"] is True
@@ -228,15 +268,25 @@ def test_reduce_figures_are_global_over_two_processes(shared):
     group is torchrun's two ranks, joined as runner joins it (``shared``: both ranks got here first)."""
     layout = launch.discover()
     timeout = timedelta(seconds=60)
-    dist.init_process_group("gloo", store=distributed.attempt_store(layout, timeout), rank=layout.rank,
-                            world_size=layout.world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=distributed.attempt_store(layout, timeout),
+        rank=layout.rank,
+        world_size=layout.world_size,
+        timeout=timeout,
+    )
     try:
         rank = layout.rank
         env = distributed.Env(rank=rank, local_rank=rank, world_size=2, nodes=1, device=torch.device("cpu"))
         # rank 1 is the slow one (2 s for the same 10 steps) and has the larger peak memory
-        totals = {"samples_per_sec": 64 * 10 / (1.0 + rank), "step_time_ms_median": 100.0 * (1 + rank),
-                  "step_time_ms_p90": 150.0 * (1 + rank), "measured_steps": 10, "measured_time_s": 1.0 + rank,
-                  "data_wait_fraction": 0.1}
+        totals = {
+            "samples_per_sec": 64 * 10 / (1.0 + rank),
+            "step_time_ms_median": 100.0 * (1 + rank),
+            "step_time_ms_p90": 150.0 * (1 + rank),
+            "measured_steps": 10,
+            "measured_time_s": 1.0 + rank,
+            "data_wait_fraction": 0.1,
+        }
         r = distributed.reduce_figures(totals, peak_memory_mb=100.0 + 50 * rank, env=env)
     finally:
         dist.destroy_process_group()
@@ -246,9 +296,18 @@ def test_reduce_figures_are_global_over_two_processes(shared):
 
 
 #: the Shakespeare GPT (the embedded text), narrowed: 50 steps of 12 windows of 32 characters, every loss logged
-GPT = ["+experiment=shakespeare_char", *TINY_LOOP, "model.n_layer=2", "model.n_embd=64", "data.block_size=32",
-       "trainer.max_steps=50", "scheduler.warmup_steps=5", "trainer.log_every=1", "trainer.eval_every=50",
-       "task.sample_tokens=0"]
+GPT = [
+    "+experiment=shakespeare_char",
+    *TINY_LOOP,
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.max_steps=50",
+    "scheduler.warmup_steps=5",
+    "trainer.log_every=1",
+    "trainer.eval_every=50",
+    "task.sample_tokens=0",
+]
 #: tensor parallelism's per-step losses against one process's on the same batches (issue 59: 1e-3); observed 5e-7
 TP_TOLERANCE = 1e-3
 
@@ -259,15 +318,33 @@ def tp_runs(shared_root) -> dict[str, tuple[Path, dict]]:
     pipeline stages (distributed=pp, 1F1B and GPipe): the ranks of a split draw the same batches, so the global
     batch is one rank's."""
     folder = Folder(shared_root, "tp_runs")
-    mlp = [*TINY, "data.train_size=64", "trainer.max_steps=20", "trainer.log_every=1", "trainer.eval_every=20",
-           "model=mlp", "model.hidden=32", "dataloader.batch_size=32", "optimizer.lr=0.05"]
-    roots = {"gpt": run_job(folder, "gpt", *GPT, alone=True),
-             "gpt_tp": run_job(folder, "gpt_tp", "distributed=tp", TIMEOUT, *GPT),
-             "mlp": run_job(folder, "mlp", *mlp, alone=True),
-             "mlp_tp": run_job(folder, "mlp_tp", "distributed=tp", TIMEOUT, *mlp),
-             "gpt_pp": run_job(folder, "gpt_pp", "distributed=pp", TIMEOUT, *GPT),
-             "gpt_gpipe": run_job(folder, "gpt_gpipe", "distributed=pp", "distributed.pp_schedule=gpipe",
-                                  "distributed.pp_microbatches=2", TIMEOUT, *GPT)}
+    mlp = [
+        *TINY,
+        "data.train_size=64",
+        "trainer.max_steps=20",
+        "trainer.log_every=1",
+        "trainer.eval_every=20",
+        "model=mlp",
+        "model.hidden=32",
+        "dataloader.batch_size=32",
+        "optimizer.lr=0.05",
+    ]
+    roots = {
+        "gpt": run_job(folder, "gpt", *GPT, alone=True),
+        "gpt_tp": run_job(folder, "gpt_tp", "distributed=tp", TIMEOUT, *GPT),
+        "mlp": run_job(folder, "mlp", *mlp, alone=True),
+        "mlp_tp": run_job(folder, "mlp_tp", "distributed=tp", TIMEOUT, *mlp),
+        "gpt_pp": run_job(folder, "gpt_pp", "distributed=pp", TIMEOUT, *GPT),
+        "gpt_gpipe": run_job(
+            folder,
+            "gpt_gpipe",
+            "distributed=pp",
+            "distributed.pp_schedule=gpipe",
+            "distributed.pp_microbatches=2",
+            TIMEOUT,
+            *GPT,
+        ),
+    }
     return {name: (only_job(root), read_summary(only_job(root))) for name, root in roots.items()}
 
 

@@ -39,8 +39,8 @@ def read_records(path: Path) -> Iterator:
             pos += _BLOCK - pos % _BLOCK
         if pos + _CHUNK_HEADER > len(data):
             return
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + _CHUNK_HEADER])
-        chunk = data[pos + _CHUNK_HEADER:pos + _CHUNK_HEADER + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + _CHUNK_HEADER])
+        chunk = data[pos + _CHUNK_HEADER : pos + _CHUNK_HEADER + length]
         pos += _CHUNK_HEADER + length
         if kind == 0:  # preallocated zeros at the end of a file still being written
             return
@@ -75,8 +75,14 @@ def read_run(path: Path) -> dict:
             metrics.append(r.metric)
         elif kind == "exit":
             exit_record = r.exit
-    return {"run": run, "config": config, "summary": summary, "history": history, "metrics": metrics,
-            "exit": exit_record}
+    return {
+        "run": run,
+        "config": config,
+        "summary": summary,
+        "history": history,
+        "metrics": metrics,
+        "exit": exit_record,
+    }
 
 
 def wandb_files(root: Path) -> list[Path]:
@@ -106,8 +112,16 @@ def test_offline_run_holds_config_history_and_summary(tmp_path):
     assert all("trainer/step" in h for h in run["history"])
     assert any(m.glob_name == "*" and m.step_metric == "trainer/step" for m in run["metrics"])
 
-    for key in ("samples_per_sec", "step_time_ms_median", "data_wait_fraction", "flops_per_sample",
-                "eval_accuracy", "steps", "global_batch_size", "device"):
+    for key in (
+        "samples_per_sec",
+        "step_time_ms_median",
+        "data_wait_fraction",
+        "flops_per_sample",
+        "eval_accuracy",
+        "steps",
+        "global_batch_size",
+        "device",
+    ):
         assert run["summary"][key] == summary[key], key
     assert run["summary"]["techniques"] == summary["techniques"] and "config" not in run["summary"]
     assert run["exit"] is not None and run["exit"].exit_code == 0
@@ -121,8 +135,14 @@ def test_no_api_key_goes_offline_and_says_so_once_and_wandbs_start_up_lines_stay
     home.mkdir()  # no ~/.netrc, no wandb settings
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(home)  # no WANDB_SILENT, as a user runs it: only one sync hint in all the output
-    proc = subprocess.run([sys.executable, "-m", "runner", *TINY, "logger=wandb"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", *TINY, "logger=wandb"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (job,) = job_dirs(tmp_path)
     (path,) = wandb_files(tmp_path)
@@ -145,8 +165,14 @@ def test_a_key_from_wandb_login_and_no_network_fall_back_to_offline_at_once(tmp_
     (home / ".netrc").chmod(0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env |= {"HOME": str(home), "WANDB_BASE_URL": "http://127.0.0.1:9"}  # port 9 (discard): nothing listens
-    proc = subprocess.run([sys.executable, "-m", "runner", *TINY, "logger=wandb"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", *TINY, "logger=wandb"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "W&B: http://127.0.0.1:9 cannot be reached, logging offline" in proc.stdout
     assert "no API key" not in proc.stdout

@@ -39,8 +39,9 @@ def tabular_noting_environment(note: str, variable: str, **kwargs):
     return tabular(**kwargs)
 
 
-def regression(n_features: int = 8, n_targets: int = 0, n_train: int = 256, n_eval: int = 64, noise: float = 0.1,
-               seed: int = 0):
+def regression(
+    n_features: int = 8, n_targets: int = 0, n_train: int = 256, n_eval: int = 64, noise: float = 0.1, seed: int = 0
+):
     """A regression problem: ``n_features`` floats -> float targets, shape (N,) (``n_targets=0``: one value per
     item) or (N, n_targets): a random linear map of the inputs (each value of variance about 1) plus Gaussian noise
     of std ``noise``, so the best reachable MSE is ``noise**2`` (0.01) and predicting the mean scores about 1."""
@@ -83,8 +84,9 @@ def rows(n_features: int = 8, n_classes: int = 3, classes: list[str] | None = No
 def split(n_features: int = 8):
     """Subsets of one TensorDataset (what ``random_split`` returns)."""
     train, evaluation = tabular(n_features)
-    full = TensorDataset(torch.cat([train.tensors[0], evaluation.tensors[0]]),
-                         torch.cat([train.tensors[1], evaluation.tensors[1]]))
+    full = TensorDataset(
+        torch.cat([train.tensors[0], evaluation.tensors[0]]), torch.cat([train.tensors[1], evaluation.tensors[1]])
+    )
     n = len(train)
     return Subset(full, range(n)), Subset(full, range(n, len(full)))
 
@@ -135,8 +137,10 @@ def bad_empty():
 
 def bad_triples():
     x = torch.randn(16, 8)
-    return (TensorDataset(x, torch.zeros(16, dtype=torch.long), x),
-            TensorDataset(x, torch.zeros(16, dtype=torch.long), x))
+    return (
+        TensorDataset(x, torch.zeros(16, dtype=torch.long), x),
+        TensorDataset(x, torch.zeros(16, dtype=torch.long), x),
+    )
 
 
 def bad_float_targets():
@@ -231,8 +235,12 @@ class OwnRegression:
 
     def evaluate(self, model, batches, autocast, max_batches, env):
         def sums(out, y):
-            return torch.stack([(out.reshape(y.shape) - y.float()).square().sum().double(),
-                                torch.tensor(y.numel(), device=y.device, dtype=torch.float64)])
+            return torch.stack(
+                [
+                    (out.reshape(y.shape) - y.float()).square().sum().double(),
+                    torch.tensor(y.numel(), device=y.device, dtype=torch.float64),
+                ]
+            )
 
         squared_sum, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, sums)
         if count == 0:
@@ -261,8 +269,11 @@ class OwnRegression:
 
 #: A task written before ``check_target`` joined the contract: ``OwnRegression`` without it (``task.build`` must
 #: refuse it, naming the member).
-NoTargetCheck = type("NoTargetCheck", (), {k: v for k, v in vars(OwnRegression).items()
-                                          if k != "check_target" and not k.startswith("__")})
+NoTargetCheck = type(
+    "NoTargetCheck",
+    (),
+    {k: v for k, v in vars(OwnRegression).items() if k != "check_target" and not k.startswith("__")},
+)
 
 
 class NanRow(Dataset):
@@ -285,7 +296,6 @@ def regression_with_a_nan_evaluation_row():
     return train, NanRow(evaluation)
 
 
-
 class WeightedRegression(OwnRegression):
     """``OwnRegression`` with a constructor argument (``+task.weight=2``: the loss times ``weight``) and a metric of
     its own, ``eval_mae`` (the mean absolute error), which the console shows beside ``eval_loss``."""
@@ -301,7 +311,18 @@ class WeightedRegression(OwnRegression):
     def evaluate(self, model, batches, autocast, max_batches, env):
         batches = list(batches)
         figures = super().evaluate(model, batches, autocast, max_batches, env)
-        absolute, count = evaluation_sums(model, batches, autocast, max_batches, env, 2, lambda out, y: torch.stack(
-            [(out.reshape(y.shape) - y.float()).abs().sum().double(),
-             torch.tensor(y.numel(), device=y.device, dtype=torch.float64)]))
+        absolute, count = evaluation_sums(
+            model,
+            batches,
+            autocast,
+            max_batches,
+            env,
+            2,
+            lambda out, y: torch.stack(
+                [
+                    (out.reshape(y.shape) - y.float()).abs().sum().double(),
+                    torch.tensor(y.numel(), device=y.device, dtype=torch.float64),
+                ]
+            ),
+        )
         return figures | {"eval_mae": absolute / count if count else None}

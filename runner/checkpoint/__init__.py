@@ -76,18 +76,24 @@ def read_meta(path: Path) -> dict[str, Any]:
         ConfigError: ``path`` is not a checkpoint folder, or its ``runner.json`` is unreadable/corrupt.
     """
     if not path.is_dir():
-        raise ConfigError(f"checkpoint.resume={path} does not exist; pass a checkpoint folder "
-                          f"(<job>/checkpoints/step_<N>), auto or never")
+        raise ConfigError(
+            f"checkpoint.resume={path} does not exist; pass a checkpoint folder "
+            f"(<job>/checkpoints/step_<N>), auto or never"
+        )
     meta_file = path / META_FILE
     if not (path / ".metadata").is_file() or not meta_file.is_file():
-        raise ConfigError(f"{path} is not a complete runner checkpoint (it needs .metadata and {META_FILE}); "
-                          f"point checkpoint.resume at a <job>/checkpoints/step_<N> folder, or use never")
+        raise ConfigError(
+            f"{path} is not a complete runner checkpoint (it needs .metadata and {META_FILE}); "
+            f"point checkpoint.resume at a <job>/checkpoints/step_<N> folder, or use never"
+        )
     try:
         meta = json.loads(meta_file.read_text())
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"corrupt checkpoint file {meta_file} ({e!r}); delete {path} to resume from the "
-                          f"previous checkpoint, or pass checkpoint.resume=never") from e
+        raise ConfigError(
+            f"corrupt checkpoint file {meta_file} ({e!r}); delete {path} to resume from the "
+            f"previous checkpoint, or pass checkpoint.resume=never"
+        ) from e
     return meta
 
 
@@ -111,14 +117,16 @@ def verify_digests(path: Path) -> None:
         digests = json.loads((path / DIGEST_FILE).read_text())
     except (OSError, ValueError):
         return
-    for name, recorded in (digests.items() if isinstance(digests, dict) else ()):
+    for name, recorded in digests.items() if isinstance(digests, dict) else ():
         file = path / name
         actual = sha256_file(file) if file.is_file() else "missing"
         if actual != recorded:
-            raise ConfigError(f"cannot resume from {path}: {file} was modified or corrupted after the checkpoint was "
-                              f"written ({'the file is missing' if actual == 'missing' else 'its SHA-256 differs'} "
-                              f"from {path / DIGEST_FILE}); delete {path} to fall back to the previous checkpoint, or "
-                              f"pass checkpoint.resume=never")
+            raise ConfigError(
+                f"cannot resume from {path}: {file} was modified or corrupted after the checkpoint was "
+                f"written ({'the file is missing' if actual == 'missing' else 'its SHA-256 differs'} "
+                f"from {path / DIGEST_FILE}); delete {path} to fall back to the previous checkpoint, or "
+                f"pass checkpoint.resume=never"
+            )
 
 
 def weights_sha256(job_dir: Path, at_end: bool, ema: Any, best: Any) -> dict[str, str]:
@@ -139,10 +147,20 @@ class SafeMetadataUnpickler(pickle.Unpickler):
     ``torch.load(weights_only=True)``'s unpickler, for DCP's metadata classes."""
 
     _MODULES = ("torch.distributed.checkpoint.metadata",)
-    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
-              ("builtins", "frozenset"), ("builtins", "slice"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-              ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+    _NAMES = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("pathlib", "Path"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._NAMES:
@@ -151,8 +169,9 @@ class SafeMetadataUnpickler(pickle.Unpickler):
             found = super().find_class(module, name)
             if isinstance(found, type) and found.__module__ == module:
                 return found
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                            torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise RefusedPickle(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
@@ -173,12 +192,16 @@ def check_metadata(path: Path) -> Any:
         with meta_file.open("rb") as f:
             return SafeMetadataUnpickler(f).load()
     except RefusedPickle as e:
-        raise ConfigError(f"refusing to load {meta_file}: it is not plain DCP checkpoint metadata ({e}); a "
-                          f"checkpoint can carry code, so resume only checkpoints you or runner wrote. Delete "
-                          f"{path} or pass checkpoint.resume=never") from e
+        raise ConfigError(
+            f"refusing to load {meta_file}: it is not plain DCP checkpoint metadata ({e}); a "
+            f"checkpoint can carry code, so resume only checkpoints you or runner wrote. Delete "
+            f"{path} or pass checkpoint.resume=never"
+        ) from e
     except Exception as e:  # noqa: BLE001 - a damaged pickle fails in many ways (EOF, bad opcode, ...): one message
-        raise ConfigError(f"cannot resume from {path}: its .metadata is corrupt ({type(e).__name__}: {e}); delete "
-                          f"{path} to fall back to the previous checkpoint, or pass checkpoint.resume=never") from e
+        raise ConfigError(
+            f"cannot resume from {path}: its .metadata is corrupt ({type(e).__name__}: {e}); delete "
+            f"{path} to fall back to the previous checkpoint, or pass checkpoint.resume=never"
+        ) from e
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -241,8 +264,13 @@ class ModelAndOptimizer(Stateful):
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optimizer"], options=self.options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optimizer"],
+            options=self.options,
+        )
 
 
 class RNGState(Stateful):
@@ -256,9 +284,11 @@ class RNGState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        state = {"python": [version, list(internal), gauss],
-                 "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-                 "torch": torch.get_rng_state().clone()}
+        state = {
+            "python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": torch.get_rng_state().clone(),
+        }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state().cpu()
         return {f"rank{self.rank}": state}
@@ -284,8 +314,11 @@ def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     piped = getattr(model, "pipeline_stages", 1) > 1  # each rank holds one stage (cpu_offload keeps rank 0's only)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not piped))
     order = getattr(model, "tp_row_order", {})  # tensor parallelism regrouped these rows by rank: restored here
-    state = {k: (v[order[k]] if k in order else v).detach().cpu().contiguous() for k, v in state.items()
-             if isinstance(v, torch.Tensor)}
+    state = {
+        k: (v[order[k]] if k in order else v).detach().cpu().contiguous()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
     if piped:  # rank 0 gets every stage's, in order
         stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(state, stages, dst=0)
@@ -323,9 +356,11 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Path | No
     except Exception as e:  # noqa: BLE001 - safetensors' own SafetensorError says "(os error 28)" for a full disk
         tmp.unlink(missing_ok=True)
         if write_failures.disk_full(e, path.parent) or "(os error 28)" in str(e):
-            raise ConfigError(f"disk full while writing {path} ({write_failures.describe_free(path.parent)}); free "
-                              f"space there and run the same command with hydra.run.dir={path.parent} to finish from "
-                              f"the last checkpoint") from e
+            raise ConfigError(
+                f"disk full while writing {path} ({write_failures.describe_free(path.parent)}); free "
+                f"space there and run the same command with hydra.run.dir={path.parent} to finish from "
+                f"the last checkpoint"
+            ) from e
         raise
     tmp.replace(path)
     return path
@@ -390,8 +425,9 @@ class Checkpointer:
             if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
                 self._group = dist.new_group(backend="gloo")  # the write's collectives run off the main thread
             with self._write_failures(partial):
-                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group,
-                                        no_dist=not dist.is_initialized())
+                future = dcp.async_save(
+                    state, checkpoint_id=str(partial), process_group=self._group, no_dist=not dist.is_initialized()
+                )
             self._pending = (future, partial, final)
         else:
             with self._write_failures(partial):
@@ -435,7 +471,8 @@ class Checkpointer:
                     f"partial checkpoint was removed and "
                     + (f"the last complete one, {kept}, is kept" if kept else "there is no earlier checkpoint")
                     + "; free space there (or lower checkpoint.keep_last, or put hydra.run.dir on a larger disk) and "
-                      "run the same command with hydra.run.dir=<this job folder> to resume") from e
+                    "run the same command with hydra.run.dir=<this job folder> to resume"
+                ) from e
             found = write_failures.unwritable(e, self.root)
             if found is not None:  # a read-only or foreign folder
                 kept = latest(self.root)
@@ -443,7 +480,8 @@ class Checkpointer:
                     f"{found[0]}: could not write checkpoint {partial}; "
                     + (f"the last complete checkpoint, {kept}, is kept" if kept else "there is no earlier checkpoint")
                     + f"; make {self.root} writable and run the same command with hydra.run.dir=<this job folder> "
-                      f"to resume") from e
+                    f"to resume"
+                ) from e
             raise
 
     def _publish(self, partial: Path, final: Path) -> None:
@@ -452,7 +490,7 @@ class Checkpointer:
             if final.exists():  # the same step saved twice (e.g. the end-of-run save after a scheduled one)
                 shutil.rmtree(final)
             partial.rename(final)
-            for old in complete_checkpoints(self.root)[:-self.keep_last]:
+            for old in complete_checkpoints(self.root)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
             self._digesting = threading.Thread(target=write_digests, args=(final,), name="runner-checkpoint-sha256")
             self._digesting.start()
@@ -476,15 +514,18 @@ class Checkpointer:
             # a refused global is an UnpicklingError (torch.load(weights_only=True)); the text of DCP's exception
             # holds tracebacks through the weights-only unpickler for any failure (a truncated file too)
             if any(isinstance(c, pickle.UnpicklingError) for c in write_failures.causes(e)):
-                raise ConfigError(f"refusing to load {path}: an item in its .distcp files is not plain tensors or "
-                                  f"numbers (a planted pickle?); a checkpoint can carry code, so resume only "
-                                  f"checkpoints you or runner wrote. Delete {path} or pass checkpoint.resume=never"
-                                  ) from e
+                raise ConfigError(
+                    f"refusing to load {path}: an item in its .distcp files is not plain tensors or "
+                    f"numbers (a planted pickle?); a checkpoint can carry code, so resume only "
+                    f"checkpoints you or runner wrote. Delete {path} or pass checkpoint.resume=never"
+                ) from e
             lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
             why = lines[-1][:300] if lines else type(e).__name__  # DCP's exception ends with the rank's error
-            raise ConfigError(f"cannot resume from {path}: {why}. The checkpoint is corrupt or was written by "
-                              f"another model/optimizer/world size; pass checkpoint.resume=never to start fresh, "
-                              f"or delete {path} to fall back to the previous checkpoint") from e
+            raise ConfigError(
+                f"cannot resume from {path}: {why}. The checkpoint is corrupt or was written by "
+                f"another model/optimizer/world size; pass checkpoint.resume=never to start fresh, "
+                f"or delete {path} to fall back to the previous checkpoint"
+            ) from e
 
 
 def _barrier() -> None:

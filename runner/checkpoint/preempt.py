@@ -46,8 +46,10 @@ class Preemption:
         for name in self.names:
             signum = getattr(signal, str(name).upper(), None)
             if not isinstance(signum, signal.Signals) or signum in (signal.SIGKILL, signal.SIGSTOP):
-                raise ConfigError(f"checkpoint.signals: {name!r} is not a signal that can be caught here; use names "
-                                  f"such as SIGTERM, SIGUSR1 (or [] to ignore signals)")
+                raise ConfigError(
+                    f"checkpoint.signals: {name!r} is not a signal that can be caught here; use names "
+                    f"such as SIGTERM, SIGUSR1 (or [] to ignore signals)"
+                )
             self._signums.append(signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

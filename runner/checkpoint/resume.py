@@ -18,13 +18,35 @@ from runner.files import replace_own
 
 #: Config keys (dotted prefixes) that may differ between a checkpoint and the run resuming from it: the run's
 #: length and bookkeeping, where things live, how fast batches load. Anything else changes the experiment.
-MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
-              "trainer.eval_max_batches", "trainer.progress", "trainer.target_accuracy", "trainer.target_loss",
-              "trainer.stop_at_target", "trainer.peak_tflops", "trainer.max_skipped_fraction",
-              "trainer.reference_samples_per_sec", "trainer.device", "trainer.doctor",
-              "checkpoint.", "logger.", "data.root", "data.path", "data.train_path", "data.val_path",
-              "data.tokenizer", "data.download", *techniques.moves_data_only(), "dataloader.prefetch_factor",
-              "task.sample_", "ablation.", "tune.")  # tune.*: read by runner.tune only
+MAY_CHANGE = (
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.eval_max_batches",
+    "trainer.progress",
+    "trainer.target_accuracy",
+    "trainer.target_loss",
+    "trainer.stop_at_target",
+    "trainer.peak_tflops",
+    "trainer.max_skipped_fraction",
+    "trainer.reference_samples_per_sec",
+    "trainer.device",
+    "trainer.doctor",
+    "checkpoint.",
+    "logger.",
+    "data.root",
+    "data.path",
+    "data.train_path",
+    "data.val_path",
+    "data.tokenizer",
+    "data.download",
+    *techniques.moves_data_only(),
+    "dataloader.prefetch_factor",
+    "task.sample_",
+    "ablation.",
+    "tune.",
+)  # tune.*: read by runner.tune only
 
 
 def settings(cfg) -> dict[str, Any]:
@@ -38,8 +60,9 @@ def settings(cfg) -> dict[str, Any]:
 
     unknown = sorted(set(c) - set(CHECKPOINT_DEFAULTS))
     if unknown:
-        raise ConfigError(f"checkpoint.{unknown[0]} is not a checkpoint setting; they are: "
-                          f"{', '.join(CHECKPOINT_DEFAULTS)}")
+        raise ConfigError(
+            f"checkpoint.{unknown[0]} is not a checkpoint setting; they are: {', '.join(CHECKPOINT_DEFAULTS)}"
+        )
 
     def bad(key: str, rule: str) -> ConfigError:
         return ConfigError(f"checkpoint.{key}={c[key]!r} {rule}")
@@ -49,8 +72,11 @@ def settings(cfg) -> dict[str, Any]:
             raise bad(key, "must be an integer >= 1" + (" or null" if key == "every_steps" else ""))
     if c["keep_last"] is None:
         raise bad("keep_last", "must be an integer >= 1")
-    if c["every_minutes"] is not None and (not isinstance(c["every_minutes"], (int, float))
-                                           or isinstance(c["every_minutes"], bool) or c["every_minutes"] <= 0):
+    if c["every_minutes"] is not None and (
+        not isinstance(c["every_minutes"], (int, float))
+        or isinstance(c["every_minutes"], bool)
+        or c["every_minutes"] <= 0
+    ):
         raise bad("every_minutes", "must be a number of minutes > 0 or null")
     for key in ("at_end", "async", "keep_best"):
         if not isinstance(c[key], bool):
@@ -69,6 +95,7 @@ def settings(cfg) -> dict[str, Any]:
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The dotted keys whose values differ between two resolved configs (``"key: old -> new"``), leaving out
     ``MAY_CHANGE``."""
+
     def flat(d: Any, prefix: str = "") -> dict[str, Any]:
         if isinstance(d, dict):
             out: dict[str, Any] = {}
@@ -79,8 +106,11 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
     a, b = flat(trust.moved(copy.deepcopy(saved))), flat(current)  # an older run's moved targets: the same objects
     keys = sorted(set(a) | set(b))
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys
-            if a.get(k, "<absent>") != b.get(k, "<absent>") and not k.startswith(MAY_CHANGE)]
+    return [
+        f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+        for k in keys
+        if a.get(k, "<absent>") != b.get(k, "<absent>") and not k.startswith(MAY_CHANGE)
+    ]
 
 
 @dataclass
@@ -112,29 +142,37 @@ def find_resume_point(mode: str, job_dir: Path, resolved: dict[str, Any], total_
     finished = (job_dir / "summary.json").exists()
     if mode == "never":
         if earlier:
-            raise ConfigError(f"the job folder {job_dir} already holds a run (metrics.jsonl/summary.json) and "
-                              f"checkpoint.resume=never would mix a new run into it; start in a new folder (drop "
-                              f"hydra.run.dir) or continue that run with checkpoint.resume=auto")
+            raise ConfigError(
+                f"the job folder {job_dir} already holds a run (metrics.jsonl/summary.json) and "
+                f"checkpoint.resume=never would mix a new run into it; start in a new folder (drop "
+                f"hydra.run.dir) or continue that run with checkpoint.resume=auto"
+            )
         return ResumePoint()
     if mode == "auto":
         path = latest(job_dir / FOLDER)
         if path is None:
             if finished:
-                raise ConfigError(f"the job folder {job_dir} holds a finished run (summary.json) and no checkpoint "
-                                  f"to continue from; start in a new folder (drop hydra.run.dir)")
+                raise ConfigError(
+                    f"the job folder {job_dir} holds a finished run (summary.json) and no checkpoint "
+                    f"to continue from; start in a new folder (drop hydra.run.dir)"
+                )
             return ResumePoint(stale_rows=earlier)
     else:
         path = Path(mode).expanduser()
     meta = read_meta(path)
     differences = config_differences(meta.get("config", {}), resolved)
     if differences:
-        raise ConfigError(f"cannot resume from {path}: the config differs in {'; '.join(differences)}. Resume with the "
-                          f"checkpoint's config (see {path / META_FILE}), or start fresh in a new folder "
-                          f"(checkpoint.resume=never)")
+        raise ConfigError(
+            f"cannot resume from {path}: the config differs in {'; '.join(differences)}. Resume with the "
+            f"checkpoint's config (see {path / META_FILE}), or start fresh in a new folder "
+            f"(checkpoint.resume=never)"
+        )
     step = int(meta["step"])
     if step >= total_steps and finished and path.parent.parent == job_dir:
-        raise ConfigError(f"the run in {job_dir} already finished at step {step} (trainer.max_steps allows "
-                          f"{total_steps}); raise trainer.max_steps to train further, or start in a new folder")
+        raise ConfigError(
+            f"the run in {job_dir} already finished at step {step} (trainer.max_steps allows "
+            f"{total_steps}); raise trainer.max_steps to train further, or start in a new folder"
+        )
     verify_digests(path)  # its files as written (sha256.json), before any of them is read
     return ResumePoint(path=path, meta=meta, step=step, stale_rows=path.parent.parent == job_dir)
 
@@ -182,8 +220,9 @@ def same_job(saved: dict[str, Any], resolved: dict[str, Any]) -> bool:
     return all(before.get(k) == now.get(k) for k in ("max_steps", "max_epochs"))
 
 
-def interrupted_run(folders: Iterable[Path], resolved: dict[str, Any], world_size: int,
-                    claim: Callable[[Path], bool]) -> tuple[Path, int] | None:
+def interrupted_run(
+    folders: Iterable[Path], resolved: dict[str, Any], world_size: int, claim: Callable[[Path], bool]
+) -> tuple[Path, int] | None:
     """The first of ``folders`` (newest first) that holds an interrupted run of this job, as ``(folder, step)``; None
     when none does. Such a folder has no ``summary.json`` (the run never finished), a complete checkpoint whose config
     is this run's (``same_job``) and whose world size is ``world_size`` (exact resume needs both), and no live run in

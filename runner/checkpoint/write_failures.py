@@ -66,8 +66,13 @@ def disk_full(exc: BaseException, where: Path) -> bool:
 
 #: errno -> what it says of an output that cannot be written; and what a library's message says for it (safetensors'
 #: Rust errors carry "(os error 28)", not an OSError)
-UNWRITABLE = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",
-              errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
+UNWRITABLE = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
 UNWRITABLE_TEXT = {f"(os error {n})": why for n, why in UNWRITABLE.items()}
 
 

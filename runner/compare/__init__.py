@@ -30,9 +30,25 @@ from runner.compare.convergence import Seed, TargetRatio, read_seeds, samples_to
 from runner.compare.process import Job
 from runner.compare.stats import HELPS, HURTS, NO_EFFECT, Interval
 
-__all__ = ["HELPS", "HURTS", "NO_EFFECT", "Comparisons", "Interval", "Job", "Seed", "TargetRatio", "compare",
-           "convergence", "measure", "measured_job", "plan", "read", "read_seeds", "samples_to_target",
-           "time_to_target"]
+__all__ = [
+    "HELPS",
+    "HURTS",
+    "NO_EFFECT",
+    "Comparisons",
+    "Interval",
+    "Job",
+    "Seed",
+    "TargetRatio",
+    "compare",
+    "convergence",
+    "measure",
+    "measured_job",
+    "plan",
+    "read",
+    "read_seeds",
+    "samples_to_target",
+    "time_to_target",
+]
 
 
 @dataclass
@@ -74,8 +90,13 @@ def read(record: dict[str, Any], confidence: float | None = None) -> Comparisons
     level = confidence or record.get("settings", {}).get("confidence", 0.95)
     aa = record.get("aa")
     intervals = record_mod.compare(record, level)
-    out = Comparisons(record, record.get("reference"), aa, aa=intervals.pop(aa, None) if aa else None,
-                      stopped=list(record.get("stopped", [])))
+    out = Comparisons(
+        record,
+        record.get("reference"),
+        aa,
+        aa=intervals.pop(aa, None) if aa else None,
+        stopped=list(record.get("stopped", [])),
+    )
     out.intervals = intervals
     names = list(intervals)
     out.verdicts = dict(zip(names, stats.verdicts([intervals[n] for n in names], level)))
@@ -83,8 +104,9 @@ def read(record: dict[str, Any], confidence: float | None = None) -> Comparisons
         if job["status"] != "measured":
             out.failed.setdefault(job.get("config") or name, job["status"])
     for config, processes in record_mod.configs(record).items():
-        rates = sorted(x["samples_per_sec"] for x in record.get("slices", [])
-                       if x["job"] in processes and x["samples_per_sec"])
+        rates = sorted(
+            x["samples_per_sec"] for x in record.get("slices", []) if x["job"] in processes and x["samples_per_sec"]
+        )
         if rates:
             out.samples_per_sec[config] = rates[len(rates) // 2]
     return out
@@ -101,14 +123,25 @@ def plan(configs: Mapping[str, DictConfig], reference: str, folder: Path, proces
     aa = f"{reference}-aa"
     entries = [(reference, configs[reference], None), (aa, configs[reference], reference)]
     entries += [(name, c, reference) for name, c in configs.items() if name != reference]
-    jobs = [Job(name if p == 0 else f"{name}-p{p}", c, folder / (name if p == 0 else f"{name}-p{p}"), ref, config=name)
-            for name, c, ref in entries for p in range(processes)]
+    jobs = [
+        Job(name if p == 0 else f"{name}-p{p}", c, folder / (name if p == 0 else f"{name}-p{p}"), ref, config=name)
+        for name, c, ref in entries
+        for p in range(processes)
+    ]
     return jobs, aa
 
 
-def measure(jobs: list[Job], settings: DictConfig, folder: Path, reference: str, aa: str | None, *,
-            retire: Callable[[dict[str, Interval | None]], list[str]] | None = None, ranks: Any = None,
-            enough: Callable[[dict[str, Interval | None]], str | None] | None = None) -> Comparisons:
+def measure(
+    jobs: list[Job],
+    settings: DictConfig,
+    folder: Path,
+    reference: str,
+    aa: str | None,
+    *,
+    retire: Callable[[dict[str, Interval | None]], list[str]] | None = None,
+    ranks: Any = None,
+    enough: Callable[[dict[str, Interval | None]], str | None] | None = None,
+) -> Comparisons:
     """Measure ``jobs`` interleaved into ``folder`` with ``settings`` (``interleave.*``) and return what was measured.
     ``retire``: racing, ``enough``: a stop when the caller's verdict is firm, see ``Conductor``; ``ranks``: under
     torchrun (runner/compare/ranks.py), every rank gets rank 0's record. A first Ctrl-C stops after the current
@@ -124,10 +157,17 @@ def measure(jobs: list[Job], settings: DictConfig, folder: Path, reference: str,
     return result
 
 
-def compare(configs: Mapping[str, DictConfig], reference: str, folder: Path, settings: DictConfig, *,
-            minutes: float | None = None, retire: Callable[[dict[str, Interval | None]], list[str]] | None = None,
-            ranks: Any = None, enough: Callable[[dict[str, Interval | None]], str | None] | None = None
-            ) -> Comparisons:
+def compare(
+    configs: Mapping[str, DictConfig],
+    reference: str,
+    folder: Path,
+    settings: DictConfig,
+    *,
+    minutes: float | None = None,
+    retire: Callable[[dict[str, Interval | None]], list[str]] | None = None,
+    ranks: Any = None,
+    enough: Callable[[dict[str, Interval | None]], str | None] | None = None,
+) -> Comparisons:
     """Compare ``configs`` (name -> resolved config, each made a measured job: ``measured_job``) with
     ``configs[reference]``: ``plan`` with ``settings.processes`` processes each, then ``measure`` with at most
     ``minutes`` of measuring (default ``settings.max_minutes``). Writes each job's folder and ``interleave.json``
@@ -147,12 +187,25 @@ def measured_job(cfg: DictConfig) -> DictConfig:
 
     out = copy.deepcopy(cfg)
     OmegaConf.resolve(out)
-    quiet = {**{f"logger.{name}": None for name in LOGGERS}, "trainer.progress": "off", "trainer.max_steps": 10**9,
-             "trainer.eval_every": 10**9, "trainer.eval_max_batches": 1, "trainer.doctor": False,
-             "trainer.target_loss": None, "trainer.target_accuracy": None, "trainer.stop_at_target": False,
-             "task.sample_tokens": 0, "optimized_metric": None,
-             "trainer.early_stopping.metric": None, "checkpoint.resume": "never", "checkpoint.at_end": False,
-             "checkpoint.every_steps": None, "checkpoint.every_minutes": None, "checkpoint.keep_best": False}
+    quiet = {
+        **{f"logger.{name}": None for name in LOGGERS},
+        "trainer.progress": "off",
+        "trainer.max_steps": 10**9,
+        "trainer.eval_every": 10**9,
+        "trainer.eval_max_batches": 1,
+        "trainer.doctor": False,
+        "trainer.target_loss": None,
+        "trainer.target_accuracy": None,
+        "trainer.stop_at_target": False,
+        "task.sample_tokens": 0,
+        "optimized_metric": None,
+        "trainer.early_stopping.metric": None,
+        "checkpoint.resume": "never",
+        "checkpoint.at_end": False,
+        "checkpoint.every_steps": None,
+        "checkpoint.every_minutes": None,
+        "checkpoint.keep_best": False,
+    }
     for key, value in quiet.items():
         if OmegaConf.select(out, key, default="<missing>") != "<missing>":
             OmegaConf.update(out, key, value, merge=False)

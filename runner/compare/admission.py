@@ -12,8 +12,9 @@ from omegaconf import DictConfig
 from runner.compare.process import Job
 
 
-def fits(resident: list[Job], settings: DictConfig, ranks: Any = None, refs_to_come: int = 0,
-         margin: float | None = None) -> bool:
+def fits(
+    resident: list[Job], settings: DictConfig, ranks: Any = None, refs_to_come: int = 0, margin: float | None = None
+) -> bool:
     """Whether one more job may start beside ``resident`` while ``refs_to_come`` references (which start whatever
     the memory) are still to start: the least free memory a resident job reported (the latest, as memory only
     fills while jobs start) must exceed the largest footprint so far x (``settings.memory_margin`` +

@@ -39,8 +39,12 @@ class Stop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\ninterleave: Ctrl-C: stopping after this slice; the jobs are then stopped and the report is written "
-              "from what was measured (Ctrl-C again to kill the jobs at once)", file=sys.stderr, flush=True)
+        print(
+            "\ninterleave: Ctrl-C: stopping after this slice; the jobs are then stopped and the report is written "
+            "from what was measured (Ctrl-C again to kill the jobs at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __exit__(self, *exc) -> None:
         signal.signal(signal.SIGINT, self._previous)
@@ -69,8 +73,17 @@ class Conductor:
     ``folder``, ``reference``, ``slice_steps``, ``slices`` (every measured slice), ``stopped`` (why each group
     stopped), ``measuring_s`` (seconds spent measuring, start-ups excluded)."""
 
-    def __init__(self, jobs: list[Job], settings: DictConfig, folder: Path, reference: str, aa: str | None,
-                 retire: Any = None, ranks: Any = None, enough: Any = None):
+    def __init__(
+        self,
+        jobs: list[Job],
+        settings: DictConfig,
+        folder: Path,
+        reference: str,
+        aa: str | None,
+        retire: Any = None,
+        ranks: Any = None,
+        enough: Any = None,
+    ):
         """``retire``: optional ``retire(comparisons) -> names``, asked after every pass from the
         ``interleave.min_passes``-th on with ``record.compare`` of the slices so far; the jobs it names finish at
         once and leave the passes (racing: the speed tuner retires candidates firmly slower than their
@@ -91,8 +104,14 @@ class Conductor:
         self.slice_steps: int | None = settings.slice_steps
         self.stopped: list[str] = []
         self.fallback: list[Job] = []  # jobs to measure in rounds after the groups (``defer``)
-        self.record: dict[str, Any] = {"design": "interleaved", "reference": reference, "aa": aa,
-                                       "settings": dict(settings), "started": time.time(), "finished": None}
+        self.record: dict[str, Any] = {
+            "design": "interleaved",
+            "reference": reference,
+            "aa": aa,
+            "settings": dict(settings),
+            "started": time.time(),
+            "finished": None,
+        }
         self.measuring_s = 0.0
 
     @property
@@ -112,8 +131,11 @@ class Conductor:
     def _calibrate(self, reference: Job) -> None:
         if self.slice_steps is None:
             self.slice_steps = calibrated_steps(reference.slice, self.settings.slice_seconds)
-        print(f"interleave: {self.slice_steps} step(s) per slice" + ("" if self.settings.slice_steps else
-              f" (about {self.settings.slice_seconds:g} s of {self.reference})"), flush=True)
+        print(
+            f"interleave: {self.slice_steps} step(s) per slice"
+            + ("" if self.settings.slice_steps else f" (about {self.settings.slice_seconds:g} s of {self.reference})"),
+            flush=True,
+        )
 
     def run(self, stop: Stop) -> None:
         """Admit, calibrate, measure group after group and finish every job (the module docstring); returns
@@ -174,9 +196,16 @@ class Conductor:
                 if not job.start() and job.name == self.reference:
                     self.stopped.append(f"the reference {job.name} {job.status}")
                     return None
-            elif pending and pending[0] is job and not stop.requested and self._fits(
+            elif (
+                pending
+                and pending[0] is job
+                and not stop.requested
+                and self._fits(
                     [j for j in refs if j.resident] + admitted,
-                    refs_to_come=sum(j in refs for j in order[position + 1:]), margin=None if admitted else 1.0):
+                    refs_to_come=sum(j in refs for j in order[position + 1 :]),
+                    margin=None if admitted else 1.0,
+                )
+            ):
                 self._admit(pending.pop(0), 1, admitted)
         return admitted
 
@@ -242,8 +271,17 @@ class Conductor:
             job = self.jobs[slot.job]
             figures = job.resumed_slice(self.slice_steps, self.resume_steps) if job.resident else None
             if figures is not None:
-                self.slices.append({"group": group, "pass": p, "position": position, "job": slot.job,
-                                    "pairs_with": slot.pairs_with, **figures, "time": time.time()})
+                self.slices.append(
+                    {
+                        "group": group,
+                        "pass": p,
+                        "position": position,
+                        "job": slot.job,
+                        "pairs_with": slot.pairs_with,
+                        **figures,
+                        "time": time.time(),
+                    }
+                )
             if stop.requested:
                 break
 
@@ -252,8 +290,10 @@ class Conductor:
         for name in self.retire(record_mod.compare(self.snapshot())):
             processes = [j for j in self.jobs.values() if j.config == name and j.resident and j.reference is not None]
             if processes:
-                print(f"interleave: {name} retired after {p + 1} passes (firmly slower than "
-                      f"{processes[0].reference})", flush=True)
+                print(
+                    f"interleave: {name} retired after {p + 1} passes (firmly slower than {processes[0].reference})",
+                    flush=True,
+                )
             for job in processes:
                 job.finish()
 
@@ -286,22 +326,40 @@ class Conductor:
         aa = comparisons.get(self.record["aa"]) if self.record["aa"] else None
         known = {n: w for n, w in widths.items() if w is not None}
         widest = max(known, key=known.get) if known else None
-        print(f"interleave: group {group} pass {p + 1}: {len(names)} job(s), {elapsed / 60:.1f} min; widest interval "
-              + (f"±{known[widest]:.1%} ({widest})" if widest else "none yet")
-              + (f"; A/A {record_mod.describe(aa)}" if aa else ""), flush=True)
+        print(
+            f"interleave: group {group} pass {p + 1}: {len(names)} job(s), {elapsed / 60:.1f} min; widest interval "
+            + (f"±{known[widest]:.1%} ({widest})" if widest else "none yet")
+            + (f"; A/A {record_mod.describe(aa)}" if aa else ""),
+            flush=True,
+        )
         if None in widths.values() or not known:
             return None
         return known[widest]
 
     def snapshot(self) -> dict[str, Any]:
         """The record so far (the keys of runner/compare/record.py)."""
-        jobs = {j.name: {"folder": str(j.folder.relative_to(self.folder)) if j.folder.is_relative_to(self.folder)
-                         else str(j.folder), "config": j.config, "reference": j.reference, "group": j.group,
-                         "status": j.status, "footprint_mb": j.report.get("footprint_mb"),
-                         "steps": j.report.get("step"), "design": j.design}
-                for j in self.jobs.values()}
-        return {**self.record, "slice_steps": self.slice_steps, "jobs": jobs, "slices": self.slices,
-                "stopped": self.stopped}
+        jobs = {
+            j.name: {
+                "folder": str(j.folder.relative_to(self.folder))
+                if j.folder.is_relative_to(self.folder)
+                else str(j.folder),
+                "config": j.config,
+                "reference": j.reference,
+                "group": j.group,
+                "status": j.status,
+                "footprint_mb": j.report.get("footprint_mb"),
+                "steps": j.report.get("step"),
+                "design": j.design,
+            }
+            for j in self.jobs.values()
+        }
+        return {
+            **self.record,
+            "slice_steps": self.slice_steps,
+            "jobs": jobs,
+            "slices": self.slices,
+            "stopped": self.stopped,
+        }
 
     def write(self) -> None:
         """Write ``interleave.json`` (atomically) with every slice so far; ``finished`` once no job is resident."""

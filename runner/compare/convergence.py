@@ -151,21 +151,42 @@ def _prepared(config: Sequence[Seed], reference: Sequence[Seed], confidence: flo
             raise ValueError(f"samples and seconds must be positive and finite, got {s.value} ({s.source or s})")
     targets = {s.target for s in (*config, *reference) if s.target is not None}
     if len(targets) > 1:
-        raise ValueError(f"the seeds were run to different targets ({', '.join(sorted(targets))}): samples to "
-                         f"target compare only for one target")
+        raise ValueError(
+            f"the seeds were run to different targets ({', '.join(sorted(targets))}): samples to "
+            f"target compare only for one target"
+        )
     if min(len(config), len(reference)) < MIN_SEEDS or not any(s.reached for s in (*config, *reference)):
         return None
     return _Shift(config, reference)
 
 
-def _ratio(quantity: str, config: Sequence[Seed], reference: Sequence[Seed], estimate: float, low: float,
-           high: float, p: float, confidence: float) -> TargetRatio:
-    return TargetRatio(quantity, math.exp(estimate), math.exp(low), math.exp(high), p, confidence,
-                       sum(s.reached for s in config), len(config), sum(s.reached for s in reference), len(reference))
+def _ratio(
+    quantity: str,
+    config: Sequence[Seed],
+    reference: Sequence[Seed],
+    estimate: float,
+    low: float,
+    high: float,
+    p: float,
+    confidence: float,
+) -> TargetRatio:
+    return TargetRatio(
+        quantity,
+        math.exp(estimate),
+        math.exp(low),
+        math.exp(high),
+        p,
+        confidence,
+        sum(s.reached for s in config),
+        len(config),
+        sum(s.reached for s in reference),
+        len(reference),
+    )
 
 
-def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95,
-                      quantity: str = "samples") -> TargetRatio | None:
+def samples_to_target(
+    config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95, quantity: str = "samples"
+) -> TargetRatio | None:
     """Samples (``quantity`` ``time``: seconds) to target of ``config``'s seeds ÷ ``reference``'s: the Hodges–Lehmann
     ratio with the Mann–Whitney interval at ``confidence``, censored seeds bounding it (the module docstring). None
     with fewer than ``MIN_SEEDS`` seeds on a side or no seed that reached the target.
@@ -177,12 +198,14 @@ def samples_to_target(config: Sequence[Seed], reference: Sequence[Seed], confide
     shift = _prepared(config, reference, confidence)
     if shift is None:
         return None
-    return _ratio(quantity, config, reference, shift.estimate(), *shift.interval(confidence), shift.p_value(),
-                  confidence)
+    return _ratio(
+        quantity, config, reference, shift.estimate(), *shift.interval(confidence), shift.p_value(), confidence
+    )
 
 
-def lognormal_ratio(config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95,
-                    quantity: str = "time") -> TargetRatio | None:
+def lognormal_ratio(
+    config: Sequence[Seed], reference: Sequence[Seed], confidence: float = 0.95, quantity: str = "time"
+) -> TargetRatio | None:
     """``config`` ÷ ``reference`` as the ratio of geometric means with Welch's t interval on the log scale (Welch
     1947): exact where each side's values are log-normal, and firm from 3 seeds a side where the rank test needs 5.
     None where a seed missed the target (censored: use ``samples_to_target``), with fewer than ``MIN_SEEDS`` seeds a
@@ -199,14 +222,19 @@ def lognormal_ratio(config: Sequence[Seed], reference: Sequence[Seed], confidenc
     se = math.sqrt(sum(squares))
     if se == 0:
         return None
-    df = se ** 4 / sum(q * q / (len(v) - 1) for q, v in zip(squares, logs))  # Welch–Satterthwaite
+    df = se**4 / sum(q * q / (len(v) - 1) for q, v in zip(squares, logs))  # Welch–Satterthwaite
     shift, t = means[0] - means[1], t_quantile(1 - (1 - confidence) / 2, df)
     p = 2 * (1 - t_cdf(abs(shift) / se, df))
     return _ratio(quantity, config, reference, shift, shift - t * se, shift + t * se, p, confidence)
 
 
-def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput: Interval | float | None = 1.0,
-                   confidence: float = 0.95, samples_share: float = 0.5) -> TargetRatio | None:
+def time_to_target(
+    config: Sequence[Seed],
+    reference: Sequence[Seed],
+    throughput: Interval | float | None = 1.0,
+    confidence: float = 0.95,
+    samples_share: float = 0.5,
+) -> TargetRatio | None:
     """Time to target of ``config`` ÷ ``reference`` = samples-to-target ratio ÷ ``throughput`` (samples/s ratio: an
     ``Interval``, combined by Bonferroni: the samples interval at 1 - ``samples_share``·α, the throughput's at
     1 - (1 - ``samples_share``)·α; or an exact number). None where ``samples_to_target`` is, or for a throughput of
@@ -223,8 +251,7 @@ def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput
             raise ValueError(f"throughput ratio must be positive and finite, got {throughput}")
         c = math.log(throughput)
         low, high = shift.interval(confidence)
-        return _ratio("time", config, reference, shift.estimate() - c, low - c, high - c, shift.p_value(c),
-                      confidence)
+        return _ratio("time", config, reference, shift.estimate() - c, low - c, high - c, shift.p_value(c), confidence)
 
     def bounds(alpha: float) -> tuple[float, float]:
         (low, high) = shift.interval(1 - samples_share * alpha)
@@ -243,8 +270,15 @@ def time_to_target(config: Sequence[Seed], reference: Sequence[Seed], throughput
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if excludes_one(mid) else (mid, hi)
         p = hi
-    return _ratio("time", config, reference, shift.estimate() - math.log(throughput.estimate),
-                  *bounds(1 - confidence), p, confidence)
+    return _ratio(
+        "time",
+        config,
+        reference,
+        shift.estimate() - math.log(throughput.estimate),
+        *bounds(1 - confidence),
+        p,
+        confidence,
+    )
 
 
 def _target(trainer: dict[str, Any]) -> str | None:
@@ -269,20 +303,26 @@ def read_seed(folder: Path | str, quantity: str = "samples") -> Seed:
     """
     path = Path(folder) / "summary.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no summary.json; a seed whose run failed never reached the target: count "
-                                f"it as Seed(<its limit in samples>, reached=False) instead of dropping it")
+        raise FileNotFoundError(
+            f"{path}: no summary.json; a seed whose run failed never reached the target: count "
+            f"it as Seed(<its limit in samples>, reached=False) instead of dropping it"
+        )
     summary = json.loads(path.read_text())
     trainer = (summary.get("config") or {}).get("trainer") or {}
     target = _target(trainer)
     if target is None:
-        raise ValueError(f"{path}: the run had no target (trainer.target_accuracy and trainer.target_loss unset), "
-                         f"so it has no samples to target; run the seeds with one")
+        raise ValueError(
+            f"{path}: the run had no target (trainer.target_accuracy and trainer.target_loss unset), "
+            f"so it has no samples to target; run the seeds with one"
+        )
     if "samples_to_target" not in summary:
         raise ValueError(f"{path}: no samples_to_target (written by a runner that did not record it); rerun it")
     reached = summary.get("time_to_target_s") is not None
     if reached and summary["samples_to_target"] is None:
-        raise ValueError(f"{path}: the target was reached (time_to_target_s) but samples_to_target is null (resumed "
-                         f"from a checkpoint written before runner recorded it); rerun it")
+        raise ValueError(
+            f"{path}: the target was reached (time_to_target_s) but samples_to_target is null (resumed "
+            f"from a checkpoint written before runner recorded it); rerun it"
+        )
     if quantity == "time":
         value = summary["time_to_target_s"] if reached else summary["train_time_s"]
     else:
@@ -300,6 +340,8 @@ def read_seeds(folders: Iterable[Path | str]) -> list[Seed]:
     known = [s.seed for s in seeds if s.seed is not None]
     if len(known) != len(set(known)):
         repeated = sorted({s for s in known if known.count(s) > 1})
-        raise ValueError(f"seed(s) {repeated} appear more than once ({', '.join(str(s.source) for s in seeds)}): "
-                         f"samples to target vary between seeds, each seed counts once")
+        raise ValueError(
+            f"seed(s) {repeated} appear more than once ({', '.join(str(s.source) for s in seeds)}): "
+            f"samples to target vary between seeds, each seed counts once"
+        )
     return seeds

@@ -31,8 +31,11 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
     for config, processes in by_config.items():
         processes.sort(key=lambda j: j.name)
         reference = conductor.jobs[processes[0].reference]
-        print(f"interleave: rounds: {config} against {reference.name}, {conductor.settings.fallback_pairs} pair(s) "
-              f"of fresh processes", flush=True)
+        print(
+            f"interleave: rounds: {config} against {reference.name}, {conductor.settings.fallback_pairs} pair(s) "
+            f"of fresh processes",
+            flush=True,
+        )
         for i in range(conductor.settings.fallback_pairs):
             if stop.requested:
                 return
@@ -44,12 +47,22 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
                 result = fresh_run(run, conductor.slice_steps)
                 if result is not None:
                     figures[template.name] = position
-                    conductor.slices.append({"group": "rounds", "pass": passes, "position": position,
-                                             "job": template.name, "pairs_with": None, **result, "resume_steps": 0,
-                                             "time": time.time(), "design": "rounds"})
+                    conductor.slices.append(
+                        {
+                            "group": "rounds",
+                            "pass": passes,
+                            "position": position,
+                            "job": template.name,
+                            "pairs_with": None,
+                            **result,
+                            "resume_steps": 0,
+                            "time": time.time(),
+                            "design": "rounds",
+                        }
+                    )
                 elif template is job:
                     job.status = run.status
-            for sl in conductor.slices[-len(figures):] if figures else []:
+            for sl in conductor.slices[-len(figures) :] if figures else []:
                 if sl["job"] == job.name and reference.name in figures:
                     sl["pairs_with"] = figures[reference.name]
             passes += 1
@@ -62,10 +75,14 @@ def measure_in_rounds(conductor: Any, fallback: list[Any], stop: Any) -> None:
                 job.status = "measured"
             elif job.status == "pending":
                 job.status = "not run (the fallback's passes went to its other processes)"
-        measured = sum(1 for sl in conductor.slices if sl["group"] == "rounds" and sl["job"] in
-                       {p.name for p in processes} and sl["pairs_with"] is not None)
-        conductor.stopped.append(f"rounds: {config}: {measured} of {conductor.settings.fallback_pairs} pair(s) "
-                                 f"measured")
+        measured = sum(
+            1
+            for sl in conductor.slices
+            if sl["group"] == "rounds" and sl["job"] in {p.name for p in processes} and sl["pairs_with"] is not None
+        )
+        conductor.stopped.append(
+            f"rounds: {config}: {measured} of {conductor.settings.fallback_pairs} pair(s) measured"
+        )
 
 
 def fresh_run(run: Any, slice_steps: int) -> dict[str, Any] | None:

@@ -49,8 +49,11 @@ def job_body(cfg: DictConfig, job_dir: str, connection: Any, start_method: str |
         traceback.print_exc()
         sys.exit(EXIT_OUT_OF_MEMORY)
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        print("interleave: the conductor is gone (its end of the pipe closed); this job stops", file=sys.stderr,
-              flush=True)
+        print(
+            "interleave: the conductor is gone (its end of the pipe closed); this job stops",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
 
 
@@ -108,8 +111,16 @@ class Job:
     def fresh(self, folder: Path) -> "Job":
         """A new, not yet started process of this job's configuration writing into ``folder`` (the fallback's
         runs)."""
-        return Job(self.name, self.cfg, folder, self.reference, self.config, group="rounds", design=self.design,
-                   ranks=self.ranks)
+        return Job(
+            self.name,
+            self.cfg,
+            folder,
+            self.reference,
+            self.config,
+            group="rounds",
+            design=self.design,
+            ranks=self.ranks,
+        )
 
     def start(self) -> bool:
         """Spawn the process (under torchrun: its own rendezvous, the same port on every rank), wait for its
@@ -134,10 +145,17 @@ class Job:
         mine, theirs = ctx.Pipe()
         # the job starts its own processes (DataLoader workers) as python -m runner would: by this process's start
         # method (fork on Linux before Python 3.14), not the server's forkserver (a dataset that does not pickle)
-        self.process = ctx.Process(target=job_body, name=f"interleave {self.name}",
-                                   args=(self.cfg, str(self.folder), theirs, multiprocessing.get_start_method(),
-                                         {**(job_env(port) if port is not None else {}),
-                                          SWEEP_ROOT_ENV: str(os.getpid())}))
+        self.process = ctx.Process(
+            target=job_body,
+            name=f"interleave {self.name}",
+            args=(
+                self.cfg,
+                str(self.folder),
+                theirs,
+                multiprocessing.get_start_method(),
+                {**(job_env(port) if port is not None else {}), SWEEP_ROOT_ENV: str(os.getpid())},
+            ),
+        )
         started = time.time()
         self.process.start()
         theirs.close()
@@ -147,8 +165,10 @@ class Job:
         # its setup (fork, data, model, FLOP count: up to the first step's gate), for the report: the job's wall
         # time is its resident time, most of it waiting for its turn (runner/report/sweep.py job_times)
         if self.ranks is None or self.ranks.leader:
-            write_json_atomic(self.folder / "job.json", {"started": started, "setup_s": time.time() - started,
-                                                         "design": "interleaved"})
+            write_json_atomic(
+                self.folder / "job.json",
+                {"started": started, "setup_s": time.time() - started, "design": "interleaved"},
+            )
         return True
 
     def slice(self, steps: int) -> dict[str, Any] | None:
@@ -167,8 +187,11 @@ class Job:
             return None
         seconds = after["train_time_s"] - before["train_time_s"]
         done = after["step"] - before["step"]
-        return {"steps": done, "seconds": seconds,
-                "samples_per_sec": done * after["global_batch"] / seconds if seconds > 0 else None}
+        return {
+            "steps": done,
+            "seconds": seconds,
+            "samples_per_sec": done * after["global_batch"] / seconds if seconds > 0 else None,
+        }
 
     def resumed_slice(self, steps: int, resume_steps: int) -> dict[str, Any] | None:
         """A measured slice of ``steps``: ``resume_steps`` unmeasured steps first (a job that waited a whole pass
@@ -225,8 +248,12 @@ class Job:
         """Record a failure: the status, ``failed.json`` (what the reports list) and one console line with the last
         line of the job's log (its error)."""
         why = last_line(self.folder)
-        print(f"interleave: {self.name} FAILED (exit status {code}){': ' + why if why else ''}; its output: "
-              f"{self.folder / LOG}; the others go on", file=sys.stderr, flush=True)
+        print(
+            f"interleave: {self.name} FAILED (exit status {code}){': ' + why if why else ''}; its output: "
+            f"{self.folder / LOG}; the others go on",
+            file=sys.stderr,
+            flush=True,
+        )
         self.status = f"failed (exit {code})"
         self.out_of_memory = code in (EXIT_OUT_OF_MEMORY, -signal.SIGKILL)
         a = self.cfg.get("ablation") or {}

@@ -71,8 +71,13 @@ class Ranks:
             return None
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
-            dist.init_process_group("gloo", store=distributed.attempt_store(layout, timeout), rank=layout.rank,
-                                    world_size=layout.world_size, timeout=timeout)
+            dist.init_process_group(
+                "gloo",
+                store=distributed.attempt_store(layout, timeout),
+                rank=layout.rank,
+                world_size=layout.world_size,
+                timeout=timeout,
+            )
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size // max(1, layout.nodes)))
         return cls(rank=layout.rank, world_size=layout.world_size, per_node=max(1, per_node))
 

@@ -31,8 +31,9 @@ def load(sweep: Path) -> dict[str, Any] | None:
         raise ValueError(f"{path} cannot be read ({e}); run the sweep again") from e
     wrong = malformed(record)
     if wrong:
-        raise ValueError(f"{path} is not a record runner's conductor wrote: {wrong}; run the sweep again (or restore "
-                         f"the file)")
+        raise ValueError(
+            f"{path} is not a record runner's conductor wrote: {wrong}; run the sweep again (or restore the file)"
+        )
     return record
 
 
@@ -53,16 +54,40 @@ def _group(v: Any) -> bool:  # a group's number, or "rounds" (measured in rounds
 
 
 #: what the conductor writes, per key: the test its value passes; a key marked optional may be absent or null
-_TOP = {"reference": (_text, False), "aa": (_text, True), "settings": (lambda v: isinstance(v, dict), False),
-        "started": (_number, True), "finished": (_number, True), "slice_steps": (_integer, True),
-        "jobs": (lambda v: isinstance(v, dict), False), "slices": (lambda v: isinstance(v, list), False),
-        "stopped": (lambda v: isinstance(v, list) and all(map(_text, v)), True), "design": (_text, True)}
-_JOB = {"folder": (_text, True), "config": (_text, True), "reference": (_text, True), "group": (_group, True),
-        "status": (_text, False), "footprint_mb": (_number, True), "steps": (_integer, True), "design": (_text, True)}
-_SLICE = {"group": (_group, False), "pass": (_integer, False), "position": (_integer, True), "job": (_text, False),
-          "pairs_with": (_integer, True), "steps": (_integer, True), "seconds": (_number, True),
-          "samples_per_sec": (lambda v: _number(v) and v >= 0, True), "resume_steps": (_integer, True),
-          "time": (_number, True)}
+_TOP = {
+    "reference": (_text, False),
+    "aa": (_text, True),
+    "settings": (lambda v: isinstance(v, dict), False),
+    "started": (_number, True),
+    "finished": (_number, True),
+    "slice_steps": (_integer, True),
+    "jobs": (lambda v: isinstance(v, dict), False),
+    "slices": (lambda v: isinstance(v, list), False),
+    "stopped": (lambda v: isinstance(v, list) and all(map(_text, v)), True),
+    "design": (_text, True),
+}
+_JOB = {
+    "folder": (_text, True),
+    "config": (_text, True),
+    "reference": (_text, True),
+    "group": (_group, True),
+    "status": (_text, False),
+    "footprint_mb": (_number, True),
+    "steps": (_integer, True),
+    "design": (_text, True),
+}
+_SLICE = {
+    "group": (_group, False),
+    "pass": (_integer, False),
+    "position": (_integer, True),
+    "job": (_text, False),
+    "pairs_with": (_integer, True),
+    "steps": (_integer, True),
+    "seconds": (_number, True),
+    "samples_per_sec": (lambda v: _number(v) and v >= 0, True),
+    "resume_steps": (_integer, True),
+    "time": (_number, True),
+}
 
 
 def _wrong(where: str, item: Any, spec: dict[str, tuple[Any, bool]]) -> str | None:
@@ -79,15 +104,19 @@ def malformed(record: Any) -> str | None:
     """What in a parsed ``interleave.json`` is not what the conductor writes (the first key of the wrong type or
     missing, or a slice naming no job), or None: the readers index it without checking."""
     wrong = _wrong("", record, _TOP)
-    if wrong is None and (confidence := record.get("settings", {}).get("confidence")) is not None and not (
-            _number(confidence) and 0 < confidence < 1):
+    if (
+        wrong is None
+        and (confidence := record.get("settings", {}).get("confidence")) is not None
+        and not (_number(confidence) and 0 < confidence < 1)
+    ):
         wrong = f"settings.confidence is {confidence!r}"
     for name, job in (record.get("jobs") or {}).items() if wrong is None else ():
         if (wrong := _wrong(f"jobs.{name}", job, _JOB)) is not None:
             return wrong
     for i, piece in enumerate(record.get("slices") or []) if wrong is None else ():
-        if (wrong := _wrong(f"slices[{i}]", piece, _SLICE) or (
-                None if piece["job"] in record["jobs"] else f"slices[{i}].job {piece['job']!r} is not in jobs")):
+        if wrong := _wrong(f"slices[{i}]", piece, _SLICE) or (
+            None if piece["job"] in record["jobs"] else f"slices[{i}].job {piece['job']!r} is not in jobs"
+        ):
             return wrong
     return wrong
 
@@ -165,11 +194,17 @@ def compare(record: dict[str, Any], confidence: float | None = None) -> dict[str
     level = confidence or record.get("settings", {}).get("confidence", 0.95)
     if replicated(record):
         between = _between(record, level)
-        return {c: between(c, record["jobs"][names[0]]["reference"]) for c, names in configs(record).items()
-                if record["jobs"][names[0]].get("reference") is not None}
+        return {
+            c: between(c, record["jobs"][names[0]]["reference"])
+            for c, names in configs(record).items()
+            if record["jobs"][names[0]].get("reference") is not None
+        }
     ratios = log_ratios(record)
-    return {name: stats.paired(ratios.get(name, []), level) for name, job in record["jobs"].items()
-            if job.get("reference") is not None}
+    return {
+        name: stats.paired(ratios.get(name, []), level)
+        for name, job in record["jobs"].items()
+        if job.get("reference") is not None
+    }
 
 
 def chained(record: dict[str, Any], name: str, target: str, confidence: float | None = None) -> stats.Interval | None:

@@ -75,10 +75,14 @@ def settings_problem(s: Any) -> str | None:
     if not isinstance(s.processes, int) or s.processes < 1:
         return f"interleave.processes={s.processes!r}: give the processes per configuration, e.g. 3 (1: one each)"
     if s.processes > 1 and s.order != "rmit":
-        return (f"interleave.order={s.order} pairs each job with one reference slice; with interleave.processes="
-                f"{s.processes} every process trains once per pass: use interleave.order=rmit or "
-                f"interleave.processes=1")
+        return (
+            f"interleave.order={s.order} pairs each job with one reference slice; with interleave.processes="
+            f"{s.processes} every process trains once per pass: use interleave.order=rmit or "
+            f"interleave.processes=1"
+        )
     if not isinstance(s.get("fallback_pairs", 4), int) or s.get("fallback_pairs", 4) < 2:
-        return (f"interleave.fallback_pairs={s.fallback_pairs!r}: a job measured in rounds needs at least 2 pairs "
-                f"for an interval, e.g. 4")
+        return (
+            f"interleave.fallback_pairs={s.fallback_pairs!r}: a job measured in rounds needs at least 2 pairs "
+            f"for an interval, e.g. 4"
+        )
     return None

@@ -39,7 +39,8 @@ def check_socket_dir() -> None:
         raise ConfigError(
             f"the job server's socket would be {socket!r} ({len(os.fsencode(socket))} bytes), longer than the "
             f"{UNIX_SOCKET_PATH_MAX} bytes a Unix socket path may hold: set TMPDIR to a shorter folder (e.g. "
-            f"TMPDIR=/tmp)")
+            f"TMPDIR=/tmp)"
+        )
 
 
 def context() -> Any:
@@ -101,8 +102,9 @@ def _die_with_the_server() -> None:
         os._exit(1)
 
 
-def train_in_child(cfg: DictConfig, job_dir: str, env: dict[str, str], start_method: str | None = None,
-                   gate: Any = None) -> None:
+def train_in_child(
+    cfg: DictConfig, job_dir: str, env: dict[str, str], start_method: str | None = None, gate: Any = None
+) -> None:
     """The body of a forked job: train ``cfg`` into ``job_dir`` (paused at ``gate``, a
     ``runner.engine.slice_gate.SliceGate``, when given); bad input exits 2 and a loss that is not finite 3, each with
     its one ``error:`` line, like ``python -m runner``.

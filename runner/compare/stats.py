@@ -144,8 +144,9 @@ def pooled_spread(process_means: Sequence[Sequence[float]]) -> tuple[float, int]
     return (math.sqrt(squares / df), df) if df else (math.nan, 0)
 
 
-def between_processes(job: Sequence[float], reference: Sequence[float], sd: float, df: int,
-                      confidence: float = 0.95) -> Interval | None:
+def between_processes(
+    job: Sequence[float], reference: Sequence[float], sd: float, df: int, confidence: float = 0.95
+) -> Interval | None:
     """A configuration against its reference with the *process* as the unit: one mean log samples/s per process,
     ``sd``/``df`` from ``pooled_spread``; exp(mean(job) - mean(reference)) ``± t_df · sd · sqrt(1/k_job + 1/k_ref)``
     (docs/ablation.md). None without a process on either side or a spread.
@@ -161,8 +162,16 @@ def between_processes(job: Sequence[float], reference: Sequence[float], sd: floa
     se = sd * math.sqrt(1 / len(job) + 1 / len(reference))
     t = t_quantile(1 - (1 - confidence) / 2, df)
     p = 1.0 if se == 0 and mean == 0 else 0.0 if se == 0 else 2 * (1 - t_cdf(abs(mean) / se, df))
-    return Interval(math.exp(mean), math.exp(mean - t * se), math.exp(mean + t * se), p, len(job) + len(reference),
-                  se, confidence, df)
+    return Interval(
+        math.exp(mean),
+        math.exp(mean - t * se),
+        math.exp(mean + t * se),
+        p,
+        len(job) + len(reference),
+        se,
+        confidence,
+        df,
+    )
 
 
 def at_confidence(c: Interval, confidence: float) -> Interval:
@@ -172,8 +181,7 @@ def at_confidence(c: Interval, confidence: float) -> Interval:
         raise ValueError(f"confidence={confidence} must lie in (0, 1), e.g. 0.95")
     t = t_quantile(1 - (1 - confidence) / 2, c.df if c.df is not None else c.n - 1)
     centre = math.log(c.estimate)
-    return replace(c, low=math.exp(centre - t * c.se_log), high=math.exp(centre + t * c.se_log),
-                   confidence=confidence)
+    return replace(c, low=math.exp(centre - t * c.se_log), high=math.exp(centre + t * c.se_log), confidence=confidence)
 
 
 def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:

@@ -40,8 +40,11 @@ CHOICES: dict[str, tuple[str | None, ...]] = {
     "trainer.early_stopping.mode": ("auto", "min", "max"),
     "ablation.measure": ("speed", "convergence"),
 }
-_NULL_MEANS = {"distributed.backend": "nccl on CUDA, gloo on CPU", "compile.mode": "compile=off",  # what null means
-               "optimizer.impl": "torch's default"}
+_NULL_MEANS = {
+    "distributed.backend": "nccl on CUDA, gloo on CPU",
+    "compile.mode": "compile=off",  # what null means
+    "optimizer.impl": "torch's default",
+}
 
 
 def global_batch_size(micro_batch: int, accumulate_steps: int, world_size: int) -> int:
@@ -451,19 +454,31 @@ class RunnerConfig:
 
 #: The schema of each config group (stored as ``base_<group>``); every YAML option of the group extends it.
 GROUP_SCHEMAS = {
-    "task": TaskConfig, "model": ModelConfig, "data": DataConfig, "dataloader": DataLoaderConfig,
-    "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "precision": PrecisionConfig,
-    "distributed": DistributedConfig, "memory": MemoryConfig, "logger": LoggerConfig, "compile": CompileConfig,
-    "debug": DebugConfig, "compress": CompressConfig,
+    "task": TaskConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "dataloader": DataLoaderConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "precision": PrecisionConfig,
+    "distributed": DistributedConfig,
+    "memory": MemoryConfig,
+    "logger": LoggerConfig,
+    "compile": CompileConfig,
+    "debug": DebugConfig,
+    "compress": CompressConfig,
 }
 
 
 #: Groups whose options extend a more specific schema than ``base_<group>``: ``base_<name>`` per entry.
 OPTION_SCHEMAS = {
-    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig,
-                  "muon": MuonConfig},
-    "data": {"image_data": ImageDataConfig, "custom_data": CustomDataConfig, "text_data": TextDataConfig,
-             "tokens_data": TokensDataConfig},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "lamb": LambConfig, "lars": LarsConfig, "muon": MuonConfig},
+    "data": {
+        "image_data": ImageDataConfig,
+        "custom_data": CustomDataConfig,
+        "text_data": TextDataConfig,
+        "tokens_data": TokensDataConfig,
+    },
     "model": {"gpt": GPTConfig, "hf_causal_lm": HFCausalLMConfig},
     "task": {"language_model": LanguageModelTaskConfig},
 }

@@ -10,9 +10,12 @@ from typing import Any, Optional
 #: that fills ``logger.<name>`` (``logger=none``: none of them). The package each needs: ``LOGGER_PACKAGES``.
 LOGGERS = ("wandb", "tensorboard", "mlflow", "csv")
 #: logger -> (the module it imports, the pip command that installs it)
-LOGGER_PACKAGES = {"wandb": ("wandb", "pip install wandb"),
-                   "tensorboard": ("tensorboard", 'pip install tensorboard (or pip install -e ".[tensorboard]")'),
-                   "mlflow": ("mlflow", 'pip install mlflow (or pip install -e ".[mlflow]")'), "csv": (None, None)}
+LOGGER_PACKAGES = {
+    "wandb": ("wandb", "pip install wandb"),
+    "tensorboard": ("tensorboard", 'pip install tensorboard (or pip install -e ".[tensorboard]")'),
+    "mlflow": ("mlflow", 'pip install mlflow (or pip install -e ".[mlflow]")'),
+    "csv": (None, None),
+}
 
 
 @dataclass

@@ -39,8 +39,10 @@ def locate(key: str, path: Any) -> Callable:
             find, the run folder and ``PYTHONPATH``), or is not callable.
     """
     if not path or not isinstance(path, str):
-        raise ConfigError(f"{key} is not set: give it as {key}=<module>.<callable>, e.g. {key}=my_data.tabular "
-                          f"for a function tabular in my_data.py in the folder you run from")
+        raise ConfigError(
+            f"{key} is not set: give it as {key}=<module>.<callable>, e.g. {key}=my_data.tabular "
+            f"for a function tabular in my_data.py in the folder you run from"
+        )
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise ConfigError(f"{key}={path!r} names no module: write it as <module>.<callable>, e.g. my_data.{path}")
@@ -51,31 +53,40 @@ def locate(key: str, path: Any) -> Callable:
             obj = importlib.import_module(".".join(parts[:i]))
         except ModuleNotFoundError as e:
             if e.name is not None and not ".".join(parts[:i]).startswith(e.name):
-                raise ConfigError(f"{key}={path!r}: importing {'.'.join(parts[:i])} failed because it imports "
-                                  f"{e.name!r}, which is not installed ({e}); install it or fix that import") from e
+                raise ConfigError(
+                    f"{key}={path!r}: importing {'.'.join(parts[:i])} failed because it imports "
+                    f"{e.name!r}, which is not installed ({e}); install it or fix that import"
+                ) from e
             error = e
             continue
         except Exception as e:  # noqa: BLE001 - the user's module raised while being imported
-            raise ConfigError(f"{key}={path!r}: importing module {'.'.join(parts[:i])} raised "
-                              f"{type(e).__name__}: {e}; fix that module") from e
+            raise ConfigError(
+                f"{key}={path!r}: importing module {'.'.join(parts[:i])} raised "
+                f"{type(e).__name__}: {e}; fix that module"
+            ) from e
         for j, name in enumerate(parts[i:], start=i):
             if not hasattr(obj, name):
                 owner = ".".join(parts[:j])
                 have = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
                 close = difflib.get_close_matches(name, have, n=1)
                 hint = f" (did you mean {owner}.{close[0]}?)" if close else ""
-                raise ConfigError(f"{key}={path!r}: {owner} has no attribute {name!r}{hint}; its callables: "
-                                  f"{', '.join(have[:20]) or 'none'}")
+                raise ConfigError(
+                    f"{key}={path!r}: {owner} has no attribute {name!r}{hint}; its callables: "
+                    f"{', '.join(have[:20]) or 'none'}"
+                )
             obj = getattr(obj, name)
         break
     else:
         if parts[0] in OPTIONAL_PACKAGES:
-            raise ConfigError(f"{key}={path!r} needs the {parts[0]} package, which is not installed: "
-                              f"{OPTIONAL_PACKAGES[parts[0]]}") from error
+            raise ConfigError(
+                f"{key}={path!r} needs the {parts[0]} package, which is not installed: {OPTIONAL_PACKAGES[parts[0]]}"
+            ) from error
         searched = [p for p in sys.path[:3] if p]
-        raise ConfigError(f"{key}={path!r} cannot be imported: no module named {parts[0]!r} ({error}). Put "
-                          f"{parts[0]}.py in the folder you run from ({os.getcwd()}) or add its folder to "
-                          f"PYTHONPATH (searched first: {', '.join(searched)})") from error
+        raise ConfigError(
+            f"{key}={path!r} cannot be imported: no module named {parts[0]!r} ({error}). Put "
+            f"{parts[0]}.py in the folder you run from ({os.getcwd()}) or add its folder to "
+            f"PYTHONPATH (searched first: {', '.join(searched)})"
+        ) from error
     if not callable(obj):
         raise ConfigError(f"{key}={path!r} is a {type(obj).__name__}, not a class or function; name a callable")
     return obj
@@ -119,8 +130,11 @@ def parameters(fn: Callable) -> tuple[list[str], bool]:
 
 #: Annotations whose values are checked before the call: the Python types a config value of each may have,
 #: what to write, and an example.
-_SCALARS = {bool: ((bool,), "true or false", "true"), int: ((int,), "a whole number", "2"),
-            float: ((int, float), "a number", "0.5")}
+_SCALARS = {
+    bool: ((bool,), "true or false", "true"),
+    int: ((int,), "a whole number", "2"),
+    float: ((int, float), "a number", "0.5"),
+}
 
 
 def _hints(fn: Callable) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -177,8 +191,10 @@ def check_types(group: str, fn: Callable, kwargs: dict[str, Any]) -> None:
         if isinstance(value, fits) and (kind is bool or not isinstance(value, bool)):
             continue
         shown = kind.__name__ + (" | None" if optional else "")
-        raise ConfigError(f"{group}.{key}={value!r} does not fit {describe(fn)}'s annotation {key}: {shown}; "
-                          f"give {takes}, e.g. {group}.{key}={example}")
+        raise ConfigError(
+            f"{group}.{key}={value!r} does not fit {describe(fn)}'s annotation {key}: {shown}; "
+            f"give {takes}, e.g. {group}.{key}={example}"
+        )
 
 
 def describe(fn: Callable) -> str:
@@ -209,8 +225,10 @@ def check_arguments(group: str, fn: Callable, kwargs: dict[str, Any], own_keys: 
     hint = f" (did you mean {group}.{close[0]}?)" if close else ""
     own = f"; runner's own {group} keys: {', '.join(own_keys)}" if own_keys else ""
     listed = [n for n in names if n not in own_keys]  # e.g. a builder's own `weights`: runner's key wins
-    raise ConfigError(f"{group}.{key}={kwargs[key]!r}: {describe(fn)} has no parameter {key!r}{hint}. Its "
-                      f"parameters: {', '.join(listed) or 'none'}{own}")
+    raise ConfigError(
+        f"{group}.{key}={kwargs[key]!r}: {describe(fn)} has no parameter {key!r}{hint}. Its "
+        f"parameters: {', '.join(listed) or 'none'}{own}"
+    )
 
 
 def plain(cfg: DictConfig) -> dict[str, Any]:
@@ -236,6 +254,7 @@ def call(key: str, path: str, kwargs: dict[str, Any]) -> Any:
         if isinstance(cause, ConfigError):
             raise cause
         said = " ".join(str(cause).split())  # one line (Hydra's import errors take three)
-        raise ConfigError(f"{key}={path!r} raised {type(cause).__name__}: {said} (called with "
-                          f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items() if not hydra_key(k)) or 'no arguments'})"
-                          ) from cause
+        raise ConfigError(
+            f"{key}={path!r} raised {type(cause).__name__}: {said} (called with "
+            f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items() if not hydra_key(k)) or 'no arguments'})"
+        ) from cause

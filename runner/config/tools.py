@@ -102,5 +102,3 @@ class TuneConfig:
     processes: Optional[int] = None
     # job: rank by the whole job's projected wall time (one-time costs: compilation, autotuning) | throughput: samples/s
     objective: str = "job"
-
-

@@ -37,10 +37,33 @@ from runner.data.text import text_source
 from runner.errors import ConfigError
 
 __all__ = [
-    "CUSTOM_KEYS", "IMAGE_DATASETS", "IN_MEMORY_DATA", "STATS", "Data", "DeviceIterable", "HostLoading", "ImageSets",
-    "OnDeviceLoader", "SkippableSampler", "Source", "UInt8ImageDataset", "assemble", "build", "class_count",
-    "custom_datasets", "custom_source", "host_loader", "host_loading", "image_source", "images_as_tensor",
-    "normalization", "random_crop_flip", "source_for", "text", "text_source", "transforms",
+    "CUSTOM_KEYS",
+    "IMAGE_DATASETS",
+    "IN_MEMORY_DATA",
+    "STATS",
+    "Data",
+    "DeviceIterable",
+    "HostLoading",
+    "ImageSets",
+    "OnDeviceLoader",
+    "SkippableSampler",
+    "Source",
+    "UInt8ImageDataset",
+    "assemble",
+    "build",
+    "class_count",
+    "custom_datasets",
+    "custom_source",
+    "host_loader",
+    "host_loading",
+    "image_source",
+    "images_as_tensor",
+    "normalization",
+    "random_crop_flip",
+    "source_for",
+    "text",
+    "text_source",
+    "transforms",
 ]
 
 
@@ -69,8 +92,15 @@ def source_for(data_cfg: DictConfig, task=None) -> Source:
     return image_source(data_cfg)
 
 
-def build(data_cfg: DictConfig, loader_cfg: DictConfig, env, *, seed: int = 0,
-          memory_format: torch.memory_format = torch.contiguous_format, task=None) -> Data:
+def build(
+    data_cfg: DictConfig,
+    loader_cfg: DictConfig,
+    env,
+    *,
+    seed: int = 0,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    task=None,
+) -> Data:
     """Build the train and eval iterables for this rank: ``source_for`` then ``loading.assemble``; ``task`` (a
     ``runner.protocols.Task``; None: a classification) checks ``data=custom``'s targets.
 

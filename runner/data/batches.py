@@ -81,8 +81,11 @@ class DeviceIterable:
 
 def _generators_of(batches) -> list[torch.Generator]:
     found = []
-    for obj in (batches, getattr(batches, "sampler", None),
-                getattr(getattr(batches, "sampler", None), "sampler", None)):
+    for obj in (
+        batches,
+        getattr(batches, "sampler", None),
+        getattr(getattr(batches, "sampler", None), "sampler", None),
+    ):
         g = getattr(obj, "generator", None)
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
@@ -130,8 +133,22 @@ class OnDeviceLoader:
         mean, std: per-channel statistics in [0, 1] units, or None for no normalization.
     """
 
-    def __init__(self, images, labels, batch_size, *, shuffle, augment, mean, std, drop_last, seed, rank, world_size,
-                 as_images: bool = True):
+    def __init__(
+        self,
+        images,
+        labels,
+        batch_size,
+        *,
+        shuffle,
+        augment,
+        mean,
+        std,
+        drop_last,
+        seed,
+        rank,
+        world_size,
+        as_images: bool = True,
+    ):
         self.images, self.labels, self.as_images = images, labels, as_images
         self.batch_size, self.shuffle, self.augment, self.drop_last = batch_size, shuffle, augment, drop_last
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
@@ -196,4 +213,3 @@ def random_crop_flip(x: torch.Tensor, padding: int = 4) -> torch.Tensor:
     out = padded[bi, ci, rows, cols]
     flip = torch.rand(b, device=x.device) < 0.5
     return torch.where(flip.view(b, 1, 1, 1), out.flip(3), out)
-

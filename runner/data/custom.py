@@ -53,19 +53,24 @@ def _check_item(path: str, which: str, ds, check_target: Callable[[Any], str | N
     try:
         item = ds[0]
     except Exception as e:  # noqa: BLE001 - the user's __getitem__ can raise anything
-        raise ConfigError(f"data._target_={path}: reading item 0 of the {which} set raised "
-                          f"{type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"data._target_={path}: reading item 0 of the {which} set raised {type(e).__name__}: {e}"
+        ) from e
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         what = f"a {type(item).__name__}" + (f" of {len(item)} elements" if isinstance(item, (tuple, list)) else "")
-        raise ConfigError(f"data._target_={path}: items must be (input, target) pairs, but item 0 of the {which} set "
-                          f"is {what}; return `x, y` from __getitem__ (a TensorDataset(inputs, targets) does)")
+        raise ConfigError(
+            f"data._target_={path}: items must be (input, target) pairs, but item 0 of the {which} set "
+            f"is {what}; return `x, y` from __getitem__ (a TensorDataset(inputs, targets) does)"
+        )
     x, y = item
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         what = "a 0-d tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-        raise ConfigError(f"data._target_={path}: the input of item 0 of the {which} set is {what}; it must be a "
-                          f"tensor (or numpy array) with at least one dimension, e.g. shape (n_features,)")
+        raise ConfigError(
+            f"data._target_={path}: the input of item 0 of the {which} set is {what}; it must be a "
+            f"tensor (or numpy array) with at least one dimension, e.g. shape (n_features,)"
+        )
     target = as_batched(y)
     rule = check_target(target)
     if rule is not None:
@@ -79,16 +84,19 @@ def _tensor_pair(ds) -> tuple[torch.Tensor, torch.Tensor] | str:
     A ``TensorDataset`` of two tensors gives its own (no copy); a ``Subset`` of one gives the selected rows.
     """
     if isinstance(ds, TensorDataset):
-        return (tuple(ds.tensors) if len(ds.tensors) == 2
-                else f"its TensorDataset holds {len(ds.tensors)} tensors, not 2")
+        return (
+            tuple(ds.tensors) if len(ds.tensors) == 2 else f"its TensorDataset holds {len(ds.tensors)} tensors, not 2"
+        )
     if isinstance(ds, Subset):
         inner = _tensor_pair(ds.dataset)
         if isinstance(inner, str):
             return inner
         idx = torch.as_tensor(list(ds.indices), dtype=torch.long)
         return inner[0][idx], inner[1][idx]
-    return (f"a {type(ds).__name__} cannot be held as whole tensors (only a TensorDataset or a Subset of one: its "
-            f"__getitem__ may transform each item); batches come from the DataLoader instead")
+    return (
+        f"a {type(ds).__name__} cannot be held as whole tensors (only a TensorDataset or a Subset of one: its "
+        f"__getitem__ may transform each item); batches come from the DataLoader instead"
+    )
 
 
 def _cheap_targets(ds) -> torch.Tensor | None:
@@ -139,21 +147,26 @@ def class_count(path: str, configured: int | None, train_ds, eval_ds) -> int:
         count = int(max(int(t.max()) for t in seen)) + 1
         source = f"max(target) + 1 = {count}"
     else:
-        raise ConfigError(f"data._target_={path}: cannot tell how many classes the data has: set data.num_classes=<C> "
-                          f"(or give the dataset a num_classes or classes attribute, or targets runner can read "
-                          f"without loading inputs: a TensorDataset or a `targets` attribute)")
+        raise ConfigError(
+            f"data._target_={path}: cannot tell how many classes the data has: set data.num_classes=<C> "
+            f"(or give the dataset a num_classes or classes attribute, or targets runner can read "
+            f"without loading inputs: a TensorDataset or a `targets` attribute)"
+        )
     if seen:
         lo, hi = min(int(t.min()) for t in seen), max(int(t.max()) for t in seen)
         if lo < 0:
             raise ConfigError(f"data._target_={path}: a target is {lo}; class indices run from 0 to num_classes - 1")
         if hi >= count:
-            raise ConfigError(f"data._target_={path}: a target is {hi} but the class count is {count} (from {source}); "
-                              f"class indices run from 0 to num_classes - 1: set data.num_classes={hi + 1} or more")
+            raise ConfigError(
+                f"data._target_={path}: a target is {hi} but the class count is {count} (from {source}); "
+                f"class indices run from 0 to num_classes - 1: set data.num_classes={hi + 1} or more"
+            )
     return count
 
 
-def custom_datasets(cfg: DictConfig, check_target: Callable[[Any], str | None]
-                    ) -> tuple[Dataset, Dataset, int | None, torch.Tensor, torch.Tensor]:
+def custom_datasets(
+    cfg: DictConfig, check_target: Callable[[Any], str | None]
+) -> tuple[Dataset, Dataset, int | None, torch.Tensor, torch.Tensor]:
     """Call ``data._target_`` and check what it returns: ``(train_dataset, eval_dataset, num_classes,
     first training input, first training target as a batch holds it)``; ``num_classes`` is None for float
     targets (they are no class indices).
@@ -177,34 +190,46 @@ def custom_datasets(cfg: DictConfig, check_target: Callable[[Any], str | None]
     out = targets.call("data._target_", path, kwargs)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         what = type(out).__name__ + (f" of {len(out)} elements" if isinstance(out, (tuple, list)) else "")
-        raise ConfigError(f"data._target_={path} returned a {what}; it must return a pair (train_dataset, "
-                          f"eval_dataset), e.g. `return TensorDataset(x_train, y_train), "
-                          f"TensorDataset(x_eval, y_eval)`")
+        raise ConfigError(
+            f"data._target_={path} returned a {what}; it must return a pair (train_dataset, "
+            f"eval_dataset), e.g. `return TensorDataset(x_train, y_train), "
+            f"TensorDataset(x_eval, y_eval)`"
+        )
     for which, ds in zip(("training", "evaluation"), out):
         if isinstance(ds, IterableDataset) or not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
-            raise ConfigError(f"data._target_={path}: its {which} set is a {type(ds).__name__}, not a map-style "
-                              f"Dataset (with __len__ and __getitem__, e.g. a TensorDataset)")
+            raise ConfigError(
+                f"data._target_={path}: its {which} set is a {type(ds).__name__}, not a map-style "
+                f"Dataset (with __len__ and __getitem__, e.g. a TensorDataset)"
+            )
         if len(ds) == 0:
-            raise ConfigError(f"data._target_={path}: its {which} set is empty (0 items); check the function's "
-                              f"arguments ({', '.join(f'data.{k}={v!r}' for k, v in kwargs.items()) or 'none'})")
+            raise ConfigError(
+                f"data._target_={path}: its {which} set is empty (0 items); check the function's "
+                f"arguments ({', '.join(f'data.{k}={v!r}' for k, v in kwargs.items()) or 'none'})"
+            )
     train_ds, eval_ds = out
     x0, y0 = _check_item(path, "training", train_ds, check_target)
     xe, ye = _check_item(path, "evaluation", eval_ds, check_target)
     for what, train, evaluation in (("inputs", x0, xe), ("targets", y0, ye)):
         if isinstance(train, torch.Tensor) and isinstance(evaluation, torch.Tensor) and train.shape != evaluation.shape:
-            raise ConfigError(f"data._target_={path}: training {what} have shape {tuple(train.shape)} but evaluation "
-                              f"{what} {tuple(evaluation.shape)}; both sets must hold {what} of one shape")
+            raise ConfigError(
+                f"data._target_={path}: training {what} have shape {tuple(train.shape)} but evaluation "
+                f"{what} {tuple(evaluation.shape)}; both sets must hold {what} of one shape"
+            )
     if isinstance(y0, torch.Tensor) and y0.is_floating_point():  # values, not class indices: no class count
         if cfg.num_classes is not None:
-            raise ConfigError(f"data.num_classes={cfg.num_classes} counts classes, but the targets are floats "
-                              f"({_described(y0)}), not class indices; drop data.num_classes")
+            raise ConfigError(
+                f"data.num_classes={cfg.num_classes} counts classes, but the targets are floats "
+                f"({_described(y0)}), not class indices; drop data.num_classes"
+            )
         for which, ds in (("training", train_ds), ("evaluation", eval_ds)):  # where readable without the inputs
             t = _cheap_targets(ds)
             if t is not None and t.is_floating_point() and not (finite := torch.isfinite(t)).all():
                 rows = (~finite).reshape(len(t), -1).any(1).nonzero().flatten()
-                raise ConfigError(f"data._target_={path}: {len(rows)} target(s) of the {which} set are NaN or "
-                                  f"infinite (item {rows[0].item()} first): no model fits them and the loss would be "
-                                  f"NaN; drop or fix those items")
+                raise ConfigError(
+                    f"data._target_={path}: {len(rows)} target(s) of the {which} set are NaN or "
+                    f"infinite (item {rows[0].item()} first): no model fits them and the loss would be "
+                    f"NaN; drop or fix those items"
+                )
         return train_ds, eval_ds, None, x0, y0
     return train_ds, eval_ds, class_count(path, cfg.num_classes, train_ds, eval_ds), x0, y0
 
@@ -222,16 +247,27 @@ def custom_source(cfg: DictConfig, check_target: Callable[[Any], str | None]) ->
     techniques: dict[str, str] = {}
     why = "data=custom: your dataset function returns the inputs as the model sees them"
     if cfg.normalize:
-        techniques["normalize"] = f"skipped: {why}; normalize them there (data.normalize knows only the " \
-                                  f"built-in image sets' statistics)"
+        techniques["normalize"] = (
+            f"skipped: {why}; normalize them there (data.normalize knows only the built-in image sets' statistics)"
+        )
     if cfg.augment:
-        techniques["augment"] = f"skipped: {why}; augment in its __getitem__ (data.augment is the built-in " \
-                                f"image sets' crop + flip)"
+        techniques["augment"] = (
+            f"skipped: {why}; augment in its __getitem__ (data.augment is the built-in image sets' crop + flip)"
+        )
 
     def in_memory() -> tuple | str:
         pair = _tensor_pair(train_ds), _tensor_pair(eval_ds)
         return next((p for p in pair if isinstance(p, str)), pair)
 
-    return Source(name="custom", train=train_ds, eval=eval_ds, sample_shape=tuple(x0.shape), layout="tensors",
-                  in_memory=in_memory, num_classes=num_classes, item=x0, techniques=techniques,
-                  target=y0 if isinstance(y0, torch.Tensor) else None)
+    return Source(
+        name="custom",
+        train=train_ds,
+        eval=eval_ds,
+        sample_shape=tuple(x0.shape),
+        layout="tensors",
+        in_memory=in_memory,
+        num_classes=num_classes,
+        item=x0,
+        techniques=techniques,
+        target=y0 if isinstance(y0, torch.Tensor) else None,
+    )

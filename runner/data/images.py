@@ -97,10 +97,14 @@ def transforms(cfg: DictConfig, train: bool, mean, std, *, crop: int | None = No
 
     steps = []
     if resize is not None:
-        steps += [T.RandomResizedCrop(resize), T.RandomHorizontalFlip()] if train and cfg.augment else [
-            T.Resize(int(resize * 256 / 224)),
-            T.CenterCrop(resize),
-        ]
+        steps += (
+            [T.RandomResizedCrop(resize), T.RandomHorizontalFlip()]
+            if train and cfg.augment
+            else [
+                T.Resize(int(resize * 256 / 224)),
+                T.CenterCrop(resize),
+            ]
+        )
     elif train and cfg.augment:
         steps += [T.RandomCrop(crop, padding=4), T.RandomHorizontalFlip()]
     steps.append(T.ToTensor())
@@ -142,8 +146,10 @@ def mnist(cfg: DictConfig) -> ImageSets:
                 f"(or the environment variable RUNNER_DATA_ROOT), or pass data.download=true to fetch it."
             )
         if not check_integrity(str(gz), md5):
-            raise ConfigError(f"corrupt dataset file {gz}: its md5 is not {md5}. Delete it and restore it "
-                              f"(copy it again, or data.download=true).")
+            raise ConfigError(
+                f"corrupt dataset file {gz}: its md5 is not {md5}. Delete it and restore it "
+                f"(copy it again, or data.download=true)."
+            )
         try:
             out.mkdir(parents=True, exist_ok=True)
             partial = extracted.with_name(f"{extracted.name}.{os.getpid()}.partial")
@@ -151,36 +157,60 @@ def mnist(cfg: DictConfig) -> ImageSets:
                 shutil.copyfileobj(src, dst)
             os.replace(partial, extracted)
         except OSError as e:
-            raise ConfigError(f"cannot extract {gz} into {out} ({e}); make {out} writable or copy the data elsewhere "
-                              f"and set data.root") from e
+            raise ConfigError(
+                f"cannot extract {gz} into {out} ({e}); make {out} writable or copy the data elsewhere "
+                f"and set data.root"
+            ) from e
     try:
-        mk = lambda train: MNIST(root, train=train, download=cfg.download,  # noqa: E731
-                                 transform=transforms(cfg, train, mean, std, crop=28))
+        mk = lambda train: MNIST(
+            root,
+            train=train,
+            download=cfg.download,  # noqa: E731
+            transform=transforms(cfg, train, mean, std, crop=28),
+        )
         train_ds, eval_ds = mk(True), mk(False)
     except (RuntimeError, AssertionError, ValueError) as e:
         if downloading:
-            raise ConfigError(f"MNIST not found under {raw} and downloading it failed ({e}). Set data.root to a "
-                              f"folder holding MNIST/raw/*.gz (or RUNNER_DATA_ROOT), or retry data.download=true "
-                              f"with network access.") from e
-        raise ConfigError(f"cannot read MNIST under {out} ({e}); delete the extracted *-ubyte files there and "
-                          f"run again") from e
-    return ImageSets(train_ds, eval_ds, mean, std, lambda: ((images_as_tensor(train_ds.data), train_ds.targets),
-                                                           (images_as_tensor(eval_ds.data), eval_ds.targets)))
+            raise ConfigError(
+                f"MNIST not found under {raw} and downloading it failed ({e}). Set data.root to a "
+                f"folder holding MNIST/raw/*.gz (or RUNNER_DATA_ROOT), or retry data.download=true "
+                f"with network access."
+            ) from e
+        raise ConfigError(
+            f"cannot read MNIST under {out} ({e}); delete the extracted *-ubyte files there and run again"
+        ) from e
+    return ImageSets(
+        train_ds,
+        eval_ds,
+        mean,
+        std,
+        lambda: (
+            (images_as_tensor(train_ds.data), train_ds.targets),
+            (images_as_tensor(eval_ds.data), eval_ds.targets),
+        ),
+    )
 
 
 class ArrayUnpickler(pickle.Unpickler):
     """Unpickles a CIFAR-10 batch file admitting only numpy arrays and dtypes besides plain data; anything else
     raises ``pickle.UnpicklingError`` before it runs (as ``torch.load(weights_only=True)``)."""
 
-    _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-                ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.numeric", "_frombuffer"),
-                ("numpy._core.numeric", "_frombuffer"), ("_codecs", "encode")}
+    _ALLOWED = {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    }
 
     def find_class(self, module: str, name: str):
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not plain array data (CIFAR-10 batches hold only "
-                                     f"numpy arrays, lists and strings)")
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not plain array data (CIFAR-10 batches hold only numpy arrays, lists and strings)"
+        )
 
 
 def load_array_pickle(f, encoding: str = "ASCII"):
@@ -273,21 +303,35 @@ def cifar10(cfg: DictConfig) -> ImageSets:
     datasets = []
     for train in (True, False):
         try:
-            datasets.append(CIFAR10(cfg.root, train=train, download=cfg.download,
-                                     transform=transforms(cfg, train, mean, std, crop=32)))
+            datasets.append(
+                CIFAR10(
+                    cfg.root, train=train, download=cfg.download, transform=transforms(cfg, train, mean, std, crop=32)
+                )
+            )
         except Exception as e:  # noqa: BLE001 - unpickling garbage can raise almost anything
             if missing:  # data.download=true was asked to fetch the missing files and could not
-                raise ConfigError(f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} and downloading it "
-                                  f"failed ({e!r}). Set data.root to the folder that holds cifar-10-batches-py "
-                                  f"(or RUNNER_DATA_ROOT), or retry data.download=true with network access.") from e
+                raise ConfigError(
+                    f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} and downloading it "
+                    f"failed ({e!r}). Set data.root to the folder that holds cifar-10-batches-py "
+                    f"(or RUNNER_DATA_ROOT), or retry data.download=true with network access."
+                ) from e
             bad = next(((folder / n, why) for n in names if (why := _cifar_batch_problem(folder / n))), None)
             path, why = bad if bad else (folder, repr(e))
-            raise ConfigError(f"corrupt dataset file {path}: {why}. Replace it with a fresh copy of "
-                              f"cifar-10-batches-py (or delete {folder} and pass data.download=true).") from e
+            raise ConfigError(
+                f"corrupt dataset file {path}: {why}. Replace it with a fresh copy of "
+                f"cifar-10-batches-py (or delete {folder} and pass data.download=true)."
+            ) from e
     train_ds, eval_ds = datasets
-    return ImageSets(train_ds, eval_ds, mean, std,
-                     lambda: ((images_as_tensor(train_ds.data), torch.as_tensor(train_ds.targets)),
-                              (images_as_tensor(eval_ds.data), torch.as_tensor(eval_ds.targets))))
+    return ImageSets(
+        train_ds,
+        eval_ds,
+        mean,
+        std,
+        lambda: (
+            (images_as_tensor(train_ds.data), torch.as_tensor(train_ds.targets)),
+            (images_as_tensor(eval_ds.data), torch.as_tensor(eval_ds.targets)),
+        ),
+    )
 
 
 def imagefolder(cfg: DictConfig) -> ImageSets:
@@ -305,8 +349,10 @@ def imagefolder(cfg: DictConfig) -> ImageSets:
     for split, train in (("train", True), ("val", False)):
         path = Path(cfg.root) / split
         if not path.is_dir():
-            raise ConfigError(f"image folder not found: {path} does not exist. data=imagefolder reads "
-                              f"<data.root>/train/<class>/* and <data.root>/val/<class>/*; set data.root.")
+            raise ConfigError(
+                f"image folder not found: {path} does not exist. data=imagefolder reads "
+                f"<data.root>/train/<class>/* and <data.root>/val/<class>/*; set data.root."
+            )
         try:
             out.append(ImageFolder(str(path), transform=transforms(cfg, train, mean, std, resize=cfg.image_size)))
         except (FileNotFoundError, RuntimeError) as e:
@@ -324,17 +370,27 @@ def synthetic(cfg: DictConfig) -> ImageSets:
         ConfigError: ``data.num_classes`` unset or < 1, or ``data.shape`` not three positive sizes.
     """
     if cfg.num_classes is None or cfg.num_classes < 1:
-        raise ConfigError(f"data.num_classes={cfg.num_classes} must be >= 1 for data=synthetic (labels are drawn "
-                          f"from 0 .. num_classes - 1)")
+        raise ConfigError(
+            f"data.num_classes={cfg.num_classes} must be >= 1 for data=synthetic (labels are drawn "
+            f"from 0 .. num_classes - 1)"
+        )
     if any(s <= 0 for s in cfg.shape) or len(cfg.shape) != 3:
         raise ConfigError(f"data.shape={list(cfg.shape)} must be three positive sizes [C, H, W]")
     mean, std = normalization(cfg, STATS["synthetic"])
     g = torch.Generator().manual_seed(1234)
-    mk = lambda n: (torch.randint(0, 256, (n, *cfg.shape), dtype=torch.uint8, generator=g),  # noqa: E731
-                    torch.randint(0, cfg.num_classes, (n,), generator=g))
+    mk = lambda n: (
+        torch.randint(0, 256, (n, *cfg.shape), dtype=torch.uint8, generator=g),  # noqa: E731
+        torch.randint(0, cfg.num_classes, (n,), generator=g),
+    )
     (tx, ty), (ex, ey) = mk(cfg.train_size), mk(cfg.eval_size)
-    return ImageSets(UInt8ImageDataset(tx, ty, mean, std), UInt8ImageDataset(ex, ey, mean, std), mean, std,
-                     lambda: ((tx, ty), (ex, ey)), num_classes=cfg.num_classes)
+    return ImageSets(
+        UInt8ImageDataset(tx, ty, mean, std),
+        UInt8ImageDataset(ex, ey, mean, std),
+        mean,
+        std,
+        lambda: ((tx, ty), (ex, ey)),
+        num_classes=cfg.num_classes,
+    )
 
 
 #: The built-in image datasets by ``data.name``: one function each, ``(data_cfg) -> ImageSets``.
@@ -360,9 +416,22 @@ def image_source(cfg: DictConfig) -> Source:
     if num_classes is None:
         num_classes = len(sets.train.classes)
         if cfg.num_classes is not None and cfg.num_classes != num_classes:
-            raise ConfigError(f"data.num_classes={cfg.num_classes} but data={name} has {num_classes} classes; "
-                              f"leave data.num_classes unset (null) for a built-in dataset")
+            raise ConfigError(
+                f"data.num_classes={cfg.num_classes} but data={name} has {num_classes} classes; "
+                f"leave data.num_classes unset (null) for a built-in dataset"
+            )
     x0, _ = sets.train[0]
-    return Source(name=name, train=sets.train, eval=sets.eval, sample_shape=tuple(x0.shape), layout="images",
-                  in_memory=sets.in_memory, num_classes=num_classes, item=x0, mean=sets.mean, std=sets.std,
-                  augment=bool(cfg.augment), techniques=techniques)
+    return Source(
+        name=name,
+        train=sets.train,
+        eval=sets.eval,
+        sample_shape=tuple(x0.shape),
+        layout="images",
+        in_memory=sets.in_memory,
+        num_classes=num_classes,
+        item=x0,
+        mean=sets.mean,
+        std=sets.std,
+        augment=bool(cfg.augment),
+        techniques=techniques,
+    )

@@ -98,23 +98,32 @@ def host_loading(loader_cfg: DictConfig, device: torch.device) -> HostLoading:
     return HostLoading(kwargs, non_blocking, techniques)
 
 
-def host_loader(ds: Dataset, batch_size: int, train: bool, loading: HostLoading, env, seed: int, drop_last: bool,
-                sampler=None) -> DataLoader:
+def host_loader(
+    ds: Dataset, batch_size: int, train: bool, loading: HostLoading, env, seed: int, drop_last: bool, sampler=None
+) -> DataLoader:
     """A ``DataLoader`` for this rank: ``sampler`` if given, else a ``DistributedSampler`` share when there are
     several ranks (shuffled for training), else plain (shuffled for training) with a seeded generator.
     A training loader's sampler is a ``SkippableSampler``, so a resumed run continues mid-epoch."""
     if sampler is None and env.world_size > 1:
-        sampler = DistributedSampler(ds, num_replicas=env.world_size, rank=env.rank, shuffle=train, seed=seed,
-                                     drop_last=train)
+        sampler = DistributedSampler(
+            ds, num_replicas=env.world_size, rank=env.rank, shuffle=train, seed=seed, drop_last=train
+        )
     g = torch.Generator().manual_seed(seed + env.rank)
     if train:
         sampler = SkippableSampler(sampler if sampler is not None else torch.utils.data.RandomSampler(ds, generator=g))
-    return DataLoader(ds, batch_size=batch_size, sampler=sampler,
-                      drop_last=train and drop_last, generator=g, **loading.kwargs)
+    return DataLoader(
+        ds, batch_size=batch_size, sampler=sampler, drop_last=train and drop_last, generator=g, **loading.kwargs
+    )
 
 
-def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
-             memory_format: torch.memory_format = torch.contiguous_format) -> Data:
+def assemble(
+    source: Source,
+    loader_cfg: DictConfig,
+    env,
+    *,
+    seed: int = 0,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> Data:
     """Build this rank's train and eval iterables from ``source`` (every data source goes through here).
 
     ``dataloader.on_device`` with an in-memory form: the splits move to ``env.device`` once (``_on_device``); a
@@ -140,8 +149,10 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
     memory = None
     if loader_cfg.on_device:
         if source.in_memory is None:
-            raise ConfigError(f"dataloader.on_device=true needs an in-memory dataset; data={source.name} is read from "
-                              f"image files. Use dataloader=pinned instead.")
+            raise ConfigError(
+                f"dataloader.on_device=true needs an in-memory dataset; data={source.name} is read from "
+                f"image files. Use dataloader=pinned instead."
+            )
         memory = source.in_memory()
         if isinstance(memory, str):
             techniques["on_device_data"] = f"skipped: {memory}"
@@ -155,8 +166,12 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
         techniques |= loading.techniques
         sampler, drop_last = None, loader_cfg.drop_last
         if per_rank is not None:
-            sampler = RandomSampler(source.train, replacement=True, num_samples=per_rank,
-                                    generator=torch.Generator().manual_seed(seed + env.rank))
+            sampler = RandomSampler(
+                source.train,
+                replacement=True,
+                num_samples=per_rank,
+                generator=torch.Generator().manual_seed(seed + env.rank),
+            )
             drop_last = True
         train = host_loader(source.train, bs, True, loading, env, seed, drop_last, sampler=sampler)
         evaluation = host_loader(source.eval, bs, False, loading, env, seed, drop_last=False)
@@ -164,10 +179,14 @@ def assemble(source: Source, loader_cfg: DictConfig, env, *, seed: int = 0,
 
     if len(train) == 0:
         if per_rank is not None:
-            raise ConfigError(f"dataloader.batch_size={bs} is larger than this rank's {per_rank} training windows per "
-                              f"epoch; lower it or raise data.train_size")
-        raise ConfigError(f"dataloader.batch_size={bs} is larger than this rank's training set "
-                          f"({len(source.train) // env.world_size} samples); lower it")
+            raise ConfigError(
+                f"dataloader.batch_size={bs} is larger than this rank's {per_rank} training windows per "
+                f"epoch; lower it or raise data.train_size"
+            )
+        raise ConfigError(
+            f"dataloader.batch_size={bs} is larger than this rank's training set "
+            f"({len(source.train) // env.world_size} samples); lower it"
+        )
     return Data(
         train=DeviceIterable(train, device, non_blocking, memory_format),
         eval=DeviceIterable(evaluation, device, non_blocking, memory_format),
@@ -192,18 +211,30 @@ def _on_device(source: Source, memory, loader_cfg: DictConfig, env, seed: int, p
     if source.layout == "tokens":
         (train_tokens, eval_tokens), block = memory, shape[0]
         g = torch.Generator(device).manual_seed(seed + env.rank)
-        starts = (torch.arange(len(source.eval), device=device) * block)[env.rank::env.world_size]
-        return (OnDeviceWindows(train_tokens.to(device), block, bs, num_batches=per_rank // bs, generator=g),
-                OnDeviceWindows(eval_tokens.to(device), block, bs, starts=starts))
+        starts = (torch.arange(len(source.eval), device=device) * block)[env.rank :: env.world_size]
+        return (
+            OnDeviceWindows(train_tokens.to(device), block, bs, num_batches=per_rank // bs, generator=g),
+            OnDeviceWindows(eval_tokens.to(device), block, bs, starts=starts),
+        )
     (tx, ty), (ex, ey) = memory
     mean, std = source.mean, source.std
     if mean is not None and len(mean) != tx.shape[1]:  # one statistic for every channel (synthetic)
         mean, std = mean * tx.shape[1], std * tx.shape[1]
-    common = dict(mean=mean, std=std, seed=seed, rank=env.rank, world_size=env.world_size,
-                  as_images=source.layout == "images")
-    return (OnDeviceLoader(tx.to(device), ty.to(device), bs, shuffle=True, augment=source.augment,
-                           drop_last=loader_cfg.drop_last, **common),
-            OnDeviceLoader(ex.to(device), ey.to(device), bs, shuffle=False, augment=False, drop_last=False, **common))
+    common = dict(
+        mean=mean, std=std, seed=seed, rank=env.rank, world_size=env.world_size, as_images=source.layout == "images"
+    )
+    return (
+        OnDeviceLoader(
+            tx.to(device),
+            ty.to(device),
+            bs,
+            shuffle=True,
+            augment=source.augment,
+            drop_last=loader_cfg.drop_last,
+            **common,
+        ),
+        OnDeviceLoader(ex.to(device), ey.to(device), bs, shuffle=False, augment=False, drop_last=False, **common),
+    )
 
 
 def _example(source: Source, device: torch.device) -> tuple:

@@ -49,8 +49,10 @@ def character_codec(vocab: list[str]) -> Codec:
     def encode(prompt: str) -> list[int]:
         unknown = sorted(set(prompt) - set(lookup))
         if not prompt or unknown:
-            raise ConfigError(f"task.sample_prompt={prompt!r} must be non-empty text made of characters of data.path "
-                              f"(these are not: {unknown!r})")
+            raise ConfigError(
+                f"task.sample_prompt={prompt!r} must be non-empty text made of characters of data.path "
+                f"(these are not: {unknown!r})"
+            )
         return [lookup[ch] for ch in prompt]
 
     return Codec(len(vocab), encode, lambda ids: "".join(vocab[i] for i in ids))

@@ -27,8 +27,10 @@ def read_corpus(path: str | None) -> tuple[torch.Tensor, list[str]]:
         ConfigError: ``data.path`` unset, missing, not a file, empty, not UTF-8, or binary (NUL bytes).
     """
     if not path:
-        raise ConfigError("data=text needs data.path=<a UTF-8 text file>, e.g. data/tinyshakespeare/input.txt "
-                          "in a checkout (+experiment=shakespeare_char reads it by default)")
+        raise ConfigError(
+            "data=text needs data.path=<a UTF-8 text file>, e.g. data/tinyshakespeare/input.txt "
+            "in a checkout (+experiment=shakespeare_char reads it by default)"
+        )
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"data.path={path} does not exist or is not a file; point data.path at a UTF-8 text file")
@@ -38,11 +40,12 @@ def read_corpus(path: str | None) -> tuple[torch.Tensor, list[str]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"data.path={path} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
-                          f"convert it (iconv -t UTF-8) or point data.path at a text file") from e
+        raise ConfigError(
+            f"data.path={path} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
+            f"convert it (iconv -t UTF-8) or point data.path at a text file"
+        ) from e
     if "\x00" in text:
-        raise ConfigError(f"data.path={path} holds NUL bytes: a binary file, not text; point data.path at a "
-                          f"text file")
+        raise ConfigError(f"data.path={path} holds NUL bytes: a binary file, not text; point data.path at a text file")
     vocab = sorted(set(text))
     lookup = {ch: i for i, ch in enumerate(vocab)}
     return torch.tensor([lookup[ch] for ch in text], dtype=torch.int64), vocab
@@ -60,12 +63,16 @@ def split(tokens: torch.Tensor, block_size: int, path: str) -> tuple[torch.Tenso
     train, val = tokens[:cut], tokens[cut:]
     shortest = min(len(train), len(val))
     if shortest < 2:  # no block_size fits: say the text is too short, not "lower it below 1"
-        raise ConfigError(f"data.path={path} holds only {len(tokens)} characters: too few for a training and a "
-                          f"validation window (its last 10 % validate); use a longer text")
+        raise ConfigError(
+            f"data.path={path} holds only {len(tokens)} characters: too few for a training and a "
+            f"validation window (its last 10 % validate); use a longer text"
+        )
     if block_size >= shortest:
-        raise ConfigError(f"data.block_size={block_size} does not fit in the text: its validation split (the last "
-                          f"10 % of data.path={path}) has {len(val)} tokens and a window needs block_size + 1; "
-                          f"lower data.block_size below {shortest} or use a longer text")
+        raise ConfigError(
+            f"data.block_size={block_size} does not fit in the text: its validation split (the last "
+            f"10 % of data.path={path}) has {len(val)} tokens and a window needs block_size + 1; "
+            f"lower data.block_size below {shortest} or use a longer text"
+        )
     return train, val
 
 
@@ -94,13 +101,18 @@ def check_vocab(vocab: list[str], path: str, meta: dict, checkpoint: Path) -> No
     if list(saved) == list(vocab):
         return
     first = next((i for i, (a, b) in enumerate(zip(saved, vocab)) if a != b), min(len(saved), len(vocab)))
-    at = (f"token {first} is {saved[first]!r} there and {vocab[first]!r} here" if first < min(len(saved), len(vocab))
-          else "one is a prefix of the other")
-    raise ConfigError(f"data.path={path} has a vocabulary of {len(vocab)} characters that differs from the "
-                      f"{len(saved)} the checkpoint {checkpoint} was trained on (saved in {where}; {at}): its token "
-                      f"ids would mean other characters. Resume with the text it was trained on as data.path, or "
-                      f"train on this text from scratch in a new folder (drop hydra.run.dir, or "
-                      f"checkpoint.resume=never)")
+    at = (
+        f"token {first} is {saved[first]!r} there and {vocab[first]!r} here"
+        if first < min(len(saved), len(vocab))
+        else "one is a prefix of the other"
+    )
+    raise ConfigError(
+        f"data.path={path} has a vocabulary of {len(vocab)} characters that differs from the "
+        f"{len(saved)} the checkpoint {checkpoint} was trained on (saved in {where}; {at}): its token "
+        f"ids would mean other characters. Resume with the text it was trained on as data.path, or "
+        f"train on this text from scratch in a new folder (drop hydra.run.dir, or "
+        f"checkpoint.resume=never)"
+    )
 
 
 def encode(text: str, vocab: list[str]) -> list[int]:
@@ -129,7 +141,7 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = i * self.stride
-        window = self.tokens[s: s + self.block_size + 1]
+        window = self.tokens[s : s + self.block_size + 1]
         return window[:-1], window[1:]
 
 
@@ -145,8 +157,16 @@ class OnDeviceWindows:
         generator: the device generator for the random offsets (seeded per rank by the caller).
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, *, num_batches: int | None = None,
-                 starts: torch.Tensor | None = None, generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        block_size: int,
+        batch_size: int,
+        *,
+        num_batches: int | None = None,
+        starts: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ):
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.starts, self.generator = starts, generator
         self.num_batches = num_batches if starts is None else -(-len(starts) // batch_size)
@@ -169,13 +189,22 @@ class OnDeviceWindows:
             if self.starts is None:
                 s = torch.randint(high, (self.batch_size,), device=self.tokens.device, generator=self.generator)
             else:
-                s = self.starts[i * self.batch_size: (i + 1) * self.batch_size]
+                s = self.starts[i * self.batch_size : (i + 1) * self.batch_size]
             window = self.tokens[s[:, None] + self.span]
             yield window[:, :-1], window[:, 1:]
 
 
-def windows_source(name: str, train_tokens, val_tokens, block_size: int, train_size: int | None, *,
-                   in_memory, vocab: list[str] | None = None, codec=None) -> Source:
+def windows_source(
+    name: str,
+    train_tokens,
+    val_tokens,
+    block_size: int,
+    train_size: int | None,
+    *,
+    in_memory,
+    vocab: list[str] | None = None,
+    codec=None,
+) -> Source:
     """The ``Source`` of a token corpus, shared by ``data=text`` and ``data=tokens``: nanoGPT's sampling.
 
     Training: ``train_size`` random windows per epoch (null: train tokens // block_size); evaluation: the windows
@@ -186,10 +215,17 @@ def windows_source(name: str, train_tokens, val_tokens, block_size: int, train_s
             ``(train int64 (N,), val int64 (M,))`` host tensors.
         vocab: characters (``data=text``); codec: a ``Codec`` (``data=tokens``). One of the two.
     """
-    return Source(name=name, train=TokenWindows(train_tokens, block_size),
-                  eval=TokenWindows(val_tokens, block_size, stride=block_size), sample_shape=(block_size,),
-                  layout="tokens", in_memory=in_memory,
-                  draws_per_epoch=train_size or len(train_tokens) // block_size, vocab=vocab, codec=codec)
+    return Source(
+        name=name,
+        train=TokenWindows(train_tokens, block_size),
+        eval=TokenWindows(val_tokens, block_size, stride=block_size),
+        sample_shape=(block_size,),
+        layout="tokens",
+        in_memory=in_memory,
+        draws_per_epoch=train_size or len(train_tokens) // block_size,
+        vocab=vocab,
+        codec=codec,
+    )
 
 
 def text_source(cfg: DictConfig) -> Source:
@@ -201,5 +237,12 @@ def text_source(cfg: DictConfig) -> Source:
     """
     tokens, vocab = read_corpus(cfg.path)
     train_tokens, val_tokens = split(tokens, cfg.block_size, cfg.path)
-    return windows_source("text", train_tokens, val_tokens, cfg.block_size, cfg.train_size,
-                          in_memory=lambda: (train_tokens, val_tokens), vocab=vocab)
+    return windows_source(
+        "text",
+        train_tokens,
+        val_tokens,
+        cfg.block_size,
+        cfg.train_size,
+        in_memory=lambda: (train_tokens, val_tokens),
+        vocab=vocab,
+    )

@@ -58,7 +58,7 @@ class TokenFile:
         (host memory: one chunk)."""
         best, where = -1, 0
         for start in range(0, len(self.memmap), CHUNK):
-            chunk = self.memmap[start: start + CHUNK]
+            chunk = self.memmap[start : start + CHUNK]
             top = int(chunk.max())
             if top > best:
                 best, where = top, start + int(np.argmax(chunk))
@@ -69,7 +69,7 @@ class TokenFile:
         a time: what ``dataloader.on_device`` moves to the device."""
         out = torch.empty(len(self.memmap), dtype=torch.int64)
         for start in range(0, len(self.memmap), CHUNK):
-            out[start: start + CHUNK] = torch.from_numpy(self.memmap[start: start + CHUNK].astype(np.int64))
+            out[start : start + CHUNK] = torch.from_numpy(self.memmap[start : start + CHUNK].astype(np.int64))
         return out
 
 
@@ -82,32 +82,42 @@ def open_split(key: str, path: str | None, dtype: str, block_size: int, vocab_si
             >= ``vocab_size`` (the largest id, found by a chunked scan of the memmap).
     """
     if not path:
-        raise ConfigError(f"data=tokens needs data.{key}=<a .bin of token ids> (nanoGPT's format: "
-                          f"train.bin/val.bin); {PREPARE_HINT} (or, with neither path, data.synthetic_tokens=<N> "
-                          f"trains on N random ids)")
+        raise ConfigError(
+            f"data=tokens needs data.{key}=<a .bin of token ids> (nanoGPT's format: "
+            f"train.bin/val.bin); {PREPARE_HINT} (or, with neither path, data.synthetic_tokens=<N> "
+            f"trains on N random ids)"
+        )
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"data.{key}={path} does not exist or is not a file; point it at a .bin of token ids "
-                          f"({PREPARE_HINT})")
+        raise ConfigError(
+            f"data.{key}={path} does not exist or is not a file; point it at a .bin of token ids ({PREPARE_HINT})"
+        )
     size, item = file.stat().st_size, np.dtype(DTYPES[dtype]).itemsize
     if size % item:
-        raise ConfigError(f"data.{key}={path} holds {size} bytes, not a multiple of {item} (one id of "
-                          f"data.dtype={dtype}): it is not a file of {dtype} token ids or it was cut short; set "
-                          f"data.dtype to the dtype it was written with (nanoGPT writes uint16) or write it again")
+        raise ConfigError(
+            f"data.{key}={path} holds {size} bytes, not a multiple of {item} (one id of "
+            f"data.dtype={dtype}): it is not a file of {dtype} token ids or it was cut short; set "
+            f"data.dtype to the dtype it was written with (nanoGPT writes uint16) or write it again"
+        )
     count = size // item
     if count == 0:
-        raise ConfigError(f"data.{key}={path} is empty (0 bytes): it holds no token ids; write it again "
-                          f"({PREPARE_HINT})")
+        raise ConfigError(
+            f"data.{key}={path} is empty (0 bytes): it holds no token ids; write it again ({PREPARE_HINT})"
+        )
     if count < block_size + 1:
-        raise ConfigError(f"data.{key}={path} holds {count} tokens and a window needs data.block_size + 1 = "
-                          f"{block_size + 1}; lower data.block_size below {count} or use a longer split")
+        raise ConfigError(
+            f"data.{key}={path} holds {count} tokens and a window needs data.block_size + 1 = "
+            f"{block_size + 1}; lower data.block_size below {count} or use a longer split"
+        )
     tokens = TokenFile(file, dtype)
     _refuse_wider_ids(key, path, tokens, vocab_size)
     top, where = tokens.max()
     if top >= vocab_size:
-        raise ConfigError(f"data.{key}={path} holds token id {top} (at token {where}), not below "
-                          f"data.vocab_size={vocab_size}; set data.vocab_size to the tokenizer's vocabulary size (at "
-                          f"least {top + 1}), or check data.dtype={dtype} is the dtype the file was written with")
+        raise ConfigError(
+            f"data.{key}={path} holds token id {top} (at token {where}), not below "
+            f"data.vocab_size={vocab_size}; set data.vocab_size to the tokenizer's vocabulary size (at "
+            f"least {top + 1}), or check data.dtype={dtype} is the dtype the file was written with"
+        )
     return tokens
 
 
@@ -135,12 +145,16 @@ def _refuse_wider_ids(key: str, path: str, tokens: TokenFile, vocab_size: int) -
 
     read = f"data.{key}={path} read as data.dtype={tokens.dtype}"
     if widened(4) and bits == 16 or widened(2) and bits == 32:
-        raise ConfigError(f"{read} has every id followed by high words <= {high}: it holds 64-bit ids (int64), "
-                          f"which data=tokens does not read; write them as uint32 (ids.astype(np.uint32).tofile) or "
-                          f"uint16 for vocabularies under 65,536")
+        raise ConfigError(
+            f"{read} has every id followed by high words <= {high}: it holds 64-bit ids (int64), "
+            f"which data=tokens does not read; write them as uint32 (ids.astype(np.uint32).tofile) or "
+            f"uint16 for vocabularies under 65,536"
+        )
     if bits == 16 and widened(2):
-        raise ConfigError(f"{read} has every second id <= {high} (all {n // 2} in its first {n} tokens): it holds "
-                          f"uint32 ids, whose high halves those are; set data.dtype=uint32")
+        raise ConfigError(
+            f"{read} has every second id <= {high} (all {n // 2} in its first {n} tokens): it holds "
+            f"uint32 ids, whose high halves those are; set data.dtype=uint32"
+        )
 
 
 def _load_tiktoken(name: str):
@@ -155,8 +169,10 @@ def _load_tiktoken(name: str):
         return None, f"data.tokenizer={name} needs the tiktoken package, which is not installed (pip install tiktoken)"
     names = tiktoken.list_encoding_names()
     if name not in names:
-        raise ConfigError(f"data.tokenizer={name} is not a tiktoken encoding; use one of {', '.join(names)}, or null "
-                          f"(samples.txt then shows token ids)")
+        raise ConfigError(
+            f"data.tokenizer={name} is not a tiktoken encoding; use one of {', '.join(names)}, or null "
+            f"(samples.txt then shows token ids)"
+        )
     got: dict = {}
 
     def load():  # in a thread: without network, tiktoken's download of uncached files may hang, not fail
@@ -171,8 +187,10 @@ def _load_tiktoken(name: str):
     if "encoding" in got:
         return got["encoding"], None
     why = got.get("error", f"no answer in {TOKENIZER_TIMEOUT_S:.0f} s")
-    return None, (f"tiktoken could not load the {name} encoding offline ({why}); it downloads its BPE files on first "
-                  f"use and caches them (TIKTOKEN_CACHE_DIR): load it once with network, or copy that cache here")
+    return None, (
+        f"tiktoken could not load the {name} encoding offline ({why}); it downloads its BPE files on first "
+        f"use and caches them (TIKTOKEN_CACHE_DIR): load it once with network, or copy that cache here"
+    )
 
 
 def _ids_codec(vocab_size: int, why: str) -> Codec:
@@ -186,15 +204,18 @@ def _ids_codec(vocab_size: int, why: str) -> Codec:
         try:
             ids = [int(w) for w in words]
         except ValueError:
-            raise ConfigError(f"task.sample_prompt={prompt!r} is text, but data=tokens has no tokenizer to encode it "
-                              f"({why}); give token ids separated by spaces (e.g. task.sample_prompt='0 12') or "
-                              f"set data.tokenizer to a tiktoken encoding") from None
+            raise ConfigError(
+                f"task.sample_prompt={prompt!r} is text, but data=tokens has no tokenizer to encode it "
+                f"({why}); give token ids separated by spaces (e.g. task.sample_prompt='0 12') or "
+                f"set data.tokenizer to a tiktoken encoding"
+            ) from None
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise ConfigError(f"task.sample_prompt={prompt!r} holds ids outside [0, data.vocab_size={vocab_size})")
         return ids
 
-    return Codec(vocab_size, encode, lambda ids: " ".join(map(str, ids)) + "\n",
-                 note=f"samples.txt will show token ids: {why}")
+    return Codec(
+        vocab_size, encode, lambda ids: " ".join(map(str, ids)) + "\n", note=f"samples.txt will show token ids: {why}"
+    )
 
 
 def _tiktoken_codec(vocab_size: int, name: str, encoding) -> Codec:
@@ -204,8 +225,10 @@ def _tiktoken_codec(vocab_size: int, name: str, encoding) -> Codec:
     def encode(prompt: str) -> list[int]:
         ids = encoding.encode_ordinary(prompt)
         if not ids or max(ids) >= vocab_size:
-            raise ConfigError(f"task.sample_prompt={prompt!r} must be non-empty text whose {name} token ids are below "
-                              f"data.vocab_size={vocab_size} (these are: {ids})")
+            raise ConfigError(
+                f"task.sample_prompt={prompt!r} must be non-empty text whose {name} token ids are below "
+                f"data.vocab_size={vocab_size} (these are: {ids})"
+            )
         return ids
 
     def decode(ids: list[int]) -> str:
@@ -249,8 +272,10 @@ def synthetic_splits(count: int, vocab_size: int, block_size: int) -> tuple[torc
         ConfigError: ``count`` smaller than one window (``block_size`` + 1).
     """
     if count < block_size + 1:
-        raise ConfigError(f"data.synthetic_tokens={count} is below one window of data.block_size + 1 = "
-                          f"{block_size + 1} tokens; raise it (e.g. 1000000) or lower data.block_size")
+        raise ConfigError(
+            f"data.synthetic_tokens={count} is below one window of data.block_size + 1 = "
+            f"{block_size + 1} tokens; raise it (e.g. 1000000) or lower data.block_size"
+        )
     g = torch.Generator().manual_seed(SYNTHETIC_SEED)
     ids = torch.randint(0, vocab_size, (count + max(count // 10, block_size + 1),), generator=g)
     return ids[:count], ids[count:]
@@ -267,22 +292,40 @@ def tokens_source(cfg: DictConfig) -> Source:
     """
     vocab_size, dtype = cfg.vocab_size, cfg.dtype
     if vocab_size is None or vocab_size < 1:
-        raise ConfigError(f"data=tokens needs data.vocab_size=<the number of token ids> (got {vocab_size}): the "
-                          f"model's vocabulary, above every id in the files; nanoGPT's prepare.py prints it and saves "
-                          f"it in meta.pkl (65 for shakespeare_char; GPT-2's BPE: 50257)")
+        raise ConfigError(
+            f"data=tokens needs data.vocab_size=<the number of token ids> (got {vocab_size}): the "
+            f"model's vocabulary, above every id in the files; nanoGPT's prepare.py prints it and saves "
+            f"it in meta.pkl (65 for shakespeare_char; GPT-2's BPE: 50257)"
+        )
     if dtype not in DTYPES:
-        raise ConfigError(f"data.dtype={dtype} is not one of {', '.join(DTYPES)} (the dtype the ids were written "
-                          f"with; nanoGPT writes uint16)")
+        raise ConfigError(
+            f"data.dtype={dtype} is not one of {', '.join(DTYPES)} (the dtype the ids were written "
+            f"with; nanoGPT writes uint16)"
+        )
     synthetic = cfg.get("synthetic_tokens")
     if synthetic is not None and not cfg.train_path and not cfg.val_path:
         train_ids, val_ids = synthetic_splits(int(synthetic), vocab_size, cfg.block_size)
         ids_codec = _ids_codec(vocab_size, f"data.synthetic_tokens={synthetic}: random ids, no text")
-        return windows_source("tokens", train_ids, val_ids, cfg.block_size, cfg.train_size,
-                              in_memory=lambda: (train_ids, val_ids), codec=ids_codec)
+        return windows_source(
+            "tokens",
+            train_ids,
+            val_ids,
+            cfg.block_size,
+            cfg.train_size,
+            in_memory=lambda: (train_ids, val_ids),
+            codec=ids_codec,
+        )
     train = open_split("train_path", cfg.train_path, dtype, cfg.block_size, vocab_size)
     val = open_split("val_path", cfg.val_path, dtype, cfg.block_size, vocab_size)
-    return windows_source("tokens", train, val, cfg.block_size, cfg.train_size,
-                          in_memory=lambda: (train.load(), val.load()), codec=codec(vocab_size, cfg.tokenizer))
+    return windows_source(
+        "tokens",
+        train,
+        val,
+        cfg.block_size,
+        cfg.train_size,
+        in_memory=lambda: (train.load(), val.load()),
+        codec=codec(vocab_size, cfg.tokenizer),
+    )
 
 
 def prepare(text_file: str | Path, out_dir: str | Path) -> dict:
@@ -304,17 +347,26 @@ def prepare(text_file: str | Path, out_dir: str | Path) -> dict:
     write_own(out / "train.bin", ids[:cut].tobytes())
     write_own(out / "val.bin", ids[cut:].tobytes())
     with open_own(out / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": len(vocab), "itos": dict(enumerate(vocab)),
-                     "stoi": {ch: i for i, ch in enumerate(vocab)}}, f)
-    return {"vocab_size": len(vocab), "dtype": dtype, "train_tokens": cut, "val_tokens": len(ids) - cut,
-            "train_path": str(out / "train.bin"), "val_path": str(out / "val.bin")}
+        pickle.dump(
+            {"vocab_size": len(vocab), "itos": dict(enumerate(vocab)), "stoi": {ch: i for i, ch in enumerate(vocab)}}, f
+        )
+    return {
+        "vocab_size": len(vocab),
+        "dtype": dtype,
+        "train_tokens": cut,
+        "val_tokens": len(ids) - cut,
+        "train_path": str(out / "train.bin"),
+        "val_path": str(out / "val.bin"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m runner.data.tokens prepare <text file> <out dir>``: ``prepare``, then the overrides that
     train on its output. A bad text file: one ``error:`` line, exit status 2 (as ``python -m runner``)."""
-    parser = argparse.ArgumentParser(prog="python -m runner.data.tokens",
-                                     description="Write nanoGPT-format token files (train.bin, val.bin, meta.pkl).")
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.data.tokens",
+        description="Write nanoGPT-format token files (train.bin, val.bin, meta.pkl).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="character-level ids of a UTF-8 text, as nanoGPT's shakespeare_char/prepare.py")
     p.add_argument("text_file")
@@ -326,11 +378,15 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e).replace(f"data.path={args.text_file}", args.text_file)
         print(f"error: {message.replace('data.path', 'the text file argument')}", file=sys.stderr)
         return 2
-    print(f"wrote {r['train_path']} ({r['train_tokens']:,} tokens) and {r['val_path']} ({r['val_tokens']:,} tokens), "
-          f"{r['dtype']}, vocab_size {r['vocab_size']}")
+    print(
+        f"wrote {r['train_path']} ({r['train_tokens']:,} tokens) and {r['val_path']} ({r['val_tokens']:,} tokens), "
+        f"{r['dtype']}, vocab_size {r['vocab_size']}"
+    )
     dtype = "" if r["dtype"] == "uint16" else f" data.dtype={r['dtype']}"
-    print(f"train on them: python -m runner task=language_model model=gpt data=tokens "
-          f"data.train_path={r['train_path']} data.val_path={r['val_path']} data.vocab_size={r['vocab_size']}{dtype}")
+    print(
+        f"train on them: python -m runner task=language_model model=gpt data=tokens "
+        f"data.train_path={r['train_path']} data.val_path={r['val_path']} data.vocab_size={r['vocab_size']}{dtype}"
+    )
     return 0
 
 

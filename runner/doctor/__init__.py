@@ -9,7 +9,6 @@ docs/tuners-and-doctor.md, "Speed doctor"; its modules: docs/design.md. Sources:
 ("disable debugging APIs"), PyTorch DataLoader docs, airbench (the dataset on the device).
 """
 
-
 from runner.doctor.cli import main
 from runner.doctor.diagnosis import (
     CATEGORIES,
@@ -28,8 +27,31 @@ from runner.doctor.diagnosis import (
 from runner.doctor.job import Job, command, load_job, merge_overrides, render, report
 from runner.doctor.verify import VERIFY_FIXED, VERIFY_MINUTES, Trial, compose_job, verify, verify_plan, verify_table
 
-__all__ = ["CATEGORIES", "CPU_FLOPS_PER_THREAD_MIN", "DATA_WAIT_FRACTION_MAX", "GPU_IDLE_FRACTION_MAX",
-           "LOG_TIME_FRACTION_MAX", "MEMORY_FRACTION_MAX", "MFU_HIGH", "SYNCS_PER_STEP_MAX", "VERIFY_FIXED",
-           "VERIFY_MEASURED_STEPS", "VERIFY_MINUTES", "Finding", "Job", "Suggestion", "Trial", "command", "compose_job",
-           "diagnose", "load_job", "main", "merge_overrides", "render", "report", "verify", "verify_plan",
-           "verify_table"]
+__all__ = [
+    "CATEGORIES",
+    "CPU_FLOPS_PER_THREAD_MIN",
+    "DATA_WAIT_FRACTION_MAX",
+    "GPU_IDLE_FRACTION_MAX",
+    "LOG_TIME_FRACTION_MAX",
+    "MEMORY_FRACTION_MAX",
+    "MFU_HIGH",
+    "SYNCS_PER_STEP_MAX",
+    "VERIFY_FIXED",
+    "VERIFY_MEASURED_STEPS",
+    "VERIFY_MINUTES",
+    "Finding",
+    "Job",
+    "Suggestion",
+    "Trial",
+    "command",
+    "compose_job",
+    "diagnose",
+    "load_job",
+    "main",
+    "merge_overrides",
+    "render",
+    "report",
+    "verify",
+    "verify_plan",
+    "verify_table",
+]

@@ -39,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.doctor", description=package.__doc__.split("\n\n")[0])
     parser.add_argument("job", type=Path, help="a job folder (outputs/<date>/<time>) holding summary.json")
     parser.add_argument("--verify", action="store_true", help="run the job and each suggestion, report speed-ups")
-    parser.add_argument("--minutes", type=float, default=VERIFY_MINUTES,
-                        help=f"--verify measuring time, start-ups excluded (default {VERIFY_MINUTES:g})")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=VERIFY_MINUTES,
+        help=f"--verify measuring time, start-ups excluded (default {VERIFY_MINUTES:g})",
+    )
     parser.add_argument("--steps", type=int, help="--verify steps per slice (default: about 4 s of the job)")
     parser.add_argument("--repeats", type=int, default=1, help="--verify processes per configuration (default 1)")
     parser.add_argument("--top", type=int, help="--verify only the first N suggestions (default: all)")
@@ -55,14 +59,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nnothing to verify: the diagnosis of {job.folder} suggests no override to measure", flush=True)
         elif args.verify:
             check_verify(job, findings, args.top, trust.Policy.make(args.trust, args.allow_target, args.job))
-            trials, out = verify(job, findings, steps=args.steps, repeats=args.repeats, minutes=args.minutes,
-                                 out=args.out, top=args.top)
+            trials, out = verify(
+                job, findings, steps=args.steps, repeats=args.repeats, minutes=args.minutes, out=args.out, top=args.top
+            )
             print("\n".join(["", *verify_table(trials), "", f"wrote {out / 'verify.md'}, {out / 'verify.json'}"]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C during --verify: its processes were stopped, interleave.json kept
-        print("error: interrupted: --verify stopped; what it measured is in its folder's interleave.json",
-              file=sys.stderr)
+        print(
+            "error: interrupted: --verify stopped; what it measured is in its folder's interleave.json", file=sys.stderr
+        )
         return 130
     return 0

@@ -40,8 +40,17 @@ GRAD_NORM_SPIKE = 10.0
 #: enough measured steps for a median after the job's warm-up.
 VERIFY_MEASURED_STEPS = 30
 
-CATEGORIES = ("untrustworthy", "not measured", "debug tools on", "input-bound", "host/launch-bound",
-              "sync/overhead-bound", "memory-bound", "near the hardware ceiling", "gradient spikes")
+CATEGORIES = (
+    "untrustworthy",
+    "not measured",
+    "debug tools on",
+    "input-bound",
+    "host/launch-bound",
+    "sync/overhead-bound",
+    "memory-bound",
+    "near the hardware ceiling",
+    "gradient spikes",
+)
 
 
 @dataclass
@@ -74,13 +83,17 @@ def _get(config: dict[str, Any], dotted: str, default: Any = None) -> Any:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         else None
+    )
 
 
 # ------------------------------------------------------------------------------------------- diagnosis
-def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
-             metrics: list[dict[str, Any]] | None = None) -> list[Finding]:
+def diagnose(
+    summary: dict[str, Any], config: dict[str, Any] | None = None, metrics: list[dict[str, Any]] | None = None
+) -> list[Finding]:
     """The findings for one run, most important first (untrustworthy figures always lead).
 
     Args:
@@ -106,18 +119,34 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
     sps = _num(summary.get("samples_per_sec"))
     if sps is None:
         warmup = int(summary.get("warmup_steps") or _get(config, "trainer.warmup_steps", 5) or 0)
-        lead.append(Finding("not measured", str(summary.get("measurement") or "no speed figure"), 1.0,
-                            [Suggestion([f"trainer.max_steps={warmup + VERIFY_MEASURED_STEPS}"],
-                                        "measured steps after the warm-up")]))
+        lead.append(
+            Finding(
+                "not measured",
+                str(summary.get("measurement") or "no speed figure"),
+                1.0,
+                [
+                    Suggestion(
+                        [f"trainer.max_steps={warmup + VERIFY_MEASURED_STEPS}"], "measured steps after the warm-up"
+                    )
+                ],
+            )
+        )
         return lead
 
     debug = _get(config, "debug.name", "off")
     if debug not in (None, "off"):
-        what = {"anomaly": "autograd anomaly detection checks every backward op and records forward "
-                           "tracebacks", "profile": "the profiler records every op of its window"}.get(debug, debug)
-        findings.append(Finding("debug tools on", f"debug={debug}: {what}; no speed figure of such a run is "
-                                                  "representative", 1.0,
-                                [Suggestion(["debug=off"], "debug tools only while debugging")]))
+        what = {
+            "anomaly": "autograd anomaly detection checks every backward op and records forward tracebacks",
+            "profile": "the profiler records every op of its window",
+        }.get(debug, debug)
+        findings.append(
+            Finding(
+                "debug tools on",
+                f"debug={debug}: {what}; no speed figure of such a run is representative",
+                1.0,
+                [Suggestion(["debug=off"], "debug tools only while debugging")],
+            )
+        )
 
     wait = _num(summary.get("data_wait_fraction")) or 0.0
     if wait >= DATA_WAIT_FRACTION_MAX:
@@ -144,9 +173,15 @@ def diagnose(summary: dict[str, Any], config: dict[str, Any] | None = None,
 
     mfu = _num(summary.get("mfu"))
     if mfu is not None and mfu >= MFU_HIGH:
-        findings.append(Finding("near the hardware ceiling", f"MFU {mfu:.0%} of the device's dense peak: nothing "
-                                                             "big is left to gain from switches; a smaller model "
-                                                             "or more devices go further", 0.0))
+        findings.append(
+            Finding(
+                "near the hardware ceiling",
+                f"MFU {mfu:.0%} of the device's dense peak: nothing "
+                "big is left to gain from switches; a smaller model "
+                "or more devices go further",
+                0.0,
+            )
+        )
     findings.sort(key=lambda f: -f.score)
     return lead + findings
 
@@ -163,10 +198,15 @@ def _busy_machine(summary: dict[str, Any], device: str) -> list[Suggestion]:
     fit = threads_that_fit(summary["machine_load"])
     if fit is None:
         return [rerun]
-    return [Suggestion([f"trainer.num_threads={fit}"], f"{fit} intra-op thread(s) for the {fit} core(s) the other "
-                       f"processes left free: threads that outnumber the free cores wait for them (the default stays "
-                       f"one per core: a count read from the load at start would change with whatever ran then)"),
-            rerun]
+    return [
+        Suggestion(
+            [f"trainer.num_threads={fit}"],
+            f"{fit} intra-op thread(s) for the {fit} core(s) the other "
+            f"processes left free: threads that outnumber the free cores wait for them (the default stays "
+            f"one per core: a count read from the load at start would change with whatever ran then)",
+        ),
+        rerun,
+    ]
 
 
 def _input_bound(summary: dict[str, Any], job: Job, wait: float, metrics: list[dict[str, Any]]) -> Finding:
@@ -176,21 +216,27 @@ def _input_bound(summary: dict[str, Any], job: Job, wait: float, metrics: list[d
     rows = [r for r in metrics if _num(r.get("data_wait_ms")) is not None and _num(r.get("step_time_ms"))]
     high = sum(r["data_wait_ms"] / (r["data_wait_ms"] + r["step_time_ms"]) >= DATA_WAIT_FRACTION_MAX for r in rows)
     steady = f"; in {high} of {len(rows)} log intervals" if rows else ""
-    evidence = (f"{wait:.0%} of the measured time waited for the next batch (data_wait_fraction {wait:.3f}"
-                f"{steady}; dataloader.num_workers={workers})")
+    evidence = (
+        f"{wait:.0%} of the measured time waited for the next batch (data_wait_fraction {wait:.3f}"
+        f"{steady}; dataloader.num_workers={workers})"
+    )
     sugg = []
     if workers < cores:
         n = min(cores, 4) if workers == 0 else min(cores, 2 * workers)
-        sugg.append(Suggestion([f"dataloader.num_workers={n}"],
-                               f"load batches in {n} worker processes while the step runs"))
+        sugg.append(
+            Suggestion([f"dataloader.num_workers={n}"], f"load batches in {n} worker processes while the step runs")
+        )
     pinned, on_device = TECHNIQUES["pinned_memory"], TECHNIQUES["on_device_data"]
     if pinned.why_not(job) is None and not pinned.is_on(config):
         sugg.append(Suggestion(pinned.overrides, "page-locked batches, asynchronous host-to-device copies"))
     if on_device.why_not(job) is None and not on_device.is_on(config):
         sugg.append(Suggestion(on_device.overrides, "the whole dataset as tensors on the device: no loader"))
     if not sugg:
-        sugg.append(Suggestion([], "the loader already uses every core: make __getitem__ cheaper (decode once, "
-                                   "cache, smaller images)"))
+        sugg.append(
+            Suggestion(
+                [], "the loader already uses every core: make __getitem__ cheaper (decode once, cache, smaller images)"
+            )
+        )
     return Finding("input-bound", evidence, wait, sugg)
 
 
@@ -202,11 +248,19 @@ def _launch_bound(config: dict[str, Any], idle: float, wait: float) -> Finding:
     if not graphs.is_on(config):
         sugg.append(Suggestion(graphs.overrides, "CUDA graphs: the whole step launched at once"))
     if batch:
-        sugg.append(Suggestion([f"dataloader.batch_size={2 * batch}"],
-                               "twice the work per launch (keep the LR rule: optimizer.lr_scaling)"))
-    return Finding("host/launch-bound", f"the GPU idled {idle:.0%} of a profiled warm-up window between kernels "
-                                        f"(data wait {wait:.0%}): it waits for the host to launch work",
-                   idle - wait, sugg)
+        sugg.append(
+            Suggestion(
+                [f"dataloader.batch_size={2 * batch}"],
+                "twice the work per launch (keep the LR rule: optimizer.lr_scaling)",
+            )
+        )
+    return Finding(
+        "host/launch-bound",
+        f"the GPU idled {idle:.0%} of a profiled warm-up window between kernels "
+        f"(data wait {wait:.0%}): it waits for the host to launch work",
+        idle - wait,
+        sugg,
+    )
 
 
 def _overhead(summary: dict[str, Any], job: Job, wait: float, metrics: list[dict[str, Any]]) -> Finding | None:
@@ -219,9 +273,11 @@ def _overhead(summary: dict[str, Any], job: Job, wait: float, metrics: list[dict
     log_share = _num(summary.get("log_time_fraction"))
     evidence, score = [], 0.0
     if syncs is not None and syncs >= SYNCS_PER_STEP_MAX:
-        evidence.append(f"{syncs:g} host-device sync(s) per step (trainer.log_every={log_every}"
-                        + (", trainer.on_nonfinite=skip" if _get(config, "trainer.on_nonfinite") == "skip" else "")
-                        + ")")
+        evidence.append(
+            f"{syncs:g} host-device sync(s) per step (trainer.log_every={log_every}"
+            + (", trainer.on_nonfinite=skip" if _get(config, "trainer.on_nonfinite") == "skip" else "")
+            + ")"
+        )
         score = max(score, 0.05)
     if log_share is not None and log_share >= LOG_TIME_FRACTION_MAX:
         evidence.append(f"logging took {log_share:.0%} of the measured time")
@@ -233,24 +289,30 @@ def _overhead(summary: dict[str, Any], job: Job, wait: float, metrics: list[dict
         rate = flops * batch / (step_ms / 1e3)  # FLOP/s while computing (data wait excluded)
         floor = CPU_FLOPS_PER_THREAD_MIN * threads
         if rate < floor:
-            evidence.append(f"a {step_ms:.3g} ms step computes only {rate / 1e9:.2g} GFLOP/s on {threads} "
-                            f"thread(s) (< {floor / 1e9:g}): fixed per-step costs (Python, op dispatch, the "
-                            f"optimizer's per-parameter work) dominate")
+            evidence.append(
+                f"a {step_ms:.3g} ms step computes only {rate / 1e9:.2g} GFLOP/s on {threads} "
+                f"thread(s) (< {floor / 1e9:g}): fixed per-step costs (Python, op dispatch, the "
+                f"optimizer's per-parameter work) dominate"
+            )
             score = max(score, (1 - wait) * (1 - rate / floor))
     if not evidence:
         return None
     sugg = []
     if (syncs is not None and syncs >= SYNCS_PER_STEP_MAX) or (log_share or 0.0) >= LOG_TIME_FRACTION_MAX:
         if TECHNIQUES["fewer_syncs"].why_not(job, candidate=True) is None:
-            sugg.append(Suggestion(TECHNIQUES["fewer_syncs"].overrides, "read the loss (a sync) and log every 50 "
-                                                                          "steps"))
+            sugg.append(
+                Suggestion(TECHNIQUES["fewer_syncs"].overrides, "read the loss (a sync) and log every 50 steps")
+            )
         if _get(config, "trainer.on_nonfinite") == "skip":
             sugg.append(Suggestion(["trainer.on_nonfinite=stop"], "no per-step gradient check (a sync per step)"))
     micro = _get(config, "dataloader.batch_size")
     if micro:
-        sugg.append(Suggestion([f"dataloader.batch_size={2 * micro}"],
-                               "per-step costs paid once per twice the samples (keep the LR rule: "
-                               "optimizer.lr_scaling)"))
+        sugg.append(
+            Suggestion(
+                [f"dataloader.batch_size={2 * micro}"],
+                "per-step costs paid once per twice the samples (keep the LR rule: optimizer.lr_scaling)",
+            )
+        )
     graphs, compiled = TECHNIQUES["compile_reduce_overhead"], TECHNIQUES["compile"]
     if graphs.why_not(job) is None and not graphs.is_on(config):
         sugg.append(Suggestion(graphs.overrides, "one compiled graph, launched as a CUDA graph"))
@@ -267,10 +329,18 @@ def _ema_cost(summary: dict[str, Any], config: dict[str, Any]) -> Finding | None
         return None
     share = update_ms / every / step_ms
     n = every * math.ceil(share / 0.01)  # about 1 % of the step
-    return Finding("sync/overhead-bound", f"the EMA of the weights takes {update_ms:.3g} ms every {every} step(s), "
-                                          f"{share:.0%} of a {step_ms:.3g} ms step", share,
-                   [Suggestion([f"trainer.ema_every={n}", f"trainer.ema_decay={decay ** (n / every):.6g}"],
-                               f"update the average every {n} steps with the decay that keeps its horizon")])
+    return Finding(
+        "sync/overhead-bound",
+        f"the EMA of the weights takes {update_ms:.3g} ms every {every} step(s), "
+        f"{share:.0%} of a {step_ms:.3g} ms step",
+        share,
+        [
+            Suggestion(
+                [f"trainer.ema_every={n}", f"trainer.ema_decay={decay ** (n / every):.6g}"],
+                f"update the average every {n} steps with the decay that keeps its horizon",
+            )
+        ],
+    )
 
 
 def _gradient_spikes(config: dict[str, Any], metrics: list[dict[str, Any]]) -> Finding | None:
@@ -286,14 +356,22 @@ def _gradient_spikes(config: dict[str, Any], metrics: list[dict[str, Any]]) -> F
         return None
     step, norm, median = max(spikes, key=lambda s: s[1] / s[2])
     clip = _get(config, "optimizer.clip_grad_norm")
-    sugg = ([Suggestion(["optimizer.clip_grad_norm=1.0"], "clip the global gradient norm (GPT-2/3, Llama: 1.0)")]
-            if clip is None else [])
+    sugg = (
+        [Suggestion(["optimizer.clip_grad_norm=1.0"], "clip the global gradient norm (GPT-2/3, Llama: 1.0)")]
+        if clip is None
+        else []
+    )
     lr = _get(config, "optimizer.lr")
     if lr:
         sugg.append(Suggestion([f"optimizer.lr={lr / 2:g}"], "a smaller step size"))
-    return Finding("gradient spikes", f"{len(spikes)} log row(s) with a gradient norm above {GRAD_NORM_SPIKE:g}x the "
-                                      f"median before it (worst: {norm:.3g} at step {step}, median {median:.3g}); "
-                                      "not a speed problem, a stability one", 0.0, sugg)
+    return Finding(
+        "gradient spikes",
+        f"{len(spikes)} log row(s) with a gradient norm above {GRAD_NORM_SPIKE:g}x the "
+        f"median before it (worst: {norm:.3g} at step {step}, median {median:.3g}); "
+        "not a speed problem, a stability one",
+        0.0,
+        sugg,
+    )
 
 
 def _memory_bound(job: Job, peak: float, limit: float) -> Finding:
@@ -305,10 +383,16 @@ def _memory_bound(job: Job, peak: float, limit: float) -> Finding:
         sugg.append(Suggestion(checkpointing.overrides, "recompute activations in backward (~1 extra forward)"))
     micro, accumulate = _get(config, "dataloader.batch_size"), _get(config, "memory.accumulate_steps", 1) or 1
     if micro and micro >= 2:
-        sugg.append(Suggestion([f"dataloader.batch_size={micro // 2}", f"memory.accumulate_steps={2 * accumulate}"],
-                               "half the micro-batch, the same global batch"))
+        sugg.append(
+            Suggestion(
+                [f"dataloader.batch_size={micro // 2}", f"memory.accumulate_steps={2 * accumulate}"],
+                "half the micro-batch, the same global batch",
+            )
+        )
     what = "the GPU's memory" if job.cuda else "the machine's memory (peak RSS)"
-    return Finding("memory-bound", f"peak memory {peak:,.0f} MiB is {peak / limit:.0%} of {what} ({limit:,.0f} MiB)",
-                   peak / limit - MEMORY_FRACTION_MAX, sugg)
-
-
+    return Finding(
+        "memory-bound",
+        f"peak memory {peak:,.0f} MiB is {peak / limit:.0%} of {what} ({limit:,.0f} MiB)",
+        peak / limit - MEMORY_FRACTION_MAX,
+        sugg,
+    )

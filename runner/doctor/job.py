@@ -34,12 +34,16 @@ def load_job(folder: Path) -> Job:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise ConfigError(f"{folder} is not a folder; pass a job folder of `python -m runner` "
-                          f"(outputs/<date>/<time>, or outputs/multirun/<date>/<time>/<n>)")
+        raise ConfigError(
+            f"{folder} is not a folder; pass a job folder of `python -m runner` "
+            f"(outputs/<date>/<time>, or outputs/multirun/<date>/<time>/<n>)"
+        )
     path = folder / "summary.json"
     if not path.is_file():
-        raise ConfigError(f"{folder} has no summary.json: the run failed, was stopped or is still running (a "
-                          f"summary is written only at the end of a finished run); pass a finished job's folder")
+        raise ConfigError(
+            f"{folder} has no summary.json: the run failed, was stopped or is still running (a "
+            f"summary is written only at the end of a finished run); pass a finished job's folder"
+        )
     summary = _read_json(path)
     metrics = []
     if (folder / "metrics.jsonl").is_file():
@@ -62,10 +66,13 @@ def load_job(folder: Path) -> Job:
                 hydra = OmegaConf.load(hydra_dir / "hydra.yaml").hydra
                 cwd = Path(hydra.runtime.cwd)
                 searchpath = [str(p) for p in hydra.searchpath] + [
-                    f"{s.schema}://{s.path}" for s in hydra.runtime.config_sources if s.provider == "command-line"]
+                    f"{s.schema}://{s.path}" for s in hydra.runtime.config_sources if s.provider == "command-line"
+                ]
         except Exception as e:  # noqa: BLE001 - OmegaConf/YAML errors of a damaged file: one message
-            raise ConfigError(f"{hydra_dir} cannot be read ({type(e).__name__}: {e}); the diagnosis needs the "
-                              f"job's .hydra folder as Hydra wrote it") from e
+            raise ConfigError(
+                f"{hydra_dir} cannot be read ({type(e).__name__}: {e}); the diagnosis needs the "
+                f"job's .hydra folder as Hydra wrote it"
+            ) from e
     config = summary.get("config")
     if not isinstance(config, dict) and (hydra_dir / "config.yaml").is_file():
         from omegaconf import OmegaConf
@@ -122,15 +129,19 @@ def render(findings: list[Finding], job: Job, warnings_shown: bool = False) -> s
     ``warnings_shown``: the run's summary table just printed the machine-load warnings, so the
     untrustworthy finding points to them instead of repeating them."""
     s = job.summary
-    figures = [f"samples/s {s['samples_per_sec']:,.4g}" if _num(s.get("samples_per_sec")) else None,
-               f"step {s['step_time_ms_median']:.3g} ms" if _num(s.get("step_time_ms_median")) else None,
-               f"data wait {s['data_wait_fraction']:.0%}" if _num(s.get("data_wait_fraction")) is not None else None,
-               f"MFU {s['mfu']:.0%}" if _num(s.get("mfu")) is not None else None]
+    figures = [
+        f"samples/s {s['samples_per_sec']:,.4g}" if _num(s.get("samples_per_sec")) else None,
+        f"step {s['step_time_ms_median']:.3g} ms" if _num(s.get("step_time_ms_median")) else None,
+        f"data wait {s['data_wait_fraction']:.0%}" if _num(s.get("data_wait_fraction")) is not None else None,
+        f"MFU {s['mfu']:.0%}" if _num(s.get("mfu")) is not None else None,
+    ]
     shown = ", ".join(f for f in figures if f)
     lines = [f"speed doctor ({shown}):" if shown else "speed doctor:"]
     if not findings:
-        lines.append("  no bottleneck above the doctor's thresholds (runner/doctor/diagnosis.py); measure a switch "
-                     "with `python -m runner -m +experiment=ablation ...`")
+        lines.append(
+            "  no bottleneck above the doctor's thresholds (runner/doctor/diagnosis.py); measure a switch "
+            "with `python -m runner -m +experiment=ablation ...`"
+        )
     for i, f in enumerate(findings, 1):
         evidence = f.evidence
         if f.category == "untrustworthy" and warnings_shown:
@@ -161,4 +172,3 @@ def report(folder: Path, warnings_shown: bool = False) -> str:
     """The diagnosis of the job in ``folder`` as printed text (``load_job`` + ``diagnose`` + ``render``)."""
     job = load_job(folder)
     return render(diagnose(job.summary, job.config, job.metrics), job, warnings_shown)
-

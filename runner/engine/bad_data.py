@@ -47,8 +47,7 @@ def _file_of(ds, i: int) -> str:
         return ""
 
 
-def find_bad_item(ds, shape: tuple[int, ...] | None, num_classes: int | None,
-                  budget_s: float = BUDGET_S) -> str | None:
+def find_bad_item(ds, shape: tuple[int, ...] | None, num_classes: int | None, budget_s: float = BUDGET_S) -> str | None:
     """Read ``ds[0]``, ``ds[1]``, ... for at most ``budget_s`` seconds; describe the first item that cannot be
     loaded, whose input shape is not ``shape``, or whose class index is outside ``0 .. num_classes - 1``."""
     deadline = time.monotonic() + budget_s
@@ -58,24 +57,38 @@ def find_bad_item(ds, shape: tuple[int, ...] | None, num_classes: int | None,
         try:
             item = ds[i]
         except Exception as e:  # noqa: BLE001 - whatever the dataset raises is what is wrong with the item
-            return (f"training item {i}{_file_of(ds, i)} cannot be loaded ({type(e).__name__}: {e}); fix or remove "
-                    f"it from the dataset")
+            return (
+                f"training item {i}{_file_of(ds, i)} cannot be loaded ({type(e).__name__}: {e}); fix or remove "
+                f"it from the dataset"
+            )
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             continue
         x, y = item
         if shape is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != tuple(shape):
-            return (f"training item {i}{_file_of(ds, i)} has shape {tuple(x.shape)} where the others have "
-                    f"{tuple(shape)}; every item must have one shape (resize or crop it in the dataset or its "
-                    f"transform)")
+            return (
+                f"training item {i}{_file_of(ds, i)} has shape {tuple(x.shape)} where the others have "
+                f"{tuple(shape)}; every item must have one shape (resize or crop it in the dataset or its "
+                f"transform)"
+            )
         label = y.item() if isinstance(y, torch.Tensor) and y.numel() == 1 else y
         if num_classes is not None and isinstance(label, int) and not 0 <= label < num_classes:
-            return (f"training item {i}{_file_of(ds, i)} has class index {label}, outside 0 .. {num_classes - 1} "
-                    f"({num_classes} classes); fix its label, or set data.num_classes to the real class count")
+            return (
+                f"training item {i}{_file_of(ds, i)} has class index {label}, outside 0 .. {num_classes - 1} "
+                f"({num_classes} classes); fix its label, or set data.num_classes to the real class count"
+            )
     return None
 
 
-def diagnose(exc: BaseException, step: int, batch: int, epoch: int, loader, item: torch.Tensor | None,
-             num_classes: int | None, budget_s: float = BUDGET_S) -> ConfigError | None:
+def diagnose(
+    exc: BaseException,
+    step: int,
+    batch: int,
+    epoch: int,
+    loader,
+    item: torch.Tensor | None,
+    num_classes: int | None,
+    budget_s: float = BUDGET_S,
+) -> ConfigError | None:
     """The ``ConfigError`` for an exception raised by optimizer step ``step`` (``batch`` of ``epoch``), or None.
 
     Running out of memory is not the data's fault: None at once. A model output that is not logits is named first;
@@ -86,18 +99,22 @@ def diagnose(exc: BaseException, step: int, batch: int, epoch: int, loader, item
     where = f"at step {step} (batch {batch} of epoch {epoch})"
     said = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     if any(s in str(exc) for s in _NOT_LOGITS):
-        return ConfigError(f"the model's output {where} is not a logits tensor ({said}); a model must return its "
-                           f"logits, or an object holding them as .logits: return the logits alone (not a tuple "
-                           f"such as (logits, loss)), or wrap the model so it does")
+        return ConfigError(
+            f"the model's output {where} is not a logits tensor ({said}); a model must return its "
+            f"logits, or an object holding them as .logits: return the logits alone (not a tuple "
+            f"such as (logits, loss)), or wrap the model so it does"
+        )
     ds = dataset_of(loader)
     labels = getattr(getattr(loader, "batches", None), "labels", None)  # an on-device loader's label tensor
     if ds is None and isinstance(labels, torch.Tensor) and num_classes is not None:
         bad = ((labels < 0) | (labels >= num_classes)).nonzero().flatten()
         if len(bad):
             i = int(bad[0])
-            return ConfigError(f"bad data {where}: training item {i} has class index {int(labels[i])}, outside 0 .. "
-                               f"{num_classes - 1} ({num_classes} classes; {len(bad)} such items); fix its label, or "
-                               f"set data.num_classes to the real class count ({said})")
+            return ConfigError(
+                f"bad data {where}: training item {i} has class index {int(labels[i])}, outside 0 .. "
+                f"{num_classes - 1} ({num_classes} classes; {len(bad)} such items); fix its label, or "
+                f"set data.num_classes to the real class count ({said})"
+            )
     if ds is None:
         return None
     shape = tuple(item.shape) if isinstance(item, torch.Tensor) else None

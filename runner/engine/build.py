@@ -70,18 +70,22 @@ class Plan:
         if self.target_accuracy is None and self.target_loss is None or None in metrics.values():
             return False
         accuracy, loss = (metrics.get(f"eval_{k}{self.target_suffix}") for k in ("accuracy", "loss"))
-        return ((self.target_accuracy is None or accuracy >= self.target_accuracy)
-                and (self.target_loss is None or loss <= self.target_loss))
+        return (self.target_accuracy is None or accuracy >= self.target_accuracy) and (
+            self.target_loss is None or loss <= self.target_loss
+        )
 
     def met(self, metrics: dict[str, float]) -> str:
         """How ``metrics`` meet the targets, for ``stopped_early``: ``eval_loss 0.0123 <= trainer.target_loss=0.02``."""
         said, suffix = [], self.target_suffix
         if self.target_accuracy is not None:
-            said.append(f"eval_accuracy{suffix} {metrics[f'eval_accuracy{suffix}']:.4g} >= trainer.target_accuracy="
-                        f"{self.target_accuracy:g}")
+            said.append(
+                f"eval_accuracy{suffix} {metrics[f'eval_accuracy{suffix}']:.4g} >= trainer.target_accuracy="
+                f"{self.target_accuracy:g}"
+            )
         if self.target_loss is not None:
-            said.append(f"eval_loss{suffix} {metrics[f'eval_loss{suffix}']:.4g} <= trainer.target_loss="
-                        f"{self.target_loss:g}")
+            said.append(
+                f"eval_loss{suffix} {metrics[f'eval_loss{suffix}']:.4g} <= trainer.target_loss={self.target_loss:g}"
+            )
         return " and ".join(said)
 
 
@@ -128,14 +132,19 @@ def checkpoint_state(state: TrainState, parts: Parts) -> dict[str, Any]:
     """What a checkpoint holds, as DCP Stateful objects: model + optimizer (sharded under FSDP), LR schedule,
     GradScaler, the shared ``TrainState`` (step, epoch, position in the epoch, measured time, ...) and each
     rank's RNG, loss share and timings."""
-    held = {"model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
-            "scheduler": parts.scheduler, "scaler": parts.amp.scaler, "train": SharedState(state),
-            "rank": PerRankState(state, parts.env.rank)}
+    held = {
+        "model_optimizer": checkpoint.ModelAndOptimizer(parts.model, parts.optimizer),
+        "scheduler": parts.scheduler,
+        "scaler": parts.amp.scaler,
+        "train": SharedState(state),
+        "rank": PerRankState(state, parts.env.rank),
+    }
     return held | ({"ema": parts.ema} if parts.ema is not None else {})
 
 
-def build(cfg: DictConfig, env: distributed.Env, job_dir: Path,
-          gate: slice_gate.SliceGate | None = None) -> tuple[Parts, TrainState]:
+def build(
+    cfg: DictConfig, env: distributed.Env, job_dir: Path, gate: slice_gate.SliceGate | None = None
+) -> tuple[Parts, TrainState]:
     """Build every part (``build_parts``) and open the run in ``job_dir`` (``open_run``, with ``gate``).
 
     Raises:
@@ -159,13 +168,16 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
     task = task_mod.build(cfg.task)
     for key, metric in (("target_accuracy", "eval_accuracy"), ("target_loss", "eval_loss")):
         if t[key] is not None and metric not in task.metrics:
-            raise ConfigError(f"trainer.{key}={t[key]} but {type(task).__name__} reports no {metric} "
-                              f"(it reports {', '.join(task.metrics)}); use a target of those")
+            raise ConfigError(
+                f"trainer.{key}={t[key]} but {type(task).__name__} reports no {metric} "
+                f"(it reports {', '.join(task.metrics)}); use a target of those"
+            )
     skipped = task.skipped(cfg)  # switches that do not apply to this task: recorded, never applied
     techniques, host_allocator, memory_format = _process_techniques(cfg, env, skipped)
     # a model split over ranks (distributed=tp) is one data-parallel rank: its ranks draw the same batches
-    data = data_mod.build(cfg.data, cfg.dataloader, env.data_view(), seed=t.seed, memory_format=memory_format,
-                          task=task)
+    data = data_mod.build(
+        cfg.data, cfg.dataloader, env.data_view(), seed=t.seed, memory_format=memory_format, task=task
+    )
     model = models.build(cfg.model, task.model_kwargs(data), data.in_channels, example=data.item).to(env.device)
     task.check(model, data)
     # counted on the plain model, before any wrapper: the arithmetic is the same, and FSDP2 cannot be copied
@@ -200,20 +212,50 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
     best = monitor.best_checkpoint(resume.settings(cfg.checkpoint), reported)
     if ema is not None:
         techniques["ema"] = "applied"
-        details["ema"] = {"decay": t.ema_decay, "warmup": t.ema_warmup, "every": t.ema_every,
-                          "update_ms": round(ema.measure_update_ms(env.device), 4)}
+        details["ema"] = {
+            "decay": t.ema_decay,
+            "warmup": t.ema_warmup,
+            "every": t.ema_every,
+            "update_ms": round(ema.measure_update_ms(env.device), 4),
+        }
     state = TrainState(eval=dict.fromkeys(reported), loss_sum=torch.zeros((), device=env.device))
     # the speed doctor's GPU window: the last warm-up steps on CUDA (no figure includes them), never beside
     # debug=profile's own profiler
     profile_steps = GPU_PROFILE_STEPS if t.doctor and cfg.debug.name == "off" else 0
-    meter = measure.Meter(env.device, t.warmup_steps, plan.global_batch, task.tokens_per_sample(data), state.timings,
-                          gpu_profile_steps=profile_steps)
-    parts = Parts(cfg=cfg, env=env, job_dir=job_dir, task=task, data=data, model=model, optimizer=optimizer,
-                  scheduler=scheduler, amp=amp, clip=clip, meter=meter, tracker=NullTracker(), plan=plan,
-                  flops_per_sample=flops, techniques=techniques, details=details,
-                  resolved=OmegaConf.to_container(cfg, resolve=True),
-                  checkpointer=checkpoint.Checkpointer(job_dir / checkpoint.FOLDER, is_main=env.is_main),
-                  at_end=False, preemption=preempt.Preemption([]), ema=ema, early=early, patience=patience, best=best)
+    meter = measure.Meter(
+        env.device,
+        t.warmup_steps,
+        plan.global_batch,
+        task.tokens_per_sample(data),
+        state.timings,
+        gpu_profile_steps=profile_steps,
+    )
+    parts = Parts(
+        cfg=cfg,
+        env=env,
+        job_dir=job_dir,
+        task=task,
+        data=data,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        amp=amp,
+        clip=clip,
+        meter=meter,
+        tracker=NullTracker(),
+        plan=plan,
+        flops_per_sample=flops,
+        techniques=techniques,
+        details=details,
+        resolved=OmegaConf.to_container(cfg, resolve=True),
+        checkpointer=checkpoint.Checkpointer(job_dir / checkpoint.FOLDER, is_main=env.is_main),
+        at_end=False,
+        preemption=preempt.Preemption([]),
+        ema=ema,
+        early=early,
+        patience=patience,
+        best=best,
+    )
     return parts, state
 
 
@@ -242,15 +284,25 @@ def _plan(cfg: DictConfig, env: distributed.Env, micro_batches: int) -> Plan:
     t, accumulate = cfg.trainer, cfg.memory.accumulate_steps
     steps_per_epoch = micro_batches // accumulate
     if steps_per_epoch == 0:
-        raise ConfigError(f"memory.accumulate_steps={accumulate} exceeds the {micro_batches} micro-batches of an "
-                          f"epoch; lower it or dataloader.batch_size")
-    return Plan(total_steps=t.max_steps or t.max_epochs * steps_per_epoch, accumulate=accumulate,
-                micro_batch=cfg.dataloader.batch_size,
-                global_batch=global_batch_size(cfg.dataloader.batch_size, accumulate, env.dp_size),
-                log_every=t.log_every, eval_every=t.eval_every or steps_per_epoch, eval_max_batches=t.eval_max_batches,
-                set_to_none=cfg.optimizer.set_to_none, target_accuracy=t.target_accuracy, target_loss=t.target_loss,
-                skip_nonfinite=t.on_nonfinite == "skip", stop_at_target=t.stop_at_target,
-                target_suffix="_ema" if t.target_weights == "ema" else "")
+        raise ConfigError(
+            f"memory.accumulate_steps={accumulate} exceeds the {micro_batches} micro-batches of an "
+            f"epoch; lower it or dataloader.batch_size"
+        )
+    return Plan(
+        total_steps=t.max_steps or t.max_epochs * steps_per_epoch,
+        accumulate=accumulate,
+        micro_batch=cfg.dataloader.batch_size,
+        global_batch=global_batch_size(cfg.dataloader.batch_size, accumulate, env.dp_size),
+        log_every=t.log_every,
+        eval_every=t.eval_every or steps_per_epoch,
+        eval_max_batches=t.eval_max_batches,
+        set_to_none=cfg.optimizer.set_to_none,
+        target_accuracy=t.target_accuracy,
+        target_loss=t.target_loss,
+        skip_nonfinite=t.on_nonfinite == "skip",
+        stop_at_target=t.stop_at_target,
+        target_suffix="_ema" if t.target_weights == "ema" else "",
+    )
 
 
 def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None = None) -> Parts:
@@ -268,19 +320,30 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
     total = parts.plan.total_steps
     point = agree(lambda: resume.find_resume_point(ck["resume"], job_dir, parts.resolved, total), env)
     if point.path is not None and point.meta.get("world_size", env.world_size) != env.world_size:
-        raise ConfigError(f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes "
-                          f"and this run has {env.world_size}; exact resume needs the same world size (same launch), "
-                          f"or start fresh with checkpoint.resume=never in a new folder")
+        raise ConfigError(
+            f"cannot resume from {point.path}: it was written by {point.meta['world_size']} processes "
+            f"and this run has {env.world_size}; exact resume needs the same world size (same launch), "
+            f"or start fresh with checkpoint.resume=never in a new folder"
+        )
     if data.vocab is not None and point.path is not None:  # data.path may move, but must hold the same text
         agree(lambda: text.check_vocab(data.vocab, cfg.data.path, point.meta, point.path), env)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    checkpointer = checkpoint.Checkpointer(job_dir / checkpoint.FOLDER, every_steps=ck["every_steps"],
-                                           every_minutes=ck["every_minutes"], keep_last=ck["keep_last"],
-                                           async_save=ck["async"], is_main=env.is_main)
-    parts = dataclasses.replace(parts, checkpointer=checkpointer, at_end=ck["at_end"],
-                                preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
-                                gate=gate)
+    checkpointer = checkpoint.Checkpointer(
+        job_dir / checkpoint.FOLDER,
+        every_steps=ck["every_steps"],
+        every_minutes=ck["every_minutes"],
+        keep_last=ck["keep_last"],
+        async_save=ck["async"],
+        is_main=env.is_main,
+    )
+    parts = dataclasses.replace(
+        parts,
+        checkpointer=checkpointer,
+        at_end=ck["at_end"],
+        preemption=preempt.Preemption(ck["signals"], handoff=preempt.submitit_signal()),
+        gate=gate,
+    )
     if cfg.compile.mode or cfg.compile.optimizer:  # before the first compile: the resumed job's cache, the shared one
         shared = compile_cache.shared_folder(cfg)
         resumed = point.path.parent.parent if point.path is not None else job_dir
@@ -295,11 +358,20 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
         state.restart_lost_time_s += max(0.0, time.time() - float(point.meta.get("time", time.time())))
     # every refusal (world size, vocabulary, a checkpoint that does not load) is behind: only now does the run change
     # its folder (a finished run's summary.json and metrics stay as they were when a continuation is refused)
-    parts.tracker = (Tracker(job_dir, cfg, parts.resolved, total, sweep_group(),
-                             resume_step=point.step if point.stale_rows else None,
-                             wandb_run_id=point.meta.get("wandb_run_id"),
-                             mlflow_run_id=point.meta.get("mlflow_run_id"))
-                     if env.is_main else NullTracker())
+    parts.tracker = (
+        Tracker(
+            job_dir,
+            cfg,
+            parts.resolved,
+            total,
+            sweep_group(),
+            resume_step=point.step if point.stale_rows else None,
+            wandb_run_id=point.meta.get("wandb_run_id"),
+            mlflow_run_id=point.meta.get("mlflow_run_id"),
+        )
+        if env.is_main
+        else NullTracker()
+    )
     if env.is_main and data.vocab is not None:
         text.save_vocab(data.vocab, job_dir)
     if env.is_main and data.codec is not None and data.codec.note:
@@ -307,9 +379,13 @@ def open_run(parts: Parts, state: TrainState, gate: slice_gate.SliceGate | None 
     if point.path is not None or point.stale_rows:  # an earlier attempt stopped early: counted outside checkpoints
         state.restarts = agree(lambda: resume.record_restart(job_dir, state.restarts), env)
         if env.is_main:
-            print(f"resumed from {point.path} (step {state.step}, epoch {state.epoch}, restart {state.restarts})"
-                  if point.path is not None else f"started over: the earlier attempt in {job_dir} stopped before its "
-                  f"first checkpoint (restart {state.restarts})", flush=True)
+            print(
+                f"resumed from {point.path} (step {state.step}, epoch {state.epoch}, restart {state.restarts})"
+                if point.path is not None
+                else f"started over: the earlier attempt in {job_dir} stopped before its "
+                f"first checkpoint (restart {state.restarts})",
+                flush=True,
+            )
     return parts
 
 

@@ -31,8 +31,10 @@ def evaluate(state, parts) -> bool:
     started = time.perf_counter()
     p = parts
     batches = len(p.data.eval) if p.plan.eval_max_batches is None else min(len(p.data.eval), p.plan.eval_max_batches)
-    p.tracker.note(f"step {state.step}: evaluating ({batches} batches per rank"
-                   + (", the weights and their EMA)" if p.ema is not None else ")"))
+    p.tracker.note(
+        f"step {state.step}: evaluating ({batches} batches per rank"
+        + (", the weights and their EMA)" if p.ema is not None else ")")
+    )
     figures = _evaluate_once(parts)
     if figures is not None and p.ema is not None:
         with p.ema.swapped():
@@ -72,8 +74,9 @@ def evaluate(state, parts) -> bool:
 def _evaluate_once(parts) -> dict[str, float] | None:
     """The task's metrics of the model's current weights; None when a signal cut the evaluation short."""
     p = parts
-    loader = guards.InterruptibleBatches(p.data.eval, lambda: p.preemption.received is not None,
-                                         p.plan.eval_max_batches, p.env, p.preemption)
+    loader = guards.InterruptibleBatches(
+        p.data.eval, lambda: p.preemption.received is not None, p.plan.eval_max_batches, p.env, p.preemption
+    )
     figures = p.task.evaluate(p.model, loader, p.amp.autocast, p.plan.eval_max_batches, p.env)
     return None if getattr(loader, "interrupted", False) else figures
 
@@ -88,8 +91,10 @@ def _watch(state, parts) -> None:
             own_folder(best_dir)
         checkpoint.save_weights(p.model, best_dir / "model.safetensors", p.env.is_main)
         if p.env.is_main:
-            write_json_atomic(best_dir / "best.json", {"metric": p.best.metric, "value": p.best.best,
-                                                       "step": state.step, "epoch": state.epoch})
+            write_json_atomic(
+                best_dir / "best.json",
+                {"metric": p.best.metric, "value": p.best.best, "step": state.step, "epoch": state.epoch},
+            )
         state.monitors["best"] = p.best.as_dict()
     elif p.best is not None:
         state.monitors["best"] = p.best.as_dict()

@@ -66,8 +66,9 @@ def holder(folder: Path) -> str:
     """Who holds (or last held) ``folder``'s lock, as written in its lock file: ``pid 123 on host, started ...``."""
     try:
         info = json.loads((Path(folder) / LOCK_FILE).read_text())
-        return (f"pid {info['pid']} on {info['host']}, started {info['started']}"
-                + (f" ({info['command']})" if info.get("command") else ""))
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}" + (
+            f" ({info['command']})" if info.get("command") else ""
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not written its name yet"
 
@@ -91,28 +92,42 @@ def acquire(folder: Path, typed: str | None = None) -> bool:
             (folder / LOCK_FILE).unlink()
         fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
-        raise ConfigError(f"cannot open the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): the job "
-                          f"folder must be a folder you can write; run into another one (hydra.run.dir)") from e
+        raise ConfigError(
+            f"cannot open the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): the job "
+            f"folder must be a folder you can write; run into another one (hydra.run.dir)"
+        ) from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # ENOLCK, EOPNOTSUPP: no locks here
-            print(f"note: cannot lock the job folder {folder} ({e.strerror}): this file system does not support "
-                  f"locks, so runs into it are not kept apart", file=sys.stderr, flush=True)
+            print(
+                f"note: cannot lock the job folder {folder} ({e.strerror}): this file system does not support "
+                f"locks, so runs into it are not kept apart",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
         fix = f"drop {typed} for a new one" if typed else "hydra.run.dir=<another folder>"
-        raise ConfigError(f"the job folder {folder} is in use by another run: {holder(folder)}; wait for it to end, "
-                          f"or run into another folder ({fix}). Nothing was written there") from e
-    info = {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": _command()}
+        raise ConfigError(
+            f"the job folder {folder} is in use by another run: {holder(folder)}; wait for it to end, "
+            f"or run into another folder ({fix}). Nothing was written there"
+        ) from e
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": _command(),
+    }
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     except OSError as e:  # a full disk: the lock opens, but its line does not fit
         os.close(fd)
-        raise ConfigError(f"cannot write the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): free space "
-                          f"there, or run into another folder (hydra.run.dir)") from e
+        raise ConfigError(
+            f"cannot write the job folder's lock {folder / LOCK_FILE} ({e.strerror or e}): free space "
+            f"there, or run into another folder (hydra.run.dir)"
+        ) from e
     _held[key] = fd
     return True
 
@@ -147,8 +162,10 @@ def check_outputs(folder: Path, cfg: Any) -> None:
     for name, what in wanted.items():
         path = Path(folder) / name
         if path.exists() and not path.is_dir():
-            raise ConfigError(f"{path} is a file, but the run writes {what} into a folder of that name; move or "
-                              f"delete the file, or run into another folder (drop hydra.run.dir)")
+            raise ConfigError(
+                f"{path} is a file, but the run writes {what} into a folder of that name; move or "
+                f"delete the file, or run into another folder (drop hydra.run.dir)"
+            )
 
 
 def claim(folder: Path, cfg: Any) -> bool:
@@ -181,13 +198,21 @@ def _listing(folder: Path) -> dict[str, tuple[int, int]]:
 
 def _remember(folder: Path) -> None:
     hydra = folder / ".hydra"
-    files = {p.name: p.read_bytes() for p in hydra.iterdir() if p.is_file() and not p.is_symlink()} \
-        if hydra.is_dir() and not hydra.is_symlink() else {}
+    files = (
+        {p.name: p.read_bytes() for p in hydra.iterdir() if p.is_file() and not p.is_symlink()}
+        if hydra.is_dir() and not hydra.is_symlink()
+        else {}
+    )
     made = [folder, *[p for p in folder.absolute().parents if not p.exists()]]  # this run makes these folders
     log = folder / "runner.log"
-    _before.update(folder=folder, existed=folder.is_dir(), files=files, made=made,
-                   listing=_listing(folder) if folder.is_dir() else {},
-                   log_size=log.lstat().st_size if log.is_file() and not log.is_symlink() else None)
+    _before.update(
+        folder=folder,
+        existed=folder.is_dir(),
+        files=files,
+        made=made,
+        listing=_listing(folder) if folder.is_dir() else {},
+        log_size=log.lstat().st_size if log.is_file() and not log.is_symlink() else None,
+    )
 
 
 def started_folder() -> Path | None:
@@ -224,8 +249,9 @@ def undo_refused_run() -> None:
         for name, data in _before["files"].items():
             tmp = hydra / f".{name}.restore"
             tmp.unlink(missing_ok=True)
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644),
-                      "wb") as f:
+            with open(
+                os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644), "wb"
+            ) as f:
                 f.write(data)
             os.replace(tmp, hydra / name)
     log = folder / "runner.log"  # the refused run's lines (Hydra's log, the console) go; the earlier run's stay
@@ -264,8 +290,9 @@ def drop_planted_links(folder: Path) -> None:
         here = Path(root)
         for name in [*dirs, *files]:
             path = here / name
-            if path.is_symlink() and (name == ".hydra" or name.endswith(".log")
-                                      or (here.name == ".hydra" and name.endswith(".yaml"))):
+            if path.is_symlink() and (
+                name == ".hydra" or name.endswith(".log") or (here.name == ".hydra" and name.endswith(".yaml"))
+            ):
                 path.unlink()
         if len(here.parts) - top >= PLANTED_DEPTH:
             dirs.clear()
@@ -333,8 +360,9 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
         _remember(folder)
         with read_write(config.hydra.run):
             config.hydra.run.dir = str(folder)
-        print(f"resuming the interrupted run in {folder} (step {step}); checkpoint.resume=never starts fresh",
-              flush=True)
+        print(
+            f"resuming the interrupted run in {folder} (step {step}); checkpoint.resume=never starts fresh", flush=True
+        )
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: D102
         self._lock(config, "hydra.sweep.dir")
@@ -347,8 +375,18 @@ class JobLock(Callback):  # type: ignore[misc,valid-type]
 RECENT_PARENTS = 3
 RECENT_RUNS = 10
 #: strftime directives -> what they write, for the folder names ``${now:...}`` makes
-_STRFTIME = {"Y": r"\d{4}", "y": r"\d{2}", "m": r"\d{2}", "d": r"\d{2}", "H": r"\d{2}", "M": r"\d{2}", "S": r"\d{2}",
-             "f": r"\d{6}", "j": r"\d{3}", "%": "%"}
+_STRFTIME = {
+    "Y": r"\d{4}",
+    "y": r"\d{2}",
+    "m": r"\d{2}",
+    "d": r"\d{2}",
+    "H": r"\d{2}",
+    "M": r"\d{2}",
+    "S": r"\d{2}",
+    "f": r"\d{6}",
+    "j": r"\d{3}",
+    "%": "%",
+}
 
 
 def _name_pattern(part: str) -> re.Pattern | None:
@@ -356,10 +394,12 @@ def _name_pattern(part: str) -> re.Pattern | None:
     a dash, ...; any other interpolation any name. None for a part whose interpolations nest (not read here)."""
     out, pos = [], 0
     for m in re.finditer(r"\$\{([^{}]*)\}", part):
-        out.append(re.escape(part[pos:m.start()]))
+        out.append(re.escape(part[pos : m.start()]))
         if m[1].startswith("now:"):
-            out += [_STRFTIME.get(t[1], ".+") if t.startswith("%") and len(t) == 2 else re.escape(t)
-                    for t in re.findall(r"%.|[^%]+", m[1][4:])]
+            out += [
+                _STRFTIME.get(t[1], ".+") if t.startswith("%") and len(t) == 2 else re.escape(t)
+                for t in re.findall(r"%.|[^%]+", m[1][4:])
+            ]
         else:
             out.append(".+")
         pos = m.end()
@@ -384,12 +424,13 @@ def recent_run_folders(pattern: str, parents: int = RECENT_PARENTS, runs: int = 
         for folder in level:
             try:
                 with os.scandir(folder) as entries:
-                    found += [(e.stat().st_mtime, folder / e.name) for e in entries
-                              if name.fullmatch(e.name) and e.is_dir()]
+                    found += [
+                        (e.stat().st_mtime, folder / e.name) for e in entries if name.fullmatch(e.name) and e.is_dir()
+                    ]
             except OSError:  # gone, or not a folder one may list
                 continue
         found.sort(key=lambda item: item[0], reverse=True)
-        level = [path for _, path in found[:runs if depth == len(names) - 1 else parents]]
+        level = [path for _, path in found[: runs if depth == len(names) - 1 else parents]]
     return level
 
 
@@ -403,14 +444,18 @@ def continue_interrupted(config: Any) -> tuple[Path, int] | None:
 
     try:
         if OmegaConf.select(config, "checkpoint.resume") != "auto" or any(
-                str(o).startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra):
+            str(o).startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra
+        ):
             return None
         pattern = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
     except Exception:  # noqa: BLE001 - a config this does not read: a new folder, as before
         return None
     try:
-        folders = [f for f in recent_run_folders(str(pattern)) if not (f / "summary.json").exists()
-                   and any((f / "checkpoints").glob("step_*"))]
+        folders = [
+            f
+            for f in recent_run_folders(str(pattern))
+            if not (f / "summary.json").exists() and any((f / "checkpoints").glob("step_*"))
+        ]
     except OSError:  # a folder one may not read: not one to continue
         return None
     if not folders:

@@ -46,8 +46,11 @@ def checkpoint_due(state: TrainState, parts: Parts, logged: bool) -> tuple[bool,
         return by_steps or p.checkpointer.due(state.step), p.preemption.received is not None
     if not logged:
         return by_steps, False
-    flags = torch.tensor([p.checkpointer.due(state.step) and p.env.is_main, p.preemption.received is not None],
-                         dtype=torch.int32, device=p.env.device)
+    flags = torch.tensor(
+        [p.checkpointer.due(state.step) and p.env.is_main, p.preemption.received is not None],
+        dtype=torch.int32,
+        device=p.env.device,
+    )
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     by_time, signalled = (bool(v) for v in flags.tolist())
     if signalled and p.preemption.received is None:
@@ -128,8 +131,10 @@ def stop_for_signal(state: TrainState, parts: Parts, launcher: str) -> None:
     requeue the job; then stop with ``Preempted`` (exit status ``EXIT_PREEMPTED``)."""
     p = parts
     p.checkpointer.finish()
-    message = (f"stopped at step {state.step} for {p.preemption.received}: checkpoint "
-               f"{p.checkpointer.root / checkpoint.step_name(state.step)} written")
+    message = (
+        f"stopped at step {state.step} for {p.preemption.received}: checkpoint "
+        f"{p.checkpointer.root / checkpoint.step_name(state.step)} written"
+    )
     if p.env.is_main:
         done = preempt.requeue_slurm_job()  # None under submitit: it requeues its own jobs
         hint = preempt.resume_command(sys.argv[1:], p.job_dir.resolve(), _sweep_dir(), launcher)
@@ -143,16 +148,21 @@ def stop_for_signal(state: TrainState, parts: Parts, launcher: str) -> None:
 def diverged_message(state: TrainState, parts: Parts, what: str | None = None) -> str:
     """The ``TrainingDiverged`` message: what became non-finite (the training loss by default), the last finite
     loss, and the usual fixes."""
-    last = (f"the last finite loss was {state.last_finite[1]:.4g} at step {state.last_finite[0]}"
-            if state.last_finite else "no logged loss was finite")
+    last = (
+        f"the last finite loss was {state.last_finite[1]:.4g} at step {state.last_finite[0]}"
+        if state.last_finite
+        else "no logged loss was finite"
+    )
     opt = parts.cfg.optimizer
     what = what or f"the training loss became {state.train_loss} by step {state.step}"
-    return (f"{what} (trainer.log_every={parts.plan.log_every}); {last}. Usual fixes: a lower optimizer.lr (now "
-            f"{opt.lr}{', scaled by ' + opt.lr_scaling if opt.lr_scaling != 'none' else ''}), "
-            f"optimizer.clip_grad_norm=1.0, precision=bf16 instead of fp16 amp, a warm-up "
-            f"(scheduler=cosine scheduler.warmup_steps=100), or checking the data for NaN/inf. "
-            f"trainer.on_nonfinite=skip skips such steps instead. No summary was written; the last checkpoint "
-            f"(if any) is intact")
+    return (
+        f"{what} (trainer.log_every={parts.plan.log_every}); {last}. Usual fixes: a lower optimizer.lr (now "
+        f"{opt.lr}{', scaled by ' + opt.lr_scaling if opt.lr_scaling != 'none' else ''}), "
+        f"optimizer.clip_grad_norm=1.0, precision=bf16 instead of fp16 amp, a warm-up "
+        f"(scheduler=cosine scheduler.warmup_steps=100), or checking the data for NaN/inf. "
+        f"trainer.on_nonfinite=skip skips such steps instead. No summary was written; the last checkpoint "
+        f"(if any) is intact"
+    )
 
 
 def check_skipped(state: TrainState, parts: Parts, interval_skipped: int, interval_steps: int) -> None:
@@ -164,10 +174,15 @@ def check_skipped(state: TrainState, parts: Parts, interval_skipped: int, interv
     """
     limit = parts.cfg.trainer.max_skipped_fraction
     if interval_steps and interval_skipped > limit * interval_steps:
-        raise TrainingDiverged(diverged_message(
-            state, parts, f"{interval_skipped} of the {interval_steps} steps up to step {state.step} had a "
-                          f"non-finite gradient and were skipped (more than trainer.max_skipped_fraction={limit}; "
-                          f"{state.skipped_steps} skipped in all)"))
+        raise TrainingDiverged(
+            diverged_message(
+                state,
+                parts,
+                f"{interval_skipped} of the {interval_steps} steps up to step {state.step} had a "
+                f"non-finite gradient and were skipped (more than trainer.max_skipped_fraction={limit}; "
+                f"{state.skipped_steps} skipped in all)",
+            )
+        )
 
 
 def check_evaluation(state: TrainState, parts: Parts) -> None:
@@ -181,11 +196,18 @@ def check_evaluation(state: TrainState, parts: Parts) -> None:
     recent = state.loss_sum.item() / state.interval_steps if bad and state.interval_steps else None  # a sync, here only
     train_loss = recent if recent is not None else state.last_finite[1] if state.last_finite else None
     if bad and train_loss is not None and math.isfinite(train_loss):  # the model is fine: the evaluation data is not
-        raise ConfigError(f"the evaluation at step {state.step} gave {', '.join(f'{k}={v}' for k, v in bad.items())} "
-                          f"while the training loss is finite ({train_loss:.4g}): the evaluation set holds NaN or inf "
-                          f"(its targets or inputs; data.*), or evaluation overflows in fp16 (precision=bf16). No "
-                          f"summary was written; the last checkpoint (if any) is intact")
+        raise ConfigError(
+            f"the evaluation at step {state.step} gave {', '.join(f'{k}={v}' for k, v in bad.items())} "
+            f"while the training loss is finite ({train_loss:.4g}): the evaluation set holds NaN or inf "
+            f"(its targets or inputs; data.*), or evaluation overflows in fp16 (precision=bf16). No "
+            f"summary was written; the last checkpoint (if any) is intact"
+        )
     if bad:
-        raise TrainingDiverged(diverged_message(
-            state, parts, f"the evaluation at step {state.step} gave {', '.join(f'{k}={v}' for k, v in bad.items())}"
-                          f" ({state.skipped_steps} steps skipped for a non-finite gradient)"))
+        raise TrainingDiverged(
+            diverged_message(
+                state,
+                parts,
+                f"the evaluation at step {state.step} gave {', '.join(f'{k}={v}' for k, v in bad.items())}"
+                f" ({state.skipped_steps} steps skipped for a non-finite gradient)",
+            )
+        )

@@ -44,9 +44,14 @@ class Watch:
         """Record the evaluation of ``step``; True when it improved on the best by more than ``min_delta``
         (the first finite value always does). A non-finite value never improves."""
         value = metrics.get(self.metric)
-        better = value is not None and math.isfinite(value) and (
-            self.best is None or (value < self.best - self.min_delta if self.mode == "min"
-                                  else value > self.best + self.min_delta))
+        better = (
+            value is not None
+            and math.isfinite(value)
+            and (
+                self.best is None
+                or (value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta)
+            )
+        )
         if better:
             self.best, self.best_step, self.since_best = float(value), step, 0
         else:
@@ -73,8 +78,10 @@ def early_stopping(cfg, reported: tuple[str, ...]) -> tuple[Watch | None, int]:
         return None, 0
     check_metric("trainer.early_stopping.metric", cfg.metric, reported)
     if cfg.patience < 1:
-        raise ConfigError(f"trainer.early_stopping.patience={cfg.patience} must be >= 1 (evaluations without an "
-                          f"improvement before the run stops)")
+        raise ConfigError(
+            f"trainer.early_stopping.patience={cfg.patience} must be >= 1 (evaluations without an "
+            f"improvement before the run stops)"
+        )
     if cfg.min_delta < 0:
         raise ConfigError(f"trainer.early_stopping.min_delta={cfg.min_delta} must be >= 0")
     if cfg.mode not in MODES:
@@ -96,5 +103,7 @@ def best_checkpoint(ck: dict[str, Any], reported: tuple[str, ...]) -> Watch | No
 
 def stop_reason(watch: Watch, patience: int) -> str:
     """The summary's ``stopped_early``: the metric, how long it did not improve, and its best."""
-    return (f"{watch.metric} did not improve by more than {watch.min_delta:g} for {patience} evaluation(s) "
-            f"(trainer.early_stopping.patience={patience}); best {watch.best:.6g} at step {watch.best_step}")
+    return (
+        f"{watch.metric} did not improve by more than {watch.min_delta:g} for {patience} evaluation(s) "
+        f"(trainer.early_stopping.patience={patience}); best {watch.best:.6g} at step {watch.best_step}"
+    )

@@ -71,8 +71,15 @@ class SliceGate:
             EOFError: the launcher is gone (its end of the pipe closed): the job stops instead of training on
                 alone.
         """
-        self.connection.send({"step": step, "train_time_s": train_time_s, "global_batch": global_batch,
-                              "footprint_mb": footprint_mb(env.device), "available_mb": available_mb(env.device)})
+        self.connection.send(
+            {
+                "step": step,
+                "train_time_s": train_time_s,
+                "global_batch": global_batch,
+                "footprint_mb": footprint_mb(env.device),
+                "available_mb": available_mb(env.device),
+            }
+        )
         steps = int(self.connection.recv()["steps"])
         if env.distributed:
             steps = distributed.broadcast_object(steps, env)

@@ -45,13 +45,37 @@ class TrainState:
     grad_norm: torch.Tensor | None = None  # this log step's gradient norm, on the device until the row reads it
 
     #: the fields that are the same on every rank; the rest (loss_sum, timings) is saved per rank
-    SHARED = ("step", "epoch", "batch_in_epoch", "train_time_s", "eval_time_s", "time_to_target_s", "steps_to_target",
-              "samples_to_target", "train_loss", "eval", "interval_steps", "last_finite", "skipped_steps",
-              "checkpoint_time_s", "restarts", "restart_lost_time_s", "interval_skipped", "pending_eval",
-              "stopped_early", "monitors")
+    SHARED = (
+        "step",
+        "epoch",
+        "batch_in_epoch",
+        "train_time_s",
+        "eval_time_s",
+        "time_to_target_s",
+        "steps_to_target",
+        "samples_to_target",
+        "train_loss",
+        "eval",
+        "interval_steps",
+        "last_finite",
+        "skipped_steps",
+        "checkpoint_time_s",
+        "restarts",
+        "restart_lost_time_s",
+        "interval_skipped",
+        "pending_eval",
+        "stopped_early",
+        "monitors",
+    )
     #: what a field missing from an older checkpoint's state means
-    ADDED_LATER = {"interval_skipped": 0, "pending_eval": None, "stopped_early": None, "monitors": {},
-                   "steps_to_target": None, "samples_to_target": None}
+    ADDED_LATER = {
+        "interval_skipped": 0,
+        "pending_eval": None,
+        "stopped_early": None,
+        "monitors": {},
+        "steps_to_target": None,
+        "samples_to_target": None,
+    }
 
 
 class SharedState:
@@ -83,15 +107,20 @@ class PerRankState:
 
     def state_dict(self) -> dict[str, Any]:
         rng = self.rng.state_dict()[f"rank{self.rank}"]
-        payload = {"timings": [self.state.timings.data_wait_ms, self.state.timings.step_time_ms],
-                   "python_rng": rng.pop("python"), "numpy_rng": rng.pop("numpy")}
-        return {f"rank{self.rank}": {"json": json.dumps(payload), "loss_sum": self.state.loss_sum.detach().cpu(),
-                                     **rng}}
+        payload = {
+            "timings": [self.state.timings.data_wait_ms, self.state.timings.step_time_ms],
+            "python_rng": rng.pop("python"),
+            "numpy_rng": rng.pop("numpy"),
+        }
+        return {
+            f"rank{self.rank}": {"json": json.dumps(payload), "loss_sum": self.state.loss_sum.detach().cpu(), **rng}
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         mine = dict(sd[f"rank{self.rank}"])
         payload = json.loads(mine.pop("json"))
         self.state.loss_sum.copy_(mine.pop("loss_sum"))
-        self.rng.load_state_dict({f"rank{self.rank}": {"python": payload["python_rng"],
-                                                       "numpy": payload["numpy_rng"], **mine}})
+        self.rng.load_state_dict(
+            {f"rank{self.rank}": {"python": payload["python_rng"], "numpy": payload["numpy_rng"], **mine}}
+        )
         self.state.timings.data_wait_ms[:], self.state.timings.step_time_ms[:] = payload["timings"]

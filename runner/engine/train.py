@@ -32,8 +32,12 @@ from runner.techniques import compile_cache, debug, parallel, prepare
 from runner.track import git_sha, job_folder, sweep_group
 
 
-def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGate | None = None,
-          on_evaluation: Callable[[dict, int, int, int | None], str | None] | None = None) -> dict[str, Any]:
+def train(
+    cfg: DictConfig,
+    job_dir: Path | None = None,
+    gate: slice_gate.SliceGate | None = None,
+    on_evaluation: Callable[[dict, int, int, int | None], str | None] | None = None,
+) -> dict[str, Any]:
     """Train ``cfg`` and return the summary written to ``<job_dir>/summary.json``.
 
     ``job_dir`` defaults to the Hydra job's folder. ``gate``: the pause point of an interleaved comparison
@@ -76,8 +80,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None, gate: slice_gate.SliceGa
                     parts.compile_store.save()
                 parts.checkpointer.finish()
             except ConfigError as e:
-                raise ConfigError(f"{e}" + (f". The trained weights are in {parts.job_dir / 'model.safetensors'}"
-                                            if parts.at_end else "")) from e
+                raise ConfigError(
+                    f"{e}"
+                    + (f". The trained weights are in {parts.job_dir / 'model.safetensors'}" if parts.at_end else "")
+                ) from e
             parts.task.finish(parts.model, parts.data, parts.job_dir, env, cfg.trainer.seed)
         except Preempted:
             parts.checkpointer.finish()
@@ -106,10 +112,16 @@ def save_checkpoint(state: TrainState, parts: Parts) -> None:
     p = parts
     p.meter.flush()  # pending timing marks become figures of the state being saved
     parallel.sync_ddp_buffers(p.model, p.env)  # one copy of a replicated buffer is kept: make it rank 0's
-    meta = {"config": p.resolved, "world_size": p.env.world_size, "wandb_run_id": p.tracker.wandb_run_id,
-            "mlflow_run_id": p.tracker.mlflow_run_id,
-            "time": time.time(), "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
-            **({"vocab": p.data.vocab} if p.data.vocab is not None else {})}
+    meta = {
+        "config": p.resolved,
+        "world_size": p.env.world_size,
+        "wandb_run_id": p.tracker.wandb_run_id,
+        "mlflow_run_id": p.tracker.mlflow_run_id,
+        "time": time.time(),
+        "epoch": state.epoch,
+        "batch_in_epoch": state.batch_in_epoch,
+        **({"vocab": p.data.vocab} if p.data.vocab is not None else {}),
+    }
     before = p.checkpointer.time_s
     p.checkpointer.save(checkpoint_state(state, parts), state.step, meta)
     state.checkpoint_time_s += p.checkpointer.time_s - before
@@ -150,8 +162,13 @@ def fit(state: TrainState, parts: Parts, profiler) -> None:
                 p.amp.scaler.scale(loss).backward()
                 state.loss_sum += loss.detach()  # stays on the device: no sync
         except (IndexError, TypeError, ValueError, RuntimeError, OSError, AttributeError) as e:
-            found = None if isinstance(e, ConfigError) else bad_data.diagnose(
-                e, state.step + 1, state.batch_in_epoch, state.epoch, p.data.train, p.data.item, p.data.num_classes)
+            found = (
+                None
+                if isinstance(e, ConfigError)
+                else bad_data.diagnose(
+                    e, state.step + 1, state.batch_in_epoch, state.epoch, p.data.train, p.data.item, p.data.num_classes
+                )
+            )
             if found is None:
                 raise
             raise found from e
@@ -230,9 +247,17 @@ def log(state: TrainState, parts: Parts, lr: float) -> None:
             raise TrainingDiverged(guards.diverged_message(state, parts))
     else:
         state.last_finite = (state.step, state.train_loss)
-    parts.tracker.log({"step": state.step, "epoch": state.epoch, "loss": state.train_loss, "lr": lr,
-                       **({"grad_norm": grad_norm} if grad_norm is not None else {}), **parts.meter.flush(),
-                       "peak_memory_mb": measure.peak_memory_mb(parts.env.device)})
+    parts.tracker.log(
+        {
+            "step": state.step,
+            "epoch": state.epoch,
+            "loss": state.train_loss,
+            "lr": lr,
+            **({"grad_norm": grad_norm} if grad_norm is not None else {}),
+            **parts.meter.flush(),
+            "peak_memory_mb": measure.peak_memory_mb(parts.env.device),
+        }
+    )
 
 
 def one_time_costs(parts: Parts, figures: dict[str, Any]) -> dict[str, Any]:
@@ -249,14 +274,22 @@ def one_time_costs(parts: Parts, figures: dict[str, Any]) -> dict[str, Any]:
     (s0, g0, b0), (s1, g1, b1) = parts.compiled_before, compile_cache.compiled_so_far() if compiled else (0.0, 0, 0)
     excess = m.warmup_s - min(m.warmup_steps, m.step) * median / 1e3 if m.warmup_s is not None and median else None
     if b1 > b0 and parts.env.is_main:
-        print(f"note: torch.compile broke the graph {b1 - b0} time(s), each break a piece run eager between compiled "
-              f"ones ({'; '.join(compile_cache.graph_break_reasons())}); TORCH_LOGS=graph_breaks shows where",
-              flush=True)
-    return {"startup_s": m.first_step_at - runner.STARTED_S if m.first_step_at else None, "warmup_s": m.warmup_s,
-            "warmup_excess_s": excess, "compile_s": s1 - s0 if compiled else None,
-            "graphs_compiled": g1 - g0 if compiled else None, "graph_breaks": b1 - b0 if compiled else None,
-            "compile_cache": parts.compile_cache, "first_eval_s": m.first_eval_s,
-            "job_s": time.perf_counter() - runner.STARTED_S}
+        print(
+            f"note: torch.compile broke the graph {b1 - b0} time(s), each break a piece run eager between compiled "
+            f"ones ({'; '.join(compile_cache.graph_break_reasons())}); TORCH_LOGS=graph_breaks shows where",
+            flush=True,
+        )
+    return {
+        "startup_s": m.first_step_at - runner.STARTED_S if m.first_step_at else None,
+        "warmup_s": m.warmup_s,
+        "warmup_excess_s": excess,
+        "compile_s": s1 - s0 if compiled else None,
+        "graphs_compiled": g1 - g0 if compiled else None,
+        "graph_breaks": b1 - b0 if compiled else None,
+        "compile_cache": parts.compile_cache,
+        "first_eval_s": m.first_eval_s,
+        "job_s": time.perf_counter() - runner.STARTED_S,
+    }
 
 
 def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
@@ -273,8 +306,11 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
     throughput: dict[str, Any] = {"samples_per_sec": sps}
     tokens = p.task.tokens_per_sample(p.data)
     if tokens is not None:  # the task counts tokens: throughput and FLOPs in its unit too
-        throughput |= {"tokens_per_sec": sps * tokens if sps else None, "tokens_per_sample": tokens,
-                       "flops_per_token": flops / tokens if flops else None}
+        throughput |= {
+            "tokens_per_sec": sps * tokens if sps else None,
+            "tokens_per_sample": tokens,
+            "flops_per_token": flops / tokens if flops else None,
+        }
     summary = {
         **throughput,
         "step_time_ms_median": figures["step_time_ms_median"],
@@ -322,8 +358,9 @@ def summarize(state: TrainState, parts: Parts) -> dict[str, Any]:
         "world_size": env.world_size,
         "nodes": env.nodes,
         "parameters": parallel.parameter_report(p.model, env),  # per-rank checksums: replicas must agree
-        "scaling_efficiency": (sps / (t.reference_samples_per_sec * env.world_size)
-                               if t.reference_samples_per_sec and sps else None),
+        "scaling_efficiency": (
+            sps / (t.reference_samples_per_sec * env.world_size) if t.reference_samples_per_sec and sps else None
+        ),
         "device": env.device.type,
         "device_name": hardware.device_name(env.device),
         "torch_version": torch.__version__,

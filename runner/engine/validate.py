@@ -29,28 +29,64 @@ def validate(cfg: DictConfig) -> None:
         (t.warmup_steps >= 0, "trainer.warmup_steps", t.warmup_steps, "must be >= 0"),
         (t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1"),
         (t.eval_every is None or t.eval_every >= 1, "trainer.eval_every", t.eval_every, "must be >= 1 or null"),
-        (t.target_accuracy is None or 0 < t.target_accuracy <= 1, "trainer.target_accuracy", t.target_accuracy,
-         "must be a fraction in (0, 1] or null"),
-        (0 <= t.max_skipped_fraction <= 1, "trainer.max_skipped_fraction", t.max_skipped_fraction,
-         "must be a fraction in [0, 1]"),
+        (
+            t.target_accuracy is None or 0 < t.target_accuracy <= 1,
+            "trainer.target_accuracy",
+            t.target_accuracy,
+            "must be a fraction in (0, 1] or null",
+        ),
+        (
+            0 <= t.max_skipped_fraction <= 1,
+            "trainer.max_skipped_fraction",
+            t.max_skipped_fraction,
+            "must be a fraction in [0, 1]",
+        ),
         (t.target_loss is None or t.target_loss > 0, "trainer.target_loss", t.target_loss, "must be > 0 or null"),
-        (not t.stop_at_target or t.target_loss is not None or t.target_accuracy is not None, "trainer.stop_at_target",
-         "true", "stops at the first evaluation meeting the targets: set trainer.target_loss or "
-         "trainer.target_accuracy (or leave stop_at_target=false)"),
-        (not (cfg.compile.optimizer and cfg.optimizer.impl == "foreach"), "optimizer.impl", "foreach", "cannot "
-         "run with compile.optimizer=true (foreach refuses its tensor LR): leave it null (Inductor fuses) or fused"),
-        (cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0, "optimizer.clip_grad_norm",
-         cfg.optimizer.clip_grad_norm, "must be > 0 or null"),
-        (t.ema_decay is None or 0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay,
-         "must be in (0, 1) (e.g. 0.999: the old average's weight per update) or null"),
+        (
+            not t.stop_at_target or t.target_loss is not None or t.target_accuracy is not None,
+            "trainer.stop_at_target",
+            "true",
+            "stops at the first evaluation meeting the targets: set trainer.target_loss or "
+            "trainer.target_accuracy (or leave stop_at_target=false)",
+        ),
+        (
+            not (cfg.compile.optimizer and cfg.optimizer.impl == "foreach"),
+            "optimizer.impl",
+            "foreach",
+            "cannot "
+            "run with compile.optimizer=true (foreach refuses its tensor LR): leave it null (Inductor fuses) or fused",
+        ),
+        (
+            cfg.optimizer.clip_grad_norm is None or cfg.optimizer.clip_grad_norm > 0,
+            "optimizer.clip_grad_norm",
+            cfg.optimizer.clip_grad_norm,
+            "must be > 0 or null",
+        ),
+        (
+            t.ema_decay is None or 0 < t.ema_decay < 1,
+            "trainer.ema_decay",
+            t.ema_decay,
+            "must be in (0, 1) (e.g. 0.999: the old average's weight per update) or null",
+        ),
         (t.ema_every >= 1, "trainer.ema_every", t.ema_every, "must be >= 1"),
-        (t.target_weights != "ema" or t.ema_decay is not None, "trainer.target_weights", t.target_weights,
-         "reads the targets from the EMA's metrics: set trainer.ema_decay (e.g. 0.999) or target_weights=model"),
+        (
+            t.target_weights != "ema" or t.ema_decay is not None,
+            "trainer.target_weights",
+            t.target_weights,
+            "reads the targets from the EMA's metrics: set trainer.ema_decay (e.g. 0.999) or target_weights=model",
+        ),
         (0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32) (NumPy's seed range)"),
-        (t.eval_max_batches is None or t.eval_max_batches >= 1, "trainer.eval_max_batches", t.eval_max_batches,
-         "must be >= 1 or null (an evaluation of no batch would report made-up figures)"),
-        *[(cfg.data.get(k) is None or cfg.data[k] >= 1, f"data.{k}", cfg.data.get(k), "must be >= 1")
-          for k in ("train_size", "eval_size", "block_size") if k in cfg.data and cfg.data.name != "custom"],
+        (
+            t.eval_max_batches is None or t.eval_max_batches >= 1,
+            "trainer.eval_max_batches",
+            t.eval_max_batches,
+            "must be >= 1 or null (an evaluation of no batch would report made-up figures)",
+        ),
+        *[
+            (cfg.data.get(k) is None or cfg.data[k] >= 1, f"data.{k}", cfg.data.get(k), "must be >= 1")
+            for k in ("train_size", "eval_size", "block_size")
+            if k in cfg.data and cfg.data.name != "custom"
+        ],
     ]
     for ok, key, value, rule in checks:
         if not ok:
@@ -77,8 +113,9 @@ def check_logger_packages(names: list[str]) -> None:
         except (ImportError, ValueError):  # a broken install, or a module without a spec
             found = False
         if not found:
-            raise ConfigError(f"logger={name} needs the {module} package, which is not installed: {pip}; "
-                              f"or drop {name} from logger=")
+            raise ConfigError(
+                f"logger={name} needs the {module} package, which is not installed: {pip}; or drop {name} from logger="
+            )
 
 
 def logger_override_error(exc: BaseException, overrides: list[str]) -> str | None:
@@ -90,15 +127,19 @@ def logger_override_error(exc: BaseException, overrides: list[str]) -> str | Non
 
     unknown = re.search(r"Could not (?:find|load) 'logger/([^']+)'", str(exc))
     if unknown:
-        return (f"logger={unknown[1]} is not a logger; pick one of {', '.join(LOGGERS)} (logger=tensorboard), "
-                f"several as a list (logger=[wandb,tensorboard]) or logger=none")
+        return (
+            f"logger={unknown[1]} is not a logger; pick one of {', '.join(LOGGERS)} (logger=tensorboard), "
+            f"several as a list (logger=[wandb,tensorboard]) or logger=none"
+        )
     if isinstance(exc, AssertionError) and "Unexpected type for root" in str(exc):
         for override in overrides:
             key = override.lstrip("+~").split("=", 1)[0]
             parts = key.split(".")
             if len(parts) > 2 and parts[0] == "logger" and parts[1] in LOGGERS:
-                return (f"{key} is a setting of logger={parts[1]}, which this run does not pick; add {parts[1]} "
-                        f"to the loggers (logger={parts[1]}, or logger=[wandb,{parts[1]}] for several)")
+                return (
+                    f"{key} is a setting of logger={parts[1]}, which this run does not pick; add {parts[1]} "
+                    f"to the loggers (logger={parts[1]}, or logger=[wandb,{parts[1]}] for several)"
+                )
     return None
 
 
@@ -129,22 +170,44 @@ def _refuse_undeclared_keys(cfg: DictConfig) -> None:
 #: The names PyTorch Lightning's Trainer and the Hugging Face Trainer give runner's settings: a key of theirs typed as
 #: an override is pointed to runner's (``undeclared_key``), an option of theirs to runner's (``unknown_option``)
 HABITS = {
-    "gradient_clip_val": "optimizer.clip_grad_norm", "max_grad_norm": "optimizer.clip_grad_norm",
-    "accumulate_grad_batches": "memory.accumulate_steps", "gradient_accumulation_steps": "memory.accumulate_steps",
-    "max_epochs": "trainer.max_epochs", "num_train_epochs": "trainer.max_epochs", "max_steps": "trainer.max_steps",
-    "learning_rate": "optimizer.lr", "lr": "optimizer.lr", "per_device_train_batch_size": "dataloader.batch_size",
-    "batch_size": "dataloader.batch_size", "val_check_interval": "trainer.eval_every",
-    "eval_steps": "trainer.eval_every", "log_every_n_steps": "trainer.log_every", "logging_steps": "trainer.log_every",
-    "seed": "trainer.seed", "accelerator": "trainer.device (cpu, cuda or auto)",
-    "precision": "precision=<amp|bf16|fp32|tf32|fp8>", "bf16": "precision=bf16", "fp16": "precision=amp",
+    "gradient_clip_val": "optimizer.clip_grad_norm",
+    "max_grad_norm": "optimizer.clip_grad_norm",
+    "accumulate_grad_batches": "memory.accumulate_steps",
+    "gradient_accumulation_steps": "memory.accumulate_steps",
+    "max_epochs": "trainer.max_epochs",
+    "num_train_epochs": "trainer.max_epochs",
+    "max_steps": "trainer.max_steps",
+    "learning_rate": "optimizer.lr",
+    "lr": "optimizer.lr",
+    "per_device_train_batch_size": "dataloader.batch_size",
+    "batch_size": "dataloader.batch_size",
+    "val_check_interval": "trainer.eval_every",
+    "eval_steps": "trainer.eval_every",
+    "log_every_n_steps": "trainer.log_every",
+    "logging_steps": "trainer.log_every",
+    "seed": "trainer.seed",
+    "accelerator": "trainer.device (cpu, cuda or auto)",
+    "precision": "precision=<amp|bf16|fp32|tf32|fp8>",
+    "bf16": "precision=bf16",
+    "fp16": "precision=amp",
     "devices": "torchrun --nproc-per-node=<N> -m runner distributed=ddp (docs/scaling.md)",
-    "strategy": "distributed=<ddp|fsdp>", "num_nodes": "sbatch scripts/multinode.sh (docs/scaling.md)",
-    "gradient_checkpointing": "memory=checkpointing", "torch_compile": "compile=default",
-    "dataloader_num_workers": "dataloader.num_workers", "dataloader_pin_memory": "dataloader=pinned",
+    "strategy": "distributed=<ddp|fsdp>",
+    "num_nodes": "sbatch scripts/multinode.sh (docs/scaling.md)",
+    "gradient_checkpointing": "memory=checkpointing",
+    "torch_compile": "compile=default",
+    "dataloader_num_workers": "dataloader.num_workers",
+    "dataloader_pin_memory": "dataloader=pinned",
 }
 #: Lightning's ``precision=`` values and runner's option for each
-PRECISION_HABITS = {"16-mixed": "amp", "16": "amp", "bf16-mixed": "bf16", "bf16-true": "bf16", "32": "fp32",
-                    "32-true": "fp32", "transformer-engine": "fp8"}
+PRECISION_HABITS = {
+    "16-mixed": "amp",
+    "16": "amp",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "32": "fp32",
+    "32-true": "fp32",
+    "transformer-engine": "fp8",
+}
 
 
 def undeclared_key(node: str, key: str, declared, why: str) -> str:
@@ -158,8 +221,10 @@ def undeclared_key(node: str, key: str, declared, why: str) -> str:
     hint = f"; did you mean {where}{close[0]}?" if close else "."
     if key in HABITS and f"{where}{key}" != HABITS[key]:
         hint = f"; runner's setting for it is {HABITS[key]}."
-    return (f"{where}{key} is not a setting runner reads ({why}){hint} The {node or 'top-level'} keys are: "
-            f"{', '.join(sorted(declared))}")
+    return (
+        f"{where}{key} is not a setting runner reads ({why}){hint} The {node or 'top-level'} keys are: "
+        f"{', '.join(sorted(declared))}"
+    )
 
 
 def misspelt_override(exc: BaseException) -> str | None:
@@ -174,8 +239,11 @@ def misspelt_override(exc: BaseException) -> str | None:
     from runner.config import CHECKPOINT_DEFAULTS
 
     cause, full_key = exc.__cause__, getattr(exc.__cause__, "full_key", None)
-    if not str(exc).startswith("Could not override") or not full_key or not isinstance(cause, (ConfigKeyError,
-                                                                                              ConfigAttributeError)):
+    if (
+        not str(exc).startswith("Could not override")
+        or not full_key
+        or not isinstance(cause, (ConfigKeyError, ConfigAttributeError))
+    ):
         return None
     node, _, key = str(full_key).rpartition(".")
     schema = getattr(cause, "object_type", None)
@@ -283,8 +351,14 @@ def unknown_option(exc: BaseException, overrides: list[str]) -> str | None:
     group, _, name = missing.rpartition("/")
     found = set(getattr(exc, "options", None) or []) | {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
     options = sorted(o for o in found if not o.startswith("base_"))
-    typed = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0].split("@", 1)[0] == group
-                  and name in o.split("=", 1)[-1]), f"{group}={name}")
+    typed = next(
+        (
+            o
+            for o in overrides
+            if o.lstrip("+~").split("=", 1)[0].split("@", 1)[0] == group and name in o.split("=", 1)[-1]
+        ),
+        f"{group}={name}",
+    )
     close = difflib.get_close_matches(name, options, n=1)
     hint = f"; did you mean {close[0]}?" if close else ""
     if group == "precision" and name in PRECISION_HABITS:
@@ -309,5 +383,7 @@ def _refuse_schema_choices() -> None:
     for group, choice in HydraConfig.get().runtime.choices.items():
         if isinstance(choice, str) and choice.startswith("base_") and not group.startswith("hydra"):
             options = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
-            raise ConfigError(f"{group}={choice} is the schema every {group} option extends, not an option; "
-                              f"pick {group}=<one of {options}> (`python -m runner --help` lists yours too)")
+            raise ConfigError(
+                f"{group}={choice} is the schema every {group} option extends, not an option; "
+                f"pick {group}=<one of {options}> (`python -m runner --help` lists yours too)"
+            )

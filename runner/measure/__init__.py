@@ -22,8 +22,9 @@ from torch import nn
 from runner.measure.machine_load import LoadWindow
 
 
-def flops_per_sample(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor],
-                     loss: Callable[[nn.Module, tuple], torch.Tensor]) -> float | None:
+def flops_per_sample(
+    model: nn.Module, example: tuple[torch.Tensor, torch.Tensor], loss: Callable[[nn.Module, tuple], torch.Tensor]
+) -> float | None:
     """FLOPs of one forward + backward pass per sample, counted once by ``FlopCounterMode``.
 
     A copy of the model runs ``loss(copy, example)`` and its backward on ``example``, a real-shaped ``(x, y)``;
@@ -125,9 +126,15 @@ class Meter:
     Also (this process only): ``load`` (a ``LoadWindow``) and the logging steps' time (``log_started``/``log_done``).
     """
 
-    def __init__(self, device: torch.device, warmup_steps: int, samples_per_step: int,
-                 tokens_per_sample: int | None = None, timings: "Timings | None" = None,
-                 gpu_profile_steps: int = 0):
+    def __init__(
+        self,
+        device: torch.device,
+        warmup_steps: int,
+        samples_per_step: int,
+        tokens_per_sample: int | None = None,
+        timings: "Timings | None" = None,
+        gpu_profile_steps: int = 0,
+    ):
         self.clock = _CudaClock() if device.type == "cuda" else _CpuClock()
         self.device = device
         self.warmup_steps = warmup_steps
@@ -148,8 +155,11 @@ class Meter:
         self.first_eval_s: float | None = None
         self._log_mark = 0.0
         first = warmup_steps - gpu_profile_steps
-        self.gpu_probe = (GpuIdleProbe(first, warmup_steps)
-                          if device.type == "cuda" and gpu_profile_steps > 0 and first >= 1 else None)
+        self.gpu_probe = (
+            GpuIdleProbe(first, warmup_steps)
+            if device.type == "cuda" and gpu_profile_steps > 0 and first >= 1
+            else None
+        )
 
     @property
     def data_wait_ms(self) -> list[float]:
@@ -224,15 +234,18 @@ class Meter:
         if not steps:
             return self.with_tokens({"samples_per_sec": None, "step_time_ms": None, "data_wait_ms": None})
         total_s = (sum(waits) + sum(steps)) / 1e3
-        return self.with_tokens({
-            "samples_per_sec": self.samples_per_step * len(steps) / total_s,
-            "step_time_ms": statistics.median(steps),
-            "data_wait_ms": statistics.fmean(waits),
-        })
+        return self.with_tokens(
+            {
+                "samples_per_sec": self.samples_per_step * len(steps) / total_s,
+                "step_time_ms": statistics.median(steps),
+                "data_wait_ms": statistics.fmean(waits),
+            }
+        )
 
     def coverage(self) -> str:
         """What the speed figures cover, in words: how many steps were measured, or why none was (a run
         whose steps were all warm-up has null figures, and this says so and what to change)."""
+
         def steps(k: int) -> str:
             return f"{k} step" + ("" if k == 1 else "s")
 
@@ -241,9 +254,11 @@ class Meter:
             return f"{steps(n)} measured ({steps(warmup)} of warm-up left out)"
         if self.step == 0:
             return "nothing measured: no training step ran"
-        return (f"too short to measure: all {steps(self.step)} were warm-up (trainer.warmup_steps="
-                f"{self.warmup_steps}); raise trainer.max_steps above {self.warmup_steps} or lower "
-                f"trainer.warmup_steps")
+        return (
+            f"too short to measure: all {steps(self.step)} were warm-up (trainer.warmup_steps="
+            f"{self.warmup_steps}); raise trainer.max_steps above {self.warmup_steps} or lower "
+            f"trainer.warmup_steps"
+        )
 
     def totals(self) -> dict[str, float | int | str | None]:
         """Whole-run figures over all measured (post-warm-up) iterations; call after a final ``flush``.
@@ -251,12 +266,19 @@ class Meter:
         ``measurement`` (``coverage()``) says what they cover, or why they are null."""
         n = len(self.step_time_ms)
         if n == 0:
-            return {"samples_per_sec": None, "step_time_ms_median": None, "step_time_ms_p90": None,
-                    "data_wait_fraction": None, "measured_steps": 0, "measured_time_s": 0.0,
-                    "measurement": self.coverage(), "log_time_fraction": None}
+            return {
+                "samples_per_sec": None,
+                "step_time_ms_median": None,
+                "step_time_ms_p90": None,
+                "data_wait_fraction": None,
+                "measured_steps": 0,
+                "measured_time_s": 0.0,
+                "measurement": self.coverage(),
+                "log_time_fraction": None,
+            }
         wait, step = sum(self.data_wait_ms), sum(self.step_time_ms)
         ordered = sorted(self.step_time_ms)
-        own_s = (sum(self.data_wait_ms[self._first_own:]) + sum(self.step_time_ms[self._first_own:])) / 1e3
+        own_s = (sum(self.data_wait_ms[self._first_own :]) + sum(self.step_time_ms[self._first_own :])) / 1e3
         return {
             "samples_per_sec": self.samples_per_step * n / ((wait + step) / 1e3),
             "step_time_ms_median": statistics.median(ordered),
@@ -273,7 +295,7 @@ class Meter:
         measured step ran; call after ``pause`` at the end of training."""
         if self._window_pending:
             return None
-        own = self.data_wait_ms[self._first_own:]  # one entry per measured step
+        own = self.data_wait_ms[self._first_own :]  # one entry per measured step
         return self.load.record(threads, workers, sum(own) / 1e3, len(own))
 
 
@@ -306,8 +328,11 @@ class GpuIdleProbe:
                 torch.cuda.synchronize()
                 wall_us = (time.perf_counter() - self._t0) * 1e6
                 self._prof.stop()
-                spans = sorted((e.time_range.start, e.time_range.end) for e in self._prof.events()
-                               if e.device_type == torch.autograd.DeviceType.CUDA)
+                spans = sorted(
+                    (e.time_range.start, e.time_range.end)
+                    for e in self._prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA
+                )
                 self._prof = None
                 self.idle_fraction = max(0.0, 1 - union_length(spans) / wall_us) if wall_us > 0 else None
                 self.note = f"steps {self.first + 1}..{self.last} profiled ({len(spans)} kernels and copies)"

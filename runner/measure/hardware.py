@@ -49,8 +49,13 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     # AMD Instinct MI300X data sheet (amd.com; ROCm's torch names it "AMD Instinct MI300X"), matrix figures
     (r"MI300X", {"fp8": 2614.9, "bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
 ]
-_DTYPE_KEY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8",
-              torch.float8_e5m2: "fp8"}
+_DTYPE_KEY = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8",
+    torch.float8_e5m2: "fp8",
+}
 
 
 def peak_tflops(name: str, key: str) -> float | None:
@@ -221,8 +226,13 @@ def memory_limit_mb(device: torch.device) -> float | None:
 
 #: NVML clock-throttle reasons that mean the GPU ran slower than it could (power, heat, another limit);
 #: idle and the user's application-clock setting are left out. nvml.h ``nvmlClocksThrottleReason*``.
-_THROTTLE_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_slowdown",
-                     0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown"}
+_THROTTLE_REASONS = {
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+}
 
 
 #: Set by an interleaved comparison (runner/compare/process.py) in each job it forks: the conductor's pid. The
@@ -243,7 +253,7 @@ def descends_from(pid: int, ancestor: int) -> bool:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return False
-        pid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state": the parent's pid
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm) state": the parent's pid
     return False
 
 
@@ -263,15 +273,20 @@ def gpu_contention(device: torch.device) -> dict[str, Any] | None:
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
         procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        reasons_of = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)  # its newer name
-                      or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        reasons_of = (
+            getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)  # its newer name
+            or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         reasons = reasons_of(handle)
         root = int(os.environ.get(SWEEP_ROOT_ENV) or 0)
         others = [p.pid for p in procs if p.pid != os.getpid()]
         sweep = sum(bool(root) and descends_from(pid, root) for pid in others)
-        return {"other_processes": len(others) - sweep, "sweep_processes": sweep,
-                "throttle_reasons": [name for bit, name in _THROTTLE_REASONS.items() if reasons & bit],
-                "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu}
+        return {
+            "other_processes": len(others) - sweep,
+            "sweep_processes": sweep,
+            "throttle_reasons": [name for bit, name in _THROTTLE_REASONS.items() if reasons & bit],
+            "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+        }
     except Exception:  # noqa: BLE001 - no bindings, no driver, a container without NVML: no record, no failure
         return None
 
@@ -283,8 +298,9 @@ def describe_machine() -> dict[str, Any]:
     physical = physical_memory_mb()
     memory_gib = round(physical / 1024, 1) if physical is not None else None
     cores = cpu_cores()
-    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available() else [])
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     return {
         "cpu": cpu,
         "cpu_cores": cores,

@@ -52,8 +52,14 @@ class LoadWindow:
         self._last_sample = 0.0
 
     def _snapshot(self) -> tuple:
-        return (time.perf_counter(), time.process_time(), hardware.thread_schedule_ns(), hardware.cpu_ticks(),
-                hardware.children_cpu_s(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+        return (
+            time.perf_counter(),
+            time.process_time(),
+            hardware.thread_schedule_ns(),
+            hardware.cpu_ticks(),
+            hardware.children_cpu_s(),
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+        )
 
     def _note_load(self) -> float | None:
         load = hardware.load_average()
@@ -114,10 +120,12 @@ class LoadWindow:
         gpu = None
         if self.gpu_start is not None or self.gpu_end is not None:
             ends = [g for g in (self.gpu_start, self.gpu_end) if g]
-            gpu = {"other_processes": max(g["other_processes"] for g in ends),
-                   "sweep_processes": max(g.get("sweep_processes", 0) for g in ends),  # paused jobs: no warning
-                   "throttle_reasons": sorted({r for g in ends for r in g["throttle_reasons"]}),
-                   "utilization_percent_end": (self.gpu_end or {}).get("utilization_percent")}
+            gpu = {
+                "other_processes": max(g["other_processes"] for g in ends),
+                "sweep_processes": max(g.get("sweep_processes", 0) for g in ends),  # paused jobs: no warning
+                "throttle_reasons": sorted({r for g in ends for r in g["throttle_reasons"]}),
+                "utilization_percent_end": (self.gpu_end or {}).get("utilization_percent"),
+            }
         return {
             "window_s": window,
             "cpu_cores": hardware.cpu_cores(),
@@ -126,15 +134,14 @@ class LoadWindow:
             "load_average_1min_start": self.load_start,
             "load_average_1min_end": self.load_end,
             "load_average_1min_max": self.load_max,
-            "load_average_others": (round(max(0.0, self.load_max - own_cores), 2)
-                                    if self.load_max is not None else None),
+            "load_average_others": (
+                round(max(0.0, self.load_max - own_cores), 2) if self.load_max is not None else None
+            ),
             "cpu_time_s": self.cpu_s,
             "workers_cpu_time_s": self.children_cpu_s if self.children_known and workers else None,
             "cpu_util_fraction": self.cpu_s / (window * threads) if window > 0 and threads else None,
-            "busy_cores_computing": (self.cpu_s / (window - data_wait_s)
-                                     if window - data_wait_s > 1e-3 else None),
-            "run_queue_wait_fraction": (self.wait_ns / sched_total
-                                        if self.sched_known and sched_total > 0 else None),
+            "busy_cores_computing": (self.cpu_s / (window - data_wait_s) if window - data_wait_s > 1e-3 else None),
+            "run_queue_wait_fraction": (self.wait_ns / sched_total if self.sched_known and sched_total > 0 else None),
             "steal_fraction": self.steal / self.ticks if self.ticks_known and self.ticks > 0 else None,
             "gpu": gpu,
             "minor_page_faults_per_step": self.minor_faults / steps if steps else None,
@@ -155,28 +162,39 @@ def load_warnings(load: dict[str, Any] | None, device_type: str) -> list[str]:
     free = max(0, cores - threads - workers)
     others = load.get("load_average_others")
     if others is not None and others > free + LOAD_MARGIN:
-        out.append(f"the machine was busy: load average up to {load['load_average_1min_max']} on {cores} cores, "
-                   f"about {others:.1f} of it other processes, while runner used {own} ({free} core(s) left "
-                   f"free)")
+        out.append(
+            f"the machine was busy: load average up to {load['load_average_1min_max']} on {cores} cores, "
+            f"about {others:.1f} of it other processes, while runner used {own} ({free} core(s) left "
+            f"free)"
+        )
     steal = load.get("steal_fraction")
     if steal is not None and steal > STEAL_FRACTION_MAX:
-        out.append(f"the hypervisor took {steal:.0%} of the CPUs' time for other VMs (steal > "
-                   f"{STEAL_FRACTION_MAX:.0%})")
+        out.append(
+            f"the hypervisor took {steal:.0%} of the CPUs' time for other VMs (steal > {STEAL_FRACTION_MAX:.0%})"
+        )
     wait = load.get("run_queue_wait_fraction")
     if wait is not None and wait > RUN_QUEUE_WAIT_MAX:
-        cause = (f"runner's own {own} outnumber the {cores} cores" if threads + workers > cores
-                 else "other processes competed for the cores")
-        out.append(f"runner's threads waited for a CPU {wait:.0%} of the time they could run (> "
-                   f"{RUN_QUEUE_WAIT_MAX:.0%}): {cause}")
+        cause = (
+            f"runner's own {own} outnumber the {cores} cores"
+            if threads + workers > cores
+            else "other processes competed for the cores"
+        )
+        out.append(
+            f"runner's threads waited for a CPU {wait:.0%} of the time they could run (> "
+            f"{RUN_QUEUE_WAIT_MAX:.0%}): {cause}"
+        )
     busy = load.get("busy_cores_computing")
     if device_type == "cpu" and busy is not None and busy < BUSY_CORES_MIN:
-        out.append(f"runner's {threads} thread(s) used only {busy:.2f} CPU-s per second of compute (< "
-                   f"{BUSY_CORES_MIN}): the training thread was often off the CPU")
+        out.append(
+            f"runner's {threads} thread(s) used only {busy:.2f} CPU-s per second of compute (< "
+            f"{BUSY_CORES_MIN}): the training thread was often off the CPU"
+        )
     fit = threads_that_fit(load) if device_type == "cpu" else None
     crowded = [i for i, line in enumerate(out) if line.startswith(("the machine was busy", "runner's threads waited"))]
     if fit is not None and crowded:
-        out[crowded[0]] += (f"; trainer.num_threads={fit} runs runner's threads on the {fit} free core(s) instead of "
-                            f"fighting for them")
+        out[crowded[0]] += (
+            f"; trainer.num_threads={fit} runs runner's threads on the {fit} free core(s) instead of fighting for them"
+        )
     gpu = load.get("gpu") or {}
     if gpu.get("other_processes"):
         out.append(f"{gpu['other_processes']} other process(es) ran on the GPU")

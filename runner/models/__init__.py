@@ -35,8 +35,9 @@ class ConvBlock(nn.Sequential):
     """
 
     def __init__(self, c_in: int, c_out: int):
-        super().__init__(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
-                         nn.MaxPool2d(2))
+        super().__init__(
+            nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True), nn.MaxPool2d(2)
+        )
 
 
 class MnistCNN(nn.Module):
@@ -71,13 +72,22 @@ class MLP(nn.Module):
     ``2 * (in_features * hidden + (depth - 1) * hidden**2 + hidden * outputs)`` FLOPs per sample forward.
     """
 
-    def __init__(self, in_features: int, num_classes: int = 10, hidden: int = 128, depth: int = 2,
-                 dropout: float = 0.0, num_outputs: int | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int = 10,
+        hidden: int = 128,
+        depth: int = 2,
+        dropout: float = 0.0,
+        num_outputs: int | None = None,
+    ):
         super().__init__()
         outputs = num_classes if num_outputs is None else num_outputs
         if in_features < 1 or outputs < 1 or hidden < 1 or depth < 0 or not 0 <= dropout < 1:
-            raise ValueError(f"MLP needs in_features, outputs, hidden >= 1, depth >= 0 and 0 <= dropout < 1; got "
-                             f"{in_features=}, {outputs=}, {hidden=}, {depth=}, {dropout=}")
+            raise ValueError(
+                f"MLP needs in_features, outputs, hidden >= 1, depth >= 0 and 0 <= dropout < 1; got "
+                f"{in_features=}, {outputs=}, {hidden=}, {depth=}, {dropout=}"
+            )
         widths = [in_features] + [hidden] * depth
         self.blocks = nn.Sequential(*(MLPBlock(a, b, dropout) for a, b in zip(widths, widths[1:])))
         self.head = nn.Linear(widths[-1], outputs)
@@ -112,24 +122,29 @@ def resolve_weights(builder, target: str, name: str):
     try:
         enum = get_model_weights(builder)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"model.weights={name!r} needs a torchvision model builder with a weights argument (e.g. "
-                          f"model._target_=torchvision.models.resnet18); model._target_={target} has none ({e}). "
-                          f"Load your own weights in your model's constructor instead.") from e
+        raise ConfigError(
+            f"model.weights={name!r} needs a torchvision model builder with a weights argument (e.g. "
+            f"model._target_=torchvision.models.resnet18); model._target_={target} has none ({e}). "
+            f"Load your own weights in your model's constructor instead."
+        ) from e
     available = ", ".join(m for m in enum.__members__)
     if "." in name:
         try:
             weights = get_weight(name)
         except (ValueError, KeyError) as e:
-            raise ConfigError(f"model.weights={name!r} is not a torchvision weights name ({e!r}); "
-                              f"{target} takes {enum.__name__}: {available}") from e
+            raise ConfigError(
+                f"model.weights={name!r} is not a torchvision weights name ({e!r}); "
+                f"{target} takes {enum.__name__}: {available}"
+            ) from e
         if not isinstance(weights, enum):
-            raise ConfigError(f"model.weights={name!r} are weights for another architecture: {target} takes "
-                              f"{enum.__name__} ({available}), not {type(weights).__name__}. Pick "
-                              f"model.weights={enum.__name__}.<one of those>, or the model those weights are for.")
+            raise ConfigError(
+                f"model.weights={name!r} are weights for another architecture: {target} takes "
+                f"{enum.__name__} ({available}), not {type(weights).__name__}. Pick "
+                f"model.weights={enum.__name__}.<one of those>, or the model those weights are for."
+            )
         return weights
     if name not in enum.__members__:
-        raise ConfigError(f"model.weights={name!r} is not one of {target}'s weights: {enum.__name__} has "
-                          f"{available}")
+        raise ConfigError(f"model.weights={name!r} is not one of {target}'s weights: {enum.__name__} has {available}")
     return enum[name]
 
 
@@ -158,28 +173,39 @@ def _check_weights_file(weights, path: Path) -> dict[str, torch.Tensor]:
     """
     url = weights.url
     if not path.is_file():
-        raise ConfigError(f"model.weights={weights!r}: the weights file {path} does not exist and runner does not "
-                          f"download. On a machine with network fetch {url} (e.g. `curl -L -o {path.name} {url}`) "
-                          f"and put it at {path} (the folder is $TORCH_HOME/hub/checkpoints; TORCH_HOME defaults "
-                          f"to ~/.cache/torch).")
+        raise ConfigError(
+            f"model.weights={weights!r}: the weights file {path} does not exist and runner does not "
+            f"download. On a machine with network fetch {url} (e.g. `curl -L -o {path.name} {url}`) "
+            f"and put it at {path} (the folder is $TORCH_HOME/hub/checkpoints; TORCH_HOME defaults "
+            f"to ~/.cache/torch)."
+        )
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a damaged file can raise almost anything
-        raise ConfigError(f"model.weights={weights!r}: cannot read {path} as PyTorch weights ({type(e).__name__}: "
-                          f"{_first_line(e)}). Delete it and fetch it again from {url}.") from e
+        raise ConfigError(
+            f"model.weights={weights!r}: cannot read {path} as PyTorch weights ({type(e).__name__}: "
+            f"{_first_line(e)}). Delete it and fetch it again from {url}."
+        ) from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"model.weights={weights!r}: {path} holds a {type(state).__name__}, not a state dict of "
-                          f"tensors. Replace it with the file from {url}.")
+        raise ConfigError(
+            f"model.weights={weights!r}: {path} holds a {type(state).__name__}, not a state dict of "
+            f"tensors. Replace it with the file from {url}."
+        )
     match = torch.hub.HASH_REGEX.search(path.name)
     if match:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         if not digest.startswith(match.group(1)):
-            log.warning("%s: its SHA-256 %s... does not start with %s, the hash in its name: it is not the file "
-                        "torchvision publishes at %s (loaded anyway, as torch.hub does for cached files)",
-                        path, digest[:12], match.group(1), url)
+            log.warning(
+                "%s: its SHA-256 %s... does not start with %s, the hash in its name: it is not the file "
+                "torchvision publishes at %s (loaded anyway, as torch.hub does for cached files)",
+                path,
+                digest[:12],
+                match.group(1),
+                url,
+            )
     return state
 
 
@@ -196,8 +222,9 @@ def _mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str:
         parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
     if shapes:
         k = shapes[0]
-        parts.append(f"{len(shapes)} of another shape (e.g. {k}: file {tuple(state[k].shape)}, model "
-                     f"{tuple(own[k].shape)})")
+        parts.append(
+            f"{len(shapes)} of another shape (e.g. {k}: file {tuple(state[k].shape)}, model {tuple(own[k].shape)})"
+        )
     return "; ".join(parts) or "no difference in names or shapes"
 
 
@@ -222,8 +249,10 @@ def _load_pretrained(builder, target: str, kwargs: dict, weights) -> nn.Module:
             diff = _mismatch(bare, state)
         except ConfigError:
             diff = str(cause).splitlines()[0]
-        raise ConfigError(f"model.weights={weights!r}: {path} does not hold weights for {target}: {diff}. It "
-                          f"looks like another architecture's file; replace it with {weights.url}") from cause
+        raise ConfigError(
+            f"model.weights={weights!r}: {path} does not hold weights for {target}: {diff}. It "
+            f"looks like another architecture's file; replace it with {weights.url}"
+        ) from cause
 
 
 def _replace_head(model: nn.Module, weights_classes: int, num_classes: int) -> nn.Module:
@@ -240,9 +269,11 @@ def _replace_head(model: nn.Module, weights_classes: int, num_classes: int) -> n
         elif isinstance(module, nn.Conv2d) and module.out_channels == weights_classes and module.kernel_size == (1, 1):
             found = name, module
     if found is None:
-        raise ConfigError(f"model.weights: no Linear layer with {weights_classes} outputs (the weights' class count) "
-                          f"to replace by a {num_classes}-class head; this model is not a classifier runner can "
-                          f"fine-tune")
+        raise ConfigError(
+            f"model.weights: no Linear layer with {weights_classes} outputs (the weights' class count) "
+            f"to replace by a {num_classes}-class head; this model is not a classifier runner can "
+            f"fine-tune"
+        )
     name, old = found
     if isinstance(old, nn.Linear):
         new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
@@ -256,8 +287,9 @@ def _replace_head(model: nn.Module, weights_classes: int, num_classes: int) -> n
 def _adapted_conv(conv: nn.Conv2d, in_channels: int, pretrained: bool) -> nn.Conv2d:
     """``conv`` rebuilt for ``in_channels`` inputs. Pretrained kernels are adapted, not discarded (timm's
     ``adapt_input_conv``): summed over RGB for 1 channel, else tiled and scaled by 3 / in_channels."""
-    new = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                    bias=conv.bias is not None)
+    new = nn.Conv2d(
+        in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, bias=conv.bias is not None
+    )
     if pretrained:
         with torch.no_grad():
             w = conv.weight
@@ -281,11 +313,14 @@ def _first_layer(model: nn.Module) -> str:
             return f"its first layer {name} = Linear(in_features={m.in_features}) expects (B, ..., {m.in_features})"
         if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             dims = {nn.Conv1d: "L", nn.Conv2d: "H, W", nn.Conv3d: "D, H, W"}[type(m)]
-            return f"its first layer {name} = {type(m).__name__}(in_channels={m.in_channels}) expects " \
-                   f"(B, {m.in_channels}, {dims})"
+            return (
+                f"its first layer {name} = {type(m).__name__}(in_channels={m.in_channels}) expects "
+                f"(B, {m.in_channels}, {dims})"
+            )
         if isinstance(m, nn.Embedding):
-            return (f"its first layer {name} = Embedding({m.num_embeddings}) expects integer indices "
-                    f"< {m.num_embeddings}")
+            return (
+                f"its first layer {name} = Embedding({m.num_embeddings}) expects integer indices < {m.num_embeddings}"
+            )
     return "its layers give no expected shape"
 
 
@@ -306,18 +341,25 @@ def check_forward(model: nn.Module, example: torch.Tensor, size: int, classes: b
     except Exception as e:  # noqa: BLE001 - whatever the model raises, the cause is the input
         if (refusal := deterministic_refusal(e)) is not None:  # ... unless it is trainer.deterministic's
             raise refusal from e
-        raise ConfigError(f"the model does not take the data's inputs: items of shape {tuple(example.shape)} "
-                          f"({example.dtype}; a batch is {tuple(batch.shape)}), but {_first_layer(model)}. The "
-                          f"first forward failed with {type(e).__name__}: {_first_line(e)}. "
-                          f"Fix the model's arguments (model.<name>=...) or the data's shape.") from e
+        raise ConfigError(
+            f"the model does not take the data's inputs: items of shape {tuple(example.shape)} "
+            f"({example.dtype}; a batch is {tuple(batch.shape)}), but {_first_layer(model)}. The "
+            f"first forward failed with {type(e).__name__}: {_first_line(e)}. "
+            f"Fix the model's arguments (model.<name>=...) or the data's shape."
+        ) from e
     finally:
         model.train(was_training)
     fits = {(2, size)} | ({(2,)} if size == 1 and not classes else set())
     if isinstance(out, torch.Tensor) and tuple(out.shape) not in fits:
-        what, name = ((f"logits for the data's {size} classes", "num_classes") if classes
-                      else (f"predictions for the targets' {size} values", "num_outputs"))
-        raise ConfigError(f"the model returns {tuple(out.shape)} for a batch of 2, not (2, {size}) {what}: give the "
-                          f"model a {name} parameter (runner fills it in) or set its output size to {size}")
+        what, name = (
+            (f"logits for the data's {size} classes", "num_classes")
+            if classes
+            else (f"predictions for the targets' {size} values", "num_outputs")
+        )
+        raise ConfigError(
+            f"the model returns {tuple(out.shape)} for a batch of 2, not (2, {size}) {what}: give the "
+            f"model a {name} parameter (runner fills it in) or set its output size to {size}"
+        )
 
 
 # ------------------------------------------------------------------------------ what was built
@@ -336,10 +378,19 @@ def model_report(model: nn.Module, cfg: DictConfig) -> tuple[str, dict[str, obje
     name = str(cfg._target_).rpartition(".")[2]
     start = f"{cfg.weights} weights loaded" if cfg.weights else "randomly initialized"
     frozen = "; backbone frozen" if cfg.freeze_backbone else ""
-    counted = (f"{_count(total)} parameters, all trainable" if trainable == total
-               else f"{trainable:,} of {_count(total)} parameters trainable")
-    details = {"name": name, "target": str(cfg._target_), "weights": cfg.weights,
-               "backbone_frozen": bool(cfg.freeze_backbone), "parameters": total, "trainable_parameters": trainable}
+    counted = (
+        f"{_count(total)} parameters, all trainable"
+        if trainable == total
+        else f"{trainable:,} of {_count(total)} parameters trainable"
+    )
+    details = {
+        "name": name,
+        "target": str(cfg._target_),
+        "weights": cfg.weights,
+        "backbone_frozen": bool(cfg.freeze_backbone),
+        "parameters": total,
+        "trainable_parameters": trainable,
+    }
     return f"model: {name}, {start}{frozen}; {counted}", details
 
 
@@ -371,8 +422,9 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 # ------------------------------------------------------------------------------ build
 
 
-def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None = None,
-          example: torch.Tensor | None = None) -> nn.Module:
+def build(
+    cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None = None, example: torch.Tensor | None = None
+) -> nn.Module:
     """Instantiate ``cfg._target_`` with the config's constructor arguments and fit it to the data.
 
     Args:
@@ -391,20 +443,26 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     """
     if OmegaConf.is_missing(cfg, "_target_"):  # model=base_model: the schema the options extend, not a model
         options = ", ".join(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
-        raise ConfigError(f"model._target_ is not set (model=base_model is the schema every model option extends, "
-                          f"not a model): pick model=<one of {options}>, or name your class with "
-                          f"model._target_=<module>.<class>")
+        raise ConfigError(
+            f"model._target_ is not set (model=base_model is the schema every model option extends, "
+            f"not a model): pick model=<one of {options}>, or name your class with "
+            f"model._target_=<module>.<class>"
+        )
     if cfg.freeze_backbone and not cfg.weights:
-        raise ConfigError("model.freeze_backbone=true trains only a pretrained model's new head; set "
-                          "model.weights=<torchvision weights name> too (or leave freeze_backbone=false)")
+        raise ConfigError(
+            "model.freeze_backbone=true trains only a pretrained model's new head; set "
+            "model.weights=<torchvision weights name> too (or leave freeze_backbone=false)"
+        )
     builder = targets.locate("model._target_", cfg._target_)
     kwargs, names, any_name = _constructor_kwargs(cfg, builder, data_kwargs, example)
     num_classes = data_kwargs.get("num_classes")
     fresh: list[nn.Module] = []  # layers runner creates with random weights: never frozen
     if cfg.weights:
         if num_classes is None:
-            raise ConfigError("model.weights replaces a pretrained classifier's head for the data's classes; this "
-                              "task has none (token data, float targets). Load such weights in the model's constructor")
+            raise ConfigError(
+                "model.weights replaces a pretrained classifier's head for the data's classes; this "
+                "task has none (token data, float targets). Load such weights in the model's constructor"
+            )
         weights = resolve_weights(builder, cfg._target_, cfg.weights)
         model = _load_pretrained(builder, cfg._target_, kwargs, weights)
         fresh.append(_replace_head(model, len(weights.meta["categories"]), num_classes))
@@ -412,8 +470,9 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
         kwargs |= {k: v for k, v in data_kwargs.items() if k in names or any_name}
         model = targets.call("model._target_", cfg._target_, kwargs)
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"model._target_={cfg._target_!r} returned a {type(model).__name__}, not a torch "
-                              f"nn.Module")
+            raise ConfigError(
+                f"model._target_={cfg._target_!r} returned a {type(model).__name__}, not a torch nn.Module"
+            )
     fresh += _fit_to_images(model, cfg, in_channels, example)
     if cfg.freeze_backbone:
         model.requires_grad_(False)
@@ -424,8 +483,9 @@ def build(cfg: DictConfig, data_kwargs: dict[str, int], in_channels: int | None 
     return model
 
 
-def _constructor_kwargs(cfg: DictConfig, builder, data_kwargs: dict[str, int],
-                        example: torch.Tensor | None) -> tuple[dict, set, bool]:
+def _constructor_kwargs(
+    cfg: DictConfig, builder, data_kwargs: dict[str, int], example: torch.Tensor | None
+) -> tuple[dict, set, bool]:
     """The constructor's keyword arguments (checked against its signature), its parameter names, and whether it
     takes any keyword.
 
@@ -436,9 +496,10 @@ def _constructor_kwargs(cfg: DictConfig, builder, data_kwargs: dict[str, int],
     kwargs = {k: v for k, v in targets.plain(cfg).items() if k not in RUNNER_KEYS and k != "_target_"}
     for key, value in data_kwargs.items():
         if key in kwargs:
-            what, where = {"num_classes": ("the model's class count", "set data.num_classes instead"),
-                           "num_outputs": ("the model's output size", "it is the size of one target")}.get(
-                key, ("the model's vocabulary size", "it is the text's character count"))
+            what, where = {
+                "num_classes": ("the model's class count", "set data.num_classes instead"),
+                "num_outputs": ("the model's output size", "it is the size of one target"),
+            }.get(key, ("the model's vocabulary size", "it is the text's character count"))
             raise ConfigError(f"model.{key}={kwargs[key]} cannot be set: {what} follows the data ({value}); {where}")
     targets.check_arguments("model", builder, kwargs, RUNNER_KEYS)
     names, any_name = targets.parameters(builder)
@@ -448,8 +509,9 @@ def _constructor_kwargs(cfg: DictConfig, builder, data_kwargs: dict[str, int],
     return kwargs, names, any_name
 
 
-def _fit_to_images(model: nn.Module, cfg: DictConfig, in_channels: int | None,
-                   example: torch.Tensor | None) -> list[nn.Module]:
+def _fit_to_images(
+    model: nn.Module, cfg: DictConfig, in_channels: int | None, example: torch.Tensor | None
+) -> list[nn.Module]:
     """``cifar_stem`` (a 3x3/1 stem without pooling, He et al. 2016 section 4.2) and the first ``Conv2d`` rebuilt
     for ``in_channels`` when the items are images; returns the layers built fresh (never frozen).
 
@@ -459,8 +521,10 @@ def _fit_to_images(model: nn.Module, cfg: DictConfig, in_channels: int | None,
     fresh: list[nn.Module] = []
     if cfg.cifar_stem:
         if not (hasattr(model, "conv1") and hasattr(model, "maxpool")) or in_channels is None:
-            raise ConfigError(f"model.cifar_stem=true needs a torchvision ResNet on images; {cfg._target_} has no "
-                              f"conv1/maxpool or the data are not images")
+            raise ConfigError(
+                f"model.cifar_stem=true needs a torchvision ResNet on images; {cfg._target_} has no "
+                f"conv1/maxpool or the data are not images"
+            )
         model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
         model.maxpool = nn.Identity()
         fresh.append(model.conv1)

@@ -42,8 +42,9 @@ class CausalSelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.upcast_attention and q.dtype != torch.float32:  # back to q's dtype for c_proj's bf16 weights
             with torch.autocast(q.device.type, enabled=False):
-                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=p,
-                                                   is_causal=True).to(q.dtype)
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=p, is_causal=True).to(
+                    q.dtype
+                )
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, -1)))
@@ -96,20 +97,35 @@ class GPT(nn.Module):
     model_parallel.py); the embeddings, LayerNorms and the tied head stay whole on every rank.
     """
 
-    tp_plan = {"transformer.h.*.attn.c_attn": "colwise_qkv", "transformer.h.*.attn.c_proj": "rowwise",
-               "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    tp_plan = {
+        "transformer.h.*.attn.c_attn": "colwise_qkv",
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+    }
 
-    def __init__(self, vocab_size: int, block_size: int = 256, n_layer: int = 6, n_head: int = 6,
-                 n_embd: int = 384, dropout: float = 0.0, bias: bool = False, upcast_attention: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 256,
+        n_layer: int = 6,
+        n_head: int = 6,
+        n_embd: int = 384,
+        dropout: float = 0.0,
+        bias: bool = False,
+        upcast_attention: bool = False,
+    ):
         super().__init__()
         self.block_size = block_size
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, n_embd),
-            wpe=nn.Embedding(block_size, n_embd),
-            drop=nn.Dropout(dropout),
-            h=nn.ModuleList([Block(n_embd, n_head, dropout, bias, upcast_attention) for _ in range(n_layer)]),
-            ln_f=nn.LayerNorm(n_embd, bias=bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab_size, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                drop=nn.Dropout(dropout),
+                h=nn.ModuleList([Block(n_embd, n_head, dropout, bias, upcast_attention) for _ in range(n_layer)]),
+                ln_f=nn.LayerNorm(n_embd, bias=bias),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying (Press & Wolf 2017)
         self.apply(self._init_weights)
@@ -143,8 +159,13 @@ class GPT(nn.Module):
             self.transformer.ln_f = self.lm_head = None
         return self
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, chunk_tokens: int = 0,
-                fused: nn.Module | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        chunk_tokens: int = 0,
+        fused: nn.Module | None = None,
+    ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` of token ids ``idx`` ``(B, T)``; with ``targets`` ``(B, T)`` and ``chunk_tokens``
         the mean cross-entropy instead (``chunked_cross_entropy``, or the Liger module ``fused``)."""
         if self.transformer.wte is not None:  # None: a later pipeline stage, given the previous one's (B, T, C)
@@ -164,16 +185,28 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """``generate(self, ...)`` fed at most ``block_size`` tokens at a time; see the module function."""
         return generate(self, idx, max_new_tokens, temperature, top_k, generator, context=self.block_size)
 
 
 @torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None,
-             context: int | None = None) -> torch.Tensor:
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    context: int | None = None,
+) -> torch.Tensor:
     """Sample ``max_new_tokens`` tokens after the prompt ``idx`` ``(B, T0)`` int64; returns
     ``(B, T0 + max_new_tokens)``.
 
@@ -209,13 +242,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
         for start in range(0, n, chunk):
-            h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
             logits = (h @ weight.to(h.dtype).t()).float()
             loss += F.cross_entropy(logits, t, reduction="sum")
             grad = logits.softmax(-1)  # d(sum of the losses)/d logits = softmax - one-hot
             grad[torch.arange(len(t), device=t.device), t] -= 1
             grad = (grad / n).to(h.dtype)
-            d_hidden[start:start + chunk] = grad @ weight.to(h.dtype)
+            d_hidden[start : start + chunk] = grad @ weight.to(h.dtype)
             d_weight += (grad.t() @ h).float()
         ctx.save_for_backward(d_hidden, d_weight.to(weight.dtype))
         return loss / n
@@ -226,10 +259,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return d_hidden * grad_loss.to(d_hidden.dtype), d_weight * grad_loss.to(d_weight.dtype), None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk_tokens: int) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
     """Mean cross-entropy (nats per token) of the logits ``hidden @ weight.T`` (``hidden`` ``(N, C)``, ``weight``
     ``(V, C)``) against ``targets`` ``(N,)`` int64, ``chunk_tokens`` positions at a time, holding no ``(N, V)``
     tensor for the backward (``_ChunkedLinearCrossEntropy``)."""
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
-

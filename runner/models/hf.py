@@ -29,8 +29,9 @@ def require_transformers(what: str):
     try:
         import transformers
     except ModuleNotFoundError as e:
-        raise ConfigError(f"{what} needs the transformers package, which is not installed: "
-                          f"{OPTIONAL_PACKAGES['transformers']}") from e
+        raise ConfigError(
+            f"{what} needs the transformers package, which is not installed: {OPTIONAL_PACKAGES['transformers']}"
+        ) from e
     return transformers
 
 
@@ -51,8 +52,9 @@ def _settings_of(config) -> list[str]:
     return sorted((set(config.to_dict()) - common) | set(getattr(config, "attribute_map", {})))
 
 
-def causal_lm(vocab_size: int | None = None, model_type: str = "gpt2", block_size: int | None = None,
-              **settings: Any) -> nn.Module:
+def causal_lm(
+    vocab_size: int | None = None, model_type: str = "gpt2", block_size: int | None = None, **settings: Any
+) -> nn.Module:
     """A randomly initialised Hugging Face causal LM: token ids ``(B, T)`` int64 -> an output with ``.logits``
     ``(B, T, vocab_size)``, ``T`` <= the context length.
 
@@ -78,8 +80,10 @@ def causal_lm(vocab_size: int | None = None, model_type: str = "gpt2", block_siz
             config's settings); the config or the model cannot be built with these settings.
     """
     if vocab_size is None:
-        raise ConfigError("model=hf_causal_lm is a causal language model: it needs token data and the language-model "
-                          "task (task=language_model data=text data.path=<file>)")
+        raise ConfigError(
+            "model=hf_causal_lm is a causal language model: it needs token data and the language-model "
+            "task (task=language_model data=text data.path=<file>)"
+        )
     transformers = require_transformers(f"model=hf_causal_lm (model.model_type={model_type})")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -88,17 +92,21 @@ def causal_lm(vocab_size: int | None = None, model_type: str = "gpt2", block_siz
         close = difflib.get_close_matches(str(model_type), types, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         common = [t for t in ("gpt2", "llama", "mistral", "qwen2", "gpt_neox", "opt") if t in types]
-        raise ConfigError(f"model.model_type={model_type!r} is not a causal language model type of transformers "
-                          f"{transformers.__version__}{hint}; valid types include {', '.join(common)} ({len(types)} "
-                          f"in all: transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)")
+        raise ConfigError(
+            f"model.model_type={model_type!r} is not a causal language model type of transformers "
+            f"{transformers.__version__}{hint}; valid types include {', '.join(common)} ({len(types)} "
+            f"in all: transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)"
+        )
     defaults = AutoConfig.for_model(model_type)
     known = _settings_of(defaults)
     for key in settings:
         if not hasattr(defaults, key):
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean model.{close[0]}?)" if close else ""
-            raise ConfigError(f"model.{key}={settings[key]!r} is not a setting of {type(defaults).__name__} "
-                              f"(model.model_type={model_type}){hint}. Its settings: {', '.join(known)}")
+            raise ConfigError(
+                f"model.{key}={settings[key]!r} is not a setting of {type(defaults).__name__} "
+                f"(model.model_type={model_type}){hint}. Its settings: {', '.join(known)}"
+            )
     config: dict[str, Any] = {"use_cache": False, **settings, "vocab_size": vocab_size}
     if block_size is not None and not any(k in settings for k in CONTEXT_KEYS):
         key = next((k for k in CONTEXT_KEYS if hasattr(defaults, k)), None)
@@ -112,8 +120,10 @@ def causal_lm(vocab_size: int | None = None, model_type: str = "gpt2", block_siz
     try:
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
     except Exception as e:  # noqa: BLE001 - the architecture's own checks (e.g. hidden size % heads)
-        raise ConfigError(f"model=hf_causal_lm could not build a {model_type} model from {given}: "
-                          f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        raise ConfigError(
+            f"model=hf_causal_lm could not build a {model_type} model from {given}: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from e
 
 
 def context_length(model: nn.Module) -> tuple[int | None, str]:

@@ -24,17 +24,32 @@ def main(argv: list[str] | None = None) -> int:
     the message is printed as ``error: ...``); bad arguments exit with argparse's status 2.
     """
     parser = argparse.ArgumentParser(prog="python -m runner.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweep", type=Path, help="a multirun folder: an ablation (outputs/ablation/<date>/<time>), "
-                                                 "a convergence sweep (outputs/convergence/<date>/<time>) or any "
-                                                 "sweep (outputs/multirun/<date>/<time>)")
-    parser.add_argument("--doc", type=Path, help="ablation or convergence: also write the report as a document, e.g. "
-                                                 "docs/ablation-cpu.md")
-    parser.add_argument("--replication", type=Path, help="with --doc: an independent second sweep of the same job "
-                                                        "(convergence: other seeds); the document gets the agreement "
-                                                        "table")
-    parser.add_argument("--throughput", type=Path, help="convergence sweep: the interleaved ablation sweep of the same "
-                                                         "variants whose samples/s ratios turn samples to target into "
-                                                         "time to target")
+    parser.add_argument(
+        "sweep",
+        type=Path,
+        help="a multirun folder: an ablation (outputs/ablation/<date>/<time>), "
+        "a convergence sweep (outputs/convergence/<date>/<time>) or any "
+        "sweep (outputs/multirun/<date>/<time>)",
+    )
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        help="ablation or convergence: also write the report as a document, e.g. docs/ablation-cpu.md",
+    )
+    parser.add_argument(
+        "--replication",
+        type=Path,
+        help="with --doc: an independent second sweep of the same job "
+        "(convergence: other seeds); the document gets the agreement "
+        "table",
+    )
+    parser.add_argument(
+        "--throughput",
+        type=Path,
+        help="convergence sweep: the interleaved ablation sweep of the same "
+        "variants whose samples/s ratios turn samples to target into "
+        "time to target",
+    )
     parser.add_argument("--no-wandb", action="store_true", help="do not log the W&B table even if the jobs used W&B")
     args = parser.parse_args(argv)
     try:
@@ -52,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             if busy:  # stderr: stdout lists the files written
                 print(f"warning: {busy}", file=sys.stderr)
         else:
-            written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb,
-                                   replication=args.replication)
+            written = write_report(args.sweep, doc=args.doc, use_wandb=not args.no_wandb, replication=args.replication)
     except (ReportError, SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

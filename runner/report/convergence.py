@@ -68,14 +68,23 @@ def _censored(folder: Path, cfg: Any, siblings: list[dict[str, Any]]) -> Seed:
         ReportError: the budget cannot be known (no ``trainer.max_steps``)."""
     try:
         steps = OmegaConf.select(cfg, "trainer.max_steps")
-        batch = siblings[0]["global_batch_size"] if siblings else (
-            OmegaConf.select(cfg, "dataloader.batch_size") * (OmegaConf.select(cfg, "memory.accumulate_steps") or 1))
+        batch = (
+            siblings[0]["global_batch_size"]
+            if siblings
+            else (
+                OmegaConf.select(cfg, "dataloader.batch_size") * (OmegaConf.select(cfg, "memory.accumulate_steps") or 1)
+            )
+        )
     except Exception as e:  # noqa: BLE001 - an interpolation that does not resolve outside the job
-        raise ReportError(f"{folder}: no summary.json, and its budget cannot be read from .hydra/config.yaml ({e}); "
-                          f"rerun that seed (a failed seed is counted as not reaching the target, not dropped)") from e
+        raise ReportError(
+            f"{folder}: no summary.json, and its budget cannot be read from .hydra/config.yaml ({e}); "
+            f"rerun that seed (a failed seed is counted as not reaching the target, not dropped)"
+        ) from e
     if not steps:
-        raise ReportError(f"{folder}: no summary.json and no trainer.max_steps, so the budget it did not reach the "
-                          f"target within is unknown; rerun that seed (with a step limit)")
+        raise ReportError(
+            f"{folder}: no summary.json and no trainer.max_steps, so the budget it did not reach the "
+            f"target within is unknown; rerun that seed (with a step limit)"
+        )
     return Seed(float(steps * batch), False, OmegaConf.select(cfg, "trainer.seed"), None, str(folder))
 
 
@@ -88,8 +97,10 @@ def load_variants(sweep: Path) -> dict[str, Variant]:
     """
     folders = sorted(p.parent.parent for p in Path(sweep).glob("**/.hydra/config.yaml"))
     if not folders:
-        raise ReportError(f"{sweep} holds no job folder (<variant>/s<seed>/.hydra); pass the sweep folder of "
-                          f"`python -m runner -m +experiment=convergence` (outputs/convergence/<date>/<time>)")
+        raise ReportError(
+            f"{sweep} holds no job folder (<variant>/s<seed>/.hydra); pass the sweep folder of "
+            f"`python -m runner -m +experiment=convergence` (outputs/convergence/<date>/<time>)"
+        )
     variants: dict[str, Variant] = {}
     missing: list[tuple[Path, Any, Variant]] = []
     for folder in folders:
@@ -117,8 +128,10 @@ def load_variants(sweep: Path) -> dict[str, Variant]:
     for v in variants.values():
         known = [s.seed for s in v.seeds if s.seed is not None]
         if len(known) != len(set(known)):
-            raise ReportError(f"{v.name}: seed(s) {sorted({s for s in known if known.count(s) > 1})} appear more "
-                              f"than once in {sweep}: pass one sweep folder (each seed counts once)")
+            raise ReportError(
+                f"{v.name}: seed(s) {sorted({s for s in known if known.count(s) > 1})} appear more "
+                f"than once in {sweep}: pass one sweep folder (each seed counts once)"
+            )
     return variants
 
 
@@ -139,21 +152,26 @@ def throughput_intervals(sweep: Path) -> dict[str, Interval | None]:
     except ValueError as e:
         raise ReportError(str(e)) from e
     if record is None:
-        raise ReportError(f"--throughput {sweep}: no interleave.json; pass the sweep folder of an interleaved "
-                          f"ablation of the same variants (python -m runner -m +experiment=ablation "
-                          f"ablation/variant=baseline,...)")
+        raise ReportError(
+            f"--throughput {sweep}: no interleave.json; pass the sweep folder of an interleaved "
+            f"ablation of the same variants (python -m runner -m +experiment=ablation "
+            f"ablation/variant=baseline,...)"
+        )
     reference = record["reference"]
     if _variant_of(reference) != REFERENCE:
-        raise ReportError(f"--throughput {sweep}: its reference is {reference}, not the baseline; include "
-                          f"`baseline` in its ablation/variant=...")
+        raise ReportError(
+            f"--throughput {sweep}: its reference is {reference}, not the baseline; include "
+            f"`baseline` in its ablation/variant=..."
+        )
     comparisons = record_mod.compare(record)
     out: dict[str, Interval | None] = {}
     for name, job in record["jobs"].items():
         variant = _variant_of(name)
         if (job.get("config") or name) != name or variant == REFERENCE or job.get("reference") is None:
             continue  # a further process of a configuration, the baseline's copy (A'), the reference
-        out[variant] = comparisons.get(name) if job["reference"] == reference else record_mod.chained(
-            record, name, reference)
+        out[variant] = (
+            comparisons.get(name) if job["reference"] == reference else record_mod.chained(record, name, reference)
+        )
     return out
 
 
@@ -171,11 +189,16 @@ def check_same_job(config: dict[str, Any], throughput: Path) -> None:
     if not path.is_file() or not config:
         return
     theirs = json.loads(path.read_text()).get("config") or {}
-    differ = [f"{k}: {techniques.select(config, k)} here, {techniques.select(theirs, k)} there" for k in SAME_JOB
-              if techniques.select(config, k) != techniques.select(theirs, k)]
+    differ = [
+        f"{k}: {techniques.select(config, k)} here, {techniques.select(theirs, k)} there"
+        for k in SAME_JOB
+        if techniques.select(config, k) != techniques.select(theirs, k)
+    ]
     if differ:
-        raise ReportError(f"--throughput {throughput} measured another job ({'; '.join(differ)}); measure the "
-                          f"variants with this sweep's model, data and batch")
+        raise ReportError(
+            f"--throughput {throughput} measured another job ({'; '.join(differ)}); measure the "
+            f"variants with this sweep's model, data and batch"
+        )
 
 
 def _without_time(v: Variant, base: Variant, measured: dict[str, Interval | None] | None) -> str:
@@ -207,8 +230,10 @@ def build_variants(sweep: Path, throughput: Path | None = None, confidence: floa
     """
     variants = load_variants(Path(sweep))
     if REFERENCE not in variants:
-        raise ReportError(f"no baseline among the configurations {sorted(variants)}; every ratio is measured "
-                          f"against it: include `baseline` in ablation/variant=...")
+        raise ReportError(
+            f"no baseline among the configurations {sorted(variants)}; every ratio is measured "
+            f"against it: include `baseline` in ablation/variant=..."
+        )
     base = variants.pop(REFERENCE)
     base.samples_verdict = base.verdict = "reference"
     measured = None
@@ -237,7 +262,7 @@ def median_samples(seeds: list[Seed]) -> str:
         return "–"
     values = sorted(s.value if s.reached else math.inf for s in seeds)
     n = len(values)
-    middle = values[(n - 1) // 2: n // 2 + 1]
+    middle = values[(n - 1) // 2 : n // 2 + 1]
     if math.isinf(middle[-1]):
         return f"> {min(s.value for s in seeds if not s.reached):,.0f}"
     return f"{sum(middle) / len(middle):,.0f}"

@@ -20,10 +20,29 @@ from runner.report.convergence import NEEDS_THROUGHPUT, REFERENCE, Variant, buil
 from runner.report.sweep import sweep_command
 
 #: Columns of report.csv, in order (ratios config ÷ baseline; ``*_p``: the p-value of "no difference").
-COLUMNS = ["configuration", "technique", "step_cost", "seeds", "reached", "failed", "eval_every_samples",
-           "samples_to_target_median", "samples_ratio", "samples_ci_low", "samples_ci_high", "samples_p",
-           "samples_verdict", "throughput_ratio", "throughput_ci_low", "throughput_ci_high", "time_ratio",
-           "time_ci_low", "time_ci_high", "time_p", "verdict"]
+COLUMNS = [
+    "configuration",
+    "technique",
+    "step_cost",
+    "seeds",
+    "reached",
+    "failed",
+    "eval_every_samples",
+    "samples_to_target_median",
+    "samples_ratio",
+    "samples_ci_low",
+    "samples_ci_high",
+    "samples_p",
+    "samples_verdict",
+    "throughput_ratio",
+    "throughput_ci_low",
+    "throughput_ci_high",
+    "time_ratio",
+    "time_ci_low",
+    "time_ci_high",
+    "time_p",
+    "verdict",
+]
 #: verdicts a replication must reproduce
 FIRM = (HELPS, HURTS)
 
@@ -47,22 +66,28 @@ def _bold(verdict: str) -> str:
 
 def table(rows: list[Variant]) -> list[str]:
     """The markdown table of the rows."""
-    lines = ["| configuration | seeds reached | median samples to target | eval every (samples) | samples ratio "
-             "[95 % CI] | samples verdict | throughput ratio [95 % CI] | time-to-target ratio [95 % CI] | verdict |",
-             "|---|---:|---:|---:|---|---|---|---|---|"]
+    lines = [
+        "| configuration | seeds reached | median samples to target | eval every (samples) | samples ratio "
+        "[95 % CI] | samples verdict | throughput ratio [95 % CI] | time-to-target ratio [95 % CI] | verdict |",
+        "|---|---:|---:|---:|---|---|---|---|---|",
+    ]
     for v in rows:
         failed = f" ({len(v.failed)} failed)" if v.failed else ""
-        lines.append(f"| {v.name} | {v.reached}/{len(v.seeds)}{failed} | {median_samples(v.seeds)} | "
-                     f"{'–' if v.eval_samples is None else f'{v.eval_samples:,}'} | {ratio_text(v.samples)} | "
-                     f"{_bold(v.samples_verdict)} | {ratio_text(v.throughput) if v.name != REFERENCE else '–'} | "
-                     f"{ratio_text(v.time)} | {_bold(v.verdict)} |")
+        lines.append(
+            f"| {v.name} | {v.reached}/{len(v.seeds)}{failed} | {median_samples(v.seeds)} | "
+            f"{'–' if v.eval_samples is None else f'{v.eval_samples:,}'} | {ratio_text(v.samples)} | "
+            f"{_bold(v.samples_verdict)} | {ratio_text(v.throughput) if v.name != REFERENCE else '–'} | "
+            f"{ratio_text(v.time)} | {_bold(v.verdict)} |"
+        )
     return lines
 
 
 def _target_text(rows: list[Variant]) -> str:
     trainer = next((v.config.get("trainer") or {} for v in rows if v.config), {})
-    said = [f"eval_accuracy >= {trainer['target_accuracy']:g}" if trainer.get("target_accuracy") is not None else "",
-            f"eval_loss <= {trainer['target_loss']:g}" if trainer.get("target_loss") is not None else ""]
+    said = [
+        f"eval_accuracy >= {trainer['target_accuracy']:g}" if trainer.get("target_accuracy") is not None else "",
+        f"eval_loss <= {trainer['target_loss']:g}" if trainer.get("target_loss") is not None else "",
+    ]
     return " and ".join(s for s in said if s) or "(not recorded)"
 
 
@@ -71,28 +96,38 @@ def _notes(rows: list[Variant], throughput: Path | None) -> list[str]:
     lines: list[str] = []
     failed = [f"`{f}`" for v in rows for f in v.failed]
     if failed:
-        lines += [f"**Failed seeds:** {len(failed)} job(s) left no summary.json ({', '.join(failed)}: failed, "
-                  f"diverged or still running). Each is counted as a seed that did not reach the target within its "
-                  f"budget (trainer.max_steps × the global batch), never dropped.", ""]
+        lines += [
+            f"**Failed seeds:** {len(failed)} job(s) left no summary.json ({', '.join(failed)}: failed, "
+            f"diverged or still running). Each is counted as a seed that did not reach the target within its "
+            f"budget (trainer.max_steps × the global batch), never dropped.",
+            "",
+        ]
     waiting = [v.name for v in rows if v.verdict == NEEDS_THROUGHPUT]
     if waiting:
-        lines += [f"**Throughput not measured** for {', '.join(waiting)}: a technique that changes what a step "
-                  f"costs (runner/techniques/ `step_cost`), so the time to target needs its samples/s against the "
-                  f"baseline's, measured interleaved: `python -m runner -m +experiment=ablation "
-                  f"ablation/variant={REFERENCE},{','.join(waiting)} <this job's overrides>`, then `python -m "
-                  f"runner.report <this sweep> --throughput <that sweep>`.", ""]
+        lines += [
+            f"**Throughput not measured** for {', '.join(waiting)}: a technique that changes what a step "
+            f"costs (runner/techniques/ `step_cost`), so the time to target needs its samples/s against the "
+            f"baseline's, measured interleaved: `python -m runner -m +experiment=ablation "
+            f"ablation/variant={REFERENCE},{','.join(waiting)} <this job's overrides>`, then `python -m "
+            f"runner.report <this sweep> --throughput <that sweep>`.",
+            "",
+        ]
     if throughput is not None:
         lines += [f"Throughput ratios: the interleaved comparisons of `{throughput}`.", ""]
     fewest = min(len(v.seeds) for v in rows)
     if fewest < 4:
-        lines += [f"**Too few seeds for a verdict:** {fewest} seeds on a side. The exact 95 % interval cannot exclude "
-                  f"1 below 4 seeds per side (with 3 it is 0–∞); 8 per side resolve a 20 % difference at a 5 % spread "
-                  f"per seed: trainer.seed=range(0,8).", ""]
+        lines += [
+            f"**Too few seeds for a verdict:** {fewest} seeds on a side. The exact 95 % interval cannot exclude "
+            f"1 below 4 seeds per side (with 3 it is 0–∞); 8 per side resolve a 20 % difference at a 5 % spread "
+            f"per seed: trainer.seed=range(0,8).",
+            "",
+        ]
     return lines
 
 
 READING = [
-    "## How to read it", "",
+    "## How to read it",
+    "",
     "- **seeds reached**: seeds that met the target within their budget, of the seeds run; a seed that did not (or "
     "failed) is counted, and bounds the interval instead of being dropped.",
     "- **median samples to target**: global samples trained when an evaluation first met the target (a seed that "
@@ -110,15 +145,32 @@ READING = [
 ]
 
 
-def markdown(rows: list[Variant], sweep: Path, record: dict[str, Any], throughput: Path | None,
-             title: str = "Convergence report: what each technique buys in time to target") -> str:
+def markdown(
+    rows: list[Variant],
+    sweep: Path,
+    record: dict[str, Any],
+    throughput: Path | None,
+    title: str = "Convergence report: what each technique buys in time to target",
+) -> str:
     """report.md's text (also the body of ``--doc``)."""
     seeds = sorted({s.seed for v in rows for s in v.seeds if s.seed is not None})
-    lines = [f"# {title}", "", "| | |", "|---|---|",
-             f"| command | `{record.get('command', '(not recorded)')}` |", f"| sweep folder | `{sweep}` |",
-             f"| target | {_target_text(rows)} (runs stop there: trainer.stop_at_target) |",
-             f"| seeds | {', '.join(map(str, seeds))} per configuration (trainer.seed) |", "",
-             *_notes(rows, throughput), "## Configurations", "", *table(rows), "", *READING]
+    lines = [
+        f"# {title}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| command | `{record.get('command', '(not recorded)')}` |",
+        f"| sweep folder | `{sweep}` |",
+        f"| target | {_target_text(rows)} (runs stop there: trainer.stop_at_target) |",
+        f"| seeds | {', '.join(map(str, seeds))} per configuration (trainer.seed) |",
+        "",
+        *_notes(rows, throughput),
+        "## Configurations",
+        "",
+        *table(rows),
+        "",
+        *READING,
+    ]
     return "\n".join(lines)
 
 
@@ -141,9 +193,23 @@ def write_csv(rows: list[Variant], path: Path) -> None:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         for v in rows:
-            values = [v.name, v.technique, v.step_cost, len(v.seeds), v.reached, len(v.failed), v.eval_samples,
-                      median_samples(v.seeds), *_ends(v.samples), v.samples and v.samples.p_value, v.samples_verdict,
-                      *_ends(v.throughput), *_ends(v.time), v.time and v.time.p_value, v.verdict]
+            values = [
+                v.name,
+                v.technique,
+                v.step_cost,
+                len(v.seeds),
+                v.reached,
+                len(v.failed),
+                v.eval_samples,
+                median_samples(v.seeds),
+                *_ends(v.samples),
+                v.samples and v.samples.p_value,
+                v.samples_verdict,
+                *_ends(v.throughput),
+                *_ends(v.time),
+                v.time and v.time.p_value,
+                v.verdict,
+            ]
             writer.writerow([_cell(x) for x in values])
 
 
@@ -152,8 +218,10 @@ def agreement(rows: list[Variant], replication: list[Variant]) -> tuple[str, lis
     section and the configurations where this sweep's firm verdict (samples or time; helps/hurts) is not the
     replication's. A "no measurable effect" may come out either way and is not counted against agreement."""
     theirs = {v.name: v for v in replication}
-    lines = ["| configuration | samples ratio, this sweep | replication | time ratio, this sweep | replication | "
-             "agree |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | samples ratio, this sweep | replication | time ratio, this sweep | replication | agree |",
+        "|---|---|---|---|---|---|",
+    ]
     disagree = []
     for v in rows[1:]:
         o = theirs.get(v.name)
@@ -162,14 +230,20 @@ def agreement(rows: list[Variant], replication: list[Variant]) -> tuple[str, lis
         if broken:
             disagree.append(v.name)
         mark = "**no**" if broken else "yes" if any(mine in FIRM for mine, _ in pairs) else "—"
-        cells = [f"{ratio_text(v.samples)} {v.samples_verdict}",
-                 f"{ratio_text(o.samples)} {o.samples_verdict}" if o else "not run",
-                 f"{ratio_text(v.time)} {v.verdict}", f"{ratio_text(o.time)} {o.verdict}" if o else "not run"]
+        cells = [
+            f"{ratio_text(v.samples)} {v.samples_verdict}",
+            f"{ratio_text(o.samples)} {o.samples_verdict}" if o else "not run",
+            f"{ratio_text(v.time)} {v.verdict}",
+            f"{ratio_text(o.time)} {o.verdict}" if o else "not run",
+        ]
         lines.append(f"| {v.name} | {' | '.join(cells)} | {mark} |")
     firm = [v.name for v in rows[1:] if v.samples_verdict in FIRM or v.verdict in FIRM]
-    head = (f"The replication agrees on every firm verdict ({len(firm)} configuration(s) with one)." if not disagree
-            else f"The replication disagrees on {len(disagree)} of the {len(firm)} configuration(s) with a firm "
-                 f"verdict: {', '.join(disagree)}.")
+    head = (
+        f"The replication agrees on every firm verdict ({len(firm)} configuration(s) with one)."
+        if not disagree
+        else f"The replication disagrees on {len(disagree)} of the {len(firm)} configuration(s) with a firm "
+        f"verdict: {', '.join(disagree)}."
+    )
     return "\n".join([head, "", *lines]), disagree
 
 
@@ -183,8 +257,13 @@ def _record(sweep: Path) -> dict[str, Any]:
     return {"command": sweep_command(OmegaConf.load(path).hydra)}
 
 
-def write_convergence_report(sweep: Path, throughput: Path | None = None, doc: Path | None = None,
-                             replication: Path | None = None, rows: list[Variant] | None = None) -> list[Path]:
+def write_convergence_report(
+    sweep: Path,
+    throughput: Path | None = None,
+    doc: Path | None = None,
+    replication: Path | None = None,
+    rows: list[Variant] | None = None,
+) -> list[Path]:
     """Write report.md and report.csv of the convergence sweep in ``sweep`` there (and ``doc``, with the agreement
     table of the ``replication`` sweep, built with the same ``throughput``). Returns the written paths.
 

@@ -16,7 +16,6 @@ from runner.report.sweep import jobs_table, load_sweep, load_warning, write_plai
 MEASURE_KEY = "ablation.measure"  # convergence: the sweep's report is the convergence report
 
 
-
 def _not_written(kind: str, e: Exception, sweep: Path, command: str) -> None:
     """A report that could not be written: one line. A full disk or a read-only folder is an ``error:`` line and exit
     status 2 (the jobs' folders are complete; the command writes the report once there is room); anything else a
@@ -30,8 +29,12 @@ def _not_written(kind: str, e: Exception, sweep: Path, command: str) -> None:
         print(f"{kind}: not written ({type(e).__name__}: {e}); {command} writes it", flush=True)
         return
     free = f" ({describe_free(sweep)})" if "disk" in found[0] else ""
-    print(f"error: {found[0]}: could not write the {kind} in {sweep}{free}; every job's folder is complete: free space "
-          f"there (or make it writable) and run {command}", file=sys.stderr, flush=True)
+    print(
+        f"error: {found[0]}: could not write the {kind} in {sweep}{free}; every job's folder is complete: free space "
+        f"there (or make it writable) and run {command}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.exit(2)
 
 
@@ -66,11 +69,17 @@ def print_convergence_end(sweep: Path) -> None:
     except Exception as e:  # noqa: BLE001 - the seeds are done and their folders written; the report is extra
         _not_written("convergence report", e, sweep, command)
         return
-    lines = ["", f"convergence sweep {sweep}, ratios to the baseline:", *table(rows),
-             f"wrote {', '.join(str(p) for p in written)}"]
+    lines = [
+        "",
+        f"convergence sweep {sweep}, ratios to the baseline:",
+        *table(rows),
+        f"wrote {', '.join(str(p) for p in written)}",
+    ]
     if any(v.verdict == NEEDS_THROUGHPUT for v in rows):
-        lines.append(f"time to target of the rows that change a step's cost (report.md says how to measure it): "
-                     f"{command} --throughput <interleaved ablation sweep>")
+        lines.append(
+            f"time to target of the rows that change a step's cost (report.md says how to measure it): "
+            f"{command} --throughput <interleaved ablation sweep>"
+        )
     else:
         lines.append(f"the report again: {command}")
     print("\n".join(lines), flush=True)

@@ -94,8 +94,10 @@ def load_jobs(sweep: Path) -> list[Job]:
             ablation job, or the same (configuration, repeat) twice (two sweeps in one folder).
     """
     if not sweep.is_dir():
-        raise ReportError(f"{sweep} is not a folder; pass the sweep folder of `python -m runner -m "
-                          f"+experiment=ablation` (outputs/ablation/<date>/<time>)")
+        raise ReportError(
+            f"{sweep} is not a folder; pass the sweep folder of `python -m runner -m "
+            f"+experiment=ablation` (outputs/ablation/<date>/<time>)"
+        )
     jobs: dict[tuple[str, int], Job] = {}
     for name in ("summary.json", "not_run.json", "failed.json"):
         for path in sorted(sweep.rglob(name)):
@@ -107,10 +109,18 @@ def load_jobs(sweep: Path) -> list[Job]:
                 ablation = (data.get("config") or {}).get("ablation") or {}
                 variant, repeat = ablation.get("variant"), ablation.get("repeat", 0)
                 if variant is None:
-                    raise ReportError(f"{path} is not from an ablation job (no config.ablation.variant); the report "
-                                      f"reads sweeps of `python -m runner -m +experiment=ablation`")
-                job = Job(variant, int(repeat), path.parent.relative_to(sweep), ablation.get("kind"),
-                          ablation.get("technique"), data)
+                    raise ReportError(
+                        f"{path} is not from an ablation job (no config.ablation.variant); the report "
+                        f"reads sweeps of `python -m runner -m +experiment=ablation`"
+                    )
+                job = Job(
+                    variant,
+                    int(repeat),
+                    path.parent.relative_to(sweep),
+                    ablation.get("kind"),
+                    ablation.get("technique"),
+                    data,
+                )
             else:
                 variant, repeat = data.get("variant"), int(data.get("repeat", 0))
                 if variant is None:
@@ -122,14 +132,18 @@ def load_jobs(sweep: Path) -> list[Job]:
                 job.failed = data.get("returncode") if name == "failed.json" else None
             key = (variant, repeat)
             if key in jobs and name == "summary.json":
-                raise ReportError(f"{variant} repeat {repeat} appears twice ({sweep / jobs[key].folder} and "
-                                  f"{path.parent}); "
-                                  f"pass one sweep folder, not a folder holding several sweeps")
+                raise ReportError(
+                    f"{variant} repeat {repeat} appears twice ({sweep / jobs[key].folder} and "
+                    f"{path.parent}); "
+                    f"pass one sweep folder, not a folder holding several sweeps"
+                )
             job.times = job_times(path.parent, job.summary)
             jobs[key] = job
     if not jobs:
-        raise ReportError(f"{sweep} holds no summary.json; is it the sweep folder of `python -m runner -m "
-                          f"+experiment=ablation` (outputs/ablation/<date>/<time>), and did its jobs finish?")
+        raise ReportError(
+            f"{sweep} holds no summary.json; is it the sweep folder of `python -m runner -m "
+            f"+experiment=ablation` (outputs/ablation/<date>/<time>), and did its jobs finish?"
+        )
     return sorted(jobs.values(), key=lambda j: (j.repeat, j.variant))
 
 
@@ -156,12 +170,15 @@ def unfinished_jobs(sweep: Path, record: dict[str, Any], jobs: list[Job]) -> lis
             ablation = cfg["ablation"]
             variant = ablation["variant"]
         except (OSError, KeyError, TypeError, ValueError) as e:
-            raise ReportError(f"{path} cannot be read or names no ablation.variant ({e}); delete that job "
-                              f"folder from interleave.json's jobs or run the sweep again") from e
+            raise ReportError(
+                f"{path} cannot be read or names no ablation.variant ({e}); delete that job "
+                f"folder from interleave.json's jobs or run the sweep again"
+            ) from e
         summary = slice_summary(slices) | {"config": cfg}
         folder = Path(job.get("folder", name))
-        unfinished = Job(variant, int(ablation.get("repeat", 0)), folder, ablation.get("kind"),
-                         ablation.get("technique"), summary)
+        unfinished = Job(
+            variant, int(ablation.get("repeat", 0)), folder, ablation.get("kind"), ablation.get("technique"), summary
+        )
         unfinished.times = job_times(sweep / folder, None)
         out.append(unfinished)
     return out
@@ -179,12 +196,13 @@ def technique_of(variant: str) -> str | None:
     """The technique a configuration switches, from its name (None for ``baseline`` and ``fast``)."""
     for prefix in ("baseline+", "fast-"):
         if variant.startswith(prefix):
-            return variant[len(prefix):]
+            return variant[len(prefix) :]
     return None
 
 
-def technique_status(kind: str | None, own: dict[str, str], baseline: dict[str, str],
-                     fast: dict[str, str] | None) -> tuple[str, bool]:
+def technique_status(
+    kind: str | None, own: dict[str, str], baseline: dict[str, str], fast: dict[str, str] | None
+) -> tuple[str, bool]:
     """``(text, all_skipped)``: what this configuration switched, from summary.json ``techniques``.
 
     leave-one-in: the entries that differ from the baseline's; leave-one-out: the fast preset's entries
@@ -198,8 +216,14 @@ def technique_status(kind: str | None, own: dict[str, str], baseline: dict[str, 
     else:
         applied = [k for k, v in own.items() if v == "applied"]
         skipped = [k for k, v in own.items() if v != "applied"]
-        text = "; ".join(p for p in ("applied: " + ", ".join(applied) if applied else "",
-                                     "skipped: " + ", ".join(skipped) if skipped else "") if p)
+        text = "; ".join(
+            p
+            for p in (
+                "applied: " + ", ".join(applied) if applied else "",
+                "skipped: " + ", ".join(skipped) if skipped else "",
+            )
+            if p
+        )
         return text or ("no status recorded" if kind == "fast" else "none"), False
     if not changed:
         return "no status recorded", False

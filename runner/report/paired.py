@@ -43,8 +43,9 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     aa = record.get("aa")
     config_of = {name: job.get("config") or name for name, job in record["jobs"].items()}
     family = [n for n in comparisons if n != aa]
-    verdicts = dict(zip(family, paired_stats.verdicts([comparisons[n] for n in family],
-                                                      record["settings"].get("confidence", 0.95))))
+    verdicts = dict(
+        zip(family, paired_stats.verdicts([comparisons[n] for n in family], record["settings"].get("confidence", 0.95)))
+    )
     if aa in comparisons:  # the noise check: its own test, outside the family
         verdicts[aa] = paired_stats.verdicts([comparisons[aa]])[0]
     out: dict[str, dict[str, Any]] = {}
@@ -52,13 +53,26 @@ def job_comparisons(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
         config = config_of[name]
         c = comparisons.get(config)
         if job.get("reference") is None:
-            out[name] = {"speedup": 1.0, "ci_low": None, "ci_high": None, "verdict": "reference",
-                         "design": job.get("design", DESIGN), "pairs": None, "reference": None}
+            out[name] = {
+                "speedup": 1.0,
+                "ci_low": None,
+                "ci_high": None,
+                "verdict": "reference",
+                "design": job.get("design", DESIGN),
+                "pairs": None,
+                "reference": None,
+            }
             continue
-        out[name] = {"speedup": c and c.estimate, "ci_low": c and c.low, "ci_high": c and c.high,
-                     "verdict": _word(verdicts.get(config, ""), c, "faster", "slower") + (
-                         " (A/A: the reference's copy)" if config == aa else ""),
-                     "design": job.get("design", DESIGN), "pairs": c and c.n, "reference": job["reference"]}
+        out[name] = {
+            "speedup": c and c.estimate,
+            "ci_low": c and c.low,
+            "ci_high": c and c.high,
+            "verdict": _word(verdicts.get(config, ""), c, "faster", "slower")
+            + (" (A/A: the reference's copy)" if config == aa else ""),
+            "design": job.get("design", DESIGN),
+            "pairs": c and c.n,
+            "reference": job["reference"],
+        }
     return out
 
 
@@ -83,8 +97,11 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
         if row.kind == "baseline":
             continue
         own = comparisons.get(name)
-        to_base = own if record["jobs"][name].get("reference") == baseline else record_mod.chained(
-            record, name, baseline, confidence)
+        to_base = (
+            own
+            if record["jobs"][name].get("reference") == baseline
+            else record_mod.chained(record, name, baseline, confidence)
+        )
         row.speedup_ci = to_base
         row.speedup = to_base.estimate if to_base else row.speedup
         row.effect_ci = (own.inverted() if row.kind == "leave-one-out" else own) if own else None
@@ -115,11 +132,11 @@ def apply_to_rows(rows: list[Any], record: dict[str, Any]) -> None:
 #: The pass order (``interleave.order``, runner/compare/schedule.py) in one sentence.
 ORDER_TEXT = {
     "rmit": "In each pass every job, the references included, trained one slice, in a fresh random order "
-            "(randomized multiple interleaved trials), and each job pairs with its reference's slice of that pass.",
+    "(randomized multiple interleaved trials), and each job pairs with its reference's slice of that pass.",
     "abba": "In each pass every job trained one slice next to a slice of its reference (R J J R ..., reversed every "
-            "other pass), and pairs with that adjacent slice.",
+    "other pass), and pairs with that adjacent slice.",
     "random": "In each pass every job trained one slice next to a slice of its reference (R J J R ..., reversed at "
-              "random), and pairs with that adjacent slice.",
+    "random), and pairs with that adjacent slice.",
 }
 
 
@@ -146,8 +163,10 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
         passes[sl["group"]] = max(passes.get(sl["group"], 0), sl["pass"] + 1)
     level, order = s.get("confidence", 0.95), ORDER_TEXT.get(s.get("order"), "")
     if record_mod.replicated(record):
-        order = "In each pass every process trained one slice, in a fresh random order (randomized multiple " \
-                "interleaved trials)."
+        order = (
+            "In each pass every process trained one slice, in a fresh random order (randomized multiple "
+            "interleaved trials)."
+        )
         df = sum(len(names) - 1 for names in record_mod.configs(record).values())
         statistic = (
             f"Every configuration ran in {s.get('processes')} processes (the process is the unit of replication: "
@@ -156,45 +175,60 @@ def noise_lines(record: dict[str, Any]) -> list[str]:
             f"figure is its mean log samples/s relative to the reference's processes in the same passes, so drift "
             f"slower than a pass cancels; a speed-up is exp(difference of the configurations' means over their "
             f"processes) with a {level:.0%} two-sample t interval whose spread is pooled between the processes of "
-            f"every configuration ({df} degrees of freedom)")
+            f"every configuration ({df} degrees of freedom)"
+        )
     else:
         statistic = (
             "A job's figure per pass is the ratio of its slice's samples/s to its reference's paired slice (the "
             "paired ratio), so drift slower than a pass cancels. A speed-up is exp(mean log ratio) over the passes "
-            f"with a {level:.0%} Student-t interval (paired t-test on log ratios)")
+            f"with a {level:.0%} Student-t interval (paired t-test on log ratios)"
+        )
     lines = [
-        "## How this sweep was measured: interleaved", "",
+        "## How this sweep was measured: interleaved",
+        "",
         f"Every job was resident in its own process; the jobs took turns training {record.get('slice_steps')} "
         f"optimizer step(s) per slice (after {_resume(record)} unmeasured step(s)) while the others waited "
         f"(blocked on a pipe: no core, no GPU work). {order} {statistic}; verdicts "
-        f"use Holm's step-down procedure over the sweep's comparisons (family-wise error {1 - level:.0%}).", "",
+        f"use Holm's step-down procedure over the sweep's comparisons (family-wise error {1 - level:.0%}).",
+        "",
         f"- References (resident throughout): {', '.join(f'`{r}`' for r in refs)}",
     ]
     for g in sorted(groups):
-        lines.append(f"- Group {g}: {len(groups[g])} job(s), {passes.get(g, 0)} pass(es): "
-                     + ", ".join(f"`{n}`" for n in groups[g]))
+        lines.append(
+            f"- Group {g}: {len(groups[g])} job(s), {passes.get(g, 0)} pass(es): "
+            + ", ".join(f"`{n}`" for n in groups[g])
+        )
     if fallback:
-        pairs = sum(1 for sl in record.get("slices", [])
-                    if sl["group"] == "rounds" and sl.get("pairs_with") is not None)
-        lines.append("- Measured in rounds instead (no room beside the references, or out of memory there): "
-                     + ", ".join(f"`{n}`" for n in fallback) + f"; {pairs} pair(s) of fresh processes in all, each "
-                     "the reference and then the job (reversed every other pair), minutes apart: the `design` "
-                     "column says `rounds`")
+        pairs = sum(
+            1 for sl in record.get("slices", []) if sl["group"] == "rounds" and sl.get("pairs_with") is not None
+        )
+        lines.append(
+            "- Measured in rounds instead (no room beside the references, or out of memory there): "
+            + ", ".join(f"`{n}`" for n in fallback)
+            + f"; {pairs} pair(s) of fresh processes in all, each "
+            "the reference and then the job (reversed every other pair), minutes apart: the `design` "
+            "column says `rounds`"
+        )
     lines += [f"- Stopped: {'; '.join(record.get('stopped') or ['(still running)'])}"]
     if record.get("started") and record.get("finished"):
-        lines.append(f"- Ran {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['started']))} to "
-                     f"{time.strftime('%H:%M:%S', time.localtime(record['finished']))} "
-                     f"({(record['finished'] - record['started']) / 60:.1f} min, setup included)")
+        lines.append(
+            f"- Ran {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['started']))} to "
+            f"{time.strftime('%H:%M:%S', time.localtime(record['finished']))} "
+            f"({(record['finished'] - record['started']) / 60:.1f} min, setup included)"
+        )
     failed = {n: j["status"] for n, j in jobs.items() if j["status"] not in ("measured",)}
     for name, status in failed.items():
         lines.append(f"- `{name}`: {status}")
     lines.append("")
     if aa is not None:
         mde = paired_stats.minimum_detectable(aa)
-        lines += [f"**Noise (A/A):** the reference against its copy `{record.get('aa')}`: "
-                  f"{record_mod.describe(aa)} over {aa.n} {_units(record)} (±{aa.half_width:.1%}). The smallest "
-                  f"effect this sweep detects with 80 % power at its level is about ±{mde:.1%}; a verdict of \"no "
-                  f"effect larger than ±X %\" means the interval lies within 1 ± X.", ""]
+        lines += [
+            f"**Noise (A/A):** the reference against its copy `{record.get('aa')}`: "
+            f"{record_mod.describe(aa)} over {aa.n} {_units(record)} (±{aa.half_width:.1%}). The smallest "
+            f'effect this sweep detects with 80 % power at its level is about ±{mde:.1%}; a verdict of "no '
+            f'effect larger than ±X %" means the interval lies within 1 ± X.',
+            "",
+        ]
     else:
         lines += ["**Noise (A/A):** no copy of the reference measured (fewer than 2 pairs).", ""]
     return lines

@@ -49,14 +49,20 @@ def build_rows(jobs: list[Job]) -> list[Row]:
     """
     rows: dict[str, Row] = {}
     for job in jobs:
-        row = rows.setdefault(job.variant, Row(job.variant, job.kind or kind_of(job.variant),
-                                               job.technique if job.kind else technique_of(job.variant)))
+        row = rows.setdefault(
+            job.variant,
+            Row(
+                job.variant, job.kind or kind_of(job.variant), job.technique if job.kind else technique_of(job.variant)
+            ),
+        )
         row.jobs.append(job)
         if job.samples_per_sec:
             row.runs.append(job.samples_per_sec)
     if "baseline" not in rows:
-        raise ReportError(f"no baseline among the configurations {sorted(rows)}; every speed-up is measured "
-                          f"against it: include `baseline` in ablation/variant=...")
+        raise ReportError(
+            f"no baseline among the configurations {sorted(rows)}; every speed-up is measured "
+            f"against it: include `baseline` in ablation/variant=..."
+        )
     baseline = rows["baseline"]
     if not baseline.runs:
         raise ReportError(f"the baseline has no measured process ({_job_problems(baseline)}); run it again")
@@ -69,8 +75,9 @@ def build_rows(jobs: list[Job]) -> list[Row]:
             "step_time_ms_median": _median([s.get("step_time_ms_median") for s in summaries]),
             "data_wait_fraction": _median([s.get("data_wait_fraction") for s in summaries]),
             "peak_memory_mb": _median([s.get("peak_memory_mb") for s in summaries]),
-            "final_loss": _median([s.get("eval_loss") if s.get("eval_loss") is not None else s.get("train_loss")
-                                   for s in summaries]),
+            "final_loss": _median(
+                [s.get("eval_loss") if s.get("eval_loss") is not None else s.get("train_loss") for s in summaries]
+            ),
             "train_loss": _median([s.get("train_loss") for s in summaries]),
             "batch_size": _median([s.get("global_batch_size") for s in summaries]),
             "setup_s": _median([j.times.get("setup_s") for j in row.jobs if j.summary]),
@@ -78,8 +85,9 @@ def build_rows(jobs: list[Job]) -> list[Row]:
         }
         if row.figures["peak_memory_mb"] is not None and base_peak:
             row.peak_change_pct = 100 * (row.figures["peak_memory_mb"] - base_peak) / base_peak
-        row.status, row.all_skipped = technique_status(row.kind, techniques[row.configuration],
-                                                       techniques["baseline"], techniques.get("fast"))
+        row.status, row.all_skipped = technique_status(
+            row.kind, techniques[row.configuration], techniques["baseline"], techniques.get("fast")
+        )
     for row in rows.values():
         if not row.runs:
             row.verdict, row.status = _job_problems(row), ""
@@ -99,7 +107,15 @@ def _techniques(row: Row) -> dict[str, str]:
 
 def _job_problems(row: Row) -> str:
     """Why a configuration has no figures: its jobs' not-run reasons, exit statuses or folders, joined."""
-    reasons = sorted({f"not run: {j.not_run}" if j.not_run else f"failed (exit status {j.failed}), see {j.folder}/"
-                      if j.failed is not None else f"no figures in {j.folder}/" for j in row.jobs
-                      if not j.samples_per_sec})
+    reasons = sorted(
+        {
+            f"not run: {j.not_run}"
+            if j.not_run
+            else f"failed (exit status {j.failed}), see {j.folder}/"
+            if j.failed is not None
+            else f"no figures in {j.folder}/"
+            for j in row.jobs
+            if not j.samples_per_sec
+        }
+    )
     return "; ".join(reasons)

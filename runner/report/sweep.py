@@ -25,9 +25,26 @@ if TYPE_CHECKING:
 #: Columns of a plain sweep's report.csv, after the swept keys (one column each).
 #: ``speedup`` .. ``design``: the paired comparison with the sweep's reference job under hydra/launcher=interleaved
 #: (runner/report/paired.py); ``design`` is ``sequential`` (and the four before it empty) for other sweeps.
-PLAIN_COLUMNS = ["job", "status", "samples_per_sec", "speedup", "ci_low", "ci_high", "verdict", "design",
-                 "step_time_ms_median", "data_wait_fraction", "peak_memory_mb", "train_loss", "eval_loss",
-                 "eval_accuracy", "setup_s", "train_time_s", "measured_time_s", "overrides"]
+PLAIN_COLUMNS = [
+    "job",
+    "status",
+    "samples_per_sec",
+    "speedup",
+    "ci_low",
+    "ci_high",
+    "verdict",
+    "design",
+    "step_time_ms_median",
+    "data_wait_fraction",
+    "peak_memory_mb",
+    "train_loss",
+    "eval_loss",
+    "eval_accuracy",
+    "setup_s",
+    "train_time_s",
+    "measured_time_s",
+    "overrides",
+]
 
 
 def sweep_command(hydra_cfg: DictConfig) -> str:
@@ -73,9 +90,14 @@ def job_times(folder: Path, summary: dict[str, Any] | None) -> dict[str, float |
     if finished is not None and written is not None:
         teardown = max(finished - written, 0.0)
     end = finished if finished is not None else written
-    return {"wall_s": end - started if started is not None and end is not None else _num(record.get("wall_s")),
-            "setup_s": setup, "train_s": train, "measured_s": _num(summary.get("measured_time_s")),
-            "eval_s": evaluation, "teardown_s": teardown}
+    return {
+        "wall_s": end - started if started is not None and end is not None else _num(record.get("wall_s")),
+        "setup_s": setup,
+        "train_s": train,
+        "measured_s": _num(summary.get("measured_time_s")),
+        "eval_s": evaluation,
+        "teardown_s": teardown,
+    }
 
 
 def _num(value: Any) -> float | None:
@@ -86,16 +108,19 @@ def time_budget(times: list[dict[str, float | None]], sweep_wall_s: float | None
     """The sweep's wall time split into measured steps, the rest of training (warm-up steps, logging),
     evaluation, per-job setup, per-job teardown and the remainder (Hydra, the report, jobs not run),
     each the sum over jobs in seconds. Rows whose figure no job had are None."""
+
     def total(key: str) -> float | None:
         values = [t[key] for t in times if t.get(key) is not None]
         return sum(values) if values else None
 
     measured, train = total("measured_s"), total("train_s")
-    rows = [("measured steps", measured),
-            ("warm-up steps and logging", train - measured if train is not None and measured is not None else None),
-            ("evaluation", total("eval_s")),
-            ("setup before the first step (process, imports, data, model)", total("setup_s")),
-            ("teardown after the summary (W&B, exit)", total("teardown_s"))]
+    rows = [
+        ("measured steps", measured),
+        ("warm-up steps and logging", train - measured if train is not None and measured is not None else None),
+        ("evaluation", total("eval_s")),
+        ("setup before the first step (process, imports, data, model)", total("setup_s")),
+        ("teardown after the summary (W&B, exit)", total("teardown_s")),
+    ]
     if sweep_wall_s is not None:
         known = sum(v for _, v in rows if v is not None)
         rows.append(("rest (launcher, Hydra, report, jobs not run)", max(sweep_wall_s - known, 0.0)))
@@ -112,8 +137,11 @@ def budget_lines(times: list[dict[str, float | None]], sweep_wall_s: float | Non
         lines += [f"Sweep wall time: {_dur(sweep_wall_s)} ({source}){share}.", ""]
     setups = [t["setup_s"] for t in times if t.get("setup_s") is not None]
     if setups:
-        lines += [f"Fixed cost per job (setup before the first step): median {statistics.median(setups):.1f} s, "
-                  f"{min(setups):.1f}–{max(setups):.1f} s over {len(setups)} jobs.", ""]
+        lines += [
+            f"Fixed cost per job (setup before the first step): median {statistics.median(setups):.1f} s, "
+            f"{min(setups):.1f}–{max(setups):.1f} s over {len(setups)} jobs.",
+            "",
+        ]
     lines += ["| where | time | share |", "|---|---:|---:|"]
     for name, value in rows:
         share = f"{value / sweep_wall_s:.0%}" if value is not None and sweep_wall_s else "–"
@@ -172,8 +200,9 @@ def load_sweep(sweep: Path) -> list[SweepJob]:
             try:
                 summary = json.loads((folder / "summary.json").read_text())
             except (OSError, json.JSONDecodeError) as e:
-                raise SweepError(f"{folder / 'summary.json'} cannot be read ({e}); delete that job folder or run it "
-                                 f"again") from e
+                raise SweepError(
+                    f"{folder / 'summary.json'} cannot be read ({e}); delete that job folder or run it again"
+                ) from e
         job = SweepJob(folder.relative_to(sweep), overrides, summary, job_times(folder, summary))
         if summary is None:
             job.problem = _why_no_summary(folder)
@@ -181,8 +210,10 @@ def load_sweep(sweep: Path) -> list[SweepJob]:
             job.problem = "no speed figure (too few steps after the warm-up)"
         jobs.append(job)
     if not jobs:
-        raise SweepError(f"{sweep} holds no job folder (<job>/.hydra/overrides.yaml); pass the folder of a "
-                         f"`python -m runner -m ...` sweep (outputs/multirun/<date>/<time>)")
+        raise SweepError(
+            f"{sweep} holds no job folder (<job>/.hydra/overrides.yaml); pass the folder of a "
+            f"`python -m runner -m ...` sweep (outputs/multirun/<date>/<time>)"
+        )
     return jobs
 
 
@@ -202,8 +233,12 @@ def slice_summary(slices: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = sum(s["seconds"] for s in slices)
     samples = sum(s["samples_per_sec"] * s["seconds"] for s in slices)
     per_step = sorted(1000 * s["seconds"] / s["steps"] for s in slices)
-    return {"samples_per_sec": samples / seconds, "step_time_ms_median": per_step[len(per_step) // 2],
-            "steps_measured": sum(s["steps"] for s in slices), "unfinished": True}
+    return {
+        "samples_per_sec": samples / seconds,
+        "step_time_ms_median": per_step[len(per_step) // 2],
+        "steps_measured": sum(s["steps"] for s in slices),
+        "unfinished": True,
+    }
 
 
 def _why_no_summary(folder: Path) -> str:
@@ -258,12 +293,20 @@ def plot_sweep(jobs: list[SweepJob], keys: list[str], path: Path) -> str:
         x_key, line_key = keys[0], (keys[1] if len(keys) == 2 else None)
         xs = sorted({_value(j.overrides.get(x_key)) for j in jobs}, key=lambda v: (isinstance(v, str), v))
         numeric = all(isinstance(v, (int, float)) for v in xs)
-        lines = sorted({_value(j.overrides.get(line_key)) for j in jobs}, key=lambda v: (isinstance(v, str), v)) \
-            if line_key else [None]
+        lines = (
+            sorted({_value(j.overrides.get(line_key)) for j in jobs}, key=lambda v: (isinstance(v, str), v))
+            if line_key
+            else [None]
+        )
         for line in lines:
-            points = sorted(((_value(j.overrides.get(x_key)), j.samples_per_sec) for j in measured
-                             if line_key is None or _value(j.overrides.get(line_key)) == line),
-                            key=lambda p: (isinstance(p[0], str), p[0]))
+            points = sorted(
+                (
+                    (_value(j.overrides.get(x_key)), j.samples_per_sec)
+                    for j in measured
+                    if line_key is None or _value(j.overrides.get(line_key)) == line
+                ),
+                key=lambda p: (isinstance(p[0], str), p[0]),
+            )
             if not points:
                 continue
             px = [p[0] if numeric else xs.index(p[0]) for p in points]
@@ -304,8 +347,11 @@ def _fmt(value: Any, spec: str) -> str:
 def sweep_wall_time(sweep: Path, jobs: list[SweepJob]) -> float | None:
     """From ``multirun.yaml`` (written as the first job starts) to the last job's end, in seconds."""
     start = (sweep / "multirun.yaml").stat().st_mtime if (sweep / "multirun.yaml").is_file() else None
-    starts = [(sweep / j.folder / ".hydra" / "config.yaml").stat().st_mtime for j in jobs
-              if (sweep / j.folder / ".hydra" / "config.yaml").is_file()]
+    starts = [
+        (sweep / j.folder / ".hydra" / "config.yaml").stat().st_mtime
+        for j in jobs
+        if (sweep / j.folder / ".hydra" / "config.yaml").is_file()
+    ]
     ends = [(sweep / j.folder / "summary.json").stat().st_mtime for j in jobs if j.summary is not None]
     start = start if start is not None else (min(starts) if starts else None)
     return max(ends) - start if start is not None and ends else None
@@ -318,9 +364,11 @@ def load_warning(jobs: list[SweepJob]) -> str | None:
     busy = [j for j in measured if (j.summary or {}).get("warnings")]
     if not busy:
         return None
-    return (f"{len(busy)} of {len(measured)} measured jobs ran on a busy machine (e.g. {busy[0].folder.name}: "
-            f"{busy[0].summary['warnings'][0]}): their figures are slower and noisier than on a quiet machine; "
-            f"rerun when it is quiet for figures to trust")
+    return (
+        f"{len(busy)} of {len(measured)} measured jobs ran on a busy machine (e.g. {busy[0].folder.name}: "
+        f"{busy[0].summary['warnings'][0]}): their figures are slower and noisier than on a quiet machine; "
+        f"rerun when it is quiet for figures to trust"
+    )
 
 
 def _paired_cells(c: dict[str, Any] | None) -> list[str]:
@@ -359,20 +407,43 @@ def jobs_table(sweep: Path) -> list[str]:
     return _jobs_table(jobs, swept_keys(jobs), record, compared)
 
 
-def _jobs_table(jobs: list[SweepJob], keys: list[str], record: dict[str, Any] | None,
-                compared: dict[str, Any]) -> list[str]:
-    lines = ["| " + " | ".join([*(f"`{k}`" for k in keys), "samples/s", *(["speed-up [95 % CI]", "verdict"]
-                                if record else []), "step ms", "data wait", "peak MiB",
-                                "train loss", "eval loss", "eval acc", "setup s", "job"]) + " |",
-             "|" + "---|" * len(keys) + "---:|" * (10 if record else 8) + "---|"]
+def _jobs_table(
+    jobs: list[SweepJob], keys: list[str], record: dict[str, Any] | None, compared: dict[str, Any]
+) -> list[str]:
+    lines = [
+        "| "
+        + " | ".join(
+            [
+                *(f"`{k}`" for k in keys),
+                "samples/s",
+                *(["speed-up [95 % CI]", "verdict"] if record else []),
+                "step ms",
+                "data wait",
+                "peak MiB",
+                "train loss",
+                "eval loss",
+                "eval acc",
+                "setup s",
+                "job",
+            ]
+        )
+        + " |",
+        "|" + "---|" * len(keys) + "---:|" * (10 if record else 8) + "---|",
+    ]
     for j in jobs:
         s = j.summary or {}
         cells = [j.overrides.get(k, "–") for k in keys] + [
             _fmt(j.samples_per_sec, ",.1f") if j.summary else "**no summary**",
-            *(_paired_cells(compared.get(str(j.folder))) if record else []), _fmt(s.get("step_time_ms_median"), ",.1f"),
-            _fmt(s.get("data_wait_fraction"), ".1%"), _fmt(s.get("peak_memory_mb"), ",.0f"),
-            _fmt(s.get("train_loss"), ".3f"), _fmt(s.get("eval_loss"), ".3f"), _fmt(s.get("eval_accuracy"), ".1%"),
-            _fmt(j.times.get("setup_s"), ".1f"), f"`{j.folder}`"]
+            *(_paired_cells(compared.get(str(j.folder))) if record else []),
+            _fmt(s.get("step_time_ms_median"), ",.1f"),
+            _fmt(s.get("data_wait_fraction"), ".1%"),
+            _fmt(s.get("peak_memory_mb"), ",.0f"),
+            _fmt(s.get("train_loss"), ".3f"),
+            _fmt(s.get("eval_loss"), ".3f"),
+            _fmt(s.get("eval_accuracy"), ".1%"),
+            _fmt(j.times.get("setup_s"), ".1f"),
+            f"`{j.folder}`",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -398,13 +469,24 @@ def write_plain_report(sweep: Path) -> list[Path]:
         for j in jobs:
             s = j.summary or {}
             values = [j.overrides.get(k, "") for k in keys] + [
-                str(j.folder), j.problem or "ok", j.samples_per_sec,
-                *(compared.get(str(j.folder), blank).get(k) for k in ("speedup", "ci_low", "ci_high", "verdict",
-                                                                      "design")),
+                str(j.folder),
+                j.problem or "ok",
+                j.samples_per_sec,
+                *(
+                    compared.get(str(j.folder), blank).get(k)
+                    for k in ("speedup", "ci_low", "ci_high", "verdict", "design")
+                ),
                 s.get("step_time_ms_median"),
-                s.get("data_wait_fraction"), s.get("peak_memory_mb"), s.get("train_loss"), s.get("eval_loss"),
-                s.get("eval_accuracy"), j.times.get("setup_s"), j.times.get("train_s"), j.times.get("measured_s"),
-                " ".join(f"{k}={v}" for k, v in j.overrides.items())]
+                s.get("data_wait_fraction"),
+                s.get("peak_memory_mb"),
+                s.get("train_loss"),
+                s.get("eval_loss"),
+                s.get("eval_accuracy"),
+                j.times.get("setup_s"),
+                j.times.get("train_s"),
+                j.times.get("measured_s"),
+                " ".join(f"{k}={v}" for k, v in j.overrides.items()),
+            ]
             writer.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in values])
     shown = plot_sweep(jobs, keys, written[2])
 
@@ -412,18 +494,29 @@ def write_plain_report(sweep: Path) -> list[Path]:
     if (sweep / "multirun.yaml").is_file():
         command = f"`{sweep_command(OmegaConf.load(sweep / 'multirun.yaml').hydra)}`"
     failed = [j for j in jobs if j.summary is None]
-    lines = ["# Sweep report", "", "| | |", "|---|---|", f"| command | {command} |", f"| sweep folder | `{sweep}` |",
-             f"| jobs | {len(jobs)} ({len(jobs) - len(failed)} with a summary, {len(failed)} without) |",
-             f"| swept keys | {', '.join(f'`{k}`' for k in keys) or '(none)'} |",
-             f"| fixed overrides | {' '.join(f'`{k}={v}`' for k, v in fixed.items()) or '(none)'} |", ""]
+    lines = [
+        "# Sweep report",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| command | {command} |",
+        f"| sweep folder | `{sweep}` |",
+        f"| jobs | {len(jobs)} ({len(jobs) - len(failed)} with a summary, {len(failed)} without) |",
+        f"| swept keys | {', '.join(f'`{k}`' for k in keys) or '(none)'} |",
+        f"| fixed overrides | {' '.join(f'`{k}={v}`' for k, v in fixed.items()) or '(none)'} |",
+        "",
+    ]
     first = next((j.summary for j in jobs if j.summary), {}) or {}
     if record:
         lines += paired.noise_lines(record)
     elif first.get("warmup_steps") is not None:
-        lines += [f"Each job's figures leave out its first {first['warmup_steps']} step(s) (warm-up); samples/s "
-                  f"is samples of the measured steps per second of their wall time. Jobs of a Hydra multirun "
-                  f"run one after the other in one process: only the first pays the imports, and the peak "
-                  f"memory of a CPU job (peak RSS) never falls below an earlier job's.", ""]
+        lines += [
+            f"Each job's figures leave out its first {first['warmup_steps']} step(s) (warm-up); samples/s "
+            f"is samples of the measured steps per second of their wall time. Jobs of a Hydra multirun "
+            f"run one after the other in one process: only the first pays the imports, and the peak "
+            f"memory of a CPU job (peak RSS) never falls below an earlier job's.",
+            "",
+        ]
     busy = load_warning(jobs)
     if busy:
         lines += [f"**Warning:** {busy}.", ""]
@@ -431,10 +524,12 @@ def write_plain_report(sweep: Path) -> list[Path]:
     problems = [j for j in jobs if j.problem]
     if problems:
         lines += ["", "## Jobs without figures", ""] + [
-            f"- `{j.folder}` ({' '.join(f'{k}={j.overrides.get(k)}' for k in keys)}): {j.problem}" for j in problems]
+            f"- `{j.folder}` ({' '.join(f'{k}={j.overrides.get(k)}' for k in keys)}): {j.problem}" for j in problems
+        ]
     if not record:  # interleaved jobs spend most of their wall time waiting: no per-job time budget
-        lines += [""] + budget_lines([j.times for j in jobs], sweep_wall_time(sweep, jobs),
-                                     "multirun.yaml written to the last summary")
+        lines += [""] + budget_lines(
+            [j.times for j in jobs], sweep_wall_time(sweep, jobs), "multirun.yaml written to the last summary"
+        )
     lines += ["## Plot", "", f"{shown}:", "", f"![samples/s]({written[2].name})", ""]
     write_own(written[0], "\n".join(lines))
     return written

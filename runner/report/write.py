@@ -20,15 +20,50 @@ from runner.report.rows import build_rows
 #: Columns of report.csv and of the W&B table, in order. Intervals are 95 % intervals from the paired slices
 #: (runner/compare/stats.py); ``effect_ci_half_width`` is relative (0.05 = ±5 %); ``repeats``: measured processes.
 CSV_COLUMNS = [
-    "rank", "configuration", "kind", "technique", "repeats", "batch_size", "samples_per_sec_median",
-    "samples_per_sec_min", "samples_per_sec_max", "speedup", "speedup_ci_low", "speedup_ci_high",
-    "technique_effect", "effect_ci_low", "effect_ci_high", "effect_ci_half_width", "verdict",
-    "step_time_ms_median", "data_wait_fraction", "peak_memory_mb", "peak_memory_change_pct", "final_loss",
-    "train_loss", "setup_s_median", "job_wall_s_median", "techniques", "ci_low", "ci_high", "design",
+    "rank",
+    "configuration",
+    "kind",
+    "technique",
+    "repeats",
+    "batch_size",
+    "samples_per_sec_median",
+    "samples_per_sec_min",
+    "samples_per_sec_max",
+    "speedup",
+    "speedup_ci_low",
+    "speedup_ci_high",
+    "technique_effect",
+    "effect_ci_low",
+    "effect_ci_high",
+    "effect_ci_half_width",
+    "verdict",
+    "step_time_ms_median",
+    "data_wait_fraction",
+    "peak_memory_mb",
+    "peak_memory_change_pct",
+    "final_loss",
+    "train_loss",
+    "setup_s_median",
+    "job_wall_s_median",
+    "techniques",
+    "ci_low",
+    "ci_high",
+    "design",
 ]
 #: Columns of jobs.csv (one row per job; times in s).
-JOB_COLUMNS = ["configuration", "repeat", "folder", "status", "samples_per_sec", "wall_s", "setup_s", "train_s",
-               "measured_s", "eval_s", "teardown_s"]
+JOB_COLUMNS = [
+    "configuration",
+    "repeat",
+    "folder",
+    "status",
+    "samples_per_sec",
+    "wall_s",
+    "setup_s",
+    "train_s",
+    "measured_s",
+    "eval_s",
+    "teardown_s",
+]
 
 
 def csv_rows(rows: list[Row]) -> list[list[Any]]:
@@ -36,15 +71,39 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
     out = []
     for r in rows:
         fig, s, e = r.figures, r.speedup_ci, r.effect_ci
-        out.append([
-            r.rank, r.configuration, r.kind, r.technique, len(r.runs),
-            int(fig["batch_size"]) if fig.get("batch_size") else None,
-            r.median, min(r.runs) if r.runs else None, max(r.runs) if r.runs else None,
-            r.speedup, s and s.low, s and s.high, r.effect, e and e.low, e and e.high, e and e.half_width,
-            r.verdict, fig.get("step_time_ms_median"), fig.get("data_wait_fraction"), fig.get("peak_memory_mb"),
-            r.peak_change_pct, fig.get("final_loss"), fig.get("train_loss"), fig.get("setup_s"), fig.get("wall_s"),
-            r.status, e and e.low, e and e.high, r.design,
-        ])
+        out.append(
+            [
+                r.rank,
+                r.configuration,
+                r.kind,
+                r.technique,
+                len(r.runs),
+                int(fig["batch_size"]) if fig.get("batch_size") else None,
+                r.median,
+                min(r.runs) if r.runs else None,
+                max(r.runs) if r.runs else None,
+                r.speedup,
+                s and s.low,
+                s and s.high,
+                r.effect,
+                e and e.low,
+                e and e.high,
+                e and e.half_width,
+                r.verdict,
+                fig.get("step_time_ms_median"),
+                fig.get("data_wait_fraction"),
+                fig.get("peak_memory_mb"),
+                r.peak_change_pct,
+                fig.get("final_loss"),
+                fig.get("train_loss"),
+                fig.get("setup_s"),
+                fig.get("wall_s"),
+                r.status,
+                e and e.low,
+                e and e.high,
+                r.design,
+            ]
+        )
     return out
 
 
@@ -67,10 +126,26 @@ def write_jobs_csv(jobs: list[Job], path: Path) -> None:
         writer = csv.writer(f)
         writer.writerow(JOB_COLUMNS)
         for j in jobs:
-            status = "ok" if j.samples_per_sec else f"not run: {j.not_run}" if j.not_run else (
-                f"failed (exit status {j.failed})" if j.failed is not None else "no figures")
-            writer.writerow([_cell(v) for v in [j.variant, j.repeat, str(j.folder), status, j.samples_per_sec,
-                                                *(j.times.get(k) for k in JOB_COLUMNS[5:])]])
+            status = (
+                "ok"
+                if j.samples_per_sec
+                else f"not run: {j.not_run}"
+                if j.not_run
+                else (f"failed (exit status {j.failed})" if j.failed is not None else "no figures")
+            )
+            writer.writerow(
+                [
+                    _cell(v)
+                    for v in [
+                        j.variant,
+                        j.repeat,
+                        str(j.folder),
+                        status,
+                        j.samples_per_sec,
+                        *(j.times.get(k) for k in JOB_COLUMNS[5:]),
+                    ]
+                ]
+            )
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -84,21 +159,34 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.speedup is not None][::-1]  # fastest on top
-    colors = {HELPS: "tab:green", "faster": "tab:green", HURTS: "tab:red", "slower": "tab:red",
-              "reference": "tab:blue"}
+    colors = {HELPS: "tab:green", "faster": "tab:green", HURTS: "tab:red", "slower": "tab:red", "reference": "tab:blue"}
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(shown) + 1.6))
     y = list(range(len(shown)))
     ax.barh(y, [r.speedup - 1 for r in shown], left=1.0, color=[colors.get(r.verdict, "0.65") for r in shown])
     # the baseline's interval is its copy's (the A/A), drawn as the band below: it need not contain 1
     with_ci = [(i, r) for i, r in zip(y, shown) if r.speedup_ci is not None and r.kind != "baseline"]
     if with_ci:
-        ax.errorbar([r.speedup for _, r in with_ci], [i for i, _ in with_ci], fmt="none", ecolor="black",
-                    elinewidth=0.8, capsize=2, xerr=[[r.speedup - r.speedup_ci.low for _, r in with_ci],
-                                                     [r.speedup_ci.high - r.speedup for _, r in with_ci]])
+        ax.errorbar(
+            [r.speedup for _, r in with_ci],
+            [i for i, _ in with_ci],
+            fmt="none",
+            ecolor="black",
+            elinewidth=0.8,
+            capsize=2,
+            xerr=[
+                [r.speedup - r.speedup_ci.low for _, r in with_ci],
+                [r.speedup_ci.high - r.speedup for _, r in with_ci],
+            ],
+        )
     base = next((r for r in shown if r.kind == "baseline"), None)
     if base is not None and base.speedup_ci is not None:
-        ax.axvspan(base.speedup_ci.low, base.speedup_ci.high, color="0.85", zorder=0,
-                   label="baseline against itself (95 % CI: noise alone)")
+        ax.axvspan(
+            base.speedup_ci.low,
+            base.speedup_ci.high,
+            color="0.85",
+            zorder=0,
+            label="baseline against itself (95 % CI: noise alone)",
+        )
         ax.legend(loc="best", fontsize=8)
     ax.axvline(1.0, color="black", linewidth=0.8)
     values = [v for r in shown for v in ((r.speedup_ci.low, r.speedup_ci.high) if r.speedup_ci else (r.speedup,))]
@@ -154,10 +242,18 @@ def log_to_wandb(rows: list[Row], sweep: Path, logger_cfg: dict[str, Any], image
     from runner.track import wandb_offline_reason
 
     mode = os.environ.get("WANDB_MODE") or ("offline" if wandb_offline_reason() else "online")
-    run = wandb.init(project=logger_cfg.get("project", "runner"), entity=logger_cfg.get("entity"),
-                     group=sweep.name, job_type="ablation-report", name=f"{sweep.name}/report", dir=str(sweep),
-                     id=report_run_id(sweep), resume="allow",
-                     mode=mode, settings=wandb.Settings(quiet=True, console="off", x_disable_stats=True))
+    run = wandb.init(
+        project=logger_cfg.get("project", "runner"),
+        entity=logger_cfg.get("entity"),
+        group=sweep.name,
+        job_type="ablation-report",
+        name=f"{sweep.name}/report",
+        dir=str(sweep),
+        id=report_run_id(sweep),
+        resume="allow",
+        mode=mode,
+        settings=wandb.Settings(quiet=True, console="off", x_disable_stats=True),
+    )
     table = wandb.Table(columns=CSV_COLUMNS, data=csv_rows(rows))
     run.log({"ablation/report": table, "ablation/speedup": wandb.Image(str(image))})
     where = run.url if mode == "online" and run.url else run.dir
@@ -185,8 +281,9 @@ def _rows(jobs: list[Job], interleaved: dict | None) -> list[Row]:
     return rows
 
 
-def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
-                 replication: Path | None = None) -> list[Path]:
+def write_report(
+    sweep: Path, doc: Path | None = None, use_wandb: bool = True, replication: Path | None = None
+) -> list[Path]:
     """Write report.md, report.csv, jobs.csv and speedup.png of an ablation sweep into ``sweep`` (and
     ``doc`` if given); with ``use_wandb``, log the W&B table when the jobs' logger was W&B. Returns the paths.
 
@@ -215,23 +312,29 @@ def write_report(sweep: Path, doc: Path | None = None, use_wandb: bool = True,
         doc.parent.mkdir(parents=True, exist_ok=True)
         image = doc.with_suffix(".png")
         write_own(image, written[2].read_bytes())
-        text = markdown(rows, jobs, sweep, record, image.name,
-                        title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}")
+        text = markdown(
+            rows,
+            jobs,
+            sweep,
+            record,
+            image.name,
+            title=f"Ablation on {record.get('machine', {}).get('cpu', 'this machine')}",
+        )
         text = text.replace("## Configurations ranked", reading(rows) + "\n## Configurations ranked", 1)
         if replication is not None:
             other = _rows(*_load(Path(replication)))
             rec = load_record(Path(replication))
             table, _ = agreement(rows, other)
-            text += (f"\n## Replication: an independent second sweep of the same job\n\n"
-                     f"`{rec.get('command', '(command not recorded)')}` in `{replication}`, ran "
-                     f"{rec.get('started', '?')} to {rec.get('finished') or '? (it did not record its end: killed)'}; "
-                     f"load average (1 min) {(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
-                     f"{rec.get('load_average_1min_at_end', '?')} at the end.\n\n{table}\n")
+            text += (
+                f"\n## Replication: an independent second sweep of the same job\n\n"
+                f"`{rec.get('command', '(command not recorded)')}` in `{replication}`, ran "
+                f"{rec.get('started', '?')} to {rec.get('finished') or '? (it did not record its end: killed)'}; "
+                f"load average (1 min) {(rec.get('machine') or {}).get('load_average_1min', '?')} at the start, "
+                f"{rec.get('load_average_1min_at_end', '?')} at the end.\n\n{table}\n"
+            )
         write_own(doc, text)
         written += [doc, image]
     logger = (baseline.jobs[0].summary or {}).get("config", {}).get("logger", {})
     if use_wandb and (logger.get("wandb") is not None or logger.get("name") == "wandb"):  # name: older sweeps
         written.append(Path(log_to_wandb(rows, sweep, logger, written[2])))
     return written
-
-

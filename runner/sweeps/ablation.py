@@ -49,8 +49,11 @@ def not_run(cfg: DictConfig, folder: Path) -> str | None:
     # the table decides (an image technique on token ids: the task says which, no_op_reason); ablation.requires
     # for the variants that are no technique of the table
     job = techniques.Job(cfg, cuda=cuda)
-    why = technique.why_not(job) if technique else \
-        ("ablation.requires=cuda" if a.requires == "cuda" and not job.cuda else None)
+    why = (
+        technique.why_not(job)
+        if technique
+        else ("ablation.requires=cuda" if a.requires == "cuda" and not job.cuda else None)
+    )
     if why and not job.cuda and (technique is None or technique.why_not(techniques.Job(cfg, cuda=True)) is None):
         reason = f"needs CUDA ({why}); this job runs on trainer.device={cfg.trainer.device} without CUDA"
     elif why and technique.variant not in TECHNIQUE_KEYS:  # an image technique on token ids: no_op_reason says
@@ -104,9 +107,14 @@ class AblationCallback(Callback):
             sys.exit(2)
         sweep = Path(config.hydra.sweep.dir)
         sweep.mkdir(parents=True, exist_ok=True)
-        record: dict[str, Any] = {"command": sweep_command(config.hydra), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                  "started_s": time.time(), "machine": hardware.describe_machine(),
-                                  "job_process": "forkserver", "job_server_start_s": round(server.start(), 2)}
+        record: dict[str, Any] = {
+            "command": sweep_command(config.hydra),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "started_s": time.time(),
+            "machine": hardware.describe_machine(),
+            "job_process": "forkserver",
+            "job_server_start_s": round(server.start(), 2),
+        }
         write_json_atomic(sweep / "ablation.json", record)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

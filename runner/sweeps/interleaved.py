@@ -70,8 +70,9 @@ class InterleavedLauncher(Launcher):
             prepared.append(job)
         return self._conduct(sweep, job_overrides, initial_job_idx, returns, prepared, ranks)
 
-    def _conduct(self, sweep: Path, job_overrides, first: int, returns: list, prepared: list,
-                 ranks: Any) -> list[JobReturn]:
+    def _conduct(
+        self, sweep: Path, job_overrides, first: int, returns: list, prepared: list, ranks: Any
+    ) -> list[JobReturn]:
         from runner import compare
         from runner.compare import Job
         from runner.report.load import kind_of
@@ -109,8 +110,11 @@ class InterleavedLauncher(Launcher):
         if ranks is not None:
             per += f", each of {ranks.world_size} ranks (torchrun)"
         if ranks is None or ranks.leader:
-            print(f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
-                  f"{per}; the others wait while one trains", flush=True)
+            print(
+                f"interleave: {len(jobs)} jobs (the reference {reference} and its copy {aa} included), "
+                f"{per}; the others wait while one trains",
+                flush=True,
+            )
         try:
             result = compare.measure(jobs, self.config.interleave, sweep, reference, aa, ranks=ranks)
         except KeyboardInterrupt:
@@ -136,8 +140,10 @@ class InterleavedLauncher(Launcher):
             for i, job in enumerate(prepared):
                 if job and job[0].ablation.variant == "baseline" and job[0].ablation.repeat == 0:
                     return i
-            _refuse("an interleaved ablation compares every configuration with the baseline: include baseline in "
-                    "ablation/variant=...")
+            _refuse(
+                "an interleaved ablation compares every configuration with the baseline: include baseline in "
+                "ablation/variant=..."
+            )
         index = self.config.interleave.reference
         index = 0 if index is None else index
         if not 0 <= index < len(prepared):
@@ -157,8 +163,13 @@ class InterleavedLauncher(Launcher):
             sweep_config.hydra.job.num = idx
             if subdir is not None:
                 sweep_config.hydra.sweep.subdir = subdir
-        ret = run_job(hydra_context=self.hydra_context, task_function=_resolve_job, config=sweep_config,
-                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        ret = run_job(
+            hydra_context=self.hydra_context,
+            task_function=_resolve_job,
+            config=sweep_config,
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
         job = ret._return_value if ret.status == JobStatus.COMPLETED else None
         return ret, job
 
@@ -173,12 +184,16 @@ def _ranks(cfg: DictConfig):
     if layout.world_size == 1:
         return None
     if cfg.distributed.name not in ("ddp", "fsdp"):
-        _refuse(f"launched as {layout.world_size} processes ({layout.launcher}) but distributed="
-                f"{cfg.distributed.name}: every job of an interleaved sweep under torchrun runs on all the ranks; "
-                f"add distributed=ddp (or fsdp)")
+        _refuse(
+            f"launched as {layout.world_size} processes ({layout.launcher}) but distributed="
+            f"{cfg.distributed.name}: every job of an interleaved sweep under torchrun runs on all the ranks; "
+            f"add distributed=ddp (or fsdp)"
+        )
     if layout.launcher != "torchrun":
-        _refuse(f"an interleaved sweep of {layout.world_size} processes runs under torchrun only ({layout.launcher} "
-                f"tasks cannot share its rendezvous); start it with torchrun, or as one process")
+        _refuse(
+            f"an interleaved sweep of {layout.world_size} processes runs under torchrun only ({layout.launcher} "
+            f"tasks cannot share its rendezvous); start it with torchrun, or as one process"
+        )
     return Ranks.join(cfg.distributed.timeout_s)
 
 
@@ -229,16 +244,21 @@ def failures() -> str | None:
     """The line that ends a sweep some of whose jobs failed, or None."""
     if not FAILED:
         return None
-    return (f"interleave: {len(FAILED)} job(s) failed ({', '.join(sorted(FAILED))}): their output is in their "
-            f"folders' job.log; exit status 1")
+    return (
+        f"interleave: {len(FAILED)} job(s) failed ({', '.join(sorted(FAILED))}): their output is in their "
+        f"folders' job.log; exit status 1"
+    )
 
 
 def _interrupted(sweep: Path, ablation: bool, ranks: Any) -> None:
     """Ctrl-C: every job was stopped and ``interleave.json`` holds what was measured; write the report from it
     (an unfinished job's figures come from its slices) and exit 130."""
     if ranks is None or ranks.leader:
-        print("interleave: interrupted; the report is written from what was measured (interleave.json)",
-              file=sys.stderr, flush=True)
+        print(
+            "interleave: interrupted; the report is written from what was measured (interleave.json)",
+            file=sys.stderr,
+            flush=True,
+        )
         if ablation:
             from runner.report import ReportError, write_report
 

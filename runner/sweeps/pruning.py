@@ -29,8 +29,12 @@ PRUNED = "pruned by the search"
 
 #: ``hydra.sweeper.pruner=<name>``: Optuna's pruners by name, with Optuna's defaults (a ``{_target_: ...}`` node sets
 #: their arguments)
-NAMES = {"none": "optuna.pruners.NopPruner", "median": "optuna.pruners.MedianPruner",
-         "successive_halving": "optuna.pruners.SuccessiveHalvingPruner", "hyperband": "optuna.pruners.HyperbandPruner"}
+NAMES = {
+    "none": "optuna.pruners.NopPruner",
+    "median": "optuna.pruners.MedianPruner",
+    "successive_halving": "optuna.pruners.SuccessiveHalvingPruner",
+    "hyperband": "optuna.pruners.HyperbandPruner",
+}
 
 
 def build(pruner: Any) -> Any:
@@ -46,14 +50,18 @@ def build(pruner: Any) -> Any:
 
     if isinstance(pruner, str):
         if pruner not in NAMES:
-            raise ConfigError(f"hydra.sweeper.pruner={pruner} is not a pruner runner knows: use one of "
-                              f"{', '.join(NAMES)}, or {{_target_: optuna.pruners.<Class>, ...}} for its arguments")
+            raise ConfigError(
+                f"hydra.sweeper.pruner={pruner} is not a pruner runner knows: use one of "
+                f"{', '.join(NAMES)}, or {{_target_: optuna.pruners.<Class>, ...}} for its arguments"
+            )
         pruner = {"_target_": NAMES[pruner]}
     try:
         return instantiate(pruner if pruner is not None else {"_target_": NAMES["none"]})
     except Exception as e:  # noqa: BLE001 - Hydra wraps the pruner's own error: one line
-        raise ConfigError(f"hydra.sweeper.pruner does not build ({' '.join(str(e).split())}); give a name of "
-                          f"{', '.join(NAMES)} or an optuna.pruners class") from e
+        raise ConfigError(
+            f"hydra.sweeper.pruner does not build ({' '.join(str(e).split())}); give a name of "
+            f"{', '.join(NAMES)} or an optuna.pruners class"
+        ) from e
 
 
 def active(pruner: Any) -> bool:
@@ -75,11 +83,16 @@ def acts_when(pruner: Any, n_trials: int) -> str:
     name = type(pruner).__name__
     if startup is not None:
         later = f"trial {n_trials}" if n_trials == startup + 1 else f"trials {startup + 1}-{n_trials}"
-        can = (f"it can stop only {later}" if n_trials > startup else
-               f"with hydra.sweeper.n_trials={n_trials} it stops none (raise n_trials, or give "
-               f"{{_target_: optuna.pruners.{name}, n_startup_trials: <fewer>}})")
-        return (f"{name} acts once {startup} trials have finished (n_startup_trials), at evaluations past "
-                f"{warmup or 0:,} samples (n_warmup_steps): {can}")
+        can = (
+            f"it can stop only {later}"
+            if n_trials > startup
+            else f"with hydra.sweeper.n_trials={n_trials} it stops none (raise n_trials, or give "
+            f"{{_target_: optuna.pruners.{name}, n_startup_trials: <fewer>}})"
+        )
+        return (
+            f"{name} acts once {startup} trials have finished (n_startup_trials), at evaluations past "
+            f"{warmup or 0:,} samples (n_warmup_steps): {can}"
+        )
     if warmup is not None:
         return f"{name} acts at evaluations past {warmup:,} samples (n_warmup_steps)"
     rung = getattr(pruner, "_min_resource", None)
@@ -130,18 +143,36 @@ def listener(cfg: DictConfig) -> Callable[[dict, int, int, int | None], str | No
 
     if given is not None:  # named to it: its study and trial
         study = _open(given)
-        trial = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                      if t._trial_id == given["trial_id"]), None)
+        trial = next(
+            (
+                t
+                for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if t._trial_id == given["trial_id"]
+            ),
+            None,
+        )
     else:
         study = STUDY if STUDY is not None else _open(sweeper)
-        trial = None if study is None else max(  # the running one: a dead search's trial of that job is not it
-            (t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-             if t.user_attrs.get("sweep") == str(hc.sweep.dir) and t.user_attrs.get("job") == hc.job.num),
-            key=lambda t: t.number, default=None)
+        trial = (
+            None
+            if study is None
+            else max(  # the running one: a dead search's trial of that job is not it
+                (
+                    t
+                    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                    if t.user_attrs.get("sweep") == str(hc.sweep.dir) and t.user_attrs.get("job") == hc.job.num
+                ),
+                key=lambda t: t.number,
+                default=None,
+            )
+        )
     if name is None or trial is None:
-        print(f"note: hydra.sweeper.pruner: trial {hc.job.num} of this search cannot report to its study (a study "
-              f"in memory is not seen from another process: give hydra.sweeper.storage, e.g. sqlite:///search.db); "
-              f"it runs to its end", flush=True)
+        print(
+            f"note: hydra.sweeper.pruner: trial {hc.job.num} of this search cannot report to its study (a study "
+            f"in memory is not seen from another process: give hydra.sweeper.storage, e.g. sqlite:///search.db); "
+            f"it runs to its end",
+            flush=True,
+        )
         return None
     import optuna
 
@@ -162,8 +193,10 @@ def listener(cfg: DictConfig) -> Callable[[dict, int, int, int | None], str | No
             return None
         if not live.should_prune():
             return None
-        return (f"{PRUNED} ({type(study.pruner).__name__}) at {samples:,} samples (step {step}): {name} {value:.4g}, "
-                f"worse than the trials before it there")
+        return (
+            f"{PRUNED} ({type(study.pruner).__name__}) at {samples:,} samples (step {step}): {name} {value:.4g}, "
+            f"worse than the trials before it there"
+        )
 
     return on_evaluation
 
@@ -188,8 +221,11 @@ def _open(sweeper: Any) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.load_study(study_name=study_name(sweeper.get("study_name"), sweeper["storage"]),
-                             storage=sweeper["storage"], pruner=build(sweeper.get("pruner")))  # not kept there
+    return optuna.load_study(
+        study_name=study_name(sweeper.get("study_name"), sweeper["storage"]),
+        storage=sweeper["storage"],
+        pruner=build(sweeper.get("pruner")),
+    )  # not kept there
 
 
 def saved(summaries: list[dict[str, Any]]) -> tuple[int, float]:
@@ -198,6 +234,9 @@ def saved(summaries: list[dict[str, Any]]) -> tuple[int, float]:
     the evaluations come every ``eval_every`` steps) -- what it would have spent had it run to its limit without
     reaching the target."""
     pruned = [s for s in summaries if str(s.get("stopped_early") or "").startswith(PRUNED)]
-    seconds = sum((s["total_steps"] - s["steps"]) * (s["train_time_s"] + (s.get("eval_time_s") or 0)) / s["steps"]
-                  for s in pruned if s.get("total_steps") and s.get("steps") and s.get("train_time_s"))
+    seconds = sum(
+        (s["total_steps"] - s["steps"]) * (s["train_time_s"] + (s.get("eval_time_s") or 0)) / s["steps"]
+        for s in pruned
+        if s.get("total_steps") and s.get("steps") and s.get("train_time_s")
+    )
     return len(pruned), seconds

@@ -62,8 +62,10 @@ def make_sweeper(**settings: Any) -> "SearchSweeper":
         fail(f"hydra/sweeper=search needs Optuna, which is not installed: {INSTALL}")
     found = tuple(int(p) for p in optuna.__version__.split(".")[:2] if p.isdigit())
     if found < OLDEST:
-        fail(f"hydra/sweeper=search needs Optuna >= {'.'.join(map(str, OLDEST))}, found {optuna.__version__} (older "
-             f"releases' TPE asks other trials with the same seed and options): {INSTALL}")
+        fail(
+            f"hydra/sweeper=search needs Optuna >= {'.'.join(map(str, OLDEST))}, found {optuna.__version__} (older "
+            f"releases' TPE asks other trials with the same seed and options): {INSTALL}"
+        )
     return SearchSweeper(**settings)
 
 
@@ -82,8 +84,10 @@ def distribution(override: Override) -> Any:
         if isinstance(sweep.start, int) and isinstance(sweep.end, int):
             return IntDistribution(sweep.start, sweep.end, log=log)
         return FloatDistribution(float(sweep.start), float(sweep.end), log=log)
-    raise ConfigError(f"{override.input_line}: the search takes interval(a, b), tag(log, interval(a, b)), "
-                      f"choice(a, b, ...) or range(a, b, step)")
+    raise ConfigError(
+        f"{override.input_line}: the search takes interval(a, b), tag(log, interval(a, b)), "
+        f"choice(a, b, ...) or range(a, b, step)"
+    )
 
 
 def search_space(params: dict[str, str], arguments: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -111,8 +115,13 @@ def trial_outcome(ret: JobReturn, metric: str) -> tuple[float | None, bool, str]
     reached = objective.reached(summary)
     if value is None or not math.isfinite(float(value)):
         return None, reached, f"no {metric} (diverged, or the run has no such figure)"
-    note = ("" if metric not in objective.TO_TARGET else "reached the target" if reached
-            else f"target not reached: {objective.CENSORED_FACTOR:g} x what it spent")
+    note = (
+        ""
+        if metric not in objective.TO_TARGET
+        else "reached the target"
+        if reached
+        else f"target not reached: {objective.CENSORED_FACTOR:g} x what it spent"
+    )
     return float(value), reached, note
 
 
@@ -128,11 +137,22 @@ def summary_of(ret: JobReturn) -> dict[str, Any]:
 class SearchSweeper(Sweeper):
     """Hydra's ``Sweeper`` interface: ``setup`` (the launcher), then ``sweep`` with the command line's overrides."""
 
-    def __init__(self, sampler: Any = None, direction: str | None = None, n_trials: int = 20,
-                 storage: str | None = None, study_name: str | None = None, params: Any = None,
-                 verify_seeds: int = 5, verify_first_seed: int = 100, confidence: float = 0.95,
-                 recipe: Sequence[str] = (), n_jobs: int = 1, pruner: Any = None, verify_candidates: int = 1
-                 ) -> None:
+    def __init__(
+        self,
+        sampler: Any = None,
+        direction: str | None = None,
+        n_trials: int = 20,
+        storage: str | None = None,
+        study_name: str | None = None,
+        params: Any = None,
+        verify_seeds: int = 5,
+        verify_first_seed: int = 100,
+        confidence: float = 0.95,
+        recipe: Sequence[str] = (),
+        n_jobs: int = 1,
+        pruner: Any = None,
+        verify_candidates: int = 1,
+    ) -> None:
         self.sampler, self.direction, self.n_trials, self.n_jobs = sampler, direction, n_trials, n_jobs
         self.pruner = pruner  # a name of pruning.NAMES or an Optuna pruner's node; None: every trial runs to its end
         self.recipe = [str(o) for o in recipe or ()]  # the overrides that give the search file's own preset
@@ -153,7 +173,8 @@ class SearchSweeper(Sweeper):
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
-            config=config, hydra_context=hydra_context, task_function=task_function)
+            config=config, hydra_context=hydra_context, task_function=task_function
+        )
 
     def launch(self, overrides: list[list[str]]) -> Sequence[JobReturn]:
         returns = self.launcher.launch(overrides, initial_job_idx=self.job_idx)
@@ -176,8 +197,11 @@ class SearchSweeper(Sweeper):
         pruning.STUDY = study if self.storage is None else None
         dead = fail_dead_trials(study)
         if dead:
-            print(f"note: {len(dead)} trial(s) of a search that died (killed) were still RUNNING in the study: "
-                  f"marked FAILED ({', '.join(str(n + 1) for n in dead)}); they do not count", flush=True)
+            print(
+                f"note: {len(dead)} trial(s) of a search that died (killed) were still RUNNING in the study: "
+                f"marked FAILED ({', '.join(str(n + 1) for n in dead)}); they do not count",
+                flush=True,
+            )
         self.job_idx = max(self.job_idx, next_job_index(sweep_dir))
         if pruning.active(self.pruner):
             print(f"pruning: {pruning.acts_when(study.pruner, self.n_trials)}", flush=True)
@@ -189,9 +213,12 @@ class SearchSweeper(Sweeper):
             print("the sampler has tried every point of the space: the search ends here", flush=True)
         if pruning.active(self.pruner):
             count, seconds = pruning.saved(summaries)
-            print(f"pruning ({pruning.name_of(self.pruner)}): {count} of {len(summaries)} trials "
-                  f"stopped early, saving about {seconds / 60:.1f} min of training and evaluation (their remaining "
-                  f"steps at their own pace)", flush=True)
+            print(
+                f"pruning ({pruning.name_of(self.pruner)}): {count} of {len(summaries)} trials "
+                f"stopped early, saving about {seconds / 60:.1f} min of training and evaluation (their remaining "
+                f"steps at their own pace)",
+                flush=True,
+            )
         finish(self, study, plan)
 
     def in_slots(self) -> bool:
@@ -206,8 +233,10 @@ class SearchSweeper(Sweeper):
         trial.set_user_attr("job", job)  # how its job finds it to report (pruning.listener)
         trial.set_user_attr("sweep", str(self.config.hydra.sweep.dir))
         self.position[trial.number] = counted(study)  # its place among the n_trials (it counts itself, running)
-        print(f"\ntrial {self.position[trial.number]}/{self.n_trials}: {' '.join(override_line(trial.params))}",
-              flush=True)
+        print(
+            f"\ntrial {self.position[trial.number]}/{self.n_trials}: {' '.join(override_line(trial.params))}",
+            flush=True,
+        )
         return trial
 
     def told(self, study: Any, trial: Any, ret: JobReturn, plan: dict[str, Any], summaries: list) -> bool:
@@ -223,8 +252,11 @@ class SearchSweeper(Sweeper):
         if value is not None:  # the record that makes it the search's own (search_end.own): a planted row has none
             trial.set_user_attr(RUN, {"folder": str(job_folder(ret).resolve()), "value": value})
         exhausted = tell(study, trial, value, pruned)
-        print(f"trial {self.position[trial.number]}: {plan['metric']} = {value if value is not None else '-'}"
-              f"{f' ({note})' if note else ''}", flush=True)
+        print(
+            f"trial {self.position[trial.number]}: {plan['metric']} = {value if value is not None else '-'}"
+            f"{f' ({note})' if note else ''}",
+            flush=True,
+        )
         return exhausted
 
     def in_batches(self, study: Any, plan: dict[str, Any], summaries: list) -> bool:
@@ -256,8 +288,12 @@ class SearchSweeper(Sweeper):
         while True:
             while not exhausted and running < self.n_jobs and self.n_trials - counted(study) > 0:
                 trial = self.ask(study, plan, self.job_idx)
-                threading.Thread(target=launch, args=(trial, plan["fixed"] + override_line(trial.params),
-                                                      self.job_idx), name="search-trial", daemon=True).start()
+                threading.Thread(
+                    target=launch,
+                    args=(trial, plan["fixed"] + override_line(trial.params), self.job_idx),
+                    name="search-trial",
+                    daemon=True,
+                ).start()
                 trial.set_user_attr("started", time.time())
                 running, self.job_idx = running + 1, self.job_idx + 1
             if not running:
@@ -276,22 +312,30 @@ class SearchSweeper(Sweeper):
         slots, exhausted = self.slots(), False
         sweep = Path(str(self.config.hydra.sweep.dir))
         pruner = OmegaConf.to_container(self.pruner) if isinstance(self.pruner, DictConfig) else self.pruner
-        where = {"storage": str(self.storage), "study_name": str(pruning.study_name(self.study_name, self.storage)),
-                 "pruner": pruner}
+        where = {
+            "storage": str(self.storage),
+            "study_name": str(pruning.study_name(self.study_name, self.storage)),
+            "pruner": pruner,
+        }
         ahead = search_verify.ahead(self, plan)
         try:
             while True:
-                while (not exhausted and len(slots.running) < self.n_jobs
-                       and self.n_trials - counted(study) > 0):
+                while not exhausted and len(slots.running) < self.n_jobs and self.n_trials - counted(study) > 0:
                     trial = self.ask(study, plan, self.job_idx)
-                    slots.start(trial, sweep / str(self.job_idx), plan["fixed"] + override_line(trial.params),
-                                trial=where | {"trial_id": trial._trial_id})
+                    slots.start(
+                        trial,
+                        sweep / str(self.job_idx),
+                        plan["fixed"] + override_line(trial.params),
+                        trial=where | {"trial_id": trial._trial_id},
+                    )
                     trial.set_user_attr("started", time.time())  # wall clock, as the study's own datetime_start
                     self.job_idx += 1
                 while ahead and len(slots.running) < self.n_jobs and (exhausted or counted(study) >= self.n_trials):
                     key, folder, argv = ahead.pop(0)  # a slot no trial will take: the start's verification runs
-                    print(f"verification run ahead: the starting recipe on seed {key[1]} (a slot no trial will "
-                          f"take)", flush=True)
+                    print(
+                        f"verification run ahead: the starting recipe on seed {key[1]} (a slot no trial will take)",
+                        flush=True,
+                    )
                     slots.start(key, folder, argv)
                 if not any(not isinstance(r.key, tuple) for r in slots.running):
                     break
@@ -299,8 +343,10 @@ class SearchSweeper(Sweeper):
                 if isinstance(done.key, tuple):  # a verification run: search_verify.runs reads it
                     self.ahead_done[done.key] = done.folder
                     continue
-                exhausted = self.told(study, done.key, job_return(done.folder, code, plan["metric"]), plan,
-                                      summaries) or exhausted
+                exhausted = (
+                    self.told(study, done.key, job_return(done.folder, code, plan["metric"]), plan, summaries)
+                    or exhausted
+                )
         except BaseException:
             slots.stop()
             raise
@@ -315,8 +361,11 @@ class SearchSweeper(Sweeper):
         """``n_jobs`` slots, each job's threads the CPUs shared out where ``trainer.num_threads`` is null (said)."""
         threads = threads_each(self.config, self.n_jobs)
         if threads is not None:
-            print(f"slots: {self.n_jobs} jobs at a time, each with trainer.num_threads={threads} (this process's "
-                  f"CPUs shared out; set trainer.num_threads to choose)", flush=True)
+            print(
+                f"slots: {self.n_jobs} jobs at a time, each with trainer.num_threads={threads} (this process's "
+                f"CPUs shared out; set trainer.num_threads to choose)",
+                flush=True,
+            )
         return Slots(self.n_jobs, threads)
 
     def plan(self, arguments: list[str]) -> dict[str, Any]:
@@ -329,13 +378,17 @@ class SearchSweeper(Sweeper):
         cfg = self.config
         metric = cfg.get("optimized_metric")
         if metric is None:
-            raise ConfigError(f"hydra/sweeper=search needs optimized_metric=<figure to optimize>: one of "
-                              f"{', '.join(objective.METRICS)} (e.g. in conf/hparams_search/mnist_optuna.yaml)")
+            raise ConfigError(
+                f"hydra/sweeper=search needs optimized_metric=<figure to optimize>: one of "
+                f"{', '.join(objective.METRICS)} (e.g. in conf/hparams_search/mnist_optuna.yaml)"
+            )
         objective.check(cfg)
         direction = self.direction or objective.METRICS[metric]
         if direction not in ("minimize", "maximize"):
-            raise ConfigError(f"hydra.sweeper.direction={direction} must be minimize, maximize or null (the "
-                              f"direction in which {metric} is better: {objective.METRICS[metric]})")
+            raise ConfigError(
+                f"hydra.sweeper.direction={direction} must be minimize, maximize or null (the "
+                f"direction in which {metric} is better: {objective.METRICS[metric]})"
+            )
         if self.n_trials < 1:
             raise ConfigError(f"hydra.sweeper.n_trials={self.n_trials} must be >= 1 (the trials the search runs)")
         if self.n_jobs < 1:
@@ -343,22 +396,30 @@ class SearchSweeper(Sweeper):
         if not isinstance(self.verify_candidates, int) or self.verify_candidates < 1:
             raise ConfigError(f"hydra.sweeper.verify_candidates={self.verify_candidates} must be an integer >= 1")
         if self.n_jobs > 1 and "InterleavedLauncher" in str(self.config.hydra.launcher.get("_target_", "")):
-            raise ConfigError("hydra.sweeper.n_jobs > 1 with hydra/launcher=interleaved: the interleaved launcher "
-                              "compares jobs, it does not run trials; use the basic launcher or submitit_slurm")
+            raise ConfigError(
+                "hydra.sweeper.n_jobs > 1 with hydra/launcher=interleaved: the interleaved launcher "
+                "compares jobs, it does not run trials; use the basic launcher or submitit_slurm"
+            )
         pruning.build(self.pruner)  # an unknown name or a node that does not build: one line
         if pruning.active(self.pruner) and pruning.figure(cfg) is None:
-            raise ConfigError(f"hydra.sweeper.pruner stops trials on their evaluations, but optimized_metric={metric} "
-                              f"is no evaluation figure: prune a search for time_to_target_s, eval_loss or "
-                              f"eval_accuracy, or set hydra.sweeper.pruner=null")
+            raise ConfigError(
+                f"hydra.sweeper.pruner stops trials on their evaluations, but optimized_metric={metric} "
+                f"is no evaluation figure: prune a search for time_to_target_s, eval_loss or "
+                f"eval_accuracy, or set hydra.sweeper.pruner=null"
+            )
         space, fixed = search_space(self.params, arguments)
         if not space:
-            raise ConfigError("nothing to search: give hydra.sweeper.params (key: interval(a, b) | choice(a, b) "
-                              "| ...) in an hparams_search file, or a sweep such as 'optimizer.lr=interval(0.01,0.5)'")
+            raise ConfigError(
+                "nothing to search: give hydra.sweeper.params (key: interval(a, b) | choice(a, b) "
+                "| ...) in an hparams_search file, or a sweep such as 'optimizer.lr=interval(0.01,0.5)'"
+            )
         seeds = list(range(self.verify_first_seed, self.verify_first_seed + max(self.verify_seeds, 0)))
         if cfg.trainer.seed in seeds:
-            raise ConfigError(f"trainer.seed={cfg.trainer.seed} (the search's seed) is one of the verification "
-                              f"seeds {seeds[0]}..{seeds[-1]}: verification needs fresh seeds; move "
-                              f"hydra.sweeper.verify_first_seed past it")
+            raise ConfigError(
+                f"trainer.seed={cfg.trainer.seed} (the search's seed) is one of the verification "
+                f"seeds {seeds[0]}..{seeds[-1]}: verification needs fresh seeds; move "
+                f"hydra.sweeper.verify_first_seed past it"
+            )
         return {"metric": metric, "direction": direction, "space": space, "fixed": fixed, "seeds": seeds}
 
     def study(self, direction: str) -> Any:
@@ -370,11 +431,19 @@ class SearchSweeper(Sweeper):
         pruner = pruning.build(self.pruner)
         name = pruning.study_name(self.study_name, self.storage)
         try:
-            return optuna.create_study(sampler=sampler, pruner=pruner, direction=direction, storage=self.storage,
-                                       study_name=name, load_if_exists=self.storage is not None)
+            return optuna.create_study(
+                sampler=sampler,
+                pruner=pruner,
+                direction=direction,
+                storage=self.storage,
+                study_name=name,
+                load_if_exists=self.storage is not None,
+            )
         except Exception as e:  # noqa: BLE001 - an unopenable URL or file: one line, not Optuna's traceback
-            fail(f"hydra.sweeper.storage={self.storage} cannot be opened ({type(e).__name__}: {e}); give a URL "
-                 f"Optuna opens, e.g. sqlite:///search.db, or null for a study in memory")
+            fail(
+                f"hydra.sweeper.storage={self.storage} cannot be opened ({type(e).__name__}: {e}); give a URL "
+                f"Optuna opens, e.g. sqlite:///search.db, or null for a study in memory"
+            )
 
 
 #: A trial's user attribute naming the search process that asked it: ``{"host": ..., "pid": ...}``
@@ -404,8 +473,13 @@ def ask_new_point(study: Any, space: dict[str, Any]) -> Any:
     for attempt in range(REASKS + 1):
         trial = study.ask(space)
         trial.set_user_attr(OWNER, _mine())
-        others = [t for t in study.get_trials(deepcopy=False) if t.number != trial.number
-                  and t.user_attrs.get(OWNER) not in (None, _mine()) and t.user_attrs.get("note") not in (DEAD, TAKEN)]
+        others = [
+            t
+            for t in study.get_trials(deepcopy=False)
+            if t.number != trial.number
+            and t.user_attrs.get(OWNER) not in (None, _mine())
+            and t.user_attrs.get("note") not in (DEAD, TAKEN)
+        ]
         if attempt == REASKS or all(t.params != trial.params for t in others):
             return trial
         trial.set_user_attr("note", TAKEN)
@@ -465,8 +539,11 @@ def fail_dead_trials(study: Any) -> list[int]:
     search (another one sharing the study) are left alone."""
     from optuna.trial import TrialState
 
-    dead = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if OWNER in t.user_attrs and not _alive(t.user_attrs[OWNER], t.user_attrs.get(HEARTBEAT))]
+    dead = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if OWNER in t.user_attrs and not _alive(t.user_attrs[OWNER], t.user_attrs.get(HEARTBEAT))
+    ]
     for t in dead:
         study._storage.set_trial_user_attr(t._trial_id, "note", DEAD)
         study.tell(t.number, state=TrialState.FAIL)
@@ -479,10 +556,15 @@ def counted(study: Any) -> int:
     from optuna.trial import TrialState
 
     ended = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-    return sum(1 for t in study.get_trials(deepcopy=False) if "sweep" in t.user_attrs  # asked by a search of runner's
-               and ((t.state in ended and t.user_attrs.get("note") not in (DEAD, TAKEN))
-                    or (t.state == TrialState.RUNNING
-                        and _alive(t.user_attrs.get(OWNER), t.user_attrs.get(HEARTBEAT)))))
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False)
+        if "sweep" in t.user_attrs  # asked by a search of runner's
+        and (
+            (t.state in ended and t.user_attrs.get("note") not in (DEAD, TAKEN))
+            or (t.state == TrialState.RUNNING and _alive(t.user_attrs.get(OWNER), t.user_attrs.get(HEARTBEAT)))
+        )
+    )
 
 
 def next_job_index(sweep: Path) -> int:

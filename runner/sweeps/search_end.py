@@ -80,14 +80,15 @@ def best_trial(study: Any, metric: str, direction: str, space: dict[str, Any]) -
 
 def trials_table(study: Any, metric: str) -> list[str]:
     keys = sorted({k for t in study.trials for k in t.params})
-    lines = [f"| trial | {' | '.join(f'`{k}`' for k in keys)} | {metric} | note | job |",
-             "|---:|" + "---|" * len(keys) + "---:|---|---|"]
+    lines = [
+        f"| trial | {' | '.join(f'`{k}`' for k in keys)} | {metric} | note | job |",
+        "|---:|" + "---|" * len(keys) + "---:|---|---|",
+    ]
     for t in study.trials:
         cells = [_short(t.params.get(k, "")) for k in keys]
         value = f"{t.value:.4g}" if t.value is not None else "-"
         note = "foreign: not run by a search of runner's" if foreign(t) else t.user_attrs.get("note", "")
-        lines.append(f"| {t.number + 1} | {' | '.join(cells)} | {value} | {note} | "
-                     f"`{t.user_attrs.get('job', '')}` |")
+        lines.append(f"| {t.number + 1} | {' | '.join(cells)} | {value} | {note} | `{t.user_attrs.get('job', '')}` |")
     return lines
 
 
@@ -95,8 +96,9 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def paste_line(fixed: Sequence[str], params: dict[str, Any], recipe: Sequence[str] = (),
-               config_dir: str | None = None) -> str:
+def paste_line(
+    fixed: Sequence[str], params: dict[str, Any], recipe: Sequence[str] = (), config_dir: str | None = None
+) -> str:
     """``python -m runner`` with the search's ``--config-dir`` (where its presets came from), the command line's
     own overrides (less the search file) and the best trial's. ``recipe`` (``hydra.sweeper.recipe``) comes first:
     the overrides that give the preset a search file composes itself (``+experiment=shakespeare_char`` for
@@ -117,21 +119,31 @@ def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
     """Print the trials' table, verify the best trial, print the line to paste; write optimization_results.yaml."""
     metric, direction = plan["metric"], plan["direction"]
     sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
-    print(f"\nsearch {sweep_dir}: {len(study.trials)} trials, {metric} ({direction}):", *trials_table(study, metric),
-          sep="\n", flush=True)
+    print(
+        f"\nsearch {sweep_dir}: {len(study.trials)} trials, {metric} ({direction}):",
+        *trials_table(study, metric),
+        sep="\n",
+        flush=True,
+    )
     trials_s = time.monotonic() - sweeper.started
     planted = [t.number + 1 for t in study.trials if foreign(t)]
     if planted:
-        print(f"note: trial(s) {', '.join(map(str, planted))} of the study were not run by a search of runner's (no "
-              f"record of their run folder and summary): listed, never the recipe found", flush=True)
+        print(
+            f"note: trial(s) {', '.join(map(str, planted))} of the study were not run by a search of runner's (no "
+            f"record of their run folder and summary): listed, never the recipe found",
+            flush=True,
+        )
     candidates = best_trials(study, metric, direction, plan["space"], max(1, sweeper.verify_candidates))
     results: dict[str, Any] = {"name": study.study_name, "optimized_metric": metric, "direction": direction}
     if not candidates:
         _write(sweep_dir, results | {"best_params": None})
         if study.trials and all(t.value is None for t in study.trials):  # not one figure: the search failed
             notes = "; ".join(sorted({str(t.user_attrs.get("note", "")) for t in study.trials}))
-            print(f"error: no trial gave {metric} ({notes}): check that optimized_metric is a figure this task "
-                  f"reports, and narrow the space where every trial diverged", file=sys.stderr)
+            print(
+                f"error: no trial gave {metric} ({notes}): check that optimized_metric is a figure this task "
+                f"reports, and narrow the space where every trial diverged",
+                file=sys.stderr,
+            )
             sys.exit(1)
         why = "reached the target" if metric in TO_TARGET else "completed"
         print(f"no trial {why}: nothing to verify; widen the search space or raise trainer.max_steps", flush=True)
@@ -143,12 +155,27 @@ def finish(sweeper: Any, study: Any, plan: dict[str, Any]) -> None:
     wall["total_s"] = wall["trials_s"] + wall["verification_s"]
     share = wall["verification_s"] / wall["total_s"] if wall["total_s"] > 0 else 0.0
     busy = "" if sweeper.busy_share is None else f"; the trials' slots were busy {sweeper.busy_share:.0%} of their time"
-    print("\n".join(lines), f"\nwall time: {wall['total_s'] / 60:.1f} min, the trials {wall['trials_s'] / 60:.1f} and "
-          f"the verification {wall['verification_s'] / 60:.1f} ({share:.0%}){busy}", "",
-          "the recipe found (paste it):", line, sep="\n", flush=True)
-    _write(sweep_dir, results | {"best_params": dict(found.params), "best_value": found.value,
-                                 "verification": record, "command": line,
-                                 "wall": wall | {"slots_busy": sweeper.busy_share}})
+    print(
+        "\n".join(lines),
+        f"\nwall time: {wall['total_s'] / 60:.1f} min, the trials {wall['trials_s'] / 60:.1f} and "
+        f"the verification {wall['verification_s'] / 60:.1f} ({share:.0%}){busy}",
+        "",
+        "the recipe found (paste it):",
+        line,
+        sep="\n",
+        flush=True,
+    )
+    _write(
+        sweep_dir,
+        results
+        | {
+            "best_params": dict(found.params),
+            "best_value": found.value,
+            "verification": record,
+            "command": line,
+            "wall": wall | {"slots_busy": sweeper.busy_share},
+        },
+    )
 
 
 def _write(sweep_dir: Path, results: dict[str, Any]) -> None:

@@ -78,8 +78,9 @@ def run_of(folder: Path) -> Run | None:
         if not (isinstance(steps, int) and isinstance(batch, int)):
             return None
         seed = OmegaConf.select(cfg, "trainer.seed")
-        return Run(Seed(float(steps * batch), False, seed, None, str(folder)), Seed(FAILED_S, False, seed, None,
-                                                                                    str(folder)))
+        return Run(
+            Seed(float(steps * batch), False, seed, None, str(folder)), Seed(FAILED_S, False, seed, None, str(folder))
+        )
 
 
 def time_ratio(config: Sequence[Seed], reference: Sequence[Seed], level: float) -> TargetRatio | None:
@@ -91,14 +92,17 @@ def time_ratio(config: Sequence[Seed], reference: Sequence[Seed], level: float) 
 def verdict(ratio: TargetRatio | None) -> str:
     """One line of a samples- or time-to-target ratio (candidate ÷ start): estimate, interval, seeds, verdict."""
     if ratio is None:
-        return ("no interval: fewer than 3 seeds a side, or no seed reached the target (hydra.sweeper.verify_seeds="
-                "8 resolves a 20 % difference)")
+        return (
+            "no interval: fewer than 3 seeds a side, or no seed reached the target (hydra.sweeper.verify_seeds="
+            "8 resolves a 20 % difference)"
+        )
     level = f"{100 * ratio.confidence:.4g}%"
     said = f"x{ratio.estimate:.3g} [{ratio.low:.3g}, {ratio.high:.3g}] at {level} ({ratio.counts} seeds reached)"
     fewer, more = ("fewer samples", "MORE samples") if ratio.quantity == "samples" else ("less time", "MORE time")
     if ratio.high < 1:
-        sooner = (f"{1 / ratio.estimate:.2f}x sooner" if ratio.estimate > 0
-                  else "the start missed the target on most seeds")
+        sooner = (
+            f"{1 / ratio.estimate:.2f}x sooner" if ratio.estimate > 0 else "the start missed the target on most seeds"
+        )
         return f"{said}: it needs {fewer}, {sooner} (the interval excludes 1)"
     if ratio.low > 1:
         return f"{said}: it needs {more} than the starting recipe on fresh seeds"
@@ -118,8 +122,10 @@ def ahead(sweeper: Any, plan: dict[str, Any]) -> list[tuple[tuple[str, int], Pat
     if not seeds or (cfg.trainer.target_accuracy is None and cfg.trainer.target_loss is None):
         return []
     sweep = Path(str(cfg.hydra.sweep.dir))
-    return [(("start", s), sweep / "verify" / "start" / f"seed{s}", [*fixed_overrides(plan), f"trainer.seed={s}"])
-            for s in seeds[:MIN_SEEDS]]
+    return [
+        (("start", s), sweep / "verify" / "start" / f"seed{s}", [*fixed_overrides(plan), f"trainer.seed={s}"])
+        for s in seeds[:MIN_SEEDS]
+    ]
 
 
 def runs(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int]) -> Iterator[tuple[int, Run | None]]:
@@ -132,9 +138,18 @@ def runs(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int]) -> Iterator[
     sweep = Path(str(sweeper.config.hydra.sweep.dir))
     if not sweeper.in_slots():
         for first in range(0, len(jobs), len(sides)):
-            batch = jobs[first:first + len(sides)]
-            returns = sweeper.launch([[*side.argv, f"trainer.seed={s}", f"hydra.sweep.subdir=verify/{side.name}/"
-                                       f"seed{s}", "hydra.sweeper.pruner=null"] for side, s in batch])
+            batch = jobs[first : first + len(sides)]
+            returns = sweeper.launch(
+                [
+                    [
+                        *side.argv,
+                        f"trainer.seed={s}",
+                        f"hydra.sweep.subdir=verify/{side.name}/seed{s}",
+                        "hydra.sweeper.pruner=null",
+                    ]
+                    for side, s in batch
+                ]
+            )
             for i, ret in enumerate(returns, first):
                 yield i, run_of(Path(str(OmegaConf.select(ret.hydra_cfg, "hydra.runtime.output_dir"))))
         return
@@ -158,8 +173,9 @@ def runs(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int]) -> Iterator[
         slots.stop()
 
 
-def sequential(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int], level: float
-               ) -> tuple[dict[str, list[Run]], int, dict[str, TargetRatio | None]]:
+def sequential(
+    sweeper: Any, sides: Sequence[Side], seeds: Sequence[int], level: float
+) -> tuple[dict[str, list[Run]], int, dict[str, TargetRatio | None]]:
     """Run ``sides`` (the candidates, then the start) seed by seed (``runs``) and look after the first ``MIN_SEEDS``
     seeds and each one after: stop at the first look where every candidate's time-to-target interval at ``level``
     excludes 1. The runs each side had up to the last look, that look's seed count, and its time ratios."""
@@ -177,8 +193,9 @@ def sequential(sweeper: Any, sides: Sequence[Side], seeds: Sequence[int], level:
         for i, run in it:
             ended[i] = run
             while k <= len(seeds) and all(j in ended for j in range(k * len(sides))):
-                ratios = {c.name: time_ratio(times(n, k), times(len(sides) - 1, k), level)
-                          for n, c in enumerate(sides[:-1])}
+                ratios = {
+                    c.name: time_ratio(times(n, k), times(len(sides) - 1, k), level) for n, c in enumerate(sides[:-1])
+                }
                 looked, k = k, k + 1
                 if all(map(firm, ratios.values())):
                     k = len(seeds) + 1
@@ -200,45 +217,75 @@ def verify(sweeper: Any, plan: dict[str, Any], trials: Sequence[Any]) -> tuple[l
         why = "it compares times to target and the runs have no target: set trainer.target_accuracy"
         return [f"verification skipped: {why}"], {"skipped": why}, trials[0]
     fixed = fixed_overrides(plan)
-    candidates = [Side("best" if i == 0 else f"best{i + 1}", f"{'best trial' if i == 0 else 'candidate'} ("
-                       f"trial {t.number + 1})", fixed + override_line(t.params), dict(t.params))
-                  for i, t in enumerate(trials)]
+    candidates = [
+        Side(
+            "best" if i == 0 else f"best{i + 1}",
+            f"{'best trial' if i == 0 else 'candidate'} (trial {t.number + 1})",
+            fixed + override_line(t.params),
+            dict(t.params),
+        )
+        for i, t in enumerate(trials)
+    ]
     start = Side("start", "starting recipe", fixed)
     sides = [*candidates, start]
     level = look_confidence(len(seeds), len(candidates), sweeper.confidence)
     first = min(MIN_SEEDS, len(seeds))
-    print(f"\nverifying {len(candidates)} candidate(s) against the starting recipe on fresh seeds {seeds[0]}.."
-          f"{seeds[-1]}, seed by seed: a look after seed {first} and each one after stops at the first where every "
-          f"time-to-target interval excludes 1 (each at {level:.2%}: over {max(1, len(seeds) - first + 1)} looks "
-          f"and {len(candidates)} candidate(s) the chance of any false verdict stays within "
-          f"{1 - sweeper.confidence:.0%})", flush=True)
+    print(
+        f"\nverifying {len(candidates)} candidate(s) against the starting recipe on fresh seeds {seeds[0]}.."
+        f"{seeds[-1]}, seed by seed: a look after seed {first} and each one after stops at the first where every "
+        f"time-to-target interval excludes 1 (each at {level:.2%}: over {max(1, len(seeds) - first + 1)} looks "
+        f"and {len(candidates)} candidate(s) the chance of any false verdict stays within "
+        f"{1 - sweeper.confidence:.0%})",
+        flush=True,
+    )
     found, looked, timed = sequential(sweeper, sides, seeds, level)
     stop = f"firm at seed {looked} of {len(seeds)}" if looked < len(seeds) else f"all {len(seeds)} seeds run"
-    lines = [f"\nverification on fresh seeds {seeds[0]}..{seeds[max(looked, 1) - 1]} ({stop}; the search ran on "
-             f"trainer.seed={cfg.trainer.seed}):",
-             "| | seeds reached | median samples to target | median time to target s |", "|---|---:|---:|---:|"]
+    lines = [
+        f"\nverification on fresh seeds {seeds[0]}..{seeds[max(looked, 1) - 1]} ({stop}; the search ran on "
+        f"trainer.seed={cfg.trainer.seed}):",
+        "| | seeds reached | median samples to target | median time to target s |",
+        "|---|---:|---:|---:|",
+    ]
     for side in sides:
         got = found[side.name]
         samples = [r.samples.value for r in got if r.samples.reached]
         times = [r.time.value for r in got if r.time.reached]
-        lines.append(f"| {side.label} | {len(samples)}/{looked} | "
-                     f"{f'{statistics.median(samples):,.0f}' if samples else '-'} | "
-                     f"{f'{statistics.median(times):.2f}' if times else '-'} |")
-    ratios = {c.name: samples_to_target([r.samples for r in found[c.name]], [r.samples for r in found["start"]],
-                                        level) for c in candidates}
+        lines.append(
+            f"| {side.label} | {len(samples)}/{looked} | "
+            f"{f'{statistics.median(samples):,.0f}' if samples else '-'} | "
+            f"{f'{statistics.median(times):.2f}' if times else '-'} |"
+        )
+    ratios = {
+        c.name: samples_to_target([r.samples for r in found[c.name]], [r.samples for r in found["start"]], level)
+        for c in candidates
+    }
     lines += [f"samples to target, {c.name} / start: {verdict(ratios[c.name])}" for c in candidates]
-    lines += [f"time to target, {c.name} / start ({_test(timed.get(c.name))}): {verdict(timed.get(c.name))}"
-              for c in candidates]
-    record: dict[str, Any] = {"seeds": seeds[:looked], "look_confidence": level, "stopped": stop,
-                              "samples_to_target": _figures(ratios.get("best")),
-                              "time_to_target": _figures(timed.get("best"))}
+    lines += [
+        f"time to target, {c.name} / start ({_test(timed.get(c.name))}): {verdict(timed.get(c.name))}"
+        for c in candidates
+    ]
+    record: dict[str, Any] = {
+        "seeds": seeds[:looked],
+        "look_confidence": level,
+        "stopped": stop,
+        "samples_to_target": _figures(ratios.get("best")),
+        "time_to_target": _figures(timed.get("best")),
+    }
     if len(candidates) > 1:
-        record["candidates"] = {c.name: {"params": c.params, "samples_to_target": _figures(ratios.get(c.name)),
-                                         "time_to_target": _figures(timed.get(c.name))} for c in candidates}
+        record["candidates"] = {
+            c.name: {
+                "params": c.params,
+                "samples_to_target": _figures(ratios.get(c.name)),
+                "time_to_target": _figures(timed.get(c.name)),
+            }
+            for c in candidates
+        }
     chosen = _chosen(candidates, timed, ratios)
     if chosen != 0:
-        lines.append(f"the recipe found is {candidates[chosen].name} ({candidates[chosen].label}): the shortest "
-                     f"time to target among the candidates on fresh seeds")
+        lines.append(
+            f"the recipe found is {candidates[chosen].name} ({candidates[chosen].label}): the shortest "
+            f"time to target among the candidates on fresh seeds"
+        )
     return lines, record, trials[chosen]
 
 
@@ -249,8 +296,9 @@ def _test(ratio: TargetRatio | None) -> str:
     return "Welch's t on the logs" if ratio.reached + ratio.reference_reached == ratio.n else "rank test"
 
 
-def _chosen(candidates: Sequence[Side], timed: dict[str, TargetRatio | None],
-            ratios: dict[str, TargetRatio | None]) -> int:
+def _chosen(
+    candidates: Sequence[Side], timed: dict[str, TargetRatio | None], ratios: dict[str, TargetRatio | None]
+) -> int:
     """The candidate with the smallest time-to-target estimate (else samples-to-target), the best trial on ties or
     where none was measured."""
     for figures in (timed, ratios):
@@ -263,5 +311,11 @@ def _chosen(candidates: Sequence[Side], timed: dict[str, TargetRatio | None],
 def _figures(ratio: TargetRatio | None) -> dict[str, Any] | None:
     if ratio is None:
         return None
-    return {"estimate": ratio.estimate, "low": ratio.low, "high": ratio.high, "p_value": ratio.p_value,
-            "confidence": ratio.confidence, "counts": ratio.counts}
+    return {
+        "estimate": ratio.estimate,
+        "low": ratio.low,
+        "high": ratio.high,
+        "p_value": ratio.p_value,
+        "confidence": ratio.confidence,
+        "counts": ratio.counts,
+    }

@@ -113,8 +113,9 @@ def job_return(folder: Path, code: int, metric: str) -> JobReturn:
     summary = json.loads(path.read_text()) if code == 0 and path.is_file() else None
     if summary is None:
         ret.status = JobStatus.FAILED
-        ret._return_value = RuntimeError(f"python -m runner exited with status {code} (its console: "
-                                         f"{folder / 'console.log'})")
+        ret._return_value = RuntimeError(
+            f"python -m runner exited with status {code} (its console: {folder / 'console.log'})"
+        )
         return ret
     ret.status = JobStatus.COMPLETED
     ret._return_value = objective.value(summary, metric)

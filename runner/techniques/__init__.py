@@ -179,6 +179,7 @@ def select(cfg: Any, key: str, default: Any = None) -> Any:
 
 # --- the needs: one named condition each (``Need``), with the words the builders, the tuner and the doctor print ---
 
+
 def _fp32(job: Job) -> str | None:  # a precision switch is measured from full precision
     return None if job.get("precision.name") in ("fp32", "tf32") else "your precision is already reduced"
 
@@ -199,8 +200,9 @@ def _cpu_bf16(job: Job) -> str | None:  # amp on a CPU is bf16 autocast (fp16 wi
 def _compiled(job: Job) -> str | None:
     if job.get("compile.mode") is not None:
         return None
-    return ("it acts in torch.compile's partitioner; add compile=default (or use memory=selective, which needs no "
-            "compile)")
+    return (
+        "it acts in torch.compile's partitioner; add compile=default (or use memory=selective, which needs no compile)"
+    )
 
 
 def _gpt(what: str) -> Need:
@@ -210,10 +212,12 @@ def _gpt(what: str) -> Need:
 
 def _ampere(what: str, candidate: bool = False) -> Need:
     """A GPU of compute capability 8.0 or newer (Ampere, Hopper, Blackwell); ``what``: "TF32 needs"."""
+
     def why(job: Job) -> str | None:
         if job.capability is None or job.capability[0] >= 8:
             return None
         return f"{what} compute capability 8.0 or newer; this GPU has {job.capability[0]}.{job.capability[1]}"
+
     return Need(why, candidate)
 
 
@@ -227,6 +231,7 @@ def _on_cpu(why: str) -> Need:
 
 def _optimizer_has(argument: str) -> Need:
     """The optimizer class takes ``argument`` (``fused``, ``foreach``): what runner/techniques/optim.py passes."""
+
     def why(job: Job) -> str | None:
         import inspect
 
@@ -238,6 +243,7 @@ def _optimizer_has(argument: str) -> Need:
         except Exception as e:  # noqa: BLE001 - hydra raises ImportError or ValueError
             return f"optimizer._target_={target!r} cannot be imported ({e})"
         return None if argument in accepted else f"{target} has no {argument} implementation (no {argument} argument)"
+
     return Need(why)
 
 
@@ -259,11 +265,13 @@ def _no_workers(job: Job) -> str | None:
 
 def _your_compile_mode(regional: bool) -> Need:
     """On a CPU the tuner keeps a compile mode the user chose (max-autotune is a candidate of its own)."""
+
     def why(job: Job) -> str | None:
         mode = job.get("compile.mode")
         if job.cuda or mode is None or (regional and not job.get("compile.regional")):
             return None
         return f"compile.mode={mode} already compiles the model"
+
     return Need(why, candidate=True)
 
 
@@ -286,157 +294,435 @@ def _fewer_threads(job: Job) -> str | None:
 _FROM_FP32 = (Need(_fp32, candidate=True),)
 
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
-    # data loading
-    Technique("pinned_memory", {"dataloader.pin_memory": True, "dataloader.non_blocking": True}, arithmetic=False,
-              where="cuda", group=None, statuses=("pin_memory", "non_blocking"), readme="2",
-              cuda_only="page-locked memory only speeds up copies to a CUDA device",
-              needs=(Need(_host_loading, candidate=True),),
-              source="PyTorch DataLoader docs, memory pinning; CUDA semantics, non_blocking copies"),
-    Technique("loader_workers", {"dataloader.num_workers": _workers, "dataloader.persistent_workers": True},
-              arithmetic=False, group="data", statuses=("num_workers", "persistent_workers"), readme="2",
-              needs=(Need(_host_loading, candidate=True), Need(_no_workers, candidate=True)),
-              source="PyTorch DataLoader docs, multi-process data loading"),
-    Technique("pinned_workers", {"dataloader.num_workers": _workers, "dataloader.pin_memory": True,
-                                 "dataloader.persistent_workers": True, "dataloader.non_blocking": True},
-              arithmetic=False, command=("dataloader=pinned",), statuses=("num_workers", "pin_memory"),
-              variant="pinned_workers", readme="2", tuner=False,
-              source="the two above together (conf/dataloader/pinned.yaml)"),
-    Technique("on_device_data", {"dataloader.on_device": True}, arithmetic=False, group="data",
-              command=("dataloader=device",), variant="on_device_data", readme="2b", needs=(Need(_in_memory),),
-              source="airbench / hlb-CIFAR10: the dataset as tensors on the device"),
-    # the optimizer and the loop
-    Technique("fused_optimizer", {"optimizer.impl": "fused"}, arithmetic=True, group="optimizer_impl",
-              variant="fused_optimizer", readme="5", statuses=("optimizer_fused",), needs=(_optimizer_has("fused"),),
-              source="torch.optim docs, 'fused' implementations"),
-    Technique("foreach_optimizer", {"optimizer.impl": "foreach"}, arithmetic=True, group="optimizer_impl",
-              statuses=("optimizer_foreach",), readme="5", needs=(_optimizer_has("foreach"),),
-              source="torch.optim docs, 'foreach' implementations"),
-    Technique("set_to_none", {"optimizer.set_to_none": True}, arithmetic=False, variant="set_to_none", readme="11",
-              statuses=("zero_grad_set_to_none",),
-              source="PyTorch Performance Tuning Guide: zero_grad(set_to_none=True)"),
-    Technique("fewer_syncs", {"trainer.log_every": 50}, arithmetic=False, variant="fewer_syncs", readme="7",
-              needs=(Need(_syncs_often, candidate=True),),
-              source="PyTorch Performance Tuning Guide: avoid unnecessary CPU-GPU synchronization"),
-    # compile
-    Technique("compile", {"compile.mode": "default"}, arithmetic=True, group="compile", command=("compile=default",),
-              variant="compile", readme="18", needs=(_your_compile_mode(regional=False),), source="torch.compile docs"),
-    Technique("compile_max_autotune", {"compile.mode": "max-autotune"}, arithmetic=True, group="compile",
-              command=("compile=max-autotune",), statuses=("compile",), readme="18",
-              source="torch.compile docs, mode='max-autotune'"),
-    Technique("compile_regional", {"compile.mode": "default", "compile.regional": True}, arithmetic=True,
-              group="compile", command=("compile=default", "compile.regional=true"), readme="18",
-              needs=(_your_compile_mode(regional=True),),
-              source="PyTorch recipe 'Reducing torch.compile cold start compilation time with regional compilation'"),
-    Technique("compile_reduce_overhead", {"compile.mode": "reduce-overhead"}, arithmetic=True, group="compile",
-              where="cuda", command=("compile=reduce-overhead",), statuses=("cuda_graphs",), readme="18",
-              cuda_only="its CUDA graphs need a GPU; on a CPU it is the default mode",
-              source="torch.compile docs, mode='reduce-overhead' (CUDA graphs)"),
-    # one of the optimizer kernels: Inductor fuses the step's loop; torch's foreach kernels refuse its tensor LR
-    Technique("compiled_optimizer_step", {"compile.optimizer": True}, arithmetic=True, group="optimizer_impl",
-              command=("compile.optimizer=true",), variant="compiled_optimizer", readme="18b",
-              source="PyTorch recipe 'Compiling the optimizer' (torch.compile of optimizer.step)"),
-    # precision
-    Technique("amp", {"precision.name": "amp"}, arithmetic=True, group="precision", command=("precision=amp",),
-              variant="amp", readme="4", equivalent=("auto",),  # auto: bf16 on GPUs that have it, else amp
-              needs=(*_FROM_FP32, Need(_cpu_bf16), _on_cuda("fp16 with a GradScaler acts on CUDA only (on a CPU amp "
-                                                             "is bf16, the bf16 candidate)")),
-              source="PyTorch AMP recipe; Micikevicius et al. 2018"),
-    Technique("bf16", {"precision.name": "bf16"}, arithmetic=True, group="precision", command=("precision=bf16",),
-              readme="4", needs=(*_FROM_FP32, Need(_native_bf16, candidate=True)),
-              source="torch.autocast docs (bfloat16)"),
-    # the GPT's attention kept in fp32 under bf16 (runner.models.gpt.GPT's upcast_attention): on a CPU, torch's bf16
-    # flash-attention backward is several times slower than fp32's at small shapes, enough to make bf16 lose
-    Technique("bf16_upcast_attention", {"precision.name": "bf16", "model.upcast_attention": True}, arithmetic=True,
-              group="precision", statuses=("bf16",),
-              needs=(*_FROM_FP32, Need(_native_bf16, candidate=True),
-                     _gpt("the model has no upcast_attention switch (runner.models.gpt.GPT has)"),
-                     _on_cpu("on CUDA, flash attention runs in bf16 itself; fp32 would leave it")),
-              source="runner.models.gpt.GPT(upcast_attention=True): bf16 with the attention in fp32"),
-    Technique("tf32", {"precision.name": "tf32"}, arithmetic=True, group="precision", where="cuda",
-              command=("precision=tf32",), readme="4", needs=(Need(_fp32_only, candidate=True), _ampere("TF32 needs")),
-              cuda_only="TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs on the CPU",
-              source="PyTorch CUDA semantics, TF32 on Ampere and later"),
-    Technique("fp8", {"precision.name": "fp8"}, arithmetic=True, group="precision", where="cuda",
-              command=("precision=fp8",), readme="4b", tuner=False,
-              source="torchao float8 training (convert_to_float8_training)"),
-    Technique("int8", {"precision.name": "int8"}, arithmetic=True, group="precision", command=("precision=int8",),
-              variant="int8", readme="4c",  # int8 matmuls pay on INT8 tensor cores; on a CPU they ran slower than bf16
-              needs=(*_FROM_FP32, _on_cuda("its int8 matmuls pay on a GPU with INT8 tensor cores (8.0+)"),
-                     _ampere("int8 tensor cores need", candidate=True)),
-              source="torchao INT8 mixed-precision training (Int8MixedPrecisionTrainingConfig; "
-                     "https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training)"),
-    # compression during training: what the model computes changes (int8 rounding, 2:4 pruning)
-    Technique("qat", {"compress.name": "qat"}, arithmetic=True, group="compress", command=("compress=qat",),
-              variant="qat", readme="21", tuner=False,
-              source="torchao quantization-aware training (QATConfig; "
-                     "https://docs.pytorch.org/ao/stable/generated/torchao.quantization.qat.QATConfig.html)"),
-    Technique("sparse24", {"compress.name": "sparse24"}, arithmetic=True, group="compress", where="cuda",
-              command=("compress=sparse24",), variant="sparse24", readme="21",
-              cuda_only="2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer "
-                        "(Ampere, Hopper, Blackwell)",
-              needs=(_ampere("2:4 sparse matmuls (cuSPARSELt) need"), Need(_no_compression, candidate=True),
-                     *_FROM_FP32),
-              source="torchao 2:4 sparse training (torchao.sparsity.training.SemiSparseLinear; "
-                     "https://github.com/pytorch/ao/tree/main/torchao/sparsity/training)"),
-    # images
-    Technique("channels_last", {"channels_last": True}, arithmetic=True, where="image", variant="channels_last",
-              readme="19", source="PyTorch channels-last memory format tutorial"),
-    Technique("cudnn_benchmark", {"cudnn_benchmark": True}, arithmetic=True, where="image+cuda",
-              variant="cudnn_benchmark", readme="6", source="torch.backends.cudnn.benchmark docs",
-              cuda_only="cuDNN autotuning exists on CUDA only"),
-    Technique("drop_bias_before_bn", {"model.drop_bias_before_bn": True}, arithmetic=True, where="image",
-              variant="drop_bias", readme="15", tuner=False,
-              source="PyTorch Performance Tuning Guide: disable bias for convolutions directly followed by BN"),
-    # step_cost: a subtract and a divide per batch (on the device, or in the loader): small, but not nothing
-    Technique("normalize", {"data.normalize": True}, arithmetic=True, where="image", variant="normalize",
-              readme="17", tuner=False, source="input normalization (LeCun et al. 1998, 'Efficient BackProp')"),
-    Technique("augment", {"data.augment": True}, arithmetic=True, where="image", tuner=False,
-              source="random crop + flip (He et al. 2016, CIFAR-10)"),
-    # memory and the recipe
-    Technique("activation_checkpointing", {"memory.checkpointing": True}, arithmetic=False,
-              command=("memory=checkpointing",), variant="checkpointing", readme="8", tuner=False,
-              source="torch.utils.checkpoint; Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost'"),
-    Technique("selective_checkpointing", {"memory.checkpointing": True, "memory.checkpoint_policy": "selective"},
-              arithmetic=False, command=("memory=selective",), variant="selective", readme="8b",
-              source="torchtitan's selective activation checkpointing; "
-                     "torch.utils.checkpoint.create_selective_checkpoint_contexts"),
-    Technique("activation_memory_budget", {"memory.budget": 0.5}, arithmetic=False, command=("memory=budget",),
-              readme="8b", tuner=False, needs=(Need(_compiled),),
-              source="torch._functorch.config.activation_memory_budget (PyTorch blog, 'Activation checkpointing "
-                     "techniques')"),
-    # the language model's loss: the head and the cross-entropy over chunks of the sequence (runner's GPT)
-    Technique("chunked_loss", {"task.loss": "chunked"}, arithmetic=True, where="tokens",
-              command=("task.loss=chunked",), variant="chunked_loss", readme="20",
-              needs=(_gpt("the model's forward takes no targets to chunk the loss over (runner's GPT does)"),),
-              source="Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), in plain PyTorch chunks"),
-    # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
-    # per step and costs nothing measurable, so its step_cost is False
-    Technique("onecycle", {"scheduler.name": "onecycle"}, arithmetic=True, command=("scheduler=onecycle",),
-              variant="onecycle", readme="1", tuner=False, step_cost=False,
-              source="Smith & Topin 2018, 'Super-Convergence'; torch.optim.lr_scheduler.OneCycleLR"),
-    Technique("cosine", {"scheduler.name": "cosine"}, arithmetic=True, command=("scheduler=cosine",),
-              variant="cosine", readme="1", tuner=False, step_cost=False,
-              source="Loshchilov & Hutter 2017, 'SGDR: Stochastic Gradient Descent with Warm Restarts'"),
-    Technique("cyclic", {"scheduler.name": "cyclic"}, arithmetic=True, command=("scheduler=cyclic",),
-              variant="cyclic", readme="1", tuner=False, step_cost=False,
-              source="Smith 2017, 'Cyclical Learning Rates for Training Neural Networks' (arXiv:1506.01186); "
-                     "torch.optim.lr_scheduler.CyclicLR"),
-    Technique("adamw", {"optimizer._target_": "torch.optim.AdamW"}, arithmetic=True, group="optimizer",
-              command=("optimizer=adamw",), variant="adamw", readme="5", tuner=False,
-              source="Loshchilov & Hutter 2019, 'Decoupled Weight Decay Regularization'; torch.optim.AdamW"),
-    Technique("muon", {"optimizer._target_": "timm.optim.Muon"}, arithmetic=True, group="optimizer",
-              command=("optimizer=muon",), variant="muon", readme="5", tuner=False,  # Newton-Schulz: a step's cost
-              source="Jordan et al. 2024, 'Muon: An optimizer for hidden layers in neural networks'; timm.optim.Muon"),
-    # an average updated after every step: a step's cost; ema=on is conf/ema/on.yaml, these three keys
-    Technique("ema", {"trainer.ema_decay": 0.999, "trainer.ema_warmup": True, "trainer.target_weights": "ema"},
-              arithmetic=True, command=("ema=on",), variant="ema", tuner=False,
-              source="Polyak & Juditsky 1992; Tarvainen & Valpola 2017; runner/techniques/ema.py"),
-    # a setting of the machine: half the intra-op threads (on a busy or hyper-threaded CPU, fewer can be faster)
-    Technique("half_threads", {"trainer.num_threads": _half_cores}, arithmetic=True,
-              needs=(_on_cpu("CPU threads matter on a CPU job only"), Need(_fewer_threads, candidate=True)),
-              source="PyTorch CPU performance tuning guide: intra-op threads (torch.set_num_threads)"),
-)}
+TECHNIQUES: dict[str, Technique] = {
+    t.name: t
+    for t in (
+        # data loading
+        Technique(
+            "pinned_memory",
+            {"dataloader.pin_memory": True, "dataloader.non_blocking": True},
+            arithmetic=False,
+            where="cuda",
+            group=None,
+            statuses=("pin_memory", "non_blocking"),
+            readme="2",
+            cuda_only="page-locked memory only speeds up copies to a CUDA device",
+            needs=(Need(_host_loading, candidate=True),),
+            source="PyTorch DataLoader docs, memory pinning; CUDA semantics, non_blocking copies",
+        ),
+        Technique(
+            "loader_workers",
+            {"dataloader.num_workers": _workers, "dataloader.persistent_workers": True},
+            arithmetic=False,
+            group="data",
+            statuses=("num_workers", "persistent_workers"),
+            readme="2",
+            needs=(Need(_host_loading, candidate=True), Need(_no_workers, candidate=True)),
+            source="PyTorch DataLoader docs, multi-process data loading",
+        ),
+        Technique(
+            "pinned_workers",
+            {
+                "dataloader.num_workers": _workers,
+                "dataloader.pin_memory": True,
+                "dataloader.persistent_workers": True,
+                "dataloader.non_blocking": True,
+            },
+            arithmetic=False,
+            command=("dataloader=pinned",),
+            statuses=("num_workers", "pin_memory"),
+            variant="pinned_workers",
+            readme="2",
+            tuner=False,
+            source="the two above together (conf/dataloader/pinned.yaml)",
+        ),
+        Technique(
+            "on_device_data",
+            {"dataloader.on_device": True},
+            arithmetic=False,
+            group="data",
+            command=("dataloader=device",),
+            variant="on_device_data",
+            readme="2b",
+            needs=(Need(_in_memory),),
+            source="airbench / hlb-CIFAR10: the dataset as tensors on the device",
+        ),
+        # the optimizer and the loop
+        Technique(
+            "fused_optimizer",
+            {"optimizer.impl": "fused"},
+            arithmetic=True,
+            group="optimizer_impl",
+            variant="fused_optimizer",
+            readme="5",
+            statuses=("optimizer_fused",),
+            needs=(_optimizer_has("fused"),),
+            source="torch.optim docs, 'fused' implementations",
+        ),
+        Technique(
+            "foreach_optimizer",
+            {"optimizer.impl": "foreach"},
+            arithmetic=True,
+            group="optimizer_impl",
+            statuses=("optimizer_foreach",),
+            readme="5",
+            needs=(_optimizer_has("foreach"),),
+            source="torch.optim docs, 'foreach' implementations",
+        ),
+        Technique(
+            "set_to_none",
+            {"optimizer.set_to_none": True},
+            arithmetic=False,
+            variant="set_to_none",
+            readme="11",
+            statuses=("zero_grad_set_to_none",),
+            source="PyTorch Performance Tuning Guide: zero_grad(set_to_none=True)",
+        ),
+        Technique(
+            "fewer_syncs",
+            {"trainer.log_every": 50},
+            arithmetic=False,
+            variant="fewer_syncs",
+            readme="7",
+            needs=(Need(_syncs_often, candidate=True),),
+            source="PyTorch Performance Tuning Guide: avoid unnecessary CPU-GPU synchronization",
+        ),
+        # compile
+        Technique(
+            "compile",
+            {"compile.mode": "default"},
+            arithmetic=True,
+            group="compile",
+            command=("compile=default",),
+            variant="compile",
+            readme="18",
+            needs=(_your_compile_mode(regional=False),),
+            source="torch.compile docs",
+        ),
+        Technique(
+            "compile_max_autotune",
+            {"compile.mode": "max-autotune"},
+            arithmetic=True,
+            group="compile",
+            command=("compile=max-autotune",),
+            statuses=("compile",),
+            readme="18",
+            source="torch.compile docs, mode='max-autotune'",
+        ),
+        Technique(
+            "compile_regional",
+            {"compile.mode": "default", "compile.regional": True},
+            arithmetic=True,
+            group="compile",
+            command=("compile=default", "compile.regional=true"),
+            readme="18",
+            needs=(_your_compile_mode(regional=True),),
+            source="PyTorch recipe 'Reducing torch.compile cold start compilation time with regional compilation'",
+        ),
+        Technique(
+            "compile_reduce_overhead",
+            {"compile.mode": "reduce-overhead"},
+            arithmetic=True,
+            group="compile",
+            where="cuda",
+            command=("compile=reduce-overhead",),
+            statuses=("cuda_graphs",),
+            readme="18",
+            cuda_only="its CUDA graphs need a GPU; on a CPU it is the default mode",
+            source="torch.compile docs, mode='reduce-overhead' (CUDA graphs)",
+        ),
+        # one of the optimizer kernels: Inductor fuses the step's loop; torch's foreach kernels refuse its tensor LR
+        Technique(
+            "compiled_optimizer_step",
+            {"compile.optimizer": True},
+            arithmetic=True,
+            group="optimizer_impl",
+            command=("compile.optimizer=true",),
+            variant="compiled_optimizer",
+            readme="18b",
+            source="PyTorch recipe 'Compiling the optimizer' (torch.compile of optimizer.step)",
+        ),
+        # precision
+        Technique(
+            "amp",
+            {"precision.name": "amp"},
+            arithmetic=True,
+            group="precision",
+            command=("precision=amp",),
+            variant="amp",
+            readme="4",
+            equivalent=("auto",),  # auto: bf16 on GPUs that have it, else amp
+            needs=(
+                *_FROM_FP32,
+                Need(_cpu_bf16),
+                _on_cuda("fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)"),
+            ),
+            source="PyTorch AMP recipe; Micikevicius et al. 2018",
+        ),
+        Technique(
+            "bf16",
+            {"precision.name": "bf16"},
+            arithmetic=True,
+            group="precision",
+            command=("precision=bf16",),
+            readme="4",
+            needs=(*_FROM_FP32, Need(_native_bf16, candidate=True)),
+            source="torch.autocast docs (bfloat16)",
+        ),
+        # the GPT's attention kept in fp32 under bf16 (runner.models.gpt.GPT's upcast_attention): on a CPU, torch's bf16
+        # flash-attention backward is several times slower than fp32's at small shapes, enough to make bf16 lose
+        Technique(
+            "bf16_upcast_attention",
+            {"precision.name": "bf16", "model.upcast_attention": True},
+            arithmetic=True,
+            group="precision",
+            statuses=("bf16",),
+            needs=(
+                *_FROM_FP32,
+                Need(_native_bf16, candidate=True),
+                _gpt("the model has no upcast_attention switch (runner.models.gpt.GPT has)"),
+                _on_cpu("on CUDA, flash attention runs in bf16 itself; fp32 would leave it"),
+            ),
+            source="runner.models.gpt.GPT(upcast_attention=True): bf16 with the attention in fp32",
+        ),
+        Technique(
+            "tf32",
+            {"precision.name": "tf32"},
+            arithmetic=True,
+            group="precision",
+            where="cuda",
+            command=("precision=tf32",),
+            readme="4",
+            needs=(Need(_fp32_only, candidate=True), _ampere("TF32 needs")),
+            cuda_only="TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs on the CPU",
+            source="PyTorch CUDA semantics, TF32 on Ampere and later",
+        ),
+        Technique(
+            "fp8",
+            {"precision.name": "fp8"},
+            arithmetic=True,
+            group="precision",
+            where="cuda",
+            command=("precision=fp8",),
+            readme="4b",
+            tuner=False,
+            source="torchao float8 training (convert_to_float8_training)",
+        ),
+        Technique(
+            "int8",
+            {"precision.name": "int8"},
+            arithmetic=True,
+            group="precision",
+            command=("precision=int8",),
+            variant="int8",
+            readme="4c",  # int8 matmuls pay on INT8 tensor cores; on a CPU they ran slower than bf16
+            needs=(
+                *_FROM_FP32,
+                _on_cuda("its int8 matmuls pay on a GPU with INT8 tensor cores (8.0+)"),
+                _ampere("int8 tensor cores need", candidate=True),
+            ),
+            source="torchao INT8 mixed-precision training (Int8MixedPrecisionTrainingConfig; "
+            "https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training)",
+        ),
+        # compression during training: what the model computes changes (int8 rounding, 2:4 pruning)
+        Technique(
+            "qat",
+            {"compress.name": "qat"},
+            arithmetic=True,
+            group="compress",
+            command=("compress=qat",),
+            variant="qat",
+            readme="21",
+            tuner=False,
+            source="torchao quantization-aware training (QATConfig; "
+            "https://docs.pytorch.org/ao/stable/generated/torchao.quantization.qat.QATConfig.html)",
+        ),
+        Technique(
+            "sparse24",
+            {"compress.name": "sparse24"},
+            arithmetic=True,
+            group="compress",
+            where="cuda",
+            command=("compress=sparse24",),
+            variant="sparse24",
+            readme="21",
+            cuda_only="2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer "
+            "(Ampere, Hopper, Blackwell)",
+            needs=(_ampere("2:4 sparse matmuls (cuSPARSELt) need"), Need(_no_compression, candidate=True), *_FROM_FP32),
+            source="torchao 2:4 sparse training (torchao.sparsity.training.SemiSparseLinear; "
+            "https://github.com/pytorch/ao/tree/main/torchao/sparsity/training)",
+        ),
+        # images
+        Technique(
+            "channels_last",
+            {"channels_last": True},
+            arithmetic=True,
+            where="image",
+            variant="channels_last",
+            readme="19",
+            source="PyTorch channels-last memory format tutorial",
+        ),
+        Technique(
+            "cudnn_benchmark",
+            {"cudnn_benchmark": True},
+            arithmetic=True,
+            where="image+cuda",
+            variant="cudnn_benchmark",
+            readme="6",
+            source="torch.backends.cudnn.benchmark docs",
+            cuda_only="cuDNN autotuning exists on CUDA only",
+        ),
+        Technique(
+            "drop_bias_before_bn",
+            {"model.drop_bias_before_bn": True},
+            arithmetic=True,
+            where="image",
+            variant="drop_bias",
+            readme="15",
+            tuner=False,
+            source="PyTorch Performance Tuning Guide: disable bias for convolutions directly followed by BN",
+        ),
+        # step_cost: a subtract and a divide per batch (on the device, or in the loader): small, but not nothing
+        Technique(
+            "normalize",
+            {"data.normalize": True},
+            arithmetic=True,
+            where="image",
+            variant="normalize",
+            readme="17",
+            tuner=False,
+            source="input normalization (LeCun et al. 1998, 'Efficient BackProp')",
+        ),
+        Technique(
+            "augment",
+            {"data.augment": True},
+            arithmetic=True,
+            where="image",
+            tuner=False,
+            source="random crop + flip (He et al. 2016, CIFAR-10)",
+        ),
+        # memory and the recipe
+        Technique(
+            "activation_checkpointing",
+            {"memory.checkpointing": True},
+            arithmetic=False,
+            command=("memory=checkpointing",),
+            variant="checkpointing",
+            readme="8",
+            tuner=False,
+            source="torch.utils.checkpoint; Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost'",
+        ),
+        Technique(
+            "selective_checkpointing",
+            {"memory.checkpointing": True, "memory.checkpoint_policy": "selective"},
+            arithmetic=False,
+            command=("memory=selective",),
+            variant="selective",
+            readme="8b",
+            source="torchtitan's selective activation checkpointing; "
+            "torch.utils.checkpoint.create_selective_checkpoint_contexts",
+        ),
+        Technique(
+            "activation_memory_budget",
+            {"memory.budget": 0.5},
+            arithmetic=False,
+            command=("memory=budget",),
+            readme="8b",
+            tuner=False,
+            needs=(Need(_compiled),),
+            source="torch._functorch.config.activation_memory_budget (PyTorch blog, 'Activation checkpointing "
+            "techniques')",
+        ),
+        # the language model's loss: the head and the cross-entropy over chunks of the sequence (runner's GPT)
+        Technique(
+            "chunked_loss",
+            {"task.loss": "chunked"},
+            arithmetic=True,
+            where="tokens",
+            command=("task.loss=chunked",),
+            variant="chunked_loss",
+            readme="20",
+            needs=(_gpt("the model's forward takes no targets to chunk the loss over (runner's GPT does)"),),
+            source="Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), in plain PyTorch chunks",
+        ),
+        # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
+        # per step and costs nothing measurable, so its step_cost is False
+        Technique(
+            "onecycle",
+            {"scheduler.name": "onecycle"},
+            arithmetic=True,
+            command=("scheduler=onecycle",),
+            variant="onecycle",
+            readme="1",
+            tuner=False,
+            step_cost=False,
+            source="Smith & Topin 2018, 'Super-Convergence'; torch.optim.lr_scheduler.OneCycleLR",
+        ),
+        Technique(
+            "cosine",
+            {"scheduler.name": "cosine"},
+            arithmetic=True,
+            command=("scheduler=cosine",),
+            variant="cosine",
+            readme="1",
+            tuner=False,
+            step_cost=False,
+            source="Loshchilov & Hutter 2017, 'SGDR: Stochastic Gradient Descent with Warm Restarts'",
+        ),
+        Technique(
+            "cyclic",
+            {"scheduler.name": "cyclic"},
+            arithmetic=True,
+            command=("scheduler=cyclic",),
+            variant="cyclic",
+            readme="1",
+            tuner=False,
+            step_cost=False,
+            source="Smith 2017, 'Cyclical Learning Rates for Training Neural Networks' (arXiv:1506.01186); "
+            "torch.optim.lr_scheduler.CyclicLR",
+        ),
+        Technique(
+            "adamw",
+            {"optimizer._target_": "torch.optim.AdamW"},
+            arithmetic=True,
+            group="optimizer",
+            command=("optimizer=adamw",),
+            variant="adamw",
+            readme="5",
+            tuner=False,
+            source="Loshchilov & Hutter 2019, 'Decoupled Weight Decay Regularization'; torch.optim.AdamW",
+        ),
+        Technique(
+            "muon",
+            {"optimizer._target_": "timm.optim.Muon"},
+            arithmetic=True,
+            group="optimizer",
+            command=("optimizer=muon",),
+            variant="muon",
+            readme="5",
+            tuner=False,  # Newton-Schulz: a step's cost
+            source="Jordan et al. 2024, 'Muon: An optimizer for hidden layers in neural networks'; timm.optim.Muon",
+        ),
+        # an average updated after every step: a step's cost; ema=on is conf/ema/on.yaml, these three keys
+        Technique(
+            "ema",
+            {"trainer.ema_decay": 0.999, "trainer.ema_warmup": True, "trainer.target_weights": "ema"},
+            arithmetic=True,
+            command=("ema=on",),
+            variant="ema",
+            tuner=False,
+            source="Polyak & Juditsky 1992; Tarvainen & Valpola 2017; runner/techniques/ema.py",
+        ),
+        # a setting of the machine: half the intra-op threads (on a busy or hyper-threaded CPU, fewer can be faster)
+        Technique(
+            "half_threads",
+            {"trainer.num_threads": _half_cores},
+            arithmetic=True,
+            needs=(_on_cpu("CPU threads matter on a CPU job only"), Need(_fewer_threads, candidate=True)),
+            source="PyTorch CPU performance tuning guide: intra-op threads (torch.set_num_threads)",
+        ),
+    )
+}
 
 
 def by_variant(variant: str) -> Technique | None:
@@ -471,8 +757,15 @@ def variant_keys() -> dict[str, tuple[str, ...]]:
 def moves_data_only() -> tuple[str, ...]:
     """The config keys of the techniques that only move data or work (``arithmetic=False``) and touch no model
     state: a resumed run may change them (runner/checkpoint/resume.py)."""
-    return tuple(dict.fromkeys(k for t in TECHNIQUES.values() if not t.arithmetic and t.keys()[0].startswith(
-        "dataloader.") for k in t.keys() if k != "dataloader.on_device"))
+    return tuple(
+        dict.fromkeys(
+            k
+            for t in TECHNIQUES.values()
+            if not t.arithmetic and t.keys()[0].startswith("dataloader.")
+            for k in t.keys()
+            if k != "dataloader.on_device"
+        )
+    )
 
 
 def token_inputs(cfg) -> bool:
@@ -495,5 +788,17 @@ def _not_images(cfg) -> str | None:
     return None
 
 
-__all__ = ["TECHNIQUES", "WHERE", "Job", "Need", "Technique", "by_variant", "image_only",
-           "moves_data_only", "select", "step_cost", "token_inputs", "variant_keys"]
+__all__ = [
+    "TECHNIQUES",
+    "WHERE",
+    "Job",
+    "Need",
+    "Technique",
+    "by_variant",
+    "image_only",
+    "moves_data_only",
+    "select",
+    "step_cost",
+    "token_inputs",
+    "variant_keys",
+]

@@ -113,12 +113,16 @@ def user_key(create: bool) -> bytes:
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise Refused(f"the key {path} must be a file of yours that only you can read (chmod 600 {path}); "
-                          f"until it is, no compile cache is trusted")
+            raise Refused(
+                f"the key {path} must be a file of yours that only you can read (chmod 600 {path}); "
+                f"until it is, no compile cache is trusted"
+            )
         secret = f.read()
     if len(secret) < 32:
-        raise Refused(f"the key {path} holds {len(secret)} bytes, not a key: remove it (the next compiled job makes a "
-                      f"new one; caches signed with the old one then compile cold)")
+        raise Refused(
+            f"the key {path} holds {len(secret)} bytes, not a key: remove it (the next compiled job makes a "
+            f"new one; caches signed with the old one then compile cold)"
+        )
     return secret
 
 
@@ -271,8 +275,11 @@ def load(sources: list[Path]) -> str:
             except (Refused, OSError) as e:
                 refused.append(str(e) if isinstance(e, Refused) else f"{entry}: {type(e).__name__}: {e}")
     if refused:
-        print(f"compile cache: not loaded, compiled here instead: {refused[0]}"
-              + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""), flush=True)
+        print(
+            f"compile cache: not loaded, compiled here instead: {refused[0]}"
+            + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""),
+            flush=True,
+        )
     if not loaded:
         return f"cold: not loaded: {refused[0]}"
     said = ", ".join(f"{e} ({n} artifacts, {k} kernels, {size / 2**20:.2f} MiB)" for e, n, k, size in loaded[:3])
@@ -305,8 +312,11 @@ def write_entry(entry: Path, files: dict[str, bytes], key: bytes) -> None:
         for name, data in files.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             write_own(tmp / name, data)
-        body = {"format": FORMAT, "torch": torch.__version__,
-                "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
+        body = {
+            "format": FORMAT,
+            "torch": torch.__version__,
+            "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()},
+        }
         write_own(tmp / SIGNATURE, json.dumps({**body, "mac": _mac(body, key)}, indent=1))
         old = None
         if entry.is_symlink() or entry.is_file():
@@ -397,8 +407,11 @@ def compiled_so_far() -> tuple[float, int, int]:
     """torch.compile's wall seconds, graphs compiled and graph breaks in this process so far (recompiles included)."""
     from torch._dynamo.utils import calculate_time_spent, counters
 
-    return (calculate_time_spent().get("total_wall_time", 0.0), counters["stats"]["unique_graphs"],
-            sum(counters["graph_break"].values()))
+    return (
+        calculate_time_spent().get("total_wall_time", 0.0),
+        counters["stats"]["unique_graphs"],
+        sum(counters["graph_break"].values()),
+    )
 
 
 def graph_break_reasons(limit: int = 3) -> list[str]:

@@ -35,8 +35,11 @@ _OWN_LINEARS = ("fp8", "int8")
 def linear_layers(model: nn.Module) -> list[str]:
     """The names of ``model``'s Linear layers that torchao's ``quantize_`` acts on (``nn.Linear``, except the
     ``NonDynamicallyQuantizableLinear`` inside ``nn.MultiheadAttention``, whose forward never calls it)."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)
-            and not isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear)]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear)
+    ]
 
 
 def apply(model: nn.Module, cfg: DictConfig, device: torch.device) -> tuple[dict[str, str], dict[str, object]]:
@@ -54,12 +57,16 @@ def apply(model: nn.Module, cfg: DictConfig, device: torch.device) -> tuple[dict
     if name == "none":
         return {}, {}
     if cfg.precision.name in _OWN_LINEARS:
-        raise ConfigError(f"compress={name} cannot run with precision={cfg.precision.name}: both replace the model's "
-                          f"Linear layers; pick one (precision=bf16 or auto with compress={name})")
+        raise ConfigError(
+            f"compress={name} cannot run with precision={cfg.precision.name}: both replace the model's "
+            f"Linear layers; pick one (precision=bf16 or auto with compress={name})"
+        )
     layers = linear_layers(model)
     if not layers:
-        raise ConfigError(f"compress={name} acts on Linear layers and the model {cfg.model._target_} has none; "
-                          f"train it with compress=none")
+        raise ConfigError(
+            f"compress={name} acts on Linear layers and the model {cfg.model._target_} has none; "
+            f"train it with compress=none"
+        )
     if name == "qat":
         status, details = apply_qat(model, layers)
     else:
@@ -72,8 +79,10 @@ def _fake_quantize_configs():
     (checked in tests/test_compress.py: the converted model matches the fake-quantized one within 1e-6)."""
     from torchao.quantization.qat import IntxFakeQuantizeConfig
 
-    return (IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
-            IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True))
+    return (
+        IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
+        IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True),
+    )
 
 
 def int8_config():
@@ -98,8 +107,11 @@ def apply_qat(model: nn.Module, layers: list[str]) -> tuple[str, dict[str, objec
 
     activations, weights = _fake_quantize_configs()
     chosen = set(layers)
-    quantize_(model, QATConfig(activation_config=activations, weight_config=weights, step="prepare"),
-              filter_fn=lambda m, fqn: fqn in chosen)
+    quantize_(
+        model,
+        QATConfig(activation_config=activations, weight_config=weights, step="prepare"),
+        filter_fn=lambda m, fqn: fqn in chosen,
+    )
     return "applied", {"scheme": QAT_SCHEME, "layers": layers}
 
 
@@ -141,8 +153,14 @@ def sparse_layers(model: nn.Module, min_features: int) -> list[str]:
     """The Linear layers ``compress=sparse24`` swaps: not the first or last (``edge_layers``), in_features and
     out_features both >= ``min_features`` and multiples of 64 (the 2:4 kernels' tiles)."""
     edges = set(edge_layers(model))
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in edges
-            and min(m.in_features, m.out_features) >= min_features and m.in_features % 64 == m.out_features % 64 == 0]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and name not in edges
+        and min(m.in_features, m.out_features) >= min_features
+        and m.in_features % 64 == m.out_features % 64 == 0
+    ]
 
 
 def apply_sparse24(model: nn.Module, min_features: int, device: torch.device) -> tuple[str, dict[str, object]]:
@@ -161,8 +179,10 @@ def apply_sparse24(model: nn.Module, min_features: int, device: torch.device) ->
     details: dict[str, object] = {"layers": layers, "min_features": min_features}
     why = sparse24_unavailable(device)
     if why is None and not layers:
-        why = (f"no Linear layer between the first and last has in_features and out_features >= "
-               f"compress.min_features={min_features} and multiples of 64")
+        why = (
+            f"no Linear layer between the first and last has in_features and out_features >= "
+            f"compress.min_features={min_features} and multiples of 64"
+        )
     if why is not None:
         return f"skipped: {why}; the plain model trains", details
     from torchao.sparsity.training import swap_linear_with_semi_sparse_linear

@@ -47,8 +47,10 @@ def build(cfg: DictConfig, job_dir: Path, device: torch.device):
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         trace_dir = job_dir / "profile"
-        with profile(activities=activities,
-                     schedule=schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active,
-                                       repeat=1),
-                     on_trace_ready=tensorboard_trace_handler(str(trace_dir)), record_shapes=True) as prof:
+        with profile(
+            activities=activities,
+            schedule=schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(str(trace_dir)),
+            record_shapes=True,
+        ) as prof:
             yield prof, {"profiler": "applied"}

@@ -71,6 +71,7 @@ class EMA:
     def measure_update_ms(self, device: torch.device, repeats: int = 5) -> float:
         """The time of one update in ms (median of ``repeats``, the device drained), taken while the average
         still equals the weights, so the timed updates change nothing (``lerp`` of equal tensors)."""
+
         def drain() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -57,22 +57,28 @@ def _plan_for(model: nn.Module, tp_size: int) -> dict[str, str]:
     does not divide."""
     plan = tp_plan(model)
     if plan is None:
-        raise ConfigError(f"distributed=tp has no tensor-parallel plan for {type(model).__name__}: give the model a "
-                          f"`tp_plan` attribute mapping module names (fnmatch patterns) to {'/'.join(STYLES)}, as "
-                          f"runner.models.gpt.GPT.tp_plan does, or use distributed=fsdp")
+        raise ConfigError(
+            f"distributed=tp has no tensor-parallel plan for {type(model).__name__}: give the model a "
+            f"`tp_plan` attribute mapping module names (fnmatch patterns) to {'/'.join(STYLES)}, as "
+            f"runner.models.gpt.GPT.tp_plan does, or use distributed=fsdp"
+        )
     resolved = {}
     for name, module in model.named_modules():
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None:
             continue
         if style not in STYLES or not isinstance(module, nn.Linear):
-            raise ConfigError(f"tp_plan: {name} -> {style!r}: runner splits nn.Linear layers {'/'.join(STYLES)} "
-                              f"(this is {type(module).__name__})")
+            raise ConfigError(
+                f"tp_plan: {name} -> {style!r}: runner splits nn.Linear layers {'/'.join(STYLES)} "
+                f"(this is {type(module).__name__})"
+            )
         parts = 3 if style == "colwise_qkv" else 1
         width = module.in_features if style == "rowwise" else module.out_features // parts
         if width % tp_size:
-            raise ConfigError(f"distributed.tp_size={tp_size} does not divide {name}'s {width} "
-                              f"{'input' if style == 'rowwise' else 'output'} features; pick a divisor")
+            raise ConfigError(
+                f"distributed.tp_size={tp_size} does not divide {name}'s {width} "
+                f"{'input' if style == 'rowwise' else 'output'} features; pick a divisor"
+            )
         resolved[name] = style
     if not resolved:
         raise ConfigError(f"tp_plan of {type(model).__name__} matches no Linear layer: {plan}")
@@ -117,13 +123,17 @@ def _replicate_rest(model: nn.Module, mesh) -> int:
             continue
         for key, param in own:
             if id(param) not in placed:
-                placed[id(param)] = nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()]),
-                                                 requires_grad=param.requires_grad)
+                placed[id(param)] = nn.Parameter(
+                    distribute_tensor(param.data, mesh, [Replicate()]), requires_grad=param.requires_grad
+                )
             module.register_parameter(key, placed[id(param)])
 
         def inputs(_, args, kwargs):
-            wrap = (lambda a: DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                    if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a)
+            wrap = lambda a: (
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                else a
+            )
             return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
         module.register_forward_pre_hook(inputs, with_kwargs=True)
@@ -153,8 +163,12 @@ def apply_tp(model: nn.Module, mesh, tp_size: int) -> dict[str, Any]:
             model.tp_row_order |= _group_heads(name, modules[name], tp_size)
     parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
     replicated = _replicate_rest(model, mesh)
-    return {"tp_size": tp_size, "split_layers": len(plan), "replicated_modules": replicated,
-            "plan": dict(sorted(plan.items()))}
+    return {
+        "tp_size": tp_size,
+        "split_layers": len(plan),
+        "replicated_modules": replicated,
+        "plan": dict(sorted(plan.items())),
+    }
 
 
 # ------------------------------------------------------------------------------------------ pipeline parallelism
@@ -170,18 +184,24 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     if hasattr(model, "pipeline_stage"):
         blocks = len(getattr(getattr(model, "transformer", None), "h", ()) or ()) or stages
         if blocks < stages:
-            raise ConfigError(f"distributed=pp: {stages} stages (one per rank) exceed the model's {blocks} blocks; "
-                              f"launch fewer processes")
+            raise ConfigError(
+                f"distributed=pp: {stages} stages (one per rank) exceed the model's {blocks} blocks; "
+                f"launch fewer processes"
+            )
         return model.pipeline_stage(stage, stages)
     if not isinstance(model, nn.Sequential):
-        raise ConfigError(f"distributed=pp cannot split {type(model).__name__} into stages: give the model a "
-                          f"`pipeline_stage(stage, stages)` method returning that stage's module, as "
-                          f"runner.models.gpt.GPT does, or make it an nn.Sequential")
+        raise ConfigError(
+            f"distributed=pp cannot split {type(model).__name__} into stages: give the model a "
+            f"`pipeline_stage(stage, stages)` method returning that stage's module, as "
+            f"runner.models.gpt.GPT does, or make it an nn.Sequential"
+        )
     names = list(model._modules)
     if len(names) < stages:
-        raise ConfigError(f"distributed=pp: {stages} stages (one per rank) exceed the {len(names)} layers of the "
-                          f"nn.Sequential; launch fewer processes")
-    keep = set(names[len(names) * stage // stages:len(names) * (stage + 1) // stages])
+        raise ConfigError(
+            f"distributed=pp: {stages} stages (one per rank) exceed the {len(names)} layers of the "
+            f"nn.Sequential; launch fewer processes"
+        )
+    keep = set(names[len(names) * stage // stages : len(names) * (stage + 1) // stages])
     for name in names:
         if name not in keep:
             del model._modules[name]
@@ -198,8 +218,7 @@ class Pipeline:
     ``clip`` replaces the loop's gradient clipping: the tied embedding's gradient summed between the first and last
     stage, then the norm over all stages (that weight counted once)."""
 
-    def __init__(self, stage_module: nn.Module, task, env, schedule: str, microbatches: int,
-                 max_norm: float | None):
+    def __init__(self, stage_module: nn.Module, task, env, schedule: str, microbatches: int, max_norm: float | None):
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -247,7 +266,7 @@ class Pipeline:
         out = self.schedule.eval(x, target=target) if self.first else self.schedule.eval(target=target)
         shape = torch.zeros(4, dtype=torch.int64, device=x.device)
         if self.last:
-            shape[:out.dim()] = torch.tensor(out.shape)
+            shape[: out.dim()] = torch.tensor(out.shape)
         dist.broadcast(shape, self.src, group=self.group)
         dims = [int(d) for d in shape.tolist() if d]
         if not self.last:
@@ -258,6 +277,7 @@ class Pipeline:
     def evaluate(self, model, batches, autocast, max_batches, env):
         """The task's ``evaluate`` with the whole pipeline as its model (``_forward``): the same metrics on every rank.
         Collective: every rank of the pipeline calls it, over the same batches."""
+
         def noting_targets():
             for x, y in batches:
                 self._target = y
@@ -269,8 +289,11 @@ class Pipeline:
         """No end-of-run samples (``task.sample_tokens``): a stage is not the whole model, and a one-sequence batch
         does not cut into micro-batches."""
         if env.is_main and getattr(self.task, "sample_tokens", 0):
-            print("note: distributed=pp writes no samples.txt (a stage is not the whole model); model.safetensors "
-                  "holds the whole model", flush=True)
+            print(
+                "note: distributed=pp writes no samples.txt (a stage is not the whole model); model.safetensors "
+                "holds the whole model",
+                flush=True,
+            )
 
     def clip(self, optimizer: torch.optim.Optimizer, norm: bool = False) -> torch.Tensor | None:
         """The loop's gradient clipping for a pipeline (``optim.gradient_clipping``'s contract): the tied weight's
@@ -282,8 +305,11 @@ class Pipeline:
             dist.all_reduce(self.tied.grad, group=self.tie_group)  # the first and last stage's shares
         if self.max_norm is None and not norm:
             return None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None
-                 and not (self.last and self.stages > 1 and p is self.tied)]
+        grads = [
+            p.grad
+            for p in self.module.parameters()
+            if p.grad is not None and not (self.last and self.stages > 1 and p is self.tied)
+        ]
         squares = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=self.env.device))
         dist.all_reduce(squares, group=self.group)  # DDP left every copy of a stage the same gradients
         total = squares.sqrt()
@@ -329,15 +355,26 @@ def pipeline(stage_module: nn.Module, task, env, cfg, plan) -> Pipeline:
     """
     d = cfg.distributed
     microbatches = d.pp_microbatches or 2 * env.model_parallel
-    refusals = [(plan.accumulate > 1, f"memory.accumulate_steps={plan.accumulate}: a pipeline's micro-batches are "
-                                      f"its accumulation; set distributed.pp_microbatches instead"),
-                (microbatches < 1 or plan.micro_batch % microbatches,
-                 f"distributed.pp_microbatches={microbatches} must divide dataloader.batch_size={plan.micro_batch}"),
-                (cfg.precision.name == "amp", "precision=amp: its loss scale would have to span the stages; use "
-                                              "precision=bf16"),
-                (getattr(task, "loss_kind", "full") != "full" or getattr(task, "fused", None) is not None,
-                 "task.loss computes the loss inside the model, which a pipeline stage is not; use task.loss=full"),
-                (plan.skip_nonfinite, "trainer.on_nonfinite=skip: each stage would decide alone; use stop")]
+    refusals = [
+        (
+            plan.accumulate > 1,
+            f"memory.accumulate_steps={plan.accumulate}: a pipeline's micro-batches are "
+            f"its accumulation; set distributed.pp_microbatches instead",
+        ),
+        (
+            microbatches < 1 or plan.micro_batch % microbatches,
+            f"distributed.pp_microbatches={microbatches} must divide dataloader.batch_size={plan.micro_batch}",
+        ),
+        (
+            cfg.precision.name == "amp",
+            "precision=amp: its loss scale would have to span the stages; use precision=bf16",
+        ),
+        (
+            getattr(task, "loss_kind", "full") != "full" or getattr(task, "fused", None) is not None,
+            "task.loss computes the loss inside the model, which a pipeline stage is not; use task.loss=full",
+        ),
+        (plan.skip_nonfinite, "trainer.on_nonfinite=skip: each stage would decide alone; use stop"),
+    ]
     for refused, why in refusals:
         if refused:
             raise ConfigError(f"distributed=pp: {why}")

@@ -65,8 +65,11 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
     """
     techniques: dict[str, str] = {}
     muon = cfg._target_ == MUON_TARGET
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items()
-              if k not in RUNNER_KEYS + (MUON_KEYS if muon else ())}
+    kwargs = {
+        k: v
+        for k, v in OmegaConf.to_container(cfg, resolve=True).items()
+        if k not in RUNNER_KEYS + (MUON_KEYS if muon else ())
+    }
     kwargs["lr"] = scaled_lr(cfg, global_batch_size)
     if cfg.lr_scaling != "none":
         techniques["lr_scaling"] = "applied"
@@ -82,8 +85,11 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
         if technique is not None:
             why = technique.why_not(Job({"optimizer": {"_target_": target}}))
         else:
-            why = None if "foreach" in inspect.signature(cls.__init__).parameters else \
-                f"{target} has no loop implementation (no foreach argument)"
+            why = (
+                None
+                if "foreach" in inspect.signature(cls.__init__).parameters
+                else f"{target} has no loop implementation (no foreach argument)"
+            )
         if why is None:
             kwargs.update(_IMPLS[cfg.impl])
             techniques[f"optimizer_{cfg.impl}"] = "applied"
@@ -100,8 +106,10 @@ def build(cfg: DictConfig, model: torch.nn.Module, global_batch_size: int, devic
         params = muon_groups(cfg, model)
         kwargs["fallback_lr_scale"] = cfg.adamw_lr / cfg.lr
     elif not cfg.decay_all:  # nanoGPT / GPT-2: decay matrices and embeddings; biases and norm gains keep their scale
-        params = [{"params": [p for p in params if p.dim() >= 2]},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        params = [
+            {"params": [p for p in params if p.dim() >= 2]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
     try:
         # _convert_="all": plain lists in the param groups (timm keeps betas as given; a ListConfig in the saved
         # state is not plain data, so resuming refused the checkpoint of optimizer=lamb|muon)
@@ -158,26 +166,30 @@ def muon_groups(cfg: DictConfig, model: torch.nn.Module) -> list[dict]:
             hidden matrix (Muon would update nothing).
     """
     for ok, key, value, rule in (
-            (cfg.lr > 0, "lr", cfg.lr, "must be > 0 (the AdamW part's LR is adamw_lr / lr of it)"),
-            (cfg.adamw_lr > 0, "adamw_lr", cfg.adamw_lr, "must be > 0 (the AdamW part's LR; Jordan et al.: 3e-4)"),
-            (cfg.ns_steps >= 1, "ns_steps", cfg.ns_steps, "must be >= 1 (Newton-Schulz iterations; 5 is usual)"),
-            (0 <= cfg.momentum < 1, "momentum", cfg.momentum, "must be in [0, 1) (0.95 is usual)")):
+        (cfg.lr > 0, "lr", cfg.lr, "must be > 0 (the AdamW part's LR is adamw_lr / lr of it)"),
+        (cfg.adamw_lr > 0, "adamw_lr", cfg.adamw_lr, "must be > 0 (the AdamW part's LR; Jordan et al.: 3e-4)"),
+        (cfg.ns_steps >= 1, "ns_steps", cfg.ns_steps, "must be >= 1 (Newton-Schulz iterations; 5 is usual)"),
+        (0 <= cfg.momentum < 1, "momentum", cfg.momentum, "must be in [0, 1) (0.95 is usual)"),
+    ):
         if not ok:
             raise ConfigError(f"optimizer.{key}={value} {rule}")
     matrices, rest = muon_split(model)
     if not matrices:  # every tensor would take the AdamW fallback: optimizer=muon would be AdamW under another name
-        raise ConfigError(f"optimizer=muon: {type(model).__name__} has no hidden matrix for Muon (its {len(rest)} "
-                          f"trainable tensors are embeddings, the output head, biases or gains, which take AdamW); "
-                          f"use optimizer=adamw")
+        raise ConfigError(
+            f"optimizer=muon: {type(model).__name__} has no hidden matrix for Muon (its {len(rest)} "
+            f"trainable tensors are embeddings, the output head, biases or gains, which take AdamW); "
+            f"use optimizer=adamw"
+        )
     adamw = {"use_muon": False, "nesterov": False, "eps": cfg.adamw_eps}
     groups = [{"params": [p for _, p in matrices], "use_muon": True}]
     if cfg.decay_all:
         groups.append({"params": [p for _, p in rest], **adamw})
     else:
-        groups += [{"params": [p for _, p in rest if p.dim() >= 2], **adamw},
-                   {"params": [p for _, p in rest if p.dim() < 2], **adamw, "weight_decay": 0.0}]
+        groups += [
+            {"params": [p for _, p in rest if p.dim() >= 2], **adamw},
+            {"params": [p for _, p in rest if p.dim() < 2], **adamw, "weight_decay": 0.0},
+        ]
     return [g for g in groups if g["params"]]
-
 
 
 def gradient_clipping(max_norm: float | None, model: torch.nn.Module, scaler: torch.amp.GradScaler):

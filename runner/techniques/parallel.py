@@ -43,8 +43,11 @@ def repeated_blocks(model: nn.Module) -> list[str]:
         found = sorted(present & set(declared))
         if found:
             return found
-    counts = Counter(type(m).__name__ for m in model.modules()
-                     if m is not model and type(m) not in _CONTAINERS and next(m.children(), None) is not None)
+    counts = Counter(
+        type(m).__name__
+        for m in model.modules()
+        if m is not model and type(m) not in _CONTAINERS and next(m.children(), None) is not None
+    )
     candidates = {name for name, n in counts.items() if n >= 2}
     nested = set()
     for outer in model.modules():
@@ -75,8 +78,9 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig, env: Env) -> tuple[torch.
     techniques: dict[str, str] = {}
     if cfg.sync_batchnorm:
         if env.device.type != "cuda":
-            techniques["sync_batchnorm"] = ("skipped: SyncBatchNorm only runs on CUDA; on CPU each rank normalizes "
-                                            "with its own batch statistics")
+            techniques["sync_batchnorm"] = (
+                "skipped: SyncBatchNorm only runs on CUDA; on CPU each rank normalizes with its own batch statistics"
+            )
         elif not _has_batchnorm(model):
             techniques["sync_batchnorm"] = "skipped: the model has no BatchNorm layer"
         elif env.world_size == 1:
@@ -120,9 +124,11 @@ def apply_fsdp(model: torch.nn.Module, env: Env, amp: Precision, mesh=None) -> t
     techniques["fsdp"] = "applied"
     wanted = {"amp", "bf16"} & set(amp.techniques)
     if wanted:
-        techniques["fsdp_mixed_precision"] = ("applied" if policy is not None else
-                                              f"skipped: precision={wanted.pop()} is off on this device, so "
-                                              f"parameters are all-gathered in fp32")
+        techniques["fsdp_mixed_precision"] = (
+            "applied"
+            if policy is not None
+            else f"skipped: precision={wanted.pop()} is off on this device, so parameters are all-gathered in fp32"
+        )
     return model, techniques
 
 
@@ -157,14 +163,20 @@ def apply_pp(model: torch.nn.Module, cfg: DictConfig, env: Env, details: dict) -
     stage = env.rank % env.model_parallel
     model = model_parallel.split_stage(model, stage, env.model_parallel)
     model.pipeline_stages = env.model_parallel  # read by runner.checkpoint.full_model_state_dict and parameter_report
-    details["pipeline_parallel"] = {"stages": env.model_parallel, "schedule": cfg.pp_schedule,
-                                    "stage_parameters": sum(p.numel() for p in model.parameters())}
+    details["pipeline_parallel"] = {
+        "stages": env.model_parallel,
+        "schedule": cfg.pp_schedule,
+        "stage_parameters": sum(p.numel() for p in model.parameters()),
+    }
     if env.dp_size == 1:
         return model, {"pp": "applied"}
     mesh = init_device_mesh(env.device.type, (env.dp_size, env.model_parallel), mesh_dim_names=("dp", "pp"))
     wrapped = torch.nn.parallel.DistributedDataParallel(
-        model, process_group=mesh["dp"].get_group(), device_ids=[env.device.index] if env.device.type == "cuda"
-        else None, init_sync=True)
+        model,
+        process_group=mesh["dp"].get_group(),
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        init_sync=True,
+    )
     wrapped.pipeline_stages = env.model_parallel
     return wrapped, {"pp": "applied", "ddp": "applied"}
 
@@ -172,12 +184,16 @@ def apply_pp(model: torch.nn.Module, cfg: DictConfig, env: Env, details: dict) -
 def apply_dp(model: torch.nn.Module, env: Env) -> tuple[torch.nn.Module, dict[str, str]]:
     """``nn.DataParallel`` over every visible GPU, output gathered on this process's GPU; kept for the ablation only.
     Without CUDA it is skipped and the plain model runs."""
-    warnings.warn("distributed=dp: nn.DataParallel is slower than DistributedDataParallel (one process, threads "
-                  "under the GIL, model replicated every step); use distributed=ddp with scripts/torchrun.sh. "
-                  "It is kept for the ablation.", stacklevel=2)
+    warnings.warn(
+        "distributed=dp: nn.DataParallel is slower than DistributedDataParallel (one process, threads "
+        "under the GIL, model replicated every step); use distributed=ddp with scripts/torchrun.sh. "
+        "It is kept for the ablation.",
+        stacklevel=2,
+    )
     if env.device.type != "cuda":
-        return model, {"dp": "skipped: nn.DataParallel splits batches across CUDA devices and there are none; "
-                             "ran the plain model"}
+        return model, {
+            "dp": "skipped: nn.DataParallel splits batches across CUDA devices and there are none; ran the plain model"
+        }
     devices = list(range(torch.cuda.device_count()))
     return torch.nn.DataParallel(model, device_ids=devices, output_device=env.device.index), {"dp": "applied"}
 
@@ -194,8 +210,11 @@ def wrap(model: torch.nn.Module, cfg: DictConfig, env: Env, amp: Precision, deta
     name = cfg.name
     check_choice("distributed.name", name)
     if name == "none":
-        return model, ({"sync_batchnorm": "skipped: one process, its batch statistics are already global"}
-                       if cfg.sync_batchnorm else {})
+        return model, (
+            {"sync_batchnorm": "skipped: one process, its batch statistics are already global"}
+            if cfg.sync_batchnorm
+            else {}
+        )
     if name == "ddp":
         return apply_ddp(model, cfg, env)
     if name == "fsdp":
@@ -274,9 +293,10 @@ def parameter_report(model: torch.nn.Module, env: Env) -> dict:
     return {
         "sha256_by_rank": digests,
         # null for one process, and for a pipeline, whose ranks hold different stages
-        "identical_across_ranks": (len(set(digests)) == 1 if env.distributed and
-                                   getattr(unwrap(model), "pipeline_stages", 1) == 1 else None),
-        "l2_norm": sq ** 0.5,
+        "identical_across_ranks": (
+            len(set(digests)) == 1 if env.distributed and getattr(unwrap(model), "pipeline_stages", 1) == 1 else None
+        ),
+        "l2_norm": sq**0.5,
         "count": count,
         "numel": numel,
         "dtensor_count": dtensors,

@@ -123,8 +123,9 @@ def build(cfg: DictConfig, device: torch.device) -> Precision:
         return _mixed(name, cfg, device, bf16, off)
     # bf16, the one name left
     if kind == "cpu" and not hardware.cpu_has_native_bf16():
-        warnings.warn("precision=bf16 on a CPU without native bf16: autocast is emulated and much slower "
-                      "than fp32", stacklevel=2)
+        warnings.warn(
+            "precision=bf16 on a CPU without native bf16: autocast is emulated and much slower than fp32", stacklevel=2
+        )
     if kind == "cuda" and not torch.cuda.is_bf16_supported():
         off.techniques["bf16"] = f"skipped: {torch.cuda.get_device_name(device)} has no bf16 support"
         return off
@@ -161,8 +162,10 @@ def _mixed(name: str, cfg: DictConfig, device: torch.device, bf16, off: Precisio
     kind, note = device.type, None
     if name == "auto":
         if kind == "cuda" and torch.cuda.is_bf16_supported():
-            note = (f"auto: bf16 autocast, no loss scaling ({torch.cuda.get_device_name(device)} supports bf16, "
-                    f"whose range is fp32's: no fp16 overflow)")
+            note = (
+                f"auto: bf16 autocast, no loss scaling ({torch.cuda.get_device_name(device)} supports bf16, "
+                f"whose range is fp32's: no fp16 overflow)"
+            )
             return Precision(bf16, off.scaler, torch.bfloat16, {"amp": "applied"}, note=note)
         # on a CPU exactly precision=amp, record included
         note = "auto: fp16 autocast + GradScaler (this GPU has no bf16)" if kind == "cuda" else None
@@ -171,12 +174,16 @@ def _mixed(name: str, cfg: DictConfig, device: torch.device, bf16, off: Precisio
         ctx = functools.partial(torch.autocast, "cuda", dtype=torch.float16)
         return Precision(ctx, scaler, torch.float16, {"amp": "applied"}, note=note)
     if not hardware.cpu_has_native_bf16():
-        off.techniques["amp"] = ("skipped: this CPU has no native bf16 (AVX-512-BF16/AMX); emulated bf16 "
-                                 "autocast is 14-100x slower than fp32, use precision=bf16 to force it")
+        off.techniques["amp"] = (
+            "skipped: this CPU has no native bf16 (AVX-512-BF16/AMX); emulated bf16 "
+            "autocast is 14-100x slower than fp32, use precision=bf16 to force it"
+        )
         off.note = note
         return off
-    note = note or (f"precision={name} on a CPU: bf16 autocast, no loss scaling (CPU autocast's dtype; fp16 with a "
-                    f"GradScaler is what amp means on CUDA)")
+    note = note or (
+        f"precision={name} on a CPU: bf16 autocast, no loss scaling (CPU autocast's dtype; fp16 with a "
+        f"GradScaler is what amp means on CUDA)"
+    )
     return Precision(bf16, off.scaler, torch.bfloat16, {"amp": "applied"}, note=note)
 
 
@@ -186,13 +193,17 @@ def fp8_unavailable(device: torch.device) -> str | None:
     conversion needs torchao (``pip install torchao``, or runner's ``fp8`` extra). Both are named when both miss."""
     why = []
     if device.type != "cuda":
-        why.append(f"fp8 matmuls need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); this "
-                   f"job runs on the {device.type.upper()}")
+        why.append(
+            f"fp8 matmuls need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); this "
+            f"job runs on the {device.type.upper()}"
+        )
     else:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < FP8_CAPABILITY:
-            why.append(f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; fp8 matmuls "
-                       f"need 8.9 or newer (Ada, Hopper, Blackwell)")
+            why.append(
+                f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; fp8 matmuls "
+                f"need 8.9 or newer (Ada, Hopper, Blackwell)"
+            )
     if (missing := _torchao_missing()) is not None:
         why.append(missing)
     return "; ".join(why) or None
@@ -204,13 +215,15 @@ def edge_layers(model: nn.Module) -> list[str]:
     embedding) and ``lm_head``; a torchvision ResNet ``conv1`` (the stem) and ``fc`` (the classifier). fp8 keeps
     them in bf16 (torchtitan's ``filter_fqns=["output"]``; Micikevicius et al. 2022, "FP8 Formats for Deep
     Learning", https://arxiv.org/abs/2209.05433; why: docs/configuration.md, "fp8 training")."""
-    layers = [name for name, m in model.named_modules()
-              if isinstance(m, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))]
+    layers = [
+        name for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))
+    ]
     return sorted({layers[0], layers[-1]}) if layers else []
 
 
-def fp8_module_filter(model: nn.Module, recipe: str,
-                      base: Callable[[nn.Module, str], bool] | None = None) -> Callable[[nn.Module, str], bool]:
+def fp8_module_filter(
+    model: nn.Module, recipe: str, base: Callable[[nn.Module, str], bool] | None = None
+) -> Callable[[nn.Module, str], bool]:
     """The ``module_filter_fn`` of ``convert_to_float8_training`` for ``model``: ``(module, fully qualified name)``
     -> True to convert that Linear to fp8.
 
@@ -248,11 +261,17 @@ def convert_fp8(model: nn.Module, amp: Precision) -> tuple[str, dict[str, Any]]:
     keep = fp8_module_filter(model, recipe)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     chosen = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and keep(m, name)]
-    details = {"recipe": recipe, "converted": len(chosen), "kept_bf16": len(linears) - len(chosen),
-               "converted_layers": chosen}
+    details = {
+        "recipe": recipe,
+        "converted": len(chosen),
+        "kept_bf16": len(linears) - len(chosen),
+        "converted_layers": chosen,
+    }
     if not chosen:
-        return (f"skipped: none of the model's {len(linears)} Linear layers is large enough for fp8 to gain (torchao's "
-                f"auto filter for {recipe}; first and last layers stay bf16); trained with bf16 autocast"), details
+        return (
+            f"skipped: none of the model's {len(linears)} Linear layers is large enough for fp8 to gain (torchao's "
+            f"auto filter for {recipe}; first and last layers stay bf16); trained with bf16 autocast"
+        ), details
     if recipe == "rowwise":
         from torch._inductor import config as inductor_config
 
@@ -279,8 +298,10 @@ def convert_int8(model: nn.Module, amp: Precision) -> tuple[str, dict[str, Any]]
     details = {"converted": len(chosen), "kept": len(linears) - len(chosen), "converted_layers": chosen}
     if not chosen:
         dtype = "with bf16 autocast" if amp.compute_dtype == torch.bfloat16 else "in fp32"
-        return (f"skipped: none of the model's {len(linears)} Linear layers lies between its first and last layers "
-                f"(those stay as they are); trained {dtype}"), details
+        return (
+            f"skipped: none of the model's {len(linears)} Linear layers lies between its first and last layers "
+            f"(those stay as they are); trained {dtype}"
+        ), details
     from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
     from torchao.quantization import quantize_
 

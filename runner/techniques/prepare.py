@@ -76,8 +76,9 @@ def apply_num_threads(num_threads: int | None) -> dict[str, str]:
         torch.set_num_threads(DEFAULT_NUM_THREADS)
         return {}
     if num_threads < 1:
-        raise ConfigError(f"trainer.num_threads={num_threads} must be >= 1 (or null for torch's default, "
-                          f"{DEFAULT_NUM_THREADS} here)")
+        raise ConfigError(
+            f"trainer.num_threads={num_threads} must be >= 1 (or null for torch's default, {DEFAULT_NUM_THREADS} here)"
+        )
     torch.set_num_threads(num_threads)
     return {"num_threads": "applied"}
 
@@ -105,9 +106,11 @@ def apply_host_allocator(name: str) -> str:
     check_choice("trainer.host_allocator", name)
     if name == "system":
         if _host_allocator_reused:
-            raise ConfigError("trainer.host_allocator=system: an earlier job in this process set "
-                              "trainer.host_allocator=reuse, which glibc cannot undo; run it in a fresh process "
-                              "(python -m runner trainer.host_allocator=system, or hydra/launcher=interleaved)")
+            raise ConfigError(
+                "trainer.host_allocator=system: an earlier job in this process set "
+                "trainer.host_allocator=reuse, which glibc cannot undo; run it in a fresh process "
+                "(python -m runner trainer.host_allocator=system, or hydra/launcher=interleaved)"
+            )
         return "system"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         libc = " ".join(filter(None, (platform.system(), platform.libc_ver()[0])))
@@ -156,8 +159,11 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
         graph = torch.fx.symbolic_trace(model).graph
     except Exception as e:  # noqa: BLE001 - any tracing failure means "cannot tell"
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-        return (f"skipped: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {reason}); "
-                f"its biases were left in place", 0)
+        return (
+            f"skipped: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {reason}); "
+            f"its biases were left in place",
+            0,
+        )
     calls: Counter[str] = Counter()  # layer name -> how many times the graph calls it
     feeds_norm: Counter[str] = Counter()  # layer name -> calls whose only consumer is a norm layer
     for node in graph.nodes:
@@ -165,14 +171,22 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
             continue
         calls[node.target] += 1
         users = list(node.users)
-        if len(users) == 1 and users[0].op == "call_module" and users[0].args and users[0].args[0] is node \
-                and isinstance(model.get_submodule(users[0].target), _NORMS):
+        if (
+            len(users) == 1
+            and users[0].op == "call_module"
+            and users[0].args
+            and users[0].args[0] is node
+            and isinstance(model.get_submodule(users[0].target), _NORMS)
+        ):
             feeds_norm[node.target] += 1
     removed = 0
     for name, n in feeds_norm.items():
         layer = model.get_submodule(name)
-        if n == calls[name] and isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) \
-                and layer.bias is not None:
+        if (
+            n == calls[name]
+            and isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear))
+            and layer.bias is not None
+        ):
             layer.register_parameter("bias", None)
             removed += 1
     if not removed:
@@ -181,8 +195,15 @@ def apply_drop_bias_before_bn(model: nn.Module) -> tuple[str, int]:
 
 
 #: What selective activation checkpointing keeps (torchtitan's ``_save_list``): matmuls and attention
-SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+SAVED_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+)
 
 
 def _save_matmuls():
@@ -198,8 +219,9 @@ def _save_matmuls():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | None,
-                                   policy: str = "full") -> tuple[str, list[str], int]:
+def apply_activation_checkpointing(
+    model: nn.Module, block_names: list[str] | None, policy: str = "full"
+) -> tuple[str, list[str], int]:
     """Technique 8: recompute each block's activations in backward (Chen et al. 2016, https://arxiv.org/abs/1604.06174):
     modules of the classes ``block_names`` (default ``repeated_blocks``) go into a non-reentrant ``CheckpointWrapper``
     (https://pytorch.org/docs/stable/checkpoint.html); ``policy="selective"`` keeps ``SAVED_OPS``.
@@ -221,16 +243,22 @@ def apply_activation_checkpointing(model: nn.Module, block_names: list[str] | No
     present = {type(m).__name__ for m in model.modules()}
     missing = [n for n in names if n not in present]
     if missing:
-        raise ConfigError(f"memory.checkpoint_modules={missing} are not module classes of this model; "
-                          f"use class names such as its repeated blocks {repeated_blocks(model)}, or null for those")
+        raise ConfigError(
+            f"memory.checkpoint_modules={missing} are not module classes of this model; "
+            f"use class names such as its repeated blocks {repeated_blocks(model)}, or null for those"
+        )
     if not names:
         return "skipped: the model has no repeated blocks to checkpoint; set memory.checkpoint_modules", names, 0
     if policy not in ("full", "selective"):
         raise ConfigError(f"memory.checkpoint_policy={policy} must be full or selective")
     extra = {"context_fn": _save_matmuls} if policy == "selective" else {}
-    wrap_blocks(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                               checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra),
-                check_fn=lambda m: type(m).__name__ in names)
+    wrap_blocks(
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra
+        ),
+        check_fn=lambda m: type(m).__name__ in names,
+    )
     return "applied", names, sum(isinstance(m, CheckpointWrapper) for m in model.modules())
 
 
@@ -249,8 +277,10 @@ def apply_memory_budget(budget: float | None, compile_mode: str | None) -> str |
     if not 0 <= budget <= 1:
         raise ConfigError(f"memory.budget={budget} must be in [0, 1] (0: recompute what it can, 1: keep the default)")
     if compile_mode is None:
-        raise ConfigError(f"memory.budget={budget} acts in torch.compile's partitioner; add compile=default (or use "
-                          f"memory=selective, which needs no compile)")
+        raise ConfigError(
+            f"memory.budget={budget} acts in torch.compile's partitioner; add compile=default (or use "
+            f"memory=selective, which needs no compile)"
+        )
     functorch_config.activation_memory_budget = budget
     return "applied"
 
@@ -312,8 +342,9 @@ def regional_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
     return names, blocks
 
 
-def prepare(model: nn.Module, cfg: DictConfig, env, amp,
-            skip=()) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
+def prepare(
+    model: nn.Module, cfg: DictConfig, env, amp, skip=()
+) -> tuple[nn.Module, dict[str, str], dict[str, object]]:
     """Apply the model-level techniques ``cfg`` switches on, in the module docstring's order, after printing
     ``models.model_report``'s line. ``amp``: the built ``precision.Precision`` (fp8 turns compile on); ``skip``:
     status keys the task rules out. Returns the (possibly wrapped) model, the statuses and their details.
@@ -324,8 +355,10 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
     """
     techniques: dict[str, str] = {}
     if cfg.memory.checkpoint_modules and not cfg.memory.checkpointing:
-        raise ConfigError(f"memory.checkpoint_modules={list(cfg.memory.checkpoint_modules)} has no effect while "
-                          f"memory.checkpointing=false; add memory=checkpointing (or memory.checkpointing=true)")
+        raise ConfigError(
+            f"memory.checkpoint_modules={list(cfg.memory.checkpoint_modules)} has no effect while "
+            f"memory.checkpointing=false; add memory=checkpointing (or memory.checkpointing=true)"
+        )
     details: dict[str, object] = {}
     if env.is_main and cfg.trainer.progress != "off":  # the plain model, before any wrapper
         print(models.model_report(model, cfg.model)[0], flush=True)
@@ -344,16 +377,22 @@ def prepare(model: nn.Module, cfg: DictConfig, env, amp,
         if techniques["fp8"] == "applied" and compile_cfg.mode is None:
             # torchao's fp8 casts and scales are fast only fused by torch.compile; torchtitan runs fp8 compiled
             compile_cfg = OmegaConf.merge(compile_cfg, {"mode": "default"})
-            details["fp8"]["compile"] = ("turned on by precision=fp8 (compile=off was given): torchao's fp8 casts are "
-                                         "fused only by torch.compile; mode=default")
+            details["fp8"]["compile"] = (
+                "turned on by precision=fp8 (compile=off was given): torchao's fp8 casts are "
+                "fused only by torch.compile; mode=default"
+            )
             if env.is_main:
-                print("note: precision=fp8 turned torch.compile on (mode=default): torchao's float8 training needs it "
-                      "to fuse its casts", flush=True)
+                print(
+                    "note: precision=fp8 turned torch.compile on (mode=default): torchao's float8 training needs it "
+                    "to fuse its casts",
+                    flush=True,
+                )
     if cfg.memory.checkpointing:
         blocks = list(cfg.memory.checkpoint_modules) if cfg.memory.checkpoint_modules else None
         status, names, wrapped = apply_activation_checkpointing(model, blocks, cfg.memory.checkpoint_policy)
-        techniques["activation_checkpointing" if cfg.memory.checkpoint_policy == "full" else
-                   "selective_checkpointing"] = status
+        techniques[
+            "activation_checkpointing" if cfg.memory.checkpoint_policy == "full" else "selective_checkpointing"
+        ] = status
         details["checkpointed_blocks"] = names
         details["checkpointed_modules"] = wrapped
     if cfg.memory.budget is not None or compile_cfg.mode is not None:  # a process-wide setting: reset when unset

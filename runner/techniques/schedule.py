@@ -48,13 +48,20 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
         # scheduler.step() after it reaches last_epoch == total_steps, which OneCycleLR still allows.
         # OneCycleLR divides by each phase's length: keep both phases >= 2 steps on very short runs.
         phases_min = math.ceil(2 / min(cfg.pct_start, 1 - cfg.pct_start)) + 1
-        sched = OneCycleLR(optimizer, max_lr=lr * cfg.max_lr_factor, total_steps=max(total_steps, phases_min),
-                           pct_start=cfg.pct_start, cycle_momentum=False)
+        sched = OneCycleLR(
+            optimizer,
+            max_lr=lr * cfg.max_lr_factor,
+            total_steps=max(total_steps, phases_min),
+            pct_start=cfg.pct_start,
+            cycle_momentum=False,
+        )
     elif name == "cosine":
         warm = cfg.warmup_steps
         if warm < 0 or warm >= total_steps:
-            raise ConfigError(f"scheduler.warmup_steps={warm} must be in [0, {total_steps}) for this run's "
-                              f"{total_steps} optimizer steps; lower it")
+            raise ConfigError(
+                f"scheduler.warmup_steps={warm} must be in [0, {total_steps}) for this run's "
+                f"{total_steps} optimizer steps; lower it"
+            )
         floor = cfg.min_lr_factor
         if not 0 <= floor <= 1:
             raise ConfigError(f"scheduler.min_lr_factor={floor} must be in [0, 1] (final LR = optimizer LR x this)")
@@ -70,8 +77,15 @@ def build(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -
         if cfg.cycle_steps < 2:
             raise ConfigError(f"scheduler.cycle_steps={cfg.cycle_steps} must be >= 2 (one step up, one down)")
         if not 0 < cfg.base_lr_factor < cfg.max_lr_factor:
-            raise ConfigError(f"scheduler.base_lr_factor={cfg.base_lr_factor} must be > 0 and below "
-                              f"scheduler.max_lr_factor={cfg.max_lr_factor}")
-        sched = CyclicLR(optimizer, base_lr=lr * cfg.base_lr_factor, max_lr=lr * cfg.max_lr_factor,
-                         step_size_up=max(cfg.cycle_steps // 2, 1), cycle_momentum=False)
+            raise ConfigError(
+                f"scheduler.base_lr_factor={cfg.base_lr_factor} must be > 0 and below "
+                f"scheduler.max_lr_factor={cfg.max_lr_factor}"
+            )
+        sched = CyclicLR(
+            optimizer,
+            base_lr=lr * cfg.base_lr_factor,
+            max_lr=lr * cfg.max_lr_factor,
+            step_size_up=max(cfg.cycle_steps // 2, 1),
+            cycle_momentum=False,
+        )
     return sched, {f"scheduler_{name}": "applied"}

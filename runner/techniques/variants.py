@@ -56,9 +56,16 @@ def _settings(t: Technique, base: tuple[dict, dict], fast: tuple[dict, dict]) ->
 
 
 def _node(preset: str, kind: str, name: str, t: Technique, setting: dict) -> Any:
-    node = OmegaConf.create({"defaults": [f"/experiment/{preset}",
-                                          *({f"override /{g}": o} for g, o in setting["groups"].items()), "_self_"],
-                             "ablation": {"variant": name, "kind": kind, "technique": t.variant}})
+    node = OmegaConf.create(
+        {
+            "defaults": [
+                f"/experiment/{preset}",
+                *({f"override /{g}": o} for g, o in setting["groups"].items()),
+                "_self_",
+            ],
+            "ablation": {"variant": name, "kind": kind, "technique": t.variant},
+        }
+    )
     for key, value in setting["values"].items():
         OmegaConf.update(node, key, value, force_add=True)
     return node

@@ -53,16 +53,28 @@ def _evaluated(row: dict[str, Any]) -> list[str]:
     """The evaluation figures of a row for the console: accuracy, loss and RMSE first, then a task's own
     (``eval_<name>``, numbers only) in the order the task returned them."""
     first = ["eval_accuracy", "eval_loss", "eval_rmse"]
-    return first + [k for k, v in row.items() if k.startswith("eval_") and k not in first
-                    and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return first + [
+        k
+        for k, v in row.items()
+        if k.startswith("eval_") and k not in first and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
 
 
 class Tracker:
     """Rank 0's outputs for one job: metrics rows, console progress, the loggers `logger=` picks (W&B, TensorBoard,
     MLflow, metrics.csv: ``runner.track.loggers``), the summary."""
 
-    def __init__(self, job_dir: Path, cfg: DictConfig, resolved: dict, total_steps: int, sweep_group: str | None,
-                 resume_step: int | None = None, wandb_run_id: str | None = None, mlflow_run_id: str | None = None):
+    def __init__(
+        self,
+        job_dir: Path,
+        cfg: DictConfig,
+        resolved: dict,
+        total_steps: int,
+        sweep_group: str | None,
+        resume_step: int | None = None,
+        wandb_run_id: str | None = None,
+        mlflow_run_id: str | None = None,
+    ):
         self.job_dir = job_dir
         self.sweep_group = sweep_group
         job_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it already; a direct train() call may not
@@ -112,14 +124,28 @@ class Tracker:
         self._metrics.flush()
         if self.bar is not None:
             self.bar.n = row["step"]
-            shown = {k: _fmt(row.get(k)) for k in ("loss", "samples_per_sec", "tokens_per_sec", *_evaluated(row))
-                     if row.get(k) is not None}
+            shown = {
+                k: _fmt(row.get(k))
+                for k in ("loss", "samples_per_sec", "tokens_per_sec", *_evaluated(row))
+                if row.get(k) is not None
+            }
             self.bar.set_postfix({k.replace("_per_sec", "/s"): v for k, v in shown.items()}, refresh=True)
         elif self.mode == "lines":
             parts = [f"step {row['step']}/{self.total_steps}"] + [
-                f"{k} {_fmt(row[k])}" for k in ("epoch", "loss", "lr", "samples_per_sec", "tokens_per_sec",
-                                                "step_time_ms", "data_wait_ms", "peak_memory_mb", *_evaluated(row))
-                if row.get(k) is not None]
+                f"{k} {_fmt(row[k])}"
+                for k in (
+                    "epoch",
+                    "loss",
+                    "lr",
+                    "samples_per_sec",
+                    "tokens_per_sec",
+                    "step_time_ms",
+                    "data_wait_ms",
+                    "peak_memory_mb",
+                    *_evaluated(row),
+                )
+                if row.get(k) is not None
+            ]
             print(" | ".join(parts), flush=True)
         for logger in self.loggers:
             logger.log(row)
@@ -179,17 +205,46 @@ def print_summary(summary: dict[str, Any], job_dir: Path) -> None:
     one ``warning:`` line per reason the figures cannot be trusted (summary ``warnings``: a busy machine).
 
     The first row, ``measurement``, says what the speed figures cover, or why they are blank (all warm-up)."""
-    keys = ["measurement", "samples_per_sec", "tokens_per_sec", "step_time_ms_median", "step_time_ms_p90",
-            "data_wait_fraction", "peak_memory_mb", "flops_per_sample", "flops_per_token", "mfu", "train_loss",
-            "eval_accuracy", "eval_loss", "eval_rmse", "eval_bits_per_char", "eval_accuracy_ema", "eval_loss_ema",
-            "eval_rmse_ema", "stopped_early",
-            "time_to_target_s", "train_time_s", "eval_time_s", "checkpoint_time_s", "restarts", "skipped_steps",
-            "steps", "warmup_steps", "global_batch_size", "world_size", "device_name"]
-    keys[keys.index("eval_bits_per_char"):keys.index("eval_bits_per_char")] = [  # a task's own (eval_mae), numbers
-        k for k in _evaluated(summary)[3:] if k not in keys and not k.endswith("_ema")]
-    rows = ([(k, _fmt(summary[k])) for k in keys
-             if k in summary and (k not in ("skipped_steps", "stopped_early") or summary[k])]
-            + [(f"technique {k}", v) for k, v in summary["techniques"].items()])
+    keys = [
+        "measurement",
+        "samples_per_sec",
+        "tokens_per_sec",
+        "step_time_ms_median",
+        "step_time_ms_p90",
+        "data_wait_fraction",
+        "peak_memory_mb",
+        "flops_per_sample",
+        "flops_per_token",
+        "mfu",
+        "train_loss",
+        "eval_accuracy",
+        "eval_loss",
+        "eval_rmse",
+        "eval_bits_per_char",
+        "eval_accuracy_ema",
+        "eval_loss_ema",
+        "eval_rmse_ema",
+        "stopped_early",
+        "time_to_target_s",
+        "train_time_s",
+        "eval_time_s",
+        "checkpoint_time_s",
+        "restarts",
+        "skipped_steps",
+        "steps",
+        "warmup_steps",
+        "global_batch_size",
+        "world_size",
+        "device_name",
+    ]
+    keys[keys.index("eval_bits_per_char") : keys.index("eval_bits_per_char")] = [  # a task's own (eval_mae), numbers
+        k for k in _evaluated(summary)[3:] if k not in keys and not k.endswith("_ema")
+    ]
+    rows = [
+        (k, _fmt(summary[k]))
+        for k in keys
+        if k in summary and (k not in ("skipped_steps", "stopped_early") or summary[k])
+    ] + [(f"technique {k}", v) for k, v in summary["techniques"].items()]
     width = max(len(k) for k, _ in rows)
     print(f"\nsummary ({job_dir / 'summary.json'})")
     for k, v in rows:
@@ -205,14 +260,20 @@ def missed_target(summary: dict[str, Any]) -> str | None:
     null): the targets, the last evaluation's figures and the fix; None otherwise."""
     trainer = (summary.get("config") or {}).get("trainer") or {}
     suffix = "_ema" if trainer.get("target_weights") == "ema" else ""
-    wanted = [(f"eval_{m}{suffix}", trainer[f"target_{m}"]) for m in ("accuracy", "loss")
-              if trainer.get(f"target_{m}") is not None]
+    wanted = [
+        (f"eval_{m}{suffix}", trainer[f"target_{m}"])
+        for m in ("accuracy", "loss")
+        if trainer.get(f"target_{m}") is not None
+    ]
     if not wanted or summary.get("time_to_target_s") is not None:
         return None
-    said = ", ".join(f"trainer.target_{k.split('_')[1]}={t:g} (the last {k}: {_fmt(summary.get(k))})"
-                     for k, t in wanted)
-    return (f"the target was not reached in {summary.get('steps')} steps: {said}; train longer (trainer.max_steps) "
-            f"or change the recipe (optimizer.lr, scheduler)")
+    said = ", ".join(
+        f"trainer.target_{k.split('_')[1]}={t:g} (the last {k}: {_fmt(summary.get(k))})" for k, t in wanted
+    )
+    return (
+        f"the target was not reached in {summary.get('steps')} steps: {said}; train longer (trainer.max_steps) "
+        f"or change the recipe (optimizer.lr, scheduler)"
+    )
 
 
 def print_job_line(summary: dict[str, Any], job_dir: Path) -> None:
@@ -281,8 +342,13 @@ def git_sha() -> str | None:
     """The repository's commit, with ``-dirty`` when tracked files changed; None outside a git checkout."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if sha.returncode != 0:

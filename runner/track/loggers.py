@@ -34,8 +34,6 @@ class Logger(Protocol):
     def abort(self, exit_code: int = 1) -> None: ...  # a failure or preemption: close the run, no summary
 
 
-
-
 class WandbLogger:
     """Weights & Biases (``logger=wandb``, the default): one run per job in ``<job>/wandb`` (``_start_wandb``), rows
     at ``trainer/step``, the summary's figures in the run's summary; ``run_id`` continues it on a resume."""
@@ -114,9 +112,17 @@ def _start_wandb(cfg: DictConfig, job_dir: Path, resolved: dict, group: str | No
     import wandb
 
     mode = _wandb_mode(job_dir, group)
-    kwargs = dict(project=cfg.project, entity=cfg.entity, tags=list(cfg.tags), group=group, dir=str(job_dir),
-                  config=resolved, name=f"{group}/{job_dir.name}" if group else None, id=run_id,
-                  resume="allow" if run_id else None)
+    kwargs = dict(
+        project=cfg.project,
+        entity=cfg.entity,
+        tags=list(cfg.tags),
+        group=group,
+        dir=str(job_dir),
+        config=resolved,
+        name=f"{group}/{job_dir.name}" if group else None,
+        id=run_id,
+        resume="allow" if run_id else None,
+    )
     settings = dict(quiet=True, silent=True, console="off", x_disable_stats=True)
     try:
         run = wandb.init(mode=mode, settings=wandb.Settings(**settings, init_timeout=30.0), **kwargs)
@@ -140,8 +146,10 @@ class TensorBoardLogger:
     def __init__(self, log_dir: Path, resolved: dict, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(own_folder(log_dir)),  # a link planted at tensorboard/ is not followed
-                                    purge_step=None if resume_step is None else resume_step + 1)
+        self.writer = SummaryWriter(
+            str(own_folder(log_dir)),  # a link planted at tensorboard/ is not followed
+            purge_step=None if resume_step is None else resume_step + 1,
+        )
         self.writer.add_text("config", _code_block(OmegaConf.to_yaml(resolved)), global_step=0)
         self.step = 0
 
@@ -155,8 +163,11 @@ class TensorBoardLogger:
         step = summary.get("steps") or self.step
         for key, value in summary_figures(summary).items():
             self.writer.add_scalar(f"summary/{key}", value, global_step=step)
-        self.writer.add_text("summary", _code_block(to_json({k: v for k, v in summary.items() if k != "config"},
-                                                            indent=2)), global_step=step)
+        self.writer.add_text(
+            "summary",
+            _code_block(to_json({k: v for k, v in summary.items() if k != "config"}, indent=2)),
+            global_step=step,
+        )
         self.writer.close()
 
     def abort(self, exit_code: int = 1) -> None:  # noqa: D102
@@ -282,11 +293,16 @@ class MLflowLogger:
     continues that run, if the store holds it. The store: ``mlflow_tracking_uri``; what happens when it fails:
     docs/outputs-and-loggers.md, "MLflow"."""
 
-    def __init__(self, cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None,
-                 run_id: str | None = None):
+    def __init__(self, cfg: DictConfig, job_dir: Path, resolved: dict, group: str | None, run_id: str | None = None):
         uri = mlflow_tracking_uri(cfg.mlflow.tracking_uri, job_dir)
-        start = dict(job_dir=job_dir, project=cfg.project, tags=list(cfg.tags), group=group, run_id=run_id,
-                     params=flatten(resolved))
+        start = dict(
+            job_dir=job_dir,
+            project=cfg.project,
+            tags=list(cfg.tags),
+            group=group,
+            run_id=run_id,
+            params=flatten(resolved),
+        )
         try:
             self._start(uri, **start)
         except Exception as e:  # noqa: BLE001 - MlflowException, requests' errors, ...: tracking never costs the run
@@ -297,8 +313,16 @@ class MLflowLogger:
             self._start(local, **start)
         self.step = 0
 
-    def _start(self, uri: str, job_dir: Path, project: str, tags: list[str], group: str | None,
-               run_id: str | None, params: dict[str, Any]) -> None:
+    def _start(
+        self,
+        uri: str,
+        job_dir: Path,
+        project: str,
+        tags: list[str],
+        group: str | None,
+        run_id: str | None,
+        params: dict[str, Any],
+    ) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -318,18 +342,19 @@ class MLflowLogger:
         run = self._existing(run_id)
         if run is None:
             run_tags = {tag: "" for tag in tags} | ({"sweep": group} if group else {})
-            run = client.create_run(experiment_id, run_name=f"{group}/{job_dir.name}" if group else None,
-                                    tags=run_tags)
+            run = client.create_run(experiment_id, run_name=f"{group}/{job_dir.name}" if group else None, tags=run_tags)
             if run_id is not None:
-                print(f"MLflow: the checkpoint's run {run_id} is not in {uri}; logging to a new run "
-                      f"{run.info.run_id}", flush=True)
+                print(
+                    f"MLflow: the checkpoint's run {run_id} is not in {uri}; logging to a new run {run.info.run_id}",
+                    flush=True,
+                )
         else:
             client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
         logged = run.data.params  # a resumed run: MLflow refuses to change a param, so only new ones are added
         items = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in logged]
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params per call
-            client.log_batch(self.run_id, params=items[i:i + 100])
+            client.log_batch(self.run_id, params=items[i : i + 100])
 
     def _existing(self, run_id: str | None):
         """The run ``run_id`` if this store holds it, else None."""
@@ -365,10 +390,15 @@ class MLflowLogger:
         step, now = summary.get("steps") or self.step, int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in summary_figures(summary).items()]
         for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics per call
-            self._call("logging the summary", lambda batch: self.client.log_batch(self.run_id, metrics=batch),
-                       metrics[i:i + 1000])
-        self._call("storing summary.json", lambda: self.client.log_dict(self.run_id, json.loads(to_json(summary)),
-                                                                       "summary.json"))
+            self._call(
+                "logging the summary",
+                lambda batch: self.client.log_batch(self.run_id, metrics=batch),
+                metrics[i : i + 1000],
+            )
+        self._call(
+            "storing summary.json",
+            lambda: self.client.log_dict(self.run_id, json.loads(to_json(summary)), "summary.json"),
+        )
         self._call("ending the run", lambda: self.client.set_terminated(self.run_id, "FINISHED"))
 
     def abort(self, exit_code: int = 1) -> None:  # noqa: D102

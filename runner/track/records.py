@@ -110,7 +110,9 @@ def check_weights(folder: Path, path: Path) -> bool:
         return False
     actual = sha256_file(path)
     if actual != recorded:
-        raise ConfigError(f"cannot read {path}: it was modified or corrupted after the run wrote it (its SHA-256 is "
-                          f"{actual[:16]}..., the run recorded {recorded[:16]}... in {Path(folder) / 'summary.json'}); "
-                          f"restore the file or train the job again")
+        raise ConfigError(
+            f"cannot read {path}: it was modified or corrupted after the run wrote it (its SHA-256 is "
+            f"{actual[:16]}..., the run recorded {recorded[:16]}... in {Path(folder) / 'summary.json'}); "
+            f"restore the file or train the job again"
+        )
     return True

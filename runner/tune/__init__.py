@@ -48,19 +48,40 @@ from runner.tune.harness import (
 )
 from runner.tune.lr import RangeRecorder, RangeTest, lr_range_test, steepest, suggestion_range, tune_lr, valley
 
-__all__ = ["TUNERS", "Tuner", "run", "check_settings", "with_overrides", "measure_config", "markdown_table",
-           "write_outputs", "tune_batch_size", "memory_budget_mb", "tune_lr", "lr_range_test", "RangeTest",
-           "RangeRecorder", "steepest", "valley", "suggestion_range", "tune_dataloader", "default_grid"]
+__all__ = [
+    "TUNERS",
+    "Tuner",
+    "run",
+    "check_settings",
+    "with_overrides",
+    "measure_config",
+    "markdown_table",
+    "write_outputs",
+    "tune_batch_size",
+    "memory_budget_mb",
+    "tune_lr",
+    "lr_range_test",
+    "RangeTest",
+    "RangeRecorder",
+    "steepest",
+    "valley",
+    "suggestion_range",
+    "tune_dataloader",
+    "default_grid",
+]
 
 variants.register()  # the run config's schema, for Hydra composing it (the CLI) as ``python -m runner`` does
 
 #: every tuner, by its CLI name, in the order ``--help`` lists them
-TUNERS: dict[str, Tuner] = {t.name: t for t in (
-    batch_size.TUNER,
-    lr.TUNER,
-    dataloader.TUNER,
-    speed.TUNER,
-)}
+TUNERS: dict[str, Tuner] = {
+    t.name: t
+    for t in (
+        batch_size.TUNER,
+        lr.TUNER,
+        dataloader.TUNER,
+        speed.TUNER,
+    )
+}
 
 
 def run(kind: str, cfg: DictConfig, out: Path, started_s: float | None = None) -> dict[str, Any]:
@@ -78,6 +99,7 @@ def run(kind: str, cfg: DictConfig, out: Path, started_s: float | None = None) -
     from runner.tune import harness
 
     if kind not in TUNERS:
-        raise ConfigError(f"unknown tuner {kind!r}: use one of {', '.join(TUNERS)} "
-                          f"(python -m runner.tune batch_size [overrides])")
+        raise ConfigError(
+            f"unknown tuner {kind!r}: use one of {', '.join(TUNERS)} (python -m runner.tune batch_size [overrides])"
+        )
     return harness.run(TUNERS[kind], cfg, out, started_s)

@@ -24,8 +24,11 @@ def usage() -> str:
     for name, tuner in TUNERS.items():
         first, *rest = tuner.help.splitlines()
         lines += [f"  {name:<12} {first}", *(" " * 15 + line for line in rest)]
-    lines += ["", "Outputs: outputs/tune/<tuner>/<date>_<time>/ (or --out DIR): <tuner>.csv, .md, .png, .json.",
-              "Example: python -m runner.tune batch_size model=resnet18 data=cifar10 data.root=/path logger=none"]
+    lines += [
+        "",
+        "Outputs: outputs/tune/<tuner>/<date>_<time>/ (or --out DIR): <tuner>.csv, .md, .png, .json.",
+        "Example: python -m runner.tune batch_size model=resnet18 data=cifar10 data.root=/path logger=none",
+    ]
     return "\n".join(lines)
 
 
@@ -54,12 +57,15 @@ def parse_args(args: list[str]) -> tuple[str, str | None, list[str]]:
     """
     if args and args[0] not in TUNERS and (named := [a for a in args if a in TUNERS]):
         reordered = " ".join(shlex.quote(a) for a in [named[0], *(a for a in args if a != named[0])])
-        raise ConfigError(f"the tuner's name comes first, before {args[0]} and every override: "
-                          f"python -m runner.tune {reordered}")
+        raise ConfigError(
+            f"the tuner's name comes first, before {args[0]} and every override: python -m runner.tune {reordered}"
+        )
     if not args or args[0] not in TUNERS:
         given = f"unknown tuner {args[0]!r}" if args else "no tuner named"
-        raise ConfigError(f"{given}: use one of {', '.join(TUNERS)}, e.g. python -m runner.tune batch_size "
-                          f"[overrides] (python -m runner.tune --help)")
+        raise ConfigError(
+            f"{given}: use one of {', '.join(TUNERS)}, e.g. python -m runner.tune batch_size "
+            f"[overrides] (python -m runner.tune --help)"
+        )
     kind, rest, out = args[0], [], None
     i = 1
     while i < len(args):

@@ -39,11 +39,15 @@ def _lr_note(cfg: DictConfig, micro_batch: int, world_size: int) -> tuple[str, f
     global_batch = global_batch_size(micro_batch, cfg.memory.accumulate_steps, world_size)
     lr = optim.scaled_lr(o, global_batch)
     if o.lr_scaling != "none":
-        return (f"the LR follows: {lr:.4g} at global batch {global_batch} (optimizer.lr={o.lr:g} x "
-                f"optimizer.lr_scaling={o.lr_scaling} from optimizer.base_batch_size={o.base_batch_size})"), lr
+        return (
+            f"the LR follows: {lr:.4g} at global batch {global_batch} (optimizer.lr={o.lr:g} x "
+            f"optimizer.lr_scaling={o.lr_scaling} from optimizer.base_batch_size={o.base_batch_size})"
+        ), lr
     linear = optim.scaled_lr(OmegaConf.merge(o, {"lr_scaling": "linear"}), global_batch)
-    return (f"the LR stays {o.lr:g} (optimizer.lr_scaling=none); add optimizer.lr_scaling=linear to scale it "
-            f"with the batch ({linear:.4g} at global batch {global_batch}; Goyal et al. 2017)"), lr
+    return (
+        f"the LR stays {o.lr:g} (optimizer.lr_scaling=none); add optimizer.lr_scaling=linear to scale it "
+        f"with the batch ({linear:.4g} at global batch {global_batch}; Goyal et al. 2017)"
+    ), lr
 
 
 def tune_batch_size(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
@@ -66,16 +70,21 @@ def tune_batch_size(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     def measure(size: int, phase: str) -> dict[str, Any]:
-        row = {"batch_size": size, "global_batch_size": global_batch_size(size, cfg.memory.accumulate_steps,
-                                                                          env.world_size),
-               "phase": phase}
+        row = {
+            "batch_size": size,
+            "global_batch_size": global_batch_size(size, cfg.memory.accumulate_steps, env.world_size),
+            "phase": phase,
+        }
         row |= measure_config(with_overrides(cfg, dataloader__batch_size=size), env, job_dir, t)
         peak = row["peak_memory_mb"]
         if row["status"] == "ok" and limit is not None and peak is not None and peak > limit:
             row["status"], row["note"] = "over_memory_limit", f"peak > {limit:,.0f} MiB"
         rows.append(row)
-        say(env, f"batch_size {size}: {row['status']}, {fmt(row['samples_per_sec'])} samples/s, peak "
-                 f"{fmt(row['peak_memory_mb'], ',.0f')} MiB")
+        say(
+            env,
+            f"batch_size {size}: {row['status']}, {fmt(row['samples_per_sec'])} samples/s, peak "
+            f"{fmt(row['peak_memory_mb'], ',.0f')} MiB",
+        )
         return row
 
     def fits(row) -> bool:
@@ -83,26 +92,46 @@ def tune_batch_size(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
 
     first = measure(t.start_batch_size, "grow")
     if not fits(first):
-        why = ("ran out of memory" if first["status"] == "oom" else
-               f"peaked at {first['peak_memory_mb']:,.0f} MiB, over the limit of {limit:,.0f} MiB ({limit_text})"
-               if first["status"] == "over_memory_limit" else "measured no step")
-        raise ConfigError(f"the job does not fit at the smallest batch size tried, dataloader.batch_size="
-                          f"{t.start_batch_size}: it {why}. Lower tune.start_batch_size, raise "
-                          f"tune.max_memory_fraction, or save memory (precision=bf16, memory=checkpointing)")
+        why = (
+            "ran out of memory"
+            if first["status"] == "oom"
+            else f"peaked at {first['peak_memory_mb']:,.0f} MiB, over the limit of {limit:,.0f} MiB ({limit_text})"
+            if first["status"] == "over_memory_limit"
+            else "measured no step"
+        )
+        raise ConfigError(
+            f"the job does not fit at the smallest batch size tried, dataloader.batch_size="
+            f"{t.start_batch_size}: it {why}. Lower tune.start_batch_size, raise "
+            f"tune.max_memory_fraction, or save memory (precision=bf16, memory=checkpointing)"
+        )
     stop = _search(first, t, measure, fits)
     best = max((r for r in rows if fits(r)), key=lambda r: r["samples_per_sec"])
     note, lr = _lr_note(cfg, best["batch_size"], env.world_size)
-    limit_line = (f"memory limit: {limit:,.0f} MiB ({limit_text})" if limit is not None
-                  else f"memory limit: {limit_text}")
-    return {"recommended": {"batch_size": best["batch_size"], "samples_per_sec": best["samples_per_sec"],
-                            "peak_memory_mb": best["peak_memory_mb"], "lr": lr},
-            "override": f"dataloader.batch_size={best['batch_size']}",
-            "rows": rows, "memory_limit_mb": limit,
-            "notes": [f"{limit_line}; peak memory is "
-                      + ("torch.cuda.max_memory_allocated" if env.device.type == "cuda" else
-                         "the process's peak RSS during the steps (DataLoader workers not counted)"),
-                      stop, note,
-                      f"each size: {trial_steps(t)} of the run's own loop"]}
+    limit_line = (
+        f"memory limit: {limit:,.0f} MiB ({limit_text})" if limit is not None else f"memory limit: {limit_text}"
+    )
+    return {
+        "recommended": {
+            "batch_size": best["batch_size"],
+            "samples_per_sec": best["samples_per_sec"],
+            "peak_memory_mb": best["peak_memory_mb"],
+            "lr": lr,
+        },
+        "override": f"dataloader.batch_size={best['batch_size']}",
+        "rows": rows,
+        "memory_limit_mb": limit,
+        "notes": [
+            f"{limit_line}; peak memory is "
+            + (
+                "torch.cuda.max_memory_allocated"
+                if env.device.type == "cuda"
+                else "the process's peak RSS during the steps (DataLoader workers not counted)"
+            ),
+            stop,
+            note,
+            f"each size: {trial_steps(t)} of the run's own loop",
+        ],
+    }
 
 
 def _search(first: dict[str, Any], t: DictConfig, measure, fits) -> str:
@@ -119,8 +148,9 @@ def _search(first: dict[str, Any], t: DictConfig, measure, fits) -> str:
         row = measure(size, "grow")
         if not fits(row) or row["samples_per_sec"] <= good["samples_per_sec"]:
             bad = size
-            stop = (f"stopped growing at {size}: " + ("slower than " + str(good["batch_size"]) if fits(row)
-                                                      else row["status"].replace("_", " ")))
+            stop = f"stopped growing at {size}: " + (
+                "slower than " + str(good["batch_size"]) if fits(row) else row["status"].replace("_", " ")
+            )
             break
         good = row
     for _ in range(t.search_steps if bad is not None else 0):
@@ -150,8 +180,15 @@ def plot(result: dict[str, Any]):
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["batch_size"])
     top.plot([r["batch_size"] for r in ok], [r["samples_per_sec"] for r in ok], marker="o")
-    top.plot([rec["batch_size"]], [rec["samples_per_sec"]], marker="*", markersize=16, color="tab:green",
-             linestyle="none", label=f"recommended: {rec['batch_size']}")
+    top.plot(
+        [rec["batch_size"]],
+        [rec["samples_per_sec"]],
+        marker="*",
+        markersize=16,
+        color="tab:green",
+        linestyle="none",
+        label=f"recommended: {rec['batch_size']}",
+    )
     top.set_ylabel("samples/s")
     top.legend(fontsize=8)
     measured = sorted((r for r in rows if r["peak_memory_mb"]), key=lambda r: r["batch_size"])
@@ -181,12 +218,20 @@ def plot(result: dict[str, Any]):
 TUNER = Tuner(
     name="batch_size",
     help="grow the micro-batch (powers of two, then a binary search); measure samples/s and peak memory;\n"
-         "recommend the fastest size within tune.max_memory_fraction of the device's memory",
+    "recommend the fastest size within tune.max_memory_fraction of the device's memory",
     tune=tune_batch_size,
-    columns=[("batch_size", "batch size", ""), ("global_batch_size", "global batch", ""), ("phase", "phase", ""),
-             ("status", "status", ""), ("samples_per_sec", "samples/s", ",.1f"), ("tokens_per_sec", "tokens/s", ",.0f"),
-             ("step_time_ms_median", "step ms", ",.1f"), ("data_wait_fraction", "data wait", ".1%"),
-             ("peak_memory_mb", "peak MiB", ",.0f"), ("note", "note", "")],
+    columns=[
+        ("batch_size", "batch size", ""),
+        ("global_batch_size", "global batch", ""),
+        ("phase", "phase", ""),
+        ("status", "status", ""),
+        ("samples_per_sec", "samples/s", ",.1f"),
+        ("tokens_per_sec", "tokens/s", ",.0f"),
+        ("step_time_ms_median", "step ms", ",.1f"),
+        ("data_wait_fraction", "data wait", ".1%"),
+        ("peak_memory_mb", "peak MiB", ",.0f"),
+        ("note", "note", ""),
+    ],
     is_pick=is_pick,
     plot=plot,
 )

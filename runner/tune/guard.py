@@ -17,7 +17,6 @@ from runner.tune.harness import NO_PROFILER, for_tuning, free_memory, is_oom
 GUARD_WINDOWS = 5
 
 
-
 class LossRecorder(NullTracker):
     """A tracker that keeps each logged training loss (``log_every=1``: one per optimizer step); every other
     call does nothing (``runner.track.NullTracker``)."""
@@ -30,8 +29,9 @@ class LossRecorder(NullTracker):
             self.losses.append(float(row["loss"]))
 
 
-def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int, plan: dict | None = None,
-               built: dict | None = None) -> tuple[list[float] | None, str]:
+def loss_curve(
+    cfg: DictConfig, env, job_dir: Path, steps: int, plan: dict | None = None, built: dict | None = None
+) -> tuple[list[float] | None, str]:
     """The training loss of each of the first ``steps`` optimizer steps of ``cfg`` (built by the engine, same
     seed, so the same initial weights and batches as any other configuration of the job), and a note: ``""``,
     ``"loss not finite"``, or (then None) ``"out of memory"`` or ``"cannot train: <the error>"``. ``plan["steps"]``:
@@ -70,8 +70,9 @@ def loss_curve(cfg: DictConfig, env, job_dir: Path, steps: int, plan: dict | Non
     return recorder.losses, note
 
 
-def departure(reference: list[float], losses: list[float], ref_batch: int, batch: int,
-              windows: int = GUARD_WINDOWS) -> float:
+def departure(
+    reference: list[float], losses: list[float], ref_batch: int, batch: int, windows: int = GUARD_WINDOWS
+) -> float:
     """How far ``losses`` departs from ``reference``: the largest relative difference of their mean losses
     over ``windows`` equal parts of the samples both have seen (so a run with another batch size is
     compared at the same samples). ``inf`` for a loss that is not finite or a curve that is too short.

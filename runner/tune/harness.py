@@ -71,6 +71,7 @@ def check_settings(t: DictConfig) -> None:
     Raises:
         ConfigError: naming the key, its value and the allowed range.
     """
+
     def positive_list(values, minimum: int) -> bool:
         return values is None or (len(values) > 0 and all(v >= minimum for v in values))
 
@@ -78,29 +79,49 @@ def check_settings(t: DictConfig) -> None:
         (t.warmup_steps >= 0, "tune.warmup_steps", t.warmup_steps, "must be >= 0"),
         (t.measure_steps >= 1, "tune.measure_steps", t.measure_steps, "must be >= 1"),
         (t.start_batch_size >= 1, "tune.start_batch_size", t.start_batch_size, "must be >= 1"),
-        (t.max_batch_size >= t.start_batch_size, "tune.max_batch_size", t.max_batch_size,
-         f"must be >= tune.start_batch_size={t.start_batch_size}"),
+        (
+            t.max_batch_size >= t.start_batch_size,
+            "tune.max_batch_size",
+            t.max_batch_size,
+            f"must be >= tune.start_batch_size={t.start_batch_size}",
+        ),
         (0 < t.max_memory_fraction <= 1, "tune.max_memory_fraction", t.max_memory_fraction, "must be in (0, 1]"),
         (t.search_steps >= 0, "tune.search_steps", t.search_steps, "must be >= 0"),
         (t.min_lr > 0, "tune.min_lr", t.min_lr, "must be > 0 (the ramp is exponential)"),
         (t.max_lr > t.min_lr, "tune.max_lr", t.max_lr, f"must be > tune.min_lr={t.min_lr}"),
-        (t.steps >= 10, "tune.steps", t.steps, "must be >= 10 (the suggestions leave out the first 10 % and the "
-                                               "last 5 steps)"),
+        (
+            t.steps >= 10,
+            "tune.steps",
+            t.steps,
+            "must be >= 10 (the suggestions leave out the first 10 % and the last 5 steps)",
+        ),
         (0 <= t.smoothing < 1, "tune.smoothing", t.smoothing, "must be in [0, 1)"),
         (t.diverge_factor > 1, "tune.diverge_factor", t.diverge_factor, "must be > 1"),
         (positive_list(t.workers, 0), "tune.workers", t.workers, "must be a non-empty list of counts >= 0, or null"),
-        (t.pin_memory is None or len(t.pin_memory) > 0, "tune.pin_memory", t.pin_memory,
-         "must be a non-empty list of booleans, or null"),
-        (positive_list(t.prefetch_factors, 1), "tune.prefetch_factors", t.prefetch_factors,
-         "must be a non-empty list of numbers >= 1, or null"),
+        (
+            t.pin_memory is None or len(t.pin_memory) > 0,
+            "tune.pin_memory",
+            t.pin_memory,
+            "must be a non-empty list of booleans, or null",
+        ),
+        (
+            positive_list(t.prefetch_factors, 1),
+            "tune.prefetch_factors",
+            t.prefetch_factors,
+            "must be a non-empty list of numbers >= 1, or null",
+        ),
         (t.loader_batches >= 1, "tune.loader_batches", t.loader_batches, "must be >= 1"),
         (0 <= t.tolerance < 1, "tune.tolerance", t.tolerance, "must be in [0, 1)"),
         (t.budget_minutes > 0, "tune.budget_minutes", t.budget_minutes, "must be > 0"),
         (t.allow in ("speed", "recipe"), "tune.allow", t.allow, "must be speed or recipe"),
         (t.objective in ("job", "throughput"), "tune.objective", t.objective, "must be job or throughput"),
         (t.processes is None or t.processes >= 1, "tune.processes", t.processes, "must be >= 1, or null"),
-        (t.guard_steps >= GUARD_MIN_STEPS, "tune.guard_steps", t.guard_steps,
-         f"must be >= {GUARD_MIN_STEPS} (the guard compares the loss curves over 5 windows)"),
+        (
+            t.guard_steps >= GUARD_MIN_STEPS,
+            "tune.guard_steps",
+            t.guard_steps,
+            f"must be >= {GUARD_MIN_STEPS} (the guard compares the loss curves over 5 windows)",
+        ),
         (t.guard_tolerance > 0, "tune.guard_tolerance", t.guard_tolerance, "must be > 0 (relative, e.g. 0.02)"),
         (t.min_speedup >= 1, "tune.min_speedup", t.min_speedup, "must be >= 1 (a switch must not be slower)"),
         (0 < t.target_ci < 1, "tune.target_ci", t.target_ci, "must be in (0, 1), e.g. 0.05"),
@@ -191,11 +212,23 @@ def for_tuning(parts, steps: int, warmup: int, log_every: int, **replace: Any):
     from runner import checkpoint, measure
     from runner.track import NullTracker
 
-    plan = dataclasses.replace(parts.plan, total_steps=steps, log_every=log_every, eval_every=steps,
-                               eval_max_batches=1, target_accuracy=None, target_loss=None)
+    plan = dataclasses.replace(
+        parts.plan,
+        total_steps=steps,
+        log_every=log_every,
+        eval_every=steps,
+        eval_max_batches=1,
+        target_accuracy=None,
+        target_loss=None,
+    )
     meter = measure.Meter(parts.env.device, warmup, plan.global_batch, parts.task.tokens_per_sample(parts.data))
-    fields = dict(plan=plan, meter=meter, tracker=NullTracker(), at_end=False,
-                  checkpointer=checkpoint.Checkpointer(parts.job_dir / checkpoint.FOLDER, is_main=parts.env.is_main))
+    fields = dict(
+        plan=plan,
+        meter=meter,
+        tracker=NullTracker(),
+        at_end=False,
+        checkpointer=checkpoint.Checkpointer(parts.job_dir / checkpoint.FOLDER, is_main=parts.env.is_main),
+    )
     return dataclasses.replace(parts, **(fields | replace))
 
 
@@ -278,19 +311,34 @@ def measure_config(cfg: DictConfig, env, job_dir: Path, t: DictConfig, loader_ba
     # one all-reduce: the worst status (2 out of memory, 1 unmeasured), the slowest time, the largest peak;
     # measured steps negated (max -> the fewest)
     keys = ("measured_time_s", "step_time_ms_median", "data_wait_fraction")
-    vals = [2.0 if oom else float(not ok), *(figures[k] if ok else 0.0 for k in keys), peak, loader_s,
-            -(figures["measured_steps"] if ok else 0)]
+    vals = [
+        2.0 if oom else float(not ok),
+        *(figures[k] if ok else 0.0 for k in keys),
+        peak,
+        loader_s,
+        -(figures["measured_steps"] if ok else 0),
+    ]
     failed, time_s, step_ms, wait, peak, loader_s, neg_steps = reduce_max(vals, env)
     global_batch = global_batch_size(cfg.dataloader.batch_size, cfg.memory.accumulate_steps, env.world_size)
-    row.update(status={0: "ok", 1: "unmeasured", 2: "oom"}[int(failed)],
-               samples_per_sec=None, tokens_per_sec=None, step_time_ms_median=None, data_wait_fraction=None,
-               peak_memory_mb=peak or None, train_samples=train_samples)
+    row.update(
+        status={0: "ok", 1: "unmeasured", 2: "oom"}[int(failed)],
+        samples_per_sec=None,
+        tokens_per_sec=None,
+        step_time_ms_median=None,
+        data_wait_fraction=None,
+        peak_memory_mb=peak or None,
+        train_samples=train_samples,
+    )
     if failed == 2:
         row["note"] = "out of memory" + ("" if oom else " on another rank")
     if not failed and time_s > 0:
         sps = global_batch * -neg_steps / time_s
-        row.update(samples_per_sec=sps, tokens_per_sec=sps * tokens if tokens else None,
-                   step_time_ms_median=step_ms, data_wait_fraction=wait)
+        row.update(
+            samples_per_sec=sps,
+            tokens_per_sec=sps * tokens if tokens else None,
+            step_time_ms_median=step_ms,
+            data_wait_fraction=wait,
+        )
     if loader_batches:
         row["loader_batches_per_sec"] = loader_batches / loader_s if not failed and loader_s > 0 else None
     return row
@@ -303,9 +351,11 @@ def load_note(rows: list[dict]) -> str | None:
     if not busy:
         return None
     measured = sum(1 for r in rows if r.get("samples_per_sec"))
-    return (f"warning: {len(busy)} of {measured} measured trials ran on a busy machine (e.g. "
-            f"{busy[0]['load_warnings']}): their figures are slower and noisier than on a quiet machine, and the "
-            f"pick may differ there; rerun when it is quiet")
+    return (
+        f"warning: {len(busy)} of {measured} measured trials ran on a busy machine (e.g. "
+        f"{busy[0]['load_warnings']}): their figures are slower and noisier than on a quiet machine, and the "
+        f"pick may differ there; rerun when it is quiet"
+    )
 
 
 def trial_steps(t: DictConfig) -> str:
@@ -381,12 +431,20 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows([{k: ("" if r.get(k) is None else r.get(k)) for k in keys} for r in rows])
-    md = [f"# runner.tune {kind}", "", f"model `{cfg.model._target_}`, data `{cfg.data.name}`, device "
-          f"{result['device']}, {result['world_size']} process(es)", "",
-          markdown_table(tuner, rows, rec, max_rows=tuner.console_rows and 2 * tuner.console_rows), "",
-          f"**override:** `{result['override']}`", "",
-          *([f"**run it:** `{result['command']}`", ""] if result.get("command") else []),
-          *[f"- {n}" for n in result["notes"]], ""]
+    md = [
+        f"# runner.tune {kind}",
+        "",
+        f"model `{cfg.model._target_}`, data `{cfg.data.name}`, device "
+        f"{result['device']}, {result['world_size']} process(es)",
+        "",
+        markdown_table(tuner, rows, rec, max_rows=tuner.console_rows and 2 * tuner.console_rows),
+        "",
+        f"**override:** `{result['override']}`",
+        "",
+        *([f"**run it:** `{result['command']}`", ""] if result.get("command") else []),
+        *[f"- {n}" for n in result["notes"]],
+        "",
+    ]
     md_path = out / f"{kind}.md"
     write_own(md_path, "\n".join(md))
     png_path = out / f"{kind}.png"
@@ -401,8 +459,10 @@ def write_outputs(tuner: Tuner, result: dict, cfg: DictConfig, out: Path) -> lis
         write_own(path, text)
         extra.append(path)
     json_path = out / f"{kind}.json"
-    write_json_atomic(json_path, {"tuner": kind, **{k: v for k, v in result.items() if k != "files"},
-                                  "tune": OmegaConf.to_container(cfg.tune)})
+    write_json_atomic(
+        json_path,
+        {"tuner": kind, **{k: v for k, v in result.items() if k != "files"}, "tune": OmegaConf.to_container(cfg.tune)},
+    )
     return [csv_path, md_path, png_path, json_path, *extra]
 
 
@@ -438,8 +498,11 @@ def run(tuner: Tuner, cfg: DictConfig, out: Path, started_s: float | None = None
         with tempfile.TemporaryDirectory(prefix="runner-tune-") as scratch:  # the trials' job folders
             started = time.perf_counter()
             result = tuner.tune(cfg, env, Path(scratch))
-        result |= {"device": hardware.device_name(env.device), "world_size": env.world_size,
-                   "tune_time_s": time.perf_counter() - started}
+        result |= {
+            "device": hardware.device_name(env.device),
+            "world_size": env.world_size,
+            "tune_time_s": time.perf_counter() - started,
+        }
         busy = load_note(result["rows"])
         if busy:
             result["notes"] = [busy, *result["notes"]]

@@ -37,16 +37,19 @@ class RangeRecorder(NullTracker):
         if math.isfinite(loss):
             self.count += 1
             self.avg = self.beta * self.avg + (1 - self.beta) * loss
-            smoothed = self.avg / (1 - self.beta ** self.count)
+            smoothed = self.avg / (1 - self.beta**self.count)
         else:
             smoothed = math.nan
         self.points.append({"step": step, "lr": lr, "loss": loss, "smoothed_loss": smoothed})
         if math.isfinite(smoothed):
             self.best = min(self.best, smoothed)
         if not math.isfinite(smoothed) or smoothed > self.diverge_factor * self.best:
-            self.stop = (f"stopped at step {step} (lr {lr:.3g}): the smoothed loss {smoothed:.4g} exceeds "
-                         f"{self.diverge_factor:g} x its best {self.best:.4g}" if math.isfinite(smoothed)
-                         else f"stopped at step {step} (lr {lr:.3g}): the loss is not finite")
+            self.stop = (
+                f"stopped at step {step} (lr {lr:.3g}): the smoothed loss {smoothed:.4g} exceeds "
+                f"{self.diverge_factor:g} x its best {self.best:.4g}"
+                if math.isfinite(smoothed)
+                else f"stopped at step {step} (lr {lr:.3g}): the loss is not finite"
+            )
             self.done = True
         if step >= self.steps:
             self.done = True
@@ -87,12 +90,12 @@ def suggestion_range(points: list[dict[str, Any]], steps: int) -> list[dict[str,
     """The points of an LR range test the suggestions are taken from (see ``RangeTest``): without the first
     10 % of ``steps`` and the last 5 recorded (fastai), cut at the first non-finite smoothed loss and after
     the lowest smoothed loss (on the falling side only)."""
-    used = points[steps // 10: max(len(points) - 5, 0)]
+    used = points[steps // 10 : max(len(points) - 5, 0)]
     bad = next((i for i, p in enumerate(used) if not math.isfinite(p["smoothed_loss"])), None)
     used = used[:bad]
     if used:  # past the lowest smoothed loss the LR is too high already
         lowest = min(range(len(used)), key=lambda i: used[i]["smoothed_loss"])
-        used = used[:lowest + 1]
+        used = used[: lowest + 1]
     return used
 
 
@@ -114,8 +117,9 @@ class RangeTest:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-def lr_range_test(parts, min_lr: float, max_lr: float, steps: int, smoothing: float = 0.98,
-                  diverge_factor: float = 4.0) -> RangeTest:
+def lr_range_test(
+    parts, min_lr: float, max_lr: float, steps: int, smoothing: float = 0.98, diverge_factor: float = 4.0
+) -> RangeTest:
     """The LR range test (the module docstring's sources): from the state ``parts`` holds, train with the LR rising
     exponentially from ``min_lr`` (first step) to ``max_lr`` (step ``steps``), every parameter group alike, recording
     the loss of each step.
@@ -167,15 +171,22 @@ def lr_range_test(parts, min_lr: float, max_lr: float, steps: int, smoothing: fl
     used = suggestion_range(points, steps)
     if len(used) < 3:
         last = points[-1] if points else {"step": 0, "lr": min_lr}
-        raise ConfigError(f"the LR range test has too few points to suggest an LR: {recorder.stop} after "
-                          f"{len(points)} of tune.steps={steps} steps (suggestions leave out the first 10 % and the "
-                          f"last 5). Start lower (tune.min_lr={min_lr:g}), end lower (tune.max_lr={max_lr:g}, the loss "
-                          f"diverged by lr {last['lr']:.3g}) or raise tune.steps")
+        raise ConfigError(
+            f"the LR range test has too few points to suggest an LR: {recorder.stop} after "
+            f"{len(points)} of tune.steps={steps} steps (suggestions leave out the first 10 % and the "
+            f"last 5). Start lower (tune.min_lr={min_lr:g}), end lower (tune.max_lr={max_lr:g}, the loss "
+            f"diverged by lr {last['lr']:.3g}) or raise tune.steps"
+        )
     for p in points:
         p["used"] = any(p is u for u in used)
     lrs, smoothed = [p["lr"] for p in used], [p["smoothed_loss"] for p in used]
-    return RangeTest(points=points, steepest_lr=lrs[steepest(lrs, smoothed)], valley_lr=lrs[valley(smoothed)],
-                     stop=recorder.stop, best_smoothed_loss=recorder.best)
+    return RangeTest(
+        points=points,
+        steepest_lr=lrs[steepest(lrs, smoothed)],
+        valley_lr=lrs[valley(smoothed)],
+        stop=recorder.stop,
+        best_smoothed_loss=recorder.best,
+    )
 
 
 def tune_lr(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
@@ -197,22 +208,36 @@ def tune_lr(cfg: DictConfig, env, job_dir: Path) -> dict[str, Any]:
     result = lr_range_test(parts, t.min_lr, t.max_lr, t.steps, t.smoothing, t.diverge_factor)
     factor = optim.scaled_lr(cfg.optimizer, parts.plan.global_batch) / cfg.optimizer.lr if cfg.optimizer.lr else 1.0
     setting = result.steepest_lr / factor
-    notes = [result.stop,
-             f"ramp: {t.min_lr:g} -> {t.max_lr:g} over {t.steps} steps, every parameter group; loss smoothed "
-             f"(EMA {t.smoothing:g}, bias-corrected); weights and optimizer restored afterwards",
-             "transformers (AdamW) often train best below these suggestions (nanoGPT's small GPT: 1e-3); treat "
-             "them as an upper end and keep a warm-up"]
+    notes = [
+        result.stop,
+        f"ramp: {t.min_lr:g} -> {t.max_lr:g} over {t.steps} steps, every parameter group; loss smoothed "
+        f"(EMA {t.smoothing:g}, bias-corrected); weights and optimizer restored afterwards",
+        "transformers (AdamW) often train best below these suggestions (nanoGPT's small GPT: 1e-3); treat "
+        "them as an upper end and keep a warm-up",
+    ]
     if factor != 1.0:
-        notes.append(f"optimizer.lr is the LR at optimizer.base_batch_size={cfg.optimizer.base_batch_size}: "
-                     f"the suggested {result.steepest_lr:.3g} at global batch {parts.plan.global_batch} / "
-                     f"{factor:.4g} (optimizer.lr_scaling={cfg.optimizer.lr_scaling})")
+        notes.append(
+            f"optimizer.lr is the LR at optimizer.base_batch_size={cfg.optimizer.base_batch_size}: "
+            f"the suggested {result.steepest_lr:.3g} at global batch {parts.plan.global_batch} / "
+            f"{factor:.4g} (optimizer.lr_scaling={cfg.optimizer.lr_scaling})"
+        )
     if cfg.scheduler.name in ("onecycle", "cyclic"):
-        notes.append(f"scheduler={cfg.scheduler.name} peaks at optimizer.lr x scheduler.max_lr_factor="
-                     f"{cfg.scheduler.max_lr_factor:g}")
+        notes.append(
+            f"scheduler={cfg.scheduler.name} peaks at optimizer.lr x scheduler.max_lr_factor="
+            f"{cfg.scheduler.max_lr_factor:g}"
+        )
     rows = [{k: p[k] for k in ("step", "lr", "loss", "smoothed_loss", "used")} for p in result.points]
-    return {"recommended": {"lr": result.steepest_lr, "steepest_lr": result.steepest_lr,
-                            "valley_lr": result.valley_lr, "optimizer.lr": setting},
-            "override": f"optimizer.lr={setting:.3g}", "rows": rows, "notes": notes}
+    return {
+        "recommended": {
+            "lr": result.steepest_lr,
+            "steepest_lr": result.steepest_lr,
+            "valley_lr": result.valley_lr,
+            "optimizer.lr": setting,
+        },
+        "override": f"optimizer.lr={setting:.3g}",
+        "rows": rows,
+        "notes": notes,
+    }
 
 
 def is_pick(row: dict, rec: dict) -> bool:
@@ -246,10 +271,15 @@ def plot(result: dict[str, Any]):
 TUNER = Tuner(
     name="lr",
     help="LR range test: exponential LR ramp tune.min_lr -> tune.max_lr over tune.steps from the run's\n"
-         "initial state; suggest the steepest descent of the smoothed loss and fastai's valley",
+    "initial state; suggest the steepest descent of the smoothed loss and fastai's valley",
     tune=tune_lr,
-    columns=[("step", "step", ""), ("lr", "lr", ".3g"), ("loss", "loss", ".4f"),
-             ("smoothed_loss", "smoothed loss", ".4f"), ("used", "used", "")],
+    columns=[
+        ("step", "step", ""),
+        ("lr", "lr", ".3g"),
+        ("loss", "loss", ".4f"),
+        ("smoothed_loss", "smoothed loss", ".4f"),
+        ("used", "used", ""),
+    ],
     is_pick=is_pick,
     plot=plot,
 )

@@ -63,15 +63,17 @@ def measure_round(r: Round, folder: Path, settings: DictConfig, ranks: Any = Non
         return [n for n, v in zip(names, verdicts) if v == compare.HURTS]
 
     configs = {name: compare.measured_job(c) for name, c in r.jobs.items()}
-    read_round(r, compare.compare(configs, r.reference, folder, settings, minutes=r.minutes, retire=retire,
-                                  ranks=ranks))
+    read_round(
+        r, compare.compare(configs, r.reference, folder, settings, minutes=r.minutes, retire=retire, ranks=ranks)
+    )
     once = _one_time(folder, r.jobs)
     r.one_time, r.compiled, r.warnings = ranks.share(once) if ranks is not None else once
     return r
 
 
-def _one_time(folder: Path, names: Any) -> tuple[dict[str, float], dict[str, tuple[float | None, str]],
-                                                dict[str, list[str]]]:
+def _one_time(
+    folder: Path, names: Any
+) -> tuple[dict[str, float], dict[str, tuple[float | None, str]], dict[str, list[str]]]:
     """Each configuration's one-time seconds, its compile seconds and what it loaded, and its busy-machine warnings,
     from its first process's ``summary.json`` (those that wrote one)."""
     out, compiled, warnings = {}, {}, {}
@@ -112,8 +114,12 @@ def helps(r: Round, name: str, min_speedup: float) -> bool:
     from runner.compare.stats import HELPS
 
     c, copy_c = r.comparisons.get(name), r.vs_copy.get(name)
-    return (c is not None and r.verdicts.get(name) == HELPS and c.low > min_speedup
-            and (r.aa is None or (copy_c is not None and copy_c.low > 1)))
+    return (
+        c is not None
+        and r.verdicts.get(name) == HELPS
+        and c.low > min_speedup
+        and (r.aa is None or (copy_c is not None and copy_c.low > 1))
+    )
 
 
 def head_to_head(r: Round, name: str, other: str) -> Any:
@@ -142,12 +148,18 @@ def choose(v: Round, names: list[str], min_speedup: float) -> str | None:
 def group_best(combination: list, candidates: list, r: Round) -> list:
     """``combination`` with each group's member replaced by the alternative round ``r`` (each alone) read firmly
     faster than it head to head, the fastest of those: a point estimate would let noise pick among equals."""
+
     def firmly_faster(a: Any, s: Any) -> float:
         c = head_to_head(r, a.name, s.name)
         return c.estimate if c is not None and c.low > 1 else 0.0
 
-    return [max([a for a in candidates if s.group and a.group == s.group and firmly_faster(a, s)] or [s],
-                key=lambda a: firmly_faster(a, s)) for s in combination]
+    return [
+        max(
+            [a for a in candidates if s.group and a.group == s.group and firmly_faster(a, s)] or [s],
+            key=lambda a: firmly_faster(a, s),
+        )
+        for s in combination
+    ]
 
 
 def firmly_hurting(r: Round, pick: list, min_speedup: float) -> list:
@@ -165,7 +177,11 @@ def cheap_to_remove(r: Round, pick: list, target_ci: float) -> list:
     for s in pick:
         name = f"-{s.name}"
         c = r.comparisons.get(name)
-        if name not in r.failed and c is not None and r.verdicts.get(name) != HURTS and \
-                (c.estimate >= 1 or c.low >= 1 - target_ci):
+        if (
+            name not in r.failed
+            and c is not None
+            and r.verdicts.get(name) != HURTS
+            and (c.estimate >= 1 or c.low >= 1 - target_ci)
+        ):
             out.append(s)
     return out

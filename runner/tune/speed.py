@@ -128,13 +128,18 @@ class _Search:
         compiled = c.compile.mode or c.compile.optimizer
         self.compile_s = self.agreed(built.get("compile_s")) if compiled else None
         statuses = built.get("techniques", {})
-        skipped = [f"{s.name} {statuses[k]}" for s in sw if s.name in TECHNIQUES
-                   for k in TECHNIQUES[s.name].statuses or (s.name,) if str(statuses.get(k)).startswith("skipped")]
+        skipped = [
+            f"{s.name} {statuses[k]}"
+            for s in sw
+            if s.name in TECHNIQUES
+            for k in TECHNIQUES[s.name].statuses or (s.name,)
+            if str(statuses.get(k)).startswith("skipped")
+        ]
         if skipped:
             return math.inf, None, self.agreed(f"it does not act on this job ({skipped[0]})")
         if losses is None:
             return math.inf, None, note
-        tail = losses[-max(1, len(losses) // GUARD_WINDOWS):]
+        tail = losses[-max(1, len(losses) // GUARD_WINDOWS) :]
         return departure(self.reference, losses, self.batch_of(self.cfg), self.batch_of(c)), sum(tail) / len(tail), note
 
     def guard_reference(self) -> None:
@@ -147,23 +152,43 @@ class _Search:
         reference, ref_note = self.agreed(loss_curve(cfg, self.env, self.out, t.guard_steps, plan))
         self.job_steps = self.agreed(plan.get("steps"))
         if reference is None or ref_note:
-            raise ConfigError(f"your configuration cannot train its first {t.guard_steps} steps here ({ref_note}); "
-                              f"fix that before tuning its speed")
+            raise ConfigError(
+                f"your configuration cannot train its first {t.guard_steps} steps here ({ref_note}); "
+                f"fix that before tuning its speed"
+            )
         self.reference = reference
-        ref_tail = reference[-max(1, len(reference) // GUARD_WINDOWS):]
-        self.rows.append({"stage": "guard", "switch": "(yours)", "guard_loss": sum(ref_tail) / len(ref_tail),
-                          "guard_departure": 0.0, "verdict": "reference"})
+        ref_tail = reference[-max(1, len(reference) // GUARD_WINDOWS) :]
+        self.rows.append(
+            {
+                "stage": "guard",
+                "switch": "(yours)",
+                "guard_loss": sum(ref_tail) / len(ref_tail),
+                "guard_departure": 0.0,
+                "verdict": "reference",
+            }
+        )
         other = with_overrides(cfg, trainer__seed=int(cfg.trainer.seed or 0) + 1)
         seed_curve, seed_note = self.agreed(loss_curve(other, self.env, self.out, t.guard_steps))
-        spread = 0.0 if seed_curve is None or seed_note else departure(reference, seed_curve, self.batch_of(cfg),
-                                                                       self.batch_of(cfg))
+        spread = (
+            0.0
+            if seed_curve is None or seed_note
+            else departure(reference, seed_curve, self.batch_of(cfg), self.batch_of(cfg))
+        )
         self.tolerance = max(t.guard_tolerance, spread)
-        self.rows.append({"stage": "guard", "switch": "(yours, trainer.seed + 1)", "guard_departure": spread,
-                          "guard_loss": seed_curve and sum(seed_curve[-len(ref_tail):]) / len(ref_tail),
-                          "verdict": f"the tolerance: {self.tolerance:.2%} (the larger of this and "
-                                     f"tune.guard_tolerance)"})
-        say(self.env, f"speed: guard: your configuration under another seed departs {fmt(spread, '.2%')}; a candidate "
-                      f"may depart up to {self.tolerance:.2%}")
+        self.rows.append(
+            {
+                "stage": "guard",
+                "switch": "(yours, trainer.seed + 1)",
+                "guard_departure": spread,
+                "guard_loss": seed_curve and sum(seed_curve[-len(ref_tail) :]) / len(ref_tail),
+                "verdict": f"the tolerance: {self.tolerance:.2%} (the larger of this and tune.guard_tolerance)",
+            }
+        )
+        say(
+            self.env,
+            f"speed: guard: your configuration under another seed departs {fmt(spread, '.2%')}; a candidate "
+            f"may depart up to {self.tolerance:.2%}",
+        )
 
     def run(self, candidates: list[Switch]) -> tuple[list[Switch], Any]:
         """The search from the guarded reference on: the guard, round 1, the elimination and the verification of
@@ -201,22 +226,36 @@ class _Search:
         for i, s in enumerate(candidates):
             if s.arithmetic and self.wall_left() < (1 - GUARD_SHARE) * self.budget_s:
                 left = [c.name for c in candidates[i:] if c.arithmetic]
-                self.notes.append(f"not guarded, so not measured: {', '.join(left)} (the guard had spent "
-                                  f"{GUARD_SHARE:.0%} of tune.budget_minutes={self.t.budget_minutes:g})")
+                self.notes.append(
+                    f"not guarded, so not measured: {', '.join(left)} (the guard had spent "
+                    f"{GUARD_SHARE:.0%} of tune.budget_minutes={self.t.budget_minutes:g})"
+                )
                 passed += [c for c in candidates[i:] if not c.arithmetic]
                 break
             if not s.arithmetic:
-                self.rows.append({"stage": "guard", "switch": s.name,
-                                  "verdict": "not needed (same batches, same arithmetic)"})
+                self.rows.append(
+                    {"stage": "guard", "switch": s.name, "verdict": "not needed (same batches, same arithmetic)"}
+                )
                 passed.append(s)
                 continue
             dep, loss, note = self.guard([s])
             ok = dep <= self.tolerance
             why = note or f"loss departs {fmt(dep, '.1%')}"
-            self.rows.append({"stage": "guard", "switch": s.name, "guard_loss": loss, "guard_departure": dep,
-                              "compile_s": self.compile_s, "verdict": "passed" if ok else f"rejected ({why})"})
-            say(self.env, f"speed: guard {s.name}: loss after {self.t.guard_steps} steps {fmt(loss, '.4f')}, departs "
-                          f"{fmt(dep, '.2%')} -> {'passed' if ok else 'REJECTED'}")
+            self.rows.append(
+                {
+                    "stage": "guard",
+                    "switch": s.name,
+                    "guard_loss": loss,
+                    "guard_departure": dep,
+                    "compile_s": self.compile_s,
+                    "verdict": "passed" if ok else f"rejected ({why})",
+                }
+            )
+            say(
+                self.env,
+                f"speed: guard {s.name}: loss after {self.t.guard_steps} steps {fmt(loss, '.4f')}, departs "
+                f"{fmt(dep, '.2%')} -> {'passed' if ok else 'REJECTED'}",
+            )
             if ok:
                 passed.append(s)
             self.cold_compile_s = max(self.cold_compile_s, self.compile_s or 0.0)
@@ -230,9 +269,16 @@ class _Search:
         dep, loss, note = self.guard(sw)
         self.store.save()  # its compiled code: the verification's job of the same switches loads it
         ok = dep <= self.tolerance
-        self.rows.append({"stage": "guard", "switch": "+".join(s.name for s in sw), "guard_loss": loss,
-                          "guard_departure": dep, "verdict": "passed" if ok else "rejected",
-                          "compile_s": self.compile_s})
+        self.rows.append(
+            {
+                "stage": "guard",
+                "switch": "+".join(s.name for s in sw),
+                "guard_loss": loss,
+                "guard_departure": dep,
+                "verdict": "passed" if ok else "rejected",
+                "compile_s": self.compile_s,
+            }
+        )
         if not ok:
             self.notes.append(f"{what} ({'+'.join(s.name for s in sw)}) departs {fmt(dep, '.1%')} from your loss curve")
         return ok
@@ -249,8 +295,10 @@ class _Search:
         if share * left < fewest * per_pass:  # too little for this round and another: this one takes it all
             share = 1.0
         if left < 60 or (self.settings.slice_steps is None and share * left < fewest * per_pass):
-            self.notes.append(f"{title.split(':')[0]} not measured: tune.budget_minutes={self.t.budget_minutes:g} "
-                              f"spent (under {fewest} passes of its {len(jobs) + 1} jobs left)")
+            self.notes.append(
+                f"{title.split(':')[0]} not measured: tune.budget_minutes={self.t.budget_minutes:g} "
+                f"spent (under {fewest} passes of its {len(jobs) + 1} jobs left)"
+            )
             return None
         r = Round(title, reference, {name: self.sharing(c) for name, c in jobs.items()}, minutes=share * left / 60)
         say(self.env, f"speed: {r.title}: {len(jobs) - 1} against {reference}, up to {r.minutes:.1f} min of measuring")
@@ -273,15 +321,24 @@ class _Search:
             return []
         for name in jobs:
             if name != "yours":
-                self.rows.append({"stage": "round 1", "switch": _label(combination) if name == ALL else name,
-                                  "on_top_of": "yours", **self.figures(r, name, "yours")})
+                self.rows.append(
+                    {
+                        "stage": "round 1",
+                        "switch": _label(combination) if name == ALL else name,
+                        "on_top_of": "yours",
+                        **self.figures(r, name, "yours"),
+                    }
+                )
         self.alone = {s.name: r.comparisons.get(s.name) for s in candidates}
         if len(combination) < 2:
             return [s for s in candidates if helps(r, s.name, self.t.min_speedup)]
         best = group_best(combination, candidates, r)
-        self.notes += [f"round 1: the elimination starts with {b.name} in place of {c.name}, firmly faster alone "
-                       f"({describe(self.alone[b.name])} against {describe(self.alone[c.name])})"
-                       for c, b in zip(combination, best) if b is not c]
+        self.notes += [
+            f"round 1: the elimination starts with {b.name} in place of {c.name}, firmly faster alone "
+            f"({describe(self.alone[b.name])} against {describe(self.alone[c.name])})"
+            for c, b in zip(combination, best)
+            if b is not c
+        ]
         return best
 
     def eliminate(self, pick: list[Switch], candidates: list[Switch]) -> list[Switch]:
@@ -294,11 +351,17 @@ class _Search:
         ``helps``, ``firmly_hurting``, ``cheap_to_remove``)."""
         dropped: list[Switch] = []
         while pick or dropped:
-            moves = {f"{s.name}->{a.name}": [a if x is s else x for x in pick] for s in pick for a in candidates
-                     if s.group and a.group == s.group and a is not s}
+            moves = {
+                f"{s.name}->{a.name}": [a if x is s else x for x in pick]
+                for s in pick
+                for a in candidates
+                if s.group and a.group == s.group and a is not s
+            }
             moves |= {f"+{d.name}": [*pick, d] for d in dropped if d not in pick}
-            jobs = {ALL: applied(self.cfg, pick), **{f"-{s.name}": applied(self.cfg, [x for x in pick if x is not s])
-                                                     for s in pick}}
+            jobs = {
+                ALL: applied(self.cfg, pick),
+                **{f"-{s.name}": applied(self.cfg, [x for x in pick if x is not s]) for s in pick},
+            }
             jobs |= {name: applied(self.cfg, sw) for name, sw in moves.items()}
             r = self.round(f"round {len(self.rounds) + 1}: backward elimination from {_label(pick)}", ALL, jobs)
             if r is None and len(self.rounds) == 1:  # no elimination round fits: round 1's reading decides
@@ -308,8 +371,14 @@ class _Search:
                 break
             for name in jobs:
                 if name != ALL:
-                    self.rows.append({"stage": f"round {len(self.rounds)}", "switch": name, "on_top_of": _label(pick),
-                                      **self.figures(r, name, ALL)})
+                    self.rows.append(
+                        {
+                            "stage": f"round {len(self.rounds)}",
+                            "switch": name,
+                            "on_top_of": _label(pick),
+                            **self.figures(r, name, ALL),
+                        }
+                    )
             dropped = firmly_hurting(r, pick, self.t.min_speedup)
             firm = [n for n in moves if helps(r, n, self.t.min_speedup)]
             if firm:
@@ -321,16 +390,20 @@ class _Search:
             elif not dropped:
                 removable = cheap_to_remove(r, pick, self.t.target_ci)
                 if not removable:
-                    self.notes.append(f"round {len(self.rounds)}: no switch of {_label(pick)} goes: removing each "
-                                      f"reads slower and is not shown to cost under {self.t.target_ci:.0%}")
+                    self.notes.append(
+                        f"round {len(self.rounds)}: no switch of {_label(pick)} goes: removing each "
+                        f"reads slower and is not shown to cost under {self.t.target_ci:.0%}"
+                    )
                     break
                 dropped = [max(removable, key=lambda s: r.comparisons[f"-{s.name}"].estimate)]
             dropped = [s for s in dropped if s in pick]
             for s in dropped:
                 self.interaction(s, r.comparisons[f"-{s.name}"], dropped=True)
             if len(dropped) > 1:
-                self.notes.append(f"round {len(self.rounds)}: {', '.join(s.name for s in dropped)} dropped together, "
-                                  f"each firmly slower in the combination")
+                self.notes.append(
+                    f"round {len(self.rounds)}: {', '.join(s.name for s in dropped)} dropped together, "
+                    f"each firmly slower in the combination"
+                )
             pick = [x for x in pick if x not in dropped]
         for s in pick:
             if self.rounds and (c := self.rounds[-1].comparisons.get(f"-{s.name}")) is not None:
@@ -347,9 +420,11 @@ class _Search:
         slower = [s for s in self.whole if (c := self.alone.get(s.name)) is not None and c.estimate < 1]
         if not slower or len(slower) == len(self.whole):
             return self.whole
-        self.notes.append(f"no elimination round fitted tune.budget_minutes={self.t.budget_minutes:g}: the pick "
-                          f"leaves out {', '.join(f'{s.name} ({describe(self.alone[s.name])} alone)' for s in slower)}"
-                          f"; the verification measures the combination with them beside it")
+        self.notes.append(
+            f"no elimination round fitted tune.budget_minutes={self.t.budget_minutes:g}: the pick "
+            f"leaves out {', '.join(f'{s.name} ({describe(self.alone[s.name])} alone)' for s in slower)}"
+            f"; the verification measures the combination with them beside it"
+        )
         return [s for s in self.whole if s not in slower]
 
     def interaction(self, s: Switch, without: Any, dropped: bool) -> None:
@@ -359,9 +434,11 @@ class _Search:
             return
         inside = 1 / without.estimate
         if (alone.estimate > 1) != (inside > 1):
-            self.notes.append(f"interaction: {s.name} alone ×{alone.estimate:.3f}, in the combination ×{inside:.3f}"
-                              f"{' (dropped)' if dropped else ''}: it "
-                              f"{'helps only with' if inside > 1 else 'hurts with'} the others")
+            self.notes.append(
+                f"interaction: {s.name} alone ×{alone.estimate:.3f}, in the combination ×{inside:.3f}"
+                f"{' (dropped)' if dropped else ''}: it "
+                f"{'helps only with' if inside > 1 else 'hurts with'} the others"
+            )
 
     def figures(self, r: Round, name: str, reference: str) -> dict[str, Any]:
         """A row's figures (``_figures``) plus the job's projected wall time against the reference's
@@ -391,8 +468,11 @@ class _Search:
         fast, fast_note = fast_config()
         if fast is None:
             self.notes.append(f"+experiment=fast not compared: {fast_note}")
-        options = {name: sw for name, sw in (("pick", incumbent), ("extended", whole))
-                   if sw and (name == "pick" or whole != incumbent)}
+        options = {
+            name: sw
+            for name, sw in (("pick", incumbent), ("extended", whole))
+            if sw and (name == "pick" or whole != incumbent)
+        }
         label = {name: "+".join(s.name for s in sw) for name, sw in options.items()}
         # the options with the search's compile cache, as their preset carries it; yours and fast compile cold, as a
         # job started from them on a fresh node does: each one-time cost is what its job will pay (tune.objective=job)
@@ -405,23 +485,40 @@ class _Search:
         minutes = max(1.0, (self.wall_left() - starting) / 60)
         v = Round("verification", "yours", jobs, minutes=minutes)
         shown = ", ".join(f"the {'pick' if n == 'pick' else 'whole combination'} ({label[n]})" for n in options)
-        say(self.env, f"speed: verification: your configuration{', ' + shown if shown else ''}"
-                      f"{', +experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min")
+        say(
+            self.env,
+            f"speed: verification: your configuration{', ' + shown if shown else ''}"
+            f"{', +experiment=fast' if fast is not None else ''}; up to {minutes:.1f} min",
+        )
         settings = copy.deepcopy(self.settings)  # the decisive round: pairs over minutes, not one calm moment
         settings.min_passes = min(settings.max_passes, max(settings.min_passes, VERIFICATION_PASSES))
         measure_round(v, self.rounds_dir / "verification", settings, self.ranks)
         self.rounds.append(v)
         for name in jobs:
             if name != "yours":
-                self.rows.append({"stage": "verification", "switch": label.get(name, fast_note), "on_top_of": "yours",
-                                  **self.figures(v, name, "yours")})
-        self.rows.append({"stage": "verification", "switch": "(yours, A/A)", "on_top_of": "yours",
-                          **paired_cells(v.aa), "verdict": "noise"})
+                self.rows.append(
+                    {
+                        "stage": "verification",
+                        "switch": label.get(name, fast_note),
+                        "on_top_of": "yours",
+                        **self.figures(v, name, "yours"),
+                    }
+                )
+        self.rows.append(
+            {
+                "stage": "verification",
+                "switch": "(yours, A/A)",
+                "on_top_of": "yours",
+                **paired_cells(v.aa),
+                "verdict": "noise",
+            }
+        )
         chosen_name = choose(v, list(options), self.t.min_speedup)
         if self.t.objective == "job" and chosen_name is not None:
             chosen_name = self.shortest_job(v, options, label, chosen_name)
-        self.notes += speed_report.verification_notes(v, options, label, chosen_name, fast is not None,
-                                                      self.t.min_speedup)
+        self.notes += speed_report.verification_notes(
+            v, options, label, chosen_name, fast is not None, self.t.min_speedup
+        )
         self.chosen_name = chosen_name
         if chosen_name is None:
             return [], None
@@ -441,10 +538,12 @@ class _Search:
             return max(shorter, key=lambda n: rows[n]["job_speedup"])
         f, pays = rows[chosen_name], rows[chosen_name].get("pays_after_steps")
         pays = "never (it is not faster per step)" if pays is None else f"{pays:,} steps"
-        self.notes.append(f"{label[chosen_name]} is firmly faster per step (×{f['speedup']:.3f}) but your job of "
-                          f"{self.job_steps:,} steps would take ×{1 / f['job_speedup']:.2f} as long: its one-time "
-                          f"costs (compilation, autotuning) pay after {pays}; "
-                          f"tune.objective=throughput ranks by steady samples/s alone")
+        self.notes.append(
+            f"{label[chosen_name]} is firmly faster per step (×{f['speedup']:.3f}) but your job of "
+            f"{self.job_steps:,} steps would take ×{1 / f['job_speedup']:.2f} as long: its one-time "
+            f"costs (compilation, autotuning) pay after {pays}; "
+            f"tune.objective=throughput ranks by steady samples/s alone"
+        )
         return None
 
     # ----------------------------------------------------------------------------------------------- the result
@@ -462,8 +561,10 @@ class _Search:
         if self.agreed(problem):
             self.notes.append(f"the preset carries no compile cache ({problem}): its first job compiles cold")
             return None
-        self.notes.append(f"the preset carries the pick's compiled code ({folder}, signed with your key): its first "
-                          f"job on any node of yours loads it instead of compiling cold")
+        self.notes.append(
+            f"the preset carries the pick's compiled code ({folder}, signed with your key): its first "
+            f"job on any node of yours loads it instead of compiling cold"
+        )
         return folder
 
 
@@ -495,20 +596,48 @@ def _rounds_folder(job_dir: Path) -> Path:
 
 
 TUNER = Tuner(
-    name="speed", tune=tune_speed, is_pick=is_pick, plot=plot,
+    name="speed",
+    tune=tune_speed,
+    is_pick=is_pick,
+    plot=plot,
     help="the fastest combination of the speed switches that apply to your job (compile, fused/foreach\n"
-         "optimizer, on-device data, workers, bf16/AMP/TF32, channels_last, threads, ...): guarded against\n"
-         "a changed loss, found by backward elimination from all of them together with interleaved paired\n"
-         "measurement, ranked by the whole job's time (tune.objective), verified head to head against your\n"
-         "configuration and +experiment=fast; writes experiment/tuned.yaml",
-    columns=[("stage", "stage", ""), ("switch", "switch", ""), ("on_top_of", "on top of", ""),
-             ("speedup", "speed-up ×", ".3f"), ("ci_low", "95 % low", ".3f"), ("ci_high", "95 % high", ".3f"),
-             ("verdict", "verdict", ""), ("vs_copy", "× its copy", ".3f"), ("samples_per_sec", "samples/s", ",.1f"),
-             ("job_speedup", "job time ÷", ".3f"), ("pays_after_steps", "pays after steps", ",d"),
-             ("compile_s", "compile s (guard)", ".1f"),
-             ("guard_loss", "loss at guard_steps", ".4f"), ("guard_departure", "departure", ".2%")],
+    "optimizer, on-device data, workers, bf16/AMP/TF32, channels_last, threads, ...): guarded against\n"
+    "a changed loss, found by backward elimination from all of them together with interleaved paired\n"
+    "measurement, ranked by the whole job's time (tune.objective), verified head to head against your\n"
+    "configuration and +experiment=fast; writes experiment/tuned.yaml",
+    columns=[
+        ("stage", "stage", ""),
+        ("switch", "switch", ""),
+        ("on_top_of", "on top of", ""),
+        ("speedup", "speed-up ×", ".3f"),
+        ("ci_low", "95 % low", ".3f"),
+        ("ci_high", "95 % high", ".3f"),
+        ("verdict", "verdict", ""),
+        ("vs_copy", "× its copy", ".3f"),
+        ("samples_per_sec", "samples/s", ",.1f"),
+        ("job_speedup", "job time ÷", ".3f"),
+        ("pays_after_steps", "pays after steps", ",d"),
+        ("compile_s", "compile s (guard)", ".1f"),
+        ("guard_loss", "loss at guard_steps", ".4f"),
+        ("guard_departure", "departure", ".2%"),
+    ],
     console_rows=None,  # every row is a decision: the console shows the verification against fast too
 )
 
-__all__ = ["TUNER", "Switch", "switches", "chosen", "applied", "loss_curve", "departure", "Round",
-           "measure_round", "read_round", "helps", "choose", "fast_config", "tune_speed", "tuned_yaml"]
+__all__ = [
+    "TUNER",
+    "Switch",
+    "switches",
+    "chosen",
+    "applied",
+    "loss_curve",
+    "departure",
+    "Round",
+    "measure_round",
+    "read_round",
+    "helps",
+    "choose",
+    "fast_config",
+    "tune_speed",
+    "tuned_yaml",
+]

@@ -18,10 +18,31 @@ from runner.techniques import TECHNIQUES, Job
 TUNER_ONLY = ("batch_x2", "batch_x4")
 
 #: The order the candidates are offered in (the table's tuner candidates; one not named here comes last)
-ORDER = ("compile", "compile_max_autotune", "compile_regional", "compile_reduce_overhead", "fused_optimizer",
-         "foreach_optimizer", "on_device_data", "loader_workers", "pinned_memory", "bf16", "bf16_upcast_attention",
-         "amp", "tf32", "int8", "sparse24", "channels_last", "cudnn_benchmark", "chunked_loss",
-         "compiled_optimizer_step", "set_to_none", "fewer_syncs", "half_threads", "selective_checkpointing")
+ORDER = (
+    "compile",
+    "compile_max_autotune",
+    "compile_regional",
+    "compile_reduce_overhead",
+    "fused_optimizer",
+    "foreach_optimizer",
+    "on_device_data",
+    "loader_workers",
+    "pinned_memory",
+    "bf16",
+    "bf16_upcast_attention",
+    "amp",
+    "tf32",
+    "int8",
+    "sparse24",
+    "channels_last",
+    "cudnn_benchmark",
+    "chunked_loss",
+    "compiled_optimizer_step",
+    "set_to_none",
+    "fewer_syncs",
+    "half_threads",
+    "selective_checkpointing",
+)
 
 
 @dataclass(frozen=True)
@@ -81,8 +102,12 @@ def switches(cfg: DictConfig, device, allow: str = "speed") -> tuple[list[Switch
     if allow == "recipe":
         b = int(cfg.dataloader.batch_size)
         scaling = cfg.optimizer.lr_scaling if cfg.optimizer.lr_scaling != "none" else "linear"
-        out += [Switch(f"batch_x{k}", {"dataloader.batch_size": k * b, "optimizer.lr_scaling": scaling}, "batch",
-                       recipe=True) for k in (2, 4)]
+        out += [
+            Switch(
+                f"batch_x{k}", {"dataloader.batch_size": k * b, "optimizer.lr_scaling": scaling}, "batch", recipe=True
+            )
+            for k in (2, 4)
+        ]
     else:
         notes.append("recipe changes (a larger micro-batch with the LR scaled) not tried: tune.allow=speed")
     return out, notes
@@ -101,16 +126,17 @@ def chosen(cfg: DictConfig, t: DictConfig, device) -> tuple[list[Switch], list[s
     if t.only is not None:
         unknown = [n for n in t.only if n not in known]
         if unknown:
-            raise ConfigError(f"tune.only={list(t.only)}: no switch named {', '.join(unknown)}; the switches of this "
-                              f"job: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"tune.only={list(t.only)}: no switch named {', '.join(unknown)}; the switches of this "
+                f"job: {', '.join(sorted(known))}"
+            )
         builtin = [s for s in builtin if s.name in t.only]
     own = []
     for name, changes in (t.switches or {}).items():
         if name in known:
             raise ConfigError(f"tune.switches.{name}: a built-in switch has that name; name yours differently")
         if not OmegaConf.is_dict(changes) or not changes:
-            raise ConfigError(f"tune.switches.{name} must map config keys to values, e.g. "
-                              f"{{optimizer.impl: fused}}")
+            raise ConfigError(f"tune.switches.{name} must map config keys to values, e.g. {{optimizer.impl: fused}}")
         for key in changes:
             if OmegaConf.select(cfg, str(key), default="<missing>") == "<missing>":
                 raise ConfigError(f"tune.switches.{name}: {key} is not a key of the run config")
