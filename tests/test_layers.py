@@ -30,10 +30,11 @@ LAYERS = {
 #: Modules that must import no other runner module (only torch and the standard library, or nothing); the contracts
 #: (``protocols``: Task, Tracker) too, so that every layer may name them without a cycle.
 STANDALONE = {"runner.errors", "runner.measure.hardware", "runner.protocols"}
-#: The package's size rules (docs/design.md): a module past this many lines is split by concern, a function past
-#: this many lines by step.
-MAX_MODULE_LINES = 520
-MAX_FUNCTION_LINES = 80
+#: The package's size rules (docs/design.md), in ruff format's layout (CI checks it): a module past this many lines
+#: is split by concern, a function past this many lines by step. (520 and 80 before that layout, which packed
+#: arguments and conditions: the same code is about a quarter longer in it.)
+MAX_MODULE_LINES = 650
+MAX_FUNCTION_LINES = 100
 
 
 def runner_modules(package_dir: Path = PACKAGE_DIR) -> dict[str, Path]:

@@ -206,18 +206,10 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
     if cfg.distributed.name == "pp":  # the schedule runs forward and backward; the loop asks it through the task
         task = model_parallel.pipeline(model, task, env, cfg, plan)
         clip = task.clip
-    ema = ema_mod.EMA(model, t.ema_decay, t.ema_warmup, t.ema_every) if t.ema_decay is not None else None
+    ema = _ema(t, model, env, techniques, details)
     reported = tuple(task.metrics) + (tuple(f"{m}_ema" for m in task.metrics) if ema is not None else ())
     early, patience = monitor.early_stopping(t.early_stopping, reported)
     best = monitor.best_checkpoint(resume.settings(cfg.checkpoint), reported)
-    if ema is not None:
-        techniques["ema"] = "applied"
-        details["ema"] = {
-            "decay": t.ema_decay,
-            "warmup": t.ema_warmup,
-            "every": t.ema_every,
-            "update_ms": round(ema.measure_update_ms(env.device), 4),
-        }
     state = TrainState(eval=dict.fromkeys(reported), loss_sum=torch.zeros((), device=env.device))
     # the speed doctor's GPU window: the last warm-up steps on CUDA (no figure includes them), never beside
     # debug=profile's own profiler
@@ -257,6 +249,18 @@ def build_parts(cfg: DictConfig, env: distributed.Env, job_dir: Path) -> tuple[P
         best=best,
     )
     return parts, state
+
+
+def _ema(t: DictConfig, model: torch.nn.Module, env: distributed.Env, techniques: dict, details: dict):
+    """The EMA of the weights (``trainer.ema_decay``; None without one), recorded in ``techniques`` and ``details``
+    with the time of one update."""
+    if t.ema_decay is None:
+        return None
+    ema = ema_mod.EMA(model, t.ema_decay, t.ema_warmup, t.ema_every)
+    techniques["ema"] = "applied"
+    update_ms = round(ema.measure_update_ms(env.device), 4)
+    details["ema"] = {"decay": t.ema_decay, "warmup": t.ema_warmup, "every": t.ema_every, "update_ms": update_ms}
+    return ema
 
 
 def _process_techniques(cfg: DictConfig, env: distributed.Env, skipped: dict[str, str]) -> tuple[dict, str, Any]:

@@ -13,10 +13,11 @@ data ones: runner/data/loading.py); tests/test_technique_table.py checks the abl
 candidates, the doctor's suggestions, the task's image-only skips and the README's switch table against this table.
 
 Where a technique can act is decided here only: ``Technique.why_not(job)`` (composer's ``match``), from its
-``where`` and its ``needs``, named conditions on a ``Job`` (the run config and the device). The builders record
-``skipped: <why>`` with its words, the speed tuner offers a candidate by it (``candidate=True`` adds the needs that
-make a switch worth measuring from the user's configuration: bf16 starts from fp32), the ablation runs a variant by
-it and the doctor suggests by it; tests/test_technique_table.py scans the other modules for conditions of their own.
+``where`` and its ``needs``, named conditions on a ``Job`` (the run config and the device: needs.py). The builders
+record ``skipped: <why>`` with its words, the speed tuner offers a candidate by it (``candidate=True`` adds the needs
+that make a switch worth measuring from the user's configuration: bf16 starts from fp32), the ablation runs a variant
+by it and the doctor suggests by it; tests/test_technique_table.py scans the other modules for conditions of their
+own.
 
 Adding a technique: one entry here and its builder; a ``variant`` name gives it its ablation variants (variants.py).
 """
@@ -24,7 +25,33 @@ Adding a technique: one entry here and its builder; a ``variant`` name gives it 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
+
+from runner.techniques.needs import (
+    FROM_FP32,
+    Job,
+    Need,
+    ampere,
+    compiled,
+    cpu_bf16,
+    fewer_threads,
+    fp32_only,
+    gpt,
+    half_cores,
+    host_loading,
+    in_memory,
+    native_bf16,
+    no_compression,
+    no_workers,
+    not_images,
+    on_cpu,
+    on_cuda,
+    optimizer_has,
+    select,
+    syncs_often,
+    token_inputs,
+    your_compile_mode,
+)
 
 #: Where a technique can act: on any device, on CUDA only, on images only (not on token ids), or both.
 WHERE = ("any", "cuda", "image", "image+cuda", "tokens")
@@ -34,58 +61,6 @@ def _workers() -> int:
     from runner.measure import hardware  # torch-free until called
 
     return min(4, hardware.cpu_cores())
-
-
-def _half_cores() -> int:
-    from runner.measure import hardware
-
-    return max(1, hardware.cpu_cores() // 2)
-
-
-@dataclass(frozen=True)
-class Job:
-    """What decides where a technique can act: the run config ``cfg`` (a DictConfig, or a ``summary.json``'s plain
-    dict), whether it runs on CUDA, the GPU's compute capability ``(major, minor)`` (None: unknown or no GPU) and
-    whether the device computes bf16 natively."""
-
-    cfg: Any
-    cuda: bool = False
-    capability: tuple[int, int] | None = None
-    native_bf16: bool = False
-
-    @classmethod
-    def of(cls, cfg: Any, device: Any) -> "Job":
-        """The job ``cfg`` on ``device`` (a ``torch.device`` or its name), its features read from this machine."""
-        import torch
-
-        from runner.measure import hardware
-
-        device = torch.device(device)
-        if device.type == "cuda":
-            return cls(cfg, True, tuple(torch.cuda.get_device_capability(device)), torch.cuda.is_bf16_supported())
-        return cls(cfg, False, None, hardware.cpu_has_native_bf16())
-
-    @classmethod
-    def recorded(cls, cfg: Any, device: str) -> "Job":
-        """The job of a ``summary.json`` (its ``config`` and ``device`` name) as the speed doctor sees it: a GPU's
-        capability unknown; native bf16 on any GPU, on a CPU as this machine has it."""
-        from runner.measure import hardware
-
-        cuda = device == "cuda"
-        return cls(cfg, cuda, None, cuda or hardware.cpu_has_native_bf16())
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return select(self.cfg, key, default)
-
-
-@dataclass(frozen=True)
-class Need:
-    """One condition of where a technique acts: ``why(job)`` says why it does not hold, or None. ``candidate``: it
-    decides only whether the speed tuner measures the switch from this configuration (the switch still acts when a
-    user turns it on: amp on a CPU is bf16 autocast, the bf16 candidate already)."""
-
-    why: Callable[[Job], str | None]
-    candidate: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +125,7 @@ class Technique:
         if self.where.startswith("image"):
             if token_inputs(job.cfg):
                 return "an image technique; the inputs are token ids"
-            if why := _not_images(job.cfg):
+            if why := not_images(job.cfg):
                 return why
         if self.where == "tokens" and not token_inputs(job.cfg):
             return "a language-model technique; the inputs are not token ids"
@@ -162,136 +137,6 @@ class Technique:
 
 def _value(v: Any) -> str:
     return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
-
-
-def select(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg``'s value at the dotted ``key``, for a DictConfig or a plain dict; ``default`` where it is absent."""
-    node = cfg
-    for part in key.split("."):
-        if node is None:
-            return default
-        try:
-            node = node[part]
-        except (KeyError, TypeError, AttributeError):
-            return default
-    return node
-
-
-# --- the needs: one named condition each (``Need``), with the words the builders, the tuner and the doctor print ---
-
-
-def _fp32(job: Job) -> str | None:  # a precision switch is measured from full precision
-    return None if job.get("precision.name") in ("fp32", "tf32") else "your precision is already reduced"
-
-
-def _fp32_only(job: Job) -> str | None:
-    name = job.get("precision.name")
-    return None if name == "fp32" else f"precision={name} is not fp32: TF32 changes only fp32 matmuls and convolutions"
-
-
-def _native_bf16(job: Job) -> str | None:
-    return None if job.native_bf16 else "this device has no native bf16"
-
-
-def _cpu_bf16(job: Job) -> str | None:  # amp on a CPU is bf16 autocast (fp16 with a GradScaler on CUDA)
-    return None if job.cuda or job.native_bf16 else "this CPU has no native bf16 (AVX-512-BF16/AMX), amp's autocast"
-
-
-def _compiled(job: Job) -> str | None:
-    if job.get("compile.mode") is not None:
-        return None
-    return (
-        "it acts in torch.compile's partitioner; add compile=default (or use memory=selective, which needs no compile)"
-    )
-
-
-def _gpt(what: str) -> Need:
-    """runner's GPT (runner.models.gpt.GPT), which ``what`` needs."""
-    return Need(lambda job: None if "runner.models.gpt" in str(job.get("model._target_")) else what)
-
-
-def _ampere(what: str, candidate: bool = False) -> Need:
-    """A GPU of compute capability 8.0 or newer (Ampere, Hopper, Blackwell); ``what``: "TF32 needs"."""
-
-    def why(job: Job) -> str | None:
-        if job.capability is None or job.capability[0] >= 8:
-            return None
-        return f"{what} compute capability 8.0 or newer; this GPU has {job.capability[0]}.{job.capability[1]}"
-
-    return Need(why, candidate)
-
-
-def _on_cuda(why: str) -> Need:
-    return Need(lambda job: None if job.cuda else why, candidate=True)
-
-
-def _on_cpu(why: str) -> Need:
-    return Need(lambda job: why if job.cuda else None, candidate=True)
-
-
-def _optimizer_has(argument: str) -> Need:
-    """The optimizer class takes ``argument`` (``fused``, ``foreach``): what runner/techniques/optim.py passes."""
-
-    def why(job: Job) -> str | None:
-        import inspect
-
-        from hydra.utils import get_class
-
-        target = job.get("optimizer._target_")
-        try:
-            accepted = inspect.signature(get_class(target).__init__).parameters
-        except Exception as e:  # noqa: BLE001 - hydra raises ImportError or ValueError
-            return f"optimizer._target_={target!r} cannot be imported ({e})"
-        return None if argument in accepted else f"{target} has no {argument} implementation (no {argument} argument)"
-
-    return Need(why)
-
-
-def _in_memory(job: Job) -> str | None:
-    from runner import IN_MEMORY_DATA
-
-    name = job.get("data.name")
-    return None if name in IN_MEMORY_DATA else f"data={name} has no in-memory form"
-
-
-def _host_loading(job: Job) -> str | None:
-    return "dataloader.on_device=true: the batches need no DataLoader" if job.get("dataloader.on_device") else None
-
-
-def _no_workers(job: Job) -> str | None:
-    n = job.get("dataloader.num_workers")
-    return None if not n else f"dataloader.num_workers={n} already loads in worker processes"
-
-
-def _your_compile_mode(regional: bool) -> Need:
-    """On a CPU the tuner keeps a compile mode the user chose (max-autotune is a candidate of its own)."""
-
-    def why(job: Job) -> str | None:
-        mode = job.get("compile.mode")
-        if job.cuda or mode is None or (regional and not job.get("compile.regional")):
-            return None
-        return f"compile.mode={mode} already compiles the model"
-
-    return Need(why, candidate=True)
-
-
-def _no_compression(job: Job) -> str | None:
-    name = job.get("compress.name")
-    return None if name in (None, "none") else f"compress={name} is on"
-
-
-def _syncs_often(job: Job) -> str | None:
-    n = job.get("trainer.log_every")
-    return None if n < 50 else f"trainer.log_every={n} already syncs at most every 50 steps"
-
-
-def _fewer_threads(job: Job) -> str | None:
-    import torch
-
-    return None if _half_cores() != torch.get_num_threads() else "one core: no fewer threads to try"
-
-
-_FROM_FP32 = (Need(_fp32, candidate=True),)
 
 
 TECHNIQUES: dict[str, Technique] = {
@@ -307,7 +152,7 @@ TECHNIQUES: dict[str, Technique] = {
             statuses=("pin_memory", "non_blocking"),
             readme="2",
             cuda_only="page-locked memory only speeds up copies to a CUDA device",
-            needs=(Need(_host_loading, candidate=True),),
+            needs=(Need(host_loading, candidate=True),),
             source="PyTorch DataLoader docs, memory pinning; CUDA semantics, non_blocking copies",
         ),
         Technique(
@@ -317,7 +162,7 @@ TECHNIQUES: dict[str, Technique] = {
             group="data",
             statuses=("num_workers", "persistent_workers"),
             readme="2",
-            needs=(Need(_host_loading, candidate=True), Need(_no_workers, candidate=True)),
+            needs=(Need(host_loading, candidate=True), Need(no_workers, candidate=True)),
             source="PyTorch DataLoader docs, multi-process data loading",
         ),
         Technique(
@@ -344,7 +189,7 @@ TECHNIQUES: dict[str, Technique] = {
             command=("dataloader=device",),
             variant="on_device_data",
             readme="2b",
-            needs=(Need(_in_memory),),
+            needs=(Need(in_memory),),
             source="airbench / hlb-CIFAR10: the dataset as tensors on the device",
         ),
         # the optimizer and the loop
@@ -356,7 +201,7 @@ TECHNIQUES: dict[str, Technique] = {
             variant="fused_optimizer",
             readme="5",
             statuses=("optimizer_fused",),
-            needs=(_optimizer_has("fused"),),
+            needs=(optimizer_has("fused"),),
             source="torch.optim docs, 'fused' implementations",
         ),
         Technique(
@@ -366,7 +211,7 @@ TECHNIQUES: dict[str, Technique] = {
             group="optimizer_impl",
             statuses=("optimizer_foreach",),
             readme="5",
-            needs=(_optimizer_has("foreach"),),
+            needs=(optimizer_has("foreach"),),
             source="torch.optim docs, 'foreach' implementations",
         ),
         Technique(
@@ -384,7 +229,7 @@ TECHNIQUES: dict[str, Technique] = {
             arithmetic=False,
             variant="fewer_syncs",
             readme="7",
-            needs=(Need(_syncs_often, candidate=True),),
+            needs=(Need(syncs_often, candidate=True),),
             source="PyTorch Performance Tuning Guide: avoid unnecessary CPU-GPU synchronization",
         ),
         # compile
@@ -396,7 +241,7 @@ TECHNIQUES: dict[str, Technique] = {
             command=("compile=default",),
             variant="compile",
             readme="18",
-            needs=(_your_compile_mode(regional=False),),
+            needs=(your_compile_mode(regional=False),),
             source="torch.compile docs",
         ),
         Technique(
@@ -416,7 +261,7 @@ TECHNIQUES: dict[str, Technique] = {
             group="compile",
             command=("compile=default", "compile.regional=true"),
             readme="18",
-            needs=(_your_compile_mode(regional=True),),
+            needs=(your_compile_mode(regional=True),),
             source="PyTorch recipe 'Reducing torch.compile cold start compilation time with regional compilation'",
         ),
         Technique(
@@ -453,9 +298,9 @@ TECHNIQUES: dict[str, Technique] = {
             readme="4",
             equivalent=("auto",),  # auto: bf16 on GPUs that have it, else amp
             needs=(
-                *_FROM_FP32,
-                Need(_cpu_bf16),
-                _on_cuda("fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)"),
+                *FROM_FP32,
+                Need(cpu_bf16),
+                on_cuda("fp16 with a GradScaler acts on CUDA only (on a CPU amp is bf16, the bf16 candidate)"),
             ),
             source="PyTorch AMP recipe; Micikevicius et al. 2018",
         ),
@@ -466,7 +311,7 @@ TECHNIQUES: dict[str, Technique] = {
             group="precision",
             command=("precision=bf16",),
             readme="4",
-            needs=(*_FROM_FP32, Need(_native_bf16, candidate=True)),
+            needs=(*FROM_FP32, Need(native_bf16, candidate=True)),
             source="torch.autocast docs (bfloat16)",
         ),
         # the GPT's attention kept in fp32 under bf16 (runner.models.gpt.GPT's upcast_attention): on a CPU, torch's bf16
@@ -478,10 +323,10 @@ TECHNIQUES: dict[str, Technique] = {
             group="precision",
             statuses=("bf16",),
             needs=(
-                *_FROM_FP32,
-                Need(_native_bf16, candidate=True),
-                _gpt("the model has no upcast_attention switch (runner.models.gpt.GPT has)"),
-                _on_cpu("on CUDA, flash attention runs in bf16 itself; fp32 would leave it"),
+                *FROM_FP32,
+                Need(native_bf16, candidate=True),
+                gpt("the model has no upcast_attention switch (runner.models.gpt.GPT has)"),
+                on_cpu("on CUDA, flash attention runs in bf16 itself; fp32 would leave it"),
             ),
             source="runner.models.gpt.GPT(upcast_attention=True): bf16 with the attention in fp32",
         ),
@@ -493,7 +338,7 @@ TECHNIQUES: dict[str, Technique] = {
             where="cuda",
             command=("precision=tf32",),
             readme="4",
-            needs=(Need(_fp32_only, candidate=True), _ampere("TF32 needs")),
+            needs=(Need(fp32_only, candidate=True), ampere("TF32 needs")),
             cuda_only="TF32 needs an NVIDIA GPU of compute capability 8.0 or newer; this job runs on the CPU",
             source="PyTorch CUDA semantics, TF32 on Ampere and later",
         ),
@@ -517,9 +362,9 @@ TECHNIQUES: dict[str, Technique] = {
             variant="int8",
             readme="4c",  # int8 matmuls pay on INT8 tensor cores; on a CPU they ran slower than bf16
             needs=(
-                *_FROM_FP32,
-                _on_cuda("its int8 matmuls pay on a GPU with INT8 tensor cores (8.0+)"),
-                _ampere("int8 tensor cores need", candidate=True),
+                *FROM_FP32,
+                on_cuda("its int8 matmuls pay on a GPU with INT8 tensor cores (8.0+)"),
+                ampere("int8 tensor cores need", candidate=True),
             ),
             source="torchao INT8 mixed-precision training (Int8MixedPrecisionTrainingConfig; "
             "https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training)",
@@ -548,7 +393,7 @@ TECHNIQUES: dict[str, Technique] = {
             readme="21",
             cuda_only="2:4 sparse matmuls (cuSPARSELt) need a CUDA GPU of compute capability 8.0 or newer "
             "(Ampere, Hopper, Blackwell)",
-            needs=(_ampere("2:4 sparse matmuls (cuSPARSELt) need"), Need(_no_compression, candidate=True), *_FROM_FP32),
+            needs=(ampere("2:4 sparse matmuls (cuSPARSELt) need"), Need(no_compression, candidate=True), *FROM_FP32),
             source="torchao 2:4 sparse training (torchao.sparsity.training.SemiSparseLinear; "
             "https://github.com/pytorch/ao/tree/main/torchao/sparsity/training)",
         ),
@@ -629,7 +474,7 @@ TECHNIQUES: dict[str, Technique] = {
             command=("memory=budget",),
             readme="8b",
             tuner=False,
-            needs=(Need(_compiled),),
+            needs=(Need(compiled),),
             source="torch._functorch.config.activation_memory_budget (PyTorch blog, 'Activation checkpointing "
             "techniques')",
         ),
@@ -642,7 +487,7 @@ TECHNIQUES: dict[str, Technique] = {
             command=("task.loss=chunked",),
             variant="chunked_loss",
             readme="20",
-            needs=(_gpt("the model's forward takes no targets to chunk the loss over (runner's GPT does)"),),
+            needs=(gpt("the model's forward takes no targets to chunk the loss over (runner's GPT does)"),),
             source="Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), in plain PyTorch chunks",
         ),
         # the recipe: what buys steps (the convergence ablation, +experiment=convergence); an LR schedule sets a factor
@@ -716,9 +561,9 @@ TECHNIQUES: dict[str, Technique] = {
         # a setting of the machine: half the intra-op threads (on a busy or hyper-threaded CPU, fewer can be faster)
         Technique(
             "half_threads",
-            {"trainer.num_threads": _half_cores},
+            {"trainer.num_threads": half_cores},
             arithmetic=True,
-            needs=(_on_cpu("CPU threads matter on a CPU job only"), Need(_fewer_threads, candidate=True)),
+            needs=(on_cpu("CPU threads matter on a CPU job only"), Need(fewer_threads, candidate=True)),
             source="PyTorch CPU performance tuning guide: intra-op threads (torch.set_num_threads)",
         ),
     )
@@ -766,26 +611,6 @@ def moves_data_only() -> tuple[str, ...]:
             if k != "dataloader.on_device"
         )
     )
-
-
-def token_inputs(cfg) -> bool:
-    """Whether the job ``cfg`` is a language model (its inputs are token ids, not images)."""
-    from runner import language_model_task  # the one test, which the ablation's resolver asks too
-
-    task = select(cfg, "task") or {}
-    return language_model_task(task.get("_target_", "")) or task.get("name") == "language_model"
-
-
-def _not_images(cfg) -> str | None:
-    """Why the job ``cfg`` has no images for an image technique to act on, where its config tells: an MLP (it
-    flattens its inputs: no 4-D weights) or synthetic inputs that are not ``(C, H, W)``; None otherwise (the
-    user's own data and models: their builders record a skip, which the speed tuner's guard reads)."""
-    if str(select(cfg, "model._target_")) == "runner.models.MLP":
-        return "an image technique; the model (runner.models.MLP) has no convolutions"
-    shape = select(cfg, "data.shape")
-    if select(cfg, "data.name") == "synthetic" and shape is not None and len(shape) != 3:
-        return f"an image technique; the inputs of shape {list(shape)} are not images (C, H, W)"
-    return None
 
 
 __all__ = [
