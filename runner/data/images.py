@@ -165,7 +165,7 @@ def mnist(cfg: DictConfig) -> ImageSets:
         mk = lambda train: MNIST(
             root,
             train=train,
-            download=cfg.download,  # noqa: E731
+            download=cfg.download,
             transform=transforms(cfg, train, mean, std, crop=28),
         )
         train_ds, eval_ds = mk(True), mk(False)

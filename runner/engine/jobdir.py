@@ -31,7 +31,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from runner.errors import ConfigError
+from runner.files import replace_own
 
 LOCK_FILE = ".runner.lock"
 
@@ -247,13 +250,7 @@ def undo_refused_run() -> None:
             if p.name not in _before["files"] and p.is_file():
                 p.unlink()
         for name, data in _before["files"].items():
-            tmp = hydra / f".{name}.restore"
-            tmp.unlink(missing_ok=True)
-            with open(
-                os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644), "wb"
-            ) as f:
-                f.write(data)
-            os.replace(tmp, hydra / name)
+            replace_own(hydra / name, data)
     log = folder / "runner.log"  # the refused run's lines (Hydra's log, the console) go; the earlier run's stay
     if log.is_file() and not log.is_symlink():
         if _before["log_size"] is None:
@@ -269,12 +266,6 @@ def undo_refused_run() -> None:
 def _refuse(e: ConfigError) -> None:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
-
-
-try:
-    from hydra.experimental.callback import Callback
-except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks; train() still locks
-    Callback = object  # type: ignore[assignment,misc]
 
 
 #: How deep under a run or sweep folder Hydra writes a job's files (``<sweep>/<subdir>/<seed>/.hydra/config.yaml``)
@@ -317,7 +308,7 @@ def _new_folder(folder: Path, remember: bool) -> Path:
     raise AssertionError("unreachable")
 
 
-class JobLock(Callback):  # type: ignore[misc,valid-type]
+class JobLock(Callback):
     """Hydra callback (``hydra.callbacks.job_lock`` in ``conf/config.yaml``; the module docstring): lock the run's
     folder, or the sweep's, before Hydra writes into it; rank 0 only. A refusal is one ``error:`` line, status 2."""
 

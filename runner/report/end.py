@@ -10,6 +10,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from runner.objective import BASIC_LAUNCHER, SEARCH_SWEEPER
 from runner.report.sweep import jobs_table, load_sweep, load_warning, write_plain_report
 
@@ -85,13 +87,7 @@ def print_convergence_end(sweep: Path) -> None:
     print("\n".join(lines), flush=True)
 
 
-try:
-    from hydra.experimental.callback import Callback
-except ImportError:  # pragma: no cover - Hydra < 1.1 has no callbacks: `python -m runner.report` still works
-    Callback = object  # type: ignore[assignment,misc]
-
-
-class SweepReport(Callback):  # type: ignore[misc,valid-type]
+class SweepReport(Callback):
     """Hydra callback (``hydra.callbacks.sweep_report`` in ``conf/config.yaml``): at the end of a basic-launcher
     multirun, ``print_sweep_end`` on its sweep folder (rank 0)."""
 

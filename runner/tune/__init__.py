@@ -73,15 +73,7 @@ __all__ = [
 variants.register()  # the run config's schema, for Hydra composing it (the CLI) as ``python -m runner`` does
 
 #: every tuner, by its CLI name, in the order ``--help`` lists them
-TUNERS: dict[str, Tuner] = {
-    t.name: t
-    for t in (
-        batch_size.TUNER,
-        lr.TUNER,
-        dataloader.TUNER,
-        speed.TUNER,
-    )
-}
+TUNERS: dict[str, Tuner] = {t.name: t for t in (batch_size.TUNER, lr.TUNER, dataloader.TUNER, speed.TUNER)}
 
 
 def run(kind: str, cfg: DictConfig, out: Path, started_s: float | None = None) -> dict[str, Any]:
