@@ -185,13 +185,22 @@ def test_host_memory_is_the_lower_of_the_machine_and_its_cgroup_limit(tmp_path, 
 
 def test_the_cpu_peak_memory_can_be_reset():
     """What the batch-size tuner relies on: each configuration's peak RSS starts afresh."""
+    import mmap
+
     cpu = torch.device("cpu")
-    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    del x
-    high = measure.peak_memory_mb(cpu)
     if not measure.reset_peak_memory(cpu):
         pytest.skip("the peak RSS cannot be reset here (no /proc/self/clear_refs)")
-    assert 0 < measure.peak_memory_mb(cpu) < high
+    # a spike of 64 MiB the process surely returns: its own mapping, every page touched, then unmapped (a freed
+    # tensor's pages may stay resident in the allocator, and a worker's earlier peak may be higher than it)
+    spike = mmap.mmap(-1, 64 * 2**20)
+    for page in range(0, len(spike), mmap.PAGESIZE):
+        spike[page] = 1
+    high = measure.peak_memory_mb(cpu)
+    spike.close()
+    # the peak outlives the spike until it is reset (the kernel's RSS counters run a few pages behind: 1 MiB slack)
+    assert measure.peak_memory_mb(cpu) > high - 1
+    measure.reset_peak_memory(cpu)
+    assert 0 < measure.peak_memory_mb(cpu) < high - 32
 
 
 # ------------------------------------------------------------------------------------ real runs
