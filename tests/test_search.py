@@ -263,7 +263,8 @@ def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path, n_jobs):
     timed = next(x for x in r.stdout.splitlines() if x.startswith("time to target, best / start"))
     assert re.match(r"time to target, best / start \(rank test\): x0 \[0, [\d.e-]+\] at 98.33%", timed), timed
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())["verification"]
-    assert results["time_to_target"]["estimate"] == 0 and results["time_to_target"]["high"] < 1, results
+    # (the time interval's upper end depends on how long the start's runs trained: a busy machine may leave it above 1)
+    assert results["time_to_target"]["estimate"] == 0 and results["samples_to_target"]["high"] < 1, results
     assert r.stdout.splitlines()[-1].endswith(" optimizer.base_batch_size=64000"), r.stdout[-2000:]
     assert r.stdout.splitlines()[-1].startswith("python -m runner +experiment=baseline "), r.stdout[-2000:]  # recipe
 
@@ -382,6 +383,10 @@ def test_the_verification_stops_at_the_first_firm_look(monkeypatch):
         for line in lines
     ), lines
     assert record["samples_to_target"]["high"] == math.inf  # 3 a side: the rank test cannot be firm yet
+    assert any(
+        line.startswith("samples to target, best / start: x0.334 [0, inf]") and "too few seeds" in line
+        for line in lines
+    ), lines
     # interleaved values: no look is firm, every seed runs
     lines, record, asked = _verification(
         monkeypatch, [1000.0 + 2 * i for i in range(8)], [1001.0 + 2 * i for i in range(8)]

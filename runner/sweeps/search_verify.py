@@ -16,6 +16,7 @@ at the same level (the rank test; not a stopping rule). Why: docs/tuners-and-doc
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,8 @@ def verdict(ratio: TargetRatio | None) -> str:
         return f"{said}: it needs {fewer}, {sooner} (the interval excludes 1)"
     if ratio.low > 1:
         return f"{said}: it needs {more} than the starting recipe on fresh seeds"
+    if ratio.low == 0 and ratio.high == math.inf and ratio.reached + ratio.reference_reached == ratio.n:
+        return f"{said}: too few seeds for the rank test at this level (its interval is the whole line below 5 a side)"
     return f"{said}: no difference shown on fresh seeds (the interval includes 1; more seeds narrow it)"
 
 
