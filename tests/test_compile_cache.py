@@ -207,8 +207,8 @@ class _Payload:
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # four jobs one after the other, each on one thread: beside the other tiers, not holding a worker
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the planted kernel")
-@pytest.mark.longest
 def test_your_cache_resumes_warm_and_a_colleague_s_planted_code_never_runs(tmp_path):
     """The first run compiles cold in its own Inductor folder (the 'global' one stays empty) and leaves a signed
     compile_cache/; a resume from its checkpoint on another node loads it and compiles in under half the time. A
