@@ -217,7 +217,7 @@ def test_n_jobs_with_the_interleaved_launcher_is_refused(tmp_path):
 
 
 @pytest.mark.slow  # ~20 s each alone: 2 trials, 2 x 5 verification runs
-@pytest.mark.longest
+@pytest.mark.waits  # a dozen small jobs, at most two at a time: beside the other tiers (CI's side session)
 @pytest.mark.parametrize("n_jobs", [1, 2])  # through Hydra's launcher, one launch a seed | in the search's slots
 def test_the_best_trial_is_verified_on_fresh_seeds(tmp_path, n_jobs):
     """To target: the trial that missed it is never the best; the verification runs best and start on seeds
