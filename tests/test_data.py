@@ -57,14 +57,38 @@ def test_cifar_format_loads_with_standard_normalization(tiny_cifar, no_network):
     assert xt.shape == (8, 3, 32, 32) and yt.shape == (8,) and 0 <= int(yt.min()) and int(yt.max()) < 10
 
 
+def per_sample_batches(dataset, batch_size: int) -> list:
+    """The batches of a plain ``DataLoader`` over ``dataset``: each item through its torchvision transforms."""
+    return list(torch.utils.data.DataLoader(dataset, batch_size=batch_size))
+
+
 def test_cifar_on_device_matches_the_dataloader(tiny_cifar):
+    """``dataloader=device`` trains on the host DataLoader's batches, in its order (augmentation off)."""
     common = ("data=cifar10", f"data.root={tiny_cifar}", "data.augment=false", "dataloader.batch_size=8")
     host, device = build(*common), build(*common, "dataloader=device", "dataloader.batch_size=8")
     assert device.techniques["on_device_data"] == "applied"
-    for (xh, yh), (xd, yd) in zip(host.eval, device.eval):
+    assert len(device.train) == len(host.train)
+    for data in (host, device):
+        data.train.set_epoch(1)
+    for (xh, yh), (xd, yd) in zip(host.train, device.train):
         torch.testing.assert_close(xd, xh)
         assert torch.equal(yd, yh)
-    assert len(device.train) == len(host.train)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "mnist"])
+def test_the_evaluation_batches_are_the_per_sample_loaders_gathered_from_memory(name, tiny_cifar, no_network):
+    """An image set held in memory is evaluated from its uint8 tensors a batch at a time (runner/data/loading.py
+    ``_eval_from_memory``), whatever ``dataloader`` trains: the same images, normalized alike, labels and order as a
+    plain DataLoader over the dataset's per-sample transforms."""
+    overrides = ("data=cifar10", f"data.root={tiny_cifar}") if name == "cifar10" else ("data=mnist",)
+    cfg = compose_cfg(*overrides, "dataloader.batch_size=50")
+    data = build(*overrides, "dataloader.batch_size=50")
+    assert type(data.eval.batches).__name__ == "OnDeviceLoader"  # gathered, not a DataLoader of items
+    expected = per_sample_batches(data_mod.source_for(cfg.data).eval, 50)
+    assert len(data.eval) == len(expected)
+    for (x, y), (xe, ye) in zip(data.eval, expected):
+        torch.testing.assert_close(x, xe, rtol=0, atol=1e-5)
+        assert torch.equal(y, ye)
 
 
 def test_cifar_trains_through_the_engine(tiny_cifar, tmp_path):
