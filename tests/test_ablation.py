@@ -726,6 +726,7 @@ def test_a_replication_must_reproduce_every_firm_verdict():
 
 
 @pytest.mark.cli
+@pytest.mark.waits  # it waits on the job server and the forked job's warm-up: ~1 s of CPU in 15 s
 def test_a_forked_job_starts_its_loader_workers_as_python_m_runner_would(tmp_path):
     """An ablation job forked from the job server starts its DataLoader workers with the parent's start method
     (fork on Linux), not the server's forkserver: on CIFAR-10 with workers this once failed every

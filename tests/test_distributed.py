@@ -431,6 +431,7 @@ INTERLEAVED = [
 
 
 @pytest.mark.cli
+@pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_an_interleaved_sweep_under_torchrun_runs_each_job_on_every_rank(tmp_path, short_tmp):
     """``torchrun --nproc-per-node=2 -m runner -m hydra/launcher=interleaved distributed=ddp trainer.seed=0,1``:
     each job (seed 0, seed 1, the reference's copy) is a 2-rank DDP job whose ranks were forked by the two ranks'

@@ -412,6 +412,7 @@ def _cpu_s(pid: int) -> float:
 
 
 @pytest.mark.cli
+@pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
     """Four jobs (lr 0.01, 0.02, 1e30 and the reference's copy) with at most three resident: two groups, each
     beside the reference; lr=1e30 diverges and is reported while the others finish and are compared. The failed
@@ -446,6 +447,7 @@ def test_a_sweep_groups_its_jobs_and_reports_a_crash(tmp_path):
 
 
 @pytest.mark.cli
+@pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_every_configuration_runs_in_several_processes(tmp_path):
     """``interleave.processes=2``: each configuration (seed 0, seed 1, the reference's copy) in two processes with
     folders of their own; the report compares configurations between processes and gives every process its
@@ -467,6 +469,7 @@ def test_every_configuration_runs_in_several_processes(tmp_path):
 
 
 @pytest.mark.cli
+@pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_an_interleaved_ablation_runs_each_configuration_in_several_processes(tmp_path):
     """``+experiment=ablation`` (interleaved by default, 2 processes per configuration): each variant's processes are
     its repeats (``<variant>/r0``, ``r1``), the baseline's copy A' follows them (``baseline/r2``, ``r3``), and
@@ -698,6 +701,7 @@ def _rounds_checks(sweep: Path, r: dict, job: str) -> dict:
 
 
 @pytest.mark.cli
+@pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_a_job_with_no_room_beside_its_reference_is_measured_in_rounds(tmp_path):
     """``interleave.max_resident=1``: nothing fits beside the reference, so its copy and seed 1 are measured after
     the groups in pairs of fresh processes (the rounds design, ABBA), and the report says which design measured what."""
@@ -714,6 +718,7 @@ def test_a_job_with_no_room_beside_its_reference_is_measured_in_rounds(tmp_path)
 
 
 @pytest.mark.cli
+@pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_a_job_that_runs_out_of_memory_beside_the_others_is_measured_in_rounds(tmp_path):
     """A job whose first step raises CUDA's out-of-memory error while resident beside the reference exits with
     EXIT_OUT_OF_MEMORY, and is measured again after the groups in fresh processes (where it has the memory)."""
@@ -873,6 +878,7 @@ ON_AND_OFF = (
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_and_off(tmp_path):
     """A step that computes for 200 ms against one that computes for 80 ms (tests/test_tune_speed.py's ``Spin``),
     measured interleaved while two processes load both cores half the time: the interval meets their known ratio
