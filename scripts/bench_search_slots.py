@@ -119,9 +119,30 @@ def write(sweep: Path, out: Path, search: str) -> None:
         "",
         f"Best: `{results['best_params']}`; the line to paste: `{results['command']}`.",
         "",
+        *run_table(sweep),
     ]
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
+
+
+def run_table(sweep: Path) -> list[str]:
+    """Each verification run's time and samples to target, and its seconds training and evaluating
+    (``verify/<side>/seed<N>/summary.json``)."""
+    lines = [
+        "Per verification run (`verify/<side>/seed<N>/summary.json`):",
+        "",
+        "| run | time to target s | samples to target | training s | evaluating s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for path in sorted((sweep / "verify").glob("*/seed*/summary.json")):
+        s = json.loads(path.read_text())
+        to_target = s.get("time_to_target_s")
+        lines.append(
+            f"| {path.parent.parent.name}, {path.parent.name.replace('seed', 'seed ')} | "
+            + (f"{to_target:.1f}" if to_target is not None else "missed")
+            + f" | {s.get('samples_to_target') or 0:,} | {s['train_time_s']:.1f} | {s['eval_time_s']:.1f} |"
+        )
+    return [*lines, ""]
 
 
 def _interval(r: dict | float | None) -> str:
