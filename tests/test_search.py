@@ -291,6 +291,7 @@ def test_the_search_file_composes():
     assert Path(REPO_ROOT / "conf" / "hydra" / "sweeper" / "search.yaml").is_file()
 
 
+@pytest.mark.optuna
 @pytest.mark.parametrize("name", ["mnist_optuna", "gpt_optuna"])
 def test_a_search_file_sets_its_sampler_so_every_optuna_samples_alike(name):
     """Optuna 5 made multivariate TPE and the constant liar TPESampler's defaults: a search file that left them
@@ -334,6 +335,7 @@ def asked_trials(name: str, n: int = 12, n_jobs: int = 2) -> list[dict]:
 RECORDED = Path(__file__).parent / "data" / "mnist_optuna_trials.json"
 
 
+@pytest.mark.optuna
 def test_the_search_file_asks_the_recorded_trials_under_every_optuna():
     """One search file, one set of trials, whichever supported Optuna runs it: each 4.x release (4.0 to 4.6) asked
     other trials than 5.x from the sixth on, with the file's seed and options, so the search needs 5.0."""
@@ -348,6 +350,7 @@ def test_the_search_file_asks_the_recorded_trials_under_every_optuna():
     assert all(same(a[k], r[k]) for a, r in zip(asked, recorded) for k in a), asked
 
 
+@pytest.mark.optuna
 def test_an_optuna_older_than_the_recorded_trials_is_one_line(monkeypatch, capsys):
     optuna = pytest.importorskip("optuna")
     from runner.sweeps.search import make_sweeper
@@ -383,6 +386,7 @@ def test_the_gpt_search_brings_the_recipe_and_its_own_target():
     assert compose_cfg(*line.split()[3:], tiny=False).model.n_layer == 4
 
 
+@pytest.mark.optuna
 def test_a_planted_trial_in_a_shared_study_is_never_the_best_nor_launched(tmp_path):
     """A finished trial planted in a shared SQLite study with a key the search does not own (a ``_target_`` that
     would run a pickle), a value outside its space, or inside it but with no record of a runner run (its folder and
@@ -473,7 +477,7 @@ def test_a_search_where_no_trial_gives_the_metric_fails_with_the_fix(tmp_path):
     assert "widen the search space" not in proc.stdout
 
 
-@pytest.mark.parametrize("storage", [None, "sqlite", "slots"])
+@pytest.mark.parametrize("storage", [None, pytest.param("sqlite", marks=pytest.mark.optuna), "slots"])
 def test_a_pruner_stops_a_hopeless_trial_at_an_evaluation_and_records_it_censored(tmp_path, storage):
     """``hydra.sweeper.pruner``: each trial reports its evaluations to the study and stops where the pruner says.
     A threshold pruner (order-independent, unlike the median) at eval_loss 3: LR 0.05 overshoots to ~18 at its first
@@ -538,6 +542,7 @@ def test_a_pruner_on_a_figure_no_evaluation_gives_is_refused(tmp_path):
     ], misspelt.stderr
 
 
+@pytest.mark.optuna
 def test_the_pruners_by_name_are_optunas():
     optuna = pytest.importorskip("optuna")
     from runner.sweeps import pruning
@@ -574,6 +579,7 @@ def test_the_evaluation_that_meets_the_target_is_reported_with_the_samples_the_r
     assert summary["steps"] == 2 and summary["stopped_early"].startswith("reached the targets")
 
 
+@pytest.mark.optuna
 def test_a_trial_that_met_its_target_stands_for_the_grid_it_skipped_so_a_slower_one_is_pruned():
     """Optuna's median pruner compares a trial only with finished trials that reported at the same step. A trial that
     stopped at its target reports its last figure on the grid it skipped (``carried_forward``): a later trial still
@@ -628,6 +634,7 @@ def test_the_time_pruning_saved_counts_the_evaluations_the_pruned_trials_skipped
     assert pruning.saved([pruned, reached]) == (1, pytest.approx(1795 * 8.0 / 80))
 
 
+@pytest.mark.optuna
 def test_a_search_on_another_host_is_dead_once_its_heartbeat_is_five_minutes_old(tmp_path):
     """Searches on several machines share a study: a trial whose search process ran on another host is failed once
     its heartbeat is older than ``STALE_S`` (a fresh one, or none from an older runner, is left RUNNING); a live
@@ -666,6 +673,7 @@ def test_a_search_on_another_host_is_dead_once_its_heartbeat_is_five_minutes_old
     )  # another's: untouched
 
 
+@pytest.mark.optuna
 def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path):
     """A search on a SQLite study was killed (-9) after 2 trials, a third RUNNING (its process gone) and its jobs'
     folders 0-2 in the sweep folder. The same command marks the dead trial FAILED (it does not count), runs the 2
@@ -723,6 +731,7 @@ def test_a_search_killed_with_minus_9_is_continued_by_the_same_command(tmp_path)
     assert all((sweep / str(job) / "summary.json").is_file() for job in (3, 4))
 
 
+@pytest.mark.optuna
 def test_two_searches_on_one_study_ask_no_point_twice_and_share_n_trials(tmp_path):
     """Another search with the same seed is running the sampler's first point on the shared study (a live process
     owns it): this search's first ask draws that same point, is told FAILED as taken and asks again, so no point is
@@ -775,6 +784,7 @@ def test_two_searches_on_one_study_ask_no_point_twice_and_share_n_trials(tmp_pat
     assert trials[1].params == first and trials[2].params != first
 
 
+@pytest.mark.optuna
 def test_the_search_says_when_its_pruner_starts_to_act():
     """Optuna's median pruner waits for 5 finished trials: a 6-trial search can stop only the last one and a 4-trial
     search none, which the search says at its start (a user saw pruner=median prune 0 of 6 trials, unexplained)."""
