@@ -26,19 +26,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.compare import convergence, record as record_mod, stats
 from runner.compare.conductor import Conductor, conduct
-from runner.compare.convergence import Seed, TargetRatio, read_seeds, samples_to_target, time_to_target
+from runner.compare.convergence import read_seeds, samples_to_target, time_to_target
 from runner.compare.process import Job
-from runner.compare.stats import HELPS, HURTS, NO_EFFECT, Interval
+from runner.compare.stats import HELPS, HURTS, Interval
 
 __all__ = [
     "HELPS",
     "HURTS",
-    "NO_EFFECT",
     "Comparisons",
     "Interval",
     "Job",
-    "Seed",
-    "TargetRatio",
     "compare",
     "convergence",
     "measure",

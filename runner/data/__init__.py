@@ -19,51 +19,27 @@ from omegaconf import DictConfig
 from runner import IN_MEMORY_DATA
 from runner.config import check_choice
 from runner.data import text
-from runner.data.batches import DeviceIterable, OnDeviceLoader, SkippableSampler, random_crop_flip
-from runner.data.custom import CUSTOM_KEYS, class_count, custom_datasets, custom_source
-from runner.data.images import (
-    IMAGE_DATASETS,
-    STATS,
-    ImageSets,
-    UInt8ImageDataset,
-    image_source,
-    images_as_tensor,
-    normalization,
-    transforms,
-)
-from runner.data.loading import Data, HostLoading, assemble, host_loader, host_loading
+from runner.data.batches import DeviceIterable, OnDeviceLoader, random_crop_flip
+from runner.data.custom import custom_datasets, custom_source
+from runner.data.images import IMAGE_DATASETS, STATS, image_source, images_as_tensor
+from runner.data.loading import Data, assemble
 from runner.data.source import Source
 from runner.data.text import text_source
 from runner.errors import ConfigError
 
 __all__ = [
-    "CUSTOM_KEYS",
     "IMAGE_DATASETS",
     "IN_MEMORY_DATA",
     "STATS",
     "Data",
     "DeviceIterable",
-    "HostLoading",
-    "ImageSets",
     "OnDeviceLoader",
-    "SkippableSampler",
-    "Source",
-    "UInt8ImageDataset",
-    "assemble",
     "build",
-    "class_count",
     "custom_datasets",
-    "custom_source",
-    "host_loader",
-    "host_loading",
-    "image_source",
     "images_as_tensor",
-    "normalization",
     "random_crop_flip",
     "source_for",
     "text",
-    "text_source",
-    "transforms",
 ]
 
 

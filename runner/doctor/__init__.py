@@ -11,7 +11,6 @@ docs/tuners-and-doctor.md, "Speed doctor"; its modules: docs/design.md. Sources:
 
 from runner.doctor.cli import main
 from runner.doctor.diagnosis import (
-    CATEGORIES,
     CPU_FLOPS_PER_THREAD_MIN,
     DATA_WAIT_FRACTION_MAX,
     GPU_IDLE_FRACTION_MAX,
@@ -20,15 +19,12 @@ from runner.doctor.diagnosis import (
     MFU_HIGH,
     SYNCS_PER_STEP_MAX,
     VERIFY_MEASURED_STEPS,
-    Finding,
-    Suggestion,
     diagnose,
 )
-from runner.doctor.job import Job, command, load_job, merge_overrides, render, report
-from runner.doctor.verify import VERIFY_FIXED, VERIFY_MINUTES, Trial, compose_job, verify, verify_plan, verify_table
+from runner.doctor.job import Job, command, merge_overrides, render, report
+from runner.doctor.verify import verify
 
 __all__ = [
-    "CATEGORIES",
     "CPU_FLOPS_PER_THREAD_MIN",
     "DATA_WAIT_FRACTION_MAX",
     "GPU_IDLE_FRACTION_MAX",
@@ -36,22 +32,13 @@ __all__ = [
     "MEMORY_FRACTION_MAX",
     "MFU_HIGH",
     "SYNCS_PER_STEP_MAX",
-    "VERIFY_FIXED",
     "VERIFY_MEASURED_STEPS",
-    "VERIFY_MINUTES",
-    "Finding",
     "Job",
-    "Suggestion",
-    "Trial",
     "command",
-    "compose_job",
     "diagnose",
-    "load_job",
     "main",
     "merge_overrides",
     "render",
     "report",
     "verify",
-    "verify_plan",
-    "verify_table",
 ]

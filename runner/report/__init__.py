@@ -13,52 +13,31 @@ from __future__ import annotations
 from runner.compare.stats import HELPS, HURTS, NO_EFFECT, NO_INTERVAL, Interval
 from runner.report.convergence import build_variants, is_convergence
 from runner.report.convergence_text import write_convergence_report
-from runner.report.load import Job, ReportError, Row, is_ablation, load_jobs, load_record, technique_status
-from runner.report.markdown import FIRM, agreement, markdown, reading
-from runner.report.rows import build_rows, point_figures
-from runner.report.sweep import (
-    PLAIN_COLUMNS,
-    SweepError,
-    budget_lines,
-    job_times,
-    load_sweep,
-    sweep_command,
-    swept_keys,
-    write_plain_report,
-)
+from runner.report.load import Job, ReportError, Row, is_ablation, load_jobs
+from runner.report.markdown import agreement, markdown
+from runner.report.rows import build_rows
+from runner.report.sweep import sweep_command
 from runner.report.write import CSV_COLUMNS, JOB_COLUMNS, write_report
 
 __all__ = [
     "CSV_COLUMNS",
-    "FIRM",
     "HELPS",
     "HURTS",
     "JOB_COLUMNS",
     "NO_EFFECT",
     "NO_INTERVAL",
-    "PLAIN_COLUMNS",
     "Interval",
     "Job",
     "ReportError",
     "Row",
-    "SweepError",
     "agreement",
-    "budget_lines",
     "build_rows",
     "build_variants",
     "is_ablation",
     "is_convergence",
-    "job_times",
     "load_jobs",
-    "load_record",
-    "load_sweep",
     "markdown",
-    "point_figures",
-    "reading",
     "sweep_command",
-    "swept_keys",
-    "technique_status",
     "write_convergence_report",
-    "write_plain_report",
     "write_report",
 ]

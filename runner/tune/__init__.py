@@ -36,39 +36,10 @@ from omegaconf import DictConfig
 from runner.errors import ConfigError
 from runner.techniques import variants
 from runner.tune import batch_size, dataloader, lr, speed
-from runner.tune.batch_size import memory_budget_mb, tune_batch_size
-from runner.tune.dataloader import default_grid, tune_dataloader
-from runner.tune.harness import (
-    Tuner,
-    check_settings,
-    markdown_table,
-    measure_config,
-    with_overrides,
-    write_outputs,
-)
-from runner.tune.lr import RangeRecorder, RangeTest, lr_range_test, steepest, suggestion_range, tune_lr, valley
+from runner.tune.harness import Tuner, check_settings
+from runner.tune.lr import lr_range_test, steepest, suggestion_range
 
-__all__ = [
-    "TUNERS",
-    "Tuner",
-    "run",
-    "check_settings",
-    "with_overrides",
-    "measure_config",
-    "markdown_table",
-    "write_outputs",
-    "tune_batch_size",
-    "memory_budget_mb",
-    "tune_lr",
-    "lr_range_test",
-    "RangeTest",
-    "RangeRecorder",
-    "steepest",
-    "valley",
-    "suggestion_range",
-    "tune_dataloader",
-    "default_grid",
-]
+__all__ = ["TUNERS", "Tuner", "run", "check_settings", "lr_range_test", "steepest", "suggestion_range"]
 
 variants.register()  # the run config's schema, for Hydra composing it (the CLI) as ``python -m runner`` does
 
