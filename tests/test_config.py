@@ -351,3 +351,21 @@ def test_yaml_options_set_only_what_differs_from_their_schema():
     found["config.yaml"] = same(root, OmegaConf.to_container(OmegaConf.structured(RunnerConfig)))
     assert not {k: v for k, v in found.items() if v}, "drop these keys (the schema already says so)"
     assert len(found) > 30  # every group's options were read
+
+
+def test_the_schemas_are_stored_once_and_again_when_the_store_lost_them():
+    """``variants.register`` (called by every ``variants.compose``) leaves the stored schemas alone while the
+    ConfigStore holds them, and stores them again where an entry was dropped: compose still validates against them."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    variants.register()
+    schema, variant = store.repo["config_schema.yaml"], store.repo["ablation"]["variant"]["baseline+amp.yaml"]
+    compose_cfg()
+    assert store.repo["config_schema.yaml"] is schema  # nothing built again
+    assert store.repo["ablation"]["variant"]["baseline+amp.yaml"] is variant
+    del store.repo["config_schema.yaml"]
+    cfg = compose_cfg("dataloader.batch_size=8")
+    assert store.repo["config_schema.yaml"] is not schema and cfg.dataloader.batch_size == 8
+    with pytest.raises(ConfigCompositionException):  # the schema is back: a misspelt key fails
+        compose_cfg("trainer.max_stepz=3")

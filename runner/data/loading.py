@@ -247,10 +247,11 @@ def _gathering(source: Source, channels: int, env, seed: int) -> dict:
 
 def _eval_from_memory(source: Source, bs: int, env, seed: int) -> OnDeviceLoader | None:
     """The evaluation batches of an image set held in memory (MNIST, CIFAR-10, synthetic), gathered batch by batch
-    from its uint8 tensors on the host, or None (files, custom data, tokens). They hold the same images, normalized
+    from its uint8 ``(N, C, H, W)`` tensors on the host as float32 ``(B, C, H, W)`` inputs and int64 ``(B,)`` labels,
+    this rank's share in order; or None (image files, custom data, tokens). They hold the same images, normalized
     alike, as the host ``DataLoader``'s, without its per-sample ``__getitem__`` and collation (MNIST's 10,000 test
-    images at batch 32 on one thread: 4.8 s -> 3.1 s). Evaluations are outside the timed steps: no speed figure
-    changes, only the wall time a run spends evaluating."""
+    images at batch 32 on one thread: x0.56 the time, interleaved; docs/benchmarks/eval-loading-cpu-2026-12-07.md).
+    Evaluations are outside the timed steps: no speed figure changes, only the wall time a run spends evaluating."""
     if source.in_memory is None or source.layout != "images":
         return None
     memory = source.in_memory()

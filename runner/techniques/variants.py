@@ -85,14 +85,15 @@ def generate() -> dict[str, Any]:
     return out
 
 
-#: The schema node ``register`` stored last: while the ConfigStore still holds it, everything is stored
+#: The schema node ``register`` stored last: while the ConfigStore still holds it, nothing is stored again
 _STORED: list = []
 
 
 def register() -> None:
     """The configs Hydra composes: the schemas (``runner.config.register_configs``) and the generated variants.
-    Stored once per process, again only where the ConfigStore has lost them (a fresh instance, an entry replaced):
-    storing them built every structured config anew, a third of each ``compose``'s time."""
+    Stored once per process, and again where the ConfigStore no longer holds the schema stored last (a fresh
+    instance, the entry dropped or replaced): storing them built every structured config anew, a third of each
+    ``compose``'s time."""
     store = ConfigStore.instance()
     if _STORED and store.repo.get("config_schema.yaml") is _STORED[0]:
         return
