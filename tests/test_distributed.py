@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, compose_cfg, job_dirs, read_summary
+from conftest import TINY, compose_cfg, job_dirs, live_metrics, read_summary
 from runner import REPO_ROOT, distributed, launch
 from runner.errors import ConfigError
 from runner.measure import hardware
@@ -206,7 +206,7 @@ def test_killing_one_rank_fails_the_job_fast_with_its_traceback(tmp_path):
         deadline = time.monotonic() + 180
         victim = None
         while time.monotonic() < deadline and proc.poll() is None:  # training is under way: rank 0 logs rows
-            metrics = list((root / "outputs").rglob("metrics.jsonl")) if (root / "outputs").exists() else []
+            metrics = live_metrics(root)
             if metrics and len(metrics[0].read_text().splitlines()) >= 3:
                 victim = next((pid for pid in _children(proc.pid) if _rank_of(pid) == 1), None)
                 break

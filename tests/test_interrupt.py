@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, job_dirs, run_cli
+from conftest import TINY, job_dirs, live_metrics, run_cli
 from runner import checkpoint as ck
 from runner.checkpoint import resume
 from runner.checkpoint.preempt import resume_command
@@ -57,7 +57,7 @@ def wait_for_row(proc: subprocess.Popen, cwd: Path, step: int, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
-        found = list((cwd / "outputs").rglob("metrics.jsonl"))
+        found = live_metrics(cwd)
         if found and f'"step": {step},' in found[0].read_text():
             return found[0].parent
         time.sleep(0.02)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cuda_only, read_summary, run_cli, run_here
+from conftest import cuda_only, live_metrics, read_summary, run_cli, run_here
 from runner import REPO_ROOT, checkpoint as ck
 
 #: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
@@ -439,7 +439,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        found = list((work / "outputs").rglob("metrics.jsonl"))
+        found = live_metrics(work)
         if found and '"step": 8,' in found[0].read_text():
             break
         time.sleep(0.02)
