@@ -1,5 +1,5 @@
-"""What a user waits before runner answers: a config error caught by ``validate``, one caught while Hydra composes,
-and a whole tiny job, each in a fresh ``python -m runner`` process.
+"""What a user waits before runner answers: ``--help``, a config error caught by ``validate``, one caught while Hydra
+composes, and a whole tiny job, each in a fresh ``python -m runner`` process.
 
     python scripts/bench_startup.py [--baseline DIR] [--repeats 5] [--out docs/benchmarks/startup-cpu.md]
 
@@ -37,6 +37,7 @@ TINY = [
     "trainer.num_threads=1",
 ]
 COMMANDS = {
+    "`python -m runner --help` (every group's options and the composed config)": ["--help"],
     "`python -m runner dataloader.batch_size=0` (refused by validate)": ["dataloader.batch_size=0"],
     "`python -m runner optimizer.lr=abc` (refused while composing)": ["optimizer.lr=abc"],
     "a tiny job (`tests/conftest.py` TINY: 4 steps, summary, checkpoint)": TINY,

@@ -361,11 +361,33 @@ def test_the_schemas_are_stored_once_and_again_when_the_store_lost_them():
     store = ConfigStore.instance()
     variants.register()
     schema, variant = store.repo["config_schema.yaml"], store.repo["ablation"]["variant"]["baseline+amp.yaml"]
-    compose_cfg()
+    variants.compose([])  # not conftest's compose_cfg: it keeps what it composed
     assert store.repo["config_schema.yaml"] is schema  # nothing built again
     assert store.repo["ablation"]["variant"]["baseline+amp.yaml"] is variant
     del store.repo["config_schema.yaml"]
-    cfg = compose_cfg("dataloader.batch_size=8")
+    cfg = variants.compose(["dataloader.batch_size=8"])
     assert store.repo["config_schema.yaml"] is not schema and cfg.dataloader.batch_size == 8
     with pytest.raises(ConfigCompositionException):  # the schema is back: a misspelt key fails
-        compose_cfg("trainer.max_stepz=3")
+        variants.compose(["trainer.max_stepz=3"])
+
+
+def test_a_copy_of_hydra_s_config_repository_shares_the_config_store():
+    """Hydra 1.3 deep-copies its config repository for every compose and every group listing (``--help``: 215); the
+    ConfigStore in it, runner's schemas and variants, is shared rather than copied (``variants._share_the_store``).
+    A config stored after the copy is found through it, and listing the groups is one repository's work."""
+    import copy
+
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    variants.register()
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        repository = copy.deepcopy(GlobalHydra.instance().config_loader().repository)  # as each compose copies it
+        store.store(group="model", name="stored_after_the_copy", node={"_target_": "runner.models.MLP"})
+        try:
+            assert "stored_after_the_copy" in repository.get_group_options("model", ObjectType.CONFIG)
+        finally:
+            del store.repo["model"]["stored_after_the_copy.yaml"]
