@@ -80,9 +80,26 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     assert rows(straight) == rows(resumed)  # the same losses, every step logged once
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, worker_id) -> Path:
+    """The job of the two Ctrl-C tests below, never stopped: run once per session, pytest-xdist's workers share it
+    through the session's base folder (the first runs it under a file lock, as tests/test_evaluate_export.py's job)."""
+    from filelock import FileLock
+
+    if worker_id == "master":
+        root = tmp_path_factory.mktemp("straight")
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "ctrl_c_straight"
+    folder = root / "job"
+    with FileLock(f"{root}.lock"):
+        if not (folder / "summary.json").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            run([sys.executable, "-m", "runner", *JOB, *STEPS, f"hydra.run.dir={folder}"], root)
+    return folder
+
+
 @pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
-def test_ctrl_c_checkpoints_and_the_printed_command_resumes_exactly(tmp_path):
-    run([sys.executable, "-m", "runner", *JOB, *STEPS, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
+def test_ctrl_c_checkpoints_and_the_printed_command_resumes_exactly(tmp_path, straight):
     work = tmp_path / "work"
     work.mkdir()
     proc = start([*JOB, *STEPS], work)  # no hydra.run.dir: a timestamped folder, as a user would run it
@@ -98,14 +115,13 @@ def test_ctrl_c_checkpoints_and_the_printed_command_resumes_exactly(tmp_path):
     resumed = run(resume_hint(out), work)  # the printed command, from the same folder
     assert f"resumed from {path}" in resumed.stdout
     assert len(list((work / "outputs").rglob("metrics.jsonl"))) == 1  # no second job folder
-    assert_same_run(tmp_path / "straight", folder)
+    assert_same_run(straight, folder)
 
 
 @pytest.mark.slow  # CI budget (durations on 2 cores): `pytest -m slow` runs it
-def test_ctrl_c_then_the_same_command_continues_that_run_exactly(tmp_path):
+def test_ctrl_c_then_the_same_command_continues_that_run_exactly(tmp_path, straight):
     """Issue 38: after Ctrl-C, the command as first typed (no hydra.run.dir) continues the interrupted run in its
     folder from its checkpoint, says so in one line, and ends bit-identical to a run that was never stopped."""
-    run([sys.executable, "-m", "runner", *JOB, *STEPS, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
     work = tmp_path / "work"
     work.mkdir()
     proc = start([*JOB, *STEPS], work)
@@ -122,7 +138,7 @@ def test_ctrl_c_then_the_same_command_continues_that_run_exactly(tmp_path):
     ) in again.stdout.splitlines()
     assert f"resumed from {path}" in again.stdout
     assert len(list((work / "outputs").rglob("metrics.jsonl"))) == 1  # no second job folder
-    assert_same_run(tmp_path / "straight", folder)
+    assert_same_run(straight, folder)
 
 
 @pytest.mark.cli

@@ -19,7 +19,7 @@ import torchvision
 from hydra.errors import ConfigCompositionException
 from torch import nn
 
-from conftest import compose_cfg, run_cli
+from conftest import compose_cfg, run_here
 from runner import models
 from runner.engine.train import train
 from runner.errors import ConfigError
@@ -129,9 +129,8 @@ def test_annotated_values_that_fit_are_passed_as_given():
     assert all(b.bn2.weight.all() for b in model.modules() if type(b).__name__ == "BasicBlock")
 
 
-@pytest.mark.cli
 def test_cli_value_that_does_not_fit_the_annotation_is_one_error_line(tmp_path):
-    proc = run_cli(
+    proc = run_here(
         "model=resnet18",
         "model.zero_init_residual=abc",
         "data=synthetic",
@@ -146,15 +145,14 @@ def test_cli_value_that_does_not_fit_the_annotation_is_one_error_line(tmp_path):
     assert list((tmp_path / "outputs").rglob("summary.json")) == []
 
 
-@pytest.mark.slow
 def test_schemas_are_not_offered_as_models_and_typing_one_is_one_error(tmp_path):
     """``base_model`` (the schema every model option extends) is no choice: the option lists leave it out,
     and ``model=base_model`` typed anyway stops with one error line, not a MissingMandatoryValue traceback."""
-    listing = run_cli("model=nope", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"})
+    listing = run_here("model=nope", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"})
     assert listing.returncode == 2 and "error: model=nope: no such option in group model" in listing.stderr
     assert "mlp, mnist_cnn" in listing.stderr and "base_" not in listing.stderr, listing.stderr
-    assert "base_" not in run_cli("--help", cwd=tmp_path).stdout.split("== Config ==")[0]
-    proc = run_cli(
+    assert "base_" not in run_here("--help", cwd=tmp_path).stdout.split("== Config ==")[0]
+    proc = run_here(
         "model=base_model",
         "data=synthetic",
         "trainer.device=cpu",
@@ -168,9 +166,8 @@ def test_schemas_are_not_offered_as_models_and_typing_one_is_one_error(tmp_path)
     assert list((tmp_path / "outputs").rglob("summary.json")) == []
 
 
-@pytest.mark.slow
 def test_cli_typo_in_a_constructor_argument_stops_before_training(tmp_path):
-    proc = run_cli(
+    proc = run_here(
         "model=mlp",
         "model.widht=64",
         "data=synthetic",
@@ -311,10 +308,9 @@ def test_missing_weights_file_says_where_to_put_it(torch_home):
     assert "https://download.pytorch.org/models/resnet18-f37072fd.pth" in msg and f"put it at {path}" in msg
 
 
-@pytest.mark.slow
 def test_missing_weights_file_through_the_cli(tmp_path):
     home = tmp_path / "home"
-    proc = run_cli(
+    proc = run_here(
         "model=resnet18",
         "model.weights=IMAGENET1K_V1",
         "data=synthetic",

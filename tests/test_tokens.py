@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED_DATA, TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, metrics_rows, run_cli
+from conftest import SHARED_DATA, TINY_GPT, TINY_LOOP, compose_cfg, job_dirs, metrics_rows, run_cli, run_here
 from runner import data as data_mod
 from runner.data import text, tokens
 from runner.distributed import Env
@@ -329,22 +329,12 @@ def test_a_text_too_short_for_any_window_says_so():
         text.split(torch.zeros(1, dtype=torch.int64), 4, "t.txt")
 
 
-# One CLI process each (~10 s on 2 cores): the first runs by default, the rest with `pytest -m slow` (CI budget);
-# every case's message is checked in-process above, and the CLI prints any ConfigError the same way.
-@pytest.mark.cli
-@pytest.mark.parametrize(
-    "case",
-    [
-        "missing file",
-        *(
-            pytest.param(c, marks=pytest.mark.slow)
-            for c in ["odd size", "id too large", "no vocab_size", "split too short"]
-        ),
-    ],
-)
+# Through the command line (runner.__main__.run, in this process): exit status 2 and the one error line, nothing
+# trained; every case's message is checked through the engine above.
+@pytest.mark.parametrize("case", ["missing file", "odd size", "id too large", "no vocab_size", "split too short"])
 def test_bad_input_through_the_cli_stops_before_training(case, bins, tmp_path):
     overrides, words = bad_case(case, bins, tmp_path)
-    proc = run_cli(*TINY_LOOP, *overrides, cwd=tmp_path, timeout=120)
+    proc = run_here(*TINY_LOOP, *overrides, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr[-3000:]
