@@ -19,12 +19,6 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-# One intra-op thread in every test process and in every process a test starts (the CLI, the comparisons' jobs), unless
-# the test or the caller sets its own: set before numpy and torch load their thread pools. xdist's workers already
-# fill the cores; a second thread per process only waits on the others' (scripts/gpu_check.sh's fp8 dry run beside two
-# busy loops: 84 s with torch's two threads, 37 s with one).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 import numpy as np
 import pytest
 import torch

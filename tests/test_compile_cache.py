@@ -252,7 +252,6 @@ def test_your_cache_resumes_warm_and_a_colleague_s_planted_code_never_runs(tmp_p
 
 
 @pytest.mark.cli
-@pytest.mark.longest
 def test_a_compiled_sweep_compiles_once(tmp_path):
     """Four jobs of one model in a multirun: the first compiles, the others find its graphs (in the sweep's shared
     cache and the process's own folder) and compile in under a quarter of its time; each summary says what it

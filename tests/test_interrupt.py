@@ -233,7 +233,6 @@ def test_the_newest_run_folders_of_the_pattern_are_looked_at_and_no_more(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.longest
 def test_ctrl_c_during_evaluation_stops_at_a_batch_and_the_resume_redoes_it(tmp_path):
     run([sys.executable, "-m", "runner", *JOB, *LONG_EVAL, f"hydra.run.dir={tmp_path / 'straight'}"], tmp_path)
     work = tmp_path / "work"

@@ -543,7 +543,6 @@ def test_on_device_text_in_the_engine(tiny_text, tmp_path, spy):
 
 
 @pytest.mark.slow
-@pytest.mark.longest
 def test_compile_on_the_gpt(tiny_text, tmp_path, spy):
     from torch._dynamo.utils import counters
 
