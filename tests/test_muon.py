@@ -2,7 +2,7 @@
 
 The split on runner's real models (GPT with its tied head, the CNN, the MLP, ResNet-18), one update against
 ``torch.optim.Muon`` and ``torch.optim.AdamW`` on the same tensors, the orthogonalized update, a run through the engine
-that lowers the loss, the clear errors, and exact resume (one process and FSDP2).
+that lowers the loss, the clear errors, and exact resume (one process here; FSDP2 in tests/test_resume.py).
 """
 
 from __future__ import annotations
@@ -198,22 +198,6 @@ def test_killed_muon_run_resumes_exactly(tmp_path):
     from test_resume import JOB, assert_exact_resume
 
     assert_exact_resume(tmp_path, [*JOB, "optimizer=muon", "optimizer.decay_all=false", "scheduler=onecycle"])
-
-
-@pytest.mark.slow
-@pytest.mark.longest
-def test_killed_fsdp_muon_language_model_resumes_exactly(tmp_path):
-    """FSDP2 over two torchrun processes: Newton-Schulz on the sharded (DTensor) matrices, the sharded momentum
-    buffers saved and restored."""
-    from runner import REPO_ROOT
-    from test_resume import STEPS, assert_exact_resume
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text((REPO_ROOT / "README.md").read_text()[:40000])
-    lm = [*TINY_GPT, f"data.path={corpus}", "optimizer=muon", "dataloader.batch_size=8", "trainer.eval_every=8"]
-    summary = assert_exact_resume(tmp_path, [*lm, *STEPS, "distributed=fsdp"], distributed=True)
-    assert summary["parameters"]["dtensor_count"] > 0
-    assert summary["config"]["optimizer"]["_target_"] == "timm.optim.Muon"
 
 
 def test_muon_on_a_model_with_no_hidden_matrix_is_refused_naming_it(tmp_path):

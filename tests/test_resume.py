@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cuda_only, live_metrics, read_summary, run_cli, run_here
+from conftest import TINY_GPT, cuda_only, live_metrics, read_summary, run_cli, run_here
 from runner import REPO_ROOT, checkpoint as ck
 
 #: a short, deterministic job with a checkpoint every 3 steps and a loss row every step
@@ -198,30 +198,25 @@ def test_killed_cuda_run_resumes_exactly(tmp_path, case):
 
 
 @pytest.mark.slow
-def test_killed_ddp_run_resumes_exactly(tmp_path):
-    assert_exact_resume(tmp_path, [*JOB, "distributed=ddp", "dataloader.batch_size=8"], distributed=True)
-
-
-@pytest.mark.slow
+@pytest.mark.longest
 def test_killed_fsdp_language_model_resumes_exactly(tmp_path):
+    """FSDP2 over two torchrun processes, a GPT trained with Muon and an EMA: Newton-Schulz on the sharded (DTensor)
+    matrices, the sharded momentum buffers and the EMA (sharded like the parameters) saved and restored; the samples
+    the resumed run writes are the straight run's. (One run for both: each torchrun case is ~15 s of imports.)"""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((REPO_ROOT / "README.md").read_text()[:40000])
     lm = [
-        "+experiment=shakespeare_char",
+        *TINY_GPT,
         f"data.path={corpus}",
-        "model.n_layer=2",
-        "model.n_head=2",
-        "model.n_embd=32",
-        "data.block_size=16",
-        "optimizer.base_batch_size=8",
-        "scheduler.warmup_steps=2",
+        "optimizer=muon",
+        "dataloader.batch_size=8",
         "trainer.eval_every=8",
-        "task.sample_tokens=20",
         "trainer.ema_decay=0.9",
-    ]  # the EMA sharded like the parameters
+    ]
     summary = assert_exact_resume(tmp_path, [*lm, *STEPS, "distributed=fsdp"], distributed=True)
     assert "eval_loss_ema" in summary and summary["techniques"]["ema"] == "applied"
     assert summary["parameters"]["dtensor_count"] > 0
+    assert summary["config"]["optimizer"]["_target_"] == "timm.optim.Muon"
     assert (tmp_path / "straight" / "samples.txt").read_text() == (tmp_path / "killed" / "samples.txt").read_text()
 
 
@@ -422,7 +417,8 @@ def test_resume_refuses_another_config_and_a_finished_folder(tmp_path):
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_path):
     """``torchrun --max-restarts=1``: one worker SIGKILLed mid-run; the agent restarts the group, rank 0 finds
-    the first attempt's job folder (no hydra.run.dir given) and every rank resumes from its checkpoint."""
+    the first attempt's job folder (no hydra.run.dir given) and every rank resumes from its checkpoint: the weights,
+    the per-step losses and the optimizer state are the straight DDP run's (DDP's exact resume)."""
     from safetensors.torch import load_file
 
     job = [*JOB, "distributed=ddp", "dataloader.batch_size=8"]
@@ -457,6 +453,8 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_in_the_same_folder(tmp_pa
     a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rows(tmp_path / "straight") == rows(folder)
+    assert_same(optimizer_state(tmp_path / "straight"), optimizer_state(folder))
+    assert summary["restart_lost_time_s"] > 0
     pointers = [
         p
         for p in (Path(tempfile.gettempdir()) / f"runner-elastic-{os.getuid()}").glob("*.jobdir")
