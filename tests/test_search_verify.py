@@ -134,3 +134,14 @@ def test_the_verification_stops_at_the_first_firm_look(monkeypatch):
     )
     assert len(asked) == 16 and record["stopped"] == "all 8 seeds run", record
     assert any("no difference shown" in line for line in lines)
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_fewer_seeds_than_a_first_look_needs_all_run_and_are_counted(monkeypatch, seeds):
+    """``verify_seeds`` below the first look's 3 seeds a side: every seed runs and counts in the table, with no
+    interval (the loop once broke after the first run: "firm at seed 0", nothing counted)."""
+    lines, record, asked = _verification(monkeypatch, [1000.0, 1001.0], [3000.0, 3001.0], seeds=seeds)
+    assert len(asked) == 2 * seeds and record["seeds"] == list(range(100, 100 + seeds)), (asked, record)
+    assert record["stopped"] == f"all {seeds} seeds run", record
+    assert any(line.startswith(f"| best trial (trial 4) | {seeds}/{seeds} |") for line in lines), lines
+    assert any("no interval: fewer than 3 seeds a side" in line for line in lines), lines

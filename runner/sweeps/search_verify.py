@@ -180,8 +180,9 @@ def sequential(
     sweeper: Any, sides: Sequence[Side], seeds: Sequence[int], level: float
 ) -> tuple[dict[str, list[Run]], int, dict[str, TargetRatio | None]]:
     """Run ``sides`` (the candidates, then the start) seed by seed (``runs``) and look after the first ``MIN_SEEDS``
-    seeds and each one after: stop at the first look where every candidate's time-to-target interval at ``level``
-    excludes 1. The runs each side had up to the last look, that look's seed count, and its time ratios."""
+    seeds (every seed, where there are fewer) and each one after: stop at the first look where every candidate's
+    time-to-target interval at ``level`` excludes 1. The runs each side had up to the last look, that look's seed
+    count, and its time ratios."""
     ended: dict[int, Run | None] = {}
 
     def upto(side: int, k: int) -> list[Run]:
@@ -190,7 +191,7 @@ def sequential(
     def times(side: int, k: int) -> list[Seed]:
         return [r.time for r in upto(side, k)]
 
-    k, ratios, looked = MIN_SEEDS, {}, 0
+    k, ratios, looked = min(MIN_SEEDS, len(seeds)), {}, 0
     it = runs(sweeper, sides, seeds)
     try:
         for i, run in it:
