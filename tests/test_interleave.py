@@ -880,7 +880,7 @@ ON_AND_OFF = (
 @pytest.mark.slow
 @pytest.mark.waits  # interleaved jobs: one runs its timed slice while the others wait
 def test_two_jobs_of_known_cost_read_their_ratio_under_a_load_that_switches_on_and_off(tmp_path):
-    """A step that computes for 200 ms against one that computes for 80 ms (tests/test_tune_speed.py's ``Spin``),
+    """A step that takes 200 ms against one that takes 80 ms (tests/test_tune_speed.py's ``Spin``),
     measured interleaved while two processes load both cores half the time: the interval meets their known ratio
     and the A/A interval lies within ±2 %. The known ratio is (200 + o) / (80 + o): x2.5 but for the rest of the step, o
     (data, backward, optimizer; 1-4 ms here, more under the load), so between x2.43 (o = 5 ms) and x2.5. Before
