@@ -20,6 +20,9 @@ from test_distributed import TORCHRUN, child_env
 
 #: a short search: 4 passes of 3-step slices per round, a 10-step guard
 QUICK = [
+    # (compile off on the command line, as yours: the verification's +experiment=fast keeps it, as it keeps any key
+    # of yours, and a CPU does not compile the model in each of its job processes: ~20 core-s each)
+    "compile=off",
     "tune.guard_steps=10",
     "interleave.slice_steps=3",
     "interleave.min_passes=4",
