@@ -50,7 +50,7 @@ gpt_toy=(); r18_toy=(); gpt2_toy=(); wide_toy=(); tune_minutes=1.4
 aa_stop=(interleave.max_minutes=0.8)  # the A/A sweep's measuring time
 fp8_minutes=${FP8_MINUTES:-1.5}  # of measuring in each bf16-against-fp8 sweep, after its processes compiled
 r18_minutes=${R18_MINUTES:-1.4}  # the ResNet-18 tuner's budget; its step's time limit grows with it
-lm_compile=default; quick=(); lm_quick=(); scale=1
+lm_compile=default; quick=(); lm_quick=(); tune_dry=(); scale=1
 if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script cannot rot between GPU sessions
   # (the tuners' budgets leave no time for a round: their guard and verification run; slices of 4 steps; the
   # steps' time limits x3, for a CI machine busy with other tests)
@@ -64,6 +64,9 @@ if [ -n "$DRY" ]; then  # the same commands on the CPU at toy sizes: the script 
             data.synthetic_tokens=20000 optimizer.base_batch_size=2)
   quick=(interleave.slice_steps=4 interleave.min_passes=2 tune.guard_steps=10 tune.target_ci=0.5)
   lm_quick=(interleave.slice_steps=4 interleave.min_passes=2 interleave.max_passes=2)  # passes, not seconds
+  # the tuners' verification layers +experiment=fast under the command, which compiles: compile=off on the command
+  # line keeps it off there too (a CPU compile of the GPT is ~20 s of CI's CPU)
+  tune_dry=(compile=off)
 fi
 
 if [ -z "$DRY" ]; then
@@ -106,7 +109,7 @@ if has tune_gpt; then
   # (DRY: the fused optimizer alone, so the CPU's guard compiles nothing: the command is what the dry run checks)
   only='[compile,compile_reduce_overhead,fused_optimizer]'; [ -n "$DRY" ] && only='[fused_optimizer]'
   step tune_gpt 220 python3 -m runner.tune speed --out "$RUNS/tune_gpt" "${gpt_gpu[@]}" "tune.only=$only" \
-    tune.budget_minutes=$tune_minutes interleave.processes=1 "${quick[@]}"
+    tune.budget_minutes=$tune_minutes interleave.processes=1 "${quick[@]}" "${tune_dry[@]}"
   cat "$RUNS/tune_gpt/speed.md" >>"$LOGS/tune_gpt.log" 2>/dev/null
 fi
 if has aa_gpt; then
@@ -138,7 +141,7 @@ if has tune_r18; then
   # six 50-step runs took 72 s and the processes' start-ups 50 s a round and 41 s for the verification)
   step tune_r18 "$(awk "BEGIN { print int($r18_minutes * 60 + 200) }")" python3 -m runner.tune speed \
     --out "$RUNS/tune_r18" "${r18[@]}" "tune.only=$only" tune.budget_minutes=$r18_minutes interleave.processes=1 \
-    "${quick[@]}"
+    "${quick[@]}" "${tune_dry[@]}"
   cat "$RUNS/tune_r18/speed.md" >>"$LOGS/tune_r18.log" 2>/dev/null
 fi
 # GPT-2 124M and the wide GPT: synthetic tokens on the device, bf16 against fp8 (torchao, tensorwise), interleaved with
